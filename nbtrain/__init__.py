@@ -1,0 +1,71 @@
+"""nbtrain: distributed PyTorch training from a Jupyter notebook.
+
+In a notebook::
+
+    %load_ext nbtrain
+
+    %%distributed --devices 2
+    for x, y in loader:
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+
+From Python, run a function on N ranks and get rank 0's return value back:
+
+    >>> import nbtrain
+    >>> nbtrain.launch(lambda: nbtrain.world_size(), devices=2)  # doctest: +SKIP
+    2
+
+Importing nbtrain starts the warm launcher process in the background (set
+NBTRAIN_PREWARM=0 to start it on first use instead). Importing it does not import torch.
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+from nbtrain.errors import (
+    ConfigurationError,
+    LauncherError,
+    NbtrainError,
+    RankDiedError,
+    RankError,
+    RunFailedError,
+    RunStoppedError,
+    RunTimeoutError,
+    SerializationError,
+)
+from nbtrain.kernel.client import Run, launch, start
+from nbtrain.rank.api import device, is_rank_zero, local_rank, log, rank, world_size
+
+__all__ = [
+    "ConfigurationError",
+    "LauncherError",
+    "NbtrainError",
+    "RankDiedError",
+    "RankError",
+    "Run",
+    "RunFailedError",
+    "RunStoppedError",
+    "RunTimeoutError",
+    "SerializationError",
+    "device",
+    "is_rank_zero",
+    "launch",
+    "local_rank",
+    "log",
+    "rank",
+    "start",
+    "world_size",
+]
+__version__ = "0.1.0"
+
+
+def _should_prewarm() -> bool:
+    # Only the caller warms a launcher: never the launcher itself or a rank.
+    return _os.environ.get("NBTRAIN_ROLE") is None and _os.environ.get("NBTRAIN_PREWARM", "1") != "0"
+
+
+if _should_prewarm():
+    from nbtrain.kernel.client import prewarm as _prewarm
+
+    _prewarm()

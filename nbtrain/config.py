@@ -1,0 +1,165 @@
+"""Launch settings: strategies, backends, threads per rank, and the plan of one launch.
+
+Pure: it imports no torch and starts nothing, so every rule here is unit-tested directly.
+
+Example:
+    >>> from nbtrain.devices import DevicePlan
+    >>> cfg = make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None)
+    >>> cfg.strategy.start_method, cfg.backend, cfg.world_size
+    ('fork', 'gloo', 2)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from nbtrain.devices import DevicePlan
+from nbtrain.errors import ConfigurationError
+from nbtrain.events import RankSpec
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How ranks start and how ``prepare`` wraps a model."""
+
+    name: str
+    start_method: str  # "fork": from the warm launcher; "spawn": a fresh interpreter per rank
+    model_wrapper: str  # "ddp" | "fsdp" | "none"
+    when_to_use: str
+
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy(
+            "ddp_notebook",
+            "fork",
+            "ddp",
+            "Data parallel; ranks fork from a warm, clean launcher. Fast start. The default.",
+        ),
+        Strategy(
+            "ddp_spawn",
+            "spawn",
+            "ddp",
+            "Data parallel; each rank is a fresh interpreter. Slower start; for libraries that break after fork.",
+        ),
+        Strategy(
+            "fsdp",
+            "fork",
+            "fsdp",
+            "Fully sharded (FSDP2): each rank holds a slice of every weight. For models too big for one device.",
+        ),
+        Strategy(
+            "auto",
+            "fork",
+            "ddp",
+            "ddp_notebook for more than one device, a single worker for one.",
+        ),
+    )
+}
+
+BACKENDS = ("gloo", "nccl", "mpi", "cpu:gloo,cuda:nccl")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything decided before a launch; nothing here touches a process."""
+
+    plan: DevicePlan
+    strategy: Strategy
+    backend: str
+    timeout: float | None
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    def rank_specs(self) -> tuple[RankSpec, ...]:
+        device_type = self.plan.accelerator
+        return tuple(
+            RankSpec(
+                rank=rank,
+                local_rank=rank,
+                world_size=self.world_size,
+                device_type=device_type,
+                device_index=None if device_type == "cpu" else device_id,
+            )
+            for rank, device_id in enumerate(self.plan.device_ids)
+        )
+
+
+def resolve_strategy(name: str, world_size: int) -> Strategy:
+    """The strategy called ``name``; ``auto`` becomes ``ddp_notebook`` (or one plain worker).
+
+    >>> resolve_strategy("auto", 1).model_wrapper
+    'none'
+    """
+    key = str(name).strip().lower()
+    if key not in STRATEGIES:
+        raise ConfigurationError(
+            f"unknown strategy {name!r}. Available strategies: {', '.join(STRATEGIES)}."
+        )
+    if key == "auto":
+        if world_size > 1:
+            return STRATEGIES["ddp_notebook"]
+        return Strategy("auto", "fork", "none", STRATEGIES["auto"].when_to_use)
+    return STRATEGIES[key]
+
+
+def backend_for(accelerator: str, requested: str | None = None) -> str:
+    """gloo on CPU, nccl on CUDA, unless the caller asked for one of ``BACKENDS``.
+
+    >>> backend_for("cuda"), backend_for("cpu")
+    ('nccl', 'gloo')
+    """
+    if requested is not None:
+        if requested not in BACKENDS:
+            raise ConfigurationError(
+                f"unknown process-group backend {requested!r}. Available backends: {', '.join(BACKENDS)}."
+            )
+        if requested == "nccl" and accelerator != "cuda":
+            raise ConfigurationError(
+                f"backend 'nccl' needs CUDA devices, but the accelerator is {accelerator!r}; use backend='gloo'."
+            )
+        return requested
+    return "nccl" if accelerator == "cuda" else "gloo"
+
+
+def validate_timeout(timeout: float | None) -> float | None:
+    """``None`` (no limit) or a positive number of seconds."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout):
+        raise ConfigurationError(f"timeout must be a number of seconds or None, not {timeout!r}.")
+    if timeout <= 0:
+        raise ConfigurationError(f"timeout must be positive (seconds), not {timeout!r}; pass None for no limit.")
+    return float(timeout)
+
+
+def threads_per_rank(cpu_count: int, world_size: int, environ: Mapping[str, str]) -> int | None:
+    """Intra-op threads for each rank: cores / ranks (at least 1), as torchrun does.
+
+    None when the user set OMP_NUM_THREADS: their choice wins. Why it matters: N ranks each
+    running a full-width OpenMP pool oversubscribe the cores (2 ranks x 2 threads on 2 cores
+    doubled the step time here).
+
+    >>> threads_per_rank(8, 2, {}), threads_per_rank(2, 4, {}), threads_per_rank(8, 2, {"OMP_NUM_THREADS": "3"})
+    (4, 1, None)
+    """
+    if environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, cpu_count // max(1, world_size))
+
+
+def make_config(
+    plan: DevicePlan, *, strategy: str, timeout: float | None, backend: str | None = None
+) -> LaunchConfig:
+    """Check and combine the settings of one launch."""
+    return LaunchConfig(
+        plan=plan,
+        strategy=resolve_strategy(strategy, plan.world_size),
+        backend=backend_for(plan.accelerator, backend),
+        timeout=validate_timeout(timeout),
+    )

@@ -1,0 +1,119 @@
+"""Every error and warning nbtrain raises on purpose.
+
+Messages follow one rule: name the value, say why it is a problem, say what to do.
+This module is pure: it imports nothing beyond the standard library, so the kernel
+can render a failure without importing torch.
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class NbtrainError(Exception):
+    """Base class of every error nbtrain raises on purpose."""
+
+
+class NbtrainWarning(UserWarning):
+    """Base class of nbtrain's warnings (skipped values, ignored settings)."""
+
+
+class ConfigurationError(NbtrainError, ValueError):
+    """A launch setting (devices, accelerator, strategy, timeout) cannot be satisfied."""
+
+
+class LauncherError(NbtrainError, RuntimeError):
+    """The warm launcher process could not be started or stopped answering."""
+
+
+class RunFailedError(NbtrainError, RuntimeError):
+    """A run ended without a result. ``rank`` names the rank that caused it (or None)."""
+
+    rank: int | None = None
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing our own (uninteresting) frames.
+        return [f"{type(self).__name__}: {self}"]
+
+
+class RankError(RunFailedError):
+    """A rank raised an exception; the message carries its remote traceback.
+
+    Example:
+        >>> err = RankError(1, "ValueError", "bad batch", "Traceback ...\\nValueError: bad batch\\n")
+        >>> err.rank, err.exc_type
+        (1, 'ValueError')
+    """
+
+    def __init__(self, rank: int, exc_type: str, exc_message: str, remote_traceback: str):
+        self.rank = rank
+        self.exc_type = exc_type
+        self.exc_message = exc_message
+        self.remote_traceback = remote_traceback
+        super().__init__(
+            f"rank {rank} raised {exc_type}: {exc_message}\n"
+            f"The other ranks were stopped. Traceback from rank {rank}:\n{remote_traceback.rstrip()}"
+        )
+
+    def _render_traceback_(self) -> list[str]:
+        return [
+            f"RankError: rank {self.rank} raised {self.exc_type}: {self.exc_message}",
+            "(the other ranks were stopped)",
+            "",
+            *self.remote_traceback.rstrip().splitlines(),
+        ]
+
+
+class RankDiedError(RunFailedError):
+    """A rank ended without reporting (killed by a signal, crashed, or called ``os._exit``)."""
+
+    def __init__(self, rank: int, *, signal_number: int | None = None, exit_code: int | None = None):
+        self.rank = rank
+        self.signal_number = signal_number
+        self.exit_code = exit_code
+        super().__init__(describe_death(rank, signal_number=signal_number, exit_code=exit_code))
+
+
+class RunTimeoutError(RunFailedError, TimeoutError):
+    """The run took longer than its ``timeout``; every rank was stopped."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        super().__init__(
+            f"the run exceeded timeout={timeout:g} s and every rank was stopped. "
+            "Raise `timeout` (or pass timeout=None) if the run needs longer."
+        )
+
+
+class RunStoppedError(RunFailedError):
+    """The run was stopped on request (``stop()`` or the Stop button) before it finished."""
+
+
+def describe_death(rank: int, *, signal_number: int | None, exit_code: int | None) -> str:
+    """One sentence saying how a rank ended and what the user can do about it.
+
+    >>> describe_death(1, signal_number=9, exit_code=None).split(".")[0]
+    'rank 1 was killed by signal 9 (SIGKILL)'
+    """
+    if signal_number is not None:
+        try:
+            name = signal.Signals(signal_number).name
+        except ValueError:
+            name = "unknown signal"
+        text = f"rank {rank} was killed by signal {signal_number} ({name})."
+        if signal_number == signal.SIGKILL:
+            text += (
+                " SIGKILL often means the machine ran out of memory (the kernel's OOM killer):"
+                " use a smaller batch or model, or fewer devices."
+            )
+        elif signal_number == signal.SIGSEGV:
+            text += " A segmentation fault is a crash in native code (a C/C++/CUDA extension)."
+        return text + " The other ranks were stopped."
+    return (
+        f"rank {rank} exited with code {exit_code} before finishing its work"
+        " (a call to sys.exit/os._exit, or a crash in native code). The other ranks were stopped."
+    )
+
+
+class SerializationError(NbtrainError, TypeError):
+    """Something the ranks need cannot be pickled (an open file, a lock, a generator...)."""

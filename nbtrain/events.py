@@ -1,0 +1,179 @@
+"""The records that travel between the kernel, the launcher and the ranks.
+
+Everything here is a frozen dataclass of plain values, so the launcher can relay them
+without importing user code and the kernel can read them without importing torch.
+
+Two directions:
+- requests, kernel -> launcher: :class:`StartRun`, :class:`StopRun`;
+- events, rank -> launcher -> kernel, on one channel: :class:`RankStarted`, :class:`Output`,
+  :class:`Metrics`, :class:`MemorySample`, :class:`RankFailed`, :class:`RankExited`,
+  and finally one :class:`RunEnded` per run.
+
+Example:
+    >>> Output(run_id=1, rank=0, stream="stdout", text="epoch 1\\n").rank
+    0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# Run states, as the live view and RunEnded name them.
+FINISHED = "finished"
+FAILED = "failed"
+STOPPED = "stopped"
+TIMED_OUT = "timed out"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What one rank needs to know about its place in the run."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device_type: str  # "cpu" | "cuda" | "mps"
+    device_index: int | None
+
+
+@dataclass(frozen=True)
+class StartRun:
+    """Kernel -> launcher: start ``world_size`` ranks running ``payload``.
+
+    ``payload`` is opaque to the launcher (cloudpickled user code); only the ranks
+    unpickle it, so the launcher never imports the user's modules and never goes stale.
+    A shared-memory file descriptor holding the payload's tensors travels beside it.
+    """
+
+    run_id: int
+    payload: bytes
+    ranks: tuple[RankSpec, ...]
+    start_method: str  # "fork" | "spawn"
+    backend: str
+    environ: Mapping[str, str]
+    cwd: str
+    sys_path: tuple[str, ...]
+    source_lines: Mapping[str, tuple[str, ...]]  # linecache entries of notebook cells
+    timeout: float | None
+    threads_per_rank: int | None = None  # None: the user's OMP_NUM_THREADS decides
+    has_tensor_file: bool = False
+
+
+@dataclass(frozen=True)
+class StopRun:
+    """Kernel -> launcher: stop a run (interrupt, Stop button, or the caller gave up)."""
+
+    run_id: int
+    reason: str = "stopped"
+
+
+@dataclass(frozen=True)
+class RankStarted:
+    run_id: int
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Output:
+    """One or more complete lines a rank wrote to stdout or stderr (or a tail at exit)."""
+
+    run_id: int
+    rank: int
+    stream: str  # "stdout" | "stderr"
+    text: str
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Scalars a rank logged with ``nbtrain.log``, a batch of steps at a time.
+
+    ``rows`` holds (step, unix time, {name: value}) in the order they were logged.
+    """
+
+    run_id: int
+    rank: int
+    rows: tuple[tuple[int, float, Mapping[str, float]], ...]
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """A rank's memory: host RSS always, CUDA allocated/peak when on GPU (bytes)."""
+
+    run_id: int
+    rank: int
+    rss_bytes: int | None  # None when only CUDA figures are known (sent by the rank)
+    cuda_allocated_bytes: int | None = None
+    cuda_peak_bytes: int | None = None
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    """A rank raised; the traceback was rendered in the rank with the notebook's source."""
+
+    run_id: int
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class RankExited:
+    """A rank process ended. Exactly one of ``exit_code`` / ``signal_number`` is set."""
+
+    run_id: int
+    rank: int
+    exit_code: int | None
+    signal_number: int | None
+    reported: bool  # the rank said it was done (or failed) before it exited
+
+
+@dataclass(frozen=True)
+class RunEnded:
+    """The last event of a run. On success ``result`` holds rank 0's pickled return value."""
+
+    run_id: int
+    state: str  # FINISHED | FAILED | STOPPED | TIMED_OUT
+    result: bytes | None = None
+    has_tensor_file: bool = False
+    failure: RankFailed | RankExited | None = None
+    detail: str = ""
+
+
+# Rank -> launcher only (not forwarded): the rank's work is done and its result is safe.
+@dataclass(frozen=True)
+class RankDone:
+    run_id: int
+    rank: int
+    result: bytes | None = None
+    has_tensor_file: bool = False
+
+
+@dataclass(frozen=True)
+class RankAssignment:
+    """Launcher -> rank: the run and this rank's place in it (sent first to a spawned rank)."""
+
+    start: StartRun
+    spec: RankSpec
+    master_port: int
+    launcher_pid: int
+
+
+# Launcher -> rank: every rank is done, leave now (a final barrier that needs no process group).
+@dataclass(frozen=True)
+class Release:
+    run_id: int
+
+
+@dataclass(frozen=True)
+class LauncherReady:
+    """Launcher -> kernel, once: the launcher imported what ranks need and can fork."""
+
+    pid: int
+    preloaded: tuple[str, ...] = field(default_factory=tuple)
+
+
+RunEvent = Any  # any of the event records above; kept loose for the relay code

@@ -1,0 +1,387 @@
+"""The caller's side of a launch: ``nbtrain.launch`` / ``nbtrain.start`` and the run handle.
+
+The kernel keeps one warm launcher (started at ``import nbtrain``) and talks to it over a
+private socket. A reader thread takes every message off that socket and files it under its
+run, so the thread that waits for a run (the cell's own thread, for a blocking launch)
+only ever reads a queue with a bounded timeout and can always be interrupted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import linecache
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+from nbtrain import config, events, processes, wire
+from nbtrain.errors import (
+    LauncherError,
+    RankDiedError,
+    RankError,
+    RunFailedError,
+    RunStoppedError,
+    RunTimeoutError,
+)
+
+INTERRUPT_GRACE_SECONDS = 5.0  # how long a stop may take before the launcher is replaced
+POLL_SECONDS = 0.25
+_SOURCE_LINES_LIMIT = 4 << 20  # bytes of notebook source sent for tracebacks
+
+
+class _LauncherGone:
+    """Filed under every open run when the launcher's channel closes."""
+
+    def __init__(self, detail: str):
+        self.detail = detail
+
+
+class LauncherClient:
+    """The kernel's connection to its warm launcher."""
+
+    def __init__(self) -> None:
+        self.process = processes.start_launcher()
+        self.ready = threading.Event()
+        self.alive = True
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._queues: dict[int, queue.Queue] = {}
+        self._lock = threading.Lock()
+        self._run_ids = itertools.count(1)
+        threading.Thread(target=self._read_events, name="nbtrain-events", daemon=True).start()
+        threading.Thread(target=self._read_stderr, name="nbtrain-launcher-stderr", daemon=True).start()
+
+    def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, queue.Queue]:
+        with self._lock:
+            if not self.alive:
+                raise LauncherError(self.exit_detail())
+            run_id = next(self._run_ids)
+            inbox: queue.Queue = queue.Queue()
+            self._queues[run_id] = inbox
+            fds = () if tensor_fd is None else (tensor_fd,)
+            try:
+                wire.send(self.process.channel, start_run(run_id), fds)
+            except OSError as error:
+                del self._queues[run_id]
+                raise LauncherError(f"could not reach the nbtrain launcher: {error}. {self.exit_detail()}") from error
+        return run_id, inbox
+
+    def stop(self, run_id: int, reason: str) -> None:
+        with self._lock:
+            try:
+                wire.send(self.process.channel, events.StopRun(run_id, reason))
+            except OSError:
+                pass  # a dead launcher's ranks die with it (PDEATHSIG)
+
+    def forget(self, run_id: int) -> None:
+        with self._lock:
+            self._queues.pop(run_id, None)
+
+    def close(self) -> None:
+        self.alive = False
+        processes.stop_launcher(self.process)
+
+    def exit_detail(self) -> str:
+        code = self.process.popen.poll()
+        tail = "".join(self.stderr_tail).strip()
+        text = "the nbtrain launcher process has exited" if code is not None else "the nbtrain launcher stopped answering"
+        if code is not None:
+            text += f" (exit code {code})"
+        return text + (f"; its last output:\n{tail}" if tail else ". The next launch starts a new one.")
+
+    def _read_events(self) -> None:
+        channel = self.process.channel
+        while True:
+            try:
+                message, fds = wire.receive(channel)
+            except (wire.ChannelClosed, OSError):
+                break
+            if isinstance(message, events.LauncherReady):
+                self.ready.set()
+                continue
+            inbox = self._queues.get(getattr(message, "run_id", -1))
+            if inbox is None:
+                for fd in fds:
+                    os.close(fd)
+            else:
+                inbox.put((message, fds))
+        with self._lock:
+            self.alive = False
+            try:
+                self.process.popen.wait(timeout=1.0)
+            except Exception:  # noqa: BLE001 - still running: the detail says so
+                pass
+            gone = _LauncherGone(self.exit_detail())
+            for inbox in self._queues.values():
+                inbox.put((gone, []))
+
+    def _read_stderr(self) -> None:
+        stream = self.process.popen.stderr
+        if stream is None:
+            return
+        for line in iter(stream.readline, b""):
+            self.stderr_tail.append(line.decode(errors="replace"))
+
+
+_client: LauncherClient | None = None
+_client_lock = threading.Lock()
+
+
+def get_client() -> LauncherClient:
+    """The warm launcher of this process, started (or restarted) on demand."""
+    global _client
+    with _client_lock:
+        if _client is None or not _client.alive:
+            _client = LauncherClient()
+        return _client
+
+
+def prewarm() -> None:
+    """Start the launcher now so it has imported torch by the time the first run comes."""
+    try:
+        get_client()
+    except OSError:
+        pass  # the first launch will report it
+
+
+def _close_client() -> None:
+    if _client is not None:
+        _client.close()
+
+
+def _forget_client_in_child() -> None:
+    # A process forked from the kernel (a DataLoader worker, say) must not keep the
+    # launcher's socket open: the launcher would then outlive the kernel.
+    global _client
+    if _client is not None:
+        try:
+            os.close(_client.process.channel.detach())
+        except OSError:
+            pass
+    _client = None
+
+
+atexit.register(_close_client)
+os.register_at_fork(after_in_child=_forget_client_in_child)
+
+
+class Run:
+    """A run in progress. ``wait()`` returns rank 0's result or raises the run's failure.
+
+    Example:
+        >>> import nbtrain
+        >>> run = nbtrain.start(lambda: 6 * 7, devices=2)  # doctest: +SKIP
+        >>> run.wait()  # doctest: +SKIP
+        42
+    """
+
+    def __init__(self, client: LauncherClient, run_id: int, inbox: queue.Queue, cfg: config.LaunchConfig):
+        self.client = client
+        self.run_id = run_id
+        self.config = cfg
+        self.state = "running"
+        self.pids: dict[int, int] = {}
+        self._inbox = inbox
+        self._ended: events.RunEnded | None = None
+        self._ended_fds: list[int] = []
+
+    def events(self, poll: float = POLL_SECONDS) -> Iterator[Any]:
+        """Yield the run's events as they arrive, ending with its RunEnded.
+
+        Yields None every ``poll`` seconds while nothing arrives, so a caller can redraw.
+        KeyboardInterrupt while waiting stops the run (every rank gone) and is re-raised.
+        """
+        while self._ended is None:
+            try:
+                message, fds = self._inbox.get(timeout=poll)
+            except queue.Empty:
+                yield None
+                continue
+            except KeyboardInterrupt:
+                self.stop("interrupted")
+                raise
+            yield self._take(message, fds)
+
+    def _take(self, message: Any, fds: list[int]) -> Any:
+        if isinstance(message, _LauncherGone):
+            self.state = events.FAILED
+            self._ended = events.RunEnded(self.run_id, events.FAILED, detail=message.detail)
+            self.client.forget(self.run_id)
+            return self._ended
+        if isinstance(message, events.RankStarted):
+            self.pids[message.rank] = message.pid
+        if isinstance(message, events.RunEnded):
+            self._ended, self._ended_fds = message, fds
+            self.state = message.state
+            self.client.forget(self.run_id)
+        return message
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Stop every rank and wait (bounded) until they are gone."""
+        if self._ended is not None:
+            return
+        self.client.stop(self.run_id, reason)
+        deadline = time.monotonic() + INTERRUPT_GRACE_SECONDS
+        while self._ended is None and time.monotonic() < deadline:
+            try:
+                message, fds = self._inbox.get(timeout=min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                continue
+            except KeyboardInterrupt:
+                continue  # a second interrupt while stopping: finish stopping first
+            self._take(message, fds)
+        if self._ended is None:  # the launcher did not answer in time: replace it
+            self.client.close()
+            self._ended = events.RunEnded(self.run_id, events.STOPPED)
+            self.state = events.STOPPED
+
+    def wait(self, on_event: Callable[[Any], None] | None = None) -> Any:
+        """Block until the run ends; return rank 0's result or raise its failure."""
+        for event in self.events():
+            if event is not None and on_event is not None:
+                on_event(event)
+        return self.result()
+
+    def result(self) -> Any:
+        """Rank 0's return value (call after the run ended)."""
+        ended = self._ended
+        if ended is None:
+            raise RuntimeError("the run has not ended yet; call wait() first")
+        if ended.state == events.FINISHED:
+            return self._load_result(ended)
+        raise self._failure(ended)
+
+    def _load_result(self, ended: events.RunEnded) -> Any:
+        from nbtrain import sharedtensors
+
+        fd = self._ended_fds[0] if self._ended_fds else None
+        try:
+            return sharedtensors.loads(ended.result or b"", fd, map_location="cpu")
+        finally:
+            for extra in self._ended_fds:
+                os.close(extra)
+            self._ended_fds = []
+
+    def _failure(self, ended: events.RunEnded) -> RunFailedError:
+        failure = ended.failure
+        if isinstance(failure, events.RankFailed):
+            return RankError(failure.rank, failure.exc_type, failure.message, failure.traceback)
+        if isinstance(failure, events.RankExited):
+            return RankDiedError(failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code)
+        if ended.state == events.TIMED_OUT:
+            return RunTimeoutError(self.config.timeout or 0.0)
+        if ended.state == events.STOPPED:
+            return RunStoppedError("the run was stopped before it finished; every rank is gone.")
+        return LauncherError(ended.detail or "the run failed for an unknown reason")
+
+
+def print_output(event: Any) -> None:
+    """Default event handler of ``launch``: each rank's lines on our stdout/stderr, tagged."""
+    if isinstance(event, events.Output):
+        stream = sys.stderr if event.stream == "stderr" else sys.stdout
+        lines = event.text.splitlines(keepends=True)
+        stream.write("".join(f"[rank {event.rank}] {line}" for line in lines))
+        if not event.text.endswith("\n"):
+            stream.write("\n")
+        stream.flush()
+
+
+def start(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    devices: Any = "auto",
+    accelerator: str = "auto",
+    strategy: str = "ddp_notebook",
+    timeout: float | None = None,
+    backend: str | None = None,
+) -> Run:
+    """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once."""
+    from nbtrain import hardware, sharedtensors
+    from nbtrain.errors import SerializationError
+
+    plan = hardware.probe_plan(devices, accelerator)
+    cfg = config.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
+    try:
+        payload, tensor_fd = sharedtensors.dumps((fn, tuple(args), dict(kwargs or {})))
+    except Exception as error:
+        raise SerializationError(
+            f"the function or its arguments cannot be sent to the ranks: {error}. "
+            "Objects such as open files, locks, sockets and generators cannot travel; "
+            "create them inside the function instead."
+        ) from error
+    threads = config.threads_per_rank(hardware.cpu_count(), cfg.world_size, os.environ)
+
+    def start_run(run_id: int) -> events.StartRun:
+        return events.StartRun(
+            run_id=run_id,
+            payload=payload,
+            ranks=cfg.rank_specs(),
+            start_method=cfg.strategy.start_method,
+            backend=cfg.backend,
+            environ=_caller_environment(),
+            cwd=os.getcwd(),
+            sys_path=tuple(sys.path),
+            source_lines=_notebook_source_lines(),
+            timeout=cfg.timeout,
+            threads_per_rank=threads,
+            has_tensor_file=tensor_fd is not None,
+        )
+
+    client = get_client()
+    try:
+        run_id, inbox = client.submit(start_run, tensor_fd)
+    finally:
+        if tensor_fd is not None:
+            os.close(tensor_fd)
+    return Run(client, run_id, inbox, cfg)
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    devices: Any = "auto",
+    accelerator: str = "auto",
+    strategy: str = "ddp_notebook",
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` on every rank; return rank 0's return value.
+
+    ``fn`` may be a lambda, a closure or a function defined in the notebook: it travels
+    with cloudpickle. Each rank's prints appear here, tagged with the rank. A failure in
+    any rank stops all of them and raises here (:class:`nbtrain.errors.RankError`).
+
+    Example:
+        >>> import nbtrain, torch.distributed as dist
+        >>> nbtrain.launch(lambda: dist.get_world_size(), devices=2)  # doctest: +SKIP
+        2
+    """
+    run = start(
+        fn, args, kwargs, devices=devices, accelerator=accelerator, strategy=strategy, timeout=timeout
+    )
+    return run.wait(on_event=print_output)
+
+
+def _caller_environment() -> dict[str, str]:
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if key not in (processes.CONTROL_FD_VARIABLE, processes.ROLE_VARIABLE)
+    }
+
+
+def _notebook_source_lines() -> dict[str, tuple[str, ...]]:
+    """Source of code that exists only in this process (notebook cells), for tracebacks."""
+    lines: dict[str, tuple[str, ...]] = {}
+    size = 0
+    for filename, entry in list(linecache.cache.items()):
+        if len(entry) == 4 and entry[1] is None and size < _SOURCE_LINES_LIMIT:
+            lines[filename] = tuple(entry[2])
+            size += entry[0]
+    return lines

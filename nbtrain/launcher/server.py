@@ -1,0 +1,416 @@
+"""The warm launcher: a clean, single-threaded process that forks ranks and supervises them.
+
+It runs one loop over a selector: the kernel's channel (requests), and for each rank its
+event socket, its stdout and stderr pipes and a pidfd that fires when it exits. It never
+unpickles user code (the payload is opaque bytes that only the ranks load), so it never
+imports the user's modules and a launch always runs the code the kernel has now.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbtrain import events, processes, wire
+from nbtrain.events import (
+    MemorySample,
+    Metrics,
+    Output,
+    RankAssignment,
+    RankDone,
+    RankExited,
+    RankFailed,
+    RankStarted,
+    Release,
+    RunEnded,
+    StartRun,
+    StopRun,
+)
+
+# Imported once here so that no rank pays for it: DistributedDataParallel's constructor
+# alone imports torch._dynamo, 1.5-2 s per rank on a small machine.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch._dynamo",
+    "torch.utils.data",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint.state_dict",
+    "cloudpickle",
+    "nbtrain.sharedtensors",
+    "nbtrain.rank.runtime",
+)
+
+STOP_GRACE_SECONDS = 0.5  # SIGTERM first; SIGKILL for what is left after this
+DRAIN_SECONDS = 1.0  # how long to wait for output pipes to close once every rank exited
+MEMORY_SAMPLE_SECONDS = 0.5
+TICK_SECONDS = 0.1
+
+
+@dataclass
+class RankProcess:
+    spec: events.RankSpec
+    pid: int
+    pidfd: int
+    channel: socket.socket
+    pipes: dict[int, str]  # read fd -> "stdout" | "stderr"
+    partial: dict[str, str] = field(default_factory=lambda: {"stdout": "", "stderr": ""})
+    decoders: dict[str, Any] = field(
+        default_factory=lambda: {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
+    )
+    done: bool = False
+    failed: bool = False
+    exited: bool = False
+
+
+@dataclass
+class Run:
+    run_id: int
+    ranks: list[RankProcess]
+    deadline: float | None
+    end_state: str | None = None  # set once the run is finishing or being stopped
+    stop_started: float | None = None
+    killed: bool = False
+    failure: RankFailed | RankExited | None = None
+    result: bytes | None = None
+    result_fd: int | None = None
+    all_exited_at: float | None = None
+    last_memory_sample: float = 0.0
+
+
+class Launcher:
+    def __init__(self, control: socket.socket, parent_pid: int):
+        self.control = control
+        self.parent_pid = parent_pid
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(control, selectors.EVENT_READ, ("control", None, None))
+        self.runs: dict[int, Run] = {}
+
+    # -- main loop ---------------------------------------------------------------------
+    def serve(self) -> None:
+        while True:
+            timeout = TICK_SECONDS if self.runs else 1.0
+            for key, _ in self.selector.select(timeout):
+                kind, run, rank = key.data
+                if kind == "control":
+                    if not self._on_control():
+                        return self._shutdown()
+                elif kind == "events":
+                    self._on_rank_event(run, rank)
+                elif kind == "pipe":
+                    self._on_output(run, rank, key.fd)
+                elif kind == "pidfd":
+                    self._on_exit(run, rank)
+            if os.getppid() != self.parent_pid:  # the kernel died and its socket is held elsewhere
+                return self._shutdown()
+            self._tick(time.monotonic())
+
+    def _on_control(self) -> bool:
+        try:
+            message, fds = wire.receive(self.control)
+        except (wire.ChannelClosed, OSError):
+            return False
+        if isinstance(message, StartRun):
+            self._start(message, fds[0] if fds else None)
+        elif isinstance(message, StopRun):
+            run = self.runs.get(message.run_id)
+            if run is not None:
+                self._stop(run, message.reason)
+        return True
+
+    def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
+        try:
+            wire.send(self.control, message, fds)
+        except OSError:
+            pass  # the kernel is gone; the next select sees EOF and shuts down
+
+    # -- starting ranks ----------------------------------------------------------------
+    def _start(self, start: StartRun, tensor_fd: int | None) -> None:
+        store_socket = socket.create_server(("127.0.0.1", 0), backlog=max(128, 2 * len(start.ranks)))
+        port = store_socket.getsockname()[1]
+        run = Run(start.run_id, [], None if start.timeout is None else time.monotonic() + start.timeout)
+        self.runs[start.run_id] = run
+        try:
+            for spec in start.ranks:
+                assignment = RankAssignment(start, spec, port, os.getpid())
+                listen_fd = store_socket.fileno() if spec.rank == 0 else None
+                run.ranks.append(self._start_rank(run, assignment, listen_fd, tensor_fd))
+        except OSError as error:
+            run.failure = RankFailed(run.run_id, len(run.ranks), type(error).__name__, str(error), "")
+            self._stop(run, events.FAILED)
+        finally:
+            # The store's port stayed bound from here until rank 0 took the socket over:
+            # no other process could take it in between.
+            store_socket.close()
+            if tensor_fd is not None:
+                os.close(tensor_fd)
+
+    def _start_rank(
+        self, run: Run, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None
+    ) -> RankProcess:
+        launcher_end, rank_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        rank_fds = [fd for fd in (rank_end.fileno(), listen_fd, tensor_fd) if fd is not None]
+        if assignment.start.start_method == "spawn":
+            pid = self._spawn(assignment, rank_end, out_write, err_write, listen_fd, tensor_fd, rank_fds)
+        else:
+            pid = processes.fork_rank(
+                lambda: _rank_main(assignment, rank_end, out_write, err_write, listen_fd, tensor_fd, rank_fds)
+            )
+        for fd in (out_write, err_write):
+            os.close(fd)
+        rank_end.close()
+        rank = RankProcess(
+            assignment.spec, pid, processes.open_pidfd(pid), launcher_end, {out_read: "stdout", err_read: "stderr"}
+        )
+        self.selector.register(launcher_end, selectors.EVENT_READ, ("events", run, rank))
+        for fd in rank.pipes:
+            os.set_blocking(fd, False)
+            self.selector.register(fd, selectors.EVENT_READ, ("pipe", run, rank))
+        self.selector.register(rank.pidfd, selectors.EVENT_READ, ("pidfd", run, rank))
+        if assignment.start.start_method == "spawn":
+            _send_quietly(launcher_end, assignment)  # a fresh interpreter has nothing in memory
+        self._send(RankStarted(run.run_id, assignment.spec.rank, pid))
+        return rank
+
+    def _spawn(self, assignment, rank_end, out_write, err_write, listen_fd, tensor_fd, rank_fds) -> int:
+        env = dict(assignment.start.environ)
+        argv = [
+            sys.executable,
+            "-m",
+            "nbtrain.rank",
+            str(rank_end.fileno()),
+            str(-1 if listen_fd is None else listen_fd),
+            str(-1 if tensor_fd is None else tensor_fd),
+        ]
+        # stdout/stderr go to the pipes; posix_spawn needs them on fds 1 and 2 of the child.
+        saved = [os.dup(1), os.dup(2)]
+        try:
+            os.dup2(out_write, 1)
+            os.dup2(err_write, 2)
+            pid = processes.spawn_rank(argv, env, rank_fds)
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+        return pid
+
+    # -- events from ranks -------------------------------------------------------------
+    def _on_rank_event(self, run: Run, rank: RankProcess) -> None:
+        try:
+            message, fds = wire.receive(rank.channel)
+        except (wire.ChannelClosed, OSError):
+            self.selector.unregister(rank.channel)
+            return
+        if isinstance(message, (Metrics, MemorySample)):
+            self._send(message)
+        elif isinstance(message, RankFailed):
+            rank.failed = True
+            self._send(message)
+            if run.failure is None:
+                run.failure = message
+            self._stop(run, events.FAILED)
+        elif isinstance(message, RankDone):
+            rank.done = True
+            if message.result is not None:
+                run.result = message.result
+                run.result_fd = fds[0] if fds else None
+            if all(r.done for r in run.ranks) and run.end_state is None:
+                run.end_state = events.FINISHED
+                for r in run.ranks:
+                    _send_quietly(r.channel, Release(run.run_id))
+
+    def _on_output(self, run: Run, rank: RankProcess, fd: int) -> None:
+        stream = rank.pipes[fd]
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_pipe(rank, fd)
+            self._flush_partial(run, rank, stream, final=True)
+            return
+        text = rank.partial[stream] + rank.decoders[stream].decode(data)
+        complete, _, rest = text.rpartition("\n")
+        rank.partial[stream] = rest
+        if complete:
+            self._send(Output(run.run_id, rank.spec.rank, stream, complete + "\n"))
+
+    def _flush_partial(self, run: Run, rank: RankProcess, stream: str, final: bool = False) -> None:
+        text = rank.partial[stream]
+        if final:
+            text += rank.decoders[stream].decode(b"", final=True)
+        if text:
+            rank.partial[stream] = ""
+            self._send(Output(run.run_id, rank.spec.rank, stream, text))
+
+    def _close_pipe(self, rank: RankProcess, fd: int) -> None:
+        self.selector.unregister(fd)
+        os.close(fd)
+        del rank.pipes[fd]
+
+    def _on_exit(self, run: Run, rank: RankProcess) -> None:
+        # Kill the rank's group while its leader is still an unreaped zombie: the group id
+        # cannot have been reused yet, and stray DataLoader workers go with it.
+        processes.signal_group(rank.pid, signal.SIGKILL)
+        status = processes.reap(rank.pid)
+        if status is None:
+            return
+        exit_code, signal_number = status
+        self.selector.unregister(rank.pidfd)
+        os.close(rank.pidfd)
+        rank.exited = True
+        reported = rank.done or rank.failed
+        exited = RankExited(run.run_id, rank.spec.rank, exit_code, signal_number, reported)
+        self._send(exited)
+        if not reported and run.end_state in (None, events.FINISHED):
+            if run.failure is None:
+                run.failure = exited
+            run.end_state = None  # a rank died after the others finished: still a failure
+            self._stop(run, events.FAILED)
+        if all(r.exited for r in run.ranks):
+            run.all_exited_at = time.monotonic()
+
+    # -- stopping and finishing --------------------------------------------------------
+    def _stop(self, run: Run, state: str) -> None:
+        if run.stop_started is not None:
+            return
+        run.end_state = state
+        run.stop_started = time.monotonic()
+        for rank in run.ranks:
+            if not rank.exited:
+                processes.signal_group(rank.pid, signal.SIGTERM)
+
+    def _tick(self, now: float) -> None:
+        for run in list(self.runs.values()):
+            if run.deadline is not None and now > run.deadline and run.end_state is None:
+                self._stop(run, events.TIMED_OUT)
+            if run.stop_started is not None and not run.killed and now - run.stop_started > STOP_GRACE_SECONDS:
+                run.killed = True
+                for rank in run.ranks:
+                    if not rank.exited:
+                        processes.signal_group(rank.pid, signal.SIGKILL)
+            self._sample_memory(run, now)
+            for rank in run.ranks:
+                for stream in ("stdout", "stderr"):
+                    if rank.partial[stream]:  # e.g. a progress bar redrawn with "\r"
+                        self._flush_partial(run, rank, stream)
+            if run.all_exited_at is not None:
+                drained = not any(rank.pipes for rank in run.ranks)
+                if drained or now - run.all_exited_at > DRAIN_SECONDS:
+                    self._finish(run)
+
+    def _sample_memory(self, run: Run, now: float) -> None:
+        if now - run.last_memory_sample < MEMORY_SAMPLE_SECONDS:
+            return
+        run.last_memory_sample = now
+        for rank in run.ranks:
+            if not rank.exited:
+                rss = processes.resident_bytes(rank.pid)
+                if rss is not None:
+                    self._send(MemorySample(run.run_id, rank.spec.rank, rss, time=time.time()))
+
+    def _finish(self, run: Run) -> None:
+        for rank in run.ranks:
+            for fd in list(rank.pipes):
+                self._close_pipe(rank, fd)
+            for stream in ("stdout", "stderr"):
+                self._flush_partial(run, rank, stream, final=True)
+            try:
+                self.selector.unregister(rank.channel)
+            except (KeyError, ValueError):
+                pass
+            rank.channel.close()
+        del self.runs[run.run_id]
+        state = run.end_state or events.FAILED
+        if state == events.FINISHED and run.failure is None:
+            fds = () if run.result_fd is None else (run.result_fd,)
+            self._send(RunEnded(run.run_id, state, run.result, run.result_fd is not None), fds)
+        else:
+            self._send(RunEnded(run.run_id, state, failure=run.failure))
+        if run.result_fd is not None:
+            os.close(run.result_fd)
+
+    def _shutdown(self) -> None:
+        for run in self.runs.values():
+            for rank in run.ranks:
+                if not rank.exited:
+                    processes.signal_group(rank.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 2.0
+        for run in self.runs.values():
+            for rank in run.ranks:
+                while not rank.exited and processes.reap(rank.pid) is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+
+
+def _send_quietly(channel: socket.socket, message: Any) -> None:
+    try:
+        wire.send(channel, message)
+    except OSError:
+        pass  # the rank is already gone; its exit is handled by its pidfd
+
+
+def _rank_main(
+    assignment: RankAssignment,
+    channel: socket.socket,
+    out_write: int,
+    err_write: int,
+    listen_fd: int | None,
+    tensor_fd: int | None,
+    keep_fds: list[int],
+) -> None:
+    """In the forked child: wire up stdio, drop the launcher's descriptors, run the rank."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(out_write, 1)
+    os.dup2(err_write, 2)
+    _close_all_but({0, 1, 2, *keep_fds})
+    from nbtrain.rank import runtime
+
+    runtime.run_rank(assignment, channel, listen_fd, tensor_fd)
+
+
+def _close_all_but(keep: set[int]) -> None:
+    # The child must not hold the launcher's channel to the kernel or other ranks' pipes:
+    # those would keep channels open after their owners die and hide EOFs.
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def preload() -> tuple[str, ...]:
+    loaded = []
+    for module in PRELOAD:
+        try:
+            __import__(module)
+            loaded.append(module)
+        except Exception:  # noqa: BLE001 - a missing optional module only costs speed
+            pass
+    return tuple(loaded)
+
+
+def main() -> None:
+    control = socket.socket(fileno=int(os.environ.pop(processes.CONTROL_FD_VARIABLE)))
+    processes.ignore_interrupts()
+    parent_pid = os.getppid()
+    loaded = preload()
+    wire.send(control, events.LauncherReady(os.getpid(), loaded))
+    if processes.thread_count() != 1:
+        print(f"nbtrain launcher: {processes.thread_count()} threads after preload; fork is unsafe", file=sys.stderr)
+    Launcher(control, parent_pid).serve()

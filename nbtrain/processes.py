@@ -1,0 +1,196 @@
+"""Every process nbtrain starts, signals or reaps, and every signal handler it touches.
+
+The topology (docs/architecture.md draws it):
+
+    kernel ──socketpair──> launcher (own session; imports torch once, stays warm)
+                              ├── fork ──> rank 0 (own process group)
+                              └── fork ──> rank 1 ...
+
+Why each rule:
+- The launcher is started from a fresh interpreter in its own session. Ranks fork from it,
+  never from the kernel: the kernel may hold a CUDA context, OpenMP pools or threads, and
+  a fork of that dies ("Cannot re-initialize CUDA in forked subprocess") or deadlocks.
+  Its own session keeps Jupyter's "interrupt kernel" (SIGINT to the kernel's whole
+  process group) away from it; the kernel relays interrupts as a StopRun request.
+- The launcher has no threads when it forks (checked), so a child never inherits a lock
+  some other thread held.
+- Each rank leads its own process group, so a stop also reaches its DataLoader workers.
+- Ranks get SIGKILL when the launcher dies (PR_SET_PDEATHSIG); the launcher exits when
+  the kernel's end of its socket closes. So killing the kernel leaves no orphans.
+- Stopping is SIGTERM to each rank's group, then SIGKILL after a grace period, tolerating
+  processes that are already gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Callable, NoReturn, Sequence
+
+LAUNCHER_MODULE = "nbtrain.launcher"
+CONTROL_FD_VARIABLE = "NBTRAIN_CONTROL_FD"
+ROLE_VARIABLE = "NBTRAIN_ROLE"
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class LauncherProcess:
+    """The kernel's handle on its launcher: the process and the kernel's end of the socket."""
+
+    popen: subprocess.Popen
+    channel: socket.socket
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+def start_launcher() -> LauncherProcess:
+    """Start the warm launcher from a clean interpreter, in a session of its own."""
+    kernel_end, launcher_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = dict(os.environ)
+    env[CONTROL_FD_VARIABLE] = str(launcher_end.fileno())
+    env[ROLE_VARIABLE] = "launcher"
+    # numpy's OpenBLAS starts a thread pool at import; the launcher must stay thread-free
+    # to fork safely. Ranks then run numpy's BLAS on one thread (they share the cores).
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", LAUNCHER_MODULE],
+            pass_fds=[launcher_end.fileno()],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+        )
+    finally:
+        launcher_end.close()
+    return LauncherProcess(popen, kernel_end)
+
+
+def stop_launcher(launcher: LauncherProcess, grace: float = 2.0) -> None:
+    """Close the channel (the launcher then stops its ranks and exits); kill it if it lingers."""
+    try:
+        launcher.channel.close()
+    except OSError:
+        pass
+    try:
+        launcher.popen.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        launcher.popen.kill()
+        launcher.popen.wait(timeout=grace)
+    if launcher.popen.stderr is not None:
+        launcher.popen.stderr.close()
+
+
+def thread_count() -> int:
+    """OS-level threads of this process (C++ and OpenMP threads included)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def fork_rank(child_main: Callable[[], None]) -> int:
+    """Fork a rank from the (thread-free) launcher. The child never returns from here."""
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        code = 70
+        try:
+            _become_rank(parent)
+            child_main()
+            code = 0
+        except BaseException:  # pragma: no cover - runtime reports its own errors
+            code = 71
+        finally:
+            os._exit(code)
+    return pid
+
+
+def spawn_rank(argv: Sequence[str], env: dict[str, str], inherit_fds: Sequence[int]) -> int:
+    """Start a rank as a fresh interpreter (ddp_spawn), leading its own process group."""
+    for fd in inherit_fds:
+        os.set_inheritable(fd, True)
+    try:
+        return os.posix_spawn(argv[0], list(argv), env, setpgroup=0)
+    finally:
+        for fd in inherit_fds:
+            os.set_inheritable(fd, False)
+
+
+def _become_rank(launcher_pid: int) -> None:
+    os.setpgid(0, 0)
+    die_with_parent(launcher_pid)
+    # The launcher ignores SIGINT and SIGTERM's default is what a rank needs.
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+        signal.signal(number, signal.SIG_DFL)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies; exit now if it already did."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def open_pidfd(pid: int) -> int:
+    """A descriptor that becomes readable when ``pid`` exits: a bounded wait, no SIGCHLD."""
+    return os.pidfd_open(pid)
+
+
+def reap(pid: int) -> tuple[int | None, int | None] | None:
+    """(exit_code, signal_number) of a finished child, or None if it is still running."""
+    try:
+        waited, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return (None, None)
+    if waited == 0:
+        return None
+    if os.WIFSIGNALED(status):
+        return (None, os.WTERMSIG(status))
+    return (os.WEXITSTATUS(status), None)
+
+
+def signal_group(pgid: int, number: int) -> None:
+    """Send a signal to a rank's process group; a group already gone is fine."""
+    try:
+        os.killpg(pgid, number)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def resident_bytes(pid: int) -> int | None:
+    """Resident memory of a process, read from /proc (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def ignore_interrupts() -> None:
+    """The launcher hears about interrupts only through the kernel's StopRun requests."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def exit_now(code: int = 0) -> NoReturn:
+    """Leave without running interpreter teardown.
+
+    A rank's results are already safe when it gets here, and teardown can hang: a gloo
+    group destroyed while DDP still holds it can block forever in its destructor.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -1,0 +1,137 @@
+"""The worker API: what code running on a rank calls (``nbtrain.rank()``, ``nbtrain.log()``).
+
+Outside a run every function behaves as a single process (rank 0 of 1), so code written
+for the ranks also runs unchanged in the kernel.
+
+Example:
+    >>> import nbtrain
+    >>> nbtrain.rank(), nbtrain.world_size()
+    (0, 1)
+    >>> nbtrain.log(loss=0.5)  # outside a run: nothing to send, returns at once
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# Metrics are converted to floats and sent at most this often: converting a CUDA tensor
+# forces a device sync, so once per interval instead of once per log() call.
+FLUSH_SECONDS = 0.25
+
+
+@dataclass
+class RankContext:
+    """Set once in each rank by the runtime; None in the kernel."""
+
+    run_id: int
+    rank: int
+    local_rank: int
+    world_size: int
+    device_type: str
+    device_index: int | None
+    send: Callable[[Any], None]
+    pending: list[tuple[int, float, dict[str, Any]]] = field(default_factory=list)
+    step: int = 0
+    last_flush: float = 0.0
+    logged: bool = False
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        from nbtrain.events import MemorySample, Metrics
+
+        rows = tuple((step, t, _as_floats(values)) for step, t, values in self.pending)
+        self.pending.clear()
+        self.last_flush = time.monotonic()
+        self.send(Metrics(self.run_id, self.rank, rows))
+        if self.device_type == "cuda":
+            import torch
+
+            self.send(
+                MemorySample(
+                    self.run_id,
+                    self.rank,
+                    rss_bytes=None,
+                    cuda_allocated_bytes=torch.cuda.memory_allocated(),
+                    cuda_peak_bytes=torch.cuda.max_memory_allocated(),
+                    time=time.time(),
+                )
+            )
+
+
+_context: RankContext | None = None
+
+
+def _set_context(context: RankContext | None) -> None:
+    global _context
+    _context = context
+
+
+def current_context() -> RankContext | None:
+    """The running rank's context, or None in the kernel."""
+    return _context
+
+
+def rank() -> int:
+    """This process's global rank (0 outside a run)."""
+    return 0 if _context is None else _context.rank
+
+
+def local_rank() -> int:
+    """This process's rank on its machine (0 outside a run)."""
+    return 0 if _context is None else _context.local_rank
+
+
+def world_size() -> int:
+    """How many ranks the run has (1 outside a run)."""
+    return 1 if _context is None else _context.world_size
+
+
+def device() -> Any:
+    """The ``torch.device`` this rank trains on (outside a run: cuda:0 if present, else cpu)."""
+    import torch
+
+    if _context is None:
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if _context.device_index is None:
+        return torch.device(_context.device_type)
+    return torch.device(_context.device_type, _context.device_index)
+
+
+def is_rank_zero() -> bool:
+    """True on rank 0 (and in the kernel): the rank whose results come back."""
+    return rank() == 0
+
+
+def log(step: int | None = None, **scalars: Any) -> None:
+    """Record scalars for the live view, e.g. ``nbtrain.log(loss=loss)``.
+
+    Tensors are accepted and kept as they are; they are converted (one device sync) only
+    when a batch is sent, about four times a second. ``step`` defaults to a counter that
+    increases by one per call.
+    """
+    context = _context
+    if context is None or not scalars:
+        return
+    context.step = context.step + 1 if step is None else int(step)
+    context.logged = True
+    context.pending.append((context.step, time.time(), {k: _detached(v) for k, v in scalars.items()}))
+    if time.monotonic() - context.last_flush >= FLUSH_SECONDS:
+        context.flush()
+
+
+def _detached(value: Any) -> Any:
+    detach = getattr(value, "detach", None)
+    return detach() if detach is not None else value
+
+
+def _as_floats(values: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for name, value in values.items():
+        try:
+            out[name] = float(value.item() if hasattr(value, "item") else value)
+        except (TypeError, ValueError, RuntimeError):
+            continue  # not a scalar: the live view has nothing to draw for it
+    return out

@@ -1,0 +1,200 @@
+"""What a rank does from its first instruction to its exit.
+
+1. Adopt the caller's state at launch time: environment, working directory, sys.path,
+   plus the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+2. Set intra-op threads to cores / ranks before any torch op starts an OpenMP pool.
+3. Load the payload (cloudpickled; tensors mapped copy-on-write from shared memory).
+4. Join the process group: rank 0 hosts the TCPStore on the socket the launcher bound,
+   so the port was never free for anyone else to take.
+5. Run the function; send the result (rank 0) or the failure; wait for the launcher's
+   release (a barrier that needs no process group); exit without interpreter teardown.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import linecache
+import os
+import socket
+import sys
+import traceback
+from typing import Any, Mapping, NoReturn
+
+from nbtrain import processes, sharedtensors, wire
+from nbtrain.events import RankAssignment, RankDone, RankFailed, Release
+from nbtrain.rank import api
+
+STORE_TIMEOUT = datetime.timedelta(minutes=5)
+_hosted_store: Any = None  # rank 0's TCPStore server; must live as long as the rank
+
+
+def run_rank(
+    assignment: RankAssignment, channel: socket.socket, listen_fd: int | None, tensor_fd: int | None
+) -> NoReturn:
+    """Run one rank to completion and exit the process. Never returns."""
+    start, spec = assignment.start, assignment.spec
+    _line_buffered_stdio()
+    context = api.RankContext(
+        start.run_id,
+        spec.rank,
+        spec.local_rank,
+        spec.world_size,
+        spec.device_type,
+        spec.device_index,
+        send=lambda message: wire.send(channel, message),
+    )
+    api._set_context(context)
+    try:
+        _adopt_caller_state(assignment)
+        _install_source_lines(start.source_lines)
+        _select_device(spec.device_type, spec.device_index)
+        fn, args, kwargs = sharedtensors.loads(start.payload, tensor_fd, map_location=spec.device_type)
+        if tensor_fd is not None:
+            os.close(tensor_fd)
+        _join_process_group(assignment, listen_fd)
+        result = fn(*args, **kwargs)
+        context.flush()
+        _send_done(channel, context, result if spec.rank == 0 else None)
+    except BaseException as error:  # noqa: BLE001 - every failure is reported, then we leave
+        _report_failure(channel, start.run_id, spec.rank, error)
+        processes.exit_now(1)
+    _wait_for_release(channel)
+    processes.exit_now(0)
+
+
+def _line_buffered_stdio() -> None:
+    # fds 1 and 2 are pipes to the launcher; line buffering makes each print appear live.
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, errors="replace")
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="replace")
+
+
+def _adopt_caller_state(assignment: RankAssignment) -> None:
+    start = assignment.start
+    environ = dict(start.environ)
+    environ.update(_torchrun_variables(assignment))
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(start.cwd)
+    sys.path[:] = list(start.sys_path)
+    if start.threads_per_rank is not None:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(start.threads_per_rank)
+        torch.set_num_threads(start.threads_per_rank)
+
+
+def _torchrun_variables(assignment: RankAssignment) -> Mapping[str, str]:
+    spec = assignment.spec
+    return {
+        "RANK": str(spec.rank),
+        "LOCAL_RANK": str(spec.local_rank),
+        "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_WORLD_SIZE": str(spec.world_size),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(spec.rank),
+        "ROLE_WORLD_SIZE": str(spec.world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(assignment.master_port),
+        # Rank 0 hosts the store itself (on the pre-bound socket); every rank, rank 0
+        # included, connects to it as a client, as under torchrun's agent.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "NBTRAIN_ROLE": "rank",
+    }
+
+
+def _install_source_lines(source_lines: Mapping[str, tuple[str, ...]]) -> None:
+    # Notebook cells exist only in the kernel's linecache; with them here, a rank's
+    # traceback shows the cell's own source lines.
+    for filename, lines in source_lines.items():
+        linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
+
+
+def _select_device(device_type: str, device_index: int | None) -> None:
+    if device_type == "cuda" and device_index is not None:
+        import torch
+
+        torch.cuda.set_device(device_index)
+
+
+def _join_process_group(assignment: RankAssignment, listen_fd: int | None) -> None:
+    global _hosted_store
+    import torch.distributed as dist
+
+    spec = assignment.spec
+    if listen_fd is not None:
+        _hosted_store = dist.TCPStore(
+            "127.0.0.1",
+            assignment.master_port,
+            spec.world_size,
+            True,
+            timeout=STORE_TIMEOUT,
+            wait_for_workers=False,
+            master_listen_fd=listen_fd,
+        )
+    dist.init_process_group(assignment.start.backend, rank=spec.rank, world_size=spec.world_size)
+    _tolerate_torchrun_style_calls(dist)
+
+
+def _tolerate_torchrun_style_calls(dist: Any) -> None:
+    """Let code written for torchrun run unchanged: its own init/destroy become harmless.
+
+    Destroying the group is skipped because a gloo group destroyed while DDP still holds
+    it can hang in its destructor; the rank exits without teardown anyway.
+    """
+    original_init = dist.init_process_group
+    original_destroy = dist.destroy_process_group
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        if not dist.is_initialized():
+            original_init(*args, **kwargs)
+
+    def destroy_process_group(group: Any = None) -> None:
+        if group is not None:
+            original_destroy(group)
+
+    dist.init_process_group = init_process_group
+    dist.destroy_process_group = destroy_process_group
+
+
+def _send_done(channel: socket.socket, context: api.RankContext, result: Any) -> None:
+    if context.rank != 0:
+        wire.send(channel, RankDone(context.run_id, context.rank))
+        return
+    try:
+        data, fd = sharedtensors.dumps(result)
+    except Exception as error:
+        raise TypeError(
+            f"rank 0's return value (a {type(result).__name__}) cannot be sent back to the kernel: {error}. "
+            "Return plain data, tensors or state_dicts."
+        ) from error
+    try:
+        wire.send(channel, RankDone(context.run_id, 0, data, fd is not None), () if fd is None else (fd,))
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _report_failure(channel: socket.socket, run_id: int, rank: int, error: BaseException) -> None:
+    tb = error.__traceback__
+    # Drop the runtime's own frames: the user's traceback starts in their code.
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(error), error, tb))
+    try:
+        wire.send(channel, RankFailed(run_id, rank, type(error).__name__, str(error), text))
+    except OSError:
+        pass  # the launcher is gone: nobody is left to tell
+
+
+def _wait_for_release(channel: socket.socket) -> None:
+    try:
+        while True:
+            message, fds = wire.receive(channel)
+            for fd in fds:
+                os.close(fd)
+            if isinstance(message, Release):
+                return
+    except (wire.ChannelClosed, OSError):
+        return
