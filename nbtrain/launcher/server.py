@@ -302,6 +302,8 @@ class Launcher:
                 for rank in run.ranks:
                     if not rank.exited:
                         processes.signal_group(rank.pid, signal.SIGKILL)
+            if run.all_exited_at is None and run.end_state is not None and all(r.exited for r in run.ranks):
+                run.all_exited_at = now  # also covers a run whose ranks could not all start
             self._sample_memory(run, now)
             for rank in run.ranks:
                 for stream in ("stdout", "stderr"):

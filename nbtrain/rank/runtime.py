@@ -77,11 +77,21 @@ def _adopt_caller_state(assignment: RankAssignment) -> None:
     os.environ.update(environ)
     os.chdir(start.cwd)
     sys.path[:] = list(start.sys_path)
-    if start.threads_per_rank is not None:
+    threads = start.threads_per_rank or _user_thread_count(environ)
+    if threads is not None:
         import torch
 
-        os.environ["OMP_NUM_THREADS"] = str(start.threads_per_rank)
-        torch.set_num_threads(start.threads_per_rank)
+        # OpenMP read its variables when the launcher loaded torch, before this run's
+        # environment existed: the count has to be set explicitly.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+def _user_thread_count(environ: Mapping[str, str]) -> int | None:
+    try:
+        return max(1, int(environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return None
 
 
 def _torchrun_variables(assignment: RankAssignment) -> Mapping[str, str]:
