@@ -19,6 +19,9 @@ from typing import Any, Callable
 # Metrics are converted to floats and sent at most this often: converting a CUDA tensor
 # forces a device sync, so once per interval instead of once per log() call.
 FLUSH_SECONDS = 0.25
+# ...and after this many rows: thousands of pending tensors make every garbage collection
+# slower, which a fast loop would pay for on each step.
+FLUSH_ROWS = 256
 
 
 @dataclass
@@ -118,7 +121,7 @@ def log(step: int | None = None, **scalars: Any) -> None:
     context.step = context.step + 1 if step is None else int(step)
     context.logged = True
     context.pending.append((context.step, time.time(), {k: _detached(v) for k, v in scalars.items()}))
-    if time.monotonic() - context.last_flush >= FLUSH_SECONDS:
+    if len(context.pending) >= FLUSH_ROWS or time.monotonic() - context.last_flush >= FLUSH_SECONDS:
         context.flush()
 
 

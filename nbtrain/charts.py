@@ -1,0 +1,707 @@
+"""What the live view knows about a run: metric series, memory, log tails, rates and text.
+
+Pure: it reads event records and keeps bounded state; it imports no torch, no matplotlib and
+no IPython, so every rule here is unit-tested without a process. ``nbtrain.kernel.display``
+draws this state; nothing here draws.
+
+Bounded by design, so a 100k-step run costs the kernel the same memory (and the saved
+notebook the same bytes) as a 2k-step one:
+
+- each (metric, rank) series keeps at most ``max_points`` buckets; when it would hold more,
+  neighbouring buckets merge pairwise (keeping min, max and mean), so old history gets
+  coarser while its shape survives;
+- each rank keeps only its last ``LOG_LINES_PER_RANK`` output lines, each cut to
+  ``LOG_LINE_CHARS`` characters;
+- the step rate is measured over a sliding window of ``RATE_WINDOW_SECONDS``.
+
+Example:
+    >>> from nbtrain import events
+    >>> state = RunState(strategy="ddp_notebook", accelerator="cpu", world_size=2, total_steps=100)
+    >>> for rank in (0, 1):
+    ...     state.apply(events.Metrics(1, rank, ((1, 10.0, {"loss": 1.0 + rank}), (2, 11.0, {"loss": 0.5}))), now=0.5)
+    >>> state.state, state.current_step, state.steps_per_second
+    ('running', 2, 1.0)
+    >>> state.metrics["loss"].mean.last_value
+    0.5
+    >>> state.finish("finished", now=1.0)
+    >>> print(summary_text(state, now=5.0))
+    nbtrain · ddp_notebook · cpu · 2 ranks · finished · 1.0 s · 1 steps/s
+    step 2/100 [--------------------] 2%
+    loss  rank 0: 0.5  rank 1: 0.5  mean: 0.5
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from nbtrain import events
+
+MAX_POINTS = 2000  # buckets per series: a full chart line, whatever the run's length
+LOG_LINES_PER_RANK = 20
+LOG_LINE_CHARS = 240  # a runaway line (a tensor printed whole) must not bloat the notebook
+RATE_WINDOW_SECONDS = 10.0
+MEAN_WAIT_SECONDS = 2.0  # ranks' batches arrive within a quarter second of each other
+MAX_METRIC_CHARTS = 5  # the figure has room for five metrics and the memory chart
+STARTING = "starting"
+RUNNING = "running"
+END_STATES = (events.FINISHED, events.FAILED, events.STOPPED, events.TIMED_OUT)
+
+
+class _Bucket:
+    """Consecutive points merged into one: their mean step, mean value, min and max."""
+
+    __slots__ = ("step_sum", "value_sum", "low", "high", "count")
+
+    def __init__(self, step: float, value: float) -> None:
+        self.step_sum = step
+        self.value_sum = value
+        self.low = value
+        self.high = value
+        self.count = 1
+
+    def add(self, step: float, value: float) -> None:
+        self.step_sum += step
+        self.value_sum += value
+        self.count += 1
+        if value < self.low:
+            self.low = value
+        if value > self.high:
+            self.high = value
+
+    def absorb(self, other: _Bucket) -> None:
+        self.step_sum += other.step_sum
+        self.value_sum += other.value_sum
+        self.count += other.count
+        self.low = min(self.low, other.low)
+        self.high = max(self.high, other.high)
+
+
+class DownsampledSeries:
+    """(step, value) points kept as at most ``max_points`` buckets of equal size.
+
+    Every bucket holds ``points_per_bucket`` consecutive points (the newest may hold fewer).
+    When a new bucket would exceed ``max_points``, neighbours merge pairwise and the bucket
+    size doubles: memory and drawing cost stay bounded, appending stays O(1) amortised.
+    Values that are not finite (a NaN loss) are not charted but are still the ``last_value``.
+
+    Example:
+        >>> series = DownsampledSeries(max_points=4)
+        >>> for step in range(1, 11):
+        ...     series.append(step, float(step))
+        >>> len(series), series.points_per_bucket, series.count
+        (3, 4, 10)
+        >>> series.steps(), series.means(), series.lows()
+        ([2.5, 6.5, 9.5], [2.5, 6.5, 9.5], [1.0, 5.0, 9.0])
+    """
+
+    def __init__(self, max_points: int = MAX_POINTS) -> None:
+        if max_points < 2:
+            raise ValueError(f"max_points must be at least 2, not {max_points}")
+        self.max_points = max_points
+        self.points_per_bucket = 1
+        self.count = 0  # points appended, charted or not
+        self.last_step: int | None = None
+        self.last_value: float | None = None
+        self._buckets: list[_Bucket] = []
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def append(self, step: float, value: float) -> None:
+        self.count += 1
+        self.last_step = step
+        self.last_value = value
+        if not math.isfinite(value):
+            return
+        buckets = self._buckets
+        if buckets and buckets[-1].count < self.points_per_bucket:
+            buckets[-1].add(step, value)
+            return
+        buckets.append(_Bucket(step, value))
+        if len(buckets) > self.max_points:
+            self._merge_pairs()
+
+    def _merge_pairs(self) -> None:
+        merged = []
+        buckets = self._buckets
+        for index in range(0, len(buckets) - 1, 2):
+            first = buckets[index]
+            first.absorb(buckets[index + 1])
+            merged.append(first)
+        if len(buckets) % 2:
+            merged.append(buckets[-1])
+        self._buckets = merged
+        self.points_per_bucket *= 2
+
+    def steps(self) -> list[float]:
+        return [b.step_sum / b.count for b in self._buckets]
+
+    def means(self) -> list[float]:
+        return [b.value_sum / b.count for b in self._buckets]
+
+    def lows(self) -> list[float]:
+        return [b.low for b in self._buckets]
+
+    def highs(self) -> list[float]:
+        return [b.high for b in self._buckets]
+
+    @property
+    def is_downsampled(self) -> bool:
+        return self.points_per_bucket > 1
+
+    def coarsened(self, max_points: int) -> tuple[list[float], list[float], list[float], list[float]]:
+        """(steps, means, lows, highs) in at most ``max_points`` groups of whole buckets.
+
+        For drawing: a chart a few hundred pixels wide gains nothing from 2,000 points, and
+        a noisy loss averaged over a pixel's worth of steps shows its trend.
+
+        >>> series = DownsampledSeries()
+        >>> for step in range(1, 7):
+        ...     series.append(step, float(step % 2))
+        >>> series.coarsened(3)
+        ([1.5, 3.5, 5.5], [0.5, 0.5, 0.5], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0])
+        >>> series.coarsened(10) == (series.steps(), series.means(), series.lows(), series.highs())
+        True
+        """
+        buckets = self._buckets
+        group = max(1, math.ceil(len(buckets) / max_points))
+        if group == 1:
+            return self.steps(), self.means(), self.lows(), self.highs()
+        steps, means, lows, highs = [], [], [], []
+        for start in range(0, len(buckets), group):
+            members = buckets[start : start + group]
+            count = sum(b.count for b in members)
+            steps.append(sum(b.step_sum for b in members) / count)
+            means.append(sum(b.value_sum for b in members) / count)
+            lows.append(min(b.low for b in members))
+            highs.append(max(b.high for b in members))
+        return steps, means, lows, highs
+
+
+class MetricHistory:
+    """One logged scalar: a series per rank, plus the mean over ranks at each step.
+
+    A step's mean is taken once every rank of the run has logged that step (or a later
+    one), or once it has waited ``wait_seconds`` for ranks that never log this metric (code
+    that logs on rank 0 only). So a rank whose batch arrives a moment later still counts,
+    and a lagging rank does not drag the line. A value for a step whose mean was already
+    taken stays on its rank's line only: the mean assumes steps increase. ``settle_all``
+    takes the rest when the run ends; waiting steps are capped in number too.
+
+    Example:
+        >>> loss = MetricHistory("loss", world_size=2)
+        >>> loss.add(0, 1, 1.0, now=0.0); loss.add(0, 2, 0.5, now=0.0); loss.settle(now=0.1)
+        >>> loss.mean.count  # rank 1 has not reported yet
+        0
+        >>> loss.add(1, 1, 0.5, now=0.2); loss.add(1, 2, 0.25, now=0.2); loss.settle(now=0.2)
+        >>> loss.mean.means()
+        [0.75, 0.375]
+    """
+
+    def __init__(
+        self, name: str, world_size: int = 1, max_points: int = MAX_POINTS, wait_seconds: float = MEAN_WAIT_SECONDS
+    ) -> None:
+        self.name = name
+        self.world_size = world_size
+        self.max_points = max_points
+        self.wait_seconds = wait_seconds
+        self.ranks: dict[int, DownsampledSeries] = {}
+        self.mean = DownsampledSeries(max_points)
+        self._waiting: dict[int, list[float]] = {}  # step -> [sum, count, first seen]
+        self._waiting_cap = 4 * max_points
+        self._settled_through = -math.inf
+
+    def add(self, rank: int, step: int, value: float, now: float) -> None:
+        series = self.ranks.get(rank)
+        if series is None:
+            series = self.ranks[rank] = DownsampledSeries(self.max_points)
+        series.append(step, value)
+        if step <= self._settled_through:
+            return  # too late for the mean (see the class docstring)
+        waiting = self._waiting.get(step)
+        if waiting is None:
+            self._waiting[step] = [value, 1, now]
+        else:
+            waiting[0] += value
+            waiting[1] += 1
+
+    def settle(self, now: float) -> None:
+        """Move into ``mean`` every step that is complete or has waited long enough."""
+        if not self._waiting:
+            return
+        if len(self.ranks) >= self.world_size:
+            every_rank_reached = min(series.last_step for series in self.ranks.values())
+        else:
+            every_rank_reached = -math.inf
+        ordered = sorted(self._waiting)
+        overflow = len(ordered) - self._waiting_cap
+        for index, step in enumerate(ordered):
+            total, count, first_seen = self._waiting[step]
+            ready = (
+                step <= every_rank_reached
+                or count >= self.world_size
+                or now - first_seen >= self.wait_seconds
+                or index < overflow
+            )
+            if ready:
+                self._take(step)
+
+    def settle_all(self) -> None:
+        for step in sorted(self._waiting):
+            self._take(step)
+
+    def _take(self, step: int) -> None:
+        total, count, _ = self._waiting.pop(step)
+        self.mean.append(step, total / count)
+        self._settled_through = max(self._settled_through, step)
+
+    def last_values(self) -> dict[int, float | None]:
+        return {rank: self.ranks[rank].last_value for rank in sorted(self.ranks)}
+
+
+@dataclass
+class RankMemory:
+    """A rank's latest memory figures and the peaks seen so far (bytes)."""
+
+    rss_bytes: int | None = None
+    rss_peak_bytes: int | None = None
+    cuda_allocated_bytes: int | None = None
+    cuda_peak_bytes: int | None = None
+
+    def record(self, sample: events.MemorySample) -> None:
+        if sample.rss_bytes is not None:
+            self.rss_bytes = sample.rss_bytes
+            self.rss_peak_bytes = max(self.rss_peak_bytes or 0, sample.rss_bytes)
+        if sample.cuda_allocated_bytes is not None:
+            self.cuda_allocated_bytes = sample.cuda_allocated_bytes
+        if sample.cuda_peak_bytes is not None:
+            self.cuda_peak_bytes = max(self.cuda_peak_bytes or 0, sample.cuda_peak_bytes)
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.cuda_allocated_bytes is not None
+
+    @property
+    def current_bytes(self) -> int | None:
+        """CUDA allocated on a GPU rank (what runs out first), host RSS otherwise."""
+        return self.cuda_allocated_bytes if self.on_cuda else self.rss_bytes
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return self.cuda_peak_bytes if self.on_cuda else self.rss_peak_bytes
+
+
+class LogTail:
+    """The last lines a rank wrote, each tagged with its stream, and how many there were.
+
+    A carriage return means "redraw this line" (tqdm does it): only the text after the
+    last one is kept, as a terminal would show it.
+
+    Example:
+        >>> tail = LogTail(max_lines=2)
+        >>> tail.add("stdout", "a\\nb\\n"); tail.add("stderr", "10%\\r50%\\r100%\\n")
+        >>> tail.total, list(tail.lines)
+        (3, [('stdout', 'b'), ('stderr', '100%')])
+    """
+
+    def __init__(self, max_lines: int = LOG_LINES_PER_RANK, max_chars: int = LOG_LINE_CHARS) -> None:
+        self.lines: collections.deque[tuple[str, str]] = collections.deque(maxlen=max_lines)
+        self.max_chars = max_chars
+        self.total = 0
+
+    def add(self, stream: str, text: str) -> None:
+        # Not splitlines(): it would split at every "\r" and keep each redraw as a line.
+        pieces = text.split("\n")
+        if pieces and pieces[-1] == "":
+            pieces.pop()
+        for line in pieces:
+            line = line.rstrip("\r").rsplit("\r", 1)[-1]
+            if len(line) > self.max_chars:
+                line = line[: self.max_chars - 1] + "…"
+            self.lines.append((stream, line))
+            self.total += 1
+
+
+class StepRate:
+    """Steps per second over the last ``window`` seconds of the ranks' own clocks.
+
+    Rates use the time each step was logged on the rank, not the time its batch reached the
+    kernel, so batching (four times a second) does not make the rate jump.
+
+    Example:
+        >>> rate = StepRate(window=10.0)
+        >>> for second in range(30):
+        ...     rate.add(float(second), 5 * second)
+        >>> rate.per_second()
+        5.0
+    """
+
+    def __init__(self, window: float = RATE_WINDOW_SECONDS) -> None:
+        self.window = window
+        self._samples: collections.deque[tuple[float, float]] = collections.deque()
+
+    def add(self, time: float, step: float) -> None:
+        self._samples.append((time, step))
+        while len(self._samples) > 2 and time - self._samples[1][0] >= self.window:
+            self._samples.popleft()
+
+    def per_second(self) -> float | None:
+        if len(self._samples) < 2:
+            return None
+        (first_time, first_step), (last_time, last_step) = self._samples[0], self._samples[-1]
+        if last_time <= first_time:
+            return None
+        return (last_step - first_step) / (last_time - first_time)
+
+
+class RunState:
+    """Everything the live view shows about one run; fed with events, read when drawing.
+
+    ``version`` changes whenever anything shown changes; ``chart_version`` only when the
+    charts would look different, so the view redraws its PNG only then.
+    ``batch_size`` is each rank's batch: samples/s = steps/s x batch_size x world_size.
+    """
+
+    def __init__(
+        self,
+        strategy: str = "",
+        accelerator: str = "",
+        world_size: int = 1,
+        *,
+        total_steps: int | None = None,
+        batch_size: int | None = None,
+        started_at: float = 0.0,
+        max_points: int = MAX_POINTS,
+    ) -> None:
+        if total_steps is not None and total_steps <= 0:
+            raise ValueError(f"total_steps must be a positive number of steps, not {total_steps!r}")
+        if batch_size is not None and batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive number of samples per rank, not {batch_size!r}")
+        self.strategy = strategy
+        self.accelerator = accelerator
+        self.world_size = world_size
+        self.total_steps = total_steps
+        self.batch_size = batch_size
+        self.started_at = started_at
+        self.ended_at: float | None = None
+        self.max_points = max_points
+        self.state = STARTING
+        self.failure: str | None = None
+        self.metrics: dict[str, MetricHistory] = {}
+        self.memory: dict[int, RankMemory] = {}
+        self.logs: dict[int, LogTail] = {}
+        self.started_ranks: set[int] = set()
+        self.latest_step: dict[int, int] = {}
+        self.rate = StepRate()
+        self._rate_rank: int | None = None
+        self.version = 0
+        self.chart_version = 0
+
+    # -- feeding ---------------------------------------------------------------------
+    def apply(self, event: Any, now: float) -> None:
+        """Take one event from ``Run.events()`` (None, an idle poll, is ignored)."""
+        if event is None:
+            return
+        if isinstance(event, events.Metrics):
+            self._apply_metrics(event, now)
+        elif isinstance(event, events.MemorySample):
+            self.memory.setdefault(event.rank, RankMemory()).record(event)
+            self._changed(charts=True)
+        elif isinstance(event, events.Output):
+            self.logs.setdefault(event.rank, LogTail()).add(event.stream, event.text)
+            self._mark_running()
+            self._changed()
+        elif isinstance(event, events.RankStarted):
+            self.started_ranks.add(event.rank)
+            if len(self.started_ranks) >= self.world_size:
+                self._mark_running()
+            self._changed()
+        elif isinstance(event, events.RankFailed):
+            if self.failure is None:
+                self.failure = f"rank {event.rank} raised {event.exc_type}: {event.message}"
+            self._changed()
+        elif isinstance(event, events.RankExited):
+            if self.failure is None and not event.reported:
+                self.failure = _describe_exit(event)
+                self._changed()
+        elif isinstance(event, events.RunEnded):
+            if event.state != events.FINISHED and self.failure is None and event.detail:
+                self.failure = event.detail
+            self.finish(event.state, now)
+
+    def _apply_metrics(self, event: events.Metrics, now: float) -> None:
+        if not event.rows:
+            return
+        for step, _time, values in event.rows:
+            for name, value in values.items():
+                history = self.metrics.get(name)
+                if history is None:
+                    history = self.metrics[name] = MetricHistory(name, self.world_size, self.max_points)
+                history.add(event.rank, step, value, now)
+        for history in self.metrics.values():
+            history.settle(now)
+        first_step, first_time, _ = event.rows[0]
+        last_step, last_time, _ = event.rows[-1]
+        self.latest_step[event.rank] = last_step
+        if event.rank == self.progress_rank:
+            if self._rate_rank != event.rank:  # rank 0 showed up late: measure it alone
+                self.rate, self._rate_rank = StepRate(), event.rank
+            # A batch's first and last rows: a rate at once, still only two samples per batch.
+            self.rate.add(first_time, first_step)
+            self.rate.add(last_time, last_step)
+        self._mark_running()
+        self._changed(charts=True)
+
+    def finish(self, state: str, now: float) -> None:
+        """The run ended in ``state``; the clock stops and the last mean points are taken."""
+        if state not in END_STATES:
+            raise ValueError(f"a run ends as one of {', '.join(END_STATES)}, not {state!r}")
+        if self.ended_at is None:
+            self.ended_at = now
+        self.state = state
+        for history in self.metrics.values():
+            history.settle_all()
+        self._changed(charts=True)
+
+    def _mark_running(self) -> None:
+        if self.state == STARTING:
+            self.state = RUNNING
+
+    def _changed(self, charts: bool = False) -> None:
+        self.version += 1
+        if charts:
+            self.chart_version += 1
+
+    # -- reading ---------------------------------------------------------------------
+    @property
+    def ended(self) -> bool:
+        return self.state in END_STATES
+
+    @property
+    def progress_rank(self) -> int | None:
+        """The rank whose steps count as the run's progress: the lowest that logs (rank 0)."""
+        return min(self.latest_step, default=None)
+
+    @property
+    def current_step(self) -> int | None:
+        rank = self.progress_rank
+        return None if rank is None else self.latest_step[rank]
+
+    def elapsed(self, now: float) -> float:
+        end = self.ended_at if self.ended_at is not None else now
+        return max(0.0, end - self.started_at)
+
+    @property
+    def steps_per_second(self) -> float | None:
+        return self.rate.per_second()
+
+    @property
+    def samples_per_second(self) -> float | None:
+        rate = self.steps_per_second
+        if rate is None or self.batch_size is None:
+            return None
+        return rate * self.batch_size * self.world_size
+
+    def eta_seconds(self) -> float | None:
+        rate, step = self.steps_per_second, self.current_step
+        if self.ended or self.total_steps is None or step is None or not rate or rate <= 0:
+            return None
+        return max(0.0, (self.total_steps - step) / rate)
+
+    def chart_metric_names(self, limit: int = MAX_METRIC_CHARTS) -> list[str]:
+        """The metrics that get a chart: losses first, then the rest in the order logged."""
+        names = list(self.metrics)
+        ordered = [n for n in names if "loss" in n.lower()] + [n for n in names if "loss" not in n.lower()]
+        return ordered[:limit]
+
+    @property
+    def memory_kind(self) -> str:
+        """"cuda" when any rank reports CUDA figures, else "rss" (host memory)."""
+        return "cuda" if any(m.on_cuda for m in self.memory.values()) else "rss"
+
+
+def _describe_exit(event: events.RankExited) -> str:
+    if event.signal_number is not None:
+        return f"rank {event.rank} was killed by signal {event.signal_number}"
+    return f"rank {event.rank} exited with code {event.exit_code} before it finished"
+
+
+# -- text ------------------------------------------------------------------------------
+
+
+def format_bytes(count: float | None) -> str:
+    """Bytes in the largest binary unit that keeps the number readable.
+
+    >>> format_bytes(512), format_bytes(3 * 2**20), format_bytes(1.5 * 2**30), format_bytes(None)
+    ('512 B', '3.0 MiB', '1.50 GiB', '–')
+    """
+    if count is None:
+        return "–"
+    if count < 1024:
+        return f"{int(count)} B"
+    if count < 2**20:
+        return f"{count / 1024:.1f} KiB"
+    if count < 2**30:
+        return f"{count / 2**20:.1f} MiB"
+    return f"{count / 2**30:.2f} GiB"
+
+
+def format_duration(seconds: float | None) -> str:
+    """Seconds as ``4.2 s``, ``3:07`` or ``1:02:03``.
+
+    >>> format_duration(4.24), format_duration(187), format_duration(3723), format_duration(None)
+    ('4.2 s', '3:07', '1:02:03', '–')
+    """
+    if seconds is None:
+        return "–"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def format_rate(per_second: float | None, unit: str) -> str:
+    """A rate with three significant figures.
+
+    >>> format_rate(12.345, "steps/s"), format_rate(0.0123, "steps/s"), format_rate(12345.6, "samples/s")
+    ('12.3 steps/s', '0.0123 steps/s', '12,346 samples/s')
+    """
+    if per_second is None:
+        return f"– {unit}"
+    if per_second >= 1000:
+        return f"{per_second:,.0f} {unit}"
+    return f"{per_second:.3g} {unit}"
+
+
+def format_value(value: float | None) -> str:
+    """A metric value, short.
+
+    >>> format_value(0.123456), format_value(1234567.0), format_value(float("nan")), format_value(None)
+    ('0.1235', '1.235e+06', 'nan', '–')
+    """
+    if value is None:
+        return "–"
+    return f"{value:.4g}"
+
+
+STATUS_STATE_INDEX = 4  # where status_line puts the state, for a view that colours it
+
+
+def status_line(state: RunState, now: float) -> str:
+    """Strategy, accelerator, ranks, state, elapsed time and rates, joined by " · "."""
+    parts = [
+        "nbtrain",
+        state.strategy or "?",
+        state.accelerator or "?",
+        f"{state.world_size} rank" + ("" if state.world_size == 1 else "s"),
+        state.state,
+        format_duration(state.elapsed(now)),
+    ]
+    if state.steps_per_second is not None:
+        parts.append(format_rate(state.steps_per_second, "steps/s"))
+    if state.samples_per_second is not None:
+        parts.append(format_rate(state.samples_per_second, "samples/s"))
+    return " · ".join(parts)
+
+
+def progress_fraction(state: RunState) -> float | None:
+    """How far the run is, 0..1, when a total was given.
+
+    The logged step decides, even at the end: a run that finished at step 60 of a promised
+    100 shows 60%, not a full bar.
+    """
+    if state.total_steps is None:
+        return None
+    step = state.current_step or 0
+    return min(1.0, max(0.0, step / state.total_steps))
+
+
+def progress_text(state: RunState, bar_width: int = 20) -> str:
+    """``step 50/100 [##########----------] 50% · ETA 5.0 s`` (no bar without a total).
+
+    >>> s = RunState(total_steps=4)
+    >>> progress_text(s), progress_text(RunState())
+    ('step 0/4 [--------------------] 0%', 'no steps logged yet')
+    """
+    step = state.current_step
+    fraction = progress_fraction(state)
+    if fraction is None:
+        return "no steps logged yet" if step is None else f"step {step:,}"
+    filled = int(round(fraction * bar_width))
+    text = f"step {step or 0:,}/{state.total_steps:,} [{'#' * filled}{'-' * (bar_width - filled)}] {fraction:.0%}"
+    eta = state.eta_seconds()
+    if eta is not None:
+        text += f" · ETA {format_duration(eta)}"
+    return text
+
+
+def metric_line(history: MetricHistory) -> str:
+    """``loss  rank 0: 0.51  rank 1: 0.49  mean: 0.5``."""
+    values = "  ".join(f"rank {rank}: {format_value(v)}" for rank, v in history.last_values().items())
+    if len(history.ranks) > 1 and history.mean.last_value is not None:
+        values += f"  mean: {format_value(history.mean.last_value)}"
+    return f"{history.name}  {values}"
+
+
+def memory_line(state: RunState) -> str | None:
+    """``memory (host RSS)  rank 0: 300 MiB (peak 310 MiB)  ...`` or None before any sample."""
+    if not state.memory:
+        return None
+    label = "GPU allocated" if state.memory_kind == "cuda" else "host RSS"
+    ranks = "  ".join(
+        f"rank {rank}: {format_bytes(m.current_bytes)} (peak {format_bytes(m.peak_bytes)})"
+        for rank, m in sorted(state.memory.items())
+    )
+    return f"memory ({label})  {ranks}"
+
+
+def summary_text(state: RunState, now: float, max_metrics: int = MAX_METRIC_CHARTS) -> str:
+    """The compact multi-line status: what a plain frontend shows (the text/plain part)."""
+    lines = [status_line(state, now), progress_text(state)]
+    if state.failure:
+        lines.append(state.failure)
+    for name in state.chart_metric_names(max_metrics):
+        lines.append(metric_line(state.metrics[name]))
+    memory = memory_line(state)
+    if memory:
+        lines.append(memory)
+    return "\n".join(lines)
+
+
+def one_line_progress(state: RunState, now: float) -> str:
+    """A single line for a terminal: state, time, step, rate and the first metric's mean."""
+    parts = [f"[nbtrain] {state.state}", format_duration(state.elapsed(now)), progress_text(state)]
+    if state.steps_per_second is not None:
+        parts.append(format_rate(state.steps_per_second, "steps/s"))
+    names = state.chart_metric_names(1)
+    if names:
+        history = state.metrics[names[0]]
+        shown = history.mean.last_value if len(history.ranks) > 1 else next(iter(history.ranks.values())).last_value
+        where = f" (mean of {len(history.ranks)} ranks)" if len(history.ranks) > 1 else ""
+        parts.append(f"{names[0]} {format_value(shown)}{where}")
+    return " · ".join(parts)
+
+
+def wants_log_scale(values: list[float]) -> bool:
+    """A log y axis for a decaying positive quantity that spans over two decades (a loss).
+
+    Rising ones (an accuracy climbing from 0.001) stay linear: their story is near the top.
+
+    >>> wants_log_scale([10.0, 1.0, 0.05]), wants_log_scale([1.0, 0.5]), wants_log_scale([0.001, 0.9, 1.0])
+    (True, False, False)
+    >>> wants_log_scale([1.0, -1.0]), wants_log_scale([])
+    (False, False)
+    """
+    if len(values) < 2 or values[0] <= values[-1]:
+        return False
+    low, high = math.inf, -math.inf
+    for value in values:
+        if value <= 0:
+            return False
+        low, high = min(low, value), max(high, value)
+    return high > low * 100
