@@ -36,6 +36,7 @@ from nbtrain.errors import (
 )
 from nbtrain.kernel.client import Run, launch, start
 from nbtrain.rank.api import device, is_rank_zero, local_rank, log, rank, world_size
+from nbtrain.rank.prepare import prepare
 
 __all__ = [
     "ConfigurationError",
@@ -53,11 +54,19 @@ __all__ = [
     "launch",
     "local_rank",
     "log",
+    "prepare",
     "rank",
     "start",
     "world_size",
 ]
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ip: object) -> None:
+    """``%load_ext nbtrain``: registers the ``%%distributed`` cell magic."""
+    from nbtrain.kernel.magic import load_ipython_extension as _load
+
+    _load(ip)
 
 
 def _should_prewarm() -> bool:

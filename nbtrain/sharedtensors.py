@@ -20,10 +20,12 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import io
 import mmap
 import os
 import pickle
+import types
 from typing import Any
 
 import cloudpickle
@@ -41,6 +43,13 @@ class _StoragePickler(cloudpickle.Pickler):
         self.storages: list[tuple[torch.UntypedStorage, int]] = []
         self.total_bytes = 0
         self._seen: dict[tuple[str, int, int], int] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        # cloudpickle pickles modules by reference only when their type is exactly
+        # ModuleType; module subclasses such as ``torch.classes`` would fail by value.
+        if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType:
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.storage.TypedStorage):

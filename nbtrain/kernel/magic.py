@@ -1,0 +1,471 @@
+"""``%%distributed``: run a notebook cell on N ranks and bring its results back into the kernel.
+
+``%load_ext nbtrain`` registers it. Then, with ``model``, ``opt`` and ``loader`` defined in
+earlier cells::
+
+    %%distributed --devices 2
+    for x, y in loader:
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+
+trains data-parallel on two ranks, and afterwards the kernel's ``model`` (the same
+object) holds rank 0's trained weights. This module owns the IPython side: the flags,
+the run's output in the cell, and turning failures into one readable error. What
+travels and what comes back is decided in :mod:`nbtrain.kernel.namespace`; what runs on
+a rank is :mod:`nbtrain.rank.cell`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import re
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from IPython.core import magic_arguments
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+
+from nbtrain import config, events
+from nbtrain.errors import (
+    ConfigurationError,
+    NbtrainError,
+    RankError,
+    RunFailedError,
+    RunStoppedError,
+    SerializationError,
+)
+
+OUTPUT_MODES = ("all", "rank0", "none")
+METRIC_ROWS = 100_000  # per rank, kept in ``last_run`` (a long run must not grow the kernel)
+# DDP's C++ reducer prints this once per rank when find_unused_parameters=True found
+# nothing unused. prepare() sets that flag (so a model that skips a layer still trains);
+# the hint is about our choice, not the user's code.
+_NOISE = "find_unused_parameters=True was specified in DDP constructor"
+
+
+@dataclass
+class CellRun:
+    """The last ``%%distributed`` run, for inspection: ``nbtrain.kernel.magic.last_run``."""
+
+    state: str = "running"
+    world_size: int = 0
+    strategy: str = ""
+    accelerator: str = ""
+    seconds: float = 0.0
+    # the last METRIC_ROWS rows each rank logged: (step, unix time, {name: value})
+    metrics: dict[int, collections.deque] = field(default_factory=dict)
+    prepared: list[tuple[str, str]] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+last_run: CellRun | None = None
+
+
+@magics_class
+class DistributedMagics(Magics):
+    """The ``%%distributed`` cell magic."""
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("-h", "--help", action="store_true", help="Show this help and do not run the cell.")
+    @magic_arguments.argument(
+        "--devices",
+        default="auto",
+        help="How many ranks, or which GPUs: 2, -1 (every GPU or core), auto (every GPU, else 1), 0,2. Default: auto.",
+    )
+    @magic_arguments.argument(
+        "--accelerator", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda (or gpu), mps. Default: auto."
+    )
+    @magic_arguments.argument(
+        "--strategy",
+        default="ddp_notebook",
+        help="ddp_notebook (default), ddp_spawn, fsdp or auto: see Strategies above.",
+    )
+    @magic_arguments.argument(
+        "--timeout", type=float, default=None, help="Stop every rank after this many seconds. Default: no limit."
+    )
+    @magic_arguments.argument(
+        "--output",
+        default="all",
+        choices=OUTPUT_MODES,
+        help="Whose prints show: all (each line tagged [rank N]), rank0 (rank 0's, untagged), none. Default: all.",
+    )
+    @magic_arguments.argument(
+        "--no-auto",
+        dest="auto",
+        action="store_false",
+        help="Do not prepare the kernel's models, optimizers and loaders, nor log the loss: the cell does it all.",
+    )
+    @cell_magic
+    def distributed(self, line: str, cell: str) -> Any:
+        """Run this cell on every rank, data-parallel, and bring rank 0's results back.
+
+        The cell is plain single-device code: in auto mode (the default) the kernel's
+        Modules, Optimizers and DataLoaders it uses are prepared on each rank (wrapped in
+        DistributedDataParallel, sharded with FSDP2, given a DistributedSampler), and the
+        loss passed to .backward() is logged. Code written for torchrun (its own
+        init_process_group, DDP, DistributedSampler) runs unchanged; auto mode then
+        steps aside. When the run ends, the kernel's models, optimizers and LR schedulers
+        hold rank 0's final state (the same objects), and names the cell set are set in
+        the kernel. Interrupt the kernel to stop every rank; nothing changes then.
+
+        Strategies:
+          ddp_notebook  data parallel; ranks fork from a warm, clean launcher (fast start)
+          ddp_spawn     data parallel; each rank is a fresh interpreter (for libraries
+                        that break after fork)
+          fsdp          fully sharded with FSDP2: each rank holds a slice of every weight
+          auto          ddp_notebook for more than one device, a single worker for one
+
+        Example (a DataLoader, model, loss_fn and opt defined in earlier cells):
+
+            %%distributed --devices 2 --strategy ddp_notebook
+            for x, y in loader:
+                loss = loss_fn(model(x), y)
+                opt.zero_grad(); loss.backward(); opt.step()
+
+        Inside the cell (and functions it calls): nbtrain.rank(), nbtrain.world_size(),
+        nbtrain.device(), nbtrain.log(loss=...), nbtrain.prepare(model, opt, loader).
+        """
+        options = parse_flags(self.distributed, line)
+        if options.help:
+            print(help_text(self.distributed))
+            return None
+        return run_distributed_cell(self.shell, line, cell, options)
+
+
+# magic_arguments names every magic "%name" (its usage prefix adds one "%"); this one is a
+# cell magic.
+DistributedMagics.distributed.parser.prog = "%distributed"
+DistributedMagics.distributed.__doc__ = DistributedMagics.distributed.__doc__.replace(
+    "%distributed [", "%%distributed [", 1
+)
+
+
+def load_ipython_extension(ip: Any) -> None:
+    """``%load_ext nbtrain``: register ``%%distributed``."""
+    ip.register_magics(DistributedMagics)
+
+
+def parse_flags(magic: Any, line: str) -> Any:
+    """The parsed flags of ``line``; any problem is one UsageError line."""
+    try:
+        options = magic_arguments.parse_argstring(magic, line)
+    except UsageError as error:
+        raise UsageError(f"%%distributed: {error}. See %%distributed --help.") from None
+    except ValueError as error:  # unbalanced quotes
+        raise UsageError(f"%%distributed: cannot read the flags {line!r}: {error}.") from None
+    return options
+
+
+def help_text(magic: Any) -> str:
+    text = magic.parser.format_help().rstrip()
+    return text[len("::\n\n  ") :] if text.startswith("::\n\n  ") else text  # an RST code-block marker
+
+
+def check_flags(options: Any) -> config.LaunchConfig:
+    """The launch configuration, or a UsageError naming the bad flag and what is possible."""
+    from nbtrain import hardware
+
+    try:
+        plan = hardware.probe_plan(options.devices, options.accelerator)
+        return config.make_config(plan, strategy=options.strategy, timeout=options.timeout)
+    except ConfigurationError as error:
+        raise UsageError(f"%%distributed: {error}") from None
+
+
+# -- running a cell ------------------------------------------------------------------------
+
+
+def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
+    """Launch ``cell`` on the ranks, show its output, apply rank 0's results to the kernel."""
+    global last_run
+    from nbtrain.kernel import client
+    from nbtrain.kernel import namespace as ns
+    from nbtrain.rank import cell as rank_cell
+
+    cfg = check_flags(options)
+    body, blank_lines = _strip_leading_blank_lines(cell)
+    if not body.strip():
+        raise UsageError(
+            "%%distributed: the cell is empty; put the code to run on every rank below the %%distributed line."
+        )
+    # Blank lines in front keep the notebook's line numbers: line 1 is the %%distributed line.
+    code = "\n" * (1 + blank_lines) + shell.transform_cell(body)
+    filename = register_source(shell, line, cell)
+    _check_syntax(code, filename, shell)
+    analysis = ns.analyse_cell(code, shell.user_ns, shell.user_ns_hidden, raw_cell=body)
+    shipped = {name: shell.user_ns[name] for name in analysis.names}
+    auto = options.auto and not analysis.self_distributes
+    spec = rank_cell.CellSpec(
+        code=code,
+        filename=filename,
+        names=analysis.names,
+        auto=auto,
+        log_loss=auto and not analysis.calls_log,
+        model_wrapper=cfg.strategy.model_wrapper,
+        needs_shell=analysis.needs_shell,
+        display_last=analysis.display_last,
+        rng=ns.rng_states(),
+    )
+    record = last_run = CellRun(
+        world_size=cfg.world_size, strategy=cfg.strategy.name, accelerator=cfg.plan.accelerator
+    )
+    started = time.monotonic()
+    try:
+        ns.refuse_open_files(shipped, analysis.used_by)
+        run = client.start(
+            rank_cell.run_cell,
+            (spec, shipped, ns.anchor_function(shell.user_ns)),
+            devices=options.devices,
+            accelerator=options.accelerator,
+            strategy=options.strategy,
+            timeout=options.timeout,
+        )
+    except SerializationError as error:
+        raise _plain(ns.explain_unpicklable(shipped, analysis.used_by) or error) from None
+    show = _OutputPrinter(options.output, cfg.world_size, record)
+    view = _CellView(run)
+    unchanged = _unchanged_note(shipped)
+    try:
+        for event in run.events(poll=view.poll_seconds):
+            if event is not None:
+                show(event)
+            view.show(event)
+        result = run.result()
+    except KeyboardInterrupt:
+        run.stop("interrupted")
+        record.state = events.STOPPED
+        view.finish(events.STOPPED)
+        raise _plain(
+            RunStoppedError(f"the cell was interrupted and every rank was stopped. {unchanged} The kernel is ready.")
+        ) from None
+    except RunFailedError as error:
+        record.state = run.state
+        view.finish(run.state)
+        raise _explained(error, shell, unchanged) from None
+    finally:
+        record.seconds = time.monotonic() - started
+    record.state = events.FINISHED
+    view.finish(events.FINISHED)
+    return _bring_back(shell, result, shipped, record, options.output)
+
+
+def _bring_back(shell: Any, result: Any, shipped: dict[str, Any], record: CellRun, output: str) -> Any:
+    from nbtrain.kernel import namespace as ns
+
+    if result is None:  # the cell ran, but rank 0 sent nothing (it should always send something)
+        return None
+    try:
+        outcome = ns.decode_result(result, shipped, shell.user_ns)
+    except Exception as error:  # noqa: BLE001 - the values are unusable; the kernel keeps its own
+        _warn(f"rank 0's results could not be loaded in the kernel ({error}); nothing in the kernel changed.")
+        return None
+    with _interrupts_deferred():  # all of it or, if interrupted before, none of it
+        report = ns.apply_result(outcome, shipped, shell.user_ns, result.deleted)
+    record.prepared = list(result.prepared)
+    record.updated = report.updated + [f"del {n}" for n in report.deleted]
+    record.skipped = list(result.skipped) + report.skipped
+    for note in result.notes:
+        _warn(f"note: {note}")
+    if record.skipped:
+        described = ", ".join(f"{name} ({kind}: {why})" for name, kind, why in record.skipped)
+        _warn(f"warning: not brought back to the kernel, so they keep their old values there: {described}.")
+    if output != "none":
+        print(_summary(record))
+    display = outcome.get("display")
+    return display[0] if display else None
+
+
+def _summary(record: CellRun) -> str:
+    ranks = f"{record.world_size} rank{'s' if record.world_size != 1 else ''}"
+    text = f"nbtrain: {ranks} ({record.accelerator}, {record.strategy}) finished in {record.seconds:.1f} s."
+    wrapped = [f"{name} ({how})" for name, how in record.prepared if how not in ("moved", "bound")]
+    if wrapped:
+        text += f" Auto-prepared: {', '.join(wrapped)}."
+    if record.updated:
+        text += f" Updated in the kernel: {', '.join(record.updated)}."
+    return text
+
+
+class _CellView:
+    """The run's live view (status, progress, charts) above the cell's printed output.
+
+    Rank prints are printed by _OutputPrinter in every frontend; the text view of a
+    terminal would print them again, so it gets every event but those.
+    """
+
+    def __init__(self, run: Any):
+        from nbtrain.kernel import display
+
+        self.view = display.LiveView(run.config)
+        self.poll_seconds = display.FASTEST_FRAME_SECONDS / 2
+        self.view.refresh(force=True)
+
+    def show(self, event: Any) -> None:
+        if self.view.rich or not isinstance(event, events.Output):
+            self.view.handle(event)
+        self.view.refresh()
+
+    def finish(self, state: str) -> None:
+        self.view.finish(state)
+
+
+class _OutputPrinter:
+    """Shows rank output in the cell as it arrives; keeps logged metrics for ``last_run``."""
+
+    def __init__(self, mode: str, world_size: int, record: CellRun):
+        self.mode = mode
+        self.tagged = mode == "all" and world_size > 1
+        self.record = record
+
+    def __call__(self, event: Any) -> None:
+        if isinstance(event, events.Metrics):
+            rows = self.record.metrics.setdefault(event.rank, collections.deque(maxlen=METRIC_ROWS))
+            rows.extend(event.rows)
+        elif isinstance(event, events.Output):
+            if self.mode == "none" or (self.mode == "rank0" and event.rank != 0):
+                return
+            stream = sys.stderr if event.stream == "stderr" else sys.stdout
+            text = event.text
+            if event.stream == "stderr" and _NOISE in text:
+                text = "".join(line for line in text.splitlines(keepends=True) if _NOISE not in line)
+            if self.tagged:
+                text = "".join(f"[rank {event.rank}] {line}" for line in text.splitlines(keepends=True))
+            stream.write(text)
+            stream.flush()
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+def _plain(error: BaseException) -> BaseException:
+    """Make IPython show ``error`` as its one message, without our frames."""
+    if not hasattr(error, "_render_traceback_"):
+        message = f"{type(error).__name__}: {error}"
+        error._render_traceback_ = lambda: [message]  # type: ignore[attr-defined]
+    return error
+
+
+def _unchanged_note(shipped: dict[str, Any]) -> str:
+    names = [n for n, v in shipped.items() if not callable(v) or hasattr(v, "state_dict")]
+    names = [n for n in names if type(shipped[n]).__name__ != "module"]
+    if not names:
+        return "Nothing in the kernel was changed."
+    listed = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+    verb = "is as it was" if len(names) == 1 else "are as they were"
+    return f"Nothing in the kernel was changed: {listed} {verb} before the cell."
+
+
+class CellRankError(RankError):
+    """A rank's failure in a ``%%distributed`` cell, its traceback in the notebook's terms."""
+
+    def __init__(self, error: RankError, traceback_text: str, note: str):
+        super().__init__(error.rank, error.exc_type, error.exc_message, traceback_text)
+        self.note = note
+
+    def _render_traceback_(self) -> list[str]:
+        return [*super()._render_traceback_(), "", self.note]
+
+
+def _explained(error: RunFailedError, shell: Any, note: str) -> BaseException:
+    if isinstance(error, RankError):
+        return CellRankError(error, cell_traceback(error.remote_traceback, shell), note)
+    message = f"{error} {note}"
+    error.args = (message,)
+    error._render_traceback_ = lambda: [f"{type(error).__name__}: {message}"]  # type: ignore[attr-defined]
+    return error
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def cell_traceback(text: str, shell: Any) -> str:
+    """Name notebook cells as IPython does: ``File "/tmp/ipykernel_1/23.py", line 4`` -> ``Cell In[7], line 4``."""
+    names = getattr(getattr(shell, "compile", None), "_filename_map", {}) or {}
+
+    def rename(match: re.Match) -> str:
+        number = names.get(match.group(1))
+        return match.group(0) if number is None else f"Cell In[{number}], line {match.group(2)}"
+
+    return _FRAME.sub(rename, text)
+
+
+def _check_syntax(code: str, filename: str, shell: Any) -> None:
+    import traceback
+
+    try:
+        compile(code, filename, "exec")
+    except SyntaxError as error:
+        text = cell_traceback("".join(traceback.format_exception_only(type(error), error)), shell)
+        raise CellSyntaxError(text) from None
+
+
+class CellSyntaxError(NbtrainError):
+    """The cell does not compile: shown as Python shows a SyntaxError, at the cell's own line.
+
+    Not a SyntaxError subclass: IPython would show one with nbtrain's frames around it.
+    """
+
+    def __init__(self, text: str):
+        Exception.__init__(self, text)
+
+    def _render_traceback_(self) -> list[str]:
+        return str(self).rstrip().splitlines()
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def register_source(shell: Any, line: str, cell: str) -> str:
+    """Register the cell, as the user wrote it, in linecache; return the filename to compile with.
+
+    The engine ships the kernel's in-memory linecache entries to the ranks, so a rank's
+    traceback shows the cell's own lines. IPython's compiler also remembers the cell's
+    number for the name, which :func:`cell_traceback` uses.
+    """
+    import linecache
+
+    source = f"%%distributed {line}".rstrip() + "\n" + cell
+    compiler = getattr(shell, "compile", None)
+    if compiler is not None and hasattr(compiler, "cache"):
+        # A raw_code of our own gives a name of our own: the kernel's entry for the
+        # cell (its transformed form) stays as it is.
+        return compiler.cache(source, shell.execution_count, raw_code=source + "\n# nbtrain %%distributed")
+    filename = f"<cell-{abs(hash(source))}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    return filename
+
+
+def _strip_leading_blank_lines(cell: str) -> tuple[str, int]:
+    lines = cell.splitlines(keepends=True)
+    count = 0
+    while count < len(lines) and not lines[count].strip():
+        count += 1
+    return "".join(lines[count:]), count
+
+
+def _warn(text: str) -> None:
+    sys.stderr.write(f"nbtrain {text}\n")
+    sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT while the kernel's objects are being updated, then deliver it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt

@@ -1,0 +1,568 @@
+"""The kernel's side of a ``%%distributed`` cell's namespace: what goes out, what comes back.
+
+Going out (:func:`analyse_cell`): the kernel globals a cell uses are the names it loads,
+in nested functions and comprehensions too (read from the compiler's symbol table, so a
+function's own parameters and locals do not count), plus, transitively, the globals of
+the notebook functions and classes it uses: the same names cloudpickle ships with them.
+Only those travel. :func:`explain_unpicklable` names the one that cannot.
+
+Coming back (:func:`decode_result`, :func:`apply_result`): rank 0 sends a
+:class:`CellResult`. The kernel's own Modules, Optimizers and LR schedulers are updated
+in place from it (same objects, same devices and dtypes); other names the cell bound or
+changed are set as if the cell had run in the kernel. References to the kernel's objects
+come back as those objects, never as copies, and functions the cell defined get the
+kernel's globals.
+
+Pure apart from the objects it is handed: it starts nothing and imports torch only to
+load state into torch objects that already exist.
+
+Example:
+    >>> analyse_cell("for x in data:\\n    total += f(x)\\n", {"data": [1], "f": abs, "total": 0}).names
+    ('data', 'f', 'total')
+"""
+
+from __future__ import annotations
+
+import ast
+import dis
+import io
+import pickle
+import re
+import symtable
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from nbtrain.errors import SerializationError
+
+# Names IPython (or Python) puts in a namespace: never shipped, never sent back.
+_INTERNAL = re.compile(r"^(__\w*__|_+|_i+|_i?\d+|_oh|_ih|_dh|In|Out|get_ipython|exit|quit|_exit_code)$")
+
+# Persistent ids of a rank's result pickle (made by nbtrain.rank.cell.ResultPickler).
+STORAGE_TAG = "s"  # ("s", index into CellResult.storages, dtype or None)
+KERNEL_TAG = "k"  # ("k", name): the kernel's own object shipped under that name
+PART_TAG = "p"  # ("p", name, "param"|"buffer"|"module", dotted path) inside a shipped module
+GLOBALS_TAG = "g"  # ("g",): the kernel's globals (a function defined in the cell)
+
+SELF_DISTRIBUTING = frozenset(
+    {"DistributedDataParallel", "DDP", "fully_shard", "FullyShardedDataParallel", "FSDP", "DistributedSampler"}
+)
+_UNTRAVELLING_HINT = (
+    "Open files, locks, threads, sockets, database connections and generators cannot be sent to "
+    "other processes: create it inside the cell (or in a function the cell calls), or keep what "
+    "it is made from (a path, a query) in the variable instead."
+)
+
+
+def is_internal(name: str) -> bool:
+    """True for names IPython or Python manage (``In``, ``_3``, ``__name__``...)."""
+    return bool(_INTERNAL.match(name))
+
+
+# -- going out -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CellAnalysis:
+    """What the kernel learns from a cell's code before it runs it anywhere."""
+
+    names: tuple[str, ...]  # kernel globals the cell uses, sorted
+    used_by: Mapping[str, str | None] = field(default_factory=dict)  # name -> notebook function using it
+    self_distributes: tuple[str, ...] = ()  # e.g. ("DistributedDataParallel",): auto mode steps aside
+    calls_log: bool = False  # the cell (or a function it calls) logs with nbtrain.log itself
+    needs_shell: bool = False  # the transformed code calls get_ipython()
+    display_last: bool = False  # the last statement is an expression whose value is shown
+
+
+def analyse_cell(
+    code: str, user_ns: Mapping[str, Any], hidden: Iterable[str] = (), *, raw_cell: str | None = None
+) -> CellAnalysis:
+    """Which kernel globals ``code`` (transformed, valid Python) uses, and how it distributes.
+
+    ``hidden``: names IPython put in the namespace (``shell.user_ns_hidden``); never shipped.
+
+    >>> ns = {"model": object(), "unused": 1}
+    >>> analyse_cell("def f(model):\\n    return model\\nf(2)\\n", ns).names  # a parameter, not the global
+    ()
+    >>> analyse_cell("y = [model for _ in range(3)]", ns).names
+    ('model',)
+    """
+    tree = ast.parse(code)
+    loaded, deleted = _module_names(code)
+    hidden = set(hidden)
+    direct = sorted(n for n in loaded | deleted if n in user_ns and n not in hidden and not is_internal(n))
+    used_by: dict[str, str | None] = {}
+    pending: list[tuple[str, str | None]] = [(n, None) for n in direct]
+    code_names: set[str] = set()
+    while pending:
+        name, via = pending.pop(0)
+        if name in used_by:
+            continue
+        used_by[name] = via
+        for code_object in _notebook_code(user_ns[name], user_ns):
+            globals_used = _code_globals(code_object)
+            code_names |= _code_names(code_object)
+            for inner in sorted(globals_used):
+                if inner in user_ns and inner not in hidden and not is_internal(inner) and inner not in used_by:
+                    pending.append((inner, name if via is None else via))
+    syntax_names = _syntax_names(tree)
+    self_distributes = sorted((syntax_names | code_names) & SELF_DISTRIBUTING)
+    if _refers_to_nbtrain(tree, user_ns, "prepare", code_names):
+        self_distributes.append("nbtrain.prepare")
+    return CellAnalysis(
+        names=tuple(sorted(used_by)),
+        used_by=used_by,
+        self_distributes=tuple(self_distributes),
+        calls_log=_refers_to_nbtrain(tree, user_ns, "log", code_names),
+        needs_shell="get_ipython" in loaded,
+        display_last=_shows_last_value(tree, raw_cell if raw_cell is not None else code),
+    )
+
+
+def _module_names(code: str) -> tuple[set[str], set[str]]:
+    """(global names loaded anywhere in ``code``, global names deleted at module level)."""
+    table = symtable.symtable(code, "<cell>", "exec")
+    loaded: set[str] = set()
+
+    def visit(scope: symtable.SymbolTable, top: bool) -> None:
+        for symbol in scope.get_symbols():
+            if symbol.is_referenced() and (top or symbol.is_global()):
+                loaded.add(symbol.get_name())
+        for child in scope.get_children():
+            visit(child, False)
+
+    visit(table, True)
+    tree = ast.parse(code)
+    loaded |= _augmented_globals(tree)  # `total += x` reads total, yet symtable says "assigned"
+    deleted = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Del)}
+    return loaded, deleted
+
+
+def _augmented_globals(tree: ast.AST) -> set[str]:
+    """Targets of ``name += ...`` that are globals: at module level, or declared ``global``."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST, declared: set[str] | None) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            body = node.body if isinstance(node.body, list) else [node.body]
+            inner = {n for stmt in body for g in ast.walk(stmt) if isinstance(g, ast.Global) for n in g.names}
+            for child in ast.iter_child_nodes(node):
+                visit(child, inner)
+            return
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            if declared is None or node.target.id in declared:
+                found.add(node.target.id)
+        for child in ast.iter_child_nodes(node):
+            visit(child, declared)
+
+    visit(tree, None)
+    return found
+
+
+def _notebook_code(value: Any, user_ns: Mapping[str, Any]) -> list[types.CodeType]:
+    """Code objects that travel with ``value`` because it was defined in the notebook."""
+    codes: list[types.CodeType] = []
+    seen: set[int] = set()
+
+    def add_function(fn: Any) -> None:
+        if isinstance(fn, types.FunctionType) and id(fn) not in seen and fn.__globals__ is user_ns:
+            seen.add(id(fn))
+            codes.append(fn.__code__)
+            for cell in fn.__closure__ or ():
+                try:
+                    add_any(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    pass
+
+    def add_class(cls: type) -> None:
+        for klass in getattr(cls, "__mro__", ()):
+            if klass.__module__ != "__main__" or id(klass) in seen:
+                continue
+            seen.add(id(klass))
+            for member in vars(klass).values():
+                if isinstance(member, (staticmethod, classmethod)):
+                    member = member.__func__
+                if isinstance(member, property):
+                    for accessor in (member.fget, member.fset, member.fdel):
+                        add_function(accessor)
+                add_function(member)
+
+    def add_any(obj: Any) -> None:
+        if isinstance(obj, types.FunctionType):
+            add_function(obj)
+        elif isinstance(obj, type):
+            add_class(obj)
+        elif type(obj).__module__ == "__main__":
+            add_class(type(obj))
+
+    add_any(value)
+    return codes
+
+
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
+
+
+def _code_globals(code: types.CodeType) -> set[str]:
+    """Global names a code object (and the code nested in it) reads or writes, as cloudpickle finds them."""
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _GLOBAL_OPS}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_globals(const)
+    return {n for n in names if isinstance(n, str)}
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _syntax_names(tree: ast.AST) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.alias):
+            names.add(node.name.rsplit(".", 1)[-1])
+    return names
+
+
+def _refers_to_nbtrain(tree: ast.AST, user_ns: Mapping[str, Any], attr: str, code_names: set[str]) -> bool:
+    """Does the cell (or a notebook function it calls) use ``nbtrain.<attr>``?"""
+    import nbtrain
+
+    target = getattr(nbtrain, attr, None)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == attr and isinstance(node.value, ast.Name):
+            if node.value.id == "nbtrain" or user_ns.get(node.value.id) is nbtrain:
+                return True
+        if isinstance(node, ast.Name) and node.id == attr and user_ns.get(attr) is target is not None:
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "nbtrain":
+            if any(alias.name == attr for alias in node.names):
+                return True
+    return attr in code_names and ("nbtrain" in code_names or user_ns.get(attr) is target is not None)
+
+
+def _shows_last_value(tree: ast.Module, raw_cell: str) -> bool:
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+        return False
+    lines = [line for line in raw_cell.rstrip().splitlines() if line.strip()]
+    return bool(lines) and not lines[-1].rstrip().endswith(";")
+
+
+def anchor_function(user_ns: dict) -> types.FunctionType:
+    """A function whose globals are ``user_ns``: on a rank its ``__globals__`` is the cell's namespace.
+
+    cloudpickle gives every function that shares a globals dict one shared dict on the
+    other side. Shipping this one beside the cell's names makes that dict known, so the
+    cell runs in the very namespace its notebook functions see: when auto mode swaps
+    ``model`` for the wrapped one, a helper that reads the global ``model`` sees it too.
+    """
+    return types.FunctionType(compile("None", "<nbtrain-anchor>", "eval"), user_ns, "_nbtrain_anchor")
+
+
+def explain_unpicklable(namespace: Mapping[str, Any], used_by: Mapping[str, str | None]) -> SerializationError | None:
+    """The error naming the variables that cannot be sent to the ranks (None if all can).
+
+    A notebook function that fails only because it uses a failing variable is reported
+    through that variable, so the message points at the object to change.
+    """
+    failures: dict[str, str] = {}
+    for name in sorted(namespace):
+        reason = _pickle_failure(namespace[name])
+        if reason is not None:
+            failures[name] = reason
+    if not failures:
+        return None
+    culprits = [n for n in failures if not isinstance(namespace[n], (types.FunctionType, type))] or list(failures)
+    lines = []
+    for name in culprits:
+        value = namespace[name]
+        where = f", used by `{used_by[name]}`" if used_by.get(name) else ""
+        lines.append(
+            f"cannot send `{name}` (a {_type_name(value)}{where}) to the ranks: {failures[name]}."
+        )
+    return SerializationError(" ".join(lines) + " " + _UNTRAVELLING_HINT)
+
+
+def refuse_open_files(namespace: Mapping[str, Any], used_by: Mapping[str, str | None]) -> None:
+    """Raise SerializationError for an open file among the values to ship.
+
+    cloudpickle would send a file opened for reading as a StringIO snapshot of its
+    contents: the ranks would read a copy, never write the file. Better to say so.
+
+    >>> import io
+    >>> refuse_open_files({"buffer": io.StringIO("in memory is fine")}, {})
+    """
+    import io
+
+    for name in sorted(namespace):
+        value = namespace[name]
+        if isinstance(value, io.IOBase) and not isinstance(value, (io.StringIO, io.BytesIO)):
+            where = f", used by `{used_by[name]}`" if used_by.get(name) else ""
+            raise SerializationError(
+                f"cannot send `{name}` (a {_type_name(value)}{where}) to the ranks: it is an open file, "
+                f"and a file handle belongs to one process. {_UNTRAVELLING_HINT}"
+            )
+
+
+def _pickle_failure(value: Any) -> str | None:
+    try:
+        _probe_pickler_class()(_NullSink()).dump(value)
+    except Exception as error:  # noqa: BLE001 - any failure means it cannot travel
+        return str(error) or type(error).__name__
+    return None
+
+
+class _NullSink:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+_probe_pickler: type | None = None
+
+
+def _probe_pickler_class() -> type:
+    """cloudpickle that skips tensor data: checking a 1 GB model copies nothing."""
+    global _probe_pickler
+    if _probe_pickler is None:
+        import cloudpickle
+
+        class ProbePickler(cloudpickle.Pickler):
+            def persistent_id(self, obj: Any) -> Any:
+                torch = sys.modules.get("torch")
+                if torch is not None and isinstance(obj, (torch.storage.TypedStorage, torch.UntypedStorage)):
+                    return ("storage", id(obj))
+                return None
+
+        _probe_pickler = ProbePickler
+    return _probe_pickler
+
+
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    module = cls.__module__
+    return cls.__qualname__ if module in ("builtins", "__main__") else f"{module}.{cls.__qualname__}"
+
+
+# -- coming back ---------------------------------------------------------------------------
+
+
+@dataclass
+class CellResult:
+    """What rank 0 sends back after the cell ran (tensors travel in ``storages``, zero-copy).
+
+    ``payload`` unpickles (see :func:`decode_result`) to a dict with the keys ``modules``
+    {name: (state_dict, [(submodule path, training)])}, ``optimizers`` and ``schedulers``
+    {name: state_dict}, ``tensors`` / ``changed`` / ``bound`` {name: value}, ``display``
+    (a 1-tuple or None) and ``rng`` (RNG states or None).
+    """
+
+    payload: bytes
+    storages: list
+    deleted: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, type, why)
+    prepared: list[tuple[str, str]] = field(default_factory=list)  # (name, what auto mode did)
+    notes: list[str] = field(default_factory=list)
+
+
+class _ResultUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, storages: list, shipped: Mapping[str, Any], user_ns: dict):
+        super().__init__(io.BytesIO(data))
+        self._storages = storages
+        self._shipped = shipped
+        self._user_ns = user_ns
+
+    def persistent_load(self, pid: Any) -> Any:
+        tag = pid[0]
+        if tag == STORAGE_TAG:
+            import torch
+
+            untyped = self._storages[pid[1]]
+            if pid[2] is None:
+                return untyped
+            return torch.storage.TypedStorage(wrap_storage=untyped, dtype=pid[2], _internal=True)
+        if tag == KERNEL_TAG:
+            return self._shipped[pid[1]]
+        if tag == PART_TAG:
+            _, name, kind, path = pid
+            module = self._shipped[name]
+            if kind == "param":
+                return module.get_parameter(path)
+            if kind == "buffer":
+                return module.get_buffer(path)
+            return module.get_submodule(path)
+        if tag == GLOBALS_TAG:
+            return self._user_ns
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r} in a rank's result")
+
+
+def decode_result(result: CellResult, shipped: Mapping[str, Any], user_ns: dict) -> dict[str, Any]:
+    """Unpickle rank 0's outcome; the kernel's namespace is left exactly as it was."""
+    # cloudpickle writes __builtins__ into the globals of each function it rebuilds; for a
+    # function defined in the cell that is the kernel's namespace: put back IPython's.
+    missing = object()
+    saved = user_ns.get("__builtins__", missing)
+    try:
+        return _ResultUnpickler(result.payload, result.storages, shipped, user_ns).load()
+    finally:
+        if saved is missing:
+            user_ns.pop("__builtins__", None)
+        else:
+            user_ns["__builtins__"] = saved
+
+
+@dataclass
+class ApplyReport:
+    updated: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, type, why)
+
+
+def apply_result(
+    outcome: Mapping[str, Any], shipped: Mapping[str, Any], user_ns: dict, deleted: Iterable[str] = ()
+) -> ApplyReport:
+    """Put rank 0's outcome into the kernel, as if the cell had run there.
+
+    Order matters: weights first (an optimizer's state is loaded against them), then
+    optimizers and schedulers, then plain values; a name the cell rebound wins over an
+    in-place update of the object it used to hold.
+    """
+    report = ApplyReport()
+    for name, (state, modes) in outcome.get("modules", {}).items():
+        module = shipped[name]
+        try:
+            if module_differs(module, state, modes):
+                load_module_state(module, state, modes)
+                report.updated.append(name)
+        except Exception as error:  # noqa: BLE001 - one bad object must not stop the rest
+            report.skipped.append((name, _type_name(module), f"its weights could not be loaded ({error})"))
+    for kind in ("optimizers", "schedulers"):
+        for name, state in outcome.get(kind, {}).items():
+            target = shipped[name]
+            try:
+                if kind == "optimizers" or target.state_dict() != state:
+                    target.load_state_dict(state)
+                    report.updated.append(name)
+            except Exception as error:  # noqa: BLE001
+                report.skipped.append((name, _type_name(target), f"its state could not be loaded ({error})"))
+    for name, value in outcome.get("tensors", {}).items():
+        _set_tensor(user_ns, name, shipped[name], value)
+        report.updated.append(name)
+    for name, value in outcome.get("changed", {}).items():
+        if not update_in_place(shipped[name], value):
+            user_ns[name] = value
+        report.updated.append(name)
+    for name, value in outcome.get("bound", {}).items():
+        user_ns[name] = value
+        if name not in report.updated:
+            report.updated.append(name)
+    for name in deleted:
+        if name in user_ns:
+            del user_ns[name]
+            report.deleted.append(name)
+    set_rng_states(outcome.get("rng"))
+    return report
+
+
+def module_differs(module: Any, state: Mapping[str, Any], modes: Iterable[tuple[str, bool]]) -> bool:
+    """Whether loading ``state`` and ``modes`` would change ``module`` at all."""
+    import torch
+
+    own = module.state_dict()
+    if own.keys() != state.keys():
+        return True
+    if any(module.get_submodule(path).training != training for path, training in modes):
+        return True
+    return any(
+        not isinstance(own[k], torch.Tensor)
+        or own[k].shape != state[k].shape
+        or not torch.equal(own[k], state[k].to(own[k].dtype))
+        for k in own
+    )
+
+
+def load_module_state(module: Any, state: Mapping[str, Any], modes: Iterable[tuple[str, bool]]) -> None:
+    """Copy ``state`` into ``module``'s own tensors (their devices and dtypes stay), and train/eval modes."""
+    module.load_state_dict(state, strict=True)  # copy_ under no_grad, per tensor
+    for path, training in modes:
+        module.get_submodule(path).training = training
+
+
+def update_in_place(target: Any, value: Any) -> bool:
+    """Make ``target`` equal ``value`` keeping its identity; False when only rebinding can.
+
+    >>> history = [1]; update_in_place(history, [1, 2]), history
+    (True, [1, 2])
+    """
+    if type(target) is not type(value):
+        return False
+    if isinstance(target, list):
+        target[:] = value
+    elif isinstance(target, dict):
+        target.clear()
+        target.update(value)
+    elif isinstance(target, (set, bytearray)):
+        target.clear()
+        target.update(value) if isinstance(target, set) else target.extend(value)
+    elif type(target).__name__ == "ndarray" and getattr(target, "shape", None) == getattr(value, "shape", ()):
+        target[...] = value
+    elif (
+        hasattr(target, "__dict__")
+        and not hasattr(type(target), "__slots__")
+        and type(target).__reduce_ex__ is object.__reduce_ex__
+        and not hasattr(type(target), "__setstate__")
+    ):
+        target.__dict__.clear()
+        target.__dict__.update(value.__dict__)
+    else:
+        return False
+    return True
+
+
+def _set_tensor(user_ns: dict, name: str, target: Any, value: Any) -> None:
+    import torch
+
+    if isinstance(target, torch.Tensor) and target.shape == value.shape and target.dtype == value.dtype:
+        with torch.no_grad():
+            target.copy_(value)
+    else:
+        user_ns[name] = value
+
+
+def rng_states() -> dict[str, Any] | None:
+    """The kernel's RNG states (torch CPU, random, numpy), so ranks start where the kernel is."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    import random
+
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = numpy.random.get_state()
+    return states
+
+
+def set_rng_states(states: Mapping[str, Any] | None) -> None:
+    if not states:
+        return
+    import random
+
+    import torch
+
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["random"])
+    if "numpy" in states and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(states["numpy"])
+
+
+def same(value: Any) -> Any:
+    """Identity: a DDP wrapper that travels back is rebuilt as ``same(wrapper.module)``."""
+    return value

@@ -1,0 +1,561 @@
+"""What a rank does with a ``%%distributed`` cell: run it, then send back what it changed.
+
+:func:`run_cell` is the function the magic launches on every rank. In order:
+
+1. Build the cell's namespace: the kernel globals the cell uses, in the very dict the
+   notebook's functions see as their globals (see ``namespace.anchor_function``).
+2. Start from the kernel's RNG state; give the cell a ``get_ipython()`` when its
+   transformed code calls one (``%time``, ``!ls``).
+3. Auto mode: prepare the Modules, Optimizers and DataLoaders the cell uses, and log the
+   loss passed to ``.backward()`` unless the cell logs itself.
+4. Execute the cell, compiled under a filename the kernel registered in linecache, so a
+   traceback shows the cell's own lines at the cell's own line numbers.
+5. Namespace out: gather full weights and optimizer state (a collective under FSDP, so
+   every rank takes part), then rank 0 pickles what changed into a
+   :class:`~nbtrain.kernel.namespace.CellResult`. References to the kernel's objects go
+   back as references, wrappers as the objects they wrap, and functions defined in the
+   cell as functions of the kernel's globals.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import hashlib
+import pickle
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from nbtrain.kernel import namespace as ns
+from nbtrain.rank import api, prepare
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    """Everything a rank needs to run one cell, besides the namespace itself."""
+
+    code: str  # transformed source, padded with blank lines so line numbers match the notebook cell
+    filename: str  # registered in the kernel's linecache; shipped to ranks by the engine
+    names: tuple[str, ...]  # the kernel globals shipped with the cell
+    auto: bool = True  # prepare the kernel's modules, optimizers and loaders
+    log_loss: bool = True  # log the scalar passed to .backward() as "loss"
+    model_wrapper: str = "ddp"  # "ddp" | "fsdp" | "none"
+    needs_shell: bool = False
+    display_last: bool = False
+    rng: Mapping[str, Any] | None = None
+
+
+def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> ns.CellResult | None:
+    """Run the cell on this rank; rank 0 returns the :class:`CellResult`, the others None.
+
+    Example (what the magic ships, here run in one process)::
+
+        spec = CellSpec(code="y = x + 1\\n", filename="<cell>", names=("x",), auto=False)
+        run_cell(spec, {"x": 1})   # -> CellResult whose "bound" holds y = 2
+    """
+    __tracebackhide__ = True  # noqa: F841 - the rank runtime drops frames that say so
+    cell_globals: dict[str, Any] = anchor.__globals__ if anchor is not None else {"__name__": "__main__"}
+    cell_globals.update(namespace)
+    cell_globals.setdefault("__builtins__", builtins)
+    cell_globals.setdefault("__name__", "__main__")
+    ns.set_rng_states(spec.rng)
+    _rewrap_scheduled_optimizers(namespace.values())
+    rank0 = api.rank() == 0
+    before = _Before(cell_globals, namespace) if rank0 else None
+    hidden = _install_shell(cell_globals) if spec.needs_shell else set()
+    prepare.configure(spec.model_wrapper)
+    prepare.know_optimizers(namespace.values())
+    prepared = prepare.auto_prepare(cell_globals, spec.names) if spec.auto else []
+    logging = prepare.loss_logging() if spec.log_loss else contextlib.nullcontext()
+    with logging:
+        display = _execute(spec, cell_globals)
+    context = api.current_context()
+    if context is not None:
+        context.flush()  # the cell's last metrics go out before the (slower) namespace-out
+    return _collect(spec, cell_globals, namespace, before, display, prepared, hidden)
+
+
+def _rewrap_scheduled_optimizers(values: Iterable[Any]) -> None:
+    """Give back each LR scheduler's wrapper around its optimizer's ``step``.
+
+    An optimizer pickles without the instance attributes a scheduler added (its ``step``
+    wrapper), so on the rank the first ``scheduler.step()`` would warn that
+    ``optimizer.step()`` was overridden. This is the wrapper torch's LRScheduler installs.
+    """
+    if "torch" not in sys.modules:
+        return
+    import functools
+    import weakref
+
+    for scheduler in values:
+        optimizer = getattr(scheduler, "optimizer", None)
+        if not _is_scheduler(scheduler) or optimizer is None:
+            continue
+        step = optimizer.step
+        if hasattr(step, "_wrapped_by_lr_sched") or not hasattr(step, "__func__"):
+            continue
+        func, opt_ref = step.__func__, weakref.ref(optimizer)
+
+        def wrapper(*args: Any, _func: Any = func, _ref: Any = opt_ref, **kwargs: Any) -> Any:
+            opt = _ref()
+            opt._opt_called = True
+            return _func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+        functools.update_wrapper(wrapper, func)
+        wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.step = wrapper
+
+
+def _execute(spec: CellSpec, cell_globals: dict[str, Any]) -> tuple[Any] | None:
+    __tracebackhide__ = True  # noqa: F841
+    tree = ast.parse(spec.code, spec.filename)
+    last = None
+    if spec.display_last and tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    exec(compile(tree, spec.filename, "exec"), cell_globals)
+    if last is not None:
+        return (eval(compile(last, spec.filename, "eval"), cell_globals),)
+    return None
+
+
+def _install_shell(cell_globals: dict[str, Any]) -> set[str]:
+    """An IPython shell on this rank whose namespace is the cell's, for get_ipython() calls."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    config = Config()
+    config.HistoryManager.enabled = False  # ranks must not write the kernel's history file
+    shell = InteractiveShell.instance(config=config, user_ns=cell_globals)
+    return set(shell.user_ns_hidden)
+
+
+# -- what the cell changed ---------------------------------------------------------------
+
+_STATIC_TYPES = (
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    type,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    bool,
+    range,
+    type(None),
+)
+
+
+def _kind(obj: Any) -> str:
+    torch = sys.modules.get("torch")
+    if isinstance(obj, _STATIC_TYPES):
+        return "static"
+    if torch is not None:
+        from torch.utils.data import DataLoader
+
+        if isinstance(obj, torch.nn.Module):
+            return "module"
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizer"
+        if _is_scheduler(obj):
+            return "scheduler"
+        if isinstance(obj, DataLoader):
+            return "loader"
+        if isinstance(obj, torch.Tensor):
+            return "tensor"
+    return "plain"
+
+
+def _is_scheduler(obj: Any) -> bool:
+    from torch.optim import lr_scheduler
+
+    kinds = tuple(k for k in (getattr(lr_scheduler, "LRScheduler", None), lr_scheduler.ReduceLROnPlateau) if k)
+    return isinstance(obj, kinds)
+
+
+class _Before:
+    """Rank 0's record of the shipped objects before the cell ran, to tell what changed."""
+
+    def __init__(self, cell_globals: dict[str, Any], namespace: Mapping[str, Any]):
+        self.objects = dict(namespace)
+        self.bindings = dict(cell_globals)  # holds the objects, so identity checks stay valid
+        self.kinds = {name: _kind(value) for name, value in self.objects.items()}
+        tracked_apart = ("module", "optimizer", "scheduler", "loader")
+        special = {id(v) for n, v in self.objects.items() if self.kinds[n] in tracked_apart}
+        self.special = special  # by reference in fingerprints: their changes are tracked apart
+        self.refs = _kernel_refs(self.objects)
+        self.keep: list = []  # tensors the fingerprints name by id (see _fingerprint)
+        self.fingerprints = {
+            name: _fingerprint(value, special, self.keep)
+            for name, value in self.objects.items()
+            if self.kinds[name] == "plain"
+        }
+        self.versions = {name: v._version for name, v in self.objects.items() if self.kinds[name] == "tensor"}
+        self.signatures = {
+            name: _signature(v) for name, v in self.objects.items() if self.kinds[name] == "module"
+        }
+        # Cheap "did it change" marks: tensors by identity and in-place version counter.
+        self.states = {
+            name: _fingerprint(_state_marks(v), special, self.keep)
+            for name, v in self.objects.items()
+            if self.kinds[name] in ("module", "optimizer")
+        }
+
+
+def _kernel_refs(objects: Mapping[str, Any]) -> dict[int, tuple]:
+    """id -> persistent id, for every shipped object and the parts of shipped modules."""
+    refs: dict[int, tuple] = {}
+    for name in sorted(objects):
+        value = objects[name]
+        refs.setdefault(id(value), (ns.KERNEL_TAG, name))
+    for name in sorted(objects):
+        _add_module_parts(refs, name, objects[name])
+    return refs
+
+
+def _add_module_parts(refs: dict[int, tuple], name: str, module: Any) -> None:
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(module, torch.nn.Module):
+        return
+    for path, sub in module.named_modules():
+        if path:
+            refs.setdefault(id(sub), (ns.PART_TAG, name, "module", path))
+    for path, param in module.named_parameters():
+        refs.setdefault(id(param), (ns.PART_TAG, name, "param", path))
+    for path, buffer in module.named_buffers():
+        refs.setdefault(id(buffer), (ns.PART_TAG, name, "buffer", path))
+
+
+def _state_marks(obj: Any) -> Any:
+    """What identifies a module's or optimizer's state without reading its data."""
+    if hasattr(obj, "named_modules"):
+        return (obj.state_dict(keep_vars=True), [m.training for _, m in obj.named_modules()])
+    return obj.state_dict()
+
+
+def _signature(module: Any) -> tuple:
+    return tuple((key, tuple(t.shape), str(t.dtype)) for key, t in module.state_dict().items())
+
+
+def _collect(
+    spec: CellSpec,
+    cell_globals: dict[str, Any],
+    namespace: Mapping[str, Any],
+    before: _Before | None,
+    display: tuple[Any] | None,
+    prepared: list[tuple[str, str]],
+    hidden: set[str],
+) -> ns.CellResult | None:
+    """Gather full states (every rank: FSDP needs collectives); rank 0 builds the result."""
+    import torch
+
+    rank0 = before is not None
+    modules = _unique(namespace, torch.nn.Module)
+    changed_modules: set[str] = set()
+    module_states: dict[str, Any] = {}
+    for name, module in modules:
+        if _is_sharded(module):
+            state = _full_model_state(module)  # every rank, always: it is a collective
+        elif not rank0 or _fingerprint(_state_marks(module), before.special) == before.states[name]:
+            continue  # untouched (an evaluation cell, say): no need to copy its weights back
+        elif _signature(module) == before.signatures.get(name):
+            state = module.state_dict()
+        else:
+            changed_modules.add(name)  # its architecture changed: it travels as an object
+            continue
+        if rank0:
+            module_states[name] = (state, [(path, sub.training) for path, sub in module.named_modules()])
+    optimizer_states: dict[str, Any] = {}
+    for name, optimizer in _unique(namespace, torch.optim.Optimizer):
+        owner = _sharded_owner(optimizer, [m for _, m in modules])
+        if owner is not None:
+            state = _full_optimizer_state(owner, optimizer)
+            if rank0:
+                optimizer_states[name] = state
+        elif rank0 and _fingerprint(_state_marks(optimizer), before.special) != before.states[name]:
+            optimizer_states[name] = optimizer.state_dict()
+    if not rank0:
+        return None
+
+    refs = dict(before.refs)
+    for name, module in modules:  # FSDP swapped the parameters: map the new ones too
+        if name not in changed_modules:
+            _add_module_parts(refs, name, module)
+    skipped: list[tuple[str, str, str]] = []
+    outcome: dict[str, Any] = {
+        "modules": module_states,
+        "optimizers": optimizer_states,
+        "schedulers": {n: s.state_dict() for n, s in _unique(namespace, _is_scheduler)},
+        "tensors": {
+            n: v for n, v in before.objects.items() if before.kinds[n] == "tensor" and v._version != before.versions[n]
+        },
+        "changed": {},
+        "bound": {},
+        "display": display,
+        "rng": ns.rng_states(),
+    }
+    for name, value in before.objects.items():
+        if before.kinds[name] == "plain" and _fingerprint(value, before.special) != before.fingerprints[name]:
+            outcome["changed"][name] = value
+    for name in sorted(changed_modules):
+        outcome["changed"][name] = before.objects[name]
+    for name, value in cell_globals.items():
+        if ns.is_internal(name) or name in hidden:
+            continue
+        original = prepare.original_of(value)
+        if name not in before.bindings or before.bindings[name] is not original:
+            outcome["bound"][name] = original
+            outcome["changed"].pop(name, None)
+    deleted = sorted(n for n in before.objects if n not in cell_globals)
+    # A changed kernel object travels by value, not as a reference to itself.
+    exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
+    payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
+    return ns.CellResult(payload, storages, deleted, skipped, prepared, prepare.notes())
+
+
+def _unique(namespace: Mapping[str, Any], kind: Any) -> list[tuple[str, Any]]:
+    """(first name, object) for each distinct shipped object of a class (or passing a test), by name."""
+    seen: set[int] = set()
+    found = []
+    for name in sorted(namespace):
+        value = namespace[name]
+        matches = isinstance(value, kind) if isinstance(kind, type) else kind(value)
+        if matches and id(value) not in seen:
+            seen.add(id(value))
+            found.append((name, value))
+    return found
+
+
+def _is_sharded(module: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _full_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _full_model_state(module: Any) -> dict[str, Any]:
+    """The unsharded state on rank 0 (a collective: every rank calls it; others get {})."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module, options=_full_options())
+
+
+def _sharded_owner(optimizer: Any, modules: list[Any]) -> Any | None:
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(isinstance(p, DTensor) for p in params):
+        return None
+    ids = {id(p) for p in params}
+    for module in modules:
+        if ids <= {id(p) for p in module.parameters()}:
+            return module
+    return None
+
+
+def _full_optimizer_state(module: Any, optimizer: Any) -> dict[str, Any]:
+    """The unsharded optimizer state, keyed by parameter index as ``Optimizer.state_dict`` keys it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    by_name = get_optimizer_state_dict(module, optimizer, options=_full_options())
+    if not by_name:
+        return {}
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    index = {name: i for i, name in enumerate(order)}
+    return {
+        "state": {index[name]: value for name, value in by_name["state"].items()},
+        "param_groups": [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [index[n] for n in group["params"]]}
+            for group in by_name["param_groups"]
+        ],
+    }
+
+
+# -- pickling the way back -----------------------------------------------------------------
+
+
+def _dump_outcome(
+    outcome: dict[str, Any],
+    refs: dict[int, tuple],
+    cell_globals: dict[str, Any],
+    exempt: set[int],
+    skipped: list[tuple[str, str, str]],
+) -> tuple[bytes, list]:
+    """Pickle the outcome; a value that cannot travel is left out and named in ``skipped``."""
+    try:
+        return _dump(outcome, refs, cell_globals, exempt)
+    except Exception:  # noqa: BLE001 - find the culprits below
+        pass
+    for section in ("bound", "changed", "tensors"):
+        for name in sorted(outcome[section]):
+            value = outcome[section][name]
+            try:
+                _dump(value, refs, cell_globals, exempt)
+            except Exception as error:  # noqa: BLE001
+                del outcome[section][name]
+                skipped.append((name, ns._type_name(value), _short(error)))
+    if outcome["display"] is not None:
+        try:
+            _dump(outcome["display"], refs, cell_globals, exempt)
+        except Exception as error:  # noqa: BLE001
+            skipped.append(("the cell's value", ns._type_name(outcome["display"][0]), _short(error)))
+            outcome["display"] = None
+    return _dump(outcome, refs, cell_globals, exempt)
+
+
+def _short(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def _dump(obj: Any, refs: dict[int, tuple], cell_globals: dict[str, Any], exempt: set[int]) -> tuple[bytes, list]:
+    import io
+
+    buffer = io.BytesIO()
+    pickler = _result_pickler_class()(buffer, refs, cell_globals, exempt)
+    pickler.dump(obj)
+    return buffer.getvalue(), pickler.storages
+
+
+_ATOMIC = (int, float, str, bytes, bool, type(None))
+_result_pickler: Any = None
+
+
+def _result_pickler_class() -> type:
+    global _result_pickler
+    if _result_pickler is not None:
+        return _result_pickler
+    import cloudpickle
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    storage_types = (torch.storage.TypedStorage, torch.UntypedStorage)
+
+    class ResultPickler(cloudpickle.Pickler):
+        """cloudpickle that sends references to the kernel's own objects instead of copies."""
+
+        def __init__(self, file: Any, refs: dict[int, tuple], cell_globals: dict, exempt: set[int]):
+            super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+            self.refs = refs
+            self.cell_globals = cell_globals
+            self.exempt = exempt
+            self.storages: list = []
+            self._storage_index: dict[tuple, int] = {}
+
+        def persistent_id(self, obj: Any) -> Any:
+            if type(obj) in _ATOMIC:
+                return None
+            if obj is self.cell_globals:
+                return (ns.GLOBALS_TAG,)
+            if isinstance(obj, storage_types):
+                return self._storage_id(obj)
+            key = id(obj)
+            if key in self.exempt:
+                return None
+            ref = self.refs.get(key)
+            if ref is None:
+                original = prepare.original_of(obj)
+                if original is not obj and id(original) not in self.exempt:
+                    ref = self.refs.get(id(original))
+            return ref
+
+        def _storage_id(self, obj: Any) -> tuple:
+            if isinstance(obj, torch.storage.TypedStorage):
+                untyped, dtype = obj._untyped_storage, obj.dtype
+            else:
+                untyped, dtype = obj, None
+            key = (str(untyped.device), untyped.data_ptr(), untyped.nbytes())
+            if key not in self._storage_index or untyped.nbytes() == 0:
+                self._storage_index[key] = len(self.storages)
+                self.storages.append(untyped)
+            return (ns.STORAGE_TAG, self._storage_index[key], dtype)
+
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, DTensor):
+                raise pickle.PicklingError(
+                    "a sharded DTensor cannot travel to the kernel; send obj.full_tensor() instead"
+                )
+            if isinstance(obj, DistributedDataParallel):
+                return (ns.same, (obj.module,))
+            original = prepare.original_of(obj)
+            if original is not obj:
+                return (ns.same, (original,))
+            return super().reducer_override(obj)
+
+        def _dynamic_function_reduce(self, func: Any) -> Any:
+            # A function defined in the cell gets the kernel's globals (not a copy of
+            # them), as if the cell had run in the kernel.
+            reduced = super()._dynamic_function_reduce(func)
+            if func.__globals__ is not self.cell_globals:
+                return reduced
+            try:
+                make, newargs, (state, slotstate), items, dict_items, setter = reduced
+            except (TypeError, ValueError):  # another cloudpickle layout: keep its copy of the globals
+                return reduced
+            slotstate = dict(slotstate, __globals__={})
+            return (make, (newargs[0], self.cell_globals, *newargs[2:]), (state, slotstate), items, dict_items, setter)
+
+    _result_pickler = ResultPickler
+    return ResultPickler
+
+
+# -- change detection ----------------------------------------------------------------------
+
+_fingerprint_pickler: Any = None
+
+
+def _fingerprint(value: Any, special: set[int], keep: list | None = None) -> bytes | None:
+    """A digest of ``value``'s pickle; tensors count by identity and version, not by data.
+
+    ``keep`` collects the tensors seen: holding them keeps their ids from being reused by
+    a new tensor while the cell runs (a replaced layer's weights freed, a new one's
+    allocated at the same address, both at version 0, would look unchanged).
+    """
+    global _fingerprint_pickler
+    if _fingerprint_pickler is None:
+        import cloudpickle
+
+        class FingerprintPickler(cloudpickle.Pickler):
+            def __init__(self, file: Any, special: set[int], keep: list | None):
+                super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+                self.special = special
+                self.keep = keep
+                self.torch = sys.modules.get("torch")
+
+            def persistent_id(self, obj: Any) -> Any:
+                if type(obj) in _ATOMIC:
+                    return None
+                if id(obj) in self.special:
+                    return ("k", id(obj))
+                torch = self.torch
+                if torch is not None and isinstance(obj, torch.Tensor):
+                    if self.keep is not None:
+                        self.keep.append(obj)
+                    return ("t", id(obj), obj._version, tuple(obj.shape), str(obj.dtype))
+                return None
+
+        _fingerprint_pickler = FingerprintPickler
+    digest = hashlib.blake2b(digest_size=16)
+
+    class Sink:
+        def write(self, data: bytes) -> int:
+            digest.update(data)
+            return len(data)
+
+    try:
+        _fingerprint_pickler(Sink(), special, keep).dump(value)
+    except Exception:  # noqa: BLE001 - cannot tell: treat as changed
+        return None
+    return digest.digest()

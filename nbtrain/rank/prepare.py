@@ -1,0 +1,609 @@
+"""``nbtrain.prepare``: make a model, optimizer and data loader ready for the run's strategy.
+
+On a rank, ``prepare`` does what a torchrun script does by hand:
+
+- a ``Module`` moves to the rank's device and is wrapped for the strategy: a
+  :class:`~torch.nn.parallel.DistributedDataParallel` (``ddp_*``) that still reads through
+  to the model's own attributes and methods, or sharded in place with FSDP2's
+  ``fully_shard`` (``fsdp``). A module with no trainable parameters is moved, not wrapped.
+- an ``Optimizer`` is bound to the prepared parameters (with FSDP2 the parameters become
+  DTensors, so its param_groups are rebuilt in the same order, state included).
+- a ``DataLoader`` is rebuilt on a ``DistributedSampler`` that keeps its batch size,
+  shuffle, drop_last, collate_fn and workers, and calls ``set_epoch`` on every pass.
+
+Outside a run (in the kernel) every rank-specific step is skipped: a module only moves to
+:func:`nbtrain.device`, the rest comes back unchanged, so the same code runs anywhere.
+
+Importing this module does not import torch: ``import nbtrain`` must stay light.
+
+Example:
+    >>> import torch, nbtrain
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> model, opt = nbtrain.prepare(model, opt)   # outside a run: moved to nbtrain.device()
+    >>> nbtrain.prepare(model) is model             # preparing twice changes nothing
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+import threading
+import warnings
+import weakref
+from typing import Any, Iterable, Iterator
+
+from nbtrain.rank import api
+
+# What ``prepare`` wraps a model in when the caller did not say: the magic sets it from
+# --strategy; nbtrain.launch passes it in the environment.
+WRAPPER_VARIABLE = "NBTRAIN_MODEL_WRAPPER"
+WRAPPERS = ("ddp", "fsdp", "none")
+
+# Names whose presence in a cell (or a function it calls) means it distributes itself.
+SELF_DISTRIBUTING_NAMES = frozenset(
+    {"DistributedDataParallel", "DDP", "fully_shard", "FullyShardedDataParallel", "FSDP", "DistributedSampler"}
+)
+
+
+class _Registry:
+    """What this rank prepared: original <-> prepared, and FSDP's parameter swaps."""
+
+    def __init__(self) -> None:
+        self.wrapper: str | None = None
+        self.prepared: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, prepared)
+        self.originals: dict[int, tuple[Any, Any]] = {}  # id(prepared) -> (prepared, original)
+        self.param_swaps: dict[int, tuple[Any, Any]] = {}  # id(old param) -> (old, new DTensor param)
+        self.param_owner: dict[int, Any] = {}  # id(new parameter) -> the sharded root module
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()
+        self.notes: list[str] = []
+
+    def remember(self, original: Any, prepared: Any) -> None:
+        self.prepared[id(original)] = (original, prepared)
+        self.originals[id(prepared)] = (prepared, original)
+
+    def prepared_for(self, obj: Any) -> Any | None:
+        entry = self.prepared.get(id(obj))
+        if entry is not None and entry[0] is obj:
+            return entry[1]
+        entry = self.originals.get(id(obj))
+        if entry is not None and entry[0] is obj:
+            return obj
+        return None
+
+
+_registry = _Registry()
+_lock = threading.Lock()
+
+
+def configure(wrapper: str | None) -> None:
+    """Start a fresh registry for one cell and set the strategy's model wrapper."""
+    global _registry
+    if wrapper is not None and wrapper not in WRAPPERS:
+        raise ValueError(f"unknown model wrapper {wrapper!r}; expected one of {WRAPPERS}")
+    _registry = _Registry()
+    _registry.wrapper = wrapper
+
+
+def know_optimizers(objects: Iterable[Any]) -> None:
+    """Optimizers to re-bind when a module they train is sharded, even if never prepared."""
+    torch = _torch()
+    for obj in objects:
+        if isinstance(obj, torch.optim.Optimizer):
+            _registry.optimizers.add(obj)
+
+
+def notes() -> list[str]:
+    """Things prepare chose not to do, each one sentence (e.g. a loader it could not shard)."""
+    return list(_registry.notes)
+
+
+def prepare(*objs: Any, **wrapper_options: Any) -> Any:
+    """Prepare models, optimizers and data loaders for this rank; return them in order.
+
+    Pass everything at once: modules are prepared first, then the optimizers are bound to
+    their (possibly new) parameters, then loaders are sharded. One object in, one object
+    out; several in, a tuple out. Anything else passes through unchanged, and an object
+    already prepared comes back as it is, so calling ``prepare`` twice is harmless.
+
+    ``wrapper_options`` go to the model wrapper: DistributedDataParallel's keyword
+    arguments with ``ddp_*`` (default ``find_unused_parameters=True``, so a model that
+    skips some layers still trains), ``fully_shard``'s with ``fsdp``.
+
+    Example, in a ``%%distributed`` cell or a function run by ``nbtrain.launch``::
+
+        model, opt, loader = nbtrain.prepare(model, opt, loader)
+        for x, y in loader:                       # this rank's share of the data
+            loss = loss_fn(model(x), y)           # model is DDP-wrapped; model.fc still works
+            opt.zero_grad(); loss.backward(); opt.step()
+    """
+    if not objs:
+        raise TypeError("prepare() needs something to prepare, e.g. nbtrain.prepare(model, optimizer, loader).")
+    torch = _torch()
+    from torch.utils.data import DataLoader
+
+    out = list(objs)
+    with _lock:
+        for i, obj in enumerate(objs):
+            if isinstance(obj, torch.nn.Module):
+                out[i] = prepare_module(obj, **wrapper_options)
+        for i, obj in enumerate(objs):
+            if isinstance(obj, torch.optim.Optimizer):
+                out[i] = prepare_optimizer(obj)
+        for i, obj in enumerate(objs):
+            if isinstance(obj, DataLoader):
+                out[i] = prepare_loader(obj)
+    return out[0] if len(objs) == 1 else tuple(out)
+
+
+# -- modules -------------------------------------------------------------------------------
+
+
+def model_wrapper() -> str:
+    """"ddp", "fsdp" or "none": what a module is wrapped in on this rank."""
+    if _registry.wrapper is not None:
+        return _registry.wrapper
+    requested = os.environ.get(WRAPPER_VARIABLE)
+    if requested in WRAPPERS:
+        return requested
+    return "ddp" if api.world_size() > 1 else "none"
+
+
+def prepare_module(module: Any, **wrapper_options: Any) -> Any:
+    """The module moved to this rank's device and wrapped for the strategy (see prepare)."""
+    existing = _registry.prepared_for(module)
+    if existing is not None:
+        return existing
+    if is_wrapped(module):  # the user wrapped it already (torchrun-style code)
+        return module
+    _move_module(module, api.device())
+    wrapper = model_wrapper() if _in_process_group() else "none"
+    trainable = any(p.requires_grad for p in module.parameters())
+    if wrapper == "ddp" and trainable:
+        prepared = _wrap_ddp(module, wrapper_options)
+    elif wrapper == "fsdp" and trainable:
+        prepared = _shard(module, wrapper_options)
+    else:
+        prepared = module
+    _registry.remember(module, prepared)
+    return prepared
+
+
+def is_wrapped(module: Any) -> bool:
+    """True for DDP/FSDP1 wrappers and modules FSDP2 already sharded."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, (DistributedDataParallel, FSDPModule)):
+        return True
+    return type(module).__name__ == "FullyShardedDataParallel"
+
+
+def original_of(obj: Any) -> Any:
+    """The object the user had before prepare or a DDP wrapper: a wrapper's ``.module``.
+
+    A prepared DataLoader maps back to the loader it was built from. Anything else is
+    returned as is. Safe to call before torch is imported.
+    """
+    entry = _registry.originals.get(id(obj))
+    if entry is not None and entry[0] is obj:
+        return entry[1]
+    if "torch" not in sys.modules:
+        return obj
+    from torch.nn.parallel import DistributedDataParallel
+
+    seen = 0
+    while isinstance(obj, DistributedDataParallel) and seen < 8:
+        obj, seen = obj.module, seen + 1
+    if type(obj).__name__ == "FullyShardedDataParallel" and hasattr(obj, "module"):
+        obj = obj.module
+    return obj
+
+
+def _move_module(module: Any, device: Any) -> None:
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(t.device != device for t in tensors):
+        module.to(device)
+
+
+def _wrap_ddp(module: Any, options: dict[str, Any]) -> Any:
+    device = api.device()
+    kwargs = {"find_unused_parameters": True}
+    kwargs.update(options)
+    if device.type == "cuda" and "device_ids" not in kwargs:
+        kwargs["device_ids"] = [device.index if device.index is not None else _torch().cuda.current_device()]
+    if kwargs.get("find_unused_parameters"):
+        # DDP warns on every rank when a model had no unused parameters after all; the
+        # setting is ours, not the user's, so the warning would only be noise.
+        warnings.filterwarnings("ignore", message=r"find_unused_parameters=True was specified")
+    return transparent_ddp_class()(module, **kwargs)
+
+
+_transparent_ddp: Any = None
+
+
+def transparent_ddp_class() -> type:
+    """A DistributedDataParallel subclass that reads through to the wrapped model.
+
+    ``wrapped.fc``, ``wrapped.num_classes`` and the model's own methods keep working (an
+    attribute DDP lacks falls back to ``self.module``), DDP's own methods (``no_sync``,
+    ``join``) stay reachable, and ``state_dict``/``load_state_dict`` use the model's keys
+    (no ``module.`` prefix), so a state saved in a cell loads into the kernel's model.
+    Setting an attribute the model has and DDP lacks sets it on the model.
+    """
+    global _transparent_ddp
+    if _transparent_ddp is not None:
+        return _transparent_ddp
+    from torch.nn.parallel import DistributedDataParallel
+
+    class TransparentDDP(DistributedDataParallel):
+        def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(module, *args, **kwargs)
+            object.__setattr__(self, "_nbtrain_ready", True)
+
+        def __getattr__(self, name: str) -> Any:
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                inner = self.__dict__.get("_modules", {}).get("module")
+                if inner is None:
+                    raise
+                return getattr(inner, name)
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if (
+                self.__dict__.get("_nbtrain_ready")
+                and inner is not None
+                and not name.startswith("_")
+                and name not in self.__dict__
+                and not hasattr(type(self), name)
+                and hasattr(inner, name)
+            ):
+                setattr(inner, name, value)
+                return
+            super().__setattr__(name, value)
+
+        def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+            return self.module.state_dict(*args, **kwargs)
+
+        def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    TransparentDDP.__name__ = "DistributedDataParallel"
+    TransparentDDP.__qualname__ = "DistributedDataParallel"
+    _transparent_ddp = TransparentDDP
+    return TransparentDDP
+
+
+def _shard(module: Any, options: dict[str, Any]) -> Any:
+    """Shard ``module`` in place with FSDP2: each block of a ModuleList/Sequential, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = api.device()
+    before = dict(module.named_parameters())
+    kwargs = dict(options)
+    kwargs.setdefault("mesh", init_device_mesh(device.type, (api.world_size(),)))
+    for block in _shard_blocks(module):
+        fully_shard(block, **kwargs)
+    fully_shard(module, **kwargs)
+    after = dict(module.named_parameters())
+    for name, old in before.items():
+        new = after.get(name)
+        if new is not None and new is not old:
+            # Keep the old parameter alive: its id is the key optimizers are matched by.
+            _registry.param_swaps[id(old)] = (old, new)
+            _registry.param_owner[id(new)] = module
+    for optimizer in list(_registry.optimizers):
+        _rebind_optimizer(optimizer)
+    return module
+
+
+def _shard_blocks(module: Any) -> list[Any]:
+    """Children of ModuleList/Sequential containers that have parameters, if none share any.
+
+    Sharding per block lets FSDP2 gather one block's weights at a time; tied weights
+    across blocks cannot be sharded separately, so then only the root is sharded.
+    """
+    import torch
+
+    blocks = []
+    for sub in module.modules():
+        if isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential)):
+            blocks.extend(child for child in sub.children() if any(True for _ in child.parameters()))
+    seen: set[int] = set()
+    for block in blocks:
+        ids = {id(p) for p in block.parameters()}
+        if ids & seen:
+            return []
+        seen |= ids
+    return [b for b in blocks if b is not module]
+
+
+# -- optimizers ----------------------------------------------------------------------------
+
+
+def prepare_optimizer(optimizer: Any) -> Any:
+    """The optimizer, bound to the prepared parameters; its state follows them."""
+    _registry.optimizers.add(optimizer)
+    _rebind_optimizer(optimizer)
+    _move_optimizer_state(optimizer)
+    _registry.remember(optimizer, optimizer)
+    return optimizer
+
+
+def _rebind_optimizer(optimizer: Any) -> None:
+    swaps = {key: new for key, (old, new) in _registry.param_swaps.items()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(id(p) in swaps for p in params):
+        return
+    owner = next((_registry.param_owner[id(swaps[id(p)])] for p in params if id(p) in swaps), None)
+    had_state = bool(optimizer.state)
+    full = optimizer.state_dict() if had_state else None
+    for group in optimizer.param_groups:
+        group["params"] = [swaps.get(id(p), p) for p in group["params"]]
+    optimizer.state.clear()
+    if full is not None and owner is not None:
+        _load_full_optimizer_state(owner, optimizer, full)
+
+
+def _load_full_optimizer_state(module: Any, optimizer: Any, full: dict) -> None:
+    """Shard a full (index-keyed) optimizer state onto FSDP2 parameters."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+    if any(name is None for name in order):
+        _registry.notes.append(
+            f"the state of {type(optimizer).__name__} was reset: it trains parameters of more than one sharded model."
+        )
+        return
+    by_name = {
+        "state": {order[i]: value for i, value in full["state"].items()},
+        "param_groups": [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [order[i] for i in g["params"]]}
+            for g in full["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(module, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def _move_optimizer_state(optimizer: Any) -> None:
+    # Optimizer state made in the kernel sits where the parameters were; after the model
+    # moved, load_state_dict casts it to each parameter's device.
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for value in optimizer.state.get(p, {}).values():
+                if getattr(value, "device", p.device) != p.device and getattr(value, "dim", lambda: 1)() > 0:
+                    optimizer.load_state_dict(optimizer.state_dict())
+                    return
+
+
+# -- data loaders --------------------------------------------------------------------------
+
+
+def prepare_loader(loader: Any) -> Any:
+    """The loader rebuilt on a DistributedSampler (this rank's share), or as is if it cannot be."""
+    existing = _registry.prepared_for(loader)
+    if existing is not None:
+        return existing
+    if not _in_process_group() or model_wrapper() == "none":
+        return loader
+    from torch.utils.data import DistributedSampler
+
+    if isinstance(loader.sampler, DistributedSampler) or isinstance(
+        getattr(loader.batch_sampler, "sampler", None), DistributedSampler
+    ):
+        return loader
+    reason, shuffle = _shardable(loader)
+    if reason:
+        _registry.notes.append(reason)
+        return loader
+    prepared = _rebuild_loader(loader, shuffle)
+    _registry.remember(loader, prepared)
+    return prepared
+
+
+def _shardable(loader: Any) -> tuple[str, bool]:
+    """("", shuffle) when the loader can be rebuilt on a DistributedSampler, else (why not, _)."""
+    from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
+
+    what = f"a DataLoader over {type(loader.dataset).__name__}"
+    if isinstance(loader.dataset, IterableDataset):
+        return f"{what} was not sharded: an IterableDataset must split its data by nbtrain.rank() itself.", False
+    if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
+        name = type(loader.batch_sampler).__name__
+        return f"{what} was not sharded: its batch_sampler ({name}) is custom, so every rank reads all of it.", False
+    sampler = loader.sampler
+    if type(sampler) is SequentialSampler:
+        return "", False
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        return "", True
+    name = type(sampler).__name__
+    return f"{what} was not sharded: its sampler ({name}) is custom, so every rank reads all of it.", False
+
+
+_loader_class: Any = None
+
+
+def _sharded_loader_class() -> type:
+    global _loader_class
+    if _loader_class is not None:
+        return _loader_class
+    from torch.utils.data import DataLoader
+
+    class ShardedDataLoader(DataLoader):
+        """A DataLoader on a DistributedSampler whose epoch advances on every pass."""
+
+        def __iter__(self) -> Iterator[Any]:
+            self.sampler.set_epoch(self._nbtrain_epoch)
+            self._nbtrain_epoch += 1
+            batches = super().__iter__()
+            device = api.device()
+            if device.type == "cpu":
+                return batches
+            return (_to_device(batch, device) for batch in batches)
+
+    ShardedDataLoader.__name__ = ShardedDataLoader.__qualname__ = "DataLoader"
+    _loader_class = ShardedDataLoader
+    return ShardedDataLoader
+
+
+def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
+    import torch
+    from torch.utils.data import DistributedSampler
+
+    if loader.generator is not None:
+        seed = int(loader.generator.initial_seed())
+    else:  # every rank draws the same seed: they start from the kernel's RNG state
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    sampler = DistributedSampler(
+        loader.dataset,
+        num_replicas=api.world_size(),
+        rank=api.rank(),
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=loader.drop_last,
+    )
+    kwargs = {
+        "batch_size": loader.batch_size,
+        "sampler": sampler,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "drop_last": loader.drop_last,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": getattr(loader, "pin_memory_device", ""),
+        "in_order": getattr(loader, "in_order", True),
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    cls = _sharded_loader_class()
+    accepted = inspect.signature(cls.__init__).parameters
+    new = cls(loader.dataset, **{k: v for k, v in kwargs.items() if k in accepted})
+    new._nbtrain_epoch = 0
+    return new
+
+
+def _to_device(batch: Any, device: Any) -> Any:
+    if hasattr(batch, "to") and hasattr(batch, "device"):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        moved = [_to_device(b, device) for b in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    if isinstance(batch, dict):
+        return type(batch)((k, _to_device(v, device)) for k, v in batch.items())
+    return batch
+
+
+# -- auto mode -----------------------------------------------------------------------------
+
+
+def auto_prepare(namespace: dict[str, Any], names: Iterable[str]) -> list[tuple[str, str]]:
+    """Prepare the Modules, Optimizers and DataLoaders among ``namespace[names]`` in place.
+
+    Each name is rebound to its prepared object (so the cell, and every notebook function
+    it calls, uses the wrapped model and the sharded loader). Only root modules are
+    wrapped: a module inside another one the cell uses is moved with it. Returns
+    (name, what was done) for the run's summary.
+    """
+    torch = _torch()
+    from torch.utils.data import DataLoader
+
+    names = sorted(n for n in names if n in namespace)
+    modules = {id(namespace[n]): namespace[n] for n in names if isinstance(namespace[n], torch.nn.Module)}
+    inside = set()
+    for module in modules.values():
+        inside.update(id(sub) for sub in module.modules() if sub is not module)
+    done: list[tuple[str, str]] = []
+    know_optimizers(namespace[n] for n in names)
+    for kind in (torch.nn.Module, torch.optim.Optimizer, DataLoader):
+        for name in names:
+            obj = namespace[name]
+            if not isinstance(obj, kind) or (kind is torch.nn.Module and id(obj) in inside):
+                continue
+            prepared = prepare(obj)
+            namespace[name] = prepared
+            done.append((name, _describe(obj, prepared)))
+    return done
+
+
+def _describe(original: Any, prepared: Any) -> str:
+    from torch.utils.data import DataLoader
+
+    if prepared is original:
+        if type(original).__name__.startswith("FSDP"):
+            return "sharded with fully_shard"
+        return "moved" if not _is_optimizer(original) else "bound"
+    if isinstance(prepared, DataLoader):
+        return "DistributedSampler"
+    return type(prepared).__name__
+
+
+def _is_optimizer(obj: Any) -> bool:
+    return isinstance(obj, _torch().optim.Optimizer)
+
+
+# -- logging the loss --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def loss_logging() -> Iterator[None]:
+    """While active, ``scalar.backward()`` logs the scalar as ``loss`` unless the user logs.
+
+    The live view then has a loss curve with no code change. It stops as soon as the cell
+    calls ``nbtrain.log`` itself, and does nothing outside a run.
+    """
+    context = api.current_context()
+    if context is None:
+        yield
+        return
+    torch = _torch()
+    original = torch.Tensor.backward
+    busy = threading.local()
+
+    def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # A tensor subclass re-enters through __torch_function__: log once per call.
+        gradient = args[0] if args else kwargs.get("gradient")
+        if not getattr(busy, "on", False) and not context.logged and gradient is None and self.numel() == 1:
+            was = context.logged
+            api.log(loss=self)
+            context.logged = was  # our own entry does not count as the user's log()
+        busy.on = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            busy.on = False
+
+    backward.__doc__ = original.__doc__
+    backward.__wrapped__ = original  # type: ignore[attr-defined]
+    torch.Tensor.backward = backward
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = original
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _in_process_group() -> bool:
+    if api.current_context() is None:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()

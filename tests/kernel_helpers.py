@@ -1,0 +1,233 @@
+"""A real Jupyter kernel for tests, driven through nbclient.
+
+:class:`NotebookKernel` starts ipykernel with this venv's python (nbclient's
+KernelManager replaces the kernelspec's ``python`` with ``sys.executable``; the tests
+check it), runs cells into a notebook, and shuts the kernel down. Shutdown ends every
+process the kernel started (its warm launcher and any rank) by PID: those found before
+shutdown are waited for, and killed if still present after a bounded wait.
+
+Every wait has a deadline; nothing sleeps to let something happen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from queue import Empty
+from typing import Any
+
+import nbformat
+import psutil
+from nbclient import NotebookClient
+from nbclient.util import run_sync
+
+STARTUP_SECONDS = 60.0
+CELL_SECONDS = 120.0
+GONE_SECONDS = 10.0
+POLL = 0.02
+
+
+@dataclass
+class CellOutput:
+    """What a cell showed: its text (stdout, stderr, results) and its error, if any."""
+
+    stdout: str = ""
+    stderr: str = ""
+    results: list[str] = field(default_factory=list)  # text/plain of execute_result/display_data
+    live_view: str = ""  # text/plain of the run's live view (the display with a display id)
+    error: dict[str, Any] | None = None  # {"ename", "evalue", "traceback"} (ANSI stripped)
+
+    @property
+    def text(self) -> str:
+        error = "\n".join(self.error["traceback"]) if self.error else ""
+        return "\n".join(part for part in (self.stdout, self.stderr, *self.results, error) if part)
+
+
+class NotebookKernel:
+    """A started kernel plus the notebook its cells go into.
+
+    nbclient's kernel manager and client are asynchronous; ``run_sync`` drives them here.
+
+    Example::
+
+        with NotebookKernel() as kernel:
+            kernel.run_ok("x = 1")
+            assert kernel.value("x + 1") == 2
+    """
+
+    def __init__(self, cwd: str | None = None, env: dict[str, str] | None = None):
+        self.notebook = nbformat.v4.new_notebook()
+        self.notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        self.client = NotebookClient(
+            self.notebook,
+            timeout=CELL_SECONDS,
+            startup_timeout=int(STARTUP_SECONDS),
+            kernel_name="python3",
+            allow_errors=True,
+            resources={"metadata": {"path": cwd or os.getcwd()}},
+        )
+        self.client.km = self.client.create_kernel_manager()
+        kwargs = {"env": {**os.environ, **(env or {})}} if env else {}
+        self.client.start_new_kernel(**kwargs)
+        self.client.start_new_kernel_client()
+        self.pid = self.client.km.provisioner.pid
+
+    # -- running cells -------------------------------------------------------------------
+    def run(self, source: str) -> CellOutput:
+        """Execute one cell (added to the notebook) and return what it showed."""
+        cell = nbformat.v4.new_code_cell(source)
+        self.notebook.cells.append(cell)
+        self.client.execute_cell(cell, len(self.notebook.cells) - 1)
+        return outputs_of(cell)
+
+    def run_ok(self, source: str) -> CellOutput:
+        """Execute a cell that must not fail; its output on failure."""
+        out = self.run(source)
+        assert out.error is None, f"cell failed:\n{source}\n---\n{out.text}"
+        return out
+
+    def value(self, expression: str) -> Any:
+        """The JSON value of ``expression`` evaluated in the kernel."""
+        out = self.run_ok(f"import json as _json\nprint(_json.dumps({expression}))")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def start_cell(self, source: str) -> str:
+        """Send a cell without waiting for it (for interrupt tests); returns its msg_id."""
+        return self.client.kc.execute(source)
+
+    def wait_for_stream(self, msg_id: str, needles: list[str], timeout: float = CELL_SECONDS) -> str:
+        """Read the cell's output until every needle has appeared; the text read so far."""
+        deadline = time.monotonic() + timeout
+        seen = ""
+        while not all(needle in seen for needle in needles):
+            left = deadline - time.monotonic()
+            assert left > 0, f"{needles!r} did not all appear within {timeout} s; output so far:\n{seen}"
+            try:
+                message = run_sync(self.client.kc.get_iopub_msg)(timeout=min(left, 1.0))
+            except Empty:
+                continue
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            content = message["content"]
+            if message["msg_type"] == "stream":
+                seen += content["text"]
+            elif message["msg_type"] == "error":
+                raise AssertionError("the cell failed:\n" + strip_ansi("\n".join(content["traceback"])))
+        return seen
+
+    def wait_for_reply(self, msg_id: str, timeout: float) -> tuple[dict, CellOutput]:
+        """The cell's execute_reply content and the output it still produced, within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        out = CellOutput()
+        reply = None
+        idle = False
+        while reply is None or not idle:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no reply within {timeout} s; output:\n{out.text}"
+            if reply is None:
+                try:
+                    message = run_sync(self.client.kc.get_shell_msg)(timeout=min(left, 0.1))
+                    if message["parent_header"].get("msg_id") == msg_id:
+                        reply = message["content"]
+                except Empty:
+                    pass
+            try:
+                message = run_sync(self.client.kc.get_iopub_msg)(timeout=min(max(left, 0.01), 0.1))
+            except Empty:
+                continue
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = message["msg_type"], message["content"]
+            if kind == "stream":
+                setattr(out, content["name"], getattr(out, content["name"]) + content["text"])
+            elif kind == "error":
+                out.error = {**content, "traceback": [strip_ansi(line) for line in content["traceback"]]}
+            elif kind == "status" and content["execution_state"] == "idle":
+                idle = True
+        return reply, out
+
+    def interrupt(self) -> None:
+        run_sync(self.client.km.interrupt_kernel)()
+
+    # -- processes -----------------------------------------------------------------------
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+
+    def shutdown(self) -> None:
+        """Shut the kernel down and make sure every process it started is gone (by PID)."""
+        pids = [self.pid, *(p.pid for p in self.descendants())]
+        try:
+            self.client.kc.stop_channels()
+            run_sync(self.client.km.shutdown_kernel)(now=False)
+        finally:
+            left = wait_gone(pids, GONE_SECONDS)
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            wait_gone(left, GONE_SECONDS)
+
+    def __enter__(self) -> "NotebookKernel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def outputs_of(cell: Any) -> CellOutput:
+    out = CellOutput()
+    for output in cell.get("outputs", []):
+        kind = output["output_type"]
+        if kind == "stream":
+            setattr(out, output["name"], getattr(out, output["name"]) + output["text"])
+        elif kind == "display_data" and output.get("data", {}).get("text/plain", "").startswith("nbtrain · "):
+            out.live_view = output["data"]["text/plain"]
+        elif kind in ("execute_result", "display_data"):
+            out.results.append(output.get("data", {}).get("text/plain", ""))
+        elif kind == "error":
+            out.error = {
+                "ename": output["ename"],
+                "evalue": output["evalue"],
+                "traceback": [strip_ansi(line) for line in output["traceback"]],
+            }
+    return out
+
+
+def strip_ansi(text: str) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait until each pid has exited (a zombie of a foreign parent counts as gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for pid in pids:
+            try:
+                os.waitpid(pid, os.WNOHANG)  # ours (the kernel): reap it
+            except ChildProcessError:
+                pass
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    left.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(POLL)
+

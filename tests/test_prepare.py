@@ -1,0 +1,376 @@
+"""nbtrain.prepare, auto mode, and the namespace logic of %%distributed, without a kernel.
+
+Pure logic (which names a cell uses, what comes back and how it is applied) runs in this
+process. What needs a process group (DDP and FSDP2 wrapping, sharded loaders) runs on two
+real ranks through nbtrain.start. Rank functions are nested so they travel by value.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import nbtrain
+from helpers.procs import finish
+from nbtrain import sharedtensors
+from nbtrain.errors import SerializationError
+from nbtrain.kernel import namespace as ns
+from nbtrain.rank import cell as rank_cell
+from nbtrain.rank import prepare as prep
+
+
+# -- which kernel globals a cell uses ---------------------------------------------------------
+
+
+def test_used_names_include_nested_scopes_but_not_locals_or_parameters():
+    user_ns = {n: object() for n in ("loader", "model", "scale", "thresh", "items", "f", "x", "unused", "Base")}
+    code = (
+        "for x, y in loader:\n"
+        "    out = model(x)\n"
+        "def g(f, k=1):\n"
+        "    return f + [q for q in items if q > thresh]\n"
+        "sq = lambda v: v * scale\n"
+        "class C(Base):\n"
+        "    pass\n"
+    )
+    names = ns.analyse_cell(code, user_ns).names
+    # x is a module-level name the cell loads (it may hold the kernel's x); f is only g's parameter
+    assert names == ("Base", "items", "loader", "model", "scale", "thresh", "x")
+
+
+def test_used_names_follow_notebook_functions_classes_and_closures():
+    user_ns: dict = {"__name__": "__main__"}
+    exec(
+        "import math\n"
+        "LR = 0.1\n"
+        "WIDTH = 3\n"
+        "def helper(v):\n"
+        "    return v * LR\n"
+        "def make(k):\n"
+        "    def inner(v):\n"
+        "        return helper(v) + k + math.pi\n"
+        "    return inner\n"
+        "closure = make(2)\n"
+        "class Net:\n"
+        "    def size(self):\n"
+        "        return WIDTH\n"
+        "net = Net()\n"
+        "unrelated = 5\n",
+        user_ns,
+    )
+    analysis = ns.analyse_cell("closure(1) + net.size()", user_ns)
+    assert analysis.names == ("LR", "WIDTH", "closure", "helper", "math", "net")  # Net travels with net
+    assert analysis.used_by["LR"] == "closure" and analysis.used_by["closure"] is None
+
+
+def test_hidden_and_ipython_names_never_travel():
+    user_ns = {"In": [], "_": 1, "_3": 2, "get_ipython": print, "secret": 1, "model": 1}
+    analysis = ns.analyse_cell("print(In, _, _3, secret, model)", user_ns, hidden={"secret"})
+    assert analysis.names == ("model",)
+
+
+def test_augmented_assignments_read_the_kernels_value():
+    user_ns = {"total": 0, "count": 0, "local": 0}
+    code = "total += 1\ndef bump():\n    global count\n    count += 1\ndef own():\n    local = 1\n    local += 1\n"
+    assert ns.analyse_cell(code, user_ns).names == ("count", "total")
+
+
+def test_deleted_names_travel_so_the_cell_can_delete_them():
+    assert ns.analyse_cell("del tmp", {"tmp": 1}).names == ("tmp",)
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("model = DDP(model)", ("DDP",)),
+        ("from torch.nn.parallel import DistributedDataParallel as W\nm = W(model)", ("DistributedDataParallel",)),
+        ("s = torch.utils.data.DistributedSampler(ds)", ("DistributedSampler",)),
+        ("fully_shard(model)", ("fully_shard",)),
+        ("model, opt = nbtrain.prepare(model, opt)", ("nbtrain.prepare",)),
+        ("for x in loader:\n    model(x)", ()),
+    ],
+)
+def test_cells_that_distribute_themselves_are_detected(code, expected):
+    user_ns = {"model": 1, "opt": 2, "loader": [], "nbtrain": nbtrain, "torch": torch, "ds": 3}
+    assert ns.analyse_cell(code, user_ns).self_distributes == expected
+
+
+def test_prepare_called_inside_a_notebook_function_is_detected():
+    user_ns: dict = {"__name__": "__main__", "nbtrain": nbtrain}
+    exec("def setup(m):\n    return nbtrain.prepare(m)\n", user_ns)
+    assert ns.analyse_cell("model = setup(model)", user_ns).self_distributes == ("nbtrain.prepare",)
+
+
+def test_logging_and_shell_use_and_the_shown_value_are_detected():
+    user_ns = {"nbtrain": nbtrain, "log": nbtrain.log}
+    assert ns.analyse_cell("nbtrain.log(loss=1)", user_ns).calls_log
+    assert ns.analyse_cell("log(loss=1)", user_ns).calls_log
+    assert not ns.analyse_cell("import math\nmath.log(2)", user_ns).calls_log
+    assert ns.analyse_cell("get_ipython().system('ls')", {}).needs_shell
+    assert ns.analyse_cell("x = 1\nx + 1", {}).display_last
+    assert not ns.analyse_cell("x = 1\nx + 1", {}, raw_cell="x = 1\nx + 1;").display_last
+
+
+# -- what cannot travel -----------------------------------------------------------------
+
+
+def test_unpicklable_variable_is_named_with_its_type_and_a_remedy():
+    lock = threading.Lock()
+    user_ns: dict = {"__name__": "__main__", "lock": lock}
+    exec("def helper():\n    return lock\n", user_ns)
+    analysis = ns.analyse_cell("helper()", user_ns)
+    error = ns.explain_unpicklable({n: user_ns[n] for n in analysis.names}, analysis.used_by)
+    assert isinstance(error, SerializationError)
+    message = str(error)
+    assert "`lock` (a _thread.lock, used by `helper`)" in message
+    assert "create it inside the cell" in message
+    assert "`helper`" not in message.split("used by")[0]  # the function is not the culprit
+
+
+def test_generators_and_open_files_are_named(tmp_path):
+    with open(tmp_path / "f.txt", "w") as handle:
+        error = ns.explain_unpicklable({"gen": (i for i in range(2)), "handle": handle, "ok": [1]}, {})
+    assert "`gen` (a generator" in str(error) and "`handle` (a _io.TextIOWrapper" in str(error)
+    assert "`ok`" not in str(error)
+    assert ns.explain_unpicklable({"t": torch.zeros(3), "m": nn.Linear(2, 2)}, {}) is None
+
+
+# -- coming back: run_cell in this process, then apply to a "kernel" namespace ------------
+
+
+def _travel(obj):
+    """The engine's round trip between the kernel and a rank (tensors through shared memory)."""
+    data, fd = sharedtensors.dumps(obj)
+    try:
+        return sharedtensors.loads(data, fd)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _run_here(kernel_ns: dict, code: str, **spec_options):
+    """Run ``code`` the way a rank would (one process, no process group) and apply the result."""
+    analysis = ns.analyse_cell(code, kernel_ns)
+    shipped = {n: kernel_ns[n] for n in analysis.names}
+    spec = rank_cell.CellSpec(
+        code=code, filename="<cell>", names=analysis.names, display_last=analysis.display_last, **spec_options
+    )
+    namespace, anchor = _travel((shipped, ns.anchor_function(kernel_ns)))
+    result = rank_cell.run_cell(spec, namespace, anchor)
+    outcome = ns.decode_result(_travel(result), shipped, kernel_ns)
+    report = ns.apply_result(outcome, shipped, kernel_ns, result.deleted)
+    return outcome, report, result
+
+
+def test_namespace_out_updates_kernel_objects_in_place():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).double()  # the kernel's dtype stays, whatever the rank sends
+    kernel_ns: dict = {
+        "__name__": "__main__",
+        "model": model,
+        "opt": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        "history": [],
+        "tmp": 1,
+        "torch": torch,
+    }
+    history, opt, before = kernel_ns["history"], kernel_ns["opt"], model.weight.detach().clone()
+    code = (
+        "x = torch.ones(4, 3, dtype=torch.float64)\n"
+        "loss = model(x).pow(2).mean()\n"
+        "opt.zero_grad(); loss.backward(); opt.step()\n"
+        "history.append(round(loss.item(), 6))\n"
+        "model.eval()\n"
+        "del tmp\n"
+        "def twice(v):\n"
+        "    return 2 * v + len(history)\n"
+        "alias = model\n"
+        "len(history)\n"
+    )
+    outcome, report, _ = _run_here(kernel_ns, code)
+    assert kernel_ns["model"] is model and kernel_ns["opt"] is opt and kernel_ns["history"] is history
+    assert model.weight.dtype == torch.float64 and not torch.equal(model.weight, before)
+    assert not model.training
+    assert len(history) == 1 and "momentum_buffer" in opt.state[model.weight]
+    assert "tmp" not in kernel_ns and report.deleted == ["tmp"]
+    assert kernel_ns["alias"] is model  # a reference to a kernel object comes back as that object
+    assert kernel_ns["twice"].__globals__ is kernel_ns and kernel_ns["twice"](1) == 3
+    assert outcome["display"] == (1,)
+    assert {"model", "opt", "history", "x", "loss", "twice", "alias"} <= set(report.updated)
+
+
+def test_unchanged_plain_objects_are_left_alone_and_unpicklable_values_skipped():
+    config = {"lr": 0.1, "nested": [1, 2]}
+    kernel_ns: dict = {"__name__": "__main__", "config": config}
+    nested = config["nested"]
+    outcome, report, result = _run_here(kernel_ns, "lr = config['lr']\nimport threading\nguard = threading.Lock()\n")
+    assert kernel_ns["config"] is config and config["nested"] is nested  # not even copied
+    assert "config" not in outcome["changed"]
+    assert kernel_ns["lr"] == 0.1
+    assert [(name, kind) for name, kind, _ in result.skipped] == [("guard", "_thread.lock")]
+    assert "guard" not in kernel_ns
+
+
+def test_module_whose_architecture_changed_is_rebound():
+    model = nn.Sequential(nn.Linear(2, 2))
+    kernel_ns: dict = {"__name__": "__main__", "model": model, "nn": nn}
+    _run_here(kernel_ns, "model[0] = nn.Linear(2, 5)\n")
+    assert kernel_ns["model"] is not model and kernel_ns["model"][0].out_features == 5
+
+
+def test_update_in_place_keeps_identity_where_it_can():
+    class Box:
+        def __init__(self, v):
+            self.v = v
+
+    box, values, table, found = Box(1), [1], {"a": 1}, {1}
+    assert ns.update_in_place(box, Box(2)) and box.v == 2
+    assert ns.update_in_place(values, [1, 2]) and values == [1, 2]
+    assert ns.update_in_place(table, {"b": 2}) and table == {"b": 2}
+    assert ns.update_in_place(found, {3}) and found == {3}
+    assert not ns.update_in_place((1,), (2,))
+    assert not ns.update_in_place([1], (1,))
+
+
+# -- prepare outside a run: a single process -------------------------------------------------
+
+
+def test_prepare_outside_a_run_behaves_as_one_process():
+    prep.configure(None)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.zeros(4, 2)), batch_size=2)
+    got_model, got_opt, got_loader = nbtrain.prepare(model, opt, loader)
+    assert got_model is model and got_opt is opt and got_loader is loader
+    assert model.weight.device == nbtrain.device()
+    assert nbtrain.prepare(model) is model
+    assert nbtrain.prepare("not a model") == "not a model"
+    with pytest.raises(TypeError, match="needs something to prepare"):
+        nbtrain.prepare()
+
+
+def test_loss_logging_is_off_outside_a_run():
+    backward = torch.Tensor.backward
+    with prep.loss_logging():
+        assert torch.Tensor.backward is backward
+
+
+# -- prepare on two ranks --------------------------------------------------------------------
+
+
+def test_prepare_wraps_ddp_transparently_and_shards_the_loader(launcher):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+            self.frozen = nn.Linear(2, 2).requires_grad_(False)
+            self.n_classes = 2
+
+        def forward(self, x):
+            return self.frozen(self.fc(x))
+
+        def describe(self):
+            return f"net with {self.n_classes} classes"
+
+    def collate(batch):
+        return torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
+
+    def fn():
+        torch.manual_seed(0)
+        model = Net()
+        loss_fn = nn.MSELoss()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = TensorDataset(torch.arange(40.0).reshape(10, 4), torch.zeros(10, 2))
+        loader = DataLoader(data, batch_size=3, shuffle=True, drop_last=True, collate_fn=collate)
+        wrapped, opt2, sharded, same = nbtrain.prepare(model, opt, loader, "other")
+        wrapped.n_classes = 3  # set through the wrapper: lands on the model
+        orders = [[tuple(x[:, 0].tolist()) for x, _ in sharded] for _ in range(2)]
+        for x, y in sharded:
+            loss_fn(wrapped(x), y).backward()
+        with wrapped.no_sync():
+            pass
+        return {
+            "type": type(wrapped).__name__,
+            "is_ddp": isinstance(wrapped, torch.nn.parallel.DistributedDataParallel),
+            "fc": tuple(wrapped.fc.weight.shape),
+            "describe": wrapped.describe(),
+            "keys": sorted(wrapped.state_dict()),
+            "opt_same": opt2 is opt,
+            "again": nbtrain.prepare(model) is wrapped and nbtrain.prepare(wrapped) is wrapped,
+            "loss_fn": nbtrain.prepare(loss_fn) is loss_fn,  # no trainable parameters: not wrapped
+            "batch": sharded.batch_size,
+            "drop_last": sharded.drop_last,
+            "collate": sharded.collate_fn is collate,
+            "sampler": type(sharded.sampler).__name__,
+            "shuffle": sharded.sampler.shuffle,
+            "length": len(sharded),
+            "orders": orders,
+            "same": same,
+            "original": prep.original_of(wrapped) is model and prep.original_of(sharded) is loader,
+        }
+
+    result = finish(nbtrain.start(fn, devices=2))
+    assert result["type"] == "DistributedDataParallel" and result["is_ddp"]
+    assert result["fc"] == (2, 4) and result["describe"] == "net with 3 classes"
+    assert result["keys"] == ["fc.bias", "fc.weight", "frozen.bias", "frozen.weight"]
+    assert result["opt_same"] and result["again"] and result["loss_fn"] and result["original"]
+    assert (result["batch"], result["drop_last"], result["collate"]) == (3, True, True)
+    assert (result["sampler"], result["shuffle"], result["length"]) == ("DistributedSampler", True, 1)
+    assert result["orders"][0] != result["orders"][1] or len(result["orders"][0][0]) == 0  # set_epoch each pass
+    assert result["same"] == "other"
+
+
+def test_fsdp_shards_parameters_and_rebinds_the_optimizer_with_its_state(launcher):
+    def fn():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()  # state made before sharding must follow the parameters
+        model, opt = nbtrain.prepare(model, opt)
+        w = model[0].weight
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        state = opt.state[opt.param_groups[0]["params"][0]]
+        return {
+            "param": type(w).__name__,
+            "local": tuple(w.to_local().shape),
+            "full": tuple(w.shape),
+            "opt_params_are_model_params": all(
+                any(p is q for q in model.parameters()) for p in opt.param_groups[0]["params"]
+            ),
+            "step": float(state["step"]),
+            "exp_avg": type(state["exp_avg"]).__name__,
+        }
+
+    result = finish(nbtrain.start(fn, devices=2, strategy="fsdp"))
+    assert result["param"] == "DTensor" and result["local"] == (4, 4) and result["full"] == (8, 4)
+    assert result["opt_params_are_model_params"]
+    assert result["step"] == 3.0 and result["exp_avg"] == "DTensor"
+
+
+def test_auto_prepare_wraps_root_modules_only(launcher):
+    def fn():
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        namespace = {
+            "model": model,
+            "head": model[1],  # inside model: moved with it, not wrapped on its own
+            "loss_fn": nn.MSELoss(),
+            "opt": torch.optim.SGD(model.parameters(), lr=0.1),
+            "loader": DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=2),
+            "n": 3,
+        }
+        prep.configure("ddp")
+        done = prep.auto_prepare(namespace, list(namespace))
+        return done, type(namespace["model"]).__name__, namespace["head"] is model[1]
+
+    done, model_type, head_same = finish(nbtrain.start(fn, devices=2))
+    assert dict(done) == {"model": "DistributedDataParallel", "loss_fn": "moved", "opt": "bound", "loader": "DistributedSampler"}
+    assert model_type == "DistributedDataParallel" and head_same
+
