@@ -424,11 +424,16 @@ class RunState:
                 self.failure = f"rank {event.rank} raised {event.exc_type}: {event.message}"
             self._changed()
         elif isinstance(event, events.RankExited):
-            if self.failure is None and not event.reported:
+            if self.failure is None and not event.reported and not event.stopped:
                 self.failure = _describe_exit(event)
                 self._changed()
         elif isinstance(event, events.RunEnded):
-            if event.state != events.FINISHED and self.failure is None and event.detail:
+            # The launcher's verdict names the root cause; what was shown before was a guess.
+            if isinstance(event.failure, events.RankFailed):
+                self.failure = f"rank {event.failure.rank} raised {event.failure.exc_type}: {event.failure.message}"
+            elif isinstance(event.failure, events.RankExited):
+                self.failure = _describe_exit(event.failure)
+            elif event.state != events.FINISHED and self.failure is None and event.detail:
                 self.failure = event.detail
             self.finish(event.state, now)
 

@@ -129,6 +129,7 @@ class RankExited:
     exit_code: int | None
     signal_number: int | None
     reported: bool  # the rank said it was done (or failed) before it exited
+    stopped: bool = False  # the launcher was already stopping the run: not a cause of failure
 
 
 @dataclass(frozen=True)

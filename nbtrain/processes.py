@@ -30,7 +30,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, Iterable, NoReturn, Sequence
 
 LAUNCHER_MODULE = "nbtrain.launcher"
 CONTROL_FD_VARIABLE = "NBTRAIN_CONTROL_FD"
@@ -77,6 +77,13 @@ def start_launcher() -> LauncherProcess:
 
 def stop_launcher(launcher: LauncherProcess, grace: float = 2.0) -> None:
     """Close the channel (the launcher then stops its ranks and exits); kill it if it lingers."""
+    try:
+        # shutdown first: close() alone does not end the socket while the kernel's reader
+        # thread is blocked in recv on it, so the launcher would never see EOF and would
+        # only go when killed after the grace period.
+        launcher.channel.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed or never connected
     try:
         launcher.channel.close()
     except OSError:
@@ -168,13 +175,64 @@ def signal_group(pgid: int, number: int) -> None:
         pass
 
 
+def process_groups() -> dict[int, list[int]]:
+    """Process group id -> the pids in it, for every process visible in /proc."""
+    groups: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            # Fields after the command name (which may hold spaces or parentheses).
+            pgid = int(stat[stat.rindex(b")") + 2 :].split()[2])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        groups.setdefault(pgid, []).append(int(name))
+    return groups
+
+
+def remove_torch_shared_memory(pids: Iterable[int], directory: str = "/dev/shm") -> None:
+    """Unlink the /dev/shm entries torch named after these processes, once they are dead.
+
+    torch names a shared block ``torch_<creator pid>_<random>_<counter>`` and unlinks it
+    right after mapping it; a process killed in between (a DataLoader worker when a run
+    is stopped) leaves the entry behind for good. Only dead creators' entries are removed.
+    """
+    prefixes = tuple(f"torch_{pid}_" for pid in set(pids) if not _running(pid))
+    if not prefixes:
+        return
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefixes):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass  # removed meanwhile
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    state = stat[stat.rindex(b")") + 2 :][:1]
+    return state not in (b"Z", b"X")  # a zombie has exited; only its parent's wait is missing
+
+
 def resident_bytes(pid: int) -> int | None:
     """Resident memory of a process, read from /proc (None once it is gone)."""
     try:
         with open(f"/proc/{pid}/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            pages = int(f.read().split()[1])
     except (OSError, IndexError, ValueError):
         return None
+    # An exited but unreaped process (a zombie) reads as 0 pages: that is no sample.
+    return pages * os.sysconf("SC_PAGE_SIZE") or None
 
 
 def ignore_interrupts() -> None:

@@ -241,9 +241,15 @@ class Run:
 
     def wait(self, on_event: Callable[[Any], None] | None = None) -> Any:
         """Block until the run ends; return rank 0's result or raise its failure."""
-        for event in self.events():
-            if event is not None and on_event is not None:
-                on_event(event)
+        try:
+            for event in self.events():
+                if event is not None and on_event is not None:
+                    on_event(event)
+        except KeyboardInterrupt:
+            # events() stops the run when the interrupt lands in its own wait; one that
+            # lands in on_event (printing a line, say) must stop it too, or the ranks run on.
+            self.stop("interrupted")
+            raise
         return self.result()
 
     def result(self) -> Any:
@@ -324,7 +330,8 @@ def start(
             ranks=cfg.rank_specs(),
             start_method=cfg.strategy.start_method,
             backend=cfg.backend,
-            environ=_caller_environment(),
+            # prepare() on a rank wraps models for this strategy (nbtrain.rank.prepare).
+            environ={**_caller_environment(), "NBTRAIN_MODEL_WRAPPER": cfg.strategy.model_wrapper},
             cwd=os.getcwd(),
             sys_path=tuple(sys.path),
             source_lines=_notebook_source_lines(),
@@ -349,6 +356,7 @@ def launch(
     accelerator: str = "auto",
     strategy: str = "ddp_notebook",
     timeout: float | None = None,
+    background: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank; return rank 0's return value.
@@ -356,6 +364,11 @@ def launch(
     ``fn`` may be a lambda, a closure or a function defined in the notebook: it travels
     with cloudpickle. Each rank's prints appear here, tagged with the rank. A failure in
     any rank stops all of them and raises here (:class:`nbtrain.errors.RankError`).
+
+    ``background=True`` returns at once with a
+    :class:`nbtrain.kernel.background.BackgroundRun` (``wait()``, ``stop()``, ``result``,
+    ``state``; ``nbtrain.runs()`` lists them); in a notebook its live view, with a Stop
+    button, keeps updating while other cells run.
 
     Example:
         >>> import nbtrain, torch.distributed as dist
@@ -365,6 +378,10 @@ def launch(
     run = start(
         fn, args, kwargs, devices=devices, accelerator=accelerator, strategy=strategy, timeout=timeout
     )
+    if background:
+        from nbtrain.kernel import background as _background
+
+        return _background.follow_function(run, fn)
     return run.wait(on_event=print_output)
 
 

@@ -41,7 +41,8 @@ FASTEST_FRAME_SECONDS = 0.25  # at most four frames a second
 SLOWEST_FRAME_SECONDS = 1.0  # at least one a second while the run goes on (the clock moves)
 TEXT_LINE_SECONDS = 1.0  # a terminal gets a progress line at most once a second...
 TEXT_HEARTBEAT_SECONDS = 10.0  # ...and one every ten seconds even when nothing moved
-CHART_CPU_SHARE = 0.1  # drawing charts may use at most this share of one core
+CHART_CPU_SHARE = 0.1  # drawing charts may use at most this share of one core...
+SLOWEST_CHART_SECONDS = 1.0  # ...but a moving run's chart is never older than this
 DPI = 80
 PANEL_INCHES = (3.3, 2.3)  # one chart: 264 x 184 pixels at 80 dpi
 PANELS_PER_ROW = 3
@@ -227,12 +228,14 @@ class LiveView:
         stale = state.chart_version != self._chart_version
         now = time.monotonic()
         # Keep drawing under CHART_CPU_SHARE of a core: after a 50 ms drawing, wait 0.5 s.
-        rested = now - self._chart_drawn_at >= self._chart_seconds / CHART_CPU_SHARE
+        # On a loaded machine one drawing can take 0.4 s; the cap keeps the chart moving.
+        rest = min(self._chart_seconds / CHART_CPU_SHARE, SLOWEST_CHART_SECONDS)
+        rested = now - self._chart_drawn_at >= rest
         if stale and (force or rested or not self._chart_png_base64):
-            started = time.perf_counter()
             layout = ChartFigure.layout_of(state)
             if self._chart_figure is None or self._chart_figure.layout != layout:
-                self._chart_figure = ChartFigure(state)
+                self._chart_figure = ChartFigure(state)  # imports matplotlib: not timed below
+            started = time.perf_counter()
             png = self._chart_figure.draw(state)
             self._chart_seconds = time.perf_counter() - started
             self._chart_drawn_at = now
@@ -272,8 +275,7 @@ def _progress_html(state: charts.RunState) -> str:
     step = state.current_step
     if fraction is None:
         label = "no steps logged yet" if step is None else f"step {step:,}"
-        hint = '<span style="color:#999">(total_steps= adds a bar and ETA)</span>'
-        return f'<div style="color:#555">{label} {hint}</div>'
+        return f'<div style="color:#555">{label}</div>'
     colour = _STATE_COLOURS.get(state.state, "#1565c0")
     label = f"step {step or 0:,} / {state.total_steps:,} ({fraction:.0%})"
     eta = state.eta_seconds()

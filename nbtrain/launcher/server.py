@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import select
 import selectors
 import signal
 import socket
@@ -69,6 +70,7 @@ class RankProcess:
     done: bool = False
     failed: bool = False
     exited: bool = False
+    members: set[int] = field(default_factory=set)  # pids seen in its process group
 
 
 @dataclass
@@ -122,8 +124,11 @@ class Launcher:
             self._start(message, fds[0] if fds else None)
         elif isinstance(message, StopRun):
             run = self.runs.get(message.run_id)
-            if run is not None:
-                self._stop(run, message.reason)
+            # The reason is the caller's words, not a state: the run ends STOPPED (which the
+            # kernel turns into RunStoppedError). A run whose ranks all finished already
+            # keeps its result, and one already failing keeps its failure.
+            if run is not None and run.end_state is None:
+                self._stop(run, events.STOPPED)
         return True
 
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
@@ -184,6 +189,9 @@ class Launcher:
 
     def _spawn(self, assignment, rank_end, out_write, err_write, listen_fd, tensor_fd, rank_fds) -> int:
         env = dict(assignment.start.environ)
+        # The caller's environment has no NBTRAIN_ROLE; without it the fresh interpreter's
+        # `import nbtrain` would prewarm a launcher of its own (one more torch import per rank).
+        env[processes.ROLE_VARIABLE] = "rank"
         argv = [
             sys.executable,
             "-m",
@@ -207,6 +215,8 @@ class Launcher:
 
     # -- events from ranks -------------------------------------------------------------
     def _on_rank_event(self, run: Run, rank: RankProcess) -> None:
+        if not self._registered(rank.channel) or not _readable_now(rank.channel):
+            return  # already read (or closed) by _on_exit in this same round of select
         try:
             message, fds = wire.receive(rank.channel)
         except (wire.ChannelClosed, OSError):
@@ -264,7 +274,7 @@ class Launcher:
     def _on_exit(self, run: Run, rank: RankProcess) -> None:
         # Kill the rank's group while its leader is still an unreaped zombie: the group id
         # cannot have been reused yet, and stray DataLoader workers go with it.
-        processes.signal_group(rank.pid, signal.SIGKILL)
+        self._signal_groups([rank], signal.SIGKILL)
         status = processes.reap(rank.pid)
         if status is None:
             return
@@ -272,16 +282,38 @@ class Launcher:
         self.selector.unregister(rank.pidfd)
         os.close(rank.pidfd)
         rank.exited = True
+        # What the rank sent just before exiting may still be unread: its channel and its
+        # pidfd can be ready in the same select, in either order. Read it first, or a rank
+        # that reported its exception and exited would count as one that died silently.
+        while self._registered(rank.channel) and _readable_now(rank.channel):
+            self._on_rank_event(run, rank)
         reported = rank.done or rank.failed
-        exited = RankExited(run.run_id, rank.spec.rank, exit_code, signal_number, reported)
+        exited = RankExited(
+            run.run_id, rank.spec.rank, exit_code, signal_number, reported, stopped=run.stop_started is not None
+        )
         self._send(exited)
         if not reported and run.end_state in (None, events.FINISHED):
             if run.failure is None:
                 run.failure = exited
             run.end_state = None  # a rank died after the others finished: still a failure
             self._stop(run, events.FAILED)
+        elif not reported and run.end_state == events.FAILED and isinstance(run.failure, RankFailed):
+            # A rank that dies hard (OOM kill, segfault, os._exit) closes its sockets before
+            # its pidfd fires, so a peer blocked in a collective can report the broken
+            # connection first. Unless this death is our own stop signal, it is the cause
+            # and the peer's error its consequence.
+            ours = signal_number == signal.SIGTERM or (run.killed and signal_number == signal.SIGKILL)
+            if not ours:
+                run.failure = exited
         if all(r.exited for r in run.ranks):
             run.all_exited_at = time.monotonic()
+
+    def _registered(self, fileobj: Any) -> bool:
+        try:
+            self.selector.get_key(fileobj)
+        except KeyError:
+            return False
+        return True
 
     # -- stopping and finishing --------------------------------------------------------
     def _stop(self, run: Run, state: str) -> None:
@@ -289,9 +321,18 @@ class Launcher:
             return
         run.end_state = state
         run.stop_started = time.monotonic()
-        for rank in run.ranks:
-            if not rank.exited:
-                processes.signal_group(rank.pid, signal.SIGTERM)
+        self._signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGTERM)
+
+    def _signal_groups(self, ranks: list[RankProcess], number: int) -> None:
+        # Note who is in each group before signalling it: a DataLoader worker killed between
+        # torch's shm_open and shm_unlink leaves a /dev/shm entry named after its pid, which
+        # _finish removes once the group is gone.
+        if not ranks:
+            return
+        groups = processes.process_groups()
+        for rank in ranks:
+            rank.members.update(groups.get(rank.pid, ()))
+            processes.signal_group(rank.pid, number)
 
     def _tick(self, now: float) -> None:
         for run in list(self.runs.values()):
@@ -299,9 +340,7 @@ class Launcher:
                 self._stop(run, events.TIMED_OUT)
             if run.stop_started is not None and not run.killed and now - run.stop_started > STOP_GRACE_SECONDS:
                 run.killed = True
-                for rank in run.ranks:
-                    if not rank.exited:
-                        processes.signal_group(rank.pid, signal.SIGKILL)
+                self._signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGKILL)
             if run.all_exited_at is None and run.end_state is not None and all(r.exited for r in run.ranks):
                 run.all_exited_at = now  # also covers a run whose ranks could not all start
             self._sample_memory(run, now)
@@ -335,6 +374,8 @@ class Launcher:
             except (KeyError, ValueError):
                 pass
             rank.channel.close()
+            # Its pipes are drained, so every process that held them (workers too) is gone.
+            processes.remove_torch_shared_memory({rank.pid, *rank.members})
         del self.runs[run.run_id]
         state = run.end_state or events.FAILED
         if state == events.FINISHED and run.failure is None:
@@ -347,14 +388,18 @@ class Launcher:
 
     def _shutdown(self) -> None:
         for run in self.runs.values():
-            for rank in run.ranks:
-                if not rank.exited:
-                    processes.signal_group(rank.pid, signal.SIGKILL)
+            self._signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGKILL)
         deadline = time.monotonic() + 2.0
         for run in self.runs.values():
             for rank in run.ranks:
                 while not rank.exited and processes.reap(rank.pid) is None and time.monotonic() < deadline:
                     time.sleep(0.01)
+                processes.remove_torch_shared_memory({rank.pid, *rank.members})
+
+
+def _readable_now(sock: socket.socket) -> bool:
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable)
 
 
 def _send_quietly(channel: socket.socket, message: Any) -> None:
@@ -416,3 +461,7 @@ def main() -> None:
     if processes.thread_count() != 1:
         print(f"nbtrain launcher: {processes.thread_count()} threads after preload; fork is unsafe", file=sys.stderr)
     Launcher(control, parent_pid).serve()
+    # Every rank is gone and nothing here needs flushing. Interpreter teardown with torch
+    # loaded takes about a second (several on a loaded machine), and the kernel waits for
+    # it when it closes: past stop_launcher's grace the launcher would be killed instead.
+    processes.exit_now(0)

@@ -188,8 +188,12 @@ def _send_done(channel: socket.socket, context: api.RankContext, result: Any) ->
 
 def _report_failure(channel: socket.socket, run_id: int, rank: int, error: BaseException) -> None:
     tb = error.__traceback__
-    # Drop the runtime's own frames: the user's traceback starts in their code.
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    # Drop the runtime's own frames, and those of nbtrain functions that set
+    # __tracebackhide__ (pytest's and IPython's convention): the user's traceback starts
+    # in their code (for %%distributed, the cell's own line).
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename == __file__ or tb.tb_frame.f_locals.get("__tracebackhide__")
+    ):
         tb = tb.tb_next
     text = "".join(traceback.format_exception(type(error), error, tb))
     try:

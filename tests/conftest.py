@@ -1,0 +1,78 @@
+"""Fixtures for the engine's tests: a warm launcher, and a guard that fails a test on leaks.
+
+Every test runs real processes: the launcher is the one ``import nbtrain`` starts, ranks
+are real forks, and the failure tests start real caller processes (tests/helpers).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+import nbtrain  # noqa: F401 - starts the warm launcher, as in a notebook
+from nbtrain.kernel import client as kernel_client
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:  # for `helpers` (ranks get this sys.path too); pytest's prepend mode adds it
+    sys.path.insert(0, _TESTS)
+
+from helpers import procs  # noqa: E402
+
+LAUNCHER_READY_SECONDS = 120.0  # importing torch on a loaded 2-core machine
+CHILDREN_GONE_SECONDS = 5.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: takes several seconds or a lot of memory (still run by default)")
+
+
+@pytest.fixture
+def launcher() -> kernel_client.LauncherClient:
+    """The warm launcher, ready to fork ranks (a new one if a test killed the last)."""
+    client = kernel_client.get_client()
+    assert client.ready.wait(LAUNCHER_READY_SECONDS), f"the launcher was not ready in time: {client.exit_detail()}"
+    return client
+
+
+class LeakGuard:
+    """What existed before the test: /dev/shm entries and the launcher's children."""
+
+    def __init__(self) -> None:
+        self.shm = procs.shm_entries()
+        self.children = {p.pid for p in procs.launcher_children()}
+
+    def leaks(self) -> list[str]:
+        problems = []
+        new_shm = procs.shm_entries() - self.shm
+        if new_shm:
+            problems.append(f"new /dev/shm entries: {sorted(new_shm)}")
+        left = [p.pid for p in procs.launcher_children() if p.pid not in self.children]
+        left = procs.wait_gone(left, CHILDREN_GONE_SECONDS)
+        if left:
+            details = []
+            for pid in left:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        command = f.read().replace(b"\0", b" ").decode(errors="replace")
+                    details.append(f"{pid} {command}")
+                except OSError:
+                    details.append(str(pid))
+            procs.kill_pids(left)  # so one leak does not fail every later test
+            problems.append(f"launcher children still alive after the test: {details}")
+        return problems
+
+    def check(self) -> None:
+        problems = self.leaks()
+        assert not problems, "; ".join(problems)
+
+
+@pytest.fixture(autouse=True)
+def leak_guard() -> LeakGuard:
+    """Fails the test if it left a rank (or any launcher child) alive or a /dev/shm entry."""
+    guard = LeakGuard()
+    yield guard
+    problems = guard.leaks()
+    if problems:
+        pytest.fail("leaked: " + "; ".join(problems), pytrace=False)

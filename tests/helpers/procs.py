@@ -1,0 +1,238 @@
+"""What the tests share: bounded waits on runs and processes, and leak snapshots.
+
+Every wait here has a deadline; nothing sleeps to let something happen. Polling loops
+poll a condition and end at their deadline.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import selectors
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import psutil
+
+from nbtrain import events
+from nbtrain.kernel import client as kernel_client
+
+RUN_TIMEOUT = 60.0  # a run that takes longer than this is a hang, not a slow machine
+POLL = 0.02
+SHM = "/dev/shm"
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+class RunHung(AssertionError):
+    pass
+
+
+def finish(run: Any, timeout: float = RUN_TIMEOUT, on_event: Callable[[Any], None] | None = None) -> Any:
+    """``run.wait()`` with a deadline: rank 0's result, or the run's failure raised.
+
+    On the deadline the run is stopped (every rank gone) and the test fails.
+    """
+    deadline = time.monotonic() + timeout
+    for event in run.events(poll=0.1):
+        if event is not None and on_event is not None:
+            on_event(event)
+        if time.monotonic() > deadline and run.state == "running":
+            run.stop("the test gave up")
+            raise RunHung(f"run {run.run_id} did not end within {timeout} s (pids {run.pids})")
+    return run.result()
+
+
+def collect(run: Any, timeout: float = RUN_TIMEOUT) -> tuple[Any, BaseException | None, list[Any]]:
+    """Run to the end; (result or None, failure or None, every event in order)."""
+    seen: list[Any] = []
+    try:
+        return finish(run, timeout, seen.append), None, seen
+    except RunHung:
+        raise
+    except Exception as error:  # noqa: BLE001 - the caller asserts on it
+        return None, error, seen
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def fd_targets() -> dict[int, str]:
+    """What each open descriptor of this process points at (for failure messages)."""
+    targets = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            targets[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    return targets
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def current_launcher() -> psutil.Process | None:
+    """The test process's warm launcher, if one is running (never starts one)."""
+    client = kernel_client._client
+    if client is None or not client.alive:
+        return None
+    try:
+        return psutil.Process(client.process.pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def launcher_children() -> list[psutil.Process]:
+    launcher = current_launcher()
+    if launcher is None:
+        return []
+    try:
+        return launcher.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still exists: running, or exited but not yet reaped (a zombie)."""
+    return os.path.exists(f"/proc/{pid}")
+
+
+def wait_gone(pids: Iterable[int], timeout: float, *, reaped: bool = True) -> list[int]:
+    """Wait until every pid has exited and been reaped; return those still present.
+
+    Those that are (or became, through a subreaper) this process's children are reaped here.
+    ``reaped=False``: an exited process awaiting its (foreign) parent counts as gone.
+    """
+    pids = list(pids)
+    deadline = time.monotonic() + timeout
+    while True:
+        for pid in pids:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass  # not ours: its parent reaps it
+        left = [p for p in pids if alive(p) and (reaped or not _is_zombie(p))]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(POLL)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill_pids(pids: Iterable[int]) -> None:
+    """Cleanup: SIGKILL each pid still present (by pid, never by name)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def set_child_subreaper(on: bool) -> None:
+    """Orphans of our subtree become our children (so a test can reap them), or stop doing so."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def read_json_line(proc: subprocess.Popen, timeout: float) -> dict:
+    """The first stdout line of ``proc`` that is a JSON object, within ``timeout`` seconds.
+
+    Reads the pipe's raw descriptor without blocking past the deadline; what was read
+    after that line stays in ``proc.extra_stdout``.
+    """
+    fd = proc.stdout.fileno()
+    buffer = getattr(proc, "extra_stdout", b"")
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                if line.startswith(b"{"):
+                    proc.extra_stdout = buffer
+                    return json.loads(line)
+                proc.skipped_stdout = getattr(proc, "skipped_stdout", b"") + line + b"\n"
+            left = deadline - time.monotonic()
+            if left <= 0 or not selector.select(left):
+                raise AssertionError(
+                    f"no JSON line from pid {proc.pid} within {timeout} s; stdout so far: "
+                    f"{getattr(proc, 'skipped_stdout', b'') + buffer!r}"
+                )
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(
+                    f"pid {proc.pid} closed stdout (exit code {proc.poll()}) before a JSON line; "
+                    f"stdout: {getattr(proc, 'skipped_stdout', b'') + buffer!r}"
+                )
+            buffer += chunk
+
+
+def rest_of_output(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """Wait (bounded) for ``proc`` to exit; its remaining stdout and its stderr as text."""
+    out, err = proc.communicate(timeout=timeout)
+    out = getattr(proc, "skipped_stdout", b"") + getattr(proc, "extra_stdout", b"") + (out or b"")
+    return out.decode(errors="replace"), (err or b"").decode(errors="replace")
+
+
+def cleanup_caller(proc: subprocess.Popen, others: Iterable[int | None]) -> None:
+    """After a test's caller script: kill (by pid) whatever of it is still there, reap, close pipes.
+
+    ``others`` are the pids the script reported (its launcher, its ranks); None is skipped.
+    """
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)
+    others = [pid for pid in others if pid]
+    kill_pids([pid for pid in others if alive(pid)])
+    wait_gone(others, 10)
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of a live process, from /proc/PID/smaps_rollup."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no Pss line in /proc/{pid}/smaps_rollup")
+
+
+@dataclass
+class Snapshot:
+    shm: set[str]
+    fds: int
+    threads: int
+    launcher_children: int
+    launcher_fds: int | None
+
+
+def snapshot() -> Snapshot:
+    launcher = current_launcher()
+    launcher_fds = None
+    if launcher is not None:
+        try:
+            launcher_fds = launcher.num_fds()
+        except psutil.NoSuchProcess:
+            pass
+    return Snapshot(shm_entries(), fd_count(), thread_count(), len(launcher_children()), launcher_fds)
+
+
+def rank_exits(seen: list[Any]) -> dict[int, events.RankExited]:
+    return {e.rank: e for e in seen if isinstance(e, events.RankExited)}

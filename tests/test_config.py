@@ -1,0 +1,123 @@
+"""nbtrain.config: strategies, backends, timeouts, threads per rank, rank specs (pure, no processes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from nbtrain import config
+from nbtrain.config import backend_for, make_config, resolve_strategy, threads_per_rank, validate_timeout
+from nbtrain.devices import DevicePlan
+from nbtrain.errors import ConfigurationError
+from nbtrain.events import RankSpec
+
+
+@pytest.mark.parametrize(
+    "name, start_method, wrapper",
+    [("ddp_notebook", "fork", "ddp"), ("ddp_spawn", "spawn", "ddp"), ("fsdp", "fork", "fsdp")],
+)
+def test_strategies(name, start_method, wrapper):
+    strategy = resolve_strategy(name, 2)
+    assert (strategy.name, strategy.start_method, strategy.model_wrapper) == (name, start_method, wrapper)
+    assert strategy.when_to_use
+
+
+def test_strategy_names_ignore_case_and_spaces():
+    assert resolve_strategy("  DDP_Spawn ", 2) is config.STRATEGIES["ddp_spawn"]
+
+
+def test_auto_is_ddp_notebook_for_many_ranks_and_a_plain_worker_for_one():
+    assert resolve_strategy("auto", 2) is config.STRATEGIES["ddp_notebook"]
+    single = resolve_strategy("auto", 1)
+    assert (single.start_method, single.model_wrapper) == ("fork", "none")
+
+
+@pytest.mark.parametrize("name", ["ddp_fork", "", "deepspeed", None])
+def test_unknown_strategy_lists_the_valid_ones(name):
+    with pytest.raises(ConfigurationError) as caught:
+        resolve_strategy(name, 2)
+    message = str(caught.value)
+    assert repr(name) in message
+    for valid in ("ddp_notebook", "ddp_spawn", "fsdp", "auto"):
+        assert valid in message
+    assert isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize("accelerator, backend", [("cpu", "gloo"), ("mps", "gloo"), ("cuda", "nccl")])
+def test_default_backend_per_accelerator(accelerator, backend):
+    assert backend_for(accelerator) == backend
+
+
+@pytest.mark.parametrize("requested", ["gloo", "mpi", "cpu:gloo,cuda:nccl"])
+def test_requested_backend_is_kept(requested):
+    assert backend_for("cpu", requested) == requested
+
+
+def test_nccl_can_be_requested_on_cuda_only():
+    assert backend_for("cuda", "nccl") == "nccl"
+    with pytest.raises(ConfigurationError, match="needs CUDA"):
+        backend_for("cpu", "nccl")
+
+
+def test_unknown_backend_lists_the_valid_ones():
+    with pytest.raises(ConfigurationError) as caught:
+        backend_for("cpu", "ucc")
+    assert "'ucc'" in str(caught.value)
+    for valid in config.BACKENDS:
+        assert valid in str(caught.value)
+
+
+@pytest.mark.parametrize("timeout, expected", [(None, None), (5, 5.0), (0.25, 0.25), (math.inf, math.inf)])
+def test_valid_timeouts(timeout, expected):
+    result = validate_timeout(timeout)
+    assert result == expected
+    assert result is None or isinstance(result, float)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, -0.5, math.nan, True, "10", [1]])
+def test_invalid_timeouts(timeout):
+    with pytest.raises(ConfigurationError) as caught:
+        validate_timeout(timeout)
+    assert repr(timeout) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "cores, ranks, environ, expected",
+    [
+        (8, 2, {}, 4),
+        (2, 2, {}, 1),
+        (2, 1, {}, 2),
+        (2, 4, {}, 1),
+        (7, 2, {}, 3),
+        (1, 1, {}, 1),
+        (4, 0, {}, 4),
+        (8, 2, {"OMP_NUM_THREADS": "3"}, None),
+        (8, 2, {"OMP_NUM_THREADS": ""}, 4),  # set but empty: as if unset
+    ],
+)
+def test_threads_per_rank(cores, ranks, environ, expected):
+    assert threads_per_rank(cores, ranks, environ) == expected
+
+
+def test_rank_specs_on_cpu():
+    cfg = make_config(DevicePlan("cpu", (0, 1, 2)), strategy="ddp_notebook", timeout=None)
+    assert cfg.world_size == 3 and cfg.backend == "gloo" and cfg.timeout is None
+    assert cfg.rank_specs() == tuple(RankSpec(r, r, 3, "cpu", None) for r in range(3))
+
+
+def test_rank_specs_on_chosen_gpus():
+    cfg = make_config(DevicePlan("cuda", (1, 3)), strategy="fsdp", timeout=30)
+    assert (cfg.backend, cfg.timeout, cfg.strategy.model_wrapper) == ("nccl", 30.0, "fsdp")
+    assert cfg.rank_specs() == (RankSpec(0, 0, 2, "cuda", 1), RankSpec(1, 1, 2, "cuda", 3))
+
+
+def test_make_config_checks_every_setting():
+    plan = DevicePlan("cpu", (0, 1))
+    with pytest.raises(ConfigurationError):
+        make_config(plan, strategy="nope", timeout=None)
+    with pytest.raises(ConfigurationError):
+        make_config(plan, strategy="ddp_notebook", timeout=-1)
+    with pytest.raises(ConfigurationError):
+        make_config(plan, strategy="ddp_notebook", timeout=None, backend="nccl")
+    assert make_config(plan, strategy="auto", timeout=None, backend="gloo").strategy.name == "ddp_notebook"
