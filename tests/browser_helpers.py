@@ -1,0 +1,325 @@
+"""A real JupyterLab and a real browser for tests: started by the test, ended by PID.
+
+:class:`JupyterLab` starts ``python -m jupyter lab`` from this venv on a free port of
+127.0.0.1, with a token, a temporary root directory and temporary Jupyter/IPython
+config, data and runtime directories (so nothing of the user's setup leaks in), in a
+process group of its own. :func:`open_browser` starts Debian's Chromium through
+Playwright (never a downloaded browser) with a profile in the same temporary directory.
+
+Every process the test starts carries ``NBTRAIN_BROWSER_TEST=<id>`` in its environment:
+the server, each kernel it starts, nbtrain's launcher and ranks (they inherit it), and
+Chromium. :func:`marked_processes` finds them by that mark, even ones that lost their
+parent, so the test can check that none is left at the end.
+
+Every wait has a deadline; nothing sleeps to let something happen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterable
+
+import psutil
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+MARK = "NBTRAIN_BROWSER_TEST"
+SERVER_READY_SECONDS = 60.0  # a cold JupyterLab start on a loaded 2-core machine
+SERVER_STOP_SECONDS = 20.0  # SIGTERM: the server shuts its kernels down, then exits
+GONE_SECONDS = 10.0
+POLL = 0.1
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_notebook(path: Path, sources: Iterable[str]) -> None:
+    """A notebook (nbformat 4) of code cells with the python3 kernel."""
+    cells = [
+        {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": source}
+        for source in sources
+    ]
+    notebook = {
+        "cells": cells,
+        "metadata": {
+            "kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"},
+            "language_info": {"name": "python"},
+        },
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    for number, cell in enumerate(cells):
+        cell["id"] = f"cell-{number}"
+    path.write_text(json.dumps(notebook, indent=1))
+
+
+class JupyterLab:
+    """A JupyterLab server of this venv on 127.0.0.1, its root a temporary directory.
+
+    Example::
+
+        lab = JupyterLab(tmp_path, log_path)
+        try:
+            lab.start()
+            page.goto(lab.url("lab/tree/x.ipynb"))
+        finally:
+            leftovers = lab.stop()
+    """
+
+    def __init__(self, base: Path, log_path: Path, mark: str):
+        self.base = base
+        self.root = base / "root"
+        self.log_path = log_path
+        self.mark = mark
+        self.port = 0
+        self.token = secrets.token_hex(16)
+        self.process: subprocess.Popen | None = None
+        self.seen: set[int] = set()  # every PID of the server's tree seen so far
+        self._log: Any = None
+
+    def url(self, path: str = "") -> str:
+        sep = "&" if "?" in path else "?"
+        return f"http://127.0.0.1:{self.port}/{path}{sep}token={self.token}"
+
+    def start(self) -> None:
+        """Start the server and wait (bounded) until its API answers."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        dirs = {name: self.base / name for name in ("config", "data", "runtime", "ipython", "workspaces")}
+        for path in dirs.values():
+            path.mkdir(parents=True, exist_ok=True)
+        # No news or update-check pop-ups over the notebook.
+        (dirs["config"] / "labconfig").mkdir(exist_ok=True)
+        (dirs["config"] / "labconfig" / "page_config.json").write_text(
+            json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
+        )
+        env = dict(os.environ)
+        env.update(
+            {
+                "JUPYTER_CONFIG_DIR": str(dirs["config"]),
+                "JUPYTER_DATA_DIR": str(dirs["data"]),
+                "JUPYTER_RUNTIME_DIR": str(dirs["runtime"]),
+                "IPYTHONDIR": str(dirs["ipython"]),
+                "JUPYTER_PLATFORM_DIRS": "1",
+                MARK: self.mark,
+            }
+        )
+        env.pop("JUPYTER_PATH", None)
+        self.port = free_port()
+        command = [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            f"--port={self.port}",
+            "--port-retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.root}",
+            f"--LabApp.workspaces_dir={dirs['workspaces']}",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--ServerApp.allow_remote_access=False",
+            "--ServerApp.terminals_enabled=False",
+        ]
+        if os.geteuid() == 0:  # CI containers run as root; jupyter_server refuses that without this
+            command.append("--allow-root")
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            command,
+            cwd=self.root,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stop() ends it as a whole
+        )
+        self.seen.add(self.process.pid)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + SERVER_READY_SECONDS
+        last_error = ""
+        while True:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(f"JupyterLab exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url("api/status"), timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError) as error:
+                last_error = str(error)
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"JupyterLab did not answer within {SERVER_READY_SECONDS} s ({last_error}):\n{self.log_tail()}"
+                )
+            try:  # the poll interval: a bounded wait on the server exiting
+                self.process.wait(timeout=POLL)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def remember_tree(self) -> None:
+        """Note the PIDs of the server and everything under it now (kernels, launchers, ranks)."""
+        if self.process is None:
+            return
+        try:
+            server = psutil.Process(self.process.pid)
+            self.seen.update(child.pid for child in server.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+
+    def stop(self) -> list[str]:
+        """End the server and every process it started; what did not end by itself (should be nothing).
+
+        SIGTERM to the server's process group: jupyter_server then shuts its kernels down,
+        and each kernel's launcher and ranks end with it. Whatever is still there after a
+        bounded wait is reported and gets SIGKILL, by PID: the group, then every PID seen
+        in the tree.
+        """
+        if self.process is None:
+            return []
+        problems = []
+        self.remember_tree()
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.process.wait(timeout=SERVER_STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            problems.append(f"JupyterLab ({self.process.pid}) still ran {SERVER_STOP_SECONDS} s after SIGTERM")
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=GONE_SECONDS)
+        left = wait_gone(self.seen - {self.process.pid}, GONE_SECONDS)
+        problems += [f"{describe(pid)} (still alive {GONE_SECONDS} s after the server ended)" for pid in left]
+        kill_and_wait(left)
+        if self._log is not None:
+            self._log.close()
+        return problems
+
+
+def _pause(seconds: float) -> None:
+    """A poll interval between two checks of a condition (not a wait for something to happen)."""
+    time.sleep(seconds)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
+    """Wait (bounded) until none of ``pids`` lives; those still alive at the deadline."""
+    pids = list(pids)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [pid for pid in pids if alive(pid)]
+        if not left or time.monotonic() > deadline:
+            return left
+        _pause(0.05)
+
+
+def kill_and_wait(pids: Iterable[int]) -> list[int]:
+    """Give ``pids`` a bounded time to go by themselves, SIGKILL the rest; those still alive."""
+    left = wait_gone(pids, GONE_SECONDS)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return wait_gone(left, GONE_SECONDS)
+
+
+def describe(pid: int) -> str:
+    try:
+        process = psutil.Process(pid)
+        return f"{pid} {' '.join(process.cmdline())[:200]}"
+    except psutil.Error:
+        return str(pid)
+
+
+def marked_processes(mark: str) -> list[int]:
+    """Every live process whose environment has ``NBTRAIN_BROWSER_TEST=mark`` (this test's)."""
+    needle = f"{MARK}={mark}".encode()
+    found = []
+    for process in psutil.process_iter():
+        if process.pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{process.pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in environ and alive(process.pid):
+            found.append(process.pid)
+    return found
+
+
+def chromium_problem() -> str | None:
+    """Why the browser test cannot run here, or None."""
+    if not os.access(CHROMIUM, os.X_OK):
+        return f"{CHROMIUM} is missing: run `bash .ci/browser-setup` (apt-get install -y chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is missing: run `bash .ci/browser-setup` (pip install -e '.[browser]')"
+    try:
+        import jupyterlab  # noqa: F401
+    except ImportError:
+        return "jupyterlab is missing: run `bash .ci/browser-setup` (pip install -e '.[browser]')"
+    return None
+
+
+def open_browser(playwright: Any, base: Path, mark: str) -> Any:
+    """A headless Chromium context (Debian's /usr/bin/chromium) with everything it writes under ``base``.
+
+    The profile is ``base/chromium-profile``; XDG_CONFIG_HOME and XDG_CACHE_HOME point
+    into ``base`` too, so Chromium's crash handler keeps its database there (and not in
+    ~/.config), and it exits with the browser.
+    """
+    env = {
+        **os.environ,
+        "XDG_CONFIG_HOME": str(base / "chromium-config"),
+        "XDG_CACHE_HOME": str(base / "chromium-cache"),
+        MARK: mark,
+    }
+    return playwright.chromium.launch_persistent_context(
+        str(base / "chromium-profile"),
+        executable_path=CHROMIUM,
+        headless=True,
+        args=CHROMIUM_ARGS,
+        env=env,
+        viewport={"width": 1280, "height": 1000},
+        timeout=60_000,
+    )

@@ -1,0 +1,279 @@
+"""The live view of a ``%%distributed`` cell in a real JupyterLab, seen by a real browser.
+
+Each test starts JupyterLab (127.0.0.1, a free port, a token, a temporary root with a
+notebook the test writes), opens the notebook in Debian's Chromium through Playwright
+(headless; never a downloaded browser), runs cells as a user would and checks what the
+user sees:
+
+- a blocking cell: the chart changes while the ranks train (two screenshots 2 s apart,
+  their chart images compared), then the cell says "finished";
+- a ``--background`` cell: its Stop button stops the run, the view says "stopped" and
+  the ranks are gone.
+
+Screenshots (and the charts' PNGs, and JupyterLab's log) go to
+``test-artifacts/browser/<test>/`` (git-ignored). Every wait is bounded; at the end the
+server, its kernels (with nbtrain's launchers and ranks) and the browser are ended by
+PID and checked gone.
+
+Needs /usr/bin/chromium, jupyterlab and playwright: ``bash .ci/browser-setup`` installs
+them (``.ci/test`` runs it). Without them the tests fail and say so; set
+``NBTRAIN_SKIP_BROWSER_TESTS=1`` to skip them on purpose.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import psutil
+import pytest
+
+import browser_helpers as bh
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "browser"
+UI_TIMEOUT_MS = 30_000  # any one click or element in the UI
+KERNEL_READY_MS = 60_000  # the kernel starts (and imports IPython) on a loaded 2-core machine
+RUN_MS = 90_000  # torch imports in the launcher, the ranks start, train and end
+SCREENSHOT_GAP_MS = 2_000  # the two live screenshots are this far apart (the requirement itself)
+STEPS = 80  # 0.1 s each: about 8 s of training, a loss logged at each step
+RANKS_GONE_SECONDS = 10.0
+
+SETUP_CELL = "%load_ext nbtrain\nimport sys\nprint(sys.executable)"
+TRAINING = """import time
+import torch
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+x = torch.randn(64, 8)
+y = x.sum(1, keepdim=True)
+for step in range({steps}):
+    loss = ((model(x) - y) ** 2).mean()  # auto mode logs the loss passed to backward
+    opt.zero_grad(); loss.backward(); opt.step()
+    time.sleep(0.1)
+"""
+TRAIN_CELL = "%%distributed --devices 2 --accelerator cpu\n" + TRAINING.format(steps=STEPS)
+# Ten minutes of steps: it is still running when the Stop button is clicked.
+BACKGROUND_CELL = "%%distributed --devices 2 --accelerator cpu --background\n" + TRAINING.format(steps=6000)
+
+
+def _requirements() -> None:
+    problem = bh.chromium_problem()
+    if problem is None:
+        return
+    if os.environ.get("NBTRAIN_SKIP_BROWSER_TESTS") == "1":
+        pytest.skip(f"NBTRAIN_SKIP_BROWSER_TESTS=1 and {problem}")
+    pytest.fail(f"the browser test cannot run: {problem} (or set NBTRAIN_SKIP_BROWSER_TESTS=1 to skip it)")
+
+
+class Session:
+    """The running JupyterLab, the browser page, and where this test's artifacts go."""
+
+    def __init__(self, lab: bh.JupyterLab, page: Any, artifacts: Path):
+        self.lab = lab
+        self.page = page
+        self.artifacts = artifacts
+
+    def open_notebook(self, name: str, sources: list[str]) -> Any:
+        """Write the notebook, open it, wait until its kernel is idle; the notebook panel."""
+        bh.write_notebook(self.lab.root / name, sources)
+        self.page.goto(self.lab.url(f"lab/tree/{name}"))
+        notebook = self.page.locator(".jp-NotebookPanel", has=self.page.locator(".jp-Notebook .jp-Cell"))
+        notebook.wait_for(state="visible")
+        self.wait_idle(KERNEL_READY_MS)
+        return notebook
+
+    def wait_idle(self, timeout_ms: int) -> None:
+        """The status bar names the kernel and says Idle (started, or done with the cells)."""
+        self.page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=timeout_ms)
+
+    def run_all(self) -> None:
+        """Run > Run All Cells, as a user would."""
+        self.page.get_by_role("menuitem", name="Run", exact=True).click()
+        self.page.locator("li[data-command='runmenu:run-all']").click()
+
+    def screenshot(self, name: str) -> Path:
+        path = self.artifacts / name
+        self.page.screenshot(path=str(path))
+        return path
+
+    def save_png(self, src: str | None, name: str) -> bytes:
+        """Decode an ``<img>``'s data URL, save it, return the PNG bytes."""
+        prefix = "data:image/png;base64,"
+        assert src and src.startswith(prefix), f"the chart is not an inline PNG: {(src or '')[:80]!r}"
+        data = base64.b64decode(src[len(prefix) :])
+        assert data.startswith(b"\x89PNG\r\n\x1a\n"), "the chart's data is not a PNG"
+        (self.artifacts / name).write_bytes(data)
+        return data
+
+    def ranks(self) -> list[int]:
+        """PIDs of nbtrain's ranks under this server's kernels (the launchers' children)."""
+        assert self.lab.process is not None
+        found = []
+        try:
+            tree = psutil.Process(self.lab.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        for process in tree:
+            try:
+                if "nbtrain.launcher" in " ".join(process.cmdline()):
+                    found += [child.pid for child in process.children() if bh.alive(child.pid)]
+            except psutil.Error:
+                continue
+        return sorted(set(found))
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Move this run's artifacts into place (the last run of the test wins, whole)."""
+    shutil.rmtree(final, ignore_errors=True)
+    try:
+        staging.rename(final)
+    except OSError:  # another run of the suite published at the same moment: keep ours aside
+        print(f"browser test artifacts left in {staging}", file=sys.stderr)
+
+
+@pytest.fixture
+def session(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Session]:
+    """JupyterLab and Chromium, started here and ended here, every process checked gone."""
+    _requirements()
+    from playwright.sync_api import sync_playwright
+
+    final = ARTIFACTS / request.node.originalname.removeprefix("test_")
+    # Written aside, then moved into place: two runs of the suite at once do not mix files.
+    staging = ARTIFACTS / f".{final.name}.{os.getpid()}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    mark = uuid.uuid4().hex
+    ours_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    lab = bh.JupyterLab(tmp_path, staging / "jupyterlab.log", mark)
+    leftovers: list[str] = []
+    try:
+        lab.start()
+        with sync_playwright() as playwright:
+            context = bh.open_browser(playwright, tmp_path, mark)
+            try:
+                context.set_default_timeout(UI_TIMEOUT_MS)
+                page = context.pages[0] if context.pages else context.new_page()
+                try:
+                    yield Session(lab, page, staging)
+                finally:
+                    lab.remember_tree()
+                    # What the page showed at the end (after a failure: where it stopped).
+                    try:
+                        page.screenshot(path=str(staging / "99-teardown.png"), timeout=UI_TIMEOUT_MS)
+                    except Exception as error:  # noqa: BLE001 - a crashed page: the cleanup goes on
+                        print(f"no teardown screenshot: {error}", file=sys.stderr)
+            finally:
+                context.close()
+    finally:
+        try:
+            leftovers += lab.stop()
+            # Anything of this test still alive: the mark is in the environment of the
+            # server, its kernels, nbtrain's launchers and ranks (inherited) and Chromium.
+            marked = bh.wait_gone(bh.marked_processes(mark), bh.GONE_SECONDS)
+            leftovers += [bh.describe(pid) for pid in marked]
+            bh.kill_and_wait(marked)
+            # ...and the Playwright driver, a child of this process.
+            new = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in ours_before]
+            new = bh.wait_gone(new, bh.GONE_SECONDS)
+            leftovers += [bh.describe(pid) for pid in new]
+            bh.kill_and_wait(new)
+        finally:
+            _publish(staging, final)
+    assert not leftovers, f"processes of the browser test outlived it: {leftovers}"
+
+
+def _state(live: Any) -> str:
+    return live.locator("b").first.inner_text().strip()  # the status line's state, in bold
+
+
+def _step(live: Any) -> int:
+    text = live.inner_text()
+    match = re.search(r"^step ([\d,]+)", text, re.MULTILINE)
+    assert match, f"no step in the live view:\n{text}"
+    return int(match.group(1).replace(",", ""))
+
+
+def _check_kernel_python(cell: Any) -> None:
+    """The kernel is this venv's python, so it runs the nbtrain under test."""
+    output = cell.locator(".jp-OutputArea-output")
+    output.wait_for(timeout=KERNEL_READY_MS)
+    assert str(Path(sys.executable).parent) in output.inner_text()
+
+
+def test_live_view_chart_moves_then_finished(session: Session) -> None:
+    page = session.page
+    notebook = session.open_notebook("live_view.ipynb", [SETUP_CELL, TRAIN_CELL])
+    session.run_all()
+    setup, train = notebook.locator(".jp-Cell").nth(0), notebook.locator(".jp-Cell").nth(1)
+    _check_kernel_python(setup)
+
+    # Running, with a chart: the first screenshot.
+    live = train.locator(".nbtrain-live")
+    live.get_by_text("running", exact=True).wait_for(timeout=RUN_MS)
+    chart = live.locator("img")
+    chart.wait_for(state="visible", timeout=RUN_MS)
+    session.lab.remember_tree()  # the kernel's launcher and ranks are alive now
+    train.scroll_into_view_if_needed()
+    session.screenshot("01-running.png")
+    first_src, first_step, first_state = chart.get_attribute("src"), _step(live), _state(live)
+
+    # Two seconds later: the second. The chart must have been redrawn with the new steps.
+    page.wait_for_timeout(SCREENSHOT_GAP_MS)
+    session.screenshot("02-running.png")
+    second_src, second_step, second_state = chart.get_attribute("src"), _step(live), _state(live)
+    first_png = session.save_png(first_src, "chart-01.png")
+    second_png = session.save_png(second_src, "chart-02.png")
+    assert first_state == second_state == "running", (first_state, second_state)
+    assert second_step > first_step, f"no step logged in {SCREENSHOT_GAP_MS} ms: {first_step} -> {second_step}"
+    assert first_png != second_png, (
+        f"the chart did not change in {SCREENSHOT_GAP_MS} ms while the steps went {first_step} -> {second_step}"
+    )
+
+    # The end: "finished" in the status line, the final chart, the cell's summary line.
+    live.get_by_text("finished", exact=True).wait_for(timeout=RUN_MS)
+    session.wait_idle(RUN_MS)  # the cell is done: its summary is printed
+    session.screenshot("03-finished.png")
+    text = train.locator(".jp-OutputArea").inner_text()
+    assert "nbtrain · ddp_notebook · cpu · 2 ranks · finished · " in text, text
+    assert f"step {STEPS}" in text, text
+    assert "nbtrain: 2 ranks (cpu, ddp_notebook) finished in" in text, text
+    assert "Error" not in text, text
+    session.save_png(chart.get_attribute("src"), "chart-03-final.png")
+
+
+def test_background_run_stop_button(session: Session) -> None:
+    notebook = session.open_notebook("background.ipynb", [SETUP_CELL, BACKGROUND_CELL])
+    session.run_all()
+    setup, train = notebook.locator(".jp-Cell").nth(0), notebook.locator(".jp-Cell").nth(1)
+    _check_kernel_python(setup)
+
+    # The cell returned at once (the kernel is free) while the run goes on, a Stop button under it.
+    live = train.locator(".nbtrain-live")
+    live.get_by_text("running", exact=True).wait_for(timeout=RUN_MS)
+    live.locator("img").wait_for(state="visible", timeout=RUN_MS)
+    session.wait_idle(UI_TIMEOUT_MS)
+    stop = train.get_by_role("button", name="Stop")
+    stop.wait_for(state="visible")
+    ranks = session.ranks()
+    assert len(ranks) == 2, f"expected the 2 ranks of the run under the kernel's launcher, found {ranks}"
+    session.lab.remember_tree()
+    train.scroll_into_view_if_needed()
+    session.screenshot("01-running.png")
+
+    stop.click()
+    live.get_by_text("stopped", exact=True).wait_for(timeout=RUN_MS)
+    train.get_by_text("stopped — every rank is gone").wait_for()
+    stop.wait_for(state="hidden")  # the button goes once the run ended
+    session.screenshot("02-stopped.png")
+    text = live.inner_text()
+    assert "nbtrain · ddp_notebook · cpu · 2 ranks · stopped · " in text, text
+    assert "running" not in text, text  # (the handle's repr under the view was taken at the start)
+    left = bh.wait_gone(ranks, RANKS_GONE_SECONDS)
+    assert not left, f"ranks still alive after the view said stopped: {[bh.describe(pid) for pid in left]}"
