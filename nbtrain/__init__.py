@@ -35,6 +35,7 @@ from nbtrain.errors import (
     SerializationError,
 )
 from nbtrain.kernel.client import Run, launch, start
+from nbtrain.kernel.defaults import get_defaults, reset_defaults, set_defaults
 from nbtrain.rank.api import device, is_rank_zero, local_rank, log, rank, world_size
 from nbtrain.rank.prepare import prepare
 
@@ -50,16 +51,41 @@ __all__ = [
     "RunTimeoutError",
     "SerializationError",
     "device",
+    "get_defaults",
     "is_rank_zero",
     "launch",
+    "launcher",
     "local_rank",
     "log",
     "prepare",
     "rank",
+    "reset_defaults",
+    "runs",
+    "set_defaults",
     "start",
     "world_size",
 ]
 __version__ = "0.1.0"
+
+
+def launcher(**kwargs: object) -> object:
+    """Show a form (ipywidgets) that sets the defaults of every ``%%distributed`` cell.
+
+    Accelerator, devices (a checkbox per GPU, or a number of CPU processes), strategy and
+    timeout; it shows the equivalent ``%%distributed`` line to copy. Returns the form's
+    :class:`nbtrain.kernel.widget.Launcher` (its controls are attributes: ``devices``,
+    ``accelerator``, ``strategy``, ``timeout``, ``gpus``).
+    """
+    from nbtrain.kernel.widget import launcher as _launcher
+
+    return _launcher(**kwargs)
+
+
+def runs() -> list:
+    """This kernel's background runs, oldest first (``%%distributed --background``, ``launch(background=True)``)."""
+    from nbtrain.kernel.background import runs as _runs
+
+    return _runs()
 
 
 def load_ipython_extension(ip: object) -> None:

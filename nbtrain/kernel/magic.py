@@ -68,6 +68,26 @@ class CellRun:
 last_run: CellRun | None = None
 
 
+class _SessionDefault:
+    """--timeout was not given: the session's default applies (None there means no limit)."""
+
+    def __repr__(self) -> str:
+        return "<the session default>"
+
+
+_SESSION: Any = _SessionDefault()
+
+
+def _timeout_flag(text: str) -> float | None:
+    """``--timeout``: seconds, or ``none`` for no limit (over a session default that has one)."""
+    if text.strip().lower() in ("none", "off"):
+        return None
+    return float(text)
+
+
+_timeout_flag.__name__ = "float"  # argparse names the type in its message: "invalid float value: 'soon'"
+
+
 @magics_class
 class DistributedMagics(Magics):
     """The ``%%distributed`` cell magic."""
@@ -76,19 +96,26 @@ class DistributedMagics(Magics):
     @magic_arguments.argument("-h", "--help", action="store_true", help="Show this help and do not run the cell.")
     @magic_arguments.argument(
         "--devices",
-        default="auto",
-        help="How many ranks, or which GPUs: 2, -1 (every GPU or core), auto (every GPU, else 1), 0,2. Default: auto.",
+        default=None,
+        help="How many ranks, or which GPUs: 2, -1 (every GPU or core), auto (every GPU, else 1), 0,2. "
+        "Default: the session default (auto unless nbtrain.set_defaults or nbtrain.launcher() changed it).",
     )
     @magic_arguments.argument(
-        "--accelerator", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda (or gpu), mps. Default: auto."
+        "--accelerator",
+        default=None,
+        help="auto (CUDA, then MPS, then CPU), cpu, cuda (or gpu), mps. Default: the session default (auto).",
     )
     @magic_arguments.argument(
         "--strategy",
-        default="ddp_notebook",
-        help="ddp_notebook (default), ddp_spawn, fsdp or auto: see Strategies above.",
+        default=None,
+        help="ddp_notebook, ddp_spawn, fsdp or auto: see Strategies above. "
+        "Default: the session default (ddp_notebook).",
     )
     @magic_arguments.argument(
-        "--timeout", type=float, default=None, help="Stop every rank after this many seconds. Default: no limit."
+        "--timeout",
+        type=_timeout_flag,
+        default=_SESSION,
+        help="Stop every rank after this many seconds; none: no limit. Default: the session default (no limit).",
     )
     @magic_arguments.argument(
         "--output",
@@ -101,6 +128,12 @@ class DistributedMagics(Magics):
         dest="auto",
         action="store_false",
         help="Do not prepare the kernel's models, optimizers and loaders, nor log the loss: the cell does it all.",
+    )
+    @magic_arguments.argument(
+        "--background",
+        action="store_true",
+        help="Return at once with a handle (nbtrain.runs() lists them) while the run goes on; "
+        "the live view keeps updating and has a Stop button. The kernel's objects are updated when it finishes.",
     )
     @cell_magic
     def distributed(self, line: str, cell: str) -> Any:
@@ -131,6 +164,18 @@ class DistributedMagics(Magics):
 
         Inside the cell (and functions it calls): nbtrain.rank(), nbtrain.world_size(),
         nbtrain.device(), nbtrain.log(loss=...), nbtrain.prepare(model, opt, loader).
+
+        Defaults: a flag not given takes the session default, which
+        nbtrain.set_defaults(devices=2, accelerator="cpu") or the form of
+        nbtrain.launcher() set (built in: --devices auto --accelerator auto
+        --strategy ddp_notebook, no timeout). A flag on the cell always wins.
+
+        Background: with --background the cell returns at once with a handle
+        (also in nbtrain.runs()); other cells run meanwhile. handle.wait() returns the
+        cell's value or raises its failure, handle.stop() (or the view's Stop button)
+        stops every rank. The kernel's objects keep their old values until the run
+        finishes; then they are updated as above, between two cells (or in
+        handle.wait()). Interrupting the kernel does not stop a background run.
         """
         options = parse_flags(self.distributed, line)
         if options.help:
@@ -160,6 +205,22 @@ def parse_flags(magic: Any, line: str) -> Any:
         raise UsageError(f"%%distributed: {error}. See %%distributed --help.") from None
     except ValueError as error:  # unbalanced quotes
         raise UsageError(f"%%distributed: cannot read the flags {line!r}: {error}.") from None
+    return fill_defaults(options)
+
+
+def fill_defaults(options: Any) -> Any:
+    """Give each launch flag the cell did not set the session's default (nbtrain.set_defaults)."""
+    from nbtrain.kernel import defaults
+
+    session = defaults.get_defaults()
+    if options.devices is None:
+        options.devices = session.devices
+    if options.accelerator is None:
+        options.accelerator = session.accelerator
+    if options.strategy is None:
+        options.strategy = session.strategy
+    if options.timeout is _SESSION:
+        options.timeout = session.timeout
     return options
 
 
@@ -182,10 +243,24 @@ def check_flags(options: Any) -> config.LaunchConfig:
 # -- running a cell ------------------------------------------------------------------------
 
 
-def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
-    """Launch ``cell`` on the ranks, show its output, apply rank 0's results to the kernel."""
-    global last_run
-    from nbtrain.kernel import client
+@dataclass
+class PreparedCell:
+    """A cell checked and ready to launch: what it ships, what runs on the ranks, its record."""
+
+    cfg: config.LaunchConfig
+    spec: Any  # nbtrain.rank.cell.CellSpec
+    shipped: dict[str, Any]
+    used_by: dict[str, Any]
+    record: CellRun
+
+    @property
+    def unchanged(self) -> str:
+        """What to say about the kernel's objects when the run ends without a result."""
+        return _unchanged_note(self.shipped)
+
+
+def prepare_cell(shell: Any, line: str, cell: str, options: Any) -> PreparedCell:
+    """Check the flags and the cell, and decide what it ships; raises UsageError or CellSyntaxError."""
     from nbtrain.kernel import namespace as ns
     from nbtrain.rank import cell as rank_cell
 
@@ -213,25 +288,48 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
         display_last=analysis.display_last,
         rng=ns.rng_states(),
     )
-    record = last_run = CellRun(
-        world_size=cfg.world_size, strategy=cfg.strategy.name, accelerator=cfg.plan.accelerator
-    )
-    started = time.monotonic()
+    record = CellRun(world_size=cfg.world_size, strategy=cfg.strategy.name, accelerator=cfg.plan.accelerator)
+    return PreparedCell(cfg, spec, shipped, dict(analysis.used_by), record)
+
+
+def start_cell(shell: Any, prepared: PreparedCell, options: Any) -> Any:
+    """Launch a prepared cell; the :class:`nbtrain.kernel.client.Run`. Explains what cannot travel."""
+    from nbtrain.kernel import client
+    from nbtrain.kernel import namespace as ns
+    from nbtrain.rank import cell as rank_cell
+
     try:
-        ns.refuse_open_files(shipped, analysis.used_by)
-        run = client.start(
+        ns.refuse_open_files(prepared.shipped, prepared.used_by)
+        return client.start(
             rank_cell.run_cell,
-            (spec, shipped, ns.anchor_function(shell.user_ns)),
+            (prepared.spec, prepared.shipped, ns.anchor_function(shell.user_ns)),
             devices=options.devices,
             accelerator=options.accelerator,
             strategy=options.strategy,
             timeout=options.timeout,
         )
     except SerializationError as error:
-        raise _plain(ns.explain_unpicklable(shipped, analysis.used_by) or error) from None
-    show = _OutputPrinter(options.output, cfg.world_size, record)
+        raise _plain(ns.explain_unpicklable(prepared.shipped, prepared.used_by) or error) from None
+
+
+def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
+    """Launch ``cell`` on the ranks, show its output, apply rank 0's results to the kernel.
+
+    With ``--background`` it returns the run's :class:`nbtrain.kernel.background.BackgroundRun`
+    at once; :mod:`nbtrain.kernel.background` then follows the run and applies its results
+    with :func:`apply_cell_result`, as this function does for a blocking run.
+    """
+    global last_run
+    prepared = prepare_cell(shell, line, cell, options)
+    record = last_run = prepared.record
+    started = time.monotonic()
+    run = start_cell(shell, prepared, options)
+    if getattr(options, "background", False):
+        from nbtrain.kernel import background
+
+        return background.follow_cell(shell, run, prepared, options)
+    show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
     view = _CellView(run)
-    unchanged = _unchanged_note(shipped)
     try:
         for event in run.events(poll=view.poll_seconds):
             if event is not None:
@@ -243,43 +341,69 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
         record.state = events.STOPPED
         view.finish(events.STOPPED)
         raise _plain(
-            RunStoppedError(f"the cell was interrupted and every rank was stopped. {unchanged} The kernel is ready.")
+            RunStoppedError(
+                f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
+            )
         ) from None
     except RunFailedError as error:
         record.state = run.state
         view.finish(run.state)
-        raise _explained(error, shell, unchanged) from None
+        raise explain_failure(error, shell, prepared.unchanged) from None
     finally:
         record.seconds = time.monotonic() - started
     record.state = events.FINISHED
     view.finish(events.FINISHED)
-    return _bring_back(shell, result, shipped, record, options.output)
+    return _bring_back(shell, result, prepared.shipped, record, options.output)
 
 
-def _bring_back(shell: Any, result: Any, shipped: dict[str, Any], record: CellRun, output: str) -> Any:
+@dataclass
+class Applied:
+    """What applying rank 0's results did: the cell's shown value and what to tell the user."""
+
+    value: tuple | None = None  # (the value of the cell's last expression,) or None
+    warnings: list[str] = field(default_factory=list)  # each shown as "nbtrain <warning>"
+    loaded: bool = False  # False: nothing in the kernel changed
+
+    @property
+    def shown(self) -> Any:
+        return self.value[0] if self.value else None
+
+
+def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: CellRun) -> Applied:
+    """Put rank 0's results into the kernel's objects; fills ``record`` (updated, skipped).
+
+    The one place a cell's results reach the kernel, for blocking and background runs
+    alike. Call it on the kernel's main thread: it writes the user's namespace.
+    """
     from nbtrain.kernel import namespace as ns
 
     if result is None:  # the cell ran, but rank 0 sent nothing (it should always send something)
-        return None
+        return Applied()
     try:
         outcome = ns.decode_result(result, shipped, shell.user_ns)
     except Exception as error:  # noqa: BLE001 - the values are unusable; the kernel keeps its own
-        _warn(f"rank 0's results could not be loaded in the kernel ({error}); nothing in the kernel changed.")
-        return None
+        return Applied(
+            warnings=[f"rank 0's results could not be loaded in the kernel ({error}); nothing in the kernel changed."]
+        )
     with _interrupts_deferred():  # all of it or, if interrupted before, none of it
         report = ns.apply_result(outcome, shipped, shell.user_ns, result.deleted)
     record.prepared = list(result.prepared)
     record.updated = report.updated + [f"del {n}" for n in report.deleted]
     record.skipped = list(result.skipped) + report.skipped
-    for note in result.notes:
-        _warn(f"note: {note}")
+    warnings = [f"note: {note}" for note in result.notes]
     if record.skipped:
         described = ", ".join(f"{name} ({kind}: {why})" for name, kind, why in record.skipped)
-        _warn(f"warning: not brought back to the kernel, so they keep their old values there: {described}.")
-    if output != "none":
+        warnings.append(f"warning: not brought back to the kernel, so they keep their old values there: {described}.")
+    return Applied(outcome.get("display"), warnings, loaded=True)
+
+
+def _bring_back(shell: Any, result: Any, shipped: dict[str, Any], record: CellRun, output: str) -> Any:
+    applied = apply_cell_result(shell, result, shipped, record)
+    for warning in applied.warnings:
+        _warn(warning)
+    if applied.loaded and output != "none":
         print(_summary(record))
-    display = outcome.get("display")
-    return display[0] if display else None
+    return applied.shown
 
 
 def _summary(record: CellRun) -> str:
@@ -316,6 +440,12 @@ class _CellView:
         self.view.finish(state)
 
 
+def keep_metrics(record: CellRun, event: events.Metrics) -> None:
+    """Keep the rows a rank logged in ``record`` (the last METRIC_ROWS per rank)."""
+    rows = record.metrics.setdefault(event.rank, collections.deque(maxlen=METRIC_ROWS))
+    rows.extend(event.rows)
+
+
 class _OutputPrinter:
     """Shows rank output in the cell as it arrives; keeps logged metrics for ``last_run``."""
 
@@ -326,8 +456,7 @@ class _OutputPrinter:
 
     def __call__(self, event: Any) -> None:
         if isinstance(event, events.Metrics):
-            rows = self.record.metrics.setdefault(event.rank, collections.deque(maxlen=METRIC_ROWS))
-            rows.extend(event.rows)
+            keep_metrics(self.record, event)
         elif isinstance(event, events.Output):
             if self.mode == "none" or (self.mode == "rank0" and event.rank != 0):
                 return
@@ -373,7 +502,8 @@ class CellRankError(RankError):
         return [*super()._render_traceback_(), "", self.note]
 
 
-def _explained(error: RunFailedError, shell: Any, note: str) -> BaseException:
+def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseException:
+    """The run's failure as the notebook shows it: rank tracebacks name cells, plus ``note``."""
     if isinstance(error, RankError):
         return CellRankError(error, cell_traceback(error.remote_traceback, shell), note)
     message = f"{error} {note}"

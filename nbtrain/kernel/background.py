@@ -1,0 +1,521 @@
+"""Runs that go on in the background: ``%%distributed --background`` and ``launch(..., background=True)``.
+
+The cell returns at once with a :class:`BackgroundRun`; a thread of the kernel follows the
+run's events and keeps the cell's live view up to date through its display id (a
+frontend updates a display by id wherever it is, so the view moves while other cells
+run). The view has a Stop button (a core ``ipywidgets.Button``): its click is handled on
+the kernel's main thread, which is free because the run is not holding it.
+
+When a background *cell* finishes, its results are applied to the kernel's objects by
+:func:`nbtrain.kernel.magic.apply_cell_result`, the same function a blocking cell uses,
+and on the kernel's main thread: the follower thread only schedules it on the kernel's
+event loop, so it happens between two cells, never in the middle of one. Until then the
+kernel's objects keep their values from before the cell. ``handle.wait()`` (and reading
+``handle.state`` or ``handle.result``) on the main thread applies them at once, so
+
+    h = nbtrain.runs()[-1]
+    h.wait()
+    model  # holds the trained weights
+
+always sees the trained ``model``.
+
+Decisions, for the cases around a background run:
+
+- Other cells, blocking ``%%distributed`` cells included, run while it goes on: runs are
+  independent (each has its own ranks and its own rendezvous) and share the machine.
+- Interrupting the kernel interrupts the cell that is running, not a background run;
+  ``handle.stop()`` or the Stop button stops that.
+- A cell that uses an object a background cell will update sees its old value until the
+  run finishes; a cell that rebinds such a name meanwhile gets the run's update of the
+  object it had shipped, and names the background cell sets overwrite later bindings.
+- When the kernel shuts down (or the Python process exits) every run still going is
+  stopped (``atexit``), before the launcher is closed.
+
+Example (in a notebook):
+    >>> import nbtrain
+    >>> def train():
+    ...     for step in range(100):
+    ...         nbtrain.log(loss=1.0 / (step + 1))
+    ...     return "done"
+    >>> handle = nbtrain.launch(train, devices=2, accelerator="cpu", background=True)  # doctest: +SKIP
+    >>> handle.wait(timeout=60)  # doctest: +SKIP
+    'done'
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import datetime
+import html
+import itertools
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from nbtrain import events
+from nbtrain.errors import RunStoppedError
+from nbtrain.kernel import display
+
+RUNNING = "running"
+STOP_WAIT_SECONDS = 10.0  # a stop is answered within client.INTERRUPT_GRACE_SECONDS (5 s)
+EXIT_STOP_SECONDS = 6.0  # at exit, for all runs together
+
+_runs: list[BackgroundRun] = []
+_runs_lock = threading.Lock()
+_ids = itertools.count(1)
+
+
+def runs() -> list[BackgroundRun]:
+    """The background runs of this kernel, oldest first (each a :class:`BackgroundRun`).
+
+    Example:
+        >>> import nbtrain
+        >>> [(r.id, r.state, r.world_size) for r in nbtrain.runs()]  # doctest: +SKIP
+        [(1, 'finished', 2), (2, 'running', 2)]
+    """
+    with _runs_lock:
+        return list(_runs)
+
+
+class BackgroundRun:
+    """A run going on while the notebook stays usable.
+
+    ``state`` is ``"running"`` until the run has ended *and* its results are in the kernel,
+    then ``"finished"``, ``"failed"``, ``"stopped"`` or ``"timed out"``. ``wait()`` blocks
+    (bounded by ``timeout``) and returns what a blocking run would return (the value of a
+    cell's last expression, or the function's return value) or raises its failure, as
+    does ``result``. ``stop()`` stops every rank. ``updated`` names what a finished cell
+    changed in the kernel. ``strategy``, ``accelerator``, ``world_size``, ``devices`` and
+    ``started`` describe the run; ``run`` is the underlying :class:`nbtrain.kernel.client.Run`.
+    """
+
+    def __init__(self, run: Any, *, kind: str, name: str, output: str = "all", shell: Any = None) -> None:
+        cfg = run.config
+        self.id = next(_ids)
+        self.run = run
+        self.kind = kind  # "cell" | "function"
+        self.name = name
+        self.strategy = cfg.strategy.name
+        self.accelerator = cfg.plan.accelerator
+        self.world_size = cfg.world_size
+        self.devices = tuple(cfg.plan.device_ids)
+        self.started = datetime.datetime.now()
+        self.ended: datetime.datetime | None = None
+        self.seconds: float | None = None
+        self.updated: list[str] = []
+        self.error: BaseException | None = None
+        self.stop_button: Any = None  # an ipywidgets.Button in a notebook
+        self.view: _View | None = None
+        self.output = output
+        self._started_at = time.monotonic()
+        self._state = RUNNING
+        self._value: Any = None
+        self._stop_reason: str | None = None
+        self._ended = threading.Event()  # the ranks are gone; the outcome is known or pending
+        self._done = threading.Event()  # and it is settled: results applied, state final
+        self._pending: Callable[[], None] | None = None  # applies results (on the main thread)
+        self._pending_lock = threading.Lock()
+        self._main_loop = _kernel_loop(shell)
+        self._thread: threading.Thread | None = None
+
+    # -- the public face ---------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        self._settle_here()
+        return self._state
+
+    def done(self) -> bool:
+        """Whether the run is over and settled (its results, if any, are in the kernel)."""
+        self._settle_here()
+        return self._done.is_set()
+
+    @property
+    def result(self) -> Any:
+        """What the run returned; raises its failure, or RuntimeError while it is still running."""
+        self._settle_here()
+        if not self._done.is_set():
+            raise RuntimeError(
+                f"background run {self.id} is still running; handle.wait() waits for it, handle.stop() stops it."
+            )
+        if self.error is not None:
+            raise self.error.with_traceback(None)
+        return self._value
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait until the run is over (at most ``timeout`` seconds); return :attr:`result`.
+
+        Raises the run's failure (a RankError names the rank), or TimeoutError when it is
+        still going after ``timeout`` seconds (the run goes on). Interrupting the wait does
+        not stop the run either.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._ended.wait(_left(deadline)):
+            raise TimeoutError(
+                f"background run {self.id} is still running after {timeout:g} s; it goes on "
+                "(handle.stop() stops it)."
+            )
+        self._settle_here()
+        if not self._done.wait(_left(deadline)):
+            raise TimeoutError(
+                f"background run {self.id} has ended but its results are not in the kernel yet: the kernel's "
+                "main thread applies them when the cell running there ends."
+            )
+        return self.result
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Stop every rank of the run and wait (bounded) until they are gone.
+
+        The kernel's objects keep their values. A run that already ended is left as it was.
+        """
+        if not self._ended.is_set():
+            self._stop_reason = reason  # the follower thread stops the run: it alone reads its events
+            if not self._ended.wait(STOP_WAIT_SECONDS):
+                if self._thread is not None and self._thread.is_alive():
+                    raise TimeoutError(
+                        f"background run {self.id} did not stop within {STOP_WAIT_SECONDS:g} s; "
+                        "its ranks are being stopped still (see nbtrain.runs())."
+                    )
+                self.run.stop(reason)  # the follower is gone: stop the run from here
+                self._end(events.STOPPED, error=RunStoppedError(f"background run {self.id} was stopped."))
+        self._settle_here()
+
+    def __repr__(self) -> str:
+        ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
+        where = f"{ranks}, {self.accelerator}, {self.strategy}"
+        text = f"<BackgroundRun {self.id}: {self.name} on {where}; {self.state}, started {self.started:%H:%M:%S}"
+        if self.updated:
+            text += f"; updated in the kernel: {', '.join(self.updated)}"
+        return text + ">"
+
+    # -- following the run (the follower thread) ---------------------------------------
+    def _start(self) -> None:
+        with _runs_lock:
+            _runs.append(self)
+        # The thread keeps the cell's context: its display updates and any output carry
+        # the cell's parent header, not that of whatever cell runs when they are sent.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._follow,), name=f"nbtrain-background-{self.id}", daemon=True
+        )
+        self._thread.start()
+
+    def _follow(self) -> None:
+        run = self.run
+        try:
+            for event in run.events(poll=_POLL_SECONDS):
+                if self._stop_reason is not None and run.state == RUNNING:
+                    run.stop(self._stop_reason)
+                if event is not None:
+                    self._observe(event)
+                self._show(event)
+            self._conclude()
+        except BaseException as error:  # noqa: BLE001 - never leave a handle running forever
+            if run.state == RUNNING:
+                run.stop("nbtrain's background thread failed")
+            self._end(events.FAILED, error=error)
+
+    def _observe(self, event: Any) -> None:
+        """Hook for what a kind of run keeps from its events (a cell keeps its metrics)."""
+
+    def _show(self, event: Any) -> None:
+        if self.view is None:
+            if isinstance(event, events.Output) and self._shows_output(event):
+                _print_tagged(event)
+            return
+        if isinstance(event, events.Output) and not self._shows_output(event):
+            return
+        try:
+            self.view.handle(event)
+            self.view.refresh()
+        except Exception:  # noqa: BLE001 - a frontend gone away must not stop the following
+            pass
+
+    def _shows_output(self, event: events.Output) -> bool:
+        return self.output == "all" or (self.output == "rank0" and event.rank == 0)
+
+    def _conclude(self) -> None:
+        """The run ended: keep its outcome (results to apply, or its failure)."""
+        run = self.run
+        self.seconds = time.monotonic() - self._started_at
+        try:
+            raw = run.result()
+        except Exception as error:  # noqa: BLE001 - the run's failure, or a result that cannot load
+            state = run.state if run.state in (events.FAILED, events.STOPPED, events.TIMED_OUT) else events.FAILED
+            self._end(state, error=self._explain(error))
+            return
+        self._outcome(raw)
+
+    def _outcome(self, raw: Any) -> None:
+        """A function run's result is its value; a cell's is applied to the kernel (overridden)."""
+        self._value = raw
+        self._end(events.FINISHED)
+
+    def _explain(self, error: Exception) -> BaseException:
+        return error
+
+    def _schedule(self, apply: Callable[[], None]) -> None:
+        """Have ``apply`` run on the kernel's main thread (between cells), or here without a kernel."""
+        if self._main_loop is not None:
+            # Said before anything else may apply it: from here on only the main thread
+            # touches the view.
+            self._note(
+                "finished — the kernel's objects are updated as soon as the kernel is free "
+                "(when the cell running now ends, or in handle.wait())"
+            )
+        with self._pending_lock:
+            self._pending = apply
+        self.ended = datetime.datetime.now()
+        self._ended.set()
+        if self._main_loop is not None:
+            try:
+                self._main_loop.add_callback(self._settle_here)
+                return
+            except Exception:  # noqa: BLE001 - the loop is closing: the kernel is going away
+                pass
+        self._settle()
+
+    def _note(self, note: str) -> None:
+        if self.view is not None:
+            try:
+                self.view.note = note
+                self.view.refresh(force=True)
+            except Exception:  # noqa: BLE001 - the frontend is gone; the handle still knows
+                pass
+
+    def _settle_here(self) -> None:
+        """Apply pending results if this is the thread that may write the kernel's objects."""
+        if self._main_loop is None or threading.current_thread() is threading.main_thread():
+            self._settle()
+
+    def _settle(self) -> None:
+        with self._pending_lock:
+            apply, self._pending = self._pending, None
+        if apply is None:
+            return
+        try:
+            apply()
+        except BaseException as error:  # noqa: BLE001 - shown in the view, raised by wait()
+            self._end(events.FAILED, error=error)
+
+    def _end(self, state: str, error: BaseException | None = None, note: str | None = None) -> None:
+        """The final state: show it, then wake whoever waits."""
+        if self._done.is_set():
+            return
+        if self.seconds is None:
+            self.seconds = time.monotonic() - self._started_at
+        if self.ended is None:
+            self.ended = datetime.datetime.now()
+        self.error = error
+        self._state = state
+        if note is None:
+            note = self._end_note(state, error)
+        self._finish_view(state, note)
+        self._ended.set()
+        self._done.set()
+
+    def _end_note(self, state: str, error: BaseException | None) -> str:
+        if state == events.FINISHED:
+            return "finished — the result is in handle.result"
+        if state == events.STOPPED:
+            return "stopped — every rank is gone"
+        if error is None:
+            return state
+        render = getattr(error, "_render_traceback_", None)
+        text = "\n".join(render()) if render is not None else f"{type(error).__name__}: {error}"
+        return f"{state} — handle.wait() raises the error:\n{text}"
+
+    def _finish_view(self, state: str, note: str) -> None:
+        if self.stop_button is not None:
+            try:
+                self.stop_button.layout.display = "none"
+            except Exception:  # noqa: BLE001
+                pass
+        if self.view is None:
+            summary = f"[nbtrain] background run {self.id} ({self.name}) {note}"
+            sys.stderr.write(summary + "\n")
+            sys.stderr.flush()
+            return
+        try:
+            self.view.note = note
+            self.view.finish(state)
+        except Exception:  # noqa: BLE001 - the frontend is gone; the handle still knows
+            pass
+
+    # -- showing it ---------------------------------------------------------------------
+    def _display(self) -> None:
+        """Show the live view and its Stop button in the current cell (the main thread, at start)."""
+        if not display.frontend_is_rich():
+            return
+        self.view = _View(self.run.config)
+        index = len(runs())  # its place in nbtrain.runs() once started
+        self.view.note = (
+            f"background run {self.id} · the kernel is free · "
+            f"stop: the button below or nbtrain.runs()[{index}].stop()"
+        )
+        if self.kind == "cell":
+            self.view.note += "\nthe kernel's objects keep their values until the run finishes"
+        self.view.refresh(force=True)
+        self.stop_button = _stop_button(self)
+        if self.stop_button is not None:
+            from IPython.display import display as show
+
+            show(self.stop_button)
+
+
+class CellBackgroundRun(BackgroundRun):
+    """A ``%%distributed --background`` cell: on success its results go into the kernel."""
+
+    def __init__(self, shell: Any, run: Any, prepared: Any, options: Any) -> None:
+        number = getattr(shell, "execution_count", None)
+        super().__init__(
+            run, kind="cell", name=f"cell In[{number}]" if number else "cell", output=options.output, shell=shell
+        )
+        self.shell = shell
+        self.prepared = prepared
+        self.record = prepared.record
+
+    def _observe(self, event: Any) -> None:
+        from nbtrain.kernel import magic
+
+        if isinstance(event, events.Metrics):
+            magic.keep_metrics(self.record, event)
+
+    def _explain(self, error: Exception) -> BaseException:
+        from nbtrain.kernel import magic
+
+        self.record.state = self.run.state
+        self.record.seconds = self.seconds or 0.0
+        if isinstance(error, RunStoppedError):
+            error = RunStoppedError(f"background run {self.id} was stopped; every rank is gone.")
+        return magic.explain_failure(error, self.shell, self.prepared.unchanged)
+
+    def _outcome(self, raw: Any) -> None:
+        self.record.seconds = self.seconds or 0.0
+        self._schedule(lambda: self._apply(raw))
+
+    def _apply(self, raw: Any) -> None:
+        from nbtrain.kernel import magic
+
+        applied = magic.apply_cell_result(self.shell, raw, self.prepared.shipped, self.record)
+        self.record.state = events.FINISHED
+        self.updated = list(self.record.updated)
+        self._value = applied.shown
+        if not applied.loaded:
+            note = "finished — nothing in the kernel changed"
+        elif self.updated:
+            note = f"finished — kernel updated: {', '.join(self.updated)}"
+        else:
+            note = "finished — nothing in the kernel needed updating"
+        for warning in applied.warnings:
+            note += f"\nnbtrain {warning}"
+        self._end(events.FINISHED, note=note)
+
+    def _end(self, state: str, error: BaseException | None = None, note: str | None = None) -> None:
+        super()._end(state, error, note)
+        self.prepared.shipped = {}  # the handle stays in nbtrain.runs(): keep no old objects alive
+
+    def _end_note(self, state: str, error: BaseException | None) -> str:
+        if state == events.STOPPED:
+            return f"stopped — every rank is gone. {self.prepared.unchanged}"
+        return super()._end_note(state, error)
+
+
+def follow_cell(shell: Any, run: Any, prepared: Any, options: Any) -> CellBackgroundRun:
+    """Follow a started ``%%distributed --background`` cell; its handle, at once."""
+    handle = CellBackgroundRun(shell, run, prepared, options)
+    handle._display()
+    handle._start()
+    return handle
+
+
+def follow_function(run: Any, fn: Any) -> BackgroundRun:
+    """Follow a run started by ``launch(..., background=True)``; its handle, at once."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    shell = None
+    ipython = sys.modules.get("IPython")
+    if ipython is not None:
+        shell = ipython.get_ipython()
+    handle = BackgroundRun(run, kind="function", name=str(name), shell=shell)
+    handle._display()
+    handle._start()
+    return handle
+
+
+# -- pieces ----------------------------------------------------------------------------------
+
+_POLL_SECONDS = 0.125  # twice the fastest frame rate: a due frame is never a whole period late
+
+
+class _View(display.LiveView):
+    """The live view, with a note under it: what the run does to the kernel, or its error."""
+
+    note = ""
+
+    def mimebundle(self, now: float | None = None, force_charts: bool = False) -> dict[str, str]:
+        bundle = dict(super().mimebundle(now, force_charts))
+        if self.note:
+            bundle["text/html"] += (
+                '<pre class="nbtrain-background" style="font-family:var(--jp-code-font-family,monospace);'
+                f'font-size:12px;color:#555;white-space:pre-wrap;margin:2px 0">{html.escape(self.note)}</pre>'
+            )
+            bundle["text/plain"] += "\n" + self.note
+        return bundle
+
+
+def _stop_button(handle: BackgroundRun) -> Any:
+    try:
+        import ipywidgets
+
+        from nbtrain.kernel.widget import enable_colab_widgets
+    except ImportError:
+        return None
+    enable_colab_widgets()
+    button = ipywidgets.Button(
+        description="Stop",
+        button_style="danger",
+        icon="stop",
+        tooltip=f"Stop background run {handle.id}: every rank ends, the kernel's objects keep their values.",
+    )
+
+    def on_click(_button: Any) -> None:
+        _button.disabled = True
+        _button.description = "Stopping…"
+        handle.stop("stopped with the Stop button")
+
+    button.on_click(on_click)
+    return button
+
+
+def _print_tagged(event: events.Output) -> None:
+    stream = sys.stderr if event.stream == "stderr" else sys.stdout
+    lines = event.text.splitlines(keepends=True)
+    stream.write("".join(f"[rank {event.rank}] {line}" for line in lines))
+    if not event.text.endswith("\n"):
+        stream.write("\n")
+    stream.flush()
+
+
+def _kernel_loop(shell: Any) -> Any:
+    """The event loop of a Jupyter kernel's main thread (None in a terminal or plain python)."""
+    kernel = getattr(shell, "kernel", None)
+    loop = getattr(kernel, "io_loop", None)
+    return loop if loop is not None and hasattr(loop, "add_callback") else None
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _stop_all_at_exit() -> None:
+    """Stop every run still going: the kernel is shutting down."""
+    going = [handle for handle in runs() if not handle._ended.is_set()]
+    for handle in going:
+        handle._stop_reason = "the kernel is shutting down"
+    deadline = time.monotonic() + EXIT_STOP_SECONDS
+    for handle in going:
+        handle._ended.wait(_left(deadline))
+
+
+atexit.register(_stop_all_at_exit)

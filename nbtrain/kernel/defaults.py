@@ -1,0 +1,149 @@
+"""The session's defaults for ``%%distributed``: what a cell without flags runs on.
+
+``nbtrain.set_defaults(devices=2, accelerator="cpu")`` (or the form of
+``nbtrain.launcher()``, which calls it) changes them for every later cell of this kernel;
+a flag written on a cell still wins over them. Nothing here starts a process or imports
+torch; the values are checked when they are set, so a typo fails at once instead of in
+the next cell.
+
+Example:
+    >>> previous = get_defaults()
+    >>> set_defaults(devices=2, accelerator="cpu").magic_line()
+    '%%distributed --devices 2 --accelerator cpu --strategy ddp_notebook'
+    >>> get_defaults().devices
+    '2'
+    >>> _ = set_defaults(**previous.as_dict())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from nbtrain import config
+from nbtrain.errors import ConfigurationError
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The settings a ``%%distributed`` cell uses for each flag it does not give.
+
+    ``devices`` is kept as the flag's text (``"auto"``, ``"2"``, ``"-1"``, ``"0,2"``),
+    ``timeout`` in seconds (None: no limit).
+    """
+
+    devices: str = "auto"
+    accelerator: str = "auto"
+    strategy: str = "ddp_notebook"
+    timeout: float | None = None
+
+    def magic_line(self) -> str:
+        """The ``%%distributed`` line that asks for exactly these settings, to copy into a cell."""
+        parts = ["%%distributed", "--devices", self.devices, "--accelerator", self.accelerator]
+        parts += ["--strategy", self.strategy]
+        if self.timeout is not None:
+            parts += ["--timeout", f"{self.timeout:g}"]
+        return " ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_UNSET: Any = object()
+_DEVICE_FORMS = "pass a number of devices, -1, 'auto' or GPU indices"
+_lock = threading.Lock()
+_current = Defaults()
+
+
+def get_defaults() -> Defaults:
+    """This kernel's current defaults."""
+    return _current
+
+
+def set_defaults(
+    devices: Any = _UNSET,
+    accelerator: Any = _UNSET,
+    strategy: Any = _UNSET,
+    timeout: Any = _UNSET,
+) -> Defaults:
+    """Set the defaults of every later ``%%distributed`` cell that does not give the flag.
+
+    Settings not passed keep their value. ``devices`` takes what ``--devices`` takes
+    (2, -1, "auto", "0,2" or a list of GPU indices), ``accelerator`` one of auto, cpu,
+    cuda (gpu), mps, ``strategy`` one of :data:`nbtrain.config.STRATEGIES`, ``timeout`` a
+    number of seconds or None. The combination is checked against this machine (its GPUs
+    through NVML: CUDA is never initialised here) and a ConfigurationError says what is
+    wrong; nothing changes then. Returns the new defaults.
+
+    Example:
+        >>> import nbtrain
+        >>> nbtrain.set_defaults(devices=2, accelerator="cpu", timeout=600)  # doctest: +SKIP
+        Defaults(devices='2', accelerator='cpu', strategy='ddp_notebook', timeout=600.0)
+    """
+    global _current
+    with _lock:
+        old = _current
+        new = Defaults(
+            devices=old.devices if devices is _UNSET else devices_text(devices),
+            accelerator=old.accelerator if accelerator is _UNSET else _accelerator_text(accelerator),
+            strategy=old.strategy if strategy is _UNSET else _strategy_text(strategy),
+            timeout=old.timeout if timeout is _UNSET else config.validate_timeout(timeout),
+        )
+        # Checked with the value as given, so a message names it as the user wrote it.
+        check(new, devices=new.devices if devices is _UNSET else devices)
+        _current = new
+        return new
+
+
+def reset_defaults() -> Defaults:
+    """Back to the built-in defaults: ``--devices auto --accelerator auto --strategy ddp_notebook``."""
+    global _current
+    with _lock:
+        _current = Defaults()
+        return _current
+
+
+def check(defaults: Defaults, devices: Any = None) -> None:
+    """Raise ConfigurationError unless ``defaults`` can run on this machine."""
+    from nbtrain import hardware
+
+    hardware.probe_plan(defaults.devices if devices is None else devices, defaults.accelerator)
+    config.resolve_strategy(defaults.strategy, 2)
+
+
+def devices_text(devices: Any) -> str:
+    """``devices`` as ``--devices`` writes it: 2 -> "2", [1] -> "1,", [0, 2] -> "0,2".
+
+    >>> devices_text(2), devices_text([1]), devices_text((0, 2)), devices_text(" auto ")
+    ('2', '1,', '0,2', 'auto')
+    """
+    if devices is None:
+        return "auto"
+    if isinstance(devices, bool) or isinstance(devices, float):
+        raise ConfigurationError(f"devices={devices!r} is not valid: {_DEVICE_FORMS}.")
+    if isinstance(devices, (list, tuple, range)):
+        items = [str(int(item)) for item in devices]
+        # As for --devices, a trailing comma makes a one-element list (GPU 1, not one GPU).
+        return ",".join(items) + ("," if len(items) == 1 else "")
+    text = str(devices).strip()
+    if not text or any(ch.isspace() for ch in text):
+        raise ConfigurationError(f"devices={devices!r} is not valid: {_DEVICE_FORMS}.")
+    return text
+
+
+def _accelerator_text(accelerator: Any) -> str:
+    from nbtrain.devices import ACCELERATORS
+
+    name = "auto" if accelerator is None else str(accelerator).strip().lower()
+    if name not in ACCELERATORS:
+        choices = ", ".join(repr(choice) for choice in ACCELERATORS)
+        raise ConfigurationError(f"accelerator={accelerator!r} is not supported; choose one of {choices}.")
+    return "cuda" if name == "gpu" else name
+
+
+def _strategy_text(strategy: Any) -> str:
+    name = str(strategy).strip().lower()
+    config.resolve_strategy(name, 2)  # raises, listing the strategies
+    return name

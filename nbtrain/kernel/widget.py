@@ -1,0 +1,285 @@
+"""``nbtrain.launcher()``: a form that sets the defaults of every ``%%distributed`` cell.
+
+Core ipywidgets only (Dropdown, IntSlider, Checkbox, BoundedFloatText, HTML, VBox,
+HBox), so it renders wherever Jupyter widgets do: JupyterLab, Notebook 7, VS Code,
+Kaggle (which loads no third-party widget JavaScript) and Colab (after
+``google.colab.output.enable_custom_widget_manager()``).
+
+What the machine offers is found without touching CUDA (GPUs through NVML, see
+:mod:`nbtrain.hardware`), so the kernel can still fork healthy ranks afterwards. Every
+change of a control becomes the session's defaults at once (through
+:func:`nbtrain.kernel.defaults.set_defaults`), and the form shows the equivalent
+``%%distributed`` line, to copy into a cell or another notebook. A flag written on a cell
+still wins over the defaults.
+
+Example (in a notebook):
+    >>> import nbtrain
+    >>> form = nbtrain.launcher()  # doctest: +SKIP
+    >>> form.devices.value = 3  # a cell without flags now runs on 3 CPU processes  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Any
+
+from nbtrain import config
+from nbtrain.devices import GpuInfo
+from nbtrain.errors import ConfigurationError
+from nbtrain.kernel import defaults
+
+CPU_PROCESSES_PER_CORE = 2  # the slider goes up to twice the cores
+DEFAULT_CPU_PROCESSES = 2
+MAX_TIMEOUT_SECONDS = 30 * 24 * 3600.0
+_ERROR_COLOUR = "#c62828"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this machine offers: its visible GPUs, whether MPS exists, its CPU cores."""
+
+    gpus: tuple[GpuInfo, ...]
+    mps: bool
+    cpus: int
+
+    @classmethod
+    def probe(cls) -> "Machine":
+        """Ask NVML and the OS (never CUDA, never torch)."""
+        from nbtrain import hardware
+
+        return cls(tuple(hardware.detect_gpus()), hardware.mps_available(), hardware.cpu_count())
+
+    def accelerators(self) -> list[tuple[str, str]]:
+        """(label, value) of each accelerator found, the one ``auto`` picks first."""
+        options = []
+        if self.gpus:
+            names = sorted({gpu.name for gpu in self.gpus})
+            count = len(self.gpus)
+            options.append((f"cuda: {count} GPU{'s' if count != 1 else ''} ({', '.join(names)})", "cuda"))
+        if self.mps:
+            options.append(("mps: the Apple GPU", "mps"))
+        options.append((f"cpu: {self.cpus} core{'s' if self.cpus != 1 else ''}", "cpu"))
+        return options
+
+
+class Launcher:
+    """The form. Its controls are attributes, so code can set them as a click would:
+
+    - ``accelerator``: Dropdown of the accelerators found (``"cuda"``, ``"mps"``, ``"cpu"``);
+    - ``devices``: IntSlider, the number of CPU processes (shown for ``cpu``);
+    - ``gpus``: one Checkbox per GPU, with its name and free memory (shown for ``cuda``);
+    - ``strategy``: Dropdown, with ``strategy_help`` under it saying when to use it;
+    - ``timeout``: BoundedFloatText, seconds (0: no limit);
+    - ``magic_line``: HTML, the equivalent ``%%distributed`` line; ``status``: HTML, any problem.
+
+    ``form`` is the ipywidgets box that is shown; ``settings`` the defaults it set.
+    """
+
+    def __init__(self, machine: Machine | None = None) -> None:
+        import ipywidgets as widgets
+
+        self.machine = machine or Machine.probe()
+        current = defaults.get_defaults()
+        options = self.machine.accelerators()
+        available = [value for _, value in options]
+        accelerator = current.accelerator if current.accelerator in available else available[0]
+        style = {"description_width": "90px"}
+        wide = widgets.Layout(width="420px")
+
+        self.accelerator = widgets.Dropdown(
+            options=options, value=accelerator, description="accelerator", style=style, layout=wide
+        )
+        top = max(DEFAULT_CPU_PROCESSES, self.machine.cpus * CPU_PROCESSES_PER_CORE)
+        self.devices = widgets.IntSlider(
+            value=min(top, _cpu_count_of(current, accelerator) or DEFAULT_CPU_PROCESSES),
+            min=1,
+            max=top,
+            description="processes",
+            style=style,
+            layout=wide,
+        )
+        chosen = _gpus_of(current, self.machine.gpus)
+        self.gpus = [
+            widgets.Checkbox(value=gpu.index in chosen, description=f"GPU {gpu.describe()}", indent=False)
+            for gpu in self.machine.gpus
+        ]
+        self.devices_help = widgets.HTML()
+        self.devices_box = widgets.VBox()
+        strategy = current.strategy if current.strategy in config.STRATEGIES else "ddp_notebook"
+        self.strategy = widgets.Dropdown(
+            options=list(config.STRATEGIES), value=strategy, description="strategy", style=style, layout=wide
+        )
+        self.strategy_help = widgets.HTML()
+        self.timeout = widgets.BoundedFloatText(
+            value=current.timeout or 0.0,
+            min=0.0,
+            max=MAX_TIMEOUT_SECONDS,
+            step=60.0,
+            description="timeout (s)",
+            style=style,
+            layout=widgets.Layout(width="220px"),
+        )
+        self.timeout_help = widgets.HTML('<span style="color:#757575">0: no limit</span>')
+        self.magic_line = widgets.HTML()
+        self.status = widgets.HTML()
+        title = widgets.HTML(
+            "<b>nbtrain launcher</b>: the defaults of every <code>%%distributed</code> cell "
+            "(a flag written on a cell still wins)"
+        )
+        self.form = widgets.VBox(
+            [
+                title,
+                self.accelerator,
+                self.devices_box,
+                self.strategy,
+                self.strategy_help,
+                widgets.HBox([self.timeout, self.timeout_help]),
+                self.magic_line,
+                self.status,
+            ]
+        )
+        self.settings: defaults.Defaults = current
+        self._shown_in: Any = None
+        for control in (self.accelerator, self.devices, self.strategy, self.timeout, *self.gpus):
+            control.observe(self._changed, names="value")
+        self._changed()
+
+    # -- reacting to the controls ------------------------------------------------------
+    def _changed(self, _change: Any = None) -> None:
+        accelerator = self.accelerator.value
+        self._show_devices(accelerator)
+        self.strategy_help.value = _help_html(config.STRATEGIES[self.strategy.value].when_to_use)
+        try:
+            self.settings = defaults.set_defaults(
+                devices=self.devices_value(),
+                accelerator=accelerator,
+                strategy=self.strategy.value,
+                timeout=self.timeout.value or None,
+            )
+            self.status.value = ""
+        except ConfigurationError as error:
+            # The last good defaults stay; the line below shows them.
+            self.status.value = f'<span style="color:{_ERROR_COLOUR}">{html.escape(str(error))}</span>'
+        self.magic_line.value = (
+            '<code style="user-select:all;white-space:pre">' + html.escape(self.settings.magic_line()) + "</code>"
+        )
+
+    def devices_value(self) -> str:
+        """The ``--devices`` value the controls ask for."""
+        accelerator = self.accelerator.value
+        if accelerator == "cuda":
+            chosen = [gpu.index for gpu, box in zip(self.machine.gpus, self.gpus) if box.value]
+            if not chosen:
+                raise_no_gpu()
+            if chosen == list(range(len(chosen))):
+                return str(len(chosen))  # the first n GPUs: a count, as portable as it gets
+            return defaults.devices_text(chosen)
+        if accelerator == "mps":
+            return "1"
+        return str(self.devices.value)
+
+    def _show_devices(self, accelerator: str) -> None:
+        if accelerator == "cuda":
+            self.devices_help.value = _help_html("one rank per checked GPU (free memory as NVML reports it now)")
+            children = [self.devices_help, *self.gpus]
+        elif accelerator == "mps":
+            self.devices_help.value = _help_html("MPS is a single device: one rank")
+            children = [self.devices_help]
+        else:
+            self.devices_help.value = _help_html(
+                f"CPU processes (ranks) with gloo; this machine has {self.machine.cpus} "
+                f"core{'s' if self.machine.cpus != 1 else ''}"
+            )
+            children = [self.devices, self.devices_help]
+        if list(self.devices_box.children) != children:
+            self.devices_box.children = children
+
+    # -- showing ------------------------------------------------------------------------
+    def show(self) -> "Launcher":
+        """Display the form in the current cell."""
+        from IPython.display import display
+
+        enable_colab_widgets()
+        display(self.form)
+        self._shown_in = _execution_count()
+        return self
+
+    def _ipython_display_(self) -> None:
+        # ``nbtrain.launcher()`` as a cell's last line: it showed itself already.
+        if self._shown_in is not None and self._shown_in == _execution_count():
+            return
+        self.show()
+
+    def __repr__(self) -> str:
+        return f"<nbtrain launcher: {self.settings.magic_line()}>"
+
+
+def launcher(*, machine: Machine | None = None) -> Launcher:
+    """Show the launcher form in this cell and return it (see :class:`Launcher`).
+
+    Example:
+        >>> import nbtrain
+        >>> form = nbtrain.launcher()  # doctest: +SKIP
+        >>> form.devices.value = 4  # doctest: +SKIP
+        >>> nbtrain.get_defaults().magic_line()  # doctest: +SKIP
+        '%%distributed --devices 4 --accelerator cpu --strategy ddp_notebook'
+    """
+    form = Launcher(machine)
+    try:
+        return form.show()
+    except ImportError:  # no IPython: the form exists, nothing shows it
+        return form
+
+
+def enable_colab_widgets() -> None:
+    """In Colab, turn on the widget manager that ipywidgets 8 needs there (elsewhere: nothing)."""
+    import sys
+
+    if "google.colab" not in sys.modules:
+        return
+    try:
+        from google.colab import output  # type: ignore[import-not-found]
+
+        output.enable_custom_widget_manager()
+    except Exception:  # noqa: BLE001 - an older Colab: its own manager may still show core widgets
+        pass
+
+
+def raise_no_gpu() -> None:
+    raise ConfigurationError("no GPU is checked; check at least one, or choose the cpu accelerator.")
+
+
+def _help_html(text: str) -> str:
+    return f'<span style="color:#757575;margin-left:96px">{html.escape(text)}</span>'
+
+
+def _cpu_count_of(current: defaults.Defaults, accelerator: str) -> int | None:
+    """The number of CPU processes the current defaults ask for, if they name one."""
+    if accelerator != "cpu" or current.accelerator not in ("cpu", "auto"):
+        return None
+    text = current.devices.strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def _gpus_of(current: defaults.Defaults, gpus: tuple[GpuInfo, ...]) -> set[int]:
+    """The GPUs the current defaults select (all of them unless they say otherwise)."""
+    visible = [gpu.index for gpu in gpus]
+    text = current.devices.strip()
+    if current.accelerator in ("cuda", "auto"):
+        if "," in text:
+            picked = {int(piece) for piece in text.split(",") if piece.strip().isdigit()}
+            if picked and picked <= set(visible):
+                return picked
+        elif text.isdigit() and 0 < int(text) <= len(visible):
+            return set(visible[: int(text)])
+    return set(visible)
+
+
+def _execution_count() -> Any:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    return None if shell is None else shell.execution_count

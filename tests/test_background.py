@@ -1,0 +1,373 @@
+"""Background runs (``%%distributed --background``, ``launch(background=True)``) in a real kernel.
+
+CPU + gloo, 2 ranks. The cells are sent with jupyter_client directly (not nbclient, which
+drops the messages of cells other than the one it runs), and every iopub message is kept,
+so a test can see the live view's display updates that arrive after the cell that
+started the run has finished. Every wait is bounded; rank processes are checked gone by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from queue import Empty
+from typing import Any, Callable
+
+import pytest
+from nbclient.util import run_sync
+
+from kernel_helpers import NotebookKernel, strip_ansi, wait_gone
+
+pytestmark = pytest.mark.timeout(180)
+
+CELL_SECONDS = 60.0
+STOP_SECONDS = 10.0
+
+SETUP = """
+%load_ext nbtrain
+import nbtrain, torch, torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+X = torch.randn(128, 8)
+Y = X @ torch.randn(8, 1)
+loader = DataLoader(TensorDataset(X, Y), batch_size=16)
+model = nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+loss_fn = nn.MSELoss()
+history = []
+"""
+
+
+@dataclass
+class Cell:
+    msg_id: str
+    stdout: str = ""
+    stderr: str = ""
+    displays: list[dict] = field(default_factory=list)  # display_data contents
+    results: list[str] = field(default_factory=list)
+    error: dict | None = None
+    seconds: float = 0.0
+
+    @property
+    def text(self) -> str:
+        error = "\n".join(self.error["traceback"]) if self.error else ""
+        return "\n".join(p for p in (self.stdout, self.stderr, *self.results, error) if p)
+
+
+class Session:
+    """A kernel whose iopub messages are all kept, in order, whichever cell they belong to."""
+
+    def __init__(self, kernel: NotebookKernel):
+        self.kernel = kernel
+        self.kc = kernel.client.kc
+        self.messages: list[dict] = []
+
+    def _pump(self, timeout: float) -> bool:
+        try:
+            message = run_sync(self.kc.get_iopub_msg)(timeout=timeout)
+        except Empty:
+            return False
+        self.messages.append(message)
+        return True
+
+    def wait_for(self, condition: Callable[[], Any], timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            found = condition()
+            if found:
+                return found
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{what}: not within {timeout} s")
+            self._pump(min(left, 0.2))
+
+    def run(self, source: str, timeout: float = CELL_SECONDS) -> Cell:
+        started = time.monotonic()
+        msg_id = self.kc.execute(source)
+        self.wait_for(lambda: self._idle(msg_id), timeout, f"the cell {source[:60]!r} to finish")
+        cell = self.cell(msg_id)
+        cell.seconds = time.monotonic() - started
+        return cell
+
+    def run_ok(self, source: str, timeout: float = CELL_SECONDS) -> Cell:
+        cell = self.run(source, timeout)
+        assert cell.error is None, f"cell failed:\n{source}\n---\n{cell.text}"
+        return cell
+
+    def value(self, expression: str) -> Any:
+        cell = self.run_ok(f"import json as _json\nprint(_json.dumps({expression}))")
+        return json.loads(cell.stdout.strip().splitlines()[-1])
+
+    def _idle(self, msg_id: str) -> bool:
+        return any(
+            m["msg_type"] == "status"
+            and m["content"]["execution_state"] == "idle"
+            and m["parent_header"].get("msg_id") == msg_id
+            for m in self.messages
+        )
+
+    def cell(self, msg_id: str) -> Cell:
+        cell = Cell(msg_id)
+        for m in self.messages:
+            if m["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = m["msg_type"], m["content"]
+            if kind == "stream":
+                setattr(cell, content["name"], getattr(cell, content["name"]) + content["text"])
+            elif kind == "display_data":
+                cell.displays.append(content)
+            elif kind == "execute_result":
+                cell.results.append(content["data"].get("text/plain", ""))
+            elif kind == "error":
+                cell.error = {**content, "traceback": [strip_ansi(line) for line in content["traceback"]]}
+        return cell
+
+    def view_id(self, cell: Cell) -> str:
+        """The display id of the live view a cell showed."""
+        ids = [
+            d["transient"]["display_id"]
+            for d in cell.displays
+            if d.get("transient", {}).get("display_id") and d["data"].get("text/plain", "").startswith("nbtrain · ")
+        ]
+        assert len(ids) == 1, cell.displays
+        return ids[0]
+
+    def view_updates(self, display_id: str) -> list[tuple[int, str, str]]:
+        """(message index, text/plain, text/html) of each update of that display."""
+        return [
+            (i, m["content"]["data"].get("text/plain", ""), m["content"]["data"].get("text/html", ""))
+            for i, m in enumerate(self.messages)
+            if m["msg_type"] == "update_display_data"
+            and m["content"].get("transient", {}).get("display_id") == display_id
+        ]
+
+    def wait_view(self, display_id: str, needle: str, timeout: float = CELL_SECONDS) -> tuple[int, str, str]:
+        def found() -> Any:
+            hits = [u for u in self.view_updates(display_id) if needle in u[1] or needle in u[2]]
+            return hits[0] if hits else None
+
+        return self.wait_for(found, timeout, f"the live view to show {needle!r}")
+
+    def idle_index(self, msg_id: str) -> int:
+        return next(
+            i
+            for i, m in enumerate(self.messages)
+            if m["msg_type"] == "status"
+            and m["content"]["execution_state"] == "idle"
+            and m["parent_header"].get("msg_id") == msg_id
+        )
+
+
+@pytest.fixture(scope="module")
+def session():
+    kernel = NotebookKernel()
+    try:
+        s = Session(kernel)
+        s.run_ok(SETUP)
+        yield s
+    finally:
+        kernel.shutdown()
+
+
+def _widget_views(cell: Cell) -> list[str]:
+    return [d["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] for d in cell.displays
+            if "application/vnd.jupyter.widget-view+json" in d["data"]]
+
+
+def test_a_background_cell_returns_at_once_updates_live_and_then_updates_the_kernel(session, tmp_path):
+    go = tmp_path / "go"
+    session.run_ok("w0 = [p.detach().clone() for p in model.parameters()]\nmodel_id = id(model)")
+    started = session.run_ok(
+        "%%distributed --devices 2 --background\n"
+        "import os, time\n"
+        "for epoch in range(2):\n"
+        "    for x, y in loader:\n"
+        "        loss = loss_fn(model(x), y)\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    history.append(loss.item())\n"
+        "print('trained', nbtrain.rank(), flush=True)\n"
+        "# finish only after the test's other cell ran (bounded: 60 s)\n"
+        f"deadline = time.monotonic() + 60\n"
+        f"while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+    )
+    assert started.seconds < 10, started.seconds
+    view = session.view_id(started)
+    assert len(_widget_views(started)) == 1  # the Stop button
+    assert "BackgroundRun 1" in started.results[0] and "running" in started.results[0]
+    after_start = session.idle_index(started.msg_id)
+
+    # The view moves on after the cell that started the run has finished: metrics arrive.
+    index, text, html = session.wait_view(view, "loss ")
+    assert index > after_start and "running" in text
+    session.wait_view(view, "trained 1")  # the ranks' output, in the view's log panel
+
+    # Another cell runs while the run goes on; its objects are still the old ones.
+    other = session.run_ok(
+        "h = nbtrain.runs()[-1]\n"
+        "same = all(torch.equal(p, q) for p, q in zip(model.parameters(), w0))\n"
+        "print(h.state, h.world_size, h.strategy, h.devices, same)\n"
+        f"open({str(go)!r}, 'w').close()\n"
+    )
+    assert other.stdout.strip() == "running 2 ddp_notebook (0, 1) True"
+    # The run ends; with no cell running, the kernel applies its results at once, and says so.
+    index, text, html = session.wait_view(view, "finished — kernel updated: model, history")
+    assert "finished" in text.splitlines()[0] and "kernel updated: model, history" in html
+    assert session.value(
+        "[id(model) == model_id, any(not torch.equal(p, q) for p, q in zip(model.parameters(), w0)), len(history)]"
+    ) == [True, True, 2]
+    assert session.value("[h.state, h.result, h.updated[:2]]") == ["finished", None, ["model", "history"]]
+    assert session.value("nbtrain.kernel.magic.last_run.state") == "finished"
+    assert session.value("len(nbtrain.kernel.magic.last_run.metrics[0])") == 2 * 128 // 2 // 16
+
+
+def test_results_reach_the_kernel_between_cells_not_in_the_middle_of_one(session):
+    session.run_ok("marker = 'old'")
+    started = session.run_ok("%%distributed --devices 2 --background\nmarker = 'new'\n")
+    view = session.view_id(started)
+    # This cell outlives the run; the run's results wait until it has ended.
+    during = session.run_ok(
+        "import time\n"
+        "h = nbtrain.runs()[-1]\n"
+        "deadline = time.monotonic() + 30\n"
+        "while h.run.state == 'running' and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "print(h.run.state, marker)\n"
+    )
+    assert during.stdout.strip() == "finished old"
+    session.wait_view(view, "finished — kernel updated: marker")  # applied once the kernel was free
+    assert session.value("[marker, nbtrain.runs()[-1].state]") == ["new", "finished"]
+
+
+LOOP_CELL = (
+    "%%distributed --devices 2 --background\n"
+    "import time\n"
+    "print('looping', nbtrain.rank(), flush=True)\n"
+    "deadline = time.monotonic() + 120  # the test stops it long before\n"
+    "while time.monotonic() < deadline:\n"
+    "    time.sleep(0.01)\n"
+)
+
+
+def _start_looping(session: Session) -> str:
+    started = session.run_ok(LOOP_CELL)
+    view = session.view_id(started)
+    session.wait_view(view, "looping 0")
+    session.wait_view(view, "looping 1")
+    return view
+
+
+def _stopped(session: Session, view: str, stop_code: str) -> None:
+    cell = session.run_ok(
+        "h = nbtrain.runs()[-1]\n"
+        "pids = sorted(h.run.pids.values())\n"
+        f"{stop_code}\n"
+        "try:\n"
+        "    h.wait(timeout=5)\n"
+        "except Exception as error:\n"
+        "    raised = type(error).__name__\n"
+        "print(json.dumps([h.state, raised, pids, h.stop_button.layout.display]))\n"
+    )
+    state, raised, pids, button = json.loads(cell.stdout.strip().splitlines()[-1])
+    assert cell.seconds < 8, cell.seconds
+    assert (state, raised, button, len(pids)) == ("stopped", "RunStoppedError", "none", 2)
+    assert wait_gone(pids, 5.0) == []
+    _, text, html = session.wait_view(view, "stopped — every rank is gone")
+    assert "· stopped ·" in text and "Nothing in the kernel was changed" in html
+
+
+def test_handle_stop_stops_every_rank_and_the_view_says_stopped(session):
+    session.run_ok("import json")
+    view = _start_looping(session)
+    _stopped(session, view, "h.stop()")
+
+
+def test_the_stop_buttons_click_stops_the_run(session):
+    view = _start_looping(session)
+    # button.click() runs the handler the frontend's click runs (through the comm, on the main thread)
+    _stopped(session, view, "h.stop_button.click()")
+
+
+def test_a_blocking_cell_runs_while_a_background_run_goes_on_and_exit_stops_it(session):
+    _start_looping(session)
+    out = session.run_ok("%%distributed --devices 2\nprint('blocking', nbtrain.world_size())\n")
+    assert "[rank 1] blocking 2" in out.stdout
+    cell = session.run_ok(
+        "h = nbtrain.runs()[-1]\n"
+        "pids = sorted(h.run.pids.values())\n"
+        "before = h.state\n"
+        "nbtrain.kernel.background._stop_all_at_exit()  # what atexit runs when the kernel shuts down\n"
+        "print(json.dumps([before, h.state, pids]))\n"
+    )
+    before, after, pids = json.loads(cell.stdout.strip().splitlines()[-1])
+    assert (before, after) == ("running", "stopped")
+    assert wait_gone(pids, 5.0) == []
+
+
+def test_a_failing_background_cell_shows_failed_and_wait_raises_naming_the_rank(session):
+    number = session.value("get_ipython().execution_count") + 1
+    started = session.run_ok(
+        "%%distributed --devices 2 --background\n"
+        "value = 1\n"
+        "if nbtrain.rank() == 1:\n"
+        "    raise ValueError('only rank 1 fails')\n"
+    )
+    view = session.view_id(started)
+    _, text, html = session.wait_view(view, "handle.wait() raises the error")
+    assert "· failed ·" in text and "rank 1 raised ValueError: only rank 1 fails" in text
+    assert f"Cell In[{number}], line 4" in html
+    out = session.run("nbtrain.runs()[-1].wait(timeout=30)")
+    assert out.error is not None
+    traceback = "\n".join(out.error["traceback"])
+    assert traceback.startswith("RankError: rank 1 raised ValueError: only rank 1 fails")
+    assert f"Cell In[{number}], line 4" in traceback
+    assert session.value("[nbtrain.runs()[-1].state, 'value' in globals()]") == ["failed", False]
+
+
+def test_launch_in_the_background_returns_a_handle_and_its_value(session):
+    cell = session.run_ok(
+        "def add(a, b):\n"
+        "    nbtrain.log(loss=1.0)\n"
+        "    return a + b + nbtrain.world_size()\n"
+        "h = nbtrain.launch(add, 1, 2, devices=2, accelerator='cpu', background=True)\n"
+        "print(h.kind, h.name)\n"
+    )
+    assert cell.stdout.strip() == "function add"
+    view = session.view_id(cell)
+    assert session.value("nbtrain.runs()[-1].wait(timeout=30)") == 5
+    _, text, _ = session.wait_view(view, "finished — the result is in handle.result")
+    assert session.value("[r.state for r in nbtrain.runs()]")[-1] == "finished"
+
+
+EXITING_SCRIPT = """
+import json, time
+import nbtrain
+
+def loop():
+    import time
+    print('looping', nbtrain.rank(), flush=True)
+    deadline = time.monotonic() + 120  # atexit stops it long before
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+
+h = nbtrain.launch(loop, devices=2, accelerator='cpu', background=True)
+deadline = time.monotonic() + 60
+while len(h.run.pids) < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(json.dumps(sorted(h.run.pids.values())), flush=True)
+"""
+
+
+def test_exit_stops_a_background_run_of_a_plain_python_script(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    pids = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("[") and "rank" not in line))
+    assert len(pids) == 2
+    assert wait_gone(pids, 5.0) == []
+    assert "[nbtrain] background run 1 (loop) stopped — every rank is gone" in out.stderr

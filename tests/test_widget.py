@@ -1,0 +1,206 @@
+"""``nbtrain.launcher()`` and the session defaults of ``%%distributed``.
+
+The form's rules are checked in this process (ipywidgets works without a frontend), on
+this machine and on a pretend GPU machine; then in a real kernel, executed through
+nbclient with the widget state stored in the notebook, as a frontend would receive it:
+what the form shows, and that changing a control changes what the next cell runs on.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import nbtrain
+from nbtrain import hardware
+from nbtrain.devices import GpuInfo
+from nbtrain.errors import ConfigurationError
+from nbtrain.kernel import defaults, widget
+
+from kernel_helpers import NotebookKernel
+
+GIB = 2**30
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+@pytest.fixture(autouse=True)
+def fresh_defaults():
+    defaults.reset_defaults()
+    yield
+    defaults.reset_defaults()
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    gpus = (GpuInfo(0, "NVIDIA A100", 80 * GIB, 70 * GIB), GpuInfo(1, "NVIDIA A100", 80 * GIB, 79 * GIB))
+    monkeypatch.setattr(hardware, "detect_gpus", lambda: list(gpus))
+    return widget.Machine(gpus, False, 8)
+
+
+# -- the defaults, without widgets ---------------------------------------------------------
+
+
+def test_set_defaults_keeps_what_is_not_given_and_writes_the_magic_line():
+    assert nbtrain.get_defaults() == defaults.Defaults("auto", "auto", "ddp_notebook", None)
+    nbtrain.set_defaults(devices=2, accelerator="CPU")
+    changed = nbtrain.set_defaults(strategy="ddp_spawn", timeout=90)
+    assert changed == defaults.Defaults("2", "cpu", "ddp_spawn", 90.0)
+    assert changed.magic_line() == "%%distributed --devices 2 --accelerator cpu --strategy ddp_spawn --timeout 90"
+    assert nbtrain.set_defaults(timeout=None).timeout is None
+    assert nbtrain.reset_defaults() == defaults.Defaults()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"devices": 0}, "devices=0 is not valid"),
+        ({"devices": "two"}, "devices='two' is not valid"),
+        ({"accelerator": "tpu"}, "accelerator='tpu' is not supported"),
+        ({"accelerator": "cuda"}, "needs a GPU"),
+        ({"strategy": "zero"}, "unknown strategy 'zero'"),
+        ({"timeout": -1}, "timeout must be positive"),
+    ],
+)
+def test_set_defaults_refuses_what_cannot_run_here_and_changes_nothing(settings, message, monkeypatch):
+    monkeypatch.setattr(hardware, "detect_gpus", lambda: [])
+    nbtrain.set_defaults(devices=2, accelerator="cpu")
+    with pytest.raises(ConfigurationError, match=message):
+        nbtrain.set_defaults(**settings)
+    assert nbtrain.get_defaults() == defaults.Defaults("2", "cpu", "ddp_notebook", None)
+
+
+# -- the form, in this process ---------------------------------------------------------------
+
+
+def test_the_cpu_form_counts_processes_and_shows_the_line_live():
+    machine = widget.Machine((), False, 2)
+    form = widget.Launcher(machine)
+    assert form.accelerator.options == (("cpu: 2 cores", "cpu"),) and form.accelerator.value == "cpu"
+    assert (form.devices.value, form.devices.min, form.devices.max) == (2, 1, 4)
+    assert list(form.devices_box.children) == [form.devices, form.devices_help]
+    assert form.gpus == []
+    assert "%%distributed --devices 2 --accelerator cpu --strategy ddp_notebook" in form.magic_line.value
+    assert nbtrain.get_defaults().devices == "2"  # showing the form sets what it shows
+
+    form.devices.value = 3
+    form.strategy.value = "fsdp"
+    form.timeout.value = 120
+    line = "%%distributed --devices 3 --accelerator cpu --strategy fsdp --timeout 120"
+    assert line in form.magic_line.value and nbtrain.get_defaults().magic_line() == line
+    assert "Fully sharded" in form.strategy_help.value
+    form.timeout.value = 0
+    assert nbtrain.get_defaults().timeout is None and "--timeout" not in form.magic_line.value
+
+
+def test_every_strategy_has_its_explanation_under_the_dropdown():
+    form = widget.Launcher(widget.Machine((), False, 2))
+    assert list(form.strategy.options) == list(nbtrain.config.STRATEGIES)
+    for name, strategy in nbtrain.config.STRATEGIES.items():
+        form.strategy.value = name
+        assert strategy.when_to_use.split(";")[0] in form.strategy_help.value
+
+
+def test_the_form_starts_from_the_session_defaults():
+    nbtrain.set_defaults(devices=3, accelerator="cpu", strategy="ddp_spawn", timeout=30)
+    form = widget.Launcher(widget.Machine((), False, 2))
+    assert (form.devices.value, form.strategy.value, form.timeout.value) == (3, "ddp_spawn", 30.0)
+
+
+def test_the_gpu_form_has_a_checkbox_per_gpu_with_its_free_memory(two_gpus):
+    form = widget.Launcher(two_gpus)
+    assert form.accelerator.value == "cuda"
+    assert [label for label, _ in form.accelerator.options] == ["cuda: 2 GPUs (NVIDIA A100)", "cpu: 8 cores"]
+    assert [box.description for box in form.gpus] == [
+        "GPU 0 (NVIDIA A100, 70.0 GiB free)",
+        "GPU 1 (NVIDIA A100, 79.0 GiB free)",
+    ]
+    assert form.devices not in form.devices_box.children and form.gpus[0] in form.devices_box.children
+    assert nbtrain.get_defaults().magic_line() == "%%distributed --devices 2 --accelerator cuda --strategy ddp_notebook"
+
+    form.gpus[0].value = False
+    assert nbtrain.get_defaults().devices == "1,"  # GPU 1 alone (a count of 1 would be GPU 0)
+    form.gpus[1].value = False  # nothing checked: said so, the last good defaults stay
+    assert "no GPU is checked" in form.status.value and nbtrain.get_defaults().devices == "1,"
+    form.accelerator.value = "cpu"
+    assert form.status.value == "" and form.devices in form.devices_box.children
+    assert nbtrain.get_defaults().magic_line() == "%%distributed --devices 2 --accelerator cpu --strategy ddp_notebook"
+
+
+def test_the_widget_module_never_imports_torch_or_initialises_cuda():
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys\nfrom nbtrain.kernel import widget\nwidget.Launcher()\nprint('torch' in sys.modules)\n"
+    env = {**os.environ, "NBTRAIN_PREWARM": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+# -- in a real kernel ------------------------------------------------------------------------
+
+
+def _state_of(notebook, model_id: str) -> dict:
+    return notebook.metadata["widgets"][WIDGET_STATE]["state"][model_id]["state"]
+
+
+def _child_ids(state: dict) -> list[str]:
+    return [child.removeprefix("IPY_MODEL_") for child in state["children"]]
+
+
+def test_the_form_renders_in_a_kernel_and_its_values_become_the_cells_defaults():
+    """One kernel for all of it: starting one and warming its launcher is most of the cost."""
+    with NotebookKernel() as kernel:
+        kernel.run_ok("%load_ext nbtrain\nimport nbtrain")
+        kernel.run_ok("w = nbtrain.launcher()")
+        outputs = kernel.notebook.cells[-1].outputs
+        assert [o["output_type"] for o in outputs] == ["display_data"] and WIDGET_VIEW in outputs[0]["data"]
+        form_id = outputs[0]["data"][WIDGET_VIEW]["model_id"]
+        kernel.run_ok("nbtrain.launcher()")  # as a cell's last line: shown once, not again as its value
+        assert [o["output_type"] for o in kernel.notebook.cells[-1].outputs] == ["display_data"]
+        kernel.run_ok("w")  # shown again on request, in a later cell
+        assert kernel.notebook.cells[-1].outputs[0]["data"][WIDGET_VIEW]["model_id"] == form_id
+
+        kernel.run_ok("w.devices.value = 3")  # what dragging the slider does
+        out = kernel.run_ok("%%distributed\nprint('world', nbtrain.world_size())\n")
+        assert "[rank 2] world 3" in out.stdout and "3 ranks (cpu, ddp_notebook)" in out.stdout
+        flagged = kernel.run_ok("%%distributed --devices 2\nprint('world', nbtrain.world_size())\n")
+        assert "[rank 1] world 2" in flagged.stdout and "rank 2" not in flagged.stdout  # a flag wins
+
+        kernel.run_ok("nbtrain.set_defaults(devices=1)")  # without widgets
+        single = kernel.run_ok("%%distributed\nprint('world', nbtrain.world_size())\n")
+        assert "world 1" in single.stdout and "1 rank (cpu, ddp_notebook)" in single.stdout
+
+        assert kernel.client.store_widget_state  # nbclient keeps each widget's state, as a frontend does
+        kernel.client.set_widgets_metadata()
+        notebook = kernel.notebook
+        form = _state_of(notebook, form_id)
+        assert form["_model_name"] == "VBoxModel"
+        children = {cid: _state_of(notebook, cid) for cid in _child_ids(form)}
+        kinds = [state["_model_name"] for state in children.values()]
+        assert kinds == ["HTMLModel", "DropdownModel", "VBoxModel", "DropdownModel", "HTMLModel", "HBoxModel",
+                         "HTMLModel", "HTMLModel"]
+        title, accelerator, devices_box, strategy, strategy_help, timeout_row, line, status = children.values()
+        cores = hardware.cpu_count()
+        assert accelerator["_options_labels"] == [f"cpu: {cores} core" + ("s" if cores != 1 else "")]
+        assert accelerator["description"] == "accelerator" and strategy["_options_labels"][0] == "ddp_notebook"
+        assert "Data parallel; ranks fork from a warm, clean launcher" in strategy_help["value"]
+        slider = _state_of(notebook, _child_ids(devices_box)[0])
+        assert slider["_model_name"] == "IntSliderModel" and slider["value"] == 3
+        assert slider["max"] == max(2, 2 * hardware.cpu_count())
+        # The line the form shows changed with the slider; set_defaults (no widget) does not move the form.
+        assert "%%distributed --devices 3 --accelerator cpu --strategy ddp_notebook" in line["value"]
+        assert status["value"] == ""
+        timeout_box = _state_of(notebook, _child_ids(timeout_row)[0])
+        assert timeout_box["_model_name"] == "BoundedFloatTextModel" and timeout_box["value"] == 0
+
+        # The flags' help says where defaults come from; --timeout none beats a session timeout.
+        help_text = " ".join(kernel.run_ok("%%distributed --help\npass\n").stdout.split())
+        for text in ("--background", "session default", "none: no limit"):
+            assert text in help_text, text
+        kernel.run_ok("nbtrain.set_defaults(devices=2, accelerator='cpu', timeout=0.5)")
+        slow = kernel.run("%%distributed\nimport time\ntime.sleep(30)\n")
+        assert slow.error is not None and "timeout=0.5" in slow.error["evalue"]
+        free = kernel.run_ok("%%distributed --timeout none\nprint('no limit', nbtrain.world_size())\n")
+        assert "[rank 1] no limit 2" in free.stdout
