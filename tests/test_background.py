@@ -306,7 +306,7 @@ def test_a_blocking_cell_runs_while_a_background_run_goes_on_and_exit_stops_it(s
 
 
 def test_a_failing_background_cell_shows_failed_and_wait_raises_naming_the_rank(session):
-    number = session.value("get_ipython().execution_count") + 1
+    number = session.value("len(In)")  # the next cell's In[N]
     started = session.run_ok(
         "%%distributed --devices 2 --background\n"
         "value = 1\n"

@@ -368,7 +368,9 @@ class CellBackgroundRun(BackgroundRun):
     """A ``%%distributed --background`` cell: on success its results go into the kernel."""
 
     def __init__(self, shell: Any, run: Any, prepared: Any, options: Any) -> None:
-        number = getattr(shell, "execution_count", None)
+        from nbtrain.kernel import magic
+
+        number = magic.current_cell_number(shell) if shell is not None else None
         super().__init__(
             run, kind="cell", name=f"cell In[{number}]" if number else "cell", output=options.output, shell=shell
         )

@@ -552,6 +552,18 @@ class CellSyntaxError(NbtrainError):
 # -- helpers -------------------------------------------------------------------------------
 
 
+def current_cell_number(shell: Any) -> int:
+    """N of the running cell's ``In[N]``.
+
+    Not ``shell.execution_count``: recent IPython raises it before running a cell. The
+    cell's input is stored in the history before it runs, in every version.
+    """
+    history = getattr(getattr(shell, "history_manager", None), "input_hist_parsed", None)
+    if history:
+        return len(history) - 1
+    return shell.execution_count
+
+
 def register_source(shell: Any, line: str, cell: str) -> str:
     """Register the cell, as the user wrote it, in linecache; return the filename to compile with.
 
@@ -566,7 +578,8 @@ def register_source(shell: Any, line: str, cell: str) -> str:
     if compiler is not None and hasattr(compiler, "cache"):
         # A raw_code of our own gives a name of our own: the kernel's entry for the
         # cell (its transformed form) stays as it is.
-        return compiler.cache(source, shell.execution_count, raw_code=source + "\n# nbtrain %%distributed")
+        number = current_cell_number(shell)
+        return compiler.cache(source, number, raw_code=source + "\n# nbtrain %%distributed")
     filename = f"<cell-{abs(hash(source))}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     return filename
