@@ -45,14 +45,16 @@ class RankError(RunFailedError):
         (1, 'ValueError')
     """
 
-    def __init__(self, rank: int, exc_type: str, exc_message: str, remote_traceback: str):
+    def __init__(self, rank: int, exc_type: str, exc_message: str, remote_traceback: str, note: str = ""):
         self.rank = rank
         self.exc_type = exc_type
         self.exc_message = exc_message
         self.remote_traceback = remote_traceback
+        self.note = note  # what it means for the caller, e.g. which kernel objects are unchanged
         super().__init__(
             f"rank {rank} raised {exc_type}: {exc_message}\n"
             f"The other ranks were stopped. Traceback from rank {rank}:\n{remote_traceback.rstrip()}"
+            + (f"\n{note}" if note else "")
         )
 
     def _render_traceback_(self) -> list[str]:
@@ -61,6 +63,7 @@ class RankError(RunFailedError):
             "(the other ranks were stopped)",
             "",
             *self.remote_traceback.rstrip().splitlines(),
+            *(["", self.note] if self.note else []),
         ]
 
 

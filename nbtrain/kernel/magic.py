@@ -491,21 +491,11 @@ def _unchanged_note(shipped: dict[str, Any]) -> str:
     return f"Nothing in the kernel was changed: {listed} {verb} before the cell."
 
 
-class CellRankError(RankError):
-    """A rank's failure in a ``%%distributed`` cell, its traceback in the notebook's terms."""
-
-    def __init__(self, error: RankError, traceback_text: str, note: str):
-        super().__init__(error.rank, error.exc_type, error.exc_message, traceback_text)
-        self.note = note
-
-    def _render_traceback_(self) -> list[str]:
-        return [*super()._render_traceback_(), "", self.note]
-
-
 def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseException:
     """The run's failure as the notebook shows it: rank tracebacks name cells, plus ``note``."""
     if isinstance(error, RankError):
-        return CellRankError(error, cell_traceback(error.remote_traceback, shell), note)
+        text = cell_traceback(error.remote_traceback, shell)
+        return RankError(error.rank, error.exc_type, error.exc_message, text, note)
     message = f"{error} {note}"
     error.args = (message,)
     error._render_traceback_ = lambda: [f"{type(error).__name__}: {message}"]  # type: ignore[attr-defined]
