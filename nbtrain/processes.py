@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, NoReturn, Sequence
 
-LAUNCHER_MODULE = "nbtrain.launcher"
+LAUNCHER_MODULE = "nbtrain.launch_server"
 CONTROL_FD_VARIABLE = "NBTRAIN_CONTROL_FD"
 ROLE_VARIABLE = "NBTRAIN_ROLE"
 _PR_SET_PDEATHSIG = 1

@@ -33,6 +33,9 @@ import torch
 
 _TAG = "nbtrain-storage"
 _ALIGNMENT = 64
+# Above this size the copy into shared memory uses every core: a rank normally runs with
+# cores / ranks threads, but when rank 0 sends its result the other ranks are done.
+_PARALLEL_COPY_BYTES = 64 << 20
 
 
 class _StoragePickler(cloudpickle.Pickler):
@@ -129,7 +132,10 @@ def loads(data: bytes, fd: int | None, *, map_location: str | None = None) -> An
 
 def _write_storages(storages: list[tuple[torch.UntypedStorage, int]], total_bytes: int) -> int:
     fd = os.memfd_create("nbtrain-tensors", os.MFD_CLOEXEC)
+    threads = torch.get_num_threads()
     try:
+        if total_bytes >= _PARALLEL_COPY_BYTES:
+            torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
         os.ftruncate(fd, max(total_bytes, 1))
         with mmap.mmap(fd, max(total_bytes, 1), access=mmap.ACCESS_WRITE) as mapping:
             for storage, offset in storages:
@@ -137,6 +143,8 @@ def _write_storages(storages: list[tuple[torch.UntypedStorage, int]], total_byte
     except BaseException:
         os.close(fd)
         raise
+    finally:
+        torch.set_num_threads(threads)
     return fd
 
 

@@ -122,7 +122,7 @@ class Session:
             return []
         for process in tree:
             try:
-                if "nbtrain.launcher" in " ".join(process.cmdline()):
+                if "nbtrain.launch_server" in " ".join(process.cmdline()):
                     found += [child.pid for child in process.children() if bh.alive(child.pid)]
             except psutil.Error:
                 continue

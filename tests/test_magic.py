@@ -228,7 +228,7 @@ def test_interrupt_stops_every_rank_and_leaves_the_kernel_usable(kernel):
         "    time.sleep(0.01)\n"
     )
     kernel.wait_for_stream(msg_id, ["training 0", "training 1"], timeout=60)
-    launchers = [p for p in kernel.children() if "nbtrain.launcher" in " ".join(p.cmdline())]
+    launchers = [p for p in kernel.children() if "nbtrain.launch_server" in " ".join(p.cmdline())]
     assert len(launchers) == 1, launchers
     ranks = [p.pid for p in launchers[0].children(recursive=True)]  # forked from the launcher
     assert len(ranks) == 2, ranks

@@ -262,10 +262,14 @@ class Run:
         raise self._failure(ended)
 
     def _load_result(self, ended: events.RunEnded) -> Any:
-        from nbtrain import sharedtensors
-
         fd = self._ended_fds[0] if self._ended_fds else None
         try:
+            if fd is None:  # no tensor storages: plain pickle, and no torch import for it
+                import pickle
+
+                return pickle.loads(ended.result or b"")
+            from nbtrain import sharedtensors
+
             return sharedtensors.loads(ended.result or b"", fd, map_location="cpu")
         finally:
             for extra in self._ended_fds:
@@ -308,13 +312,13 @@ def start(
     backend: str | None = None,
 ) -> Run:
     """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once."""
-    from nbtrain import hardware, sharedtensors
+    from nbtrain import hardware
     from nbtrain.errors import SerializationError
 
     plan = hardware.probe_plan(devices, accelerator)
     cfg = config.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
     try:
-        payload, tensor_fd = sharedtensors.dumps((fn, tuple(args), dict(kwargs or {})))
+        payload, tensor_fd = _pickle_payload((fn, tuple(args), dict(kwargs or {})))
     except Exception as error:
         raise SerializationError(
             f"the function or its arguments cannot be sent to the ranks: {error}. "
@@ -383,6 +387,23 @@ def launch(
 
         return _background.follow_function(run, fn)
     return run.wait(on_event=print_output)
+
+
+def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:
+    """cloudpickle, with tensors through shared memory (see :mod:`nbtrain.sharedtensors`).
+
+    A caller that never imported torch cannot be sending a tensor: plain cloudpickle then
+    spares its first launch the ~1 s import of torch.
+    """
+    if "torch" not in sys.modules:
+        import pickle
+
+        import cloudpickle
+
+        return cloudpickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), None
+    from nbtrain import sharedtensors
+
+    return sharedtensors.dumps(payload)
 
 
 def _caller_environment() -> dict[str, str]:
