@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 from nbtrain import events
 from nbtrain.errors import RunStoppedError
-from nbtrain.kernel import display
+from nbtrain.kernel import client, display
 
 RUNNING = "running"
 STOP_WAIT_SECONDS = 10.0  # a stop is answered within client.INTERRUPT_GRACE_SECONDS (5 s)
@@ -222,7 +222,7 @@ class BackgroundRun:
     def _show(self, event: Any) -> None:
         if self.view is None:
             if isinstance(event, events.Output) and self._shows_output(event):
-                _print_tagged(event)
+                client.print_output(event)
             return
         if isinstance(event, events.Output) and not self._shows_output(event):
             return
@@ -488,15 +488,6 @@ def _stop_button(handle: BackgroundRun) -> Any:
 
     button.on_click(on_click)
     return button
-
-
-def _print_tagged(event: events.Output) -> None:
-    stream = sys.stderr if event.stream == "stderr" else sys.stdout
-    lines = event.text.splitlines(keepends=True)
-    stream.write("".join(f"[rank {event.rank}] {line}" for line in lines))
-    if not event.text.endswith("\n"):
-        stream.write("\n")
-    stream.flush()
 
 
 def _kernel_loop(shell: Any) -> Any:
