@@ -34,7 +34,7 @@ import time
 
 import nbtrain
 from nbtrain import events
-from nbtrain.kernel.display import CHART_CPU_SHARE, ChartFigure, LiveView
+from nbtrain.kernel.display import CHART_CPU_SHARE, SLOWEST_CHART_SECONDS, ChartFigure, LiveView
 
 
 def train_in_blocks(blocks: int, steps_per_block: int) -> dict:
@@ -168,8 +168,8 @@ def kernel_side(args: argparse.Namespace) -> None:
             f"   {steps:>7,} steps: charts {kept * 1e3:6.1f} ms (first frame {fresh * 1e3:6.1f} ms), "
             f"frame with unchanged charts {unchanged * 1e3:5.2f} ms, frame {size / 1024:5.1f} KiB"
         )
-    print(f"   charts are redrawn at most 4/s and rest {1 / CHART_CPU_SHARE:.0f}x their drawing time: "
-          f"under {CHART_CPU_SHARE:.0%} of a core")
+    print(f"   charts are redrawn at most 4/s and rest {1 / CHART_CPU_SHARE:.0f}x their drawing time, "
+          f"at most {SLOWEST_CHART_SECONDS:g} s")
 
 
 def main() -> None:
