@@ -31,6 +31,8 @@ from typing import Any, Iterable
 
 import psutil
 
+from helpers import procs
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -227,11 +229,6 @@ class JupyterLab:
         return problems
 
 
-def _pause(seconds: float) -> None:
-    """A poll interval between two checks of a condition (not a wait for something to happen)."""
-    time.sleep(seconds)
-
-
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -241,24 +238,12 @@ def alive(pid: int) -> bool:
 
 def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
     """Wait (bounded) until none of ``pids`` lives; those still alive at the deadline."""
-    pids = list(pids)
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [pid for pid in pids if alive(pid)]
-        if not left or time.monotonic() > deadline:
-            return left
-        _pause(0.05)
+    return procs.wait_gone(pids, timeout, reaped=False)
 
 
 def kill_and_wait(pids: Iterable[int]) -> list[int]:
     """Give ``pids`` a bounded time to go by themselves, SIGKILL the rest; those still alive."""
-    left = wait_gone(pids, GONE_SECONDS)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return wait_gone(left, GONE_SECONDS)
+    return procs.kill_and_wait(pids, GONE_SECONDS, reaped=False)
 
 
 def describe(pid: int) -> str:

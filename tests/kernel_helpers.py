@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 from queue import Empty
@@ -23,6 +22,8 @@ import nbformat
 import psutil
 from nbclient import NotebookClient
 from nbclient.util import run_sync
+
+from helpers import procs
 
 STARTUP_SECONDS = 60.0
 CELL_SECONDS = 120.0
@@ -172,13 +173,7 @@ class NotebookKernel:
             self.client.kc.stop_channels()
             run_sync(self.client.km.shutdown_kernel)(now=False)
         finally:
-            left = wait_gone(pids, GONE_SECONDS)
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            wait_gone(left, GONE_SECONDS)
+            procs.kill_and_wait(pids, GONE_SECONDS, reaped=False)
 
     def __enter__(self) -> "NotebookKernel":
         return self
@@ -214,20 +209,5 @@ def strip_ansi(text: str) -> str:
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:
     """Wait until each pid has exited (a zombie of a foreign parent counts as gone)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = []
-        for pid in pids:
-            try:
-                os.waitpid(pid, os.WNOHANG)  # ours (the kernel): reap it
-            except ChildProcessError:
-                pass
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    left.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(POLL)
+    return procs.wait_gone(pids, timeout, reaped=False)
 

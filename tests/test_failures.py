@@ -6,7 +6,6 @@ the bounds here are looser (3 s) so a loaded CI machine does not fail them at ra
 
 from __future__ import annotations
 
-import json
 import linecache
 import os
 import signal

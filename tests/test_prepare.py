@@ -7,7 +7,6 @@ real ranks through nbtrain.start. Rank functions are nested so they travel by va
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -16,8 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import nbtrain
-from helpers.procs import finish
-from nbtrain import sharedtensors
+from helpers.procs import finish, roundtrip
 from nbtrain.errors import SerializationError
 from nbtrain.kernel import namespace as ns
 from nbtrain.rank import cell as rank_cell
@@ -143,14 +141,7 @@ def test_generators_and_open_files_are_named(tmp_path):
 # -- coming back: run_cell in this process, then apply to a "kernel" namespace ------------
 
 
-def _travel(obj):
-    """The engine's round trip between the kernel and a rank (tensors through shared memory)."""
-    data, fd = sharedtensors.dumps(obj)
-    try:
-        return sharedtensors.loads(data, fd)
-    finally:
-        if fd is not None:
-            os.close(fd)
+_travel = roundtrip  # the engine's round trip between the kernel and a rank
 
 
 def _run_here(kernel_ns: dict, code: str, **spec_options):

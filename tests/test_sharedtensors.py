@@ -18,13 +18,7 @@ def shm_unchanged():
     assert procs.shm_entries() == before, "sharedtensors created a /dev/shm entry"
 
 
-def roundtrip(obj):
-    data, fd = sharedtensors.dumps(obj)
-    try:
-        return sharedtensors.loads(data, fd)
-    finally:
-        if fd is not None:
-            os.close(fd)
+roundtrip = procs.roundtrip
 
 
 def test_tensors_travel_in_an_anonymous_memfd(shm_unchanged):

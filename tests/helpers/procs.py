@@ -142,6 +142,25 @@ def kill_pids(pids: Iterable[int]) -> None:
             pass
 
 
+def kill_and_wait(pids: Iterable[int], timeout: float, *, reaped: bool = True) -> list[int]:
+    """Give ``pids`` ``timeout`` seconds to go by themselves, SIGKILL the rest; those still present."""
+    left = wait_gone(pids, timeout, reaped=reaped)
+    kill_pids(left)
+    return wait_gone(left, timeout, reaped=reaped)
+
+
+def roundtrip(obj: Any) -> Any:
+    """``obj`` after the engine's trip between processes (tensors through shared memory)."""
+    from nbtrain import sharedtensors
+
+    data, fd = sharedtensors.dumps(obj)
+    try:
+        return sharedtensors.loads(data, fd)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def set_child_subreaper(on: bool) -> None:
     """Orphans of our subtree become our children (so a test can reap them), or stop doing so."""
     libc = ctypes.CDLL(None, use_errno=True)
