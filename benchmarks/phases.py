@@ -68,7 +68,8 @@ if LOG and os.environ.get("NBTRAIN_ROLE") == "launcher":
     from nbtrain.launch_server import server
     from nbtrain.rank import runtime
 
-    wrap(server.Launcher, "_on_control", "launcher: StartRun received -> all ranks forked")
+    wrap(server.Launcher, "_on_control", "launcher: request from kernel (StartRun: ranks forked)")
+    wrap(server.Launcher, "_hand_over", "launcher: all ranks done: Release, ResultOffer")
     wrap(server.Launcher, "_start_rank", "launcher: fork one rank + register fds")
     wrap(server.Launcher, "_on_exit", "launcher: rank exit seen (pidfd) + reap")
     wrap(server.Launcher, "_finish", "launcher: finish run, send RunEnded")
@@ -78,8 +79,8 @@ if LOG and os.environ.get("NBTRAIN_ROLE") == "launcher":
     wrap(sharedtensors, "loads", "rank: unpickle payload")
     wrap(runtime, "_join_process_group", "rank: join process group (TCPStore + init)")
     wrap(dist, "init_process_group", "rank:   init_process_group")
-    wrap(runtime, "_send_done", "rank: send RankDone (pickle result, write shm)")
-    wrap(sharedtensors, "_write_storages", "rank:   write storages to memfd")
+    wrap(runtime, "_send_done", "rank: send RankDone (pickle result, tensors stay in place)")
+    wrap(sharedtensors, "_write_storages", "rank:   write storages to memfd (fallback only)")
     wrap(runtime, "_wait_for_release", "rank: wait for Release")
     wrap_exit(processes, "exit_now", "rank: os._exit")
 '''
@@ -158,7 +159,9 @@ def install_caller_probes(log: str) -> None:
     wrap(hardware, "probe_plan", "caller: probe_plan (devices)")
     wrap(sharedtensors, "dumps", "caller: pickle fn + args")
     wrap(client.LauncherClient, "submit", "caller: send StartRun")
-    wrap(client.Run, "_load_result", "caller: load result (mmap + unpickle)")
+    wrap(client.LauncherClient, "_take_result", "caller: take result (read + ReleaseResult)")
+    wrap(sharedtensors, "read_from_process", "caller:   read rank 0's tensors (process_vm_readv)")
+    wrap(client.Run, "_load_result", "caller: load result (unpickle)")
     original_take = client.Run._take
 
     def take(self, message, fds):

@@ -510,11 +510,32 @@ class RunState:
             return None
         return rate * self.batch_size * self.world_size
 
-    def eta_seconds(self) -> float | None:
-        rate, step = self.steps_per_second, self.current_step
-        if self.ended or self.total_steps is None or step is None or not rate or rate <= 0:
+    @property
+    def known_total(self) -> int | None:
+        """``total_steps`` while it still holds; None once rank 0 logged more steps than that.
+
+        A total read from the cell's code, or given by the caller, can be wrong: a full bar
+        with an ETA of zero while the run goes on would mislead, so the view then shows the
+        step count alone.
+
+        >>> state = RunState(total_steps=2)
+        >>> state.apply(events.Metrics(1, 0, ((1, 0.0, {}), (2, 1.0, {}))), now=1.0)
+        >>> state.known_total
+        2
+        >>> state.apply(events.Metrics(1, 0, ((3, 2.0, {}),)), now=2.0)
+        >>> state.known_total, progress_text(state)
+        (None, 'step 3')
+        """
+        total, step = self.total_steps, self.current_step
+        if total is None or (step is not None and step > total):
             return None
-        return max(0.0, (self.total_steps - step) / rate)
+        return total
+
+    def eta_seconds(self) -> float | None:
+        rate, step, total = self.steps_per_second, self.current_step, self.known_total
+        if self.ended or total is None or step is None or not rate or rate <= 0:
+            return None
+        return max(0.0, (total - step) / rate)
 
     def chart_metric_names(self, limit: int = MAX_METRIC_CHARTS) -> list[str]:
         """The metrics that get a chart: losses first, then the rest in the order logged."""
@@ -615,15 +636,16 @@ def status_line(state: RunState, now: float) -> str:
 
 
 def progress_fraction(state: RunState) -> float | None:
-    """How far the run is, 0..1, when a total was given.
+    """How far the run is, 0..1, when a total is known (and not yet overtaken: see ``known_total``).
 
     The logged step decides, even at the end: a run that finished at step 60 of a promised
     100 shows 60%, not a full bar.
     """
-    if state.total_steps is None:
+    total = state.known_total
+    if total is None:
         return None
     step = state.current_step or 0
-    return min(1.0, max(0.0, step / state.total_steps))
+    return min(1.0, max(0.0, step / total))
 
 
 def progress_text(state: RunState, bar_width: int = 20) -> str:
@@ -638,7 +660,7 @@ def progress_text(state: RunState, bar_width: int = 20) -> str:
     if fraction is None:
         return "no steps logged yet" if step is None else f"step {step:,}"
     filled = int(round(fraction * bar_width))
-    text = f"step {step or 0:,}/{state.total_steps:,} [{'#' * filled}{'-' * (bar_width - filled)}] {fraction:.0%}"
+    text = f"step {step or 0:,}/{state.known_total:,} [{'#' * filled}{'-' * (bar_width - filled)}] {fraction:.0%}"
     eta = state.eta_seconds()
     if eta is not None:
         text += f" · ETA {format_duration(eta)}"

@@ -4,10 +4,11 @@ Everything here is a frozen dataclass of plain values, so the launcher can relay
 without importing user code and the kernel can read them without importing torch.
 
 Two directions:
-- requests, kernel -> launcher: :class:`StartRun`, :class:`StopRun`;
+- requests, kernel -> launcher: :class:`StartRun`, :class:`StopRun`, :class:`ReleaseResult`;
 - events, rank -> launcher -> kernel, on one channel: :class:`RankStarted`, :class:`Output`,
   :class:`Metrics`, :class:`MemorySample`, :class:`RankFailed`, :class:`RankExited`,
-  and finally one :class:`RunEnded` per run.
+  :class:`ResultOffer` when rank 0's result holds tensors, and finally one
+  :class:`RunEnded` per run.
 
 Example:
     >>> Output(run_id=1, rank=0, stream="stdout", text="epoch 1\\n").rank
@@ -145,12 +146,45 @@ class RunEnded:
 
 
 # Rank -> launcher only (not forwarded): the rank's work is done and its result is safe.
+# Rank 0's tensors either ride in a file (has_tensor_file) or wait in its memory at
+# ``regions`` (address, nbytes, offset) for the kernel to read them.
 @dataclass(frozen=True)
 class RankDone:
     run_id: int
     rank: int
     result: bytes | None = None
     has_tensor_file: bool = False
+    regions: tuple[tuple[int, int, int], ...] = ()
+    total_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ResultOffer:
+    """Launcher -> kernel: every rank is done; rank 0 (``pid``) holds the result's tensors.
+
+    The kernel copies them out of rank 0's memory, then answers :class:`ReleaseResult`.
+    """
+
+    run_id: int
+    pid: int
+    result: bytes
+    regions: tuple[tuple[int, int, int], ...]
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    """Kernel -> launcher: done with rank 0's memory; or, ``send_file``, it could not be read
+    here (a sandbox forbids it): rank 0 is to send the tensors in a shared-memory file."""
+
+    run_id: int
+    send_file: bool = False
+
+
+# Launcher -> rank 0: the kernel could not read your memory; send the result as a file.
+@dataclass(frozen=True)
+class SendResultFile:
+    run_id: int
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,22 @@ class Session:
         assert len(ids) == 1, cell.displays
         return ids[0]
 
+    def handle_id(self, cell: Cell) -> str:
+        """The display id of the background handle a cell showed as its value."""
+        ids = [
+            d["transient"]["display_id"]
+            for d in cell.displays
+            if d.get("transient", {}).get("display_id") and d["data"].get("text/plain", "").startswith("<BackgroundRun")
+        ]
+        assert len(ids) == 1, cell.displays
+        return ids[0]
+
+    def shown_text(self, cell: Cell, display_id: str) -> str:
+        """What a display of the cell shows now: its first text/plain, or that of its last update."""
+        (first,) = [d for d in cell.displays if d.get("transient", {}).get("display_id") == display_id]
+        updates = self.view_updates(display_id)
+        return updates[-1][1] if updates else first["data"]["text/plain"]
+
     def view_updates(self, display_id: str) -> list[tuple[int, str, str]]:
         """(message index, text/plain, text/html) of each update of that display."""
         return [
@@ -195,7 +211,11 @@ def test_a_background_cell_returns_at_once_updates_live_and_then_updates_the_ker
     assert started.seconds < 10, started.seconds
     view = session.view_id(started)
     assert len(_widget_views(started)) == 1  # the Stop button
-    assert "BackgroundRun 1" in started.results[0] and "running" in started.results[0]
+    assert started.results == []  # the handle is shown as a display that follows the run, not as a fixed Out
+    handle = session.handle_id(started)
+    assert "<BackgroundRun 1: " in session.shown_text(started, handle) and "; running, " in session.shown_text(
+        started, handle
+    )
     after_start = session.idle_index(started.msg_id)
 
     # The view moves on after the cell that started the run has finished: metrics arrive.
@@ -218,6 +238,8 @@ def test_a_background_cell_returns_at_once_updates_live_and_then_updates_the_ker
         "[id(model) == model_id, any(not torch.equal(p, q) for p, q in zip(model.parameters(), w0)), len(history)]"
     ) == [True, True, 2]
     assert session.value("[h.state, h.result, h.updated[:2]]") == ["finished", None, ["model", "history"]]
+    shown = session.shown_text(started, handle)  # the cell's own output no longer claims it is running
+    assert "; finished, " in shown and "updated in the kernel: model, history" in shown and "running" not in shown
     assert session.value("nbtrain.kernel.magic.last_run.state") == "finished"
     assert session.value("len(nbtrain.kernel.magic.last_run.metrics[0])") == 2 * 128 // 2 // 16
 
@@ -238,6 +260,12 @@ def test_results_reach_the_kernel_between_cells_not_in_the_middle_of_one(session
     assert during.stdout.strip() == "finished old"
     session.wait_view(view, "finished — kernel updated: marker")  # applied once the kernel was free
     assert session.value("[marker, nbtrain.runs()[-1].state]") == ["new", "finished"]
+    # The handle under the view went the same way: ended (results waiting), then finished.
+    handle = session.handle_id(started)
+    session.wait_view(handle, "; finished, ")
+    shown = [text for _, text, _ in session.view_updates(handle)]
+    assert "; ended, its results reach the kernel when the kernel is free, " in shown[0]
+    assert "; finished, " in shown[-1] and "updated in the kernel: marker" in shown[-1]
 
 
 LOOP_CELL = (
@@ -250,15 +278,17 @@ LOOP_CELL = (
 )
 
 
-def _start_looping(session: Session) -> str:
+def _start_looping(session: Session) -> Cell:
     started = session.run_ok(LOOP_CELL)
     view = session.view_id(started)
     session.wait_view(view, "looping 0")
     session.wait_view(view, "looping 1")
-    return view
+    return started
 
 
-def _stopped(session: Session, view: str, stop_code: str) -> None:
+def _stopped(session: Session, started: Cell, stop_code: str) -> None:
+    view, handle = session.view_id(started), session.handle_id(started)
+    assert "; running, " in session.shown_text(started, handle)
     cell = session.run_ok(
         "h = nbtrain.runs()[-1]\n"
         "pids = sorted(h.run.pids.values())\n"
@@ -267,26 +297,31 @@ def _stopped(session: Session, view: str, stop_code: str) -> None:
         "    h.wait(timeout=5)\n"
         "except Exception as error:\n"
         "    raised = type(error).__name__\n"
-        "print(json.dumps([h.state, raised, pids, h.stop_button.layout.display]))\n"
+        "print(json.dumps([h.state, raised, pids, h.stop_button.layout.display, repr(h)]))\n"
     )
-    state, raised, pids, button = json.loads(cell.stdout.strip().splitlines()[-1])
+    state, raised, pids, button, text = json.loads(cell.stdout.strip().splitlines()[-1])
     assert cell.seconds < 8, cell.seconds
     assert (state, raised, button, len(pids)) == ("stopped", "RunStoppedError", "none", 2)
+    assert "; stopped, " in text  # repr() in code tells the state too
     assert wait_gone(pids, 5.0) == []
     _, text, html = session.wait_view(view, "stopped — every rank is gone")
     assert "· stopped ·" in text and "Nothing in the kernel was changed" in html
+    # What the starting cell shows under the view says so too: it no longer claims "running".
+    session.wait_view(handle, "; stopped, ")
+    shown = session.shown_text(started, handle)
+    assert "; stopped, " in shown and "running" not in shown
 
 
 def test_handle_stop_stops_every_rank_and_the_view_says_stopped(session):
     session.run_ok("import json")
-    view = _start_looping(session)
-    _stopped(session, view, "h.stop()")
+    started = _start_looping(session)
+    _stopped(session, started, "h.stop()")
 
 
 def test_the_stop_buttons_click_stops_the_run(session):
-    view = _start_looping(session)
+    started = _start_looping(session)
     # button.click() runs the handler the frontend's click runs (through the comm, on the main thread)
-    _stopped(session, view, "h.stop_button.click()")
+    _stopped(session, started, "h.stop_button.click()")
 
 
 def test_a_blocking_cell_runs_while_a_background_run_goes_on_and_exit_stops_it(session):
@@ -316,6 +351,7 @@ def test_a_failing_background_cell_shows_failed_and_wait_raises_naming_the_rank(
     view = session.view_id(started)
     _, text, html = session.wait_view(view, "handle.wait() raises the error")
     assert "· failed ·" in text and "rank 1 raised ValueError: only rank 1 fails" in text
+    assert "; failed, " in session.wait_view(session.handle_id(started), "; failed, ")[1]
     assert f"Cell In[{number}], line 4" in html
     out = session.run("nbtrain.runs()[-1].wait(timeout=30)")
     assert out.error is not None

@@ -274,6 +274,9 @@ def test_background_run_stop_button(session: Session) -> None:
     session.screenshot("02-stopped.png")
     text = live.inner_text()
     assert "nbtrain · ddp_notebook · cpu · 2 ranks · stopped · " in text, text
-    assert "running" not in text, text  # (the handle's repr under the view was taken at the start)
+    # The handle shown as the cell's value follows the run too: nothing in the cell still says running.
+    train.get_by_text(re.compile(r"<BackgroundRun \d+: .*; stopped, ")).wait_for(timeout=UI_TIMEOUT_MS)
+    shown = train.locator(".jp-OutputArea").first.inner_text()
+    assert "running" not in shown, shown
     left = bh.wait_gone(ranks, RANKS_GONE_SECONDS)
     assert not left, f"ranks still alive after the view said stopped: {[bh.describe(pid) for pid in left]}"

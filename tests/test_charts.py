@@ -357,6 +357,19 @@ def test_a_run_that_ends_early_shows_how_far_it_got():
     assert charts.progress_fraction(state) == 0.6
 
 
+def test_a_total_that_the_steps_overtake_is_dropped_not_shown_past_100_percent():
+    state = RunState(total_steps=100)
+    state.apply(metrics(0, range(1, 101)), now=1.0)
+    assert charts.progress_text(state).startswith("step 100/100 [####################] 100%")
+    assert state.eta_seconds() == 0.0
+    state.apply(metrics(0, range(101, 131)), now=2.0)  # the total was wrong: the run goes on
+    assert state.known_total is None and state.total_steps == 100
+    assert charts.progress_fraction(state) is None and state.eta_seconds() is None
+    assert charts.progress_text(state) == "step 130"
+    state.finish(events.FINISHED, now=3.0)
+    assert charts.summary_text(state, now=3.0).splitlines()[1] == "step 130"
+
+
 @pytest.mark.parametrize(
     ("values", "expected"),
     [([2.0, 0.5, 0.01], True), ([2.0, 0.5, 0.1], False), ([0.001, 0.5, 0.99], False), ([1.0, 0.0, 0.001], False)],

@@ -52,13 +52,29 @@ class RecordingClient(NotebookClient):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.messages: list[tuple[str, str | None, float, dict]] = []
+        self.by_cell: dict[int, list[tuple[str, str | None, float, dict]]] = {}
 
     def process_message(self, msg, cell, cell_index):
         transient = msg["content"].get("transient") or {}
         sent_at = msg["header"]["date"].timestamp()
         # Before nbclient handles it: it renames update_display_data in place.
-        self.messages.append((msg["msg_type"], transient.get("display_id"), sent_at, msg["content"]))
+        record = (msg["msg_type"], transient.get("display_id"), sent_at, msg["content"])
+        self.messages.append(record)
+        self.by_cell.setdefault(cell_index, []).append(record)
         return super().process_message(msg, cell, cell_index)
+
+    def view_frames(self, cell_index: int) -> list[dict]:
+        """The data of each frame of the live view a cell showed, in order: first display, then updates."""
+        messages = self.by_cell.get(cell_index, [])
+        views = [
+            (display_id, content)
+            for kind, display_id, _, content in messages
+            if kind == "display_data" and content["data"].get("text/plain", "").startswith("nbtrain · ")
+        ]
+        assert len(views) == 1 and views[0][0], f"cell {cell_index} shows one live view with a display id"
+        view_id = views[0][0]
+        updates = [c["data"] for kind, did, _, c in messages if kind == "update_display_data" and did == view_id]
+        return [views[0][1]["data"], *updates]
 
 
 def frame_png(html: str) -> bytes:
@@ -109,6 +125,78 @@ def test_kernel_view_updates_by_display_id_and_keeps_the_final_frame(tmp_path):
     assert frame_png(html).startswith(PNG_MAGIC)
     saved = nbformat.writes(notebook)
     assert len(saved) < 200_000  # the last frame only: no history of updates piles up
+
+
+# 200 samples on 2 ranks: 100 a rank, 7 batches of 16 (len(loader) in the kernel is 13).
+PROGRESS_SETUP = """
+%load_ext nbtrain
+import torch, torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+X = torch.randn(200, 8)
+loader = DataLoader(TensorDataset(X, X.sum(1, keepdim=True)), batch_size=16, shuffle=True)
+model = nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+loss_fn = nn.MSELoss()
+epochs = 3
+"""
+PROGRESS_CELL = """%%distributed --devices 2 --accelerator cpu
+import time
+for epoch in range(epochs):
+    for x, y in loader:
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        time.sleep(0.15)  # a few seconds of training, so the frames show it under way
+"""
+EXPECTED_TOTAL = 3 * 7
+# The same training, but a break the code cannot rule out: the total is not certain.
+UNCERTAIN_CELL = PROGRESS_CELL.replace(
+    "        time.sleep", "        if loss.item() < 0:\n            break\n        time.sleep"
+)
+PROGRESS_LINE = re.compile(r"^step (\d+)/(\d+) \[[#-]{20}\] (\d+)%(?: · ETA (\S+ ?s|[\d:]+))?$")
+
+
+@pytest.fixture(scope="module")
+def progress_notebook(tmp_path_factory):
+    """One kernel runs the setup, a cell whose total is known, and one whose total is not."""
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(source) for source in (PROGRESS_SETUP, PROGRESS_CELL, UNCERTAIN_CELL)]
+    )
+    client = RecordingClient(notebook, timeout=120, startup_timeout=KERNEL_START_SECONDS, kernel_name="python3")
+    client.execute(cwd=str(tmp_path_factory.mktemp("progress")))  # starts the kernel and shuts it down
+    for index, cell in enumerate(notebook.cells):
+        errors = [o for o in cell.outputs if o["output_type"] == "error"]
+        assert not errors, f"cell {index} failed: {errors}"
+    return client
+
+
+def test_a_distributed_cell_shows_its_total_and_eta_inferred_from_the_loops(progress_notebook):
+    frames = progress_notebook.view_frames(1)
+    progress = [frame["text/plain"].splitlines()[1] for frame in frames]
+    running = [
+        PROGRESS_LINE.match(line)
+        for frame, line in zip(frames, progress)
+        if "· running ·" in frame["text/plain"].splitlines()[0]
+    ]
+    under_way = [m for m in running if m and m.group(4) and 0 < int(m.group(1)) < EXPECTED_TOTAL]
+    assert under_way, f"no running frame with a step, the total and an ETA: {progress}"
+    assert all(int(m.group(2)) == EXPECTED_TOTAL for m in running if m)
+    assert all(0 <= int(m.group(3)) <= 100 for m in running if m)
+    final = frames[-1]
+    assert "· finished ·" in final["text/plain"].splitlines()[0]
+    assert progress[-1] == f"step {EXPECTED_TOTAL}/{EXPECTED_TOTAL} [####################] 100%"
+    assert f"step {EXPECTED_TOTAL} / {EXPECTED_TOTAL} (100%)" in final["text/html"]
+
+
+def test_a_distributed_cell_whose_total_is_uncertain_shows_steps_without_a_total(progress_notebook):
+    frames = progress_notebook.view_frames(2)
+    progress = [frame["text/plain"].splitlines()[1] for frame in frames]
+    assert any(re.fullmatch(r"step \d+", line) for line in progress[:-1]), progress  # counted while running
+    assert not any("/" in line or "ETA" in line or "%" in line for line in progress), progress
+    assert "· finished ·" in frames[-1]["text/plain"].splitlines()[0]
+    assert progress[-1] == f"step {EXPECTED_TOTAL}"  # it never broke out: every step still counted
+    html = frames[-1]["text/html"]
+    assert f"step {EXPECTED_TOTAL}" in html and "%)" not in html and "ETA" not in html  # no bar drawn
 
 
 def test_interrupt_stops_the_ranks_shows_stopped_and_raises_keyboard_interrupt():
@@ -254,6 +342,14 @@ def fed_view(world_size: int = 2, steps: int = 200, memory: dict | None = None, 
         view.handle(events.Metrics(RUN, rank, rows))
         view.handle(events.MemorySample(RUN, rank, **(memory or {"rss_bytes": (300 + rank) * 2**20})))
     return view
+
+
+def test_a_frame_past_its_total_shows_the_step_count_without_a_bar():
+    view = fed_view(steps=120, total_steps=100)
+    bundle = view.mimebundle(now=time.monotonic())
+    assert bundle["text/plain"].splitlines()[1] == "step 120"
+    assert '<div style="color:#555">step 120</div>' in bundle["text/html"]
+    assert "%)" not in bundle["text/html"] and "ETA" not in bundle["text/html"]
 
 
 def test_final_frame_of_a_100k_step_run_is_under_a_megabyte():

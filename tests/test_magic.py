@@ -63,6 +63,8 @@ def test_the_issue_cell_trains_and_updates_the_kernels_objects(kernel):
     # the loss passed to backward() was logged, and it fell
     losses = kernel.value("[row[2]['loss'] for row in __import__('nbtrain.kernel.magic').kernel.magic.last_run.metrics[0]]")
     assert len(losses) == 3 * 256 // 2 // 16
+    # ...and the live view counted towards that many steps, read from the cell's loops
+    assert kernel.value("__import__('nbtrain.kernel.magic').kernel.magic.last_run.total_steps") == len(losses)
     assert sum(losses[-4:]) < 0.5 * sum(losses[:4])
     assert kernel.value("history[-1] < history[0]")
 

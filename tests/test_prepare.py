@@ -114,6 +114,15 @@ def test_logging_and_shell_use_and_the_shown_value_are_detected():
     assert not ns.analyse_cell("x = 1\nx + 1", {}, raw_cell="x = 1\nx + 1;").display_last
 
 
+def test_what_notebook_functions_refer_to_and_write_is_reported():
+    user_ns: dict = {"__name__": "__main__", "epochs": 3}
+    exec("def setup():\n    global epochs\n    epochs = 5\ndef train_step(loss):\n    loss.backward()\n", user_ns)
+    analysis = ns.analyse_cell("setup()\nfor i in range(epochs):\n    train_step(model(x))\n", user_ns)
+    assert analysis.function_writes == {"epochs"}
+    assert "backward" in analysis.function_names
+    assert ns.analyse_cell("for i in range(epochs):\n    pass\n", user_ns).function_writes == set()
+
+
 # -- what cannot travel -----------------------------------------------------------------
 
 
@@ -365,3 +374,42 @@ def test_auto_prepare_wraps_root_modules_only(launcher):
     assert dict(done) == {"model": "DistributedDataParallel", "loss_fn": "moved", "opt": "bound", "loader": "DistributedSampler"}
     assert model_type == "DistributedDataParallel" and head_same
 
+
+
+def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(launcher):
+    from torch.utils.data import DistributedSampler, IterableDataset, WeightedRandomSampler
+
+    ten = TensorDataset(torch.arange(10.0))
+    loaders = [
+        DataLoader(ten, batch_size=3, shuffle=True),  # 4 samples a rank (two are padding): 2 batches
+        DataLoader(ten, batch_size=3, drop_last=True),  # 3 samples a rank, 1 full batch
+        DataLoader(ten, batch_size=2),
+        DataLoader(ten, batch_size=None),  # no batching: one item at a time
+        DataLoader(TensorDataset(torch.arange(12.0)), batch_size=4),
+        DataLoader(ten, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 7)),  # custom: not sharded
+        DataLoader(ten, batch_size=2, sampler=DistributedSampler(ten, num_replicas=5, rank=0)),  # the user's own
+    ]
+
+    def fn(loaders):
+        import torch.distributed as dist
+
+        lengths = [len(nbtrain.prepare(loader)) for loader in loaders]
+        every_rank = [None] * nbtrain.world_size()
+        dist.all_gather_object(every_rank, lengths)
+        return every_rank
+
+    on_ranks = finish(nbtrain.start(fn, (loaders,), devices=3))
+    in_kernel = [prep.batches_per_rank(loader, 3, "ddp") for loader in loaders]
+    assert on_ranks == [in_kernel] * 3
+    assert in_kernel == [2, 1, 2, 4, 1, 4, 1]
+    assert [prep.batches_per_rank(loader, 3, "none") for loader in loaders] == [len(x) for x in loaders]
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+        def __len__(self):
+            return 4
+
+    assert prep.batches_per_rank(DataLoader(Stream()), 3, "ddp") is None  # each rank reads what it reads
+    assert prep.batches_per_rank([1, 2, 3], 3, "ddp") is None  # not a DataLoader

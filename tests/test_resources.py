@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import nbtrain
+from nbtrain import events
 from nbtrain.kernel import client as kernel_client
 from helpers import procs
 from helpers.procs import collect, finish
@@ -23,7 +24,8 @@ GIB = 1 << 30
 def test_twenty_launches_in_a_row_leak_nothing(launcher):
     """Processes, threads, descriptors and /dev/shm entries stay flat over 20 launches.
 
-    Successes with tensor results (a memfd each way) and failures (stopped ranks) alternate.
+    Successes with tensor results (a memfd to the ranks, a read of rank 0's memory back) and
+    failures (stopped ranks) alternate.
     """
 
     def run_once(i: int) -> None:
@@ -43,8 +45,8 @@ def test_twenty_launches_in_a_row_leak_nothing(launcher):
             assert result["rank"] == 0 and torch.equal(result["w"], weights * 2)
 
     def settled_snapshot() -> procs.Snapshot:
-        # The launcher closes a run's result memfd just after sending RunEnded; a last run
-        # without a result makes sure that close happened before we count.
+        # The launcher finishes a run's bookkeeping just after sending RunEnded; a last run
+        # without a result makes sure that happened before we count.
         assert finish(nbtrain.start(lambda: None, devices=2)) is None
         gc.collect()  # objects of earlier tests (a Popen's pipes, say) close their fds now, not mid-count
         return procs.snapshot()
@@ -63,7 +65,11 @@ def test_twenty_launches_in_a_row_leak_nothing(launcher):
 
 
 @pytest.mark.slow
-def test_a_300_mb_state_dict_comes_back_equal_without_dev_shm(launcher, leak_guard):
+@pytest.mark.parametrize("transfer", ["read", "file"])
+def test_a_300_mb_state_dict_comes_back_equal_without_dev_shm(launcher, leak_guard, monkeypatch, transfer):
+    """Read out of rank 0's memory (the default), or sent in a memfd (where reading is forbidden)."""
+    if transfer == "file":
+        monkeypatch.setenv(kernel_client.RESULT_TRANSFER_VARIABLE, "file")
     shapes = {"embed.weight": (50_000, 512), "proj.weight": (4096, 4096), "proj.bias": (4096,), "head.weight": (16_384, 2048)}
 
     def make():
@@ -91,6 +97,23 @@ def test_a_300_mb_state_dict_comes_back_equal_without_dev_shm(launcher, leak_gua
     for name, tensor in expected.items():
         assert result[name].dtype == tensor.dtype and torch.equal(result[name], tensor), name
     assert result["tied.weight"].data_ptr() == result["embed.weight"].data_ptr()
+
+
+def test_a_result_nobody_waits_for_does_not_hold_rank_zero(launcher, leak_guard):
+    """Rank 0 keeps its result's tensors until the kernel copied them; the kernel copies at
+    once, not when someone calls wait(), so a started run's ranks all leave by themselves."""
+    run = nbtrain.start(lambda: {"w": torch.arange(16 << 20, dtype=torch.float32)}, devices=2)
+    deadline = time.monotonic() + procs.RUN_TIMEOUT
+    for event in run.events():  # only as far as both ranks' pids
+        if len(run.pids) == 2 or isinstance(event, events.RunEnded) or time.monotonic() > deadline:
+            break
+    assert len(run.pids) == 2, "the ranks did not start"
+    still_alive = procs.wait_gone(run.pids.values(), timeout=procs.RUN_TIMEOUT)
+    assert not still_alive, "ranks still alive, waiting for someone to take the result"
+    result = finish(run)
+    assert torch.equal(result["w"], torch.arange(16 << 20, dtype=torch.float32))
+    result["w"][0] = -1.0  # the kernel's own, writable memory
+    assert result["w"][0] == -1.0
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,7 +20,10 @@ def shm_unchanged():
     assert procs.shm_entries() == before, "sharedtensors created a /dev/shm entry"
 
 
-roundtrip = procs.roundtrip
+@pytest.fixture(params=["file", "read"])
+def roundtrip(request):
+    """Both ways tensors travel: a shared-memory file, and a read of the sender's memory."""
+    return lambda obj: procs.roundtrip(obj, request.param)
 
 
 def test_tensors_travel_in_an_anonymous_memfd(shm_unchanged):
@@ -38,7 +43,7 @@ def test_no_tensor_means_no_file(shm_unchanged):
     assert loaded["a"] == [1, 2] and loaded["f"](1) == 2
 
 
-def test_views_stay_views_of_one_storage(shm_unchanged):
+def test_views_stay_views_of_one_storage(shm_unchanged, roundtrip):
     base = torch.arange(20.0)
     obj = {"base": base, "slice": base[2:7], "strided": base[::3], "matrix": base.view(4, 5).t()}
     out = roundtrip(obj)
@@ -52,7 +57,7 @@ def test_views_stay_views_of_one_storage(shm_unchanged):
     assert base[3] == 3.0, "the original changed"
 
 
-def test_parameters_keep_requires_grad(shm_unchanged):
+def test_parameters_keep_requires_grad(shm_unchanged, roundtrip):
     model = torch.nn.Linear(3, 2)
     model.bias.requires_grad_(False)
     frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
@@ -92,7 +97,7 @@ def test_loaded_tensors_outlive_the_descriptor(shm_unchanged):
     assert loaded.tolist() == list(range(1, 11))
 
 
-def test_empty_tensors(shm_unchanged):
+def test_empty_tensors(shm_unchanged, roundtrip):
     obj = {"empty": torch.empty(0), "rows": torch.zeros(0, 3), "ints": torch.tensor([], dtype=torch.int64)}
     out = roundtrip(obj)
     for name, tensor in obj.items():
@@ -113,12 +118,12 @@ def test_empty_tensors(shm_unchanged):
     ],
     ids=lambda t: str(t.dtype),
 )
-def test_dtypes_and_shapes_round_trip(shm_unchanged, tensor):
+def test_dtypes_and_shapes_round_trip(shm_unchanged, roundtrip, tensor):
     out = roundtrip({"t": tensor})["t"]
     assert out.dtype == tensor.dtype and out.shape == tensor.shape and torch.equal(out, tensor)
 
 
-def test_storages_are_aligned_in_the_file(shm_unchanged):
+def test_storages_are_aligned_in_the_file(shm_unchanged, roundtrip):
     parts = [torch.ones(n, dtype=torch.uint8) for n in (1, 3, 65, 7)]
     out = roundtrip(parts)
     for tensor, expected in zip(out, parts):
@@ -126,9 +131,24 @@ def test_storages_are_aligned_in_the_file(shm_unchanged):
         assert torch.equal(tensor, expected)
 
 
-def test_a_state_dict_with_shared_weights_keeps_them_shared(shm_unchanged):
+def test_a_state_dict_with_shared_weights_keeps_them_shared(shm_unchanged, roundtrip):
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     model[1].weight = model[0].weight  # tied
     out = roundtrip(model)
     assert out[1].weight is out[0].weight
     assert torch.equal(out[0].weight, model[0].weight)
+
+
+def test_a_large_layout_is_read_in_pieces_by_several_threads(shm_unchanged):
+    big = {"a": torch.arange(40 << 20, dtype=torch.int32), "b": torch.arange(3.0), "c": torch.ones(9 << 20)}
+    out = procs.roundtrip(big, "read")
+    for name, tensor in big.items():
+        assert torch.equal(out[name], tensor), name
+
+
+def test_reading_a_process_that_is_gone_raises_oserror(shm_unchanged):
+    pickled = sharedtensors.dumps_in_place({"w": torch.arange(10.0)})
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=60)
+    with pytest.raises(OSError):
+        sharedtensors.read_from_process(child.pid, pickled.regions, pickled.total_bytes)

@@ -89,9 +89,20 @@ class BackgroundRun:
     does ``result``. ``stop()`` stops every rank. ``updated`` names what a finished cell
     changed in the kernel. ``strategy``, ``accelerator``, ``world_size``, ``devices`` and
     ``started`` describe the run; ``run`` is the underlying :class:`nbtrain.kernel.client.Run`.
+    ``repr(handle)`` tells the state as of now; a notebook shows the handle as a display
+    that is updated when the run ends, together with its live view.
     """
 
-    def __init__(self, run: Any, *, kind: str, name: str, output: str = "all", shell: Any = None) -> None:
+    def __init__(
+        self,
+        run: Any,
+        *,
+        kind: str,
+        name: str,
+        output: str = "all",
+        shell: Any = None,
+        total_steps: int | None = None,
+    ) -> None:
         cfg = run.config
         self.id = next(_ids)
         self.run = run
@@ -109,6 +120,7 @@ class BackgroundRun:
         self.stop_button: Any = None  # an ipywidgets.Button in a notebook
         self.view: _View | None = None
         self.output = output
+        self.total_steps = total_steps  # the live view's progress total, when known
         self._started_at = time.monotonic()
         self._state = RUNNING
         self._value: Any = None
@@ -119,6 +131,8 @@ class BackgroundRun:
         self._pending_lock = threading.Lock()
         self._main_loop = _kernel_loop(shell)
         self._thread: threading.Thread | None = None
+        self._shown_as: list[Any] = []  # display handles of this handle shown in cells (see _ipython_display_)
+        self._shown_lock = threading.Lock()
 
     # -- the public face ---------------------------------------------------------------
     @property
@@ -182,12 +196,51 @@ class BackgroundRun:
         self._settle_here()
 
     def __repr__(self) -> str:
+        self._settle_here()
+        return self._describe()
+
+    def _describe(self) -> str:
+        """The repr as of now, without applying pending results (safe from any thread)."""
         ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
         where = f"{ranks}, {self.accelerator}, {self.strategy}"
-        text = f"<BackgroundRun {self.id}: {self.name} on {where}; {self.state}, started {self.started:%H:%M:%S}"
+        state = self._state
+        if state == RUNNING and self._ended.is_set():
+            state = "ended, its results reach the kernel when the kernel is free"
+        text = f"<BackgroundRun {self.id}: {self.name} on {where}; {state}, started {self.started:%H:%M:%S}"
         if self.updated:
             text += f"; updated in the kernel: {', '.join(self.updated)}"
         return text + ">"
+
+    def _ipython_display_(self) -> None:
+        """How a notebook shows the handle (the ``%%distributed --background`` cell's value).
+
+        A repr printed as the cell's Out would say "running" for ever, under a live view
+        that says "stopped". This is a display with an id instead, updated together with
+        the live view (by the follower thread, or where the run ends), so it always tells
+        the run's state. A terminal gets the repr.
+        """
+        from IPython.display import display as show
+
+        if not display.frontend_is_rich():
+            show({"text/plain": repr(self)}, raw=True)
+            return
+        self._settle_here()
+        with self._shown_lock:
+            self._shown_as.append(show({"text/plain": self._describe()}, raw=True, display_id=True))
+        # The run may have ended while it was being shown: make sure the display says so.
+        if self._ended.is_set():
+            self._update_shown()
+
+    def _update_shown(self) -> None:
+        """Bring every display of this handle up to date (from any thread)."""
+        # Under the lock: two threads updating at once cannot leave the older text last.
+        with self._shown_lock:
+            text = self._describe()
+            for shown in self._shown_as:
+                try:
+                    shown.update({"text/plain": text}, raw=True)
+                except Exception:  # noqa: BLE001 - the frontend is gone; the handle still knows
+                    pass
 
     # -- following the run (the follower thread) ---------------------------------------
     def _start(self) -> None:
@@ -268,6 +321,7 @@ class BackgroundRun:
             self._pending = apply
         self.ended = datetime.datetime.now()
         self._ended.set()
+        self._update_shown()
         if self._main_loop is not None:
             try:
                 self._main_loop.add_callback(self._settle_here)
@@ -327,6 +381,7 @@ class BackgroundRun:
         return f"{state} — handle.wait() raises the error:\n{text}"
 
     def _finish_view(self, state: str, note: str) -> None:
+        self._update_shown()
         if self.stop_button is not None:
             try:
                 self.stop_button.layout.display = "none"
@@ -348,7 +403,7 @@ class BackgroundRun:
         """Show the live view and its Stop button in the current cell (the main thread, at start)."""
         if not display.frontend_is_rich():
             return
-        self.view = _View(self.run.config)
+        self.view = _View(self.run.config, total_steps=self.total_steps)
         index = len(runs())  # its place in nbtrain.runs() once started
         self.view.note = (
             f"background run {self.id} · the kernel is free · "
@@ -372,7 +427,12 @@ class CellBackgroundRun(BackgroundRun):
 
         number = magic.current_cell_number(shell) if shell is not None else None
         super().__init__(
-            run, kind="cell", name=f"cell In[{number}]" if number else "cell", output=options.output, shell=shell
+            run,
+            kind="cell",
+            name=f"cell In[{number}]" if number else "cell",
+            output=options.output,
+            shell=shell,
+            total_steps=prepared.total_steps,
         )
         self.shell = shell
         self.prepared = prepared

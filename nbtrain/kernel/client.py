@@ -29,6 +29,9 @@ from nbtrain.errors import (
     RunTimeoutError,
 )
 
+# "file": rank 0 sends its result's tensors in a shared-memory file instead of the kernel
+# reading them out of its memory (which is automatic where a sandbox forbids the read).
+RESULT_TRANSFER_VARIABLE = "NBTRAIN_RESULT_TRANSFER"
 INTERRUPT_GRACE_SECONDS = 5.0  # how long a stop may take before the launcher is replaced
 POLL_SECONDS = 0.25
 _SOURCE_LINES_LIMIT = 4 << 20  # bytes of notebook source sent for tracebacks
@@ -39,6 +42,14 @@ class _LauncherGone:
 
     def __init__(self, detail: str):
         self.detail = detail
+
+
+class _CopiedResult:
+    """Filed under a run once rank 0's result is in the kernel's memory."""
+
+    def __init__(self, data: bytes, mapping: Any):
+        self.data = data
+        self.mapping = mapping
 
 
 class LauncherClient:
@@ -104,7 +115,11 @@ class LauncherClient:
                 self.ready.set()
                 continue
             inbox = self._queues.get(getattr(message, "run_id", -1))
-            if inbox is None:
+            if isinstance(message, events.ResultOffer):
+                # Taken here, not by whoever waits for the run: rank 0 (and its memory,
+                # GPU included) is held until this answer, even if nobody ever waits.
+                self._take_result(message, inbox)
+            elif inbox is None:
                 for fd in fds:
                     os.close(fd)
             else:
@@ -118,6 +133,25 @@ class LauncherClient:
             gone = _LauncherGone(self.exit_detail())
             for inbox in self._queues.values():
                 inbox.put((gone, []))
+
+    def _take_result(self, offer: events.ResultOffer, inbox: queue.Queue | None) -> None:
+        copied = None
+        if inbox is not None and os.environ.get(RESULT_TRANSFER_VARIABLE) != "file":
+            from nbtrain import sharedtensors
+
+            try:
+                copied = _CopiedResult(
+                    offer.result, sharedtensors.read_from_process(offer.pid, offer.regions, offer.total_bytes)
+                )
+            except OSError:
+                pass  # not allowed here: rank 0 sends a file instead
+        if copied is not None:
+            inbox.put((copied, []))
+        with self._lock:
+            try:
+                wire.send(self.process.channel, events.ReleaseResult(offer.run_id, send_file=inbox is not None and copied is None))
+            except OSError:
+                pass  # the launcher is gone; the run's inbox hears of it
 
     def _read_stderr(self) -> None:
         stream = self.process.popen.stderr
@@ -188,6 +222,7 @@ class Run:
         self._inbox = inbox
         self._ended: events.RunEnded | None = None
         self._ended_fds: list[int] = []
+        self._copied: _CopiedResult | None = None
 
     def events(self, poll: float = POLL_SECONDS) -> Iterator[Any]:
         """Yield the run's events as they arrive, ending with its RunEnded.
@@ -207,6 +242,9 @@ class Run:
             yield self._take(message, fds)
 
     def _take(self, message: Any, fds: list[int]) -> Any:
+        if isinstance(message, _CopiedResult):
+            self._copied = message
+            return None
         if isinstance(message, _LauncherGone):
             self.state = events.FAILED
             self._ended = events.RunEnded(self.run_id, events.FAILED, detail=message.detail)
@@ -264,6 +302,10 @@ class Run:
     def _load_result(self, ended: events.RunEnded) -> Any:
         fd = self._ended_fds[0] if self._ended_fds else None
         try:
+            if self._copied is not None:
+                from nbtrain import sharedtensors
+
+                return sharedtensors.loads_mapped(self._copied.data, self._copied.mapping, map_location="cpu")
             if fd is None:  # no tensor storages: plain pickle, and no torch import for it
                 import pickle
 

@@ -277,7 +277,7 @@ def _progress_html(state: charts.RunState) -> str:
         label = "no steps logged yet" if step is None else f"step {step:,}"
         return f'<div style="color:#555">{label}</div>'
     colour = _STATE_COLOURS.get(state.state, "#1565c0")
-    label = f"step {step or 0:,} / {state.total_steps:,} ({fraction:.0%})"
+    label = f"step {step or 0:,} / {state.known_total:,} ({fraction:.0%})"
     eta = state.eta_seconds()
     if eta is not None:
         label += f" · ETA {charts.format_duration(eta)}"

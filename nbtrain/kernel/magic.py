@@ -58,6 +58,7 @@ class CellRun:
     strategy: str = ""
     accelerator: str = ""
     seconds: float = 0.0
+    total_steps: int | None = None  # what the live view counted towards (None: not known)
     # the last METRIC_ROWS rows each rank logged: (step, unix time, {name: value})
     metrics: dict[int, collections.deque] = field(default_factory=dict)
     prepared: list[tuple[str, str]] = field(default_factory=list)
@@ -252,6 +253,7 @@ class PreparedCell:
     shipped: dict[str, Any]
     used_by: dict[str, Any]
     record: CellRun
+    total_steps: int | None = None  # the steps rank 0 will log, when the cell's code tells (the bar's total)
 
     @property
     def unchanged(self) -> str:
@@ -288,8 +290,52 @@ def prepare_cell(shell: Any, line: str, cell: str, options: Any) -> PreparedCell
         display_last=analysis.display_last,
         rng=ns.rng_states(),
     )
-    record = CellRun(world_size=cfg.world_size, strategy=cfg.strategy.name, accelerator=cfg.plan.accelerator)
-    return PreparedCell(cfg, spec, shipped, dict(analysis.used_by), record)
+    total = infer_total_steps(code, analysis, spec, cfg, shell.user_ns)
+    record = CellRun(
+        world_size=cfg.world_size, strategy=cfg.strategy.name, accelerator=cfg.plan.accelerator, total_steps=total
+    )
+    return PreparedCell(cfg, spec, shipped, dict(analysis.used_by), record, total)
+
+
+def infer_total_steps(code: str, analysis: Any, spec: Any, cfg: config.LaunchConfig, user_ns: dict) -> int | None:
+    """How many steps rank 0 will log (the live view's total), or None when that is not certain.
+
+    The cell's loops are read by :mod:`nbtrain.cellplan`. A step is a ``.backward()`` when
+    auto mode logs the loss, an ``nbtrain.log`` call when the cell logs itself. A
+    DataLoader's length is the one each rank will see after auto mode prepared it
+    (:func:`nbtrain.rank.prepare.batches_per_rank`), computed here from the kernel's loader.
+    """
+    from nbtrain import cellplan
+
+    if spec.log_loss:
+        kind, counting_name = cellplan.BACKWARD, "backward"
+    elif analysis.calls_log:
+        kind, counting_name = cellplan.LOG, "log"
+    else:
+        return None  # no step will be logged
+    if counting_name in analysis.function_names:
+        return None  # a notebook function the cell calls may advance the step too, unseen
+    try:
+        import nbtrain
+        from nbtrain.rank import prepare
+
+        names = [n for n in analysis.names if n not in analysis.function_writes]
+        ints = {n: user_ns[n] for n in names if type(user_ns[n]) is int}
+        lengths: dict[str, int] = {}
+        if "torch.utils.data" in sys.modules:  # no DataLoader can exist without it
+            wrapper = cfg.strategy.model_wrapper if spec.auto else "none"  # not auto: loaders stay as they are
+            for name in names:
+                length = prepare.batches_per_rank(user_ns[name], cfg.world_size, wrapper)
+                if length is not None:
+                    lengths[name] = length
+        counter = cellplan.StepCounter(
+            kind,
+            log_modules=frozenset(n for n in analysis.names if user_ns[n] is nbtrain),
+            log_functions=frozenset(n for n in analysis.names if user_ns[n] is nbtrain.log),
+        )
+        return cellplan.total_steps(code, counter, ints=ints, lengths=lengths, kernel_globals=user_ns)
+    except Exception:  # noqa: BLE001 - a progress total is a nicety: it must never stop a cell
+        return None
 
 
 def start_cell(shell: Any, prepared: PreparedCell, options: Any) -> Any:
@@ -329,7 +375,7 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
 
         return background.follow_cell(shell, run, prepared, options)
     show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
-    view = _CellView(run)
+    view = _CellView(run, prepared.total_steps)
     try:
         for event in run.events(poll=view.poll_seconds):
             if event is not None:
@@ -424,10 +470,10 @@ class _CellView:
     terminal would print them again, so it gets every event but those.
     """
 
-    def __init__(self, run: Any):
+    def __init__(self, run: Any, total_steps: int | None = None):
         from nbtrain.kernel import display
 
-        self.view = display.LiveView(run.config)
+        self.view = display.LiveView(run.config, total_steps=total_steps)
         self.poll_seconds = display.FASTEST_FRAME_SECONDS / 2
         self.view.refresh(force=True)
 

@@ -73,6 +73,9 @@ class CellAnalysis:
     calls_log: bool = False  # the cell (or a function it calls) logs with nbtrain.log itself
     needs_shell: bool = False  # the transformed code calls get_ipython()
     display_last: bool = False  # the last statement is an expression whose value is shown
+    # What the notebook functions and classes the cell uses do, as far as their code shows:
+    function_names: frozenset[str] = frozenset()  # names and attributes they refer to
+    function_writes: frozenset[str] = frozenset()  # globals they assign or delete
 
 
 def analyse_cell(
@@ -95,6 +98,7 @@ def analyse_cell(
     used_by: dict[str, str | None] = {}
     pending: list[tuple[str, str | None]] = [(n, None) for n in direct]
     code_names: set[str] = set()
+    code_writes: set[str] = set()
     while pending:
         name, via = pending.pop(0)
         if name in used_by:
@@ -103,6 +107,7 @@ def analyse_cell(
         for code_object in _notebook_code(user_ns[name], user_ns):
             globals_used = _code_globals(code_object)
             code_names |= _code_names(code_object)
+            code_writes |= _code_globals(code_object, _GLOBAL_WRITES)
             for inner in sorted(globals_used):
                 if inner in user_ns and inner not in hidden and not is_internal(inner) and inner not in used_by:
                     pending.append((inner, name if via is None else via))
@@ -117,6 +122,8 @@ def analyse_cell(
         calls_log=_refers_to_nbtrain(tree, user_ns, "log", code_names),
         needs_shell="get_ipython" in loaded,
         display_last=_shows_last_value(tree, raw_cell if raw_cell is not None else code),
+        function_names=frozenset(code_names),
+        function_writes=frozenset(code_writes),
     )
 
 
@@ -201,14 +208,18 @@ def _notebook_code(value: Any, user_ns: Mapping[str, Any]) -> list[types.CodeTyp
 
 
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
+_GLOBAL_WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
 
 
-def _code_globals(code: types.CodeType) -> set[str]:
-    """Global names a code object (and the code nested in it) reads or writes, as cloudpickle finds them."""
-    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _GLOBAL_OPS}
+def _code_globals(code: types.CodeType, ops: frozenset[str] = _GLOBAL_OPS) -> set[str]:
+    """Global names a code object (and the code nested in it) reads or writes, as cloudpickle finds them.
+
+    ``ops`` narrows it down, e.g. to the names it writes (``_GLOBAL_WRITES``).
+    """
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ops}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _code_globals(const)
+            names |= _code_globals(const, ops)
     return {n for n in names if isinstance(n, str)}
 
 

@@ -30,7 +30,10 @@ from nbtrain.events import (
     RankFailed,
     RankStarted,
     Release,
+    ReleaseResult,
+    ResultOffer,
     RunEnded,
+    SendResultFile,
     StartRun,
     StopRun,
 )
@@ -84,6 +87,8 @@ class Run:
     failure: RankFailed | RankExited | None = None
     result: bytes | None = None
     result_fd: int | None = None
+    offer: RankDone | None = None  # rank 0's result, tensors still in its memory
+    result_pending: bool = False  # the kernel has not taken rank 0's result yet
     all_exited_at: float | None = None
     last_memory_sample: float = 0.0
 
@@ -129,6 +134,14 @@ class Launcher:
             # keeps its result, and one already failing keeps its failure.
             if run is not None and run.end_state is None:
                 self._stop(run, events.STOPPED)
+        elif isinstance(message, ReleaseResult):
+            run = self.runs.get(message.run_id)
+            if run is not None and run.result_pending:
+                if message.send_file:
+                    rank_zero = next(rank for rank in run.ranks if rank.spec.rank == 0)
+                    _send_quietly(rank_zero.channel, SendResultFile(run.run_id))
+                else:
+                    self._release(run)
         return True
 
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
@@ -232,13 +245,35 @@ class Launcher:
             self._stop(run, events.FAILED)
         elif isinstance(message, RankDone):
             rank.done = True
-            if message.result is not None:
+            if message.regions:
+                run.offer = message
+            elif message.result is not None:  # no tensors, or their file: all of it is here
                 run.result = message.result
                 run.result_fd = fds[0] if fds else None
+                if run.result_pending:  # the file the kernel asked for: the result is safe
+                    self._release(run)
             if all(r.done for r in run.ranks) and run.end_state is None:
                 run.end_state = events.FINISHED
-                for r in run.ranks:
-                    _send_quietly(r.channel, Release(run.run_id))
+                self._hand_over(run)
+
+    def _hand_over(self, run: Run) -> None:
+        """Every rank is done: release them all, or first offer rank 0's result to the kernel.
+
+        While the kernel reads rank 0's memory, the other ranks wait too: their exits free
+        memory, which takes CPU the read needs on a small machine; afterwards all exits overlap.
+        """
+        offer = run.offer
+        if offer is None:
+            self._release(run)
+            return
+        run.result_pending = True
+        rank_zero = next(rank for rank in run.ranks if rank.spec.rank == 0)
+        self._send(ResultOffer(run.run_id, rank_zero.pid, offer.result, offer.regions, offer.total_bytes))
+
+    def _release(self, run: Run) -> None:
+        run.result_pending = False
+        for rank in run.ranks:
+            _send_quietly(rank.channel, Release(run.run_id))
 
     def _on_output(self, run: Run, rank: RankProcess, fd: int) -> None:
         stream = rank.pipes[fd]
@@ -287,7 +322,10 @@ class Launcher:
         # that reported its exception and exited would count as one that died silently.
         while self._registered(rank.channel) and _readable_now(rank.channel):
             self._on_rank_event(run, rank)
-        reported = rank.done or rank.failed
+        # Rank 0 holding a result the kernel has not taken yet has not finished its part.
+        reported = (rank.done and not (rank.spec.rank == 0 and run.result_pending)) or rank.failed
+        if rank.spec.rank == 0:
+            run.result_pending = False
         exited = RankExited(
             run.run_id, rank.spec.rank, exit_code, signal_number, reported, stopped=run.stop_started is not None
         )

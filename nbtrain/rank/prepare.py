@@ -393,11 +393,7 @@ def prepare_loader(loader: Any) -> Any:
         return existing
     if not _in_process_group() or model_wrapper() == "none":
         return loader
-    from torch.utils.data import DistributedSampler
-
-    if isinstance(loader.sampler, DistributedSampler) or isinstance(
-        getattr(loader.batch_sampler, "sampler", None), DistributedSampler
-    ):
+    if _already_distributed(loader):
         return loader
     reason, shuffle = _shardable(loader)
     if reason:
@@ -425,6 +421,47 @@ def _shardable(loader: Any) -> tuple[str, bool]:
         return "", True
     name = type(sampler).__name__
     return f"{what} was not sharded: its sampler ({name}) is custom, so every rank reads all of it.", False
+
+
+def batches_per_rank(loader: Any, world_size: int, wrapper: str) -> int | None:
+    """``len(loader)`` as each rank will see it once auto mode prepared it, or None if unsure.
+
+    Called in the kernel, before the run, on the kernel's own loader: it takes the same
+    decision as :func:`prepare_loader` (``wrapper`` is the strategy's model wrapper) and
+    counts a DistributedSampler's share as torch does (padded, or cut with drop_last), so
+    every rank gets the same number. Nothing is built that draws from an RNG.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> loader = DataLoader(TensorDataset(torch.zeros(200, 1)), batch_size=16, shuffle=True)
+        >>> len(loader), batches_per_rank(loader, 2, "ddp"), batches_per_rank(loader, 2, "none")
+        (13, 7, 13)
+    """
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return None  # an iterable dataset's length is only a hint
+    try:
+        unchanged = len(loader)
+        if wrapper == "none" or world_size < 2 or _already_distributed(loader) or _shardable(loader)[0]:
+            return unchanged  # the rank iterates its copy of this very loader
+        share = DistributedSampler(
+            loader.dataset, num_replicas=world_size, rank=0, shuffle=False, drop_last=loader.drop_last
+        )
+        if loader.batch_size is None:
+            return len(share)
+        return len(BatchSampler(share, loader.batch_size, loader.drop_last))
+    except (TypeError, ValueError, AttributeError):  # no len(), or a loader torch would refuse
+        return None
+
+
+def _already_distributed(loader: Any) -> bool:
+    from torch.utils.data import DistributedSampler
+
+    return isinstance(loader.sampler, DistributedSampler) or isinstance(
+        getattr(loader.batch_sampler, "sampler", None), DistributedSampler
+    )
 
 
 _loader_class: Any = None

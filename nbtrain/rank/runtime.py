@@ -8,6 +8,8 @@
    so the port was never free for anyone else to take.
 5. Run the function; send the result (rank 0) or the failure; wait for the launcher's
    release (a barrier that needs no process group); exit without interpreter teardown.
+   Rank 0's tensors stay in its memory until the kernel has copied them, which is why
+   it waits for the kernel, through the launcher, before it may leave.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import traceback
 from typing import Any, Mapping, NoReturn
 
 from nbtrain import processes, sharedtensors, wire
-from nbtrain.events import RankAssignment, RankDone, RankFailed, Release
+from nbtrain.events import RankAssignment, RankDone, RankFailed, Release, SendResultFile
 from nbtrain.rank import api
 
 STORE_TIMEOUT = datetime.timedelta(minutes=5)
@@ -55,11 +57,12 @@ def run_rank(
         _join_process_group(assignment, listen_fd)
         result = fn(*args, **kwargs)
         context.flush()
-        _send_done(channel, context, result if spec.rank == 0 else None)
+        sent = _send_done(channel, context, result if spec.rank == 0 else None)
+        del result  # the sent pickle holds what the kernel still has to read
+        _wait_for_release(channel, sent)
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we leave
         _report_failure(channel, start.run_id, spec.rank, error)
         processes.exit_now(1)
-    _wait_for_release(channel)
     processes.exit_now(0)
 
 
@@ -168,22 +171,20 @@ def _tolerate_torchrun_style_calls(dist: Any) -> None:
     dist.destroy_process_group = destroy_process_group
 
 
-def _send_done(channel: socket.socket, context: api.RankContext, result: Any) -> None:
+def _send_done(channel: socket.socket, context: api.RankContext, result: Any) -> sharedtensors.InPlace | None:
+    """Tell the launcher this rank is done; rank 0 sends its result, tensors left in place."""
     if context.rank != 0:
         wire.send(channel, RankDone(context.run_id, context.rank))
-        return
+        return None
     try:
-        data, fd = sharedtensors.dumps(result)
+        pickled = sharedtensors.dumps_in_place(result)
     except Exception as error:
         raise TypeError(
             f"rank 0's return value (a {type(result).__name__}) cannot be sent back to the kernel: {error}. "
             "Return plain data, tensors or state_dicts."
         ) from error
-    try:
-        wire.send(channel, RankDone(context.run_id, 0, data, fd is not None), () if fd is None else (fd,))
-    finally:
-        if fd is not None:
-            os.close(fd)
+    wire.send(channel, RankDone(context.run_id, 0, pickled.data, regions=pickled.regions, total_bytes=pickled.total_bytes))
+    return pickled
 
 
 def _report_failure(channel: socket.socket, run_id: int, rank: int, error: BaseException) -> None:
@@ -202,7 +203,7 @@ def _report_failure(channel: socket.socket, run_id: int, rank: int, error: BaseE
         pass  # the launcher is gone: nobody is left to tell
 
 
-def _wait_for_release(channel: socket.socket) -> None:
+def _wait_for_release(channel: socket.socket, sent: sharedtensors.InPlace | None) -> None:
     try:
         while True:
             message, fds = wire.receive(channel)
@@ -210,5 +211,11 @@ def _wait_for_release(channel: socket.socket) -> None:
                 os.close(fd)
             if isinstance(message, Release):
                 return
+            if isinstance(message, SendResultFile) and sent is not None:
+                fd = sent.write_file()
+                try:
+                    wire.send(channel, RankDone(message.run_id, 0, sent.data, has_tensor_file=True), (fd,))
+                finally:
+                    os.close(fd)
     except (wire.ChannelClosed, OSError):
         return

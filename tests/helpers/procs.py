@@ -149,10 +149,19 @@ def kill_and_wait(pids: Iterable[int], timeout: float, *, reaped: bool = True) -
     return wait_gone(left, timeout, reaped=reaped)
 
 
-def roundtrip(obj: Any) -> Any:
-    """``obj`` after the engine's trip between processes (tensors through shared memory)."""
+def roundtrip(obj: Any, transport: str = "file") -> Any:
+    """``obj`` after the engine's trip between processes.
+
+    ``file``: tensors through a shared-memory file (kernel -> ranks, and rank 0's fallback);
+    ``read``: tensors left in place and read back with process_vm_readv (rank 0 -> kernel),
+    here from this very process, which takes the same system call.
+    """
     from nbtrain import sharedtensors
 
+    if transport == "read":
+        pickled = sharedtensors.dumps_in_place(obj)
+        mapping = sharedtensors.read_from_process(os.getpid(), pickled.regions, pickled.total_bytes)
+        return sharedtensors.loads_mapped(pickled.data, mapping)
     data, fd = sharedtensors.dumps(obj)
     try:
         return sharedtensors.loads(data, fd)
