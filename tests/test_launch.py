@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,6 +177,8 @@ def test_log_produces_metrics_events(launcher):
         for step in range(1, 6):
             nbtrain.log(loss=torch.tensor(10.0 * r + step), lr=0.5)
         nbtrain.log(step=100, acc=0.75 + r)
+        # ints, numpy and 0-d tensors of any dtype count; what is not one number is left out
+        nbtrain.log(count=3, half=np.float32(0.5), flag=torch.tensor(True), vector=torch.ones(2), name="x")
 
     seen = []
     finish(nbtrain.start(fn, devices=2), on_event=seen.append)
@@ -184,7 +187,9 @@ def test_log_produces_metrics_events(launcher):
         assert [(step, values) for step, _, values in rows] == [
             *((step, {"loss": 10.0 * r + step, "lr": 0.5}) for step in range(1, 6)),
             (100, {"acc": 0.75 + r}),
+            (101, {"count": 3.0, "half": 0.5, "flag": 1.0}),
         ]
+        assert all(type(value) is float for _, _, values in rows for value in values.values())
         assert all(abs(t - time.time()) < 600 for _, t, _ in rows)
 
 

@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-# Metrics are converted to floats and sent at most this often: converting a CUDA tensor
-# forces a device sync, so once per interval instead of once per log() call.
+# Metrics are sent in batches at most this often (GPU tensors converted to floats then:
+# converting one forces a device sync, so once per batch instead of once per log() call)...
 FLUSH_SECONDS = 0.25
-# ...and after this many rows: thousands of pending tensors make every garbage collection
-# slower, which a fast loop would pay for on each step.
+# ...and after this many rows: thousands of pending GPU tensors make every garbage
+# collection slower, which a fast loop would pay for on each step.
 FLUSH_ROWS = 256
 
 
@@ -36,6 +36,7 @@ class RankContext:
     device_index: int | None
     send: Callable[[Any], None]
     pending: list[tuple[int, float, dict[str, Any]]] = field(default_factory=list)
+    pending_on_device: bool = False  # some pending value is still a tensor on a device
     step: int = 0
     last_flush: float = 0.0
     logged: bool = False
@@ -45,8 +46,12 @@ class RankContext:
             return
         from nbtrain.events import MemorySample, Metrics
 
-        rows = tuple((step, t, _as_floats(values)) for step, t, values in self.pending)
+        if self.pending_on_device:
+            rows = tuple((step, t, _as_floats(values)) for step, t, values in self.pending)
+        else:  # every value is a float already: the rows go as they are
+            rows = tuple(self.pending)
         self.pending.clear()
+        self.pending_on_device = False
         self.last_flush = time.monotonic()
         self.send(Metrics(self.run_id, self.rank, rows))
         if self.device_type == "cuda":
@@ -111,8 +116,8 @@ def is_rank_zero() -> bool:
 def log(step: int | None = None, **scalars: Any) -> None:
     """Record scalars for the live view, e.g. ``nbtrain.log(loss=loss)``.
 
-    Tensors are accepted and kept as they are; they are converted (one device sync) only
-    when a batch is sent, about four times a second. ``step`` defaults to a counter that
+    Tensors are accepted: a GPU tensor is kept as it is and converted (one device sync)
+    only when a batch is sent, about four times a second. ``step`` defaults to a counter that
     increases by one per call.
     """
     context = _context
@@ -120,14 +125,36 @@ def log(step: int | None = None, **scalars: Any) -> None:
         return
     context.step = context.step + 1 if step is None else int(step)
     context.logged = True
-    context.pending.append((context.step, time.time(), {k: _detached(v) for k, v in scalars.items()}))
+    values: dict[str, Any] = {}
+    for name, value in scalars.items():
+        if type(value) is not float:
+            value = _pending_value(value, context)
+            if value is None:
+                continue  # not a scalar: the live view has nothing to draw for it
+        values[name] = value
+    context.pending.append((context.step, time.time(), values))
     if len(context.pending) >= FLUSH_ROWS or time.monotonic() - context.last_flush >= FLUSH_SECONDS:
         context.flush()
 
 
-def _detached(value: Any) -> Any:
-    detach = getattr(value, "detach", None)
-    return detach() if detach is not None else value
+def _pending_value(value: Any, context: RankContext) -> Any:
+    """What ``log`` keeps until the next send: a float, a tensor on a device, or None.
+
+    A one-element CPU tensor becomes a float at once, which costs less than keeping it
+    and needs no device sync. A GPU tensor is kept (detached) and converted when the
+    batch is sent: one sync per batch instead of one per call.
+    """
+    if hasattr(value, "detach"):
+        if not value.is_cpu:
+            context.pending_on_device = True
+            return value.detach()
+        if value.numel() != 1:
+            return None
+        return float(value.item())
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _as_floats(values: dict[str, Any]) -> dict[str, float]:
