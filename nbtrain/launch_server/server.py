@@ -48,6 +48,8 @@ PRELOAD = (
     "torch.utils.data",
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint.state_dict",
+    # imported by the first record_function (DDP's forward, an optimizer's step): ~2 ms
+    "torch.profiler._cupti_monitor",
     "cloudpickle",
     "nbtrain.sharedtensors",
     "nbtrain.rank.runtime",
