@@ -863,7 +863,7 @@ def main() -> None:
         rounds, steps, transfer_reps = 3, 30, 2
     else:
         reps = {"cold": 3, "cold_spawn": 2, "warm": 15, "slow": 2}
-        rounds, steps, transfer_reps = 6, 30, 3
+        rounds, steps, transfer_reps = 6, 30, 7
 
     import nbtrain
     from nbtrain.kernel import client

@@ -125,20 +125,18 @@ class Session:
 
     def view_id(self, cell: Cell) -> str:
         """The display id of the live view a cell showed."""
-        ids = [
-            d["transient"]["display_id"]
-            for d in cell.displays
-            if d.get("transient", {}).get("display_id") and d["data"].get("text/plain", "").startswith("nbtrain · ")
-        ]
-        assert len(ids) == 1, cell.displays
-        return ids[0]
+        return self._display_id(cell, "nbtrain · ")
 
     def handle_id(self, cell: Cell) -> str:
         """The display id of the background handle a cell showed as its value."""
+        return self._display_id(cell, "<BackgroundRun")
+
+    @staticmethod
+    def _display_id(cell: Cell, text_start: str) -> str:
         ids = [
             d["transient"]["display_id"]
             for d in cell.displays
-            if d.get("transient", {}).get("display_id") and d["data"].get("text/plain", "").startswith("<BackgroundRun")
+            if d.get("transient", {}).get("display_id") and d["data"].get("text/plain", "").startswith(text_start)
         ]
         assert len(ids) == 1, cell.displays
         return ids[0]

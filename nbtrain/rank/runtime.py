@@ -210,6 +210,8 @@ def _wait_for_release(channel: socket.socket, sent: sharedtensors.InPlace | None
             for fd in fds:
                 os.close(fd)
             if isinstance(message, Release):
+                if sent is not None:  # the kernel has its copy; this process exits next
+                    sent.discard_before_exit()
                 return
             if isinstance(message, SendResultFile) and sent is not None:
                 fd = sent.write_file()
