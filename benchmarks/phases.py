@@ -69,7 +69,7 @@ if LOG and os.environ.get("NBTRAIN_ROLE") == "launcher":
     from nbtrain.rank import runtime
 
     wrap(server.Launcher, "_on_control", "launcher: request from kernel (StartRun: ranks forked)")
-    wrap(server.Launcher, "_hand_over", "launcher: all ranks done: Release, ResultOffer")
+    wrap(server.Launcher, "_hand_over", "launcher: all ranks done: Release (or ResultOffer)")
     wrap(server.Launcher, "_start_rank", "launcher: fork one rank + register fds")
     wrap(server.Launcher, "_on_exit", "launcher: rank exit seen (pidfd) + reap")
     wrap(server.Launcher, "_finish", "launcher: finish run, send RunEnded")
@@ -82,6 +82,7 @@ if LOG and os.environ.get("NBTRAIN_ROLE") == "launcher":
     wrap(runtime, "_send_done", "rank: send RankDone (pickle result, tensors stay in place)")
     wrap(sharedtensors, "_write_storages", "rank:   write storages to memfd (fallback only)")
     wrap(runtime, "_wait_for_release", "rank: wait for Release")
+    wrap(sharedtensors.InPlace, "discard_before_exit", "rank:   give the result's pages back (threads)")
     wrap_exit(processes, "exit_now", "rank: os._exit")
 '''
 
