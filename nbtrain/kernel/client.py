@@ -143,13 +143,14 @@ class LauncherClient:
                 copied = _CopiedResult(
                     offer.result, sharedtensors.read_from_process(offer.pid, offer.regions, offer.total_bytes)
                 )
-            except OSError:
-                pass  # not allowed here: rank 0 sends a file instead
+            except Exception:  # noqa: BLE001 - forbidden here (a sandbox), or no memory: and
+                pass  # this thread must live on. Rank 0 sends a file instead.
         if copied is not None:
             inbox.put((copied, []))
+        answer = events.ReleaseResult(offer.run_id, send_file=inbox is not None and copied is None)
         with self._lock:
             try:
-                wire.send(self.process.channel, events.ReleaseResult(offer.run_id, send_file=inbox is not None and copied is None))
+                wire.send(self.process.channel, answer)
             except OSError:
                 pass  # the launcher is gone; the run's inbox hears of it
 

@@ -183,7 +183,8 @@ def _send_done(channel: socket.socket, context: api.RankContext, result: Any) ->
             f"rank 0's return value (a {type(result).__name__}) cannot be sent back to the kernel: {error}. "
             "Return plain data, tensors or state_dicts."
         ) from error
-    wire.send(channel, RankDone(context.run_id, 0, pickled.data, regions=pickled.regions, total_bytes=pickled.total_bytes))
+    done = RankDone(context.run_id, 0, pickled.data, regions=pickled.regions, total_bytes=pickled.total_bytes)
+    wire.send(channel, done)
     return pickled
 
 
