@@ -74,6 +74,16 @@ SUBPROCESS_TIMEOUT_S = 180.0  # any cold child / torchrun
 # very same function runs under nbtrain (cloudpickled), fork/spawn (by reference) and
 # torchrun (its source is pasted into the script).
 # ---------------------------------------------------------------------------------------
+def mlp(sizes):
+    """Linear layers of these widths with ReLU between them."""
+    import torch.nn as nn
+
+    layers = []
+    for width_in, width_out in zip(sizes, sizes[1:]):
+        layers += [nn.Linear(width_in, width_out), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
 def first_step_job(sizes=(784, 256, 10), batch=32):
     """DDP MLP, one SGD step; every rank's timestamps (time.time()) gathered to rank 0."""
     import time
@@ -81,17 +91,11 @@ def first_step_job(sizes=(784, 256, 10), batch=32):
     t_enter = time.time()
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    layers = []
-    for i in range(len(sizes) - 1):
-        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-        if i < len(sizes) - 2:
-            layers.append(nn.ReLU())
-    model = DDP(nn.Sequential(*layers))
+    model = DDP(mlp(sizes))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(batch, sizes[0])
     y = torch.randint(0, sizes[-1], (batch,))
@@ -112,17 +116,11 @@ def steady_job(sizes=(784, 2048, 2048, 10), batch=64, warmup=5, steps=30):
 
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    layers = []
-    for i in range(len(sizes) - 1):
-        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-        if i < len(sizes) - 2:
-            layers.append(nn.ReLU())
-    model = DDP(nn.Sequential(*layers))
+    model = DDP(mlp(sizes))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(batch, sizes[0], generator=generator)
@@ -443,7 +441,7 @@ def torchrun_first_step(tmp: str) -> dict:
     if not os.path.exists(script):
         with open(script, "w") as f:
             f.write(TORCHRUN_SCRIPT.format(
-                job_source=textwrap.dedent(inspect.getsource(first_step_job)),
+                job_source="\n\n".join(textwrap.dedent(inspect.getsource(f)) for f in (mlp, first_step_job)),
                 sizes=FIRST_STEP_MODEL, batch=FIRST_STEP_BATCH,
             ))
     outdir = tempfile.mkdtemp(prefix="out-", dir=tmp)
@@ -860,7 +858,7 @@ def main() -> None:
     budget = Budget(args.budget / 220.0)
     if args.quick:
         reps = {"cold": 1, "cold_spawn": 1, "warm": 7, "slow": 1}
-        rounds, steps, transfer_reps = 3, 30, 2
+        rounds, steps, transfer_reps = 3, 30, 3
     else:
         reps = {"cold": 3, "cold_spawn": 2, "warm": 15, "slow": 2}
         rounds, steps, transfer_reps = 6, 30, 7

@@ -45,6 +45,7 @@ import sys
 import time
 
 import nbtrain
+from launch import mlp  # benchmarks/launch.py, beside this script
 from nbtrain import events
 from nbtrain.kernel import client
 from nbtrain.kernel.display import CHART_CPU_SHARE, SLOWEST_CHART_SECONDS, ChartFigure, LiveView
@@ -67,10 +68,7 @@ def train_in_blocks(blocks: int, steps_per_block: int, workload: str) -> dict:
 
     torch.manual_seed(0)
     widths, batch = WORKLOADS[workload]
-    layers: list = []
-    for width_in, width_out in zip(widths, widths[1:]):
-        layers += [nn.Linear(width_in, width_out), nn.ReLU()]
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(*layers[:-1]))
+    model = nn.parallel.DistributedDataParallel(mlp(widths))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     inputs, targets = torch.randn(batch, widths[0]), torch.randint(0, widths[-1], (batch,))
     inside_log = [0.0]
@@ -162,7 +160,7 @@ def rank_side(label: str, workload: str, blocks: int, steps_per_block: int, rend
     print(f"   median step without log: {statistics.median(wall_without) * 1e3:7.3f} ms;  "
           f"with log: {statistics.median(wall_with) * 1e3:7.3f} ms")
     for name, (with_log, without_log), what in (
-        ("CPU time", result["cpu"], "the rank's own work: other processes cannot inflate it"),
+        ("CPU time", result["cpu"], "the rank's own work; with every core busy, time spent waiting in gloo counts too"),
         ("wall time", result["wall"], "includes waiting for other ranks and the machine's noise"),
     ):
         median, low, high = paired_overhead(with_log, without_log)

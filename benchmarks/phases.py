@@ -136,26 +136,14 @@ def transfer_job():
     return weights
 
 
-def install_caller_probes(log: str) -> None:
+def install_caller_probes() -> None:
     import nbtrain
     from nbtrain import hardware, sharedtensors
     from nbtrain.kernel import client
 
-    def record(label, t0, t1):
-        with open(log, "a") as f:
-            f.write(f"{label} {os.getpid()} {t0:.6f} {t1:.6f}\n")
-
-    def wrap(owner, name, label):
-        original = getattr(owner, name)
-
-        def probe(*args, **kwargs):
-            t0 = time.time()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                record(label, t0, time.time())
-
-        setattr(owner, name, probe)
+    probes: dict = {}
+    exec(PROBE, probes)  # the launcher's probe functions, here without its wrapping (not the launcher)
+    wrap, record = probes["wrap"], probes["record"]
 
     wrap(hardware, "probe_plan", "caller: probe_plan (devices)")
     wrap(sharedtensors, "dumps", "caller: pickle fn + args")
@@ -237,7 +225,7 @@ def main() -> None:
         when = "first launch in this process (cold; caller not probed)" if i == 0 else f"launch {i + 1}"
         show(log, t_call, t_end, f"{what}, {when}")
         if i == 0:
-            install_caller_probes(log)
+            install_caller_probes()
 
 
 if __name__ == "__main__":
