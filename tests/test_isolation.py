@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import nbtrain
 from helpers import procs
 
 HELPERS = Path(__file__).parent / "helpers"
@@ -73,3 +74,18 @@ def test_process_group_listens_on_loopback_when_the_host_name_resolves_elsewhere
         assert all(ip == "127.0.0.1" for ip, _ in listening), f"rank {rank} listens off loopback: {listening}"
         assert all(ip in LOOPBACK for _, ip, _ in seen["sockets"]), f"rank {rank}: {seen['sockets']}"
     assert all(ip in LOOPBACK for _, ip, _ in report["launcher"]), report["launcher"]
+
+
+def test_a_callers_interface_settings_give_way_to_loopback(launcher, monkeypatch):
+    # A multi-machine setting left in the kernel's environment would put a single-machine
+    # run's listeners on that interface.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+
+    def settings():
+        import torch.distributed as dist
+
+        dist.barrier()  # gloo connected on the interface it was given
+        return os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]
+
+    assert procs.finish(nbtrain.start(settings, devices=2, accelerator="cpu")) == ("lo", "lo")
