@@ -7,10 +7,13 @@ containers, Colab and Kaggle.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +92,67 @@ def test_a_callers_interface_settings_give_way_to_loopback(launcher, monkeypatch
         return os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]
 
     assert procs.finish(nbtrain.start(settings, devices=2, accelerator="cpu")) == ("lo", "lo")
+
+
+def _start_escapees() -> dict:
+    """On a rank: start two processes that leave its process group, holding its stdout.
+
+    One is a child in a session of its own; the other is double-forked (its parent exits at
+    once, so it is nobody's child) and also in a session of its own. Neither is reached by
+    a signal to the rank's process group.
+    """
+    import subprocess as sp
+    import time as clock
+
+    session = sp.Popen(["sleep", "600"], start_new_session=True)
+    read_end, write_end = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.close(read_end)
+            os.write(write_end, str(os.getpid()).encode())
+            os.close(write_end)
+            while True:
+                clock.sleep(60)
+        os._exit(0)
+    os.close(write_end)
+    orphan = int(os.read(read_end, 32))
+    os.close(read_end)
+    os.waitpid(middle, 0)
+    return {"session": session.pid, "orphan": orphan, "returned_at": clock.time()}
+
+
+@pytest.mark.parametrize("ending", ["finished", "failed", "stopped"])
+def test_a_ranks_own_sessions_and_double_forks_die_with_the_run(launcher, leak_guard, tmp_path, ending):
+    report = tmp_path / "escapees.json"
+
+    def escape():
+        import json
+
+        started = _start_escapees()
+        report.write_text(json.dumps(started))
+        if ending == "failed":
+            raise RuntimeError("the rank fails with its escapees running")
+        if ending == "stopped":
+            threading.Event().wait()  # until the stop
+        return started
+
+    run = nbtrain.start(escape, devices=1, accelerator="cpu")
+    if ending == "stopped":
+        procs.wait_for(report.exists, procs.RUN_TIMEOUT, f"rank 0 never wrote {report}")
+        run.stop()
+    result, error, _ = procs.collect(run)
+    ended_at = time.time()
+    escapees = json.loads(report.read_text())
+    pids = [escapees["session"], escapees["orphan"]]
+    try:
+        assert (error is None) == (ending == "finished"), error
+        left = procs.wait_gone(pids, 5.0)
+        assert not left, f"still running after their run ended: {left}"
+        if ending != "stopped":
+            # Both held the rank's stdout: the run must not have waited for that pipe to
+            # close (the launcher gives up on a pipe after DRAIN_SECONDS = 1 s).
+            assert ended_at - escapees["returned_at"] < 0.8, ended_at - escapees["returned_at"]
+    finally:
+        procs.kill_and_wait(pids, 5.0)

@@ -36,6 +36,9 @@ def run_rank(
 ) -> NoReturn:
     """Run one rank to completion and exit the process. Never returns."""
     start, spec = assignment.start, assignment.spec
+    # Orphans of this rank's subtree (a double fork, say) become its children, and the
+    # launcher's once it exits: so nothing it started outlives the run (nbtrain.processes).
+    processes.become_subreaper()
     _line_buffered_stdio()
     context = api.RankContext(
         start.run_id,
