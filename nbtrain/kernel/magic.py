@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import re
 import signal
 import sys
@@ -64,6 +65,7 @@ class CellRun:
     prepared: list[tuple[str, str]] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    log_path: str | None = None  # every rank's full output (None: no rank printed anything)
 
 
 last_run: CellRun | None = None
@@ -405,6 +407,7 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
         raise explain_failure(error, shell, prepared.unchanged) from None
     finally:
         record.seconds = time.monotonic() - started
+        record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
     record.state = events.FINISHED
     view.finish(events.FINISHED)
     return _bring_back(shell, result, prepared.shipped, record, options.output)
@@ -468,6 +471,8 @@ def _summary(record: CellRun) -> str:
         text += f" Auto-prepared: {', '.join(wrapped)}."
     if record.updated:
         text += f" Updated in the kernel: {', '.join(record.updated)}."
+    if record.log_path:
+        text += f" Full output: {record.log_path}"
     return text
 
 
