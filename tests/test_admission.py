@@ -135,6 +135,19 @@ def test_launch_refuses_before_any_process_starts(launcher):
     assert {p.pid for p in procs.launcher_children()} == before
 
 
+def test_a_run_close_to_the_memory_limit_starts_with_a_one_line_warning(launcher, capfd):
+    # parameters + gradients of a meta model (no memory here or on the rank) at 90% of what is free
+    features = int((0.45 * hardware.available_memory() / 4) ** 0.5)
+    model = nn.Linear(features, features, bias=False, device="meta")
+    assert procs.finish(nbtrain.start(lambda: tuple(model.weight.shape), devices=1, accelerator="cpu")) == (
+        features,
+        features,
+    )
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("nbtrain warning:")]
+    assert len(warnings) == 1 and " of host memory available (" in warnings[0], warnings
+    assert warnings[0].endswith("it may run out of memory.")
+
+
 # -- through a real kernel -----------------------------------------------------------------
 
 
