@@ -132,6 +132,11 @@ class DistributedMagics(Magics):
         help="Do not prepare the kernel's models, optimizers and loaders, nor log the loss: the cell does it all.",
     )
     @magic_arguments.argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="Allow more CPU processes than 4 per core (refused otherwise, as a likely typo).",
+    )
+    @magic_arguments.argument(
         "--background",
         action="store_true",
         help="Return at once with a handle (nbtrain.runs() lists them) while the run goes on; "
@@ -236,7 +241,7 @@ def check_flags(options: Any) -> config.LaunchConfig:
     from nbtrain import hardware
 
     try:
-        plan = hardware.probe_plan(options.devices, options.accelerator)
+        plan = hardware.probe_plan(options.devices, options.accelerator, getattr(options, "allow_oversubscribe", False))
         return config.make_config(plan, strategy=options.strategy, timeout=options.timeout)
     except ConfigurationError as error:
         raise UsageError(f"%%distributed: {error}") from None
@@ -356,9 +361,12 @@ def start_cell(shell: Any, prepared: PreparedCell, options: Any) -> Any:
             accelerator=options.accelerator,
             strategy=options.strategy,
             timeout=options.timeout,
+            oversubscribe=getattr(options, "allow_oversubscribe", False),
         )
     except SerializationError as error:
         raise _plain(ns.explain_unpicklable(prepared.shipped, prepared.used_by) or error) from None
+    except ConfigurationError as error:  # the run cannot fit in memory: refused before it started
+        raise UsageError(f"%%distributed: {error}") from None
 
 
 def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
