@@ -68,6 +68,7 @@ class LauncherClient:
         self.alive = True
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
         self._queues: dict[int, queue.Queue] = {}
+        self._stopping: set[int] = set()  # runs asked to stop: their results are not copied
         self._lock = threading.Lock()
         self._pending_output: dict[int, _PendingOutput] = {}
         self._run_ids = itertools.count(1)
@@ -94,6 +95,7 @@ class LauncherClient:
 
     def stop(self, run_id: int, reason: str) -> None:
         with self._lock:
+            self._stopping.add(run_id)
             try:
                 wire.send(self.process.channel, events.StopRun(run_id, reason))
             except OSError:
@@ -103,6 +105,7 @@ class LauncherClient:
         with self._lock:
             self._queues.pop(run_id, None)
             self._pending_output.pop(run_id, None)
+            self._stopping.discard(run_id)
 
     def output_taken(self, run_id: int, chars: int) -> None:
         pending = self._pending_output.get(run_id)
@@ -162,7 +165,9 @@ class LauncherClient:
 
     def _take_result(self, offer: events.ResultOffer, inbox: queue.Queue | None) -> None:
         copied = None
-        if inbox is not None and os.environ.get(RESULT_TRANSFER_VARIABLE) != "file":
+        # A run being stopped gives up its result (the launcher stops rank 0 too): no copy.
+        wanted = inbox is not None and offer.run_id not in self._stopping
+        if wanted and os.environ.get(RESULT_TRANSFER_VARIABLE) != "file":
             from nbtrain import sharedtensors
 
             try:
@@ -173,7 +178,7 @@ class LauncherClient:
                 pass  # this thread must live on. Rank 0 sends a file instead.
         if copied is not None:
             inbox.put((copied, []))
-        answer = events.ReleaseResult(offer.run_id, send_file=inbox is not None and copied is None)
+        answer = events.ReleaseResult(offer.run_id, send_file=wanted and copied is None)
         with self._lock:
             try:
                 wire.send(self.process.channel, answer)
@@ -302,7 +307,8 @@ class Run:
         """Yield the run's events as they arrive, ending with its RunEnded.
 
         Yields None every ``poll`` seconds while nothing arrives, so a caller can redraw.
-        KeyboardInterrupt while waiting stops the run (every rank gone) and is re-raised.
+        KeyboardInterrupt while waiting stops the run (every rank gone, its result
+        dropped) and is re-raised.
         """
         while self._ended is None:
             try:
@@ -311,7 +317,7 @@ class Run:
                 yield None
                 continue
             except KeyboardInterrupt:
-                self.stop("interrupted")
+                self.abandon()
                 raise
             yield self._take(message, fds)
 
@@ -321,6 +327,7 @@ class Run:
             return None
         if isinstance(message, _LauncherGone):
             self.state = events.FAILED
+            self._copied = None
             self._ended = events.RunEnded(self.run_id, events.FAILED, detail=message.detail)
             self.client.forget(self.run_id)
             return self._ended
@@ -332,6 +339,8 @@ class Run:
             self._ended, self._ended_fds = message, fds
             self.state = message.state
             self.client.forget(self.run_id)
+            if message.state != events.FINISHED:
+                self._copied = None  # a failed or stopped run has no result: free its memory now
         return message
 
     def stop(self, reason: str = "stopped") -> None:
@@ -353,18 +362,47 @@ class Run:
             self._ended = events.RunEnded(self.run_id, events.STOPPED)
             self.state = events.STOPPED
 
+    def abandon(self) -> None:
+        """Stop the run for an interrupt (if it still goes) and drop its result.
+
+        Whatever rank 0's result already brought into this process is freed at once: an
+        interrupted call's traceback keeps this handle alive for as long as IPython keeps
+        the traceback.
+        """
+        self.stop("interrupted")
+        self._drop_result()
+
+    def _drop_result(self) -> None:
+        self._copied = None
+        for fd in self._ended_fds:
+            os.close(fd)
+        self._ended_fds = []
+        while True:  # what came after the run ended, or before a launcher that never answered
+            try:
+                message, fds = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            for fd in fds:
+                os.close(fd)
+
     def wait(self, on_event: Callable[[Any], None] | None = None) -> Any:
-        """Block until the run ends; return rank 0's result or raise its failure."""
+        """Block until the run ends; return rank 0's result or raise its failure.
+
+        KeyboardInterrupt stops every rank, drops the result and is re-raised.
+        """
         try:
             for event in self.events():
                 if event is not None and on_event is not None:
                     on_event(event)
+            return self.result()
         except KeyboardInterrupt:
-            # events() stops the run when the interrupt lands in its own wait; one that
-            # lands in on_event (printing a line, say) must stop it too, or the ranks run on.
-            self.stop("interrupted")
-            raise
-        return self.result()
+            pass
+        # events() stops the run when the interrupt lands in its own wait; one that lands in
+        # on_event (printing a line, say) or in loading the result must stop it too, or the
+        # ranks run on. Raised afresh, out here: the interrupted frames, with whatever part
+        # of the result they had loaded, are freed instead of living on in the traceback.
+        self.abandon()
+        raise KeyboardInterrupt
 
     def result(self) -> Any:
         """Rank 0's return value (call after the run ended)."""
