@@ -144,3 +144,20 @@ def test_a_flood_cannot_outlast_its_timeout_nor_grow_the_kernel(kernel):
     assert seconds < 8 + 3, seconds
     assert after - before < 100 << 20, (before, after)
     print(f"flood cell: {seconds:.2f} s; kernel RSS {before / 2**20:.0f} -> {after / 2**20:.0f} MiB")
+
+
+def test_interrupting_a_flood_ends_the_cell_at_once(kernel):
+    import time
+
+    msg_id = kernel.start_cell("%%distributed --devices 2 --accelerator cpu\nwhile True:\n    print('flood ' * 20)\n")
+    kernel.wait_for_stream(msg_id, ["printed more than the cell shows"])  # deep in the flood
+    before = kernel_rss(kernel)
+    interrupted = time.monotonic()
+    kernel.interrupt()
+    reply, out = kernel.wait_for_reply(msg_id, timeout=60)
+    seconds = time.monotonic() - interrupted
+    assert reply["status"] == "error" and out.error["ename"] == "RunInterrupted", out.text
+    # The stop takes SIGTERM, SIGKILL half a second later, then the last lines: about a second.
+    assert seconds < 4, seconds
+    assert kernel_rss(kernel) - before < 100 << 20
+    print(f"interrupted flood: cell ended {seconds:.2f} s after the interrupt")
