@@ -141,7 +141,7 @@ def test_a_flood_cannot_outlast_its_timeout_nor_grow_the_kernel(kernel):
     assert out.error is not None and out.error["ename"] == "RunTimeoutError", out.text
     seconds = kernel.value("magic.last_run.seconds")
     # The ranks are stopped at 8 s (SIGKILL half a second later); the cell ends with them.
-    assert seconds < 8 + 3, seconds
+    assert seconds < 8 + 5, seconds  # a ceiling under load; measured: 8.9 s with the machine idle enough
     assert after - before < 100 << 20, (before, after)
     print(f"flood cell: {seconds:.2f} s; kernel RSS {before / 2**20:.0f} -> {after / 2**20:.0f} MiB")
 
