@@ -11,8 +11,8 @@ Every figure is measured in this one run, baselines included, on 2 CPU ranks wit
 1. launch-to-first-step latency: from the launch call (``time.time()`` in the caller) to
    the moment the *last* rank finished its first optimizer step (``time.time()`` in each
    rank; same clock). Job: MLP 784-256-10 under DDP, SGD, batch 32.
-     - nbtrain cold: first ``nbtrain.launch`` in a fresh process, 5 s after ``import nbtrain``
-       (two variants: the caller imported only nbtrain / the caller also imported torch).
+     - nbtrain cold: first ``nbtrain.launch`` in a fresh process, 5 s after ``import nbtrain;
+       nbtrain.prewarm()`` (what ``%load_ext nbtrain`` does; two variants: the caller imported only nbtrain / the caller also imported torch).
      - nbtrain warm: median of re-launches from this process.
      - fork floor: ``torch.multiprocessing.start_processes(start_method="fork")`` from this
        process, which has preloaded the same modules the nbtrain launcher preloads;
@@ -479,6 +479,7 @@ def child_main(kind: str, pre_import_torch: bool, wait: float) -> None:
         t_import = time.monotonic()
         import nbtrain
 
+        nbtrain.prewarm()  # what %load_ext nbtrain does: importing nbtrain alone starts nothing
         if pre_import_torch:
             import torch  # noqa: F401  (a notebook's first cell usually has it)
         time.sleep(max(0.0, wait - (time.monotonic() - t_import)))

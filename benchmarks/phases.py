@@ -205,7 +205,9 @@ def main() -> None:
     os.environ["PYTHONPATH"] = tmp + os.pathsep + os.environ.get("PYTHONPATH", "")
 
     t_import = time.monotonic()
-    import nbtrain  # starts the launcher, with the probe on its path
+    import nbtrain
+
+    nbtrain.prewarm()  # as %load_ext nbtrain does: the launcher starts, with the probe on its path
 
     if args.caller == "torch":
         import torch  # noqa: F401

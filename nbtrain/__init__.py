@@ -15,13 +15,17 @@ From Python, run a function on N ranks and get rank 0's return value back:
     >>> nbtrain.launch(lambda: nbtrain.world_size(), devices=2)  # doctest: +SKIP
     2
 
-Importing nbtrain starts the warm launcher process in the background (set
-NBTRAIN_PREWARM=0 to start it on first use instead). Importing it does not import torch.
+Importing nbtrain starts nothing and does not import torch. ``%load_ext nbtrain`` starts
+the warm launcher process in the background, so it has imported torch by the first cell
+(set NBTRAIN_PREWARM=0 to start it on first use instead); from Python,
+``nbtrain.prewarm()`` does the same. The last ``%%distributed`` run is ``nbtrain.last_run()``;
+``nbtrain.watch(run)`` shows a run started with ``nbtrain.start`` live in the cell.
 """
 
 from __future__ import annotations
 
 import os as _os
+from typing import Any as _Any
 
 from nbtrain.errors import (
     ConfigurationError,
@@ -59,13 +63,16 @@ __all__ = [
     "launch",
     "launcher",
     "local_rank",
+    "last_run",
     "log",
     "prepare",
+    "prewarm",
     "rank",
     "reset_defaults",
     "runs",
     "set_defaults",
     "start",
+    "watch",
     "world_size",
 ]
 __version__ = "0.1.0"
@@ -91,19 +98,61 @@ def runs() -> list:
     return _runs()
 
 
+def last_run() -> _Any:
+    """The last ``%%distributed`` run of this kernel (a :class:`nbtrain.kernel.magic.CellRun`), or None.
+
+    Its state, duration, the metrics each rank logged, what auto mode prepared and what
+    came back to the kernel.
+
+    Example:
+        >>> import nbtrain
+        >>> run = nbtrain.last_run()
+        >>> run is None or run.state in ("running", "finished", "failed", "stopped", "timed out")
+        True
+    """
+    from nbtrain.kernel import magic as _magic
+
+    return _magic.last_run
+
+
+def watch(run: Run, **options: _Any) -> _Any:
+    """Show ``run``'s live view (status, progress, charts) in this cell until it ends.
+
+    See :func:`nbtrain.kernel.display.watch` for ``total_steps`` and the other options.
+
+    Example:
+        >>> import nbtrain
+        >>> nbtrain.watch(nbtrain.start(train, devices=2, accelerator="cpu"), total_steps=100)  # doctest: +SKIP
+    """
+    from nbtrain.kernel.display import watch as _watch
+
+    return _watch(run, **options)
+
+
+def prewarm() -> None:
+    """Start the warm launcher now, in the background, so the first run finds torch imported.
+
+    ``%load_ext nbtrain`` calls it; importing nbtrain starts nothing. Runs start a launcher
+    on first use without it, only later. Calling it again does nothing.
+
+    Example:
+        >>> import nbtrain
+        >>> nbtrain.prewarm()  # doctest: +SKIP
+    """
+    from nbtrain.kernel.client import prewarm as _prewarm
+
+    _prewarm()
+
+
 def load_ipython_extension(ip: object) -> None:
-    """``%load_ext nbtrain``: registers the ``%%distributed`` cell magic."""
+    """``%load_ext nbtrain``: registers the ``%%distributed`` cell magic and warms the launcher."""
     from nbtrain.kernel.magic import load_ipython_extension as _load
 
     _load(ip)
+    if _should_prewarm():
+        prewarm()
 
 
 def _should_prewarm() -> bool:
     # Only the caller warms a launcher: never the launcher itself or a rank.
     return _os.environ.get("NBTRAIN_ROLE") is None and _os.environ.get("NBTRAIN_PREWARM", "1") != "0"
-
-
-if _should_prewarm():
-    from nbtrain.kernel.client import prewarm as _prewarm
-
-    _prewarm()

@@ -128,7 +128,7 @@ def resolve_accelerator(accelerator: str | None, *, gpus: Sequence[GpuInfo], mps
     >>> resolve_accelerator("auto", gpus=[], mps_available=False)
     'cpu'
     """
-    name = _normalize_accelerator(accelerator)
+    name = normalize_accelerator(accelerator)
     if name == "auto":
         return "cuda" if gpus else "mps" if mps_available else "cpu"
     if name == "cuda" and not gpus:
@@ -347,7 +347,12 @@ def _check_cpu_ranks(count: int, cores: int, oversubscribe: bool) -> None:
         )
 
 
-def _normalize_accelerator(accelerator: str | None) -> str:
+def normalize_accelerator(accelerator: str | None) -> str:
+    """The accelerator's canonical name (``gpu`` is ``cuda``); the one place one is validated.
+
+    >>> normalize_accelerator(" GPU "), normalize_accelerator(None)
+    ('cuda', 'auto')
+    """
     if accelerator is None:
         return "auto"
     name = accelerator.strip().lower() if isinstance(accelerator, str) else None

@@ -36,8 +36,10 @@ import socket
 import subprocess
 import sys
 import time
+import contextlib
+import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable, NoReturn, Sequence
+from typing import Callable, Iterable, Iterator, NoReturn, Sequence
 
 LAUNCHER_MODULE = "nbtrain.launch_server"
 CONTROL_FD_VARIABLE = "NBTRAIN_CONTROL_FD"
@@ -359,3 +361,23 @@ def exit_now(code: int = 0) -> NoReturn:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold SIGINT (a kernel interrupt) while the block runs, then deliver it as KeyboardInterrupt.
+
+    For work that must happen whole or not at all, such as writing a run's results into the
+    kernel's objects. Off the main thread (where Python delivers no signals) it holds nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt

@@ -47,16 +47,17 @@ from __future__ import annotations
 import atexit
 import contextvars
 import datetime
-import html
 import itertools
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from nbtrain import events
 from nbtrain.errors import RunStoppedError
-from nbtrain.kernel import client, display
+from nbtrain.kernel import display
+from nbtrain.kernel import shell as kernel_shell
 
 RUNNING = "running"
 STOP_WAIT_SECONDS = 10.0  # a stop is answered within client.INTERRUPT_GRACE_SECONDS (5 s)
@@ -65,6 +66,22 @@ EXIT_STOP_SECONDS = 6.0  # at exit, for all runs together
 _runs: list[BackgroundRun] = []
 _runs_lock = threading.Lock()
 _ids = itertools.count(1)
+_exit_hook_registered = False  # _stop_all_at_exit, registered with the first run
+
+
+@dataclass(frozen=True)
+class CellCallbacks:
+    """What the magic does for a background cell (handed in: this module never imports the magic).
+
+    ``keep_metrics(record, event)`` keeps logged rows for ``last_run``;
+    ``explain_failure(error, shell, note)`` turns a failure into what the notebook shows;
+    ``apply_result(shell, raw, shipped, record)`` writes rank 0's results into the kernel
+    and returns what it did (``shown``, ``warnings``, ``loaded``).
+    """
+
+    keep_metrics: Callable[[Any, Any], None]
+    explain_failure: Callable[[BaseException, Any, str], BaseException]
+    apply_result: Callable[[Any, Any, dict, Any], Any]
 
 
 def runs() -> list[BackgroundRun]:
@@ -118,7 +135,7 @@ class BackgroundRun:
         self.updated: list[str] = []
         self.error: BaseException | None = None
         self.stop_button: Any = None  # an ipywidgets.Button in a notebook
-        self.view: _View | None = None
+        self.view: display.NotedLiveView | None = None
         self.output = output
         self.total_steps = total_steps  # the live view's progress total, when known
         self._started_at = time.monotonic()
@@ -129,7 +146,7 @@ class BackgroundRun:
         self._done = threading.Event()  # and it is settled: results applied, state final
         self._pending: Callable[[], None] | None = None  # applies results (on the main thread)
         self._pending_lock = threading.Lock()
-        self._main_loop = _kernel_loop(shell)
+        self._main_loop = kernel_shell.kernel_loop(shell)
         self._thread: threading.Thread | None = None
         self._shown_as: list[Any] = []  # display handles of this handle shown in cells (see _ipython_display_)
         self._shown_lock = threading.Lock()
@@ -219,14 +236,12 @@ class BackgroundRun:
         the live view (by the follower thread, or where the run ends), so it always tells
         the run's state. A terminal gets the repr.
         """
-        from IPython.display import display as show
-
         if not display.frontend_is_rich():
-            show({"text/plain": repr(self)}, raw=True)
+            display.show_text(repr(self))
             return
         self._settle_here()
         with self._shown_lock:
-            self._shown_as.append(show({"text/plain": self._describe()}, raw=True, display_id=True))
+            self._shown_as.append(display.show_text(self._describe(), updatable=True))
         # The run may have ended while it was being shown: make sure the display says so.
         if self._ended.is_set():
             self._update_shown()
@@ -237,15 +252,18 @@ class BackgroundRun:
         with self._shown_lock:
             text = self._describe()
             for shown in self._shown_as:
-                try:
-                    shown.update({"text/plain": text}, raw=True)
-                except Exception:  # noqa: BLE001 - the frontend is gone; the handle still knows
-                    pass
+                display.update_text(shown, text)
 
     # -- following the run (the follower thread) ---------------------------------------
     def _start(self) -> None:
+        global _exit_hook_registered
         with _runs_lock:
             _runs.append(self)
+            if not _exit_hook_registered:
+                # Registered after the launcher's own exit hook (the run started it), so it
+                # runs first: runs are stopped before the launcher is closed.
+                atexit.register(_stop_all_at_exit)
+                _exit_hook_registered = True
         # The thread keeps the cell's context: its display updates and any output carry
         # the cell's parent header, not that of whatever cell runs when they are sent.
         context = contextvars.copy_context()
@@ -275,7 +293,7 @@ class BackgroundRun:
     def _show(self, event: Any) -> None:
         if self.view is None:
             if isinstance(event, events.Output) and self._shows_output(event):
-                client.print_output(event)
+                display.print_output(event)
             return
         if isinstance(event, events.Output) and not self._shows_output(event):
             return
@@ -403,7 +421,7 @@ class BackgroundRun:
         """Show the live view and its Stop button in the current cell (the main thread, at start)."""
         if not display.frontend_is_rich():
             return
-        self.view = _View(self.run.config, total_steps=self.total_steps)
+        self.view = display.NotedLiveView(self.run.config, total_steps=self.total_steps)
         index = len(runs())  # its place in nbtrain.runs() once started
         self.view.note = (
             f"background run {self.id} · the kernel is free · "
@@ -412,55 +430,47 @@ class BackgroundRun:
         if self.kind == "cell":
             self.view.note += "\nthe kernel's objects keep their values until the run finishes"
         self.view.refresh(force=True)
-        self.stop_button = _stop_button(self)
-        if self.stop_button is not None:
-            from IPython.display import display as show
-
-            show(self.stop_button)
+        self.stop_button = display.stop_button(
+            f"Stop background run {self.id}: every rank ends, the kernel's objects keep their values.",
+            lambda: self.stop("stopped with the Stop button"),
+        )
 
 
 class CellBackgroundRun(BackgroundRun):
     """A ``%%distributed --background`` cell: on success its results go into the kernel."""
 
-    def __init__(self, shell: Any, run: Any, prepared: Any, options: Any) -> None:
-        from nbtrain.kernel import magic
-
-        number = magic.current_cell_number(shell) if shell is not None else None
+    def __init__(self, shell: Any, run: Any, prepared: Any, output: str, callbacks: CellCallbacks) -> None:
+        number = kernel_shell.current_cell_number(shell)
         super().__init__(
             run,
             kind="cell",
             name=f"cell In[{number}]" if number else "cell",
-            output=options.output,
+            output=output,
             shell=shell,
             total_steps=prepared.total_steps,
         )
         self.shell = shell
         self.prepared = prepared
         self.record = prepared.record
+        self.callbacks = callbacks
 
     def _observe(self, event: Any) -> None:
-        from nbtrain.kernel import magic
-
         if isinstance(event, events.Metrics):
-            magic.keep_metrics(self.record, event)
+            self.callbacks.keep_metrics(self.record, event)
 
     def _explain(self, error: Exception) -> BaseException:
-        from nbtrain.kernel import magic
-
         self.record.state = self.run.state
         self.record.seconds = self.seconds or 0.0
         if isinstance(error, RunStoppedError):
             error = RunStoppedError(f"background run {self.id} was stopped; every rank is gone.")
-        return magic.explain_failure(error, self.shell, self.prepared.unchanged)
+        return self.callbacks.explain_failure(error, self.shell, self.prepared.unchanged)
 
     def _outcome(self, raw: Any) -> None:
         self.record.seconds = self.seconds or 0.0
         self._schedule(lambda: self._apply(raw))
 
     def _apply(self, raw: Any) -> None:
-        from nbtrain.kernel import magic
-
-        applied = magic.apply_cell_result(self.shell, raw, self.prepared.shipped, self.record)
+        applied = self.callbacks.apply_result(self.shell, raw, self.prepared.shipped, self.record)
         self.record.state = events.FINISHED
         self.updated = list(self.record.updated)
         self._value = applied.shown
@@ -484,9 +494,13 @@ class CellBackgroundRun(BackgroundRun):
         return super()._end_note(state, error)
 
 
-def follow_cell(shell: Any, run: Any, prepared: Any, options: Any) -> CellBackgroundRun:
-    """Follow a started ``%%distributed --background`` cell; its handle, at once."""
-    handle = CellBackgroundRun(shell, run, prepared, options)
+def follow_cell(shell: Any, run: Any, prepared: Any, output: str, callbacks: CellCallbacks) -> CellBackgroundRun:
+    """Follow a started ``%%distributed --background`` cell; its handle, at once.
+
+    ``prepared`` is the magic's prepared cell (``shipped``, ``record``, ``total_steps``,
+    ``unchanged``); ``output`` its --output; ``callbacks`` what the magic does at the end.
+    """
+    handle = CellBackgroundRun(shell, run, prepared, output, callbacks)
     handle._display()
     handle._start()
     return handle
@@ -495,11 +509,7 @@ def follow_cell(shell: Any, run: Any, prepared: Any, options: Any) -> CellBackgr
 def follow_function(run: Any, fn: Any) -> BackgroundRun:
     """Follow a run started by ``launch(..., background=True)``; its handle, at once."""
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-    shell = None
-    ipython = sys.modules.get("IPython")
-    if ipython is not None:
-        shell = ipython.get_ipython()
-    handle = BackgroundRun(run, kind="function", name=str(name), shell=shell)
+    handle = BackgroundRun(run, kind="function", name=str(name), shell=kernel_shell.get_shell())
     handle._display()
     handle._start()
     return handle
@@ -508,53 +518,6 @@ def follow_function(run: Any, fn: Any) -> BackgroundRun:
 # -- pieces ----------------------------------------------------------------------------------
 
 _POLL_SECONDS = 0.125  # twice the fastest frame rate: a due frame is never a whole period late
-
-
-class _View(display.LiveView):
-    """The live view, with a note under it: what the run does to the kernel, or its error."""
-
-    note = ""
-
-    def mimebundle(self, now: float | None = None, force_charts: bool = False) -> dict[str, str]:
-        bundle = dict(super().mimebundle(now, force_charts))
-        if self.note:
-            bundle["text/html"] += (
-                '<pre class="nbtrain-background" style="font-family:var(--jp-code-font-family,monospace);'
-                f'font-size:12px;color:#555;white-space:pre-wrap;margin:2px 0">{html.escape(self.note)}</pre>'
-            )
-            bundle["text/plain"] += "\n" + self.note
-        return bundle
-
-
-def _stop_button(handle: BackgroundRun) -> Any:
-    try:
-        import ipywidgets
-
-        from nbtrain.kernel.widget import enable_colab_widgets
-    except ImportError:
-        return None
-    enable_colab_widgets()
-    button = ipywidgets.Button(
-        description="Stop",
-        button_style="danger",
-        icon="stop",
-        tooltip=f"Stop background run {handle.id}: every rank ends, the kernel's objects keep their values.",
-    )
-
-    def on_click(_button: Any) -> None:
-        _button.disabled = True
-        _button.description = "Stopping…"
-        handle.stop("stopped with the Stop button")
-
-    button.on_click(on_click)
-    return button
-
-
-def _kernel_loop(shell: Any) -> Any:
-    """The event loop of a Jupyter kernel's main thread (None in a terminal or plain python)."""
-    kernel = getattr(shell, "kernel", None)
-    loop = getattr(kernel, "io_loop", None)
-    return loop if loop is not None and hasattr(loop, "add_callback") else None
 
 
 def _left(deadline: float | None) -> float | None:
@@ -570,5 +533,3 @@ def _stop_all_at_exit() -> None:
     for handle in going:
         handle._ended.wait(_left(deadline))
 
-
-atexit.register(_stop_all_at_exit)

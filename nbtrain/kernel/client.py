@@ -19,7 +19,9 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from nbtrain import config, events, processes, wire
+from nbtrain import config as config_module
+from nbtrain import events as messages  # not `events`: Run.events() is a method here
+from nbtrain import processes, wire
 from nbtrain.errors import (
     LauncherError,
     RankDiedError,
@@ -75,7 +77,7 @@ class LauncherClient:
         threading.Thread(target=self._read_events, name="nbtrain-events", daemon=True).start()
         threading.Thread(target=self._read_stderr, name="nbtrain-launcher-stderr", daemon=True).start()
 
-    def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, queue.Queue]:
+    def submit(self, start_run: Callable[[int], messages.StartRun], tensor_fd: int | None) -> tuple[int, queue.Queue]:
         with self._lock:
             if not self.alive:
                 raise LauncherError(self.exit_detail())
@@ -97,7 +99,7 @@ class LauncherClient:
         with self._lock:
             self._stopping.add(run_id)
             try:
-                wire.send(self.process.channel, events.StopRun(run_id, reason))
+                wire.send(self.process.channel, messages.StopRun(run_id, reason))
             except OSError:
                 pass  # a dead launcher's ranks die with it (PDEATHSIG)
 
@@ -131,11 +133,11 @@ class LauncherClient:
                 message, fds = wire.receive(channel)
             except (wire.ChannelClosed, OSError):
                 break
-            if isinstance(message, events.LauncherReady):
+            if isinstance(message, messages.LauncherReady):
                 self.ready.set()
                 continue
             inbox = self._queues.get(getattr(message, "run_id", -1))
-            if isinstance(message, events.ResultOffer):
+            if isinstance(message, messages.ResultOffer):
                 # Taken here, not by whoever waits for the run: rank 0 (and its memory,
                 # GPU included) is held until this answer, even if nobody ever waits.
                 self._take_result(message, inbox)
@@ -156,14 +158,14 @@ class LauncherClient:
 
     def _file(self, message: Any, fds: list[int], inbox: queue.Queue) -> None:
         pending = self._pending_output.get(message.run_id)
-        if pending is not None and isinstance(message, (events.Output, events.RunEnded)):
-            if isinstance(message, events.Output) and not pending.admit(message):
+        if pending is not None and isinstance(message, (messages.Output, messages.RunEnded)):
+            if isinstance(message, messages.Output) and not pending.admit(message):
                 return  # dropped, and counted for the note
             for note in pending.notes(message.run_id):
                 inbox.put((note, []))
         inbox.put((message, fds))
 
-    def _take_result(self, offer: events.ResultOffer, inbox: queue.Queue | None) -> None:
+    def _take_result(self, offer: messages.ResultOffer, inbox: queue.Queue | None) -> None:
         copied = None
         # A run being stopped gives up its result (the launcher stops rank 0 too): no copy.
         wanted = inbox is not None and offer.run_id not in self._stopping
@@ -178,7 +180,7 @@ class LauncherClient:
                 pass  # this thread must live on. Rank 0 sends a file instead.
         if copied is not None:
             inbox.put((copied, []))
-        answer = events.ReleaseResult(offer.run_id, send_file=wanted and copied is None)
+        answer = messages.ReleaseResult(offer.run_id, send_file=wanted and copied is None)
         with self._lock:
             try:
                 wire.send(self.process.channel, answer)
@@ -202,7 +204,7 @@ class _PendingOutput:
         self.dropped: dict[int, int] = {}
         self._lock = threading.Lock()
 
-    def admit(self, output: events.Output) -> bool:
+    def admit(self, output: messages.Output) -> bool:
         with self._lock:
             if self.chars > PENDING_OUTPUT_CHARS:
                 self.dropped[output.rank] = self.dropped.get(output.rank, 0) + output.text.count("\n")
@@ -214,7 +216,7 @@ class _PendingOutput:
         with self._lock:
             self.chars -= chars
 
-    def notes(self, run_id: int) -> list[events.Output]:
+    def notes(self, run_id: int) -> list[messages.Output]:
         """Once the reader caught up (or the run ended): say what was dropped."""
         with self._lock:
             if not self.dropped or (self.chars > PENDING_OUTPUT_CHARS / 2):
@@ -222,7 +224,7 @@ class _PendingOutput:
             dropped, self.dropped = self.dropped, {}
         where = f" Every line is in {self.log_path}." if self.log_path else ""
         return [
-            events.Output(
+            messages.Output(
                 run_id,
                 rank,
                 "stderr",
@@ -234,6 +236,7 @@ class _PendingOutput:
 
 _client: LauncherClient | None = None
 _client_lock = threading.Lock()
+_hooks_registered = False
 
 
 def get_client() -> LauncherClient:
@@ -241,12 +244,25 @@ def get_client() -> LauncherClient:
     global _client
     with _client_lock:
         if _client is None or not _client.alive:
+            _register_hooks()
             _client = LauncherClient()
         return _client
 
 
+def _register_hooks() -> None:
+    """Close the launcher at exit, and forget it in forked children: once, with the first launcher."""
+    global _hooks_registered
+    if not _hooks_registered:
+        atexit.register(_close_client)
+        os.register_at_fork(after_in_child=_forget_client_in_child)
+        _hooks_registered = True
+
+
 def prewarm() -> None:
-    """Start the launcher now so it has imported torch by the time the first run comes."""
+    """Start the launcher now so it has imported torch by the time the first run comes.
+
+    ``%load_ext nbtrain`` calls it; importing nbtrain does not. Safe to call again.
+    """
     try:
         get_client()
     except OSError:
@@ -270,10 +286,6 @@ def _forget_client_in_child() -> None:
     _client = None
 
 
-atexit.register(_close_client)
-os.register_at_fork(after_in_child=_forget_client_in_child)
-
-
 class Run:
     """A run in progress. ``wait()`` returns rank 0's result or raises the run's failure.
 
@@ -289,7 +301,7 @@ class Run:
         client: LauncherClient,
         run_id: int,
         inbox: queue.Queue,
-        cfg: config.LaunchConfig,
+        cfg: config_module.LaunchConfig,
         log_path: str | None = None,
     ):
         self.client = client
@@ -299,7 +311,7 @@ class Run:
         self.state = "running"
         self.pids: dict[int, int] = {}
         self._inbox = inbox
-        self._ended: events.RunEnded | None = None
+        self._ended: messages.RunEnded | None = None
         self._ended_fds: list[int] = []
         self._copied: _CopiedResult | None = None
 
@@ -326,20 +338,20 @@ class Run:
             self._copied = message
             return None
         if isinstance(message, _LauncherGone):
-            self.state = events.FAILED
+            self.state = messages.FAILED
             self._copied = None
-            self._ended = events.RunEnded(self.run_id, events.FAILED, detail=message.detail)
+            self._ended = messages.RunEnded(self.run_id, messages.FAILED, detail=message.detail)
             self.client.forget(self.run_id)
             return self._ended
-        if isinstance(message, events.Output):
+        if isinstance(message, messages.Output):
             self.client.output_taken(self.run_id, len(message.text))
-        elif isinstance(message, events.RankStarted):
+        elif isinstance(message, messages.RankStarted):
             self.pids[message.rank] = message.pid
-        if isinstance(message, events.RunEnded):
+        if isinstance(message, messages.RunEnded):
             self._ended, self._ended_fds = message, fds
             self.state = message.state
             self.client.forget(self.run_id)
-            if message.state != events.FINISHED:
+            if message.state != messages.FINISHED:
                 self._copied = None  # a failed or stopped run has no result: free its memory now
         return message
 
@@ -359,8 +371,8 @@ class Run:
             self._take(message, fds)
         if self._ended is None:  # the launcher did not answer in time: replace it
             self.client.close()
-            self._ended = events.RunEnded(self.run_id, events.STOPPED)
-            self.state = events.STOPPED
+            self._ended = messages.RunEnded(self.run_id, messages.STOPPED)
+            self.state = messages.STOPPED
 
     def abandon(self) -> None:
         """Stop the run for an interrupt (if it still goes) and drop its result.
@@ -409,11 +421,11 @@ class Run:
         ended = self._ended
         if ended is None:
             raise RuntimeError("the run has not ended yet; call wait() first")
-        if ended.state == events.FINISHED:
+        if ended.state == messages.FINISHED:
             return self._load_result(ended)
         raise self._failure(ended)
 
-    def _load_result(self, ended: events.RunEnded) -> Any:
+    def _load_result(self, ended: messages.RunEnded) -> Any:
         fd = self._ended_fds[0] if self._ended_fds else None
         try:
             if self._copied is not None:
@@ -432,30 +444,19 @@ class Run:
                 os.close(extra)
             self._ended_fds = []
 
-    def _failure(self, ended: events.RunEnded) -> RunFailedError:
+    def _failure(self, ended: messages.RunEnded) -> RunFailedError:
         failure = ended.failure
-        if isinstance(failure, events.RankFailed):
+        if isinstance(failure, messages.RankFailed):
             return RankError(failure.rank, failure.exc_type, failure.message, failure.traceback)
-        if isinstance(failure, events.RankNotStarted):
+        if isinstance(failure, messages.RankNotStarted):
             return RankStartError(failure.rank, failure.world_size, failure.error_name, failure.reason)
-        if isinstance(failure, events.RankExited):
+        if isinstance(failure, messages.RankExited):
             return RankDiedError(failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code)
-        if ended.state == events.TIMED_OUT:
+        if ended.state == messages.TIMED_OUT:
             return RunTimeoutError(self.config.timeout or 0.0)
-        if ended.state == events.STOPPED:
+        if ended.state == messages.STOPPED:
             return RunStoppedError("the run was stopped before it finished; every rank is gone.")
         return LauncherError(ended.detail or "the run failed for an unknown reason")
-
-
-def print_output(event: Any) -> None:
-    """Default event handler of ``launch``: each rank's lines on our stdout/stderr, tagged."""
-    if isinstance(event, events.Output):
-        stream = sys.stderr if event.stream == "stderr" else sys.stdout
-        lines = event.text.splitlines(keepends=True)
-        stream.write("".join(f"[rank {event.rank}] {line}" for line in lines))
-        if not event.text.endswith("\n"):
-            stream.write("\n")
-        stream.flush()
 
 
 def start(
@@ -469,17 +470,23 @@ def start(
     timeout: float | None = None,
     backend: str | None = None,
     oversubscribe: bool = False,
+    config: config_module.LaunchConfig | None = None,
 ) -> Run:
     """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once.
 
     Refused before anything starts (ConfigurationError) when the run cannot fit: more CPU
     processes than 4 per core (unless ``oversubscribe=True``), or more memory than is free.
+    A caller that already built the launch configuration (the magic, from its flags)
+    passes it as ``config``: the devices, accelerator, strategy, timeout, backend and
+    oversubscribe arguments are then not read, and the hardware is not probed again.
     """
     from nbtrain import hardware
     from nbtrain.errors import SerializationError
 
-    plan = hardware.probe_plan(devices, accelerator, oversubscribe)
-    cfg = config.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
+    cfg = config
+    if cfg is None:
+        plan = hardware.probe_plan(devices, accelerator, oversubscribe)
+        cfg = config_module.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
     _admit(cfg, fn, args, kwargs)
     try:
         payload, tensor_fd = _pickle_payload((fn, tuple(args), dict(kwargs or {})))
@@ -489,10 +496,10 @@ def start(
             "Objects such as open files, locks, sockets and generators cannot travel; "
             "create them inside the function instead."
         ) from error
-    threads = config.threads_per_rank(hardware.cpu_count(), cfg.world_size, os.environ)
+    threads = config_module.threads_per_rank(hardware.cpu_count(), cfg.world_size, os.environ)
 
-    def start_run(run_id: int) -> events.StartRun:
-        return events.StartRun(
+    def start_run(run_id: int) -> messages.StartRun:
+        return messages.StartRun(
             run_id=run_id,
             payload=payload,
             ranks=cfg.rank_specs(),
@@ -563,10 +570,12 @@ def launch(
         from nbtrain.kernel import background as _background
 
         return _background.follow_function(run, fn)
-    return run.wait(on_event=print_output)
+    from nbtrain.kernel import display
+
+    return run.wait(on_event=display.print_output)
 
 
-def _admit(cfg: config.LaunchConfig, fn: Callable[..., Any], args: tuple, kwargs: dict | None) -> None:
+def _admit(cfg: config_module.LaunchConfig, fn: Callable[..., Any], args: tuple, kwargs: dict | None) -> None:
     """Refuse a run whose memory cannot fit (ConfigurationError); warn on stderr when it comes close."""
     from nbtrain import admission, hardware
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbtrain import config
+from nbtrain import devices as devices_module
 from nbtrain.errors import ConfigurationError
 
 
@@ -87,7 +88,7 @@ def set_defaults(
         old = _current
         new = Defaults(
             devices=old.devices if devices is _UNSET else devices_text(devices),
-            accelerator=old.accelerator if accelerator is _UNSET else _accelerator_text(accelerator),
+            accelerator=old.accelerator if accelerator is _UNSET else devices_module.normalize_accelerator(accelerator),
             strategy=old.strategy if strategy is _UNSET else _strategy_text(strategy),
             timeout=old.timeout if timeout is _UNSET else config.validate_timeout(timeout),
         )
@@ -131,16 +132,6 @@ def devices_text(devices: Any) -> str:
     if not text or any(ch.isspace() for ch in text):
         raise ConfigurationError(f"devices={devices!r} is not valid: {_DEVICE_FORMS}.")
     return text
-
-
-def _accelerator_text(accelerator: Any) -> str:
-    from nbtrain.devices import ACCELERATORS
-
-    name = "auto" if accelerator is None else str(accelerator).strip().lower()
-    if name not in ACCELERATORS:
-        choices = ", ".join(repr(choice) for choice in ACCELERATORS)
-        raise ConfigurationError(f"accelerator={accelerator!r} is not supported; choose one of {choices}.")
-    return "cuda" if name == "gpu" else name
 
 
 def _strategy_text(strategy: Any) -> str:

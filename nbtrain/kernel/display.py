@@ -36,6 +36,7 @@ import time
 from typing import Any, TextIO
 
 from nbtrain import charts, config, events
+from nbtrain.kernel import shell as kernel_shell
 
 FASTEST_FRAME_SECONDS = 0.25  # at most four frames a second
 SLOWEST_FRAME_SECONDS = 1.0  # at least one a second while the run goes on (the clock moves)
@@ -62,11 +63,74 @@ _RANK_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b
 
 def frontend_is_rich() -> bool:
     """True inside a Jupyter kernel (it can show HTML and images); False in a terminal or plain python."""
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return False  # plain python that never imported IPython: certainly no kernel
-    shell = ipython.get_ipython()
-    return shell is not None and any(cls.__name__ == "ZMQInteractiveShell" for cls in type(shell).__mro__)
+    return kernel_shell.is_notebook(kernel_shell.get_shell())
+
+
+def print_output(event: Any) -> None:
+    """Each rank's lines on our stdout/stderr, tagged (``launch``'s default event handler)."""
+    if isinstance(event, events.Output):
+        stream = sys.stderr if event.stream == "stderr" else sys.stdout
+        lines = event.text.splitlines(keepends=True)
+        stream.write("".join(f"[rank {event.rank}] {line}" for line in lines))
+        if not event.text.endswith("\n"):
+            stream.write("\n")
+        stream.flush()
+
+
+def show_text(text: str, updatable: bool = False) -> Any:
+    """Show ``text`` as the cell's display data; with ``updatable``, its handle for :func:`update_text`."""
+    from IPython.display import display
+
+    if updatable:
+        return display({"text/plain": text}, raw=True, display_id=True)
+    display({"text/plain": text}, raw=True)
+    return None
+
+
+def update_text(shown: Any, text: str) -> None:
+    """Replace what :func:`show_text` showed, wherever the display is (from any thread)."""
+    try:
+        shown.update({"text/plain": text}, raw=True)
+    except Exception:  # noqa: BLE001 - the frontend is gone; the caller still knows the text
+        pass
+
+
+def show_widget(widget: Any) -> None:
+    """Show an ipywidgets widget in the running cell (Colab's widget manager turned on first)."""
+    from IPython.display import display
+
+    enable_colab_widgets()
+    display(widget)
+
+
+def enable_colab_widgets() -> None:
+    """In Colab, turn on the widget manager that ipywidgets 8 needs there (elsewhere: nothing)."""
+    if "google.colab" not in sys.modules:
+        return
+    try:
+        from google.colab import output  # type: ignore[import-not-found]  # only exists in Colab
+
+        output.enable_custom_widget_manager()
+    except Exception:  # noqa: BLE001 - an older Colab: its own manager may still show core widgets
+        pass
+
+
+def stop_button(tooltip: str, on_stop: Any) -> Any:
+    """Show a Stop button (a core ``ipywidgets.Button``) calling ``on_stop()`` once; None without ipywidgets."""
+    try:
+        import ipywidgets
+    except ImportError:
+        return None
+    button = ipywidgets.Button(description="Stop", button_style="danger", icon="stop", tooltip=tooltip)
+
+    def on_click(_button: Any) -> None:
+        _button.disabled = True
+        _button.description = "Stopping…"
+        on_stop()
+
+    button.on_click(on_click)
+    show_widget(button)
+    return button
 
 
 class LiveView:
@@ -493,3 +557,19 @@ def watch(
         raise
     view.finish(run.state)
     return run.result()
+
+
+class NotedLiveView(LiveView):
+    """The live view with a note under it: what a background run does to the kernel, or its error."""
+
+    note = ""
+
+    def mimebundle(self, now: float | None = None, force_charts: bool = False) -> dict[str, str]:
+        bundle = dict(super().mimebundle(now, force_charts))
+        if self.note:
+            bundle["text/html"] += (
+                '<pre class="nbtrain-background" style="font-family:var(--jp-code-font-family,monospace);'
+                f'font-size:12px;color:#555;white-space:pre-wrap;margin:2px 0">{html.escape(self.note)}</pre>'
+            )
+            bundle["text/plain"] += "\n" + self.note
+        return bundle

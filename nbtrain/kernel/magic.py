@@ -9,8 +9,10 @@ earlier cells::
         opt.zero_grad(); loss.backward(); opt.step()
 
 trains data-parallel on two ranks, and afterwards the kernel's ``model`` (the same
-object) holds rank 0's trained weights. This module owns the IPython side: the flags,
-the run's output in the cell, and turning failures into one readable error. What
+object) holds rank 0's trained weights. This module owns the magic: its flags (parsed
+once into a :class:`CellOptions`), the launch config (built once from them), the run's
+output in the cell, and turning failures into one readable error. It asks
+:mod:`nbtrain.kernel.shell` for what it needs of IPython's shell. What
 travels and what comes back is decided in :mod:`nbtrain.kernel.namespace`; what runs on
 a rank is :mod:`nbtrain.rank.cell`.
 """
@@ -18,21 +20,18 @@ a rank is :mod:`nbtrain.rank.cell`.
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import re
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 
-from nbtrain import config, events
+from nbtrain import config, events, records
 from nbtrain.errors import (
     ConfigurationError,
     NbtrainError,
@@ -41,6 +40,7 @@ from nbtrain.errors import (
     RunInterrupted,
     SerializationError,
 )
+from nbtrain.kernel import shell as kernel_shell
 
 OUTPUT_MODES = ("all", "rank0", "none")
 METRIC_ROWS = 100_000  # per rank, kept in ``last_run`` (a long run must not grow the kernel)
@@ -207,31 +207,48 @@ def load_ipython_extension(ip: Any) -> None:
     ip.register_magics(DistributedMagics)
 
 
-def parse_flags(magic: Any, line: str) -> Any:
-    """The parsed flags of ``line``; any problem is one UsageError line."""
+@dataclass(frozen=True)
+class CellOptions:
+    """The flags of one ``%%distributed`` line, session defaults filled in (see :func:`parse_flags`)."""
+
+    devices: Any = "auto"  # as --devices or nbtrain.set_defaults gave it: 2, "0,2", "auto", [0, 2]
+    accelerator: str = "auto"
+    strategy: str = "ddp_notebook"
+    timeout: float | None = None  # seconds; None: no limit
+    output: str = "all"  # one of OUTPUT_MODES
+    auto: bool = True  # prepare the kernel's models, optimizers and loaders, and log the loss
+    allow_oversubscribe: bool = False
+    background: bool = False
+    help: bool = False
+
+
+def parse_flags(magic: Any, line: str) -> CellOptions:
+    """The flags of ``line`` as a :class:`CellOptions`; any problem is one UsageError line."""
     try:
-        options = magic_arguments.parse_argstring(magic, line)
+        parsed = magic_arguments.parse_argstring(magic, line)
     except UsageError as error:
         raise UsageError(f"%%distributed: {error}. See %%distributed --help.") from None
     except ValueError as error:  # unbalanced quotes
         raise UsageError(f"%%distributed: cannot read the flags {line!r}: {error}.") from None
-    return fill_defaults(options)
+    return fill_defaults(parsed)
 
 
-def fill_defaults(options: Any) -> Any:
-    """Give each launch flag the cell did not set the session's default (nbtrain.set_defaults)."""
+def fill_defaults(parsed: Any) -> CellOptions:
+    """The options of parsed flags; each launch flag the cell did not set takes the session's default."""
     from nbtrain.kernel import defaults
 
     session = defaults.get_defaults()
-    if options.devices is None:
-        options.devices = session.devices
-    if options.accelerator is None:
-        options.accelerator = session.accelerator
-    if options.strategy is None:
-        options.strategy = session.strategy
-    if options.timeout is _SESSION:
-        options.timeout = session.timeout
-    return options
+    return CellOptions(
+        devices=session.devices if parsed.devices is None else parsed.devices,
+        accelerator=session.accelerator if parsed.accelerator is None else parsed.accelerator,
+        strategy=session.strategy if parsed.strategy is None else parsed.strategy,
+        timeout=session.timeout if parsed.timeout is _SESSION else parsed.timeout,
+        output=parsed.output,
+        auto=parsed.auto,
+        allow_oversubscribe=parsed.allow_oversubscribe,
+        background=parsed.background,
+        help=parsed.help,
+    )
 
 
 def help_text(magic: Any) -> str:
@@ -239,12 +256,12 @@ def help_text(magic: Any) -> str:
     return text[len("::\n\n  ") :] if text.startswith("::\n\n  ") else text  # an RST code-block marker
 
 
-def check_flags(options: Any) -> config.LaunchConfig:
-    """The launch configuration, or a UsageError naming the bad flag and what is possible."""
+def check_flags(options: CellOptions) -> config.LaunchConfig:
+    """The launch configuration (built once per cell), or a UsageError naming the bad flag and what is possible."""
     from nbtrain import hardware
 
     try:
-        plan = hardware.probe_plan(options.devices, options.accelerator, getattr(options, "allow_oversubscribe", False))
+        plan = hardware.probe_plan(options.devices, options.accelerator, options.allow_oversubscribe)
         return config.make_config(plan, strategy=options.strategy, timeout=options.timeout)
     except ConfigurationError as error:
         raise UsageError(f"%%distributed: {error}") from None
@@ -270,7 +287,7 @@ class PreparedCell:
         return _unchanged_note(self.shipped)
 
 
-def prepare_cell(shell: Any, line: str, cell: str, options: Any) -> PreparedCell:
+def prepare_cell(shell: Any, line: str, cell: str, options: CellOptions) -> PreparedCell:
     """Check the flags and the cell, and decide what it ships; raises UsageError or CellSyntaxError."""
     from nbtrain.kernel import namespace as ns
     from nbtrain.rank import cell as rank_cell
@@ -285,8 +302,9 @@ def prepare_cell(shell: Any, line: str, cell: str, options: Any) -> PreparedCell
     code = "\n" * (1 + blank_lines) + shell.transform_cell(body)
     filename = register_source(shell, line, cell)
     _check_syntax(code, filename, shell)
-    analysis = ns.analyse_cell(code, shell.user_ns, shell.user_ns_hidden, raw_cell=body)
-    shipped = {name: shell.user_ns[name] for name in analysis.names}
+    user_ns = kernel_shell.user_namespace(shell)
+    analysis = ns.analyse_cell(code, user_ns, kernel_shell.hidden_names(shell), raw_cell=body)
+    shipped = {name: user_ns[name] for name in analysis.names}
     auto = options.auto and not analysis.self_distributes
     spec = rank_cell.CellSpec(
         code=code,
@@ -297,9 +315,9 @@ def prepare_cell(shell: Any, line: str, cell: str, options: Any) -> PreparedCell
         model_wrapper=cfg.strategy.model_wrapper,
         needs_shell=analysis.needs_shell,
         display_last=analysis.display_last,
-        rng=ns.rng_states(),
+        rng=records.rng_states(),
     )
-    total = infer_total_steps(code, analysis, spec, cfg, shell.user_ns)
+    total = infer_total_steps(code, analysis, spec, cfg, user_ns)
     record = CellRun(
         world_size=cfg.world_size, strategy=cfg.strategy.name, accelerator=cfg.plan.accelerator, total_steps=total
     )
@@ -349,7 +367,7 @@ def infer_total_steps(code: str, analysis: Any, spec: Any, cfg: config.LaunchCon
         return None
 
 
-def start_cell(shell: Any, prepared: PreparedCell, options: Any) -> Any:
+def start_cell(shell: Any, prepared: PreparedCell) -> Any:
     """Launch a prepared cell; the :class:`nbtrain.kernel.client.Run`. Explains what cannot travel."""
     from nbtrain.kernel import client
     from nbtrain.kernel import namespace as ns
@@ -359,12 +377,8 @@ def start_cell(shell: Any, prepared: PreparedCell, options: Any) -> Any:
         ns.refuse_open_files(prepared.shipped, prepared.used_by)
         return client.start(
             rank_cell.run_cell,
-            (prepared.spec, prepared.shipped, ns.anchor_function(shell.user_ns)),
-            devices=options.devices,
-            accelerator=options.accelerator,
-            strategy=options.strategy,
-            timeout=options.timeout,
-            oversubscribe=getattr(options, "allow_oversubscribe", False),
+            (prepared.spec, prepared.shipped, ns.anchor_function(kernel_shell.user_namespace(shell))),
+            config=prepared.cfg,
         )
     except SerializationError as error:
         raise _plain(ns.explain_unpicklable(prepared.shipped, prepared.used_by) or error) from None
@@ -372,7 +386,7 @@ def start_cell(shell: Any, prepared: PreparedCell, options: Any) -> Any:
         raise UsageError(f"%%distributed: {error}") from None
 
 
-def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
+def run_distributed_cell(shell: Any, line: str, cell: str, options: CellOptions) -> Any:
     """Launch ``cell`` on the ranks, show its output, apply rank 0's results to the kernel.
 
     With ``--background`` it returns the run's :class:`nbtrain.kernel.background.BackgroundRun`
@@ -383,11 +397,14 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
     prepared = prepare_cell(shell, line, cell, options)
     record = last_run = prepared.record
     started = time.monotonic()
-    run = start_cell(shell, prepared, options)
-    if getattr(options, "background", False):
+    run = start_cell(shell, prepared)
+    if options.background:
         from nbtrain.kernel import background
 
-        return background.follow_cell(shell, run, prepared, options)
+        callbacks = background.CellCallbacks(
+            keep_metrics=keep_metrics, explain_failure=explain_failure, apply_result=apply_cell_result
+        )
+        return background.follow_cell(shell, run, prepared, options.output, callbacks)
     show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
     view = _CellView(run, prepared.total_steps)
     try:
@@ -443,13 +460,13 @@ def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: 
     if result is None:  # the cell ran, but rank 0 sent nothing (it should always send something)
         return Applied()
     try:
-        outcome = ns.decode_result(result, shipped, shell.user_ns)
+        outcome = ns.decode_result(result, shipped, kernel_shell.user_namespace(shell))
     except Exception as error:  # noqa: BLE001 - the values are unusable; the kernel keeps its own
         return Applied(
             warnings=[f"rank 0's results could not be loaded in the kernel ({error}); nothing in the kernel changed."]
         )
-    with _interrupts_deferred():  # all of it or, if interrupted before, none of it
-        report = ns.apply_result(outcome, shipped, shell.user_ns, result.deleted)
+    with kernel_shell.interrupts_deferred():  # all of it or, if interrupted before, none of it
+        report = ns.apply_result(outcome, shipped, kernel_shell.user_namespace(shell), result.deleted)
     record.prepared = list(result.prepared)
     record.loaders = list(result.loaders)
     record.updated = report.updated + [f"del {n}" for n in report.deleted]
@@ -576,7 +593,7 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 def cell_traceback(text: str, shell: Any) -> str:
     """Name notebook cells as IPython does: ``File "/tmp/ipykernel_1/23.py", line 4`` -> ``Cell In[7], line 4``."""
-    names = getattr(getattr(shell, "compile", None), "_filename_map", {}) or {}
+    names = kernel_shell.cell_filenames(shell)
 
     def rename(match: re.Match) -> str:
         number = names.get(match.group(1))
@@ -611,18 +628,6 @@ class CellSyntaxError(NbtrainError):
 # -- helpers -------------------------------------------------------------------------------
 
 
-def current_cell_number(shell: Any) -> int:
-    """N of the running cell's ``In[N]``.
-
-    Not ``shell.execution_count``: recent IPython raises it before running a cell. The
-    cell's input is stored in the history before it runs, in every version.
-    """
-    history = getattr(getattr(shell, "history_manager", None), "input_hist_parsed", None)
-    if history:
-        return len(history) - 1
-    return shell.execution_count
-
-
 def register_source(shell: Any, line: str, cell: str) -> str:
     """Register the cell, as the user wrote it, in linecache; return the filename to compile with.
 
@@ -630,18 +635,8 @@ def register_source(shell: Any, line: str, cell: str) -> str:
     traceback shows the cell's own lines. IPython's compiler also remembers the cell's
     number for the name, which :func:`cell_traceback` uses.
     """
-    import linecache
-
     source = f"%%distributed {line}".rstrip() + "\n" + cell
-    compiler = getattr(shell, "compile", None)
-    if compiler is not None and hasattr(compiler, "cache"):
-        # A raw_code of our own gives a name of our own: the kernel's entry for the
-        # cell (its transformed form) stays as it is.
-        number = current_cell_number(shell)
-        return compiler.cache(source, number, raw_code=source + "\n# nbtrain %%distributed")
-    filename = f"<cell-{abs(hash(source))}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    return filename
+    return kernel_shell.register_source(shell, source)
 
 
 def _strip_leading_blank_lines(cell: str) -> tuple[str, int]:
@@ -655,19 +650,3 @@ def _strip_leading_blank_lines(cell: str) -> tuple[str, int]:
 def _warn(text: str) -> None:
     sys.stderr.write(f"nbtrain {text}\n")
     sys.stderr.flush()
-
-
-@contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """Hold SIGINT while the kernel's objects are being updated, then deliver it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if received:
-        raise KeyboardInterrupt

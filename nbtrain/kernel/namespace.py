@@ -27,7 +27,6 @@ import ast
 import dis
 import io
 import pickle
-import re
 import symtable
 import sys
 import types
@@ -35,29 +34,23 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from nbtrain.errors import SerializationError
-
-# Names IPython (or Python) puts in a namespace: never shipped, never sent back.
-_INTERNAL = re.compile(r"^(__\w*__|_+|_i+|_i?\d+|_oh|_ih|_dh|In|Out|get_ipython|exit|quit|_exit_code)$")
-
-# Persistent ids of a rank's result pickle (made by nbtrain.rank.cell.ResultPickler).
-STORAGE_TAG = "s"  # ("s", index into CellResult.storages, dtype or None)
-KERNEL_TAG = "k"  # ("k", name): the kernel's own object shipped under that name
-PART_TAG = "p"  # ("p", name, "param"|"buffer"|"module", dotted path) inside a shipped module
-GLOBALS_TAG = "g"  # ("g",): the kernel's globals (a function defined in the cell)
-
-SELF_DISTRIBUTING = frozenset(
-    {"DistributedDataParallel", "DDP", "fully_shard", "FullyShardedDataParallel", "FSDP", "DistributedSampler"}
+from nbtrain.records import (
+    GLOBALS_TAG,
+    KERNEL_TAG,
+    PART_TAG,
+    SELF_DISTRIBUTING,
+    STORAGE_TAG,
+    CellResult,
+    is_internal,
+    set_rng_states,
+    type_name,
 )
+
 _UNTRAVELLING_HINT = (
     "Open files, locks, threads, sockets, database connections and generators cannot be sent to "
     "other processes: create it inside the cell (or in a function the cell calls), or keep what "
     "it is made from (a path, a query) in the variable instead."
 )
-
-
-def is_internal(name: str) -> bool:
-    """True for names IPython or Python manage (``In``, ``_3``, ``__name__``...)."""
-    return bool(_INTERNAL.match(name))
 
 
 # -- going out -----------------------------------------------------------------------------
@@ -297,7 +290,7 @@ def explain_unpicklable(namespace: Mapping[str, Any], used_by: Mapping[str, str 
         value = namespace[name]
         where = f", used by `{used_by[name]}`" if used_by.get(name) else ""
         lines.append(
-            f"cannot send `{name}` (a {_type_name(value)}{where}) to the ranks: {failures[name]}."
+            f"cannot send `{name}` (a {type_name(value)}{where}) to the ranks: {failures[name]}."
         )
     return SerializationError(" ".join(lines) + " " + _UNTRAVELLING_HINT)
 
@@ -318,7 +311,7 @@ def refuse_open_files(namespace: Mapping[str, Any], used_by: Mapping[str, str | 
         if isinstance(value, io.IOBase) and not isinstance(value, (io.StringIO, io.BytesIO)):
             where = f", used by `{used_by[name]}`" if used_by.get(name) else ""
             raise SerializationError(
-                f"cannot send `{name}` (a {_type_name(value)}{where}) to the ranks: it is an open file, "
+                f"cannot send `{name}` (a {type_name(value)}{where}) to the ranks: it is an open file, "
                 f"and a file handle belongs to one process. {_UNTRAVELLING_HINT}"
             )
 
@@ -356,32 +349,7 @@ def _probe_pickler_class() -> type:
     return _probe_pickler
 
 
-def _type_name(value: Any) -> str:
-    cls = type(value)
-    module = cls.__module__
-    return cls.__qualname__ if module in ("builtins", "__main__") else f"{module}.{cls.__qualname__}"
-
-
 # -- coming back ---------------------------------------------------------------------------
-
-
-@dataclass
-class CellResult:
-    """What rank 0 sends back after the cell ran (tensors travel in ``storages``, zero-copy).
-
-    ``payload`` unpickles (see :func:`decode_result`) to a dict with the keys ``modules``
-    {name: (state_dict, [(submodule path, training)])}, ``optimizers`` and ``schedulers``
-    {name: state_dict}, ``tensors`` / ``changed`` / ``bound`` {name: value}, ``display``
-    (a 1-tuple or None) and ``rng`` (RNG states or None).
-    """
-
-    payload: bytes
-    storages: list
-    deleted: list[str] = field(default_factory=list)
-    skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, type, why)
-    prepared: list[tuple[str, str]] = field(default_factory=list)  # (name, what auto mode did)
-    notes: list[str] = field(default_factory=list)
-    loaders: list[tuple[str, str]] = field(default_factory=list)  # (name, what its passes read)
 
 
 class _ResultUnpickler(pickle.Unpickler):
@@ -454,7 +422,7 @@ def apply_result(
                 load_module_state(module, state, modes)
                 report.updated.append(name)
         except Exception as error:  # noqa: BLE001 - one bad object must not stop the rest
-            report.skipped.append((name, _type_name(module), f"its weights could not be loaded ({error})"))
+            report.skipped.append((name, type_name(module), f"its weights could not be loaded ({error})"))
     for kind in ("optimizers", "schedulers"):
         for name, state in outcome.get(kind, {}).items():
             target = shipped[name]
@@ -463,7 +431,7 @@ def apply_result(
                     target.load_state_dict(state)
                     report.updated.append(name)
             except Exception as error:  # noqa: BLE001
-                report.skipped.append((name, _type_name(target), f"its state could not be loaded ({error})"))
+                report.skipped.append((name, type_name(target), f"its state could not be loaded ({error})"))
     for name, value in outcome.get("tensors", {}).items():
         _set_tensor(user_ns, name, shipped[name], value)
         report.updated.append(name)
@@ -546,35 +514,3 @@ def _set_tensor(user_ns: dict, name: str, target: Any, value: Any) -> None:
             target.copy_(value)
     else:
         user_ns[name] = value
-
-
-def rng_states() -> dict[str, Any] | None:
-    """The kernel's RNG states (torch CPU, random, numpy), so ranks start where the kernel is."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    import random
-
-    states: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        states["numpy"] = numpy.random.get_state()
-    return states
-
-
-def set_rng_states(states: Mapping[str, Any] | None) -> None:
-    if not states:
-        return
-    import random
-
-    import torch
-
-    torch.set_rng_state(states["torch"])
-    random.setstate(states["random"])
-    if "numpy" in states and "numpy" in sys.modules:
-        sys.modules["numpy"].random.set_state(states["numpy"])
-
-
-def same(value: Any) -> Any:
-    """Identity: a DDP wrapper that travels back is rebuilt as ``same(wrapper.module)``."""
-    return value

@@ -27,7 +27,8 @@ from typing import Any
 from nbtrain import config
 from nbtrain.devices import GpuInfo
 from nbtrain.errors import ConfigurationError
-from nbtrain.kernel import defaults
+from nbtrain.kernel import defaults, display
+from nbtrain.kernel import shell as kernel_shell
 
 CPU_PROCESSES_PER_CORE = 2  # the slider goes up to twice the cores
 DEFAULT_CPU_PROCESSES = 2
@@ -198,16 +199,13 @@ class Launcher:
     # -- showing ------------------------------------------------------------------------
     def show(self) -> "Launcher":
         """Display the form in the current cell."""
-        from IPython.display import display
-
-        enable_colab_widgets()
-        display(self.form)
-        self._shown_in = _execution_count()
+        display.show_widget(self.form)
+        self._shown_in = kernel_shell.execution_count()
         return self
 
     def _ipython_display_(self) -> None:
         # ``nbtrain.launcher()`` as a cell's last line: it showed itself already.
-        if self._shown_in is not None and self._shown_in == _execution_count():
+        if self._shown_in is not None and self._shown_in == kernel_shell.execution_count():
             return
         self.show()
 
@@ -230,20 +228,6 @@ def launcher(*, machine: Machine | None = None) -> Launcher:
         return form.show()
     except ImportError:  # no IPython: the form exists, nothing shows it
         return form
-
-
-def enable_colab_widgets() -> None:
-    """In Colab, turn on the widget manager that ipywidgets 8 needs there (elsewhere: nothing)."""
-    import sys
-
-    if "google.colab" not in sys.modules:
-        return
-    try:
-        from google.colab import output  # type: ignore[import-not-found]
-
-        output.enable_custom_widget_manager()
-    except Exception:  # noqa: BLE001 - an older Colab: its own manager may still show core widgets
-        pass
 
 
 def raise_no_gpu() -> None:
@@ -274,12 +258,3 @@ def _gpus_of(current: defaults.Defaults, gpus: tuple[GpuInfo, ...]) -> set[int]:
         elif text.isdigit() and 0 < int(text) <= len(visible):
             return set(visible[: int(text)])
     return set(visible)
-
-
-def _execution_count() -> Any:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return None
-    shell = get_ipython()
-    return None if shell is None else shell.execution_count

@@ -230,8 +230,8 @@ class Launcher:
 
     def _spawn(self, assignment, rank_end, out_write, err_write, listen_fd, tensor_fd, rank_fds) -> int:
         env = dict(assignment.start.environ)
-        # The caller's environment has no NBTRAIN_ROLE; without it the fresh interpreter's
-        # `import nbtrain` would prewarm a launcher of its own (one more torch import per rank).
+        # The caller's environment has no NBTRAIN_ROLE; with it, nothing in the fresh
+        # interpreter ever warms a launcher of its own (one more torch import per rank).
         env[processes.ROLE_VARIABLE] = "rank"
         argv = [
             sys.executable,

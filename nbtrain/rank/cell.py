@@ -12,7 +12,7 @@
    traceback shows the cell's own lines at the cell's own line numbers.
 5. Namespace out: gather full weights and optimizer state (a collective under FSDP, so
    every rank takes part), then rank 0 pickles what changed into a
-   :class:`~nbtrain.kernel.namespace.CellResult`. References to the kernel's objects go
+   :class:`~nbtrain.records.CellResult`. References to the kernel's objects go
    back as references, wrappers as the objects they wrap, and functions defined in the
    cell as functions of the kernel's globals.
 """
@@ -29,7 +29,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from nbtrain.kernel import namespace as ns
+from nbtrain import records
 from nbtrain.rank import api, prepare
 
 
@@ -48,7 +48,7 @@ class CellSpec:
     rng: Mapping[str, Any] | None = None
 
 
-def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> ns.CellResult | None:
+def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> records.CellResult | None:
     """Run the cell on this rank; rank 0 returns the :class:`CellResult`, the others None.
 
     Example (what the magic ships, here run in one process)::
@@ -61,7 +61,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> n
     cell_globals.update(namespace)
     cell_globals.setdefault("__builtins__", builtins)
     cell_globals.setdefault("__name__", "__main__")
-    ns.set_rng_states(spec.rng)
+    records.set_rng_states(spec.rng)
     _rewrap_scheduled_optimizers(namespace.values())
     rank0 = api.rank() == 0
     before = _Before(cell_globals, namespace) if rank0 else None
@@ -212,7 +212,7 @@ def _kernel_refs(objects: Mapping[str, Any]) -> dict[int, tuple]:
     refs: dict[int, tuple] = {}
     for name in sorted(objects):
         value = objects[name]
-        refs.setdefault(id(value), (ns.KERNEL_TAG, name))
+        refs.setdefault(id(value), (records.KERNEL_TAG, name))
     for name in sorted(objects):
         _add_module_parts(refs, name, objects[name])
     return refs
@@ -224,11 +224,11 @@ def _add_module_parts(refs: dict[int, tuple], name: str, module: Any) -> None:
         return
     for path, sub in module.named_modules():
         if path:
-            refs.setdefault(id(sub), (ns.PART_TAG, name, "module", path))
+            refs.setdefault(id(sub), (records.PART_TAG, name, "module", path))
     for path, param in module.named_parameters():
-        refs.setdefault(id(param), (ns.PART_TAG, name, "param", path))
+        refs.setdefault(id(param), (records.PART_TAG, name, "param", path))
     for path, buffer in module.named_buffers():
-        refs.setdefault(id(buffer), (ns.PART_TAG, name, "buffer", path))
+        refs.setdefault(id(buffer), (records.PART_TAG, name, "buffer", path))
 
 
 def _state_marks(obj: Any) -> Any:
@@ -250,7 +250,7 @@ def _collect(
     display: tuple[Any] | None,
     prepared: list[tuple[str, str]],
     hidden: set[str],
-) -> ns.CellResult | None:
+) -> records.CellResult | None:
     """Gather full states (every rank: FSDP needs collectives); rank 0 builds the result."""
     import torch
 
@@ -299,7 +299,7 @@ def _collect(
         "changed": {},
         "bound": {},
         "display": display,
-        "rng": ns.rng_states(),
+        "rng": records.rng_states(),
     }
     for name, value in before.objects.items():
         if before.kinds[name] == "plain" and _fingerprint(value, before.special) != before.fingerprints[name]:
@@ -307,7 +307,7 @@ def _collect(
     for name in sorted(changed_modules):
         outcome["changed"][name] = before.objects[name]
     for name, value in cell_globals.items():
-        if ns.is_internal(name) or name in hidden:
+        if records.is_internal(name) or name in hidden:
             continue
         original = prepare.original_of(value)
         if name not in before.bindings or before.bindings[name] is not original:
@@ -317,7 +317,7 @@ def _collect(
     # A changed kernel object travels by value, not as a reference to itself.
     exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
     payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
-    return ns.CellResult(payload, storages, deleted, skipped, prepared, prepare.notes(), prepare.loader_report())
+    return records.CellResult(payload, storages, deleted, skipped, prepared, prepare.notes(), prepare.loader_report())
 
 
 def _unique(namespace: Mapping[str, Any], kind: Any) -> list[tuple[str, Any]]:
@@ -421,12 +421,12 @@ def _dump_outcome(
                 _dump(value, refs, cell_globals, exempt)
             except Exception as error:  # noqa: BLE001
                 del outcome[section][name]
-                skipped.append((name, ns._type_name(value), _short(error)))
+                skipped.append((name, records.type_name(value), _short(error)))
     if outcome["display"] is not None:
         try:
             _dump(outcome["display"], refs, cell_globals, exempt)
         except Exception as error:  # noqa: BLE001
-            skipped.append(("the cell's value", ns._type_name(outcome["display"][0]), _short(error)))
+            skipped.append(("the cell's value", records.type_name(outcome["display"][0]), _short(error)))
             outcome["display"] = None
     return _dump(outcome, refs, cell_globals, exempt)
 
@@ -475,7 +475,7 @@ def _result_pickler_class() -> type:
             if type(obj) in _ATOMIC:
                 return None
             if obj is self.cell_globals:
-                return (ns.GLOBALS_TAG,)
+                return (records.GLOBALS_TAG,)
             if isinstance(obj, storage_types):
                 return self._storage_id(obj)
             key = id(obj)
@@ -497,7 +497,7 @@ def _result_pickler_class() -> type:
             if key not in self._storage_index or untyped.nbytes() == 0:
                 self._storage_index[key] = len(self.storages)
                 self.storages.append(untyped)
-            return (ns.STORAGE_TAG, self._storage_index[key], dtype)
+            return (records.STORAGE_TAG, self._storage_index[key], dtype)
 
         def reducer_override(self, obj: Any) -> Any:
             if isinstance(obj, DTensor):
@@ -505,10 +505,10 @@ def _result_pickler_class() -> type:
                     "a sharded DTensor cannot travel to the kernel; send obj.full_tensor() instead"
                 )
             if isinstance(obj, DistributedDataParallel):
-                return (ns.same, (obj.module,))
+                return (records.same, (obj.module,))
             original = prepare.original_of(obj)
             if original is not obj:
-                return (ns.same, (original,))
+                return (records.same, (original,))
             return super().reducer_override(obj)
 
         def _dynamic_function_reduce(self, func: Any) -> Any:

@@ -49,12 +49,6 @@ from nbtrain.rank import api
 WRAPPER_VARIABLE = "NBTRAIN_MODEL_WRAPPER"
 WRAPPERS = ("ddp", "fsdp", "none")
 
-# Names whose presence in a cell (or a function it calls) means it distributes itself.
-SELF_DISTRIBUTING_NAMES = frozenset(
-    {"DistributedDataParallel", "DDP", "fully_shard", "FullyShardedDataParallel", "FSDP", "DistributedSampler"}
-)
-
-
 class _Registry:
     """What this rank prepared: original <-> prepared, and FSDP's parameter swaps."""
 

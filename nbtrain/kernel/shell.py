@@ -1,0 +1,111 @@
+"""The IPython shell nbtrain runs in: the one module of the kernel side that asks IPython for it.
+
+The magic, the namespace analysis, background runs, the launcher form and the live view
+ask here for what they need of the shell: whether there is one (:func:`get_shell`), the
+running cell's number, the user's namespace, the kernel's main-thread event loop, the
+compiler's record of cell file names, and a block that a kernel interrupt must not cut in
+two (:func:`interrupts_deferred`). Nothing here imports IPython unless the process already
+has: plain ``python`` using ``nbtrain.launch`` never pays for it.
+
+>>> get_shell() is None or hasattr(get_shell(), "user_ns")
+True
+>>> is_notebook(None), current_cell_number(None), kernel_loop(None)
+(False, None, None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import sys
+from typing import Any, Callable, Iterator
+
+from nbtrain import processes
+
+
+def get_shell() -> Any:
+    """The running IPython shell, or None (a terminal Python, a script, a rank)."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return None  # never imported IPython: certainly no shell
+    return ipython.get_ipython()
+
+
+def is_notebook(shell: Any) -> bool:
+    """True for a Jupyter kernel's shell (it can show HTML, images and widgets)."""
+    return shell is not None and any(cls.__name__ == "ZMQInteractiveShell" for cls in type(shell).__mro__)
+
+
+def current_cell_number(shell: Any) -> int | None:
+    """N of the running cell's ``In[N]`` (None without a shell).
+
+    Not ``shell.execution_count``: recent IPython raises it before running a cell. The
+    cell's input is stored in the history before it runs, in every version.
+    """
+    if shell is None:
+        return None
+    history = getattr(getattr(shell, "history_manager", None), "input_hist_parsed", None)
+    if history:
+        return len(history) - 1
+    return shell.execution_count
+
+
+def execution_count() -> int | None:
+    """The running shell's execution counter (None without a shell)."""
+    shell = get_shell()
+    return None if shell is None else shell.execution_count
+
+
+def user_namespace(shell: Any) -> dict[str, Any]:
+    """The user's globals: what a cell reads and what its results are written into."""
+    return shell.user_ns
+
+
+def hidden_names(shell: Any) -> dict[str, Any]:
+    """Names IPython put in the user's namespace itself (not the user's variables)."""
+    return shell.user_ns_hidden
+
+
+def kernel_loop(shell: Any) -> Any:
+    """The event loop of a Jupyter kernel's main thread (None in a terminal or plain python)."""
+    kernel = getattr(shell, "kernel", None)
+    loop = getattr(kernel, "io_loop", None)
+    return loop if loop is not None and hasattr(loop, "add_callback") else None
+
+
+def call_on_main_thread(loop: Any, callback: Callable[[], None]) -> None:
+    """Run ``callback`` on the kernel's main thread between two cells (``loop``: :func:`kernel_loop`)."""
+    loop.add_callback(callback)
+
+
+def cell_filenames(shell: Any) -> dict[str, int]:
+    """{compiled file name: cell number} of the cells the shell ran, for naming them in tracebacks."""
+    return getattr(getattr(shell, "compile", None), "_filename_map", {}) or {}
+
+
+def register_source(shell: Any, source: str) -> str:
+    """Register ``source`` in linecache under a name of its own; the file name to compile it with.
+
+    IPython's compiler also remembers the running cell's number for that name, which
+    :func:`cell_filenames` gives back.
+    """
+    compiler = getattr(shell, "compile", None)
+    if compiler is not None and hasattr(compiler, "cache"):
+        # A raw_code of our own gives a name of our own: the kernel's entry for the
+        # cell (its transformed form) stays as it is.
+        number = current_cell_number(shell)
+        return compiler.cache(source, number, raw_code=source + "\n# nbtrain %%distributed")
+    filename = f"<cell-{abs(hash(source))}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    return filename
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold a kernel interrupt while the block writes the user's namespace, then deliver it.
+
+    All of an update or, if interrupted before, none of it. The signal itself is handled
+    where processes and signals live (:func:`nbtrain.processes.sigint_deferred`).
+    """
+    with processes.sigint_deferred():
+        yield

@@ -1,0 +1,99 @@
+"""Records and names both sides of a ``%%distributed`` cell share: the kernel and the ranks.
+
+The kernel side (:mod:`nbtrain.kernel.namespace`) and the rank side (:mod:`nbtrain.rank.cell`)
+agree here on what a rank sends back (:class:`CellResult`), on the persistent ids inside its
+pickle, and on which names mean a cell distributes itself. Neither side imports the other:
+both import this module, which imports only the standard library (torch is touched only
+through ``sys.modules``, or when RNG states that came from torch are set).
+
+>>> is_internal("_3"), is_internal("In"), is_internal("model")
+(True, True, False)
+>>> type_name(1.5), type_name(CellResult(b"", []))
+('float', 'nbtrain.records.CellResult')
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+_INTERNAL = re.compile(r"^(__\w*__|_+|_i+|_i?\d+|_oh|_ih|_dh|In|Out|get_ipython|exit|quit|_exit_code)$")
+
+# Persistent ids of a rank's result pickle (made by nbtrain.rank.cell, read by nbtrain.kernel.namespace).
+STORAGE_TAG = "s"  # ("s", index into CellResult.storages, dtype or None)
+KERNEL_TAG = "k"  # ("k", name): the kernel's own object shipped under that name
+PART_TAG = "p"  # ("p", name, "param"|"buffer"|"module", dotted path) inside a shipped module
+GLOBALS_TAG = "g"  # ("g",): the kernel's globals (a function defined in the cell)
+
+# Names whose presence in a cell (or a function it calls) means it distributes itself:
+# auto mode then steps aside.
+SELF_DISTRIBUTING = frozenset(
+    {"DistributedDataParallel", "DDP", "fully_shard", "FullyShardedDataParallel", "FSDP", "DistributedSampler"}
+)
+
+
+def is_internal(name: str) -> bool:
+    """True for names IPython or Python manage (``In``, ``_3``, ``__name__``...)."""
+    return bool(_INTERNAL.match(name))
+
+
+def type_name(value: Any) -> str:
+    """The qualified name of ``value``'s type, as messages show it (builtins unqualified)."""
+    cls = type(value)
+    module = cls.__module__
+    return cls.__qualname__ if module in ("builtins", "__main__") else f"{module}.{cls.__qualname__}"
+
+
+def same(value: Any) -> Any:
+    """Identity: a DDP wrapper that travels back is rebuilt as ``same(wrapper.module)``."""
+    return value
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """What rank 0 sends back after the cell ran (tensors travel in ``storages``, zero-copy).
+
+    ``payload`` unpickles (see :func:`nbtrain.kernel.namespace.decode_result`) to a dict with
+    the keys ``modules`` {name: (state_dict, [(submodule path, training)])}, ``optimizers``
+    and ``schedulers`` {name: state_dict}, ``tensors`` / ``changed`` / ``bound`` {name:
+    value}, ``display`` (a 1-tuple or None) and ``rng`` (RNG states or None).
+    """
+
+    payload: bytes
+    storages: list
+    deleted: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, type, why)
+    prepared: list[tuple[str, str]] = field(default_factory=list)  # (name, what auto mode did)
+    notes: list[str] = field(default_factory=list)
+    loaders: list[tuple[str, str]] = field(default_factory=list)  # (name, what its passes read)
+
+
+def rng_states() -> dict[str, Any] | None:
+    """This process's RNG states (torch CPU, random, numpy), so ranks start where the kernel is.
+
+    None when torch was never imported here (no torch state to carry).
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = numpy.random.get_state()
+    return states
+
+
+def set_rng_states(states: Mapping[str, Any] | None) -> None:
+    """Start this process's RNGs where :func:`rng_states` left another's."""
+    if not states:
+        return
+    import importlib
+
+    # States that hold a torch state came from a process with torch: it is installed here too.
+    importlib.import_module("torch").set_rng_state(states["torch"])
+    random.setstate(states["random"])
+    if "numpy" in states and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(states["numpy"])
