@@ -450,7 +450,7 @@ class CellBackgroundRun(BackgroundRun):
         self.record.state = self.run.state
         self.record.seconds = self.seconds or 0.0
         if isinstance(error, RunStoppedError):
-            error = RunStoppedError(f"background run {self.id} was stopped; every rank is gone.")
+            error = RunStoppedError(f"background run {self.id} was stopped; every rank is gone.", error.where)
         return magic.explain_failure(error, self.shell, self.prepared.unchanged)
 
     def _outcome(self, raw: Any) -> None:

@@ -388,7 +388,8 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
         view.finish(events.STOPPED)
         raise _plain(
             RunStoppedError(
-                f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
+                f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready.",
+                run.where_ranks_were(),
             )
         ) from None
     except RunFailedError as error:
@@ -542,9 +543,10 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
     if isinstance(error, RankError):
         text = cell_traceback(error.remote_traceback, shell)
         return RankError(error.rank, error.exc_type, error.exc_message, text, note)
-    message = f"{error} {note}"
+    where = getattr(error, "where", "")
+    message = f"{error.headline or error} {note}" + (f"\n{where}" if where else "")
     error.args = (message,)
-    error._render_traceback_ = lambda: [f"{type(error).__name__}: {message}"]  # type: ignore[attr-defined]
+    error._render_traceback_ = lambda: f"{type(error).__name__}: {message}".splitlines()  # type: ignore[attr-defined]
     return error
 
 
