@@ -1,0 +1,38 @@
+"""The fault soak and the launch series (benchmarks/soak.py), run as tests.
+
+Both drive real Jupyter kernels: 40 random faulted runs with a fixed seed (each checked for
+its bound, its blame, a usable kernel and a working next run; no growth of the kernel's
+processes, fds, threads, memfds, listening ports or /dev/shm entries across them), and
+100 launches of one cell (flat processes, fds, threads and RSS; no drift in launch time
+beyond what the same load does to a fresh kernel). The script prints its tables and exits
+non-zero on any failed check; its output is the assertion message.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+
+
+def run_soak(*args: str, timeout: float) -> None:
+    result = subprocess.run(
+        [sys.executable, str(SOAK), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    tail = "\n".join(line for line in result.stderr.splitlines() if "WARNING" not in line)[-4000:]
+    assert result.returncode == 0, f"soak.py {' '.join(args)} failed:\n{result.stdout}\n--- stderr ---\n{tail}"
+    assert "result: PASS" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_40_run_fault_soak_passes_every_check():
+    run_soak("--runs", "40", "--seed", "12", timeout=1200)
+
+
+@pytest.mark.slow
+def test_100_launches_from_one_kernel_leak_nothing_and_do_not_slow_down():
+    run_soak("--launches", "100", timeout=1200)
