@@ -14,18 +14,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
+
+from helpers import procs
 
 SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 
 
 def run_soak(*args: str, timeout: float) -> None:
-    result = subprocess.run(
-        [sys.executable, str(SOAK), *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
-    tail = "\n".join(line for line in result.stderr.splitlines() if "WARNING" not in line)[-4000:]
-    assert result.returncode == 0, f"soak.py {' '.join(args)} failed:\n{result.stdout}\n--- stderr ---\n{tail}"
-    assert "result: PASS" in result.stdout
+    proc = subprocess.Popen([sys.executable, str(SOAK), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # Its kernels, launchers and ranks too, by PID: nothing outlives the test.
+        left = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        procs.kill_and_wait([proc.pid, *left], 10.0, reaped=False)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"soak.py {' '.join(args)} did not end within {timeout} s:\n{stdout}\n{stderr[-4000:]}")
+    tail = "\n".join(line for line in stderr.splitlines() if "WARNING" not in line)[-4000:]
+    assert proc.returncode == 0, f"soak.py {' '.join(args)} failed:\n{stdout}\n--- stderr ---\n{tail}"
+    assert "result: PASS" in stdout
 
 
 @pytest.mark.slow
