@@ -506,7 +506,8 @@ class RunState:
     def stall(self, now: float) -> str | None:
         """``no step from rank 1 for 42 s`` when a rank that logged steps stopped, else None.
 
-        Only ranks that log count. While others still step, the quiet ones are named; when
+        A run that timed out or was stopped keeps the line as it was at the end. Only ranks
+        that log count. While others still step, the quiet ones are named; when
         none steps any more (a deadlock stops everyone), the ranks behind the others are
         the ones to look at: the rest are waiting for them in a collective.
 
@@ -516,8 +517,10 @@ class RunState:
         >>> s.stall(now=10.0), s.stall(now=42.0)
         (None, 'no step from rank 1 for 42 s (at step 4; the others are at step 5)')
         """
-        if self.ended or self.stall_seconds is None:
+        if self.stall_seconds is None or self.state in (events.FINISHED, events.FAILED):
             return None
+        if self.ended_at is not None:  # timed out or stopped: the last frame keeps the clue
+            now = self.ended_at
         quiet = {r: now - t for r, t in self.last_step_at.items() if now - t >= self.stall_seconds}
         if not quiet:
             return None

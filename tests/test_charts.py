@@ -423,6 +423,8 @@ def test_ranks_stopped_at_the_same_step_and_runs_that_ended_or_never_log():
     state.apply(metrics(1, range(1, 4)), now=0.0)
     assert state.stall(now=9.0) == "no step from any rank for 9 s"
     state.finish(events.TIMED_OUT, now=9.0)
+    assert state.stall(now=20.0) == "no step from any rank for 9 s"  # the last frame keeps it
+    state.finish(events.FINISHED, now=9.0)
     assert state.stall(now=20.0) is None
     assert RunState(stall_seconds=None).stall(now=1e9) is None
     with pytest.raises(ValueError, match="stall_seconds must be a positive number of seconds or None, not 0"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import textwrap
 import time
 
@@ -179,3 +180,29 @@ def test_a_deadlocked_cell_names_each_rank_s_cell_and_line():
         ) in text, text
         assert "    dist.all_reduce(t)" in text and "    time.sleep(600)" in text, text
         kernel.run_ok("%%distributed --devices 2 --accelerator cpu\nok = 1")
+
+
+def test_the_live_view_names_the_rank_that_stopped_stepping_before_the_timeout():
+    from kernel_helpers import NotebookKernel
+
+    cell = textwrap.dedent(
+        """\
+        %%distributed --devices 2 --accelerator cpu --timeout 10 --stall-warning 2
+        import time, nbtrain
+        for step in range(100000):
+            if nbtrain.rank() == 1 and step == 3:
+                time.sleep(600)
+            nbtrain.log(value=step)  # no collective: rank 0 goes on stepping
+            time.sleep(0.05)
+        """
+    )
+    with NotebookKernel() as kernel:
+        kernel.run_ok("%load_ext nbtrain")
+        out = kernel.run(cell)
+        assert out.error is not None and out.error["ename"] == "RunTimeoutError", out.text
+        assert re.search(r"no step from rank 1 for \d+ s", out.live_view), out.live_view
+        assert "no step from rank 0" not in out.live_view, out.live_view
+        bad = kernel.run("%%distributed --devices 2 --accelerator cpu --stall-warning 0\nx = 1")
+        assert "--stall-warning 0 is not a positive number of seconds; give one, or none for no warning." in bad.text
+        line = kernel.value("__import__('nbtrain').set_defaults(stall_warning=None).magic_line()")
+        assert line.endswith("--stall-warning none"), line

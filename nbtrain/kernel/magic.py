@@ -31,7 +31,7 @@ from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 
-from nbtrain import config, events
+from nbtrain import charts, config, events
 from nbtrain.errors import (
     ConfigurationError,
     NbtrainError,
@@ -117,6 +117,13 @@ class DistributedMagics(Magics):
         type=_timeout_flag,
         default=_SESSION,
         help="Stop every rank after this many seconds; none: no limit. Default: the session default (no limit).",
+    )
+    @magic_arguments.argument(
+        "--stall-warning",
+        type=_timeout_flag,
+        default=_SESSION,
+        help="The live view names a rank that logged no step for this many seconds while it "
+        "runs; none: never. Default: the session default (30).",
     )
     @magic_arguments.argument(
         "--output",
@@ -222,6 +229,13 @@ def fill_defaults(options: Any) -> Any:
         options.strategy = session.strategy
     if options.timeout is _SESSION:
         options.timeout = session.timeout
+    if options.stall_warning is _SESSION:
+        options.stall_warning = session.stall_warning
+    elif options.stall_warning is not None and not options.stall_warning > 0:
+        raise UsageError(
+            f"%%distributed: --stall-warning {options.stall_warning:g} is not a positive number of seconds; "
+            "give one, or none for no warning."
+        )
     return options
 
 
@@ -375,7 +389,7 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
 
         return background.follow_cell(shell, run, prepared, options)
     show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
-    view = _CellView(run, prepared.total_steps)
+    view = _CellView(run, prepared.total_steps, getattr(options, "stall_warning", charts.STALL_SECONDS))
     try:
         for event in run.events(poll=view.poll_seconds):
             if event is not None:
@@ -471,10 +485,10 @@ class _CellView:
     terminal would print them again, so it gets every event but those.
     """
 
-    def __init__(self, run: Any, total_steps: int | None = None):
+    def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = charts.STALL_SECONDS):
         from nbtrain.kernel import display
 
-        self.view = display.LiveView(run.config, total_steps=total_steps)
+        self.view = display.LiveView(run.config, total_steps=total_steps, stall_warning=stall_warning)
         self.poll_seconds = display.FASTEST_FRAME_SECONDS / 2
         self.view.refresh(force=True)
 
