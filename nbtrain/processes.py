@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, NoReturn, Sequence
 
@@ -231,6 +232,13 @@ def reap(pid: int) -> tuple[int | None, int | None] | None:
     if os.WIFSIGNALED(status):
         return (None, os.WTERMSIG(status))
     return (os.WEXITSTATUS(status), None)
+
+
+def reap_now(pid: int, timeout: float = 2.0) -> None:
+    """Wait (bounded) for a child that was just sent SIGKILL, so that it leaves no zombie."""
+    deadline = time.monotonic() + timeout
+    while reap(pid) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def signal_group(pgid: int, number: int) -> None:

@@ -24,6 +24,7 @@ from nbtrain.errors import (
     LauncherError,
     RankDiedError,
     RankError,
+    RankStartError,
     RunFailedError,
     RunStoppedError,
     RunTimeoutError,
@@ -337,6 +338,8 @@ class Run:
         failure = ended.failure
         if isinstance(failure, events.RankFailed):
             return RankError(failure.rank, failure.exc_type, failure.message, failure.traceback)
+        if isinstance(failure, events.RankNotStarted):
+            return RankStartError(failure.rank, failure.world_size, failure.error_name, failure.reason)
         if isinstance(failure, events.RankExited):
             return RankDiedError(failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code)
         if ended.state == events.TIMED_OUT:
@@ -367,13 +370,19 @@ def start(
     strategy: str = "ddp_notebook",
     timeout: float | None = None,
     backend: str | None = None,
+    oversubscribe: bool = False,
 ) -> Run:
-    """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once."""
+    """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once.
+
+    Refused before anything starts (ConfigurationError) when the run cannot fit: more CPU
+    processes than 4 per core (unless ``oversubscribe=True``), or more memory than is free.
+    """
     from nbtrain import hardware
     from nbtrain.errors import SerializationError
 
-    plan = hardware.probe_plan(devices, accelerator)
+    plan = hardware.probe_plan(devices, accelerator, oversubscribe)
     cfg = config.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
+    _admit(cfg, fn, args, kwargs)
     try:
         payload, tensor_fd = _pickle_payload((fn, tuple(args), dict(kwargs or {})))
     except Exception as error:
@@ -418,6 +427,7 @@ def launch(
     strategy: str = "ddp_notebook",
     timeout: float | None = None,
     background: bool = False,
+    oversubscribe: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank; return rank 0's return value.
@@ -425,6 +435,8 @@ def launch(
     ``fn`` may be a lambda, a closure or a function defined in the notebook: it travels
     with cloudpickle. Each rank's prints appear here, tagged with the rank. A failure in
     any rank stops all of them and raises here (:class:`nbtrain.errors.RankError`).
+
+    ``oversubscribe=True`` allows more CPU processes than 4 per core (refused otherwise).
 
     ``background=True`` returns at once with a
     :class:`nbtrain.kernel.background.BackgroundRun` (``wait()``, ``stop()``, ``result``,
@@ -437,13 +449,53 @@ def launch(
         2
     """
     run = start(
-        fn, args, kwargs, devices=devices, accelerator=accelerator, strategy=strategy, timeout=timeout
+        fn,
+        args,
+        kwargs,
+        devices=devices,
+        accelerator=accelerator,
+        strategy=strategy,
+        timeout=timeout,
+        oversubscribe=oversubscribe,
     )
     if background:
         from nbtrain.kernel import background as _background
 
         return _background.follow_function(run, fn)
     return run.wait(on_event=print_output)
+
+
+def _admit(cfg: config.LaunchConfig, fn: Callable[..., Any], args: tuple, kwargs: dict | None) -> None:
+    """Refuse a run whose memory cannot fit (ConfigurationError); warn on stderr when it comes close."""
+    from nbtrain import admission, hardware
+
+    namespace = getattr(fn, "__globals__", {})
+    referenced = [namespace.get(name) for name in getattr(getattr(fn, "__code__", None), "co_names", ())]
+    closure = [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if _has_contents(cell)]
+    need = admission.weigh([*args, *(kwargs or {}).values(), *closure, *referenced])
+    gpu_free = None
+    if cfg.plan.accelerator == "cuda":
+        gpu_free = {gpu.index: gpu.free_bytes for gpu in hardware.detect_gpus() if gpu.index in cfg.plan.device_ids}
+    warning = admission.check_memory(
+        need,
+        world_size=cfg.world_size,
+        accelerator=cfg.plan.accelerator,
+        sharded=cfg.strategy.model_wrapper == "fsdp",
+        start_method=cfg.strategy.start_method,
+        host_available=hardware.available_memory(),
+        gpu_free=gpu_free,
+    )
+    if warning:
+        sys.stderr.write(f"nbtrain warning: {warning}\n")
+        sys.stderr.flush()
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure variable not bound yet
+        return False
+    return True
 
 
 def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:

@@ -9,6 +9,7 @@ imports the user's modules and a launch always runs the code the kernel has now.
 from __future__ import annotations
 
 import codecs
+import errno
 import os
 import select
 import selectors
@@ -28,6 +29,7 @@ from nbtrain.events import (
     RankDone,
     RankExited,
     RankFailed,
+    RankNotStarted,
     RankStarted,
     Release,
     ReleaseResult,
@@ -181,7 +183,11 @@ class Launcher:
                 listen_fd = store_socket.fileno() if spec.rank == 0 else None
                 run.ranks.append(self._start_rank(run, assignment, listen_fd, tensor_fd))
         except OSError as error:
-            run.failure = RankFailed(run.run_id, len(run.ranks), type(error).__name__, str(error), "")
+            # EAGAIN (a process limit), ENOMEM, EMFILE: the run cannot have all its ranks, so it
+            # ends now, and the ranks already started (waiting for their peers) are stopped.
+            name = errno.errorcode.get(error.errno or 0, type(error).__name__)
+            reason = error.strerror or str(error)
+            run.failure = RankNotStarted(run.run_id, len(run.ranks), len(start.ranks), name, reason)
             self._stop(run, events.FAILED)
         finally:
             # The store's port stayed bound from here until rank 0 took the socket over:
@@ -193,33 +199,40 @@ class Launcher:
     def _start_rank(
         self, run: Run, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None
     ) -> RankProcess:
-        launcher_end, rank_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        out_read, out_write = os.pipe()
-        err_read, err_write = os.pipe()
-        stack_read, stack_write = os.pipe()
-        fds = RankFds(rank_end.fileno(), out_write, err_write, listen_fd, tensor_fd, stack_write)
-        if assignment.start.start_method == "spawn":
-            pid = self._spawn(assignment, fds)
-        else:
-            pid = processes.fork_rank(lambda: _rank_main(assignment, rank_end, fds))
-        for fd in (out_write, err_write, stack_write):
-            os.close(fd)
-        rank_end.close()
-        rank = RankProcess(
-            assignment.spec, pid, processes.open_pidfd(pid), launcher_end, {out_read: "stdout", err_read: "stderr"}
-        )
-        rank.stack_fd = stack_read
-        os.set_blocking(stack_read, False)
-        self.selector.register(stack_read, selectors.EVENT_READ, ("stack", run, rank))
-        self.selector.register(launcher_end, selectors.EVENT_READ, ("events", run, rank))
+        ends = _RankEnds.open()
+        try:
+            pid = self._create(assignment, ends, listen_fd, tensor_fd)
+        except BaseException:
+            ends.close_all()  # the fork failed: nothing holds the other ends
+            raise
+        ends.close_child_side()
+        try:
+            pidfd = processes.open_pidfd(pid)
+        except OSError:
+            processes.signal_group(pid, signal.SIGKILL)  # a rank we could not watch must not run
+            processes.reap_now(pid)
+            ends.close_all()
+            raise
+        rank = RankProcess(assignment.spec, pid, pidfd, ends.launcher_end, {ends.out_read: "stdout", ends.err_read: "stderr"})
+        rank.stack_fd = ends.stack_read
+        os.set_blocking(ends.stack_read, False)
+        self.selector.register(ends.stack_read, selectors.EVENT_READ, ("stack", run, rank))
+        self.selector.register(ends.launcher_end, selectors.EVENT_READ, ("events", run, rank))
         for fd in rank.pipes:
             os.set_blocking(fd, False)
             self.selector.register(fd, selectors.EVENT_READ, ("pipe", run, rank))
         self.selector.register(rank.pidfd, selectors.EVENT_READ, ("pidfd", run, rank))
         if assignment.start.start_method == "spawn":
-            _send_quietly(launcher_end, assignment)  # a fresh interpreter has nothing in memory
+            _send_quietly(ends.launcher_end, assignment)  # a fresh interpreter has nothing in memory
         self._send(RankStarted(run.run_id, assignment.spec.rank, pid))
         return rank
+
+    def _create(self, assignment: RankAssignment, ends: _RankEnds, listen_fd: int | None, tensor_fd: int | None) -> int:
+        fds = RankFds(ends.rank_end.fileno(), ends.out_write, ends.err_write, listen_fd, tensor_fd, ends.stack_write)
+        if assignment.start.start_method == "spawn":
+            return self._spawn(assignment, fds)
+        rank_end = ends.rank_end
+        return processes.fork_rank(lambda: _rank_main(assignment, rank_end, fds))
 
     def _spawn(self, assignment: RankAssignment, fds: RankFds) -> int:
         env = dict(assignment.start.environ)
@@ -517,6 +530,50 @@ def _stacks(run: Run) -> tuple[tuple[int, str], ...]:
     return tuple(
         (rank.spec.rank, rank.stack.decode("utf-8", "replace")) for rank in run.ranks if rank.stack or rank.stack_asked
     )
+
+
+@dataclass
+class _RankEnds:
+    """The channel and the two output pipes of a rank being started: both ends of each."""
+
+    launcher_end: socket.socket
+    rank_end: socket.socket
+    out_read: int
+    out_write: int
+    err_read: int
+    err_write: int
+    stack_read: int  # the rank's faulthandler dumps (nbtrain.stacks)
+    stack_write: int
+
+    @classmethod
+    def open(cls) -> _RankEnds:
+        """All of them, or (EMFILE half way) none: what was opened is closed before raising."""
+        launcher_end, rank_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pipes: list[int] = []
+        try:
+            for _ in range(3):
+                pipes.extend(os.pipe())
+        except OSError:
+            for fd in pipes:
+                os.close(fd)
+            launcher_end.close()
+            rank_end.close()
+            raise
+        return cls(launcher_end, rank_end, *pipes)
+
+    def close_child_side(self) -> None:
+        for fd in (self.out_write, self.err_write, self.stack_write):
+            os.close(fd)
+        self.rank_end.close()
+
+    def close_all(self) -> None:
+        for fd in (self.out_read, self.out_write, self.err_read, self.err_write, self.stack_read, self.stack_write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # closed already (close_child_side ran)
+        self.launcher_end.close()
+        self.rank_end.close()
 
 
 def _readable_now(sock: socket.socket) -> bool:

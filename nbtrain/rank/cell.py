@@ -315,7 +315,7 @@ def _collect(
     # A changed kernel object travels by value, not as a reference to itself.
     exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
     payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
-    return ns.CellResult(payload, storages, deleted, skipped, prepared, prepare.notes())
+    return ns.CellResult(payload, storages, deleted, skipped, prepared, prepare.notes(), prepare.loader_report())
 
 
 def _unique(namespace: Mapping[str, Any], kind: Any) -> list[tuple[str, Any]]:
