@@ -59,6 +59,7 @@ TIMEOUT_SECONDS = 4.0  # --timeout of the hang and deadlock runs (the ranks must
 TIMEOUT_SLACK = 20.0  # a timed-out run ends within --timeout + this
 INTERRUPT_BOUND = 12.0  # from the interrupt to the cell's reply
 PLAIN_BOUND = 30.0  # a plain cell, and the clean run after each fault
+WARM_UP_BOUND = 300.0  # the first run also waits for the launcher to import torch
 SETTLE_SECONDS = 15.0  # how long resources may take to come back to their resting level
 LAUNCH_TIME_RATIO = 1.2  # the last 10 launches within 20% of the first 10 (load-corrected)
 RSS_GROWTH_BYTES = 64 << 20
@@ -324,9 +325,9 @@ def plain_cell_works(kernel: NotebookKernel) -> bool:
     return reply["status"] == "ok" and "42" in out.stdout
 
 
-def next_run_works(kernel: NotebookKernel) -> bool:
+def next_run_works(kernel: NotebookKernel, bound: float = PLAIN_BOUND) -> bool:
     try:
-        reply, _ = kernel.wait_for_reply(kernel.start_cell(NEXT_CELL), timeout=PLAIN_BOUND)
+        reply, _ = kernel.wait_for_reply(kernel.start_cell(NEXT_CELL), timeout=bound)
         if reply["status"] != "ok":
             return False
         reply, out = kernel.wait_for_reply(kernel.start_cell("print('next', next_ok); del next_ok"), timeout=PLAIN_BOUND)
@@ -350,7 +351,7 @@ def soak(runs: int, seed: int) -> bool:
         kernel.run_ok("%load_ext nbtrain")
         progress("nbtrain in the kernel: " + kernel.value("__import__('nbtrain').__file__"))
         for _ in range(2):  # the launcher warm, every lazy import done: the resting level
-            if not next_run_works(kernel):
+            if not next_run_works(kernel, WARM_UP_BOUND):
                 print("the warm-up run failed", file=sys.stderr)
                 return False
         baseline = settled(kernel.pid, resources(kernel.pid, pids_seen), pids_seen, GROWTH_KEYS)

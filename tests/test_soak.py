@@ -19,6 +19,7 @@ import pytest
 
 from helpers import procs
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # the script bounds itself at 1200 s
 SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 
 
@@ -37,11 +38,9 @@ def run_soak(*args: str, timeout: float) -> None:
     assert "result: PASS" in stdout
 
 
-@pytest.mark.slow
 def test_a_40_run_fault_soak_passes_every_check():
     run_soak("--runs", "40", "--seed", "12", timeout=1200)
 
 
-@pytest.mark.slow
 def test_100_launches_from_one_kernel_leak_nothing_and_do_not_slow_down():
     run_soak("--launches", "100", timeout=1200)
