@@ -68,6 +68,7 @@ class _Registry:
         self.notes: list[str] = []
         self.loader_names: dict[str, Any] = {}  # auto mode's loaders: kernel name -> prepared loader
         self.first_iterated: list[Any] = []  # prepared loaders, in the order of their first pass
+        self.loss_scaling: Any = None  # precision.LossScaling under 16-mixed on CUDA
 
     def remember(self, original: Any, prepared: Any) -> None:
         self.prepared[id(original)] = (original, prepared)
@@ -193,6 +194,7 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
         return module
     _move_module(module, api.device())
     wrapper = model_wrapper() if _in_process_group() else "none"
+    _apply_precision_and_sync(module, wrapper)
     trainable = any(p.requires_grad for p in module.parameters())
     if wrapper == "ddp" and trainable:
         prepared = _wrap_ddp(module, wrapper_options)
@@ -202,6 +204,22 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
         prepared = module
     _registry.remember(module, prepared)
     return prepared
+
+
+def _apply_precision_and_sync(module: Any, wrapper: str) -> None:
+    """The launch's --sync-batchnorm and --precision, applied before the model is wrapped."""
+    from nbtrain.rank import precision, syncbn
+
+    device = api.device()
+    if wrapper != "none" and os.environ.get(syncbn.SYNC_VARIABLE) == "1":
+        syncbn.convert(module, device.type)
+    chosen = precision.current()
+    precision.apply(module, chosen, device)
+    if chosen == "16-mixed" and device.type == "cuda" and _registry.loss_scaling is None:
+        _registry.loss_scaling = precision.LossScaling("cuda")
+        _registry.loss_scaling.install()
+        for optimizer in list(_registry.optimizers):
+            _registry.loss_scaling.wrap_optimizer(optimizer)
 
 
 def is_wrapped(module: Any) -> bool:
@@ -362,6 +380,8 @@ def _shard_blocks(module: Any) -> list[Any]:
 def prepare_optimizer(optimizer: Any) -> Any:
     """The optimizer, bound to the prepared parameters; its state follows them."""
     _registry.optimizers.add(optimizer)
+    if _registry.loss_scaling is not None:
+        _registry.loss_scaling.wrap_optimizer(optimizer)
     _rebind_optimizer(optimizer)
     _move_optimizer_state(optimizer)
     _registry.remember(optimizer, optimizer)
@@ -647,7 +667,7 @@ def describe_passes(loader: Any) -> str:
     passes = loader._nbtrain_passes
     parts = []
     if passes["train"]:
-        parts.append(f"sharded{' for training' if passes['whole'] or passes['shard'] else ''} ({share})")
+        parts.append(f"sharded{' for training' if passes['whole'] or passes['shard'] else ''} ({share}{_effective_batch(loader)})")
     if passes["whole"]:
         parts.append("evaluated whole on every rank (iterated without gradients)")
     if passes["shard"]:
@@ -657,6 +677,15 @@ def describe_passes(loader: Any) -> str:
     return " and ".join(parts)
 
 
+
+
+def _effective_batch(loader: Any) -> str:
+    """"; effective batch 64 = 32 per rank x 2 ranks": what the learning rate usually follows."""
+    batch = loader.batch_size
+    world = api.world_size()
+    if not batch or world < 2:
+        return ""
+    return f"; effective batch {batch * world} = {batch} per rank x {world} ranks"
 
 
 def _to_device(batch: Any, device: Any) -> Any:
@@ -743,7 +772,7 @@ def loss_logging() -> Iterator[None]:
         gradient = args[0] if args else kwargs.get("gradient")
         if not getattr(busy, "on", False) and not context.logged and gradient is None and self.numel() == 1:
             was = context.logged
-            api.log(loss=self)
+            api.log(loss=getattr(self, "_nbtrain_unscaled", self))  # the true loss under 16-mixed
             context.logged = was  # our own entry does not count as the user's log()
         busy.on = True
         try:
