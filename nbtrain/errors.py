@@ -121,6 +121,25 @@ class RunStoppedError(RunFailedError):
     """The run was stopped on request (``stop()`` or the Stop button) before it finished."""
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """The caller was interrupted (Jupyter's "interrupt kernel", Ctrl-C) and every rank stopped.
+
+    A KeyboardInterrupt, not an Exception: ``except Exception`` around a run does not
+    swallow the user's interrupt, and tools that execute notebooks see an interrupt. The
+    message says what happened to the run and the kernel. A stop on request (``stop()``, a
+    Stop button) is a :class:`RunStoppedError` instead.
+
+    Example:
+        >>> error = RunInterrupted("the run was interrupted and every rank was stopped.")
+        >>> isinstance(error, KeyboardInterrupt), isinstance(error, Exception)
+        (True, False)
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing nbtrain's frames.
+        return [f"KeyboardInterrupt: {self}"]
+
+
 def describe_death(rank: int, *, signal_number: int | None, exit_code: int | None) -> str:
     """One sentence saying how a rank ended and what the user can do about it.
 

@@ -153,6 +153,18 @@ def test_the_accuracy_printed_on_the_ranks_is_the_kernels_own_evaluation(kernel)
     kernel.run_ok("whole_weights = copy.deepcopy(model.state_dict())")
 
 
+def test_under_fsdp_too_and_an_evaluation_loop_may_end_the_cell(kernel):
+    # FSDP2 keeps the root's gathered weights after a forward without gradients; the
+    # run still brings back the full, trained weights
+    kernel.run_ok("reset()")
+    out = kernel.run_ok(MNIST_CELL.replace("--accelerator cpu", "--accelerator cpu --strategy fsdp --timeout 100"))
+    last = {rank: (loss, correct, n) for rank, loss, correct, n in printed_tests(out.stdout)}
+    loss, correct, _ = kernel_evaluation(kernel)
+    assert last[0][1:] == last[1][1:] == (correct, 256), out.stdout
+    assert last[0][0] == pytest.approx(loss, abs=2e-4)
+    assert "test_loader: evaluated whole on every rank (iterated without gradients)." in out.stdout
+
+
 def test_sharded_evaluation_with_all_reduce_prints_the_same_number_and_trains_the_same(kernel):
     kernel.run_ok("reset()\ntest_loader = nbtrain.prepare(test_loader, evaluation='shard')")
     out = kernel.run_ok(MNIST_CELL.replace("test(model, test_loader)", "test_sharded(model, test_loader)"))

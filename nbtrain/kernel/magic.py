@@ -37,7 +37,7 @@ from nbtrain.errors import (
     NbtrainError,
     RankError,
     RunFailedError,
-    RunStoppedError,
+    RunInterrupted,
     SerializationError,
 )
 
@@ -47,6 +47,7 @@ METRIC_ROWS = 100_000  # per rank, kept in ``last_run`` (a long run must not gro
 # nothing unused. prepare() sets that flag (so a model that skips a layer still trains);
 # the hint is about our choice, not the user's code.
 _NOISE = "find_unused_parameters=True was specified in DDP constructor"
+_INTERRUPTED = object()  # the result of a run whose cell was interrupted
 
 
 @dataclass
@@ -422,20 +423,22 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
             view.show(event)
         result = run.result()
     except KeyboardInterrupt:
-        run.stop("interrupted")
-        record.state = events.STOPPED
-        view.finish(events.STOPPED)
-        raise _plain(
-            RunStoppedError(
-                f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
-            )
-        ) from None
+        result = _INTERRUPTED
     except RunFailedError as error:
         record.state = run.state
         view.finish(run.state)
         raise explain_failure(error, shell, prepared.unchanged) from None
     finally:
         record.seconds = time.monotonic() - started
+    if result is _INTERRUPTED:
+        # Out here, not in the except clause: the interrupt and its frames (with any part
+        # of the result they had loaded) are freed instead of living on as its context.
+        run.abandon()  # stops the run and frees any result it brought back
+        record.state = events.STOPPED
+        view.finish(events.STOPPED)
+        raise RunInterrupted(
+            f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
+        )
     record.state = events.FINISHED
     view.finish(events.FINISHED)
     return _bring_back(shell, result, prepared.shipped, record, options.output)

@@ -140,9 +140,12 @@ class Launcher:
         elif isinstance(message, StopRun):
             run = self.runs.get(message.run_id)
             # The reason is the caller's words, not a state: the run ends STOPPED (which the
-            # kernel turns into RunStoppedError). A run whose ranks all finished already
-            # keeps its result, and one already failing keeps its failure.
-            if run is not None and run.end_state is None:
+            # kernel turns into RunStoppedError). A run whose result the kernel has taken
+            # keeps it, and one already failing keeps its failure; a result not taken yet
+            # is given up (the kernel does not copy it), and rank 0 is stopped with the rest.
+            if run is not None and (run.end_state is None or run.result_pending):
+                run.result_pending = False
+                run.end_state = None
                 self._stop(run, events.STOPPED)
         elif isinstance(message, ReleaseResult):
             run = self.runs.get(message.run_id)
