@@ -109,7 +109,7 @@ class DistributedMagics(Magics):
     @magic_arguments.argument(
         "--strategy",
         default=None,
-        help="ddp_notebook, ddp_spawn, fsdp or auto: see Strategies above. "
+        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, fsdp or auto: see Strategies above. "
         "Default: the session default (ddp_notebook).",
     )
     @magic_arguments.argument(
@@ -153,6 +153,9 @@ class DistributedMagics(Magics):
           ddp_notebook  data parallel; ranks fork from a warm, clean launcher (fast start)
           ddp_spawn     data parallel; each rank is a fresh interpreter (for libraries
                         that break after fork)
+          ddp_find_unused_parameters_true
+                        ddp_notebook for a model that skips some parameters in a step
+                        (DDP then searches for them at every step, at some cost)
           fsdp          fully sharded with FSDP2: each rank holds a slice of every weight
           auto          ddp_notebook for more than one device, a single worker for one
 
