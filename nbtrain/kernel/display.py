@@ -234,7 +234,7 @@ class LiveView:
             started = time.perf_counter()
             png = self._chart_figure.draw(state)
             self._chart_seconds = time.perf_counter() - started
-            self._chart_drawn_at = now
+            self._chart_drawn_at = time.monotonic()  # the rest counts from the drawing's end
             self._chart_version = state.chart_version
             self._chart_png_base64 = base64.b64encode(png).decode("ascii")
             self._chart_css_size = self._chart_figure.css_size
