@@ -354,6 +354,14 @@ class LogTail:
             self.total += 1
 
 
+    def skip(self, counted: int, latest: tuple[tuple[str, str], ...]) -> None:
+        """During a flood: ``counted`` lines so far, ``latest`` the last few (not shown in the cell)."""
+        total = self.total
+        for stream, line in latest:
+            self.add(stream, line)
+        self.total = max(total, counted)
+
+
 class StepRate:
     """Steps per second over the last ``window`` seconds of the ranks' own clocks.
 
@@ -446,6 +454,9 @@ class RunState:
         elif isinstance(event, events.Output):
             self.logs.setdefault(event.rank, LogTail()).add(event.stream, event.text)
             self._mark_running()
+            self._changed()
+        elif isinstance(event, events.OutputSkipped):
+            self.logs.setdefault(event.rank, LogTail()).skip(event.counted, event.latest)
             self._changed()
         elif isinstance(event, events.RankStarted):
             self.started_ranks.add(event.rank)

@@ -59,6 +59,7 @@ class StartRun:
     timeout: float | None
     threads_per_rank: int | None = None  # None: the user's OMP_NUM_THREADS decides
     has_tensor_file: bool = False
+    log_path: str | None = None  # where the launcher writes every rank's full output
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,20 @@ class Output:
     rank: int
     stream: str  # "stdout" | "stderr"
     text: str
+
+
+@dataclass(frozen=True)
+class OutputSkipped:
+    """Lines a rank printed that the cell does not show as they come (past the first thousands).
+
+    The launcher keeps the last of them for the end of the run and writes all of them to
+    the run's log; this tells the live view how many there were and the latest few.
+    """
+
+    run_id: int
+    rank: int
+    counted: int  # the rank's lines so far, but for the last ones held back (sent when it ends)
+    latest: tuple[tuple[str, str], ...]  # (stream, line), oldest first
 
 
 @dataclass(frozen=True)
