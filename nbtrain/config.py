@@ -26,7 +26,7 @@ class Strategy:
 
     name: str
     start_method: str  # "fork": from the warm launcher; "spawn": a fresh interpreter per rank
-    model_wrapper: str  # "ddp" | "fsdp" | "none"
+    model_wrapper: str  # "ddp" | "ddp_find_unused" | "fsdp" | "none"
     when_to_use: str
 
 
@@ -44,6 +44,13 @@ STRATEGIES: dict[str, Strategy] = {
             "spawn",
             "ddp",
             "Data parallel; each rank is a fresh interpreter. Slower start; for libraries that break after fork.",
+        ),
+        Strategy(
+            "ddp_find_unused_parameters_true",
+            "fork",
+            "ddp_find_unused",
+            "ddp_notebook for a model that leaves some parameters unused in a step (a branch, a frozen head):"
+            " DDP then searches the autograd graph for them at every step, which costs time.",
         ),
         Strategy(
             "fsdp",

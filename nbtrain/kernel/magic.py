@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import re
 import signal
 import sys
@@ -66,6 +67,7 @@ class CellRun:
     loaders: list[tuple[str, str]] = field(default_factory=list)  # (name, what its passes read)
     updated: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    log_path: str | None = None  # every rank's full output (None: no rank printed anything)
 
 
 last_run: CellRun | None = None
@@ -111,7 +113,7 @@ class DistributedMagics(Magics):
     @magic_arguments.argument(
         "--strategy",
         default=None,
-        help="ddp_notebook, ddp_spawn, fsdp or auto: see Strategies above. "
+        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, fsdp or auto: see Strategies above. "
         "Default: the session default (ddp_notebook).",
     )
     @magic_arguments.argument(
@@ -178,6 +180,9 @@ class DistributedMagics(Magics):
           ddp_notebook  data parallel; ranks fork from a warm, clean launcher (fast start)
           ddp_spawn     data parallel; each rank is a fresh interpreter (for libraries
                         that break after fork)
+          ddp_find_unused_parameters_true
+                        ddp_notebook for a model that skips some parameters in a step
+                        (DDP then searches for them at every step, at some cost)
           fsdp          fully sharded with FSDP2: each rank holds a slice of every weight
           auto          ddp_notebook for more than one device, a single worker for one
 
@@ -430,6 +435,7 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
         raise explain_failure(error, shell, prepared.unchanged) from None
     finally:
         record.seconds = time.monotonic() - started
+        record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
     if result is _INTERRUPTED:
         # Out here, not in the except clause: the interrupt and its frames (with any part
         # of the result they had loaded) are freed instead of living on as its context.
@@ -506,6 +512,8 @@ def _summary(record: CellRun) -> str:
         text += " " + "; ".join(f"{name}: {how}" for name, how in loaders.items()) + "."
     if record.updated:
         text += f" Updated in the kernel: {', '.join(record.updated)}."
+    if record.log_path:
+        text += f" Full output: {record.log_path}"
     return text
 
 
