@@ -96,7 +96,7 @@ while time.monotonic() < deadline:
     dist.all_reduce(t)
 """
 NEXT_CELL = "%%distributed --devices 2 --accelerator cpu\nimport torch.distributed as dist\nnext_ok = dist.get_world_size()"
-ACCEPTED_INTERRUPT_ERRORS = ("RunStoppedError", "KeyboardInterrupt", "RunInterruptedError", "CellInterrupted")
+ACCEPTED_INTERRUPT_ERRORS = ("RunInterrupted", "KeyboardInterrupt", "RunStoppedError")
 
 
 @dataclass

@@ -136,6 +136,25 @@ class RunStoppedError(RunFailedError):
         self._set_message(message, where)
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """The caller was interrupted (Jupyter's "interrupt kernel", Ctrl-C) and every rank stopped.
+
+    A KeyboardInterrupt, not an Exception: ``except Exception`` around a run does not
+    swallow the user's interrupt, and tools that execute notebooks see an interrupt. The
+    message says what happened to the run and the kernel. A stop on request (``stop()``, a
+    Stop button) is a :class:`RunStoppedError` instead.
+
+    Example:
+        >>> error = RunInterrupted("the run was interrupted and every rank was stopped.")
+        >>> isinstance(error, KeyboardInterrupt), isinstance(error, Exception)
+        (True, False)
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing nbtrain's frames.
+        return f"KeyboardInterrupt: {self}".splitlines()  # with where each rank was, if known
+
+
 def describe_death(rank: int, *, signal_number: int | None, exit_code: int | None) -> str:
     """One sentence saying how a rank ended and what the user can do about it.
 
@@ -160,6 +179,30 @@ def describe_death(rank: int, *, signal_number: int | None, exit_code: int | Non
         f"rank {rank} exited with code {exit_code} before finishing its work"
         " (a call to sys.exit/os._exit, or a crash in native code). The other ranks were stopped."
     )
+
+
+class UnusedParametersError(NbtrainError, RuntimeError):
+    """A DDP model's first backward left trainable parameters without a gradient.
+
+    Example:
+        >>> print(UnusedParametersError("Net", ["head.weight", "head.bias"], 6))  # doctest: +ELLIPSIS
+        Net has 2 of its 6 trainable parameters that got no gradient in the first step: head.weight, head.bias. ...
+    """
+
+    def __init__(self, model: str, names: list[str], trainable: int, shown: int = 8):
+        self.model = model
+        self.names = list(names)
+        listed = ", ".join(self.names[:shown])
+        if len(self.names) > shown:
+            listed += f" and {len(self.names) - shown} more"
+        super().__init__(
+            f"{model} has {len(self.names)} of its {trainable} trainable parameters that got no gradient in the"
+            f" first step: {listed}. DistributedDataParallel averages gradients only once every parameter has one,"
+            " so the ranks' copies of the model would drift apart. If the model skips them on purpose (a branch, a frozen head),"
+            " run with --strategy ddp_find_unused_parameters_true (nbtrain.launch: strategy="
+            "'ddp_find_unused_parameters_true'; nbtrain.prepare(model, find_unused_parameters=True)), which looks"
+            " for unused parameters at every step; or freeze them with .requires_grad_(False)."
+        )
 
 
 class SerializationError(NbtrainError, TypeError):

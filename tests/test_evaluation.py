@@ -107,7 +107,7 @@ for epoch in range(1, 3):
 """
 
 SUMMARY = (
-    "train_loader: sharded (DistributedSampler, 384 of 768 per rank); "
+    "train_loader: sharded (DistributedSampler, 384 of 768 per rank; effective batch 64 = 32 per rank x 2 ranks); "
     "test_loader: evaluated whole on every rank (iterated without gradients)."
 )
 TEST_LINE = re.compile(r"^(?:\[rank (\d)\] )?Test set: Average loss: ([\d.]+), Accuracy: (\d+)/(\d+) \(\d+%\)$", re.MULTILINE)
@@ -151,6 +151,18 @@ def test_the_accuracy_printed_on_the_ranks_is_the_kernels_own_evaluation(kernel)
     assert "Updated in the kernel: model, optimizer, scheduler" in out.stdout
     assert kernel.value("scheduler.last_epoch") == 2
     kernel.run_ok("whole_weights = copy.deepcopy(model.state_dict())")
+
+
+def test_under_fsdp_too_and_an_evaluation_loop_may_end_the_cell(kernel):
+    # FSDP2 keeps the root's gathered weights after a forward without gradients; the
+    # run still brings back the full, trained weights
+    kernel.run_ok("reset()")
+    out = kernel.run_ok(MNIST_CELL.replace("--accelerator cpu", "--accelerator cpu --strategy fsdp --timeout 100"))
+    last = {rank: (loss, correct, n) for rank, loss, correct, n in printed_tests(out.stdout)}
+    loss, correct, _ = kernel_evaluation(kernel)
+    assert last[0][1:] == last[1][1:] == (correct, 256), out.stdout
+    assert last[0][0] == pytest.approx(loss, abs=2e-4)
+    assert "test_loader: evaluated whole on every rank (iterated without gradients)." in out.stdout
 
 
 def test_sharded_evaluation_with_all_reduce_prints_the_same_number_and_trains_the_same(kernel):
@@ -204,7 +216,7 @@ def test_one_loader_for_training_and_evaluation_in_one_cell(kernel):
     _, correct, n = kernel_evaluation(kernel, "train_loader")
     assert n == 768 and last[0][1:] == last[1][1:] == (correct, 768), out.stdout
     assert (
-        "train_loader: sharded for training (DistributedSampler, 384 of 768 per rank) and "
+        "train_loader: sharded for training (DistributedSampler, 384 of 768 per rank; effective batch 64 = 32 per rank x 2 ranks) and "
         "evaluated whole on every rank (iterated without gradients)." in out.stdout
     )
     # the epochs of the training passes are as if nothing else had read the loader

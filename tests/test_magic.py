@@ -174,7 +174,7 @@ def test_unpicklable_globals_stop_the_launch_with_the_name(kernel):
     ("flags", "expected"),
     [
         ("--devices two", "devices='two' is not valid"),
-        ("--strategy zero", "unknown strategy 'zero'. Available strategies: ddp_notebook, ddp_spawn, fsdp, auto"),
+        ("--strategy zero", "unknown strategy 'zero'. Available strategies: ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, fsdp, auto"),
         ("--output loud", "argument --output: invalid choice: 'loud'"),
         ("--timeout soon", "argument --timeout: invalid float value: 'soon'"),
         ("--timeout -3", "timeout must be positive"),
@@ -242,7 +242,7 @@ def test_interrupt_stops_every_rank_and_leaves_the_kernel_usable(kernel):
     kernel.interrupt()
     reply, out = kernel.wait_for_reply(msg_id, timeout=15)
     elapsed = time.monotonic() - started
-    assert reply["status"] == "error" and reply["ename"] == "RunStoppedError"
+    assert reply["status"] == "error" and reply["ename"] == "RunInterrupted"
     assert elapsed < 5.0, elapsed
     assert "every rank was stopped" in out.error["evalue"] and "model" in out.error["evalue"]
     assert wait_gone(ranks, 5.0) == []

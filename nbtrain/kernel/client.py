@@ -26,6 +26,7 @@ from nbtrain.errors import (
     RankError,
     RankStartError,
     RunFailedError,
+    RunInterrupted,
     RunStoppedError,
     RunTimeoutError,
 )
@@ -33,6 +34,12 @@ from nbtrain.errors import (
 # "file": rank 0 sends its result's tensors in a shared-memory file instead of the kernel
 # reading them out of its memory (which is automatic where a sandbox forbids the read).
 RESULT_TRANSFER_VARIABLE = "NBTRAIN_RESULT_TRANSFER"
+LOG_DIR_VARIABLE = "NBTRAIN_LOG_DIR"  # where runs' log files go (default ~/.cache/nbtrain/logs)
+LOGS_KEPT = 50  # older run logs in that directory are removed when a run starts
+# Rank output waiting in a run's inbox for the cell to show it: past this, lines are
+# dropped (and counted in a note) instead of growing the kernel. The launcher already
+# sends at most a few thousand lines per rank, so only a stalled reader gets here.
+PENDING_OUTPUT_CHARS = 8_000_000
 INTERRUPT_GRACE_SECONDS = 5.0  # how long a stop may take before the launcher is replaced
 POLL_SECONDS = 0.25
 _SOURCE_LINES_LIMIT = 4 << 20  # bytes of notebook source sent for tracebacks
@@ -62,7 +69,9 @@ class LauncherClient:
         self.alive = True
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
         self._queues: dict[int, queue.Queue] = {}
+        self._stopping: set[int] = set()  # runs asked to stop: their results are not copied
         self._lock = threading.Lock()
+        self._pending_output: dict[int, _PendingOutput] = {}
         self._run_ids = itertools.count(1)
         threading.Thread(target=self._read_events, name="nbtrain-events", daemon=True).start()
         threading.Thread(target=self._read_stderr, name="nbtrain-launcher-stderr", daemon=True).start()
@@ -74,16 +83,20 @@ class LauncherClient:
             run_id = next(self._run_ids)
             inbox: queue.Queue = queue.Queue()
             self._queues[run_id] = inbox
+            message = start_run(run_id)
+            self._pending_output[run_id] = _PendingOutput(message.log_path)
             fds = () if tensor_fd is None else (tensor_fd,)
             try:
-                wire.send(self.process.channel, start_run(run_id), fds)
+                wire.send(self.process.channel, message, fds)
             except OSError as error:
                 del self._queues[run_id]
+                self._pending_output.pop(run_id, None)
                 raise LauncherError(f"could not reach the nbtrain launcher: {error}. {self.exit_detail()}") from error
         return run_id, inbox
 
     def stop(self, run_id: int, reason: str) -> None:
         with self._lock:
+            self._stopping.add(run_id)
             try:
                 wire.send(self.process.channel, events.StopRun(run_id, reason))
             except OSError:
@@ -92,6 +105,13 @@ class LauncherClient:
     def forget(self, run_id: int) -> None:
         with self._lock:
             self._queues.pop(run_id, None)
+            self._pending_output.pop(run_id, None)
+            self._stopping.discard(run_id)
+
+    def output_taken(self, run_id: int, chars: int) -> None:
+        pending = self._pending_output.get(run_id)
+        if pending is not None:
+            pending.taken(chars)
 
     def close(self) -> None:
         self.alive = False
@@ -124,7 +144,7 @@ class LauncherClient:
                 for fd in fds:
                     os.close(fd)
             else:
-                inbox.put((message, fds))
+                self._file(message, fds, inbox)
         with self._lock:
             self.alive = False
             try:
@@ -135,9 +155,20 @@ class LauncherClient:
             for inbox in self._queues.values():
                 inbox.put((gone, []))
 
+    def _file(self, message: Any, fds: list[int], inbox: queue.Queue) -> None:
+        pending = self._pending_output.get(message.run_id)
+        if pending is not None and isinstance(message, (events.Output, events.RunEnded)):
+            if isinstance(message, events.Output) and not pending.admit(message):
+                return  # dropped, and counted for the note
+            for note in pending.notes(message.run_id):
+                inbox.put((note, []))
+        inbox.put((message, fds))
+
     def _take_result(self, offer: events.ResultOffer, inbox: queue.Queue | None) -> None:
         copied = None
-        if inbox is not None and os.environ.get(RESULT_TRANSFER_VARIABLE) != "file":
+        # A run being stopped gives up its result (the launcher stops rank 0 too): no copy.
+        wanted = inbox is not None and offer.run_id not in self._stopping
+        if wanted and os.environ.get(RESULT_TRANSFER_VARIABLE) != "file":
             from nbtrain import sharedtensors
 
             try:
@@ -148,7 +179,7 @@ class LauncherClient:
                 pass  # this thread must live on. Rank 0 sends a file instead.
         if copied is not None:
             inbox.put((copied, []))
-        answer = events.ReleaseResult(offer.run_id, send_file=inbox is not None and copied is None)
+        answer = events.ReleaseResult(offer.run_id, send_file=wanted and copied is None)
         with self._lock:
             try:
                 wire.send(self.process.channel, answer)
@@ -161,6 +192,45 @@ class LauncherClient:
             return
         for line in iter(stream.readline, b""):
             self.stderr_tail.append(line.decode(errors="replace"))
+
+
+class _PendingOutput:
+    """Characters of a run's output filed but not yet taken, and lines dropped per rank."""
+
+    def __init__(self, log_path: str | None):
+        self.log_path = log_path
+        self.chars = 0
+        self.dropped: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, output: events.Output) -> bool:
+        with self._lock:
+            if self.chars > PENDING_OUTPUT_CHARS:
+                self.dropped[output.rank] = self.dropped.get(output.rank, 0) + output.text.count("\n")
+                return False
+            self.chars += len(output.text)
+            return True
+
+    def taken(self, chars: int) -> None:
+        with self._lock:
+            self.chars -= chars
+
+    def notes(self, run_id: int) -> list[events.Output]:
+        """Once the reader caught up (or the run ended): say what was dropped."""
+        with self._lock:
+            if not self.dropped or (self.chars > PENDING_OUTPUT_CHARS / 2):
+                return []
+            dropped, self.dropped = self.dropped, {}
+        where = f" Every line is in {self.log_path}." if self.log_path else ""
+        return [
+            events.Output(
+                run_id,
+                rank,
+                "stderr",
+                f"nbtrain: {count:,} lines of rank {rank} were not shown: the notebook could not keep up.{where}\n",
+            )
+            for rank, count in sorted(dropped.items())
+        ]
 
 
 _client: LauncherClient | None = None
@@ -215,10 +285,18 @@ class Run:
         42
     """
 
-    def __init__(self, client: LauncherClient, run_id: int, inbox: queue.Queue, cfg: config.LaunchConfig):
+    def __init__(
+        self,
+        client: LauncherClient,
+        run_id: int,
+        inbox: queue.Queue,
+        cfg: config.LaunchConfig,
+        log_path: str | None = None,
+    ):
         self.client = client
         self.run_id = run_id
         self.config = cfg
+        self.log_path = log_path  # every rank's full output, once a rank printed anything
         self.state = "running"
         self.pids: dict[int, int] = {}
         self._inbox = inbox
@@ -230,7 +308,8 @@ class Run:
         """Yield the run's events as they arrive, ending with its RunEnded.
 
         Yields None every ``poll`` seconds while nothing arrives, so a caller can redraw.
-        KeyboardInterrupt while waiting stops the run (every rank gone) and is re-raised.
+        KeyboardInterrupt while waiting stops the run (every rank gone, its result
+        dropped) and is re-raised.
         """
         while self._ended is None:
             try:
@@ -239,7 +318,7 @@ class Run:
                 yield None
                 continue
             except KeyboardInterrupt:
-                self.stop("interrupted")
+                self.abandon()
                 raise
             yield self._take(message, fds)
 
@@ -249,15 +328,20 @@ class Run:
             return None
         if isinstance(message, _LauncherGone):
             self.state = events.FAILED
+            self._copied = None
             self._ended = events.RunEnded(self.run_id, events.FAILED, detail=message.detail)
             self.client.forget(self.run_id)
             return self._ended
-        if isinstance(message, events.RankStarted):
+        if isinstance(message, events.Output):
+            self.client.output_taken(self.run_id, len(message.text))
+        elif isinstance(message, events.RankStarted):
             self.pids[message.rank] = message.pid
         if isinstance(message, events.RunEnded):
             self._ended, self._ended_fds = message, fds
             self.state = message.state
             self.client.forget(self.run_id)
+            if message.state != events.FINISHED:
+                self._copied = None  # a failed or stopped run has no result: free its memory now
         return message
 
     def stop(self, reason: str = "stopped") -> None:
@@ -279,18 +363,48 @@ class Run:
             self._ended = events.RunEnded(self.run_id, events.STOPPED)
             self.state = events.STOPPED
 
+    def abandon(self) -> None:
+        """Stop the run for an interrupt (if it still goes) and drop its result.
+
+        Whatever rank 0's result already brought into this process is freed at once: an
+        interrupted call's traceback keeps this handle alive for as long as IPython keeps
+        the traceback.
+        """
+        self.stop("interrupted")
+        self._drop_result()
+
+    def _drop_result(self) -> None:
+        self._copied = None
+        for fd in self._ended_fds:
+            os.close(fd)
+        self._ended_fds = []
+        while True:  # what came after the run ended, or before a launcher that never answered
+            try:
+                message, fds = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            for fd in fds:
+                os.close(fd)
+
     def wait(self, on_event: Callable[[Any], None] | None = None) -> Any:
-        """Block until the run ends; return rank 0's result or raise its failure."""
+        """Block until the run ends; return rank 0's result or raise its failure.
+
+        KeyboardInterrupt stops every rank, drops the result and is re-raised.
+        """
         try:
             for event in self.events():
                 if event is not None and on_event is not None:
                     on_event(event)
+            return self.result()
         except KeyboardInterrupt:
-            # events() stops the run when the interrupt lands in its own wait; one that
-            # lands in on_event (printing a line, say) must stop it too, or the ranks run on.
-            self.stop("interrupted")
-            raise
-        return self.result()
+            pass
+        # events() stops the run when the interrupt lands in its own wait; one that lands in
+        # on_event (printing a line, say) or in loading the result must stop it too, or the
+        # ranks run on. Raised afresh, out here: the interrupted frames, with whatever part
+        # of the result they had loaded, are freed instead of living on in the traceback.
+        self.abandon()
+        where = self.where_ranks_were()
+        raise RunInterrupted("the run was interrupted and every rank was stopped." + (f"\n{where}" if where else ""))
 
     def result(self) -> Any:
         """Rank 0's return value (call after the run ended)."""
@@ -371,6 +485,8 @@ def start(
     timeout: float | None = None,
     backend: str | None = None,
     oversubscribe: bool = False,
+    precision: str = "32-true",
+    sync_batchnorm: bool = False,
 ) -> Run:
     """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once.
 
@@ -381,7 +497,9 @@ def start(
     from nbtrain.errors import SerializationError
 
     plan = hardware.probe_plan(devices, accelerator, oversubscribe)
-    cfg = config.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
+    cfg = config.make_config(
+        plan, strategy=strategy, timeout=timeout, backend=backend, precision=precision, sync_batchnorm=sync_batchnorm
+    )
     _admit(cfg, fn, args, kwargs)
     try:
         payload, tensor_fd = _pickle_payload((fn, tuple(args), dict(kwargs or {})))
@@ -400,15 +518,18 @@ def start(
             ranks=cfg.rank_specs(),
             start_method=cfg.strategy.start_method,
             backend=cfg.backend,
-            # prepare() on a rank wraps models for this strategy (nbtrain.rank.prepare).
-            environ={**_caller_environment(), "NBTRAIN_MODEL_WRAPPER": cfg.strategy.model_wrapper},
+            # prepare() on a rank wraps models for this strategy and precision (nbtrain.rank.prepare).
+            environ={**_caller_environment(), **config.rank_environment(cfg)},
             cwd=os.getcwd(),
             sys_path=tuple(sys.path),
             source_lines=_notebook_source_lines(),
             timeout=cfg.timeout,
             threads_per_rank=threads,
             has_tensor_file=tensor_fd is not None,
+            log_path=log_paths.setdefault(run_id, _log_path(run_id)),
         )
+
+    log_paths: dict[int, str | None] = {}
 
     client = get_client()
     try:
@@ -416,7 +537,7 @@ def start(
     finally:
         if tensor_fd is not None:
             os.close(tensor_fd)
-    return Run(client, run_id, inbox, cfg)
+    return Run(client, run_id, inbox, cfg, log_paths.get(run_id))
 
 
 def launch(
@@ -428,6 +549,9 @@ def launch(
     timeout: float | None = None,
     background: bool = False,
     oversubscribe: bool = False,
+    backend: str | None = None,
+    precision: str = "32-true",
+    sync_batchnorm: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank; return rank 0's return value.
@@ -437,6 +561,9 @@ def launch(
     any rank stops all of them and raises here (:class:`nbtrain.errors.RankError`).
 
     ``oversubscribe=True`` allows more CPU processes than 4 per core (refused otherwise).
+    ``backend``, ``precision`` (Lightning's names: ``"32-true"``, ``"bf16-mixed"``,
+    ``"16-mixed"``, ...) and ``sync_batchnorm`` are as for ``%%distributed``; they apply to
+    what ``nbtrain.prepare`` does on the ranks.
 
     ``background=True`` returns at once with a
     :class:`nbtrain.kernel.background.BackgroundRun` (``wait()``, ``stop()``, ``result``,
@@ -457,6 +584,9 @@ def launch(
         strategy=strategy,
         timeout=timeout,
         oversubscribe=oversubscribe,
+        backend=backend,
+        precision=precision,
+        sync_batchnorm=sync_batchnorm,
     )
     if background:
         from nbtrain.kernel import background as _background
@@ -496,6 +626,22 @@ def _has_contents(cell: Any) -> bool:
     except ValueError:  # a closure variable not bound yet
         return False
     return True
+
+
+def _log_path(run_id: int) -> str | None:
+    """A new run's log file (created by the launcher at its first line); old ones are pruned."""
+    directory = os.environ.get(LOG_DIR_VARIABLE) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nbtrain", "logs"
+    )
+    try:
+        os.makedirs(directory, exist_ok=True)
+        logs = sorted(name for name in os.listdir(directory) if name.startswith("run-") and name.endswith(".log"))
+        for name in logs[: max(0, len(logs) - LOGS_KEPT + 1)]:
+            os.unlink(os.path.join(directory, name))
+    except OSError:
+        return None  # no writable place: the run goes on without a log
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join(directory, f"run-{stamp}-{os.getpid()}-{run_id}.log")
 
 
 def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:

@@ -239,7 +239,14 @@ def _state_marks(obj: Any) -> Any:
 
 
 def _signature(module: Any) -> tuple:
-    return tuple((key, tuple(t.shape), str(t.dtype)) for key, t in module.state_dict().items())
+    # Under a -true precision the rank cast the model itself: its dtype changing is ours,
+    # not the cell's, and the kernel's model keeps its own dtype (loaded by state).
+    from nbtrain.rank import precision
+
+    ours = precision.casts_model(precision.current())
+    return tuple(
+        (key, tuple(t.shape), "" if ours else str(t.dtype)) for key, t in module.state_dict().items()
+    )
 
 
 def _collect(
@@ -256,6 +263,8 @@ def _collect(
 
     rank0 = before is not None
     modules = _unique(namespace, torch.nn.Module)
+    for _, module in modules:
+        _reshard(module)
     changed_modules: set[str] = set()
     module_states: dict[str, Any] = {}
     for name, module in modules:
@@ -329,6 +338,21 @@ def _unique(namespace: Mapping[str, Any], kind: Any) -> list[tuple[str, Any]]:
             seen.add(id(value))
             found.append((name, value))
     return found
+
+
+def _reshard(module: Any) -> None:
+    """Register the shards of every FSDP2 unit of ``module`` again (local: no collective).
+
+    FSDP2 keeps the root's gathered weights after a forward, for the backward that
+    usually follows. After a forward without gradients (an evaluation loop at the end of
+    the cell) none follows, and the module would hold plain, gathered tensors: it would
+    look unsharded to the gathering below, on some ranks and not others.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
 
 
 def _is_sharded(module: Any) -> bool:
