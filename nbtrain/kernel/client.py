@@ -26,7 +26,6 @@ from nbtrain.errors import (
     RankError,
     RankStartError,
     RunFailedError,
-    RunInterrupted,
     RunStoppedError,
     RunTimeoutError,
 )
@@ -404,7 +403,8 @@ class Run:
         # of the result they had loaded, are freed instead of living on in the traceback.
         self.abandon()
         where = self.where_ranks_were()
-        raise RunInterrupted("the run was interrupted and every rank was stopped." + (f"\n{where}" if where else ""))
+        # A plain KeyboardInterrupt, as Python raises; its text says where each rank was.
+        raise KeyboardInterrupt(f"every rank was stopped.\n{where}" if where else "")
 
     def result(self) -> Any:
         """Rank 0's return value (call after the run ended)."""
