@@ -115,7 +115,7 @@ class Metrics:
 
 @dataclass(frozen=True)
 class MemorySample:
-    """A rank's memory: host RSS always, CUDA allocated/peak when on GPU (bytes)."""
+    """A rank's memory: host RSS always, CUDA allocated/peak/reserved when on GPU (bytes)."""
 
     run_id: int
     rank: int
@@ -123,6 +123,7 @@ class MemorySample:
     cuda_allocated_bytes: int | None = None
     cuda_peak_bytes: int | None = None
     time: float = 0.0
+    cuda_reserved_bytes: int | None = None  # what the caching allocator holds from the driver
 
 
 @dataclass(frozen=True)

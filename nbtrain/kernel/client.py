@@ -469,6 +469,8 @@ def start(
     timeout: float | None = None,
     backend: str | None = None,
     oversubscribe: bool = False,
+    precision: str = "32-true",
+    sync_batchnorm: bool = False,
 ) -> Run:
     """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once.
 
@@ -479,7 +481,9 @@ def start(
     from nbtrain.errors import SerializationError
 
     plan = hardware.probe_plan(devices, accelerator, oversubscribe)
-    cfg = config.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
+    cfg = config.make_config(
+        plan, strategy=strategy, timeout=timeout, backend=backend, precision=precision, sync_batchnorm=sync_batchnorm
+    )
     _admit(cfg, fn, args, kwargs)
     try:
         payload, tensor_fd = _pickle_payload((fn, tuple(args), dict(kwargs or {})))
@@ -498,8 +502,8 @@ def start(
             ranks=cfg.rank_specs(),
             start_method=cfg.strategy.start_method,
             backend=cfg.backend,
-            # prepare() on a rank wraps models for this strategy (nbtrain.rank.prepare).
-            environ={**_caller_environment(), "NBTRAIN_MODEL_WRAPPER": cfg.strategy.model_wrapper},
+            # prepare() on a rank wraps models for this strategy and precision (nbtrain.rank.prepare).
+            environ={**_caller_environment(), **config.rank_environment(cfg)},
             cwd=os.getcwd(),
             sys_path=tuple(sys.path),
             source_lines=_notebook_source_lines(),
@@ -529,6 +533,9 @@ def launch(
     timeout: float | None = None,
     background: bool = False,
     oversubscribe: bool = False,
+    backend: str | None = None,
+    precision: str = "32-true",
+    sync_batchnorm: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank; return rank 0's return value.
@@ -538,6 +545,9 @@ def launch(
     any rank stops all of them and raises here (:class:`nbtrain.errors.RankError`).
 
     ``oversubscribe=True`` allows more CPU processes than 4 per core (refused otherwise).
+    ``backend``, ``precision`` (Lightning's names: ``"32-true"``, ``"bf16-mixed"``,
+    ``"16-mixed"``, ...) and ``sync_batchnorm`` are as for ``%%distributed``; they apply to
+    what ``nbtrain.prepare`` does on the ranks.
 
     ``background=True`` returns at once with a
     :class:`nbtrain.kernel.background.BackgroundRun` (``wait()``, ``stop()``, ``result``,
@@ -558,6 +568,9 @@ def launch(
         strategy=strategy,
         timeout=timeout,
         oversubscribe=oversubscribe,
+        backend=backend,
+        precision=precision,
+        sync_batchnorm=sync_batchnorm,
     )
     if background:
         from nbtrain.kernel import background as _background
