@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain import events, processes, wire
-from nbtrain.launch_server.output import STREAMS, RankOutput, RunLog
 from nbtrain.events import (
     MemorySample,
     Metrics,
@@ -40,6 +39,7 @@ from nbtrain.events import (
     StartRun,
     StopRun,
 )
+from nbtrain.launch_server.output import STREAMS, RankOutput, RunLog
 
 # Imported once here so that no rank pays for it: DistributedDataParallel's constructor
 # alone imports torch._dynamo, 1.5-2 s per rank on a small machine.
