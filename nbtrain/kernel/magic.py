@@ -32,7 +32,7 @@ from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 
-from nbtrain import config, events
+from nbtrain import charts, config, events
 from nbtrain.errors import (
     ConfigurationError,
     NbtrainError,
@@ -121,6 +121,13 @@ class DistributedMagics(Magics):
         type=_timeout_flag,
         default=_SESSION,
         help="Stop every rank after this many seconds; none: no limit. Default: the session default (no limit).",
+    )
+    @magic_arguments.argument(
+        "--stall-warning",
+        type=_timeout_flag,
+        default=_SESSION,
+        help="The live view names a rank that logged no step for this many seconds while it "
+        "runs; none: never. Default: the session default (30).",
     )
     @magic_arguments.argument(
         "--output",
@@ -253,6 +260,13 @@ def fill_defaults(options: Any) -> Any:
         options.strategy = session.strategy
     if options.timeout is _SESSION:
         options.timeout = session.timeout
+    if options.stall_warning is _SESSION:
+        options.stall_warning = session.stall_warning
+    elif options.stall_warning is not None and not options.stall_warning > 0:
+        raise UsageError(
+            f"%%distributed: --stall-warning {options.stall_warning:g} is not a positive number of seconds; "
+            "give one, or none for no warning."
+        )
     return options
 
 
@@ -421,7 +435,7 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
 
         return background.follow_cell(shell, run, prepared, options)
     show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
-    view = _CellView(run, prepared.total_steps)
+    view = _CellView(run, prepared.total_steps, getattr(options, "stall_warning", charts.STALL_SECONDS))
     try:
         for event in run.events(poll=view.poll_seconds):
             if event is not None:
@@ -443,8 +457,10 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
         run.abandon()  # stops the run and frees any result it brought back
         record.state = events.STOPPED
         view.finish(events.STOPPED)
+        where = run.where_ranks_were()
         raise RunInterrupted(
             f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
+            + (f"\n{where}" if where else "")
         )
     record.state = events.FINISHED
     view.finish(events.FINISHED)
@@ -525,10 +541,10 @@ class _CellView:
     terminal would print them again, so it gets every event but those.
     """
 
-    def __init__(self, run: Any, total_steps: int | None = None):
+    def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = charts.STALL_SECONDS):
         from nbtrain.kernel import display
 
-        self.view = display.LiveView(run.config, total_steps=total_steps)
+        self.view = display.LiveView(run.config, total_steps=total_steps, stall_warning=stall_warning)
         self.poll_seconds = display.FASTEST_FRAME_SECONDS / 2
         self.view.refresh(force=True)
 
@@ -597,9 +613,10 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
     if isinstance(error, RankError):
         text = cell_traceback(error.remote_traceback, shell)
         return RankError(error.rank, error.exc_type, error.exc_message, text, note)
-    message = f"{error} {note}"
+    where = getattr(error, "where", "")
+    message = f"{error.headline or error} {note}" + (f"\n{where}" if where else "")
     error.args = (message,)
-    error._render_traceback_ = lambda: [f"{type(error).__name__}: {message}"]  # type: ignore[attr-defined]
+    error._render_traceback_ = lambda: f"{type(error).__name__}: {message}".splitlines()  # type: ignore[attr-defined]
     return error
 
 
