@@ -113,7 +113,7 @@ class DistributedMagics(Magics):
     @magic_arguments.argument(
         "--strategy",
         default=None,
-        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, fsdp or auto: see Strategies above. "
+        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, ddp_sharded, fsdp or auto: see Strategies above. "
         "Default: the session default (ddp_notebook).",
     )
     @magic_arguments.argument(
@@ -190,6 +190,7 @@ class DistributedMagics(Magics):
           ddp_find_unused_parameters_true
                         ddp_notebook for a model that skips some parameters in a step
                         (DDP then searches for them at every step, at some cost)
+          ddp_sharded   data parallel, optimizer state partitioned across ranks (ZeRO)
           fsdp          fully sharded with FSDP2: each rank holds a slice of every weight
           auto          ddp_notebook for more than one device, a single worker for one
 
