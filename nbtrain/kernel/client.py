@@ -402,7 +402,9 @@ class Run:
         # ranks run on. Raised afresh, out here: the interrupted frames, with whatever part
         # of the result they had loaded, are freed instead of living on in the traceback.
         self.abandon()
-        raise KeyboardInterrupt
+        where = self.where_ranks_were()
+        # A plain KeyboardInterrupt, as Python raises; its text says where each rank was.
+        raise KeyboardInterrupt(f"every rank was stopped.\n{where}" if where else "")
 
     def result(self) -> Any:
         """Rank 0's return value (call after the run ended)."""
@@ -432,6 +434,20 @@ class Run:
                 os.close(extra)
             self._ended_fds = []
 
+    def where_ranks_were(self) -> str:
+        """Where each rank was when a timeout or a stop ended the run, in the notebook's terms.
+
+        Each line names a rank, what it was doing and the cell and line (``rank 0: waiting
+        in all_reduce, Cell In[5], line 12``), then each rank's stack; "" when the run did
+        not end that way (or the launcher got no dump).
+        """
+        from nbtrain import stacks
+
+        if self._ended is None or not self._ended.stacks:
+            return ""
+        parsed = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in self._ended.stacks]
+        return stacks.describe(parsed, cell_namer(), _source_line)
+
     def _failure(self, ended: events.RunEnded) -> RunFailedError:
         failure = ended.failure
         if isinstance(failure, events.RankFailed):
@@ -441,9 +457,9 @@ class Run:
         if isinstance(failure, events.RankExited):
             return RankDiedError(failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code)
         if ended.state == events.TIMED_OUT:
-            return RunTimeoutError(self.config.timeout or 0.0)
+            return RunTimeoutError(self.config.timeout or 0.0, self.where_ranks_were())
         if ended.state == events.STOPPED:
-            return RunStoppedError("the run was stopped before it finished; every rank is gone.")
+            return RunStoppedError("the run was stopped before it finished; every rank is gone.", self.where_ranks_were())
         return LauncherError(ended.detail or "the run failed for an unknown reason")
 
 
@@ -662,6 +678,19 @@ def _caller_environment() -> dict[str, str]:
         for key, value in os.environ.items()
         if key not in (processes.CONTROL_FD_VARIABLE, processes.ROLE_VARIABLE)
     }
+
+
+def cell_namer() -> Callable[[str], str | None]:
+    """filename -> ``Cell In[N]`` for the notebook's cells, as IPython names them in tracebacks."""
+    shell = None
+    if "IPython" in sys.modules:
+        shell = sys.modules["IPython"].get_ipython()
+    names = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
+    return lambda filename: f"Cell In[{names[filename]}]" if filename in names else None
+
+
+def _source_line(filename: str, line: int) -> str:
+    return linecache.getline(filename, line)
 
 
 def _notebook_source_lines() -> dict[str, tuple[str, ...]]:

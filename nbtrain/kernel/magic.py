@@ -30,7 +30,7 @@ from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 
-from nbtrain import config, events, processes
+from nbtrain import charts, config, events, processes
 from nbtrain.errors import (
     ConfigurationError,
     NbtrainError,
@@ -110,7 +110,7 @@ class DistributedMagics(Magics):
     @magic_arguments.argument(
         "--strategy",
         default=None,
-        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, fsdp or auto: see Strategies above. "
+        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, ddp_sharded, fsdp or auto: see Strategies above. "
         "Default: the session default (ddp_notebook).",
     )
     @magic_arguments.argument(
@@ -118,6 +118,13 @@ class DistributedMagics(Magics):
         type=_timeout_flag,
         default=_SESSION,
         help="Stop every rank after this many seconds; none: no limit. Default: the session default (no limit).",
+    )
+    @magic_arguments.argument(
+        "--stall-warning",
+        type=_timeout_flag,
+        default=_SESSION,
+        help="The live view names a rank that logged no step for this many seconds while it "
+        "runs; none: never. Default: the session default (30).",
     )
     @magic_arguments.argument(
         "--output",
@@ -180,6 +187,7 @@ class DistributedMagics(Magics):
           ddp_find_unused_parameters_true
                         ddp_notebook for a model that skips some parameters in a step
                         (DDP then searches for them at every step, at some cost)
+          ddp_sharded   data parallel, optimizer state partitioned across ranks (ZeRO)
           fsdp          fully sharded with FSDP2: each rank holds a slice of every weight
           auto          ddp_notebook for more than one device, a single worker for one
 
@@ -249,6 +257,13 @@ def fill_defaults(options: Any) -> Any:
         options.strategy = session.strategy
     if options.timeout is _SESSION:
         options.timeout = session.timeout
+    if options.stall_warning is _SESSION:
+        options.stall_warning = session.stall_warning
+    elif options.stall_warning is not None and not options.stall_warning > 0:
+        raise UsageError(
+            f"%%distributed: --stall-warning {options.stall_warning:g} is not a positive number of seconds; "
+            "give one, or none for no warning."
+        )
     return options
 
 
@@ -438,7 +453,7 @@ def _run_cell(shell: Any, line: str, cell: str, options: Any, stage: list[str]) 
     if held.received:  # it came after the last look
         if getattr(options, "background", False):
             value.stop("interrupted")
-            raise _interrupted(prepared)
+            raise _interrupted(prepared, value.run)
         raise RunInterrupted(_LATE)
     return value
 
@@ -461,7 +476,7 @@ def _launch_and_follow(shell: Any, prepared: PreparedCell, options: Any, held: p
         handle = background.follow_cell(shell, run, prepared, options)
         if held.received:  # the cell that starts it was interrupted: the run does not go on
             handle.stop("interrupted")
-            raise _interrupted(prepared)
+            raise _interrupted(prepared, run)
         return handle
     try:
         return _follow(shell, run, prepared, options, held)
@@ -476,7 +491,7 @@ def _follow(shell: Any, run: Any, prepared: PreparedCell, options: Any, held: pr
     view = None
     if not held.received:
         show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
-        view = _CellView(run, prepared.total_steps)
+        view = _CellView(run, prepared.total_steps, getattr(options, "stall_warning", charts.STALL_SECONDS))
         for event in run.events(poll=view.poll_seconds):  # wakes at least every poll
             if held.received:
                 break
@@ -488,7 +503,7 @@ def _follow(shell: Any, run: Any, prepared: PreparedCell, options: Any, held: pr
         record.state = events.STOPPED
         if view is not None:
             view.finish(events.STOPPED)
-        raise _interrupted(prepared)
+        raise _interrupted(prepared, run)
     try:
         result = run.result()
     except RunFailedError as error:
@@ -503,9 +518,11 @@ def _follow(shell: Any, run: Any, prepared: PreparedCell, options: Any, held: pr
     return value
 
 
-def _interrupted(prepared: PreparedCell) -> RunInterrupted:
+def _interrupted(prepared: PreparedCell, run: Any) -> RunInterrupted:
+    where = run.where_ranks_were()  # each rank's stack when it was stopped, if the launcher got one
     return RunInterrupted(
         f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
+        + (f"\n{where}" if where else "")
     )
 
 
@@ -583,10 +600,10 @@ class _CellView:
     terminal would print them again, so it gets every event but those.
     """
 
-    def __init__(self, run: Any, total_steps: int | None = None):
+    def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = charts.STALL_SECONDS):
         from nbtrain.kernel import display
 
-        self.view = display.LiveView(run.config, total_steps=total_steps)
+        self.view = display.LiveView(run.config, total_steps=total_steps, stall_warning=stall_warning)
         self.poll_seconds = display.FASTEST_FRAME_SECONDS / 2
         self.view.refresh(force=True)
 
@@ -655,9 +672,10 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
     if isinstance(error, RankError):
         text = cell_traceback(error.remote_traceback, shell)
         return RankError(error.rank, error.exc_type, error.exc_message, text, note)
-    message = f"{error} {note}"
+    where = getattr(error, "where", "")
+    message = f"{error.headline or error} {note}" + (f"\n{where}" if where else "")
     error.args = (message,)
-    error._render_traceback_ = lambda: [f"{type(error).__name__}: {message}"]  # type: ignore[attr-defined]
+    error._render_traceback_ = lambda: f"{type(error).__name__}: {message}".splitlines()  # type: ignore[attr-defined]
     return error
 
 
