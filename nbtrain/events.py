@@ -115,7 +115,7 @@ class Metrics:
 
 @dataclass(frozen=True)
 class MemorySample:
-    """A rank's memory: host RSS always, CUDA allocated/peak when on GPU (bytes)."""
+    """A rank's memory: host RSS always, CUDA allocated/peak/reserved when on GPU (bytes)."""
 
     run_id: int
     rank: int
@@ -123,6 +123,7 @@ class MemorySample:
     cuda_allocated_bytes: int | None = None
     cuda_peak_bytes: int | None = None
     time: float = 0.0
+    cuda_reserved_bytes: int | None = None  # what the caching allocator holds from the driver
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,9 @@ class RunEnded:
     has_tensor_file: bool = False
     failure: RankFailed | RankExited | RankNotStarted | None = None
     detail: str = ""
+    # A run that timed out or was stopped: each rank's faulthandler dump at that moment,
+    # (rank, text); "" for a rank that did not answer. Parsed by nbtrain.stacks.
+    stacks: tuple[tuple[int, str], ...] = ()
 
 
 # Rank -> launcher only (not forwarded): the rank's work is done and its result is safe.

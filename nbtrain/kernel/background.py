@@ -54,7 +54,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from nbtrain import events
+from nbtrain import charts, events
 from nbtrain.errors import RunStoppedError
 from nbtrain.kernel import display
 from nbtrain.kernel import shell as kernel_shell
@@ -119,6 +119,7 @@ class BackgroundRun:
         output: str = "all",
         shell: Any = None,
         total_steps: int | None = None,
+        stall_warning: float | None = charts.STALL_SECONDS,
     ) -> None:
         cfg = run.config
         self.id = next(_ids)
@@ -138,6 +139,7 @@ class BackgroundRun:
         self.view: display.NotedLiveView | None = None
         self.output = output
         self.total_steps = total_steps  # the live view's progress total, when known
+        self.stall_warning = stall_warning
         self._started_at = time.monotonic()
         self._state = RUNNING
         self._value: Any = None
@@ -421,7 +423,7 @@ class BackgroundRun:
         """Show the live view and its Stop button in the current cell (the main thread, at start)."""
         if not display.frontend_is_rich():
             return
-        self.view = display.NotedLiveView(self.run.config, total_steps=self.total_steps)
+        self.view = display.NotedLiveView(self.run.config, total_steps=self.total_steps, stall_warning=self.stall_warning)
         index = len(runs())  # its place in nbtrain.runs() once started
         self.view.note = (
             f"background run {self.id} · the kernel is free · "
@@ -439,15 +441,16 @@ class BackgroundRun:
 class CellBackgroundRun(BackgroundRun):
     """A ``%%distributed --background`` cell: on success its results go into the kernel."""
 
-    def __init__(self, shell: Any, run: Any, prepared: Any, output: str, callbacks: CellCallbacks) -> None:
+    def __init__(self, shell: Any, run: Any, prepared: Any, options: Any, callbacks: CellCallbacks) -> None:
         number = kernel_shell.current_cell_number(shell)
         super().__init__(
             run,
             kind="cell",
             name=f"cell In[{number}]" if number else "cell",
-            output=output,
+            output=options.output,
             shell=shell,
             total_steps=prepared.total_steps,
+            stall_warning=options.stall_warning,
         )
         self.shell = shell
         self.prepared = prepared
@@ -462,7 +465,7 @@ class CellBackgroundRun(BackgroundRun):
         self.record.state = self.run.state
         self.record.seconds = self.seconds or 0.0
         if isinstance(error, RunStoppedError):
-            error = RunStoppedError(f"background run {self.id} was stopped; every rank is gone.")
+            error = RunStoppedError(f"background run {self.id} was stopped; every rank is gone.", error.where)
         return self.callbacks.explain_failure(error, self.shell, self.prepared.unchanged)
 
     def _outcome(self, raw: Any) -> None:
@@ -494,13 +497,14 @@ class CellBackgroundRun(BackgroundRun):
         return super()._end_note(state, error)
 
 
-def follow_cell(shell: Any, run: Any, prepared: Any, output: str, callbacks: CellCallbacks) -> CellBackgroundRun:
+def follow_cell(shell: Any, run: Any, prepared: Any, options: Any, callbacks: CellCallbacks) -> CellBackgroundRun:
     """Follow a started ``%%distributed --background`` cell; its handle, at once.
 
     ``prepared`` is the magic's prepared cell (``shipped``, ``record``, ``total_steps``,
-    ``unchanged``); ``output`` its --output; ``callbacks`` what the magic does at the end.
+    ``unchanged``); ``options`` its flags (``output``, ``stall_warning``: a
+    :class:`nbtrain.kernel.magic.CellOptions`); ``callbacks`` what the magic does at the end.
     """
-    handle = CellBackgroundRun(shell, run, prepared, output, callbacks)
+    handle = CellBackgroundRun(shell, run, prepared, options, callbacks)
     handle._display()
     handle._start()
     return handle

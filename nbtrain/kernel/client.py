@@ -414,7 +414,9 @@ class Run:
         # ranks run on. Raised afresh, out here: the interrupted frames, with whatever part
         # of the result they had loaded, are freed instead of living on in the traceback.
         self.abandon()
-        raise KeyboardInterrupt
+        where = self.where_ranks_were()
+        # A plain KeyboardInterrupt, as Python raises; its text says where each rank was.
+        raise KeyboardInterrupt(f"every rank was stopped.\n{where}" if where else "")
 
     def result(self) -> Any:
         """Rank 0's return value (call after the run ended)."""
@@ -444,6 +446,20 @@ class Run:
                 os.close(extra)
             self._ended_fds = []
 
+    def where_ranks_were(self) -> str:
+        """Where each rank was when a timeout or a stop ended the run, in the notebook's terms.
+
+        Each line names a rank, what it was doing and the cell and line (``rank 0: waiting
+        in all_reduce, Cell In[5], line 12``), then each rank's stack; "" when the run did
+        not end that way (or the launcher got no dump).
+        """
+        from nbtrain import stacks
+
+        if self._ended is None or not self._ended.stacks:
+            return ""
+        parsed = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in self._ended.stacks]
+        return stacks.describe(parsed, cell_namer(), _source_line)
+
     def _failure(self, ended: messages.RunEnded) -> RunFailedError:
         failure = ended.failure
         if isinstance(failure, messages.RankFailed):
@@ -453,9 +469,9 @@ class Run:
         if isinstance(failure, messages.RankExited):
             return RankDiedError(failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code)
         if ended.state == messages.TIMED_OUT:
-            return RunTimeoutError(self.config.timeout or 0.0)
+            return RunTimeoutError(self.config.timeout or 0.0, self.where_ranks_were())
         if ended.state == messages.STOPPED:
-            return RunStoppedError("the run was stopped before it finished; every rank is gone.")
+            return RunStoppedError("the run was stopped before it finished; every rank is gone.", self.where_ranks_were())
         return LauncherError(ended.detail or "the run failed for an unknown reason")
 
 
@@ -470,6 +486,8 @@ def start(
     timeout: float | None = None,
     backend: str | None = None,
     oversubscribe: bool = False,
+    precision: str = "32-true",
+    sync_batchnorm: bool = False,
     config: config_module.LaunchConfig | None = None,
 ) -> Run:
     """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once.
@@ -486,7 +504,9 @@ def start(
     cfg = config
     if cfg is None:
         plan = hardware.probe_plan(devices, accelerator, oversubscribe)
-        cfg = config_module.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
+        cfg = config_module.make_config(
+            plan, strategy=strategy, timeout=timeout, backend=backend, precision=precision, sync_batchnorm=sync_batchnorm
+        )
     _admit(cfg, fn, args, kwargs)
     try:
         payload, tensor_fd = _pickle_payload((fn, tuple(args), dict(kwargs or {})))
@@ -505,8 +525,8 @@ def start(
             ranks=cfg.rank_specs(),
             start_method=cfg.strategy.start_method,
             backend=cfg.backend,
-            # prepare() on a rank wraps models for this strategy (nbtrain.rank.prepare).
-            environ={**_caller_environment(), "NBTRAIN_MODEL_WRAPPER": cfg.strategy.model_wrapper},
+            # prepare() on a rank wraps models for this strategy and precision (nbtrain.rank.prepare).
+            environ={**_caller_environment(), **config_module.rank_environment(cfg)},
             cwd=os.getcwd(),
             sys_path=tuple(sys.path),
             source_lines=_notebook_source_lines(),
@@ -520,11 +540,18 @@ def start(
 
     client = get_client()
     try:
-        run_id, inbox = client.submit(start_run, tensor_fd)
+        # Held: an interrupt half way through sending StartRun would garble the channel, and
+        # one between the send and the handle would leave a run nobody can stop.
+        with processes.interrupts_held() as held:
+            run_id, inbox = client.submit(start_run, tensor_fd)
+            run = Run(client, run_id, inbox, cfg, log_paths.get(run_id))
     finally:
         if tensor_fd is not None:
             os.close(tensor_fd)
-    return Run(client, run_id, inbox, cfg, log_paths.get(run_id))
+    if held.received:  # the caller was interrupted as the run started: it does not go on
+        run.abandon()
+        raise KeyboardInterrupt
+    return run
 
 
 def launch(
@@ -536,6 +563,9 @@ def launch(
     timeout: float | None = None,
     background: bool = False,
     oversubscribe: bool = False,
+    backend: str | None = None,
+    precision: str = "32-true",
+    sync_batchnorm: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank; return rank 0's return value.
@@ -545,6 +575,9 @@ def launch(
     any rank stops all of them and raises here (:class:`nbtrain.errors.RankError`).
 
     ``oversubscribe=True`` allows more CPU processes than 4 per core (refused otherwise).
+    ``backend``, ``precision`` (Lightning's names: ``"32-true"``, ``"bf16-mixed"``,
+    ``"16-mixed"``, ...) and ``sync_batchnorm`` are as for ``%%distributed``; they apply to
+    what ``nbtrain.prepare`` does on the ranks.
 
     ``background=True`` returns at once with a
     :class:`nbtrain.kernel.background.BackgroundRun` (``wait()``, ``stop()``, ``result``,
@@ -565,14 +598,21 @@ def launch(
         strategy=strategy,
         timeout=timeout,
         oversubscribe=oversubscribe,
+        backend=backend,
+        precision=precision,
+        sync_batchnorm=sync_batchnorm,
     )
-    if background:
-        from nbtrain.kernel import background as _background
+    try:
+        if background:
+            from nbtrain.kernel import background as _background
 
-        return _background.follow_function(run, fn)
-    from nbtrain.kernel import display
+            return _background.follow_function(run, fn)
+        from nbtrain.kernel import display
 
-    return run.wait(on_event=display.print_output)
+        return run.wait(on_event=display.print_output)
+    except KeyboardInterrupt:
+        run.abandon()  # wait() did already; not so an interrupt before it, or in follow_function
+        raise
 
 
 def _admit(cfg: config_module.LaunchConfig, fn: Callable[..., Any], args: tuple, kwargs: dict | None) -> None:
@@ -647,6 +687,18 @@ def _caller_environment() -> dict[str, str]:
         for key, value in os.environ.items()
         if key not in (processes.CONTROL_FD_VARIABLE, processes.ROLE_VARIABLE)
     }
+
+
+def cell_namer() -> Callable[[str], str | None]:
+    """filename -> ``Cell In[N]`` for the notebook's cells, as IPython names them in tracebacks."""
+    from nbtrain.kernel import shell as kernel_shell
+
+    names = kernel_shell.cell_filenames(kernel_shell.get_shell())
+    return lambda filename: f"Cell In[{names[filename]}]" if filename in names else None
+
+
+def _source_line(filename: str, line: int) -> str:
+    return linecache.getline(filename, line)
 
 
 def _notebook_source_lines() -> dict[str, tuple[str, ...]]:

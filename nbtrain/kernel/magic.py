@@ -31,7 +31,7 @@ from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 
-from nbtrain import config, events, records
+from nbtrain import charts, config, events, processes, records
 from nbtrain.errors import (
     ConfigurationError,
     NbtrainError,
@@ -48,7 +48,6 @@ METRIC_ROWS = 100_000  # per rank, kept in ``last_run`` (a long run must not gro
 # nothing unused. prepare() sets that flag (so a model that skips a layer still trains);
 # the hint is about our choice, not the user's code.
 _NOISE = "find_unused_parameters=True was specified in DDP constructor"
-_INTERRUPTED = object()  # the result of a run whose cell was interrupted
 
 
 @dataclass
@@ -113,7 +112,7 @@ class DistributedMagics(Magics):
     @magic_arguments.argument(
         "--strategy",
         default=None,
-        help="ddp_notebook, ddp_spawn, fsdp or auto: see Strategies above. "
+        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, ddp_sharded, fsdp or auto: see Strategies above. "
         "Default: the session default (ddp_notebook).",
     )
     @magic_arguments.argument(
@@ -121,6 +120,13 @@ class DistributedMagics(Magics):
         type=_timeout_flag,
         default=_SESSION,
         help="Stop every rank after this many seconds; none: no limit. Default: the session default (no limit).",
+    )
+    @magic_arguments.argument(
+        "--stall-warning",
+        type=_timeout_flag,
+        default=_SESSION,
+        help="The live view names a rank that logged no step for this many seconds while it "
+        "runs; none: never. Default: the session default (30).",
     )
     @magic_arguments.argument(
         "--output",
@@ -133,6 +139,24 @@ class DistributedMagics(Magics):
         dest="auto",
         action="store_false",
         help="Do not prepare the kernel's models, optimizers and loaders, nor log the loss: the cell does it all.",
+    )
+    @magic_arguments.argument(
+        "--precision",
+        default="32-true",
+        help="32-true (32), 64-true, 16-mixed (16), bf16-mixed (bf16), 16-true, bf16-true: mixed runs the "
+        "prepared model's forward under autocast (16-mixed on CUDA also scales the loss); -true casts the "
+        "model on the ranks. The kernel's objects keep their dtype. Default: 32-true.",
+    )
+    @magic_arguments.argument(
+        "--sync-batchnorm",
+        action="store_true",
+        help="Compute BatchNorm statistics over every rank's batch (SyncBatchNorm on the ranks; "
+        "the kernel's model keeps plain BatchNorm and gets the synced running statistics).",
+    )
+    @magic_arguments.argument(
+        "--backend",
+        default=None,
+        help="Process-group backend: gloo, nccl, mpi or cpu:gloo,cuda:nccl. Default: gloo on CPU, nccl on CUDA.",
     )
     @magic_arguments.argument(
         "--allow-oversubscribe",
@@ -162,6 +186,10 @@ class DistributedMagics(Magics):
           ddp_notebook  data parallel; ranks fork from a warm, clean launcher (fast start)
           ddp_spawn     data parallel; each rank is a fresh interpreter (for libraries
                         that break after fork)
+          ddp_find_unused_parameters_true
+                        ddp_notebook for a model that skips some parameters in a step
+                        (DDP then searches for them at every step, at some cost)
+          ddp_sharded   data parallel, optimizer state partitioned across ranks (ZeRO)
           fsdp          fully sharded with FSDP2: each rank holds a slice of every weight
           auto          ddp_notebook for more than one device, a single worker for one
 
@@ -215,8 +243,12 @@ class CellOptions:
     accelerator: str = "auto"
     strategy: str = "ddp_notebook"
     timeout: float | None = None  # seconds; None: no limit
+    stall_warning: float | None = charts.STALL_SECONDS  # seconds without a step before the view warns; None: never
     output: str = "all"  # one of OUTPUT_MODES
     auto: bool = True  # prepare the kernel's models, optimizers and loaders, and log the loss
+    precision: str = "32-true"
+    sync_batchnorm: bool = False
+    backend: str | None = None  # None: gloo on CPU, nccl on CUDA
     allow_oversubscribe: bool = False
     background: bool = False
     help: bool = False
@@ -243,12 +275,27 @@ def fill_defaults(parsed: Any) -> CellOptions:
         accelerator=session.accelerator if parsed.accelerator is None else parsed.accelerator,
         strategy=session.strategy if parsed.strategy is None else parsed.strategy,
         timeout=session.timeout if parsed.timeout is _SESSION else parsed.timeout,
+        stall_warning=_stall_warning(parsed.stall_warning, session.stall_warning),
         output=parsed.output,
         auto=parsed.auto,
+        precision=parsed.precision,
+        sync_batchnorm=parsed.sync_batchnorm,
+        backend=parsed.backend,
         allow_oversubscribe=parsed.allow_oversubscribe,
         background=parsed.background,
         help=parsed.help,
     )
+
+
+def _stall_warning(flag: Any, session: float | None) -> float | None:
+    if flag is _SESSION:
+        return session
+    if flag is not None and not flag > 0:
+        raise UsageError(
+            f"%%distributed: --stall-warning {flag:g} is not a positive number of seconds; "
+            "give one, or none for no warning."
+        )
+    return flag
 
 
 def help_text(magic: Any) -> str:
@@ -262,7 +309,14 @@ def check_flags(options: CellOptions) -> config.LaunchConfig:
 
     try:
         plan = hardware.probe_plan(options.devices, options.accelerator, options.allow_oversubscribe)
-        return config.make_config(plan, strategy=options.strategy, timeout=options.timeout)
+        return config.make_config(
+            plan,
+            strategy=options.strategy,
+            timeout=options.timeout,
+            backend=options.backend,
+            precision=options.precision,
+            sync_batchnorm=options.sync_batchnorm,
+        )
     except ConfigurationError as error:
         raise UsageError(f"%%distributed: {error}") from None
 
@@ -392,48 +446,112 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: CellOptions)
     With ``--background`` it returns the run's :class:`nbtrain.kernel.background.BackgroundRun`
     at once; :mod:`nbtrain.kernel.background` then follows the run and applies its results
     with :func:`apply_cell_result`, as this function does for a blocking run.
+
+    An interrupt at any moment either prevents the run or stops it, and ends the cell with
+    :class:`RunInterrupted`; ``last_run`` is left in a final state. Until the launch, an
+    interrupt raises where it lands (nothing has started); from the launch on, interrupts
+    are held and acted on where that is safe (see :func:`nbtrain.processes.interrupts_held`).
     """
+    try:
+        stage: list[str] = []  # "finished" once the results are in
+        return _run_cell(shell, line, cell, options, stage)
+    except RunInterrupted:
+        raise
+    except KeyboardInterrupt:
+        try:
+            late = "finished" in stage
+        except NameError:  # it came before the first statement: nothing started
+            late = False
+        if late:  # in the instant after interrupts stopped being held
+            raise RunInterrupted(_LATE) from None
+        raise RunInterrupted(
+            "the cell was interrupted before it started: nothing ran and nothing in the kernel changed. "
+            "The kernel is ready."
+        ) from None
+
+
+def _run_cell(shell: Any, line: str, cell: str, options: CellOptions, stage: list[str]) -> Any:
+    prepared = prepare_cell(shell, line, cell, options)  # an interrupt here: nothing has started
+    with processes.interrupts_held() as held:
+        value = _launch_and_follow(shell, prepared, options, held)
+        stage.append("finished")
+    if held.received:  # it came after the last look
+        if options.background:
+            value.stop("interrupted")
+            raise _interrupted(prepared, value.run)
+        raise RunInterrupted(_LATE)
+    return value
+
+
+_LATE = "the cell was interrupted after its run had finished; its results are in the kernel."
+
+
+def _launch_and_follow(shell: Any, prepared: PreparedCell, options: CellOptions, held: processes.HeldInterrupts) -> Any:
     global last_run
-    prepared = prepare_cell(shell, line, cell, options)
     record = last_run = prepared.record
     started = time.monotonic()
-    run = start_cell(shell, prepared)
+    try:
+        run = start_cell(shell, prepared)
+    except BaseException:
+        record.state = events.FAILED  # refused before it started (what cannot travel, or fit)
+        raise
     if options.background:
         from nbtrain.kernel import background
 
         callbacks = background.CellCallbacks(
             keep_metrics=keep_metrics, explain_failure=explain_failure, apply_result=apply_cell_result
         )
-        return background.follow_cell(shell, run, prepared, options.output, callbacks)
-    show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
-    view = _CellView(run, prepared.total_steps)
+        handle = background.follow_cell(shell, run, prepared, options, callbacks)
+        if held.received:  # the cell that starts it was interrupted: the run does not go on
+            handle.stop("interrupted")
+            raise _interrupted(prepared, run)
+        return handle
     try:
-        for event in run.events(poll=view.poll_seconds):
+        return _follow(shell, run, prepared, options, held)
+    finally:
+        record.seconds = time.monotonic() - started
+        record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
+
+
+def _follow(shell: Any, run: Any, prepared: PreparedCell, options: CellOptions, held: processes.HeldInterrupts) -> Any:
+    """Show the run until it ends, then bring its results back; every check of ``held`` is a safe point."""
+    record = prepared.record
+    view = None
+    if not held.received:
+        show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
+        view = _CellView(run, prepared.total_steps, options.stall_warning)
+        for event in run.events(poll=view.poll_seconds):  # wakes at least every poll
+            if held.received:
+                break
             if event is not None:
                 show(event)
             view.show(event)
+    if held.received:
+        run.abandon()  # stops the run and frees any result it brought back
+        record.state = events.STOPPED
+        if view is not None:
+            view.finish(events.STOPPED)
+        raise _interrupted(prepared, run)
+    try:
         result = run.result()
-    except KeyboardInterrupt:
-        result = _INTERRUPTED
     except RunFailedError as error:
         record.state = run.state
         view.finish(run.state)
         raise explain_failure(error, shell, prepared.unchanged) from None
-    finally:
-        record.seconds = time.monotonic() - started
-        record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
-    if result is _INTERRUPTED:
-        # Out here, not in the except clause: the interrupt and its frames (with any part
-        # of the result they had loaded) are freed instead of living on as its context.
-        run.abandon()  # stops the run and frees any result it brought back
-        record.state = events.STOPPED
-        view.finish(events.STOPPED)
-        raise RunInterrupted(
-            f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
-        )
     record.state = events.FINISHED
     view.finish(events.FINISHED)
-    return _bring_back(shell, result, prepared.shipped, record, options.output)
+    value = _bring_back(shell, result, prepared.shipped, record, options.output)
+    if held.received:  # it came while the results went in: they are in, all of them
+        raise RunInterrupted(_LATE)
+    return value
+
+
+def _interrupted(prepared: PreparedCell, run: Any) -> RunInterrupted:
+    where = run.where_ranks_were()  # each rank's stack when it was stopped, if the launcher got one
+    return RunInterrupted(
+        f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
+        + (f"\n{where}" if where else "")
+    )
 
 
 @dataclass
@@ -510,10 +628,10 @@ class _CellView:
     terminal would print them again, so it gets every event but those.
     """
 
-    def __init__(self, run: Any, total_steps: int | None = None):
+    def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = charts.STALL_SECONDS):
         from nbtrain.kernel import display
 
-        self.view = display.LiveView(run.config, total_steps=total_steps)
+        self.view = display.LiveView(run.config, total_steps=total_steps, stall_warning=stall_warning)
         self.poll_seconds = display.FASTEST_FRAME_SECONDS / 2
         self.view.refresh(force=True)
 
@@ -582,9 +700,10 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
     if isinstance(error, RankError):
         text = cell_traceback(error.remote_traceback, shell)
         return RankError(error.rank, error.exc_type, error.exc_message, text, note)
-    message = f"{error} {note}"
+    where = getattr(error, "where", "")
+    message = f"{error.headline or error} {note}" + (f"\n{where}" if where else "")
     error.args = (message,)
-    error._render_traceback_ = lambda: [f"{type(error).__name__}: {message}"]  # type: ignore[attr-defined]
+    error._render_traceback_ = lambda: f"{type(error).__name__}: {message}".splitlines()  # type: ignore[attr-defined]
     return error
 
 

@@ -104,8 +104,11 @@ def register_source(shell: Any, source: str) -> str:
 def interrupts_deferred() -> Iterator[None]:
     """Hold a kernel interrupt while the block writes the user's namespace, then deliver it.
 
-    All of an update or, if interrupted before, none of it. The signal itself is handled
-    where processes and signals live (:func:`nbtrain.processes.sigint_deferred`).
+    All of an update or, if interrupted before, none of it. Inside a section that already
+    holds interrupts (a blocking cell), that section acts. The signal itself is handled
+    where processes and signals live (:func:`nbtrain.processes.interrupts_held`).
     """
-    with processes.sigint_deferred():
+    with processes.interrupts_held() as held:
         yield
+    if held.received:
+        raise KeyboardInterrupt
