@@ -313,6 +313,29 @@ def _logs_html(state: charts.RunState) -> str:
     return "".join(parts)
 
 
+def show_widget(widget: Any, summary: str) -> Any:
+    """Display an ipywidget so that a frontend without its state shows ``summary``, not its repr.
+
+    A live notebook renders the widget (its view mimetype ranks first); nbconvert, GitHub and
+    nbviewer have no widget state and fall back to the bundle's text/html or text/plain,
+    which ipywidgets fills with the Python repr (``VBox(children=(HTML(value=...``). Here
+    that fallback is one line saying what was there.
+
+    Example (in a notebook cell):
+        >>> import ipywidgets
+        >>> show_widget(ipywidgets.Button(description="Stop"), "nbtrain: Stop button")  # doctest: +SKIP
+    """
+    from IPython.display import display
+
+    bundle = dict(widget._repr_mimebundle_() or {})
+    bundle["text/plain"] = summary
+    bundle["text/html"] = (
+        '<div class="nbtrain-static" style="font-family:var(--jp-code-font-family,monospace);font-size:12px">'
+        f"{html.escape(summary)}</div>"
+    )
+    return display(bundle, raw=True)
+
+
 def watch(
     run: Any,
     *,
