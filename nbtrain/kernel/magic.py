@@ -44,10 +44,6 @@ from nbtrain.errors import (
 
 OUTPUT_MODES = ("all", "rank0", "none")
 METRIC_ROWS = 100_000  # per rank, kept in ``last_run`` (a long run must not grow the kernel)
-# DDP's C++ reducer prints this once per rank when find_unused_parameters=True found
-# nothing unused. prepare() sets that flag (so a model that skips a layer still trains);
-# the hint is about our choice, not the user's code.
-_NOISE = "find_unused_parameters=True was specified in DDP constructor"
 _INTERRUPTED = object()  # the result of a run whose cell was interrupted
 
 
@@ -499,7 +495,9 @@ class _CellView:
     def __init__(self, run: Any, total_steps: int | None = None):
         from nbtrain.kernel import display
 
-        self.view = display.LiveView(run.config, total_steps=total_steps)
+        # The cell's stream lines (_OutputPrinter) are where rank output goes: the whole of it,
+        # kept in the saved notebook, chosen by --output. The view shows no second copy.
+        self.view = display.LiveView(run.config, total_steps=total_steps, show_logs=False)
         self.poll_seconds = display.FASTEST_FRAME_SECONDS / 2
         self.view.refresh(force=True)
 
@@ -534,8 +532,6 @@ class _OutputPrinter:
                 return
             stream = sys.stderr if event.stream == "stderr" else sys.stdout
             text = event.text
-            if event.stream == "stderr" and _NOISE in text:
-                text = "".join(line for line in text.splitlines(keepends=True) if _NOISE not in line)
             if self.tagged:
                 text = "".join(f"[rank {event.rank}] {line}" for line in text.splitlines(keepends=True))
             stream.write(text)
