@@ -517,7 +517,7 @@ def test_training_passes_read_a_share_and_passes_without_gradients_read_everythi
     assert seen["no_grad"] == seen["inference"] == list(range(10))  # whole, in the loader's own order
     assert seen["shuffled_whole"] == list(range(10))
     training_and_evaluation = (
-        "sharded for training (DistributedSampler, 5 of 10 per rank) and "
+        "sharded for training (DistributedSampler, 5 of 10 per rank; effective batch 6 = 3 per rank x 2 ranks) and "
         "evaluated whole on every rank (iterated without gradients)"
     )
     assert seen["report"] == (training_and_evaluation, "evaluated whole on every rank (iterated without gradients)")

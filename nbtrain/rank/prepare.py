@@ -46,8 +46,9 @@ from nbtrain.rank import api
 # What ``prepare`` wraps a model in when the caller did not say: the magic sets it from
 # --strategy; nbtrain.launch passes it in the environment.
 WRAPPER_VARIABLE = "NBTRAIN_MODEL_WRAPPER"
-WRAPPERS = ("ddp", "ddp_find_unused", "fsdp", "none")
-DDP_WRAPPERS = ("ddp", "ddp_find_unused")  # the second searches every step for unused parameters
+WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded", "fsdp", "none")
+# The second searches every step for unused parameters; the third shards optimizer state.
+DDP_WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded")
 UNUSED_NAMES_SHOWN = 8
 
 # Names whose presence in a cell (or a function it calls) means it distributes itself.
@@ -69,6 +70,7 @@ class _Registry:
         self.notes: list[str] = []
         self.loader_names: dict[str, Any] = {}  # auto mode's loaders: kernel name -> prepared loader
         self.first_iterated: list[Any] = []  # prepared loaders, in the order of their first pass
+        self.loss_scaling: Any = None  # precision.LossScaling under 16-mixed on CUDA
 
     def remember(self, original: Any, prepared: Any) -> None:
         self.prepared[id(original)] = (original, prepared)
@@ -198,6 +200,7 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
         return module
     _move_module(module, api.device())
     wrapper = model_wrapper() if _in_process_group() else "none"
+    _apply_precision_and_sync(module, wrapper)
     trainable = any(p.requires_grad for p in module.parameters())
     if wrapper in DDP_WRAPPERS and trainable:
         wrapper_options = {"find_unused_parameters": wrapper == "ddp_find_unused", **wrapper_options}
@@ -208,6 +211,22 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
         prepared = module
     _registry.remember(module, prepared)
     return prepared
+
+
+def _apply_precision_and_sync(module: Any, wrapper: str) -> None:
+    """The launch's --sync-batchnorm and --precision, applied before the model is wrapped."""
+    from nbtrain.rank import precision, syncbn
+
+    device = api.device()
+    if wrapper != "none" and os.environ.get(syncbn.SYNC_VARIABLE) == "1":
+        syncbn.convert(module, device.type)
+    chosen = precision.current()
+    precision.apply(module, chosen, device)
+    if chosen == "16-mixed" and device.type == "cuda" and _registry.loss_scaling is None:
+        _registry.loss_scaling = precision.LossScaling("cuda")
+        _registry.loss_scaling.install()
+        for optimizer in list(_registry.optimizers):
+            _registry.loss_scaling.wrap_optimizer(optimizer)
 
 
 def is_wrapped(module: Any) -> bool:
@@ -406,12 +425,48 @@ def _shard_blocks(module: Any) -> list[Any]:
 
 
 def prepare_optimizer(optimizer: Any) -> Any:
-    """The optimizer, bound to the prepared parameters; its state follows them."""
+    """The optimizer, bound to the prepared parameters; its state follows them.
+
+    Under ``ddp_sharded`` it is a ``ZeroRedundancyOptimizer`` of the same class and
+    settings, holding this rank's partition of the state only.
+    """
+    if model_wrapper() == "ddp_sharded" and _in_process_group() and not _is_zero(optimizer):
+        return _shard_optimizer_state(optimizer)
     _registry.optimizers.add(optimizer)
+    if _registry.loss_scaling is not None:
+        _registry.loss_scaling.wrap_optimizer(optimizer)
     _rebind_optimizer(optimizer)
     _move_optimizer_state(optimizer)
     _registry.remember(optimizer, optimizer)
     return optimizer
+
+
+def prepared_for(obj: Any) -> Any | None:
+    """What ``prepare`` made of ``obj`` on this rank (None if it never saw it)."""
+    return _registry.prepared_for(obj)
+
+
+def _is_zero(optimizer: Any) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _shard_optimizer_state(optimizer: Any) -> Any:
+    """A ZeroRedundancyOptimizer over ``optimizer``'s parameters, groups and state."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    groups = optimizer.param_groups
+    defaults = {k: v for k, v in groups[0].items() if k != "params"}
+    sharded = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=type(optimizer), **defaults)
+    for group in groups[1:]:
+        sharded.add_param_group(dict(group))
+    if optimizer.state:  # state made in the kernel (a second cell): every rank keeps its part
+        sharded.load_state_dict(optimizer.state_dict())
+    if _registry.loss_scaling is not None:
+        _registry.loss_scaling.wrap_optimizer(sharded)
+    _registry.remember(optimizer, sharded)
+    return sharded
 
 
 def _rebind_optimizer(optimizer: Any) -> None:
@@ -693,7 +748,7 @@ def describe_passes(loader: Any) -> str:
     passes = loader._nbtrain_passes
     parts = []
     if passes["train"]:
-        parts.append(f"sharded{' for training' if passes['whole'] or passes['shard'] else ''} ({share})")
+        parts.append(f"sharded{' for training' if passes['whole'] or passes['shard'] else ''} ({share}{_effective_batch(loader)})")
     if passes["whole"]:
         parts.append("evaluated whole on every rank (iterated without gradients)")
     if passes["shard"]:
@@ -703,6 +758,15 @@ def describe_passes(loader: Any) -> str:
     return " and ".join(parts)
 
 
+
+
+def _effective_batch(loader: Any) -> str:
+    """"; effective batch 64 = 32 per rank x 2 ranks": what the learning rate usually follows."""
+    batch = loader.batch_size
+    world = api.world_size()
+    if not batch or world < 2:
+        return ""
+    return f"; effective batch {batch * world} = {batch} per rank x {world} ranks"
 
 
 def _to_device(batch: Any, device: Any) -> Any:
@@ -789,7 +853,7 @@ def loss_logging() -> Iterator[None]:
         gradient = args[0] if args else kwargs.get("gradient")
         if not getattr(busy, "on", False) and not context.logged and gradient is None and self.numel() == 1:
             was = context.logged
-            api.log(loss=self)
+            api.log(loss=getattr(self, "_nbtrain_unscaled", self))  # the true loss under 16-mixed
             context.logged = was  # our own entry does not count as the user's log()
         busy.on = True
         try:
