@@ -385,6 +385,7 @@ def start(
             timeout=cfg.timeout,
             threads_per_rank=threads,
             has_tensor_file=tensor_fd is not None,
+            strategy=cfg.strategy.name,
         )
 
     client = get_client()
