@@ -122,7 +122,13 @@ class Launcher:
                     self._on_exit(run, rank)
             if os.getppid() != self.parent_pid:  # the kernel died and its socket is held elsewhere
                 return self._shutdown()
+            # Before _tick ends a run: what a rank left behind must not hold its pipes open.
+            processes.kill_strays(self._live_ranks())
             self._tick(time.monotonic())
+
+    def _live_ranks(self) -> set[int]:
+        """The pids of ranks not yet reaped: the launcher's only legitimate children."""
+        return {rank.pid for run in self.runs.values() for rank in run.ranks if not rank.exited}
 
     def _on_control(self) -> bool:
         try:
@@ -461,6 +467,9 @@ class Launcher:
                 while not rank.exited and processes.reap(rank.pid) is None and time.monotonic() < deadline:
                     time.sleep(0.01)
                 processes.remove_torch_shared_memory({rank.pid, *rank.members})
+        # What the ranks left behind is ours now; once the launcher is gone it would be init's.
+        while processes.kill_strays(self._live_ranks()) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def _readable_now(sock: socket.socket) -> bool:
@@ -521,6 +530,7 @@ def preload() -> tuple[str, ...]:
 def main() -> None:
     control = socket.socket(fileno=int(os.environ.pop(processes.CONTROL_FD_VARIABLE)))
     processes.ignore_interrupts()
+    processes.become_subreaper()
     parent_pid = os.getppid()
     loaded = preload()
     wire.send(control, events.LauncherReady(os.getpid(), loaded))
