@@ -33,7 +33,7 @@ import os
 import stat
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 DIRECTORY_VARIABLE = "NBTRAIN_RUNTIME_DIR"
 ACTIVE_STATES = ("starting", "running", "stopping")
@@ -89,17 +89,23 @@ class RunRecord:
         return cls(**values)
 
 
-def directory(create: bool = True) -> str:
+def directory(create: bool = True, environ: Mapping[str, str] | None = None) -> str:
     """The registry directory of this user, made (mode 0700) if missing and ``create``.
 
+    ``environ`` (default: this process's) decides where: the launcher passes the caller's
+    environment of each run, so a run lands where its kernel's server looks.
     Raises :class:`RegistryError` if it belongs to someone else or others may enter it:
     records name processes to signal, so nobody else may write them.
     """
-    path = os.environ.get(DIRECTORY_VARIABLE)
+    environ = os.environ if environ is None else environ
+    path = environ.get(DIRECTORY_VARIABLE)
     if not path:
-        from jupyter_core.paths import jupyter_runtime_dir
+        runtime = environ.get("JUPYTER_RUNTIME_DIR")
+        if not runtime:
+            from jupyter_core.paths import jupyter_data_dir
 
-        path = os.path.join(jupyter_runtime_dir(), "nbtrain-runs")
+            runtime = os.path.join(jupyter_data_dir(), "runtime")  # jupyter_runtime_dir()'s default
+        path = os.path.join(runtime, "nbtrain-runs")
     if create:
         os.makedirs(path, mode=0o700, exist_ok=True)
     try:
@@ -115,9 +121,9 @@ def directory(create: bool = True) -> str:
     return path
 
 
-def write(record: RunRecord) -> None:
+def write(record: RunRecord, folder: str | None = None) -> None:
     """Write ``record`` atomically: a reader sees the old file or the new one, never half."""
-    folder = directory()
+    folder = folder or directory()
     fd, temporary = tempfile.mkstemp(prefix=f".{record.id}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "w") as file:
@@ -146,10 +152,10 @@ def read_all() -> list[RunRecord]:
     return sorted((r for r in records if r is not None), key=lambda r: r.started)
 
 
-def remove(run_id: str) -> None:
+def remove(run_id: str, folder: str | None = None) -> None:
     """Forget a run: its record and any stop request."""
     if _valid_id(run_id):
-        folder = directory(create=False)
+        folder = folder or directory(create=False)
         for suffix in (".json", ".stop"):
             _unlink(os.path.join(folder, run_id + suffix))
 
@@ -161,8 +167,13 @@ def request_stop(run_id: str) -> None:
             pass
 
 
-def stop_requested(run_id: str) -> bool:
-    return os.path.exists(os.path.join(directory(create=False), f"{run_id}.stop"))
+def stop_requested(run_id: str, folder: str | None = None) -> bool:
+    return os.path.exists(os.path.join(folder or directory(create=False), f"{run_id}.stop"))
+
+
+def withdraw_stop(run_id: str, folder: str | None = None) -> None:
+    """The run ended: its stop request has done its work."""
+    _unlink(os.path.join(folder or directory(create=False), f"{run_id}.stop"))
 
 
 def _load(path: str) -> RunRecord | None:

@@ -55,6 +55,7 @@ class RunTracker:
     """One run's record as the launcher keeps it (mutable here; written as a frozen record)."""
 
     record: registry.RunRecord
+    folder: str  # the registry directory of the caller's environment
     written: float = 0.0
     dirty: bool = False
     rate_points: list[tuple[float, int]] = field(default_factory=list)  # (time, step) of rank 0
@@ -87,7 +88,7 @@ class Board:
         self.owner = owner
         self.prefix = secrets.token_hex(3)
         self.trackers: dict[int, RunTracker] = {}
-        self.ended: list[str] = []
+        self.ended: list[tuple[str, str]] = []  # (record id, its folder)
         self.enabled = True
 
     def start(self, start: StartRun, pids: list[tuple[int, int]]) -> None:
@@ -109,7 +110,10 @@ class Board:
             accelerator=start.ranks[0].device_type if start.ranks else "",
             started=time.time(),
         )
-        tracker = self.trackers[start.run_id] = RunTracker(record)
+        folder = self._safely(lambda: registry.directory(environ=start.environ), None)
+        if folder is None:
+            return
+        tracker = self.trackers[start.run_id] = RunTracker(record, folder)
         self._write(tracker)
 
     def get(self, run_id: int) -> RunTracker | None:
@@ -120,7 +124,7 @@ class Board:
         tracker = self.trackers.get(run_id)
         if tracker is None or not self.enabled:
             return False
-        return self._safely(lambda: registry.stop_requested(tracker.record.id), False)
+        return self._safely(lambda: registry.stop_requested(tracker.record.id, tracker.folder), False)
 
     def tick(self, now: float) -> list[int]:
         """Write what changed (at most once a second a run); the runs asked to stop meanwhile."""
@@ -142,23 +146,22 @@ class Board:
             return
         tracker.update(state=state, ended=time.time())
         self._write(tracker)
-        record_id = tracker.record.id
-        self._safely(lambda: _remove_stop_request(record_id), None)
-        self.ended.append(record_id)
+        self._safely(lambda: registry.withdraw_stop(tracker.record.id, tracker.folder), None)
+        self.ended.append((tracker.record.id, tracker.folder))
         while len(self.ended) > KEEP_ENDED:
-            old = self.ended.pop(0)
-            self._safely(lambda: registry.remove(old), None)
+            old, folder = self.ended.pop(0)
+            self._safely(lambda: registry.remove(old, folder), None)
 
     def close(self) -> None:
         """The kernel is gone: forget the ended runs; runs still going stay (shown as orphaned)."""
-        for record_id in self.ended:
-            self._safely(lambda: registry.remove(record_id), None)
+        for record_id, folder in self.ended:
+            self._safely(lambda: registry.remove(record_id, folder), None)
 
     def _write(self, tracker: RunTracker) -> None:
         tracker.written = time.monotonic()
         tracker.dirty = False
         if self.enabled:
-            self._safely(lambda: registry.write(replace(tracker.record, updated=time.time())), None)
+            self._safely(lambda: registry.write(replace(tracker.record, updated=time.time()), tracker.folder), None)
 
     def _safely(self, action, fallback):  # noqa: ANN001, ANN202 - a thunk and its fallback value
         try:
@@ -168,9 +171,3 @@ class Board:
             print(f"nbtrain launcher: the run registry is off: {error}", file=sys.stderr)
             return fallback
 
-
-def _remove_stop_request(record_id: str) -> None:
-    try:
-        os.unlink(os.path.join(registry.directory(create=False), f"{record_id}.stop"))
-    except FileNotFoundError:
-        pass
