@@ -19,7 +19,8 @@ from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 SOURCE = "labextension"
 TARGETS = ("nbtrain/labextension/package.json", "nbtrain/labextension/static/style.js")
-BUILD_REQUIRES = ["hatch-jupyter-builder>=0.9", "jupyterlab>=4.0,<5"]
+# jupyterlab builds with the core packages of labextension/package-lock.json (4.6.x).
+BUILD_REQUIRES = ["hatch-jupyter-builder>=0.9", "jupyterlab>=4.6,<4.7"]
 
 
 class LabExtensionBuildHook(BuildHookInterface):

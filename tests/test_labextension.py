@@ -177,6 +177,8 @@ def test_a_killed_kernel_leaves_an_orphaned_run_that_clean_up_removes(session: S
     orphaned = page.locator('.jp-nbtrain-run[data-state="orphaned"]:has(.jp-nbtrain-title:text-is("orphan.ipynb"))')
     orphaned.wait_for(timeout=ORPHANED_MS)
     assert _record(session, "orphan.ipynb")["state"] == "orphaned"
+    # JupyterLab says the kernel died (and starts a new one): the user acknowledges it.
+    page.locator(".jp-Dialog").get_by_role("button", name="Ok").click()
     session.screenshot("01-orphaned.png")
     orphaned.locator(".jp-nbtrain-action", has_text="Clean up").click()
     orphaned.wait_for(state="detached", timeout=UI_TIMEOUT_MS)
