@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, NoReturn, Sequence
 
@@ -231,6 +232,13 @@ def reap(pid: int) -> tuple[int | None, int | None] | None:
     return (os.WEXITSTATUS(status), None)
 
 
+def reap_now(pid: int, timeout: float = 2.0) -> None:
+    """Wait (bounded) for a child that was just sent SIGKILL, so that it leaves no zombie."""
+    deadline = time.monotonic() + timeout
+    while reap(pid) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def signal_group(pgid: int, number: int) -> None:
     """Send a signal to a rank's process group; a group already gone is fine."""
     try:
@@ -245,14 +253,10 @@ def process_groups() -> dict[int, list[int]]:
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-            # Fields after the command name (which may hold spaces or parentheses).
-            pgid = int(stat[stat.rindex(b")") + 2 :].split()[2])
-        except (OSError, ValueError, IndexError):
+        fields = _stat_fields(int(name))
+        if fields is None:
             continue  # gone meanwhile
-        groups.setdefault(pgid, []).append(int(name))
+        groups.setdefault(int(fields[2]), []).append(int(name))
     return groups
 
 
@@ -299,13 +303,15 @@ def signal_ranks(ranks: Iterable[tuple[int, int]], number: int) -> list[int]:
 
 
 def _stat_fields(pid: int) -> list[bytes] | None:
-    """/proc/<pid>/stat from field 3 (state) on; the command name before may hold spaces."""
+    """/proc/<pid>/stat from field 3 (state) on (the command name before it may hold spaces
+    or parentheses); None once the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    return stat[stat.rindex(b")") + 2 :].split()
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return fields if len(fields) > 19 else None
 
 
 def remove_torch_shared_memory(pids: Iterable[int], directory: str = "/dev/shm") -> None:
@@ -331,13 +337,8 @@ def remove_torch_shared_memory(pids: Iterable[int], directory: str = "/dev/shm")
 
 
 def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    state = stat[stat.rindex(b")") + 2 :][:1]
-    return state not in (b"Z", b"X")  # a zombie has exited; only its parent's wait is missing
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in (b"Z", b"X")  # a zombie has exited; only its wait is missing
 
 
 def resident_bytes(pid: int) -> int | None:

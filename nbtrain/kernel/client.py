@@ -24,6 +24,7 @@ from nbtrain.errors import (
     LauncherError,
     RankDiedError,
     RankError,
+    RankStartError,
     RunFailedError,
     RunStoppedError,
     RunTimeoutError,
@@ -61,6 +62,7 @@ class LauncherClient:
         self.alive = True
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
         self._queues: dict[int, queue.Queue] = {}
+        self._stopping: set[int] = set()  # runs asked to stop: their results are not copied
         self._lock = threading.Lock()
         self._run_ids = itertools.count(1)
         threading.Thread(target=self._read_events, name="nbtrain-events", daemon=True).start()
@@ -83,6 +85,7 @@ class LauncherClient:
 
     def stop(self, run_id: int, reason: str) -> None:
         with self._lock:
+            self._stopping.add(run_id)
             try:
                 wire.send(self.process.channel, events.StopRun(run_id, reason))
             except OSError:
@@ -91,6 +94,7 @@ class LauncherClient:
     def forget(self, run_id: int) -> None:
         with self._lock:
             self._queues.pop(run_id, None)
+            self._stopping.discard(run_id)
 
     def close(self) -> None:
         self.alive = False
@@ -136,7 +140,9 @@ class LauncherClient:
 
     def _take_result(self, offer: events.ResultOffer, inbox: queue.Queue | None) -> None:
         copied = None
-        if inbox is not None and os.environ.get(RESULT_TRANSFER_VARIABLE) != "file":
+        # A run being stopped gives up its result (the launcher stops rank 0 too): no copy.
+        wanted = inbox is not None and offer.run_id not in self._stopping
+        if wanted and os.environ.get(RESULT_TRANSFER_VARIABLE) != "file":
             from nbtrain import sharedtensors
 
             try:
@@ -147,7 +153,7 @@ class LauncherClient:
                 pass  # this thread must live on. Rank 0 sends a file instead.
         if copied is not None:
             inbox.put((copied, []))
-        answer = events.ReleaseResult(offer.run_id, send_file=inbox is not None and copied is None)
+        answer = events.ReleaseResult(offer.run_id, send_file=wanted and copied is None)
         with self._lock:
             try:
                 wire.send(self.process.channel, answer)
@@ -229,7 +235,8 @@ class Run:
         """Yield the run's events as they arrive, ending with its RunEnded.
 
         Yields None every ``poll`` seconds while nothing arrives, so a caller can redraw.
-        KeyboardInterrupt while waiting stops the run (every rank gone) and is re-raised.
+        KeyboardInterrupt while waiting stops the run (every rank gone, its result
+        dropped) and is re-raised.
         """
         while self._ended is None:
             try:
@@ -238,7 +245,7 @@ class Run:
                 yield None
                 continue
             except KeyboardInterrupt:
-                self.stop("interrupted")
+                self.abandon()
                 raise
             yield self._take(message, fds)
 
@@ -248,6 +255,7 @@ class Run:
             return None
         if isinstance(message, _LauncherGone):
             self.state = events.FAILED
+            self._copied = None
             self._ended = events.RunEnded(self.run_id, events.FAILED, detail=message.detail)
             self.client.forget(self.run_id)
             return self._ended
@@ -257,6 +265,8 @@ class Run:
             self._ended, self._ended_fds = message, fds
             self.state = message.state
             self.client.forget(self.run_id)
+            if message.state != events.FINISHED:
+                self._copied = None  # a failed or stopped run has no result: free its memory now
         return message
 
     def stop(self, reason: str = "stopped") -> None:
@@ -278,18 +288,47 @@ class Run:
             self._ended = events.RunEnded(self.run_id, events.STOPPED)
             self.state = events.STOPPED
 
+    def abandon(self) -> None:
+        """Stop the run for an interrupt (if it still goes) and drop its result.
+
+        Whatever rank 0's result already brought into this process is freed at once: an
+        interrupted call's traceback keeps this handle alive for as long as IPython keeps
+        the traceback.
+        """
+        self.stop("interrupted")
+        self._drop_result()
+
+    def _drop_result(self) -> None:
+        self._copied = None
+        for fd in self._ended_fds:
+            os.close(fd)
+        self._ended_fds = []
+        while True:  # what came after the run ended, or before a launcher that never answered
+            try:
+                message, fds = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            for fd in fds:
+                os.close(fd)
+
     def wait(self, on_event: Callable[[Any], None] | None = None) -> Any:
-        """Block until the run ends; return rank 0's result or raise its failure."""
+        """Block until the run ends; return rank 0's result or raise its failure.
+
+        KeyboardInterrupt stops every rank, drops the result and is re-raised.
+        """
         try:
             for event in self.events():
                 if event is not None and on_event is not None:
                     on_event(event)
+            return self.result()
         except KeyboardInterrupt:
-            # events() stops the run when the interrupt lands in its own wait; one that
-            # lands in on_event (printing a line, say) must stop it too, or the ranks run on.
-            self.stop("interrupted")
-            raise
-        return self.result()
+            pass
+        # events() stops the run when the interrupt lands in its own wait; one that lands in
+        # on_event (printing a line, say) or in loading the result must stop it too, or the
+        # ranks run on. Raised afresh, out here: the interrupted frames, with whatever part
+        # of the result they had loaded, are freed instead of living on in the traceback.
+        self.abandon()
+        raise KeyboardInterrupt
 
     def result(self) -> Any:
         """Rank 0's return value (call after the run ended)."""
@@ -323,6 +362,8 @@ class Run:
         failure = ended.failure
         if isinstance(failure, events.RankFailed):
             return RankError(failure.rank, failure.exc_type, failure.message, failure.traceback)
+        if isinstance(failure, events.RankNotStarted):
+            return RankStartError(failure.rank, failure.world_size, failure.error_name, failure.reason)
         if isinstance(failure, events.RankExited):
             return RankDiedError(failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code)
         if ended.state == events.TIMED_OUT:
@@ -353,13 +394,19 @@ def start(
     strategy: str = "ddp_notebook",
     timeout: float | None = None,
     backend: str | None = None,
+    oversubscribe: bool = False,
 ) -> Run:
-    """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once."""
+    """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once.
+
+    Refused before anything starts (ConfigurationError) when the run cannot fit: more CPU
+    processes than 4 per core (unless ``oversubscribe=True``), or more memory than is free.
+    """
     from nbtrain import hardware
     from nbtrain.errors import SerializationError
 
-    plan = hardware.probe_plan(devices, accelerator)
+    plan = hardware.probe_plan(devices, accelerator, oversubscribe)
     cfg = config.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
+    _admit(cfg, fn, args, kwargs)
     try:
         payload, tensor_fd = _pickle_payload((fn, tuple(args), dict(kwargs or {})))
     except Exception as error:
@@ -405,6 +452,7 @@ def launch(
     strategy: str = "ddp_notebook",
     timeout: float | None = None,
     background: bool = False,
+    oversubscribe: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank; return rank 0's return value.
@@ -412,6 +460,8 @@ def launch(
     ``fn`` may be a lambda, a closure or a function defined in the notebook: it travels
     with cloudpickle. Each rank's prints appear here, tagged with the rank. A failure in
     any rank stops all of them and raises here (:class:`nbtrain.errors.RankError`).
+
+    ``oversubscribe=True`` allows more CPU processes than 4 per core (refused otherwise).
 
     ``background=True`` returns at once with a
     :class:`nbtrain.kernel.background.BackgroundRun` (``wait()``, ``stop()``, ``result``,
@@ -424,13 +474,53 @@ def launch(
         2
     """
     run = start(
-        fn, args, kwargs, devices=devices, accelerator=accelerator, strategy=strategy, timeout=timeout
+        fn,
+        args,
+        kwargs,
+        devices=devices,
+        accelerator=accelerator,
+        strategy=strategy,
+        timeout=timeout,
+        oversubscribe=oversubscribe,
     )
     if background:
         from nbtrain.kernel import background as _background
 
         return _background.follow_function(run, fn)
     return run.wait(on_event=print_output)
+
+
+def _admit(cfg: config.LaunchConfig, fn: Callable[..., Any], args: tuple, kwargs: dict | None) -> None:
+    """Refuse a run whose memory cannot fit (ConfigurationError); warn on stderr when it comes close."""
+    from nbtrain import admission, hardware
+
+    namespace = getattr(fn, "__globals__", {})
+    referenced = [namespace.get(name) for name in getattr(getattr(fn, "__code__", None), "co_names", ())]
+    closure = [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if _has_contents(cell)]
+    need = admission.weigh([*args, *(kwargs or {}).values(), *closure, *referenced])
+    gpu_free = None
+    if cfg.plan.accelerator == "cuda":
+        gpu_free = {gpu.index: gpu.free_bytes for gpu in hardware.detect_gpus() if gpu.index in cfg.plan.device_ids}
+    warning = admission.check_memory(
+        need,
+        world_size=cfg.world_size,
+        accelerator=cfg.plan.accelerator,
+        sharded=cfg.strategy.model_wrapper == "fsdp",
+        start_method=cfg.strategy.start_method,
+        host_available=hardware.available_memory(),
+        gpu_free=gpu_free,
+    )
+    if warning:
+        sys.stderr.write(f"nbtrain warning: {warning}\n")
+        sys.stderr.flush()
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure variable not bound yet
+        return False
+    return True
 
 
 def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:
