@@ -32,8 +32,9 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 DIRECTORY_VARIABLE = "NBTRAIN_RUNTIME_DIR"
 ACTIVE_STATES = ("starting", "running", "stopping")

@@ -26,11 +26,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import browser_helpers as bh
 from helpers import procs
-from test_browser import KERNEL_READY_MS, RUN_MS, UI_TIMEOUT_MS, Session, _check_kernel_python, session  # noqa: F401
+from test_browser import (  # noqa: F401
+    KERNEL_READY_MS,
+    RUN_MS,
+    UI_TIMEOUT_MS,
+    Session,
+    _check_kernel_python,
+    session,
+)
 
 LABEXTENSION = Path(__file__).resolve().parent.parent / "labextension"
 NPM_TEST_SECONDS = 240  # tsc, then node --test, on a loaded 2-core machine
@@ -38,7 +43,9 @@ SIDEBAR_REFRESH_MS = 2_000
 RANKS_GONE_SECONDS = 10.0
 ORPHANED_MS = 30_000  # the kernel's death seen by the next refreshes
 
-SETUP_CELL = "%load_ext nbtrain\nimport sys, nbtrain\nnbtrain.set_defaults(devices=2, accelerator='cpu')\nprint(sys.executable)"
+SETUP_CELL = (
+    "%load_ext nbtrain\nimport sys, nbtrain\nnbtrain.set_defaults(devices=2, accelerator='cpu')\nprint(sys.executable)"
+)
 # Long enough to be running whenever the test acts; it ends only by being stopped.
 LONG_CELL = """%%distributed
 import time
@@ -60,17 +67,21 @@ def test_typescript_units() -> None:
     assert npm, "npm is missing: `bash .ci/setup` installs Node.js and npm (apt-get install nodejs npm)"
     if not (LABEXTENSION / "node_modules").exists():
         subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=LABEXTENSION, check=True, timeout=NPM_TEST_SECONDS)
-    done = subprocess.run([npm, "test"], cwd=LABEXTENSION, capture_output=True, text=True, timeout=NPM_TEST_SECONDS)
+    done = subprocess.run(
+        [npm, "test"], cwd=LABEXTENSION, capture_output=True, text=True, timeout=NPM_TEST_SECONDS, check=False
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "# fail 0" in done.stdout and "# pass " in done.stdout, done.stdout[-2000:]
 
 
 def test_jupyter_lists_both_extensions_enabled() -> None:
     jupyter = [sys.executable, "-m", "jupyter"]
-    lab = subprocess.run([*jupyter, "labextension", "list"], capture_output=True, text=True, timeout=120)
+    lab = subprocess.run([*jupyter, "labextension", "list"], capture_output=True, text=True, timeout=120, check=False)
     line = next((line for line in (lab.stdout + lab.stderr).splitlines() if "nbtrain v" in line), "")
     assert "enabled" in line and "OK" in line and "(python, nbtrain)" in line, lab.stdout + lab.stderr
-    server = subprocess.run([*jupyter, "server", "extension", "list"], capture_output=True, text=True, timeout=120)
+    server = subprocess.run(
+        [*jupyter, "server", "extension", "list"], capture_output=True, text=True, timeout=120, check=False
+    )
     text = server.stdout + server.stderr
     assert "nbtrain.server" in text and "enabled" in text.split("nbtrain.server", 1)[1][:40], text
 
@@ -79,8 +90,26 @@ def test_jupyter_lists_both_extensions_enabled() -> None:
 
 
 def _api(session: Session, path: str) -> Any:
-    with urllib.request.urlopen(session.lab.url(f"nbtrain/api/{path}"), timeout=10) as response:
+    return _api_root(session, f"nbtrain/api/{path}")
+
+
+def _api_root(session: Session, path: str) -> Any:
+    with urllib.request.urlopen(session.lab.url(path), timeout=10) as response:
         return json.loads(response.read())
+
+
+def _devices_requests(session: Session, window_ms: int) -> int:
+    """How many times the page asked for the devices during ``window_ms`` (a count over a window)."""
+    seen: list[str] = []
+
+    def note(request: Any) -> None:
+        if "/nbtrain/api/devices" in request.url:
+            seen.append(request.url)
+
+    session.page.on("request", note)
+    session.page.wait_for_timeout(window_ms)
+    session.page.remove_listener("request", note)
+    return len(seen)
 
 
 def _open_sidebar(session: Session) -> Any:
@@ -115,6 +144,7 @@ def test_sidebar_stops_a_foreground_run_while_its_kernel_is_busy(session: Sessio
     row.locator(".jp-nbtrain-spark polyline").wait_for(timeout=RUN_MS)  # two loss points: two seconds of steps
     record = _record(session, "sidebar.ipynb")
     assert record["world_size"] == 2 and record["state"] == "running" and len(record["pids"]) == 2
+    assert record["kernel_id"] in [kernel["id"] for kernel in _api_root(session, "api/kernels")]
     assert all(bh.alive(pid) for pid in record["pids"]), "the ranks the sidebar names are alive"
     session.lab.remember_tree()
     page.get_by_text("Python 3 (ipykernel) | Busy").wait_for()  # the kernel is in the training cell
@@ -169,7 +199,7 @@ def _dark_theme(session: Session) -> None:
 
 def test_a_killed_kernel_leaves_an_orphaned_run_that_clean_up_removes(session: Session) -> None:
     page = session.page
-    _, row = _start(session, "orphan.ipynb")
+    _start(session, "orphan.ipynb")
     record = _record(session, "orphan.ipynb")
     session.lab.remember_tree()
     os.kill(record["kernel_pid"], signal.SIGKILL)
@@ -186,4 +216,10 @@ def test_a_killed_kernel_leaves_an_orphaned_run_that_clean_up_removes(session: S
     left = bh.wait_gone(record["pids"], RANKS_GONE_SECONDS)
     assert not left, f"ranks of the orphaned run still alive after clean-up: {[bh.describe(p) for p in left]}"
     session.screenshot("02-cleaned.png")
+
+    # The sidebar refreshes every 2 s while shown, and asks nothing while hidden.
+    assert _devices_requests(session, 3 * SIDEBAR_REFRESH_MS) >= 2
+    page.locator('.jp-SideBar li[data-id="nbtrain-sidebar"]').click()
+    page.locator("#nbtrain-sidebar").wait_for(state="hidden")
+    assert _devices_requests(session, 3 * SIDEBAR_REFRESH_MS) == 0
     assert procs.wait_gone([record["kernel_pid"]], RANKS_GONE_SECONDS, reaped=False) == []

@@ -12,8 +12,8 @@ import stat
 import time
 
 import pytest
-
 from helpers import procs
+
 from nbtrain import processes, registry
 from nbtrain.errors import RunStoppedError
 from nbtrain.kernel import client as kernel_client
@@ -87,7 +87,9 @@ def test_signal_ranks_refuses_a_pid_whose_start_time_differs() -> None:
 
 def test_a_record_survives_a_round_trip_and_ids_cannot_climb_out(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(registry.DIRECTORY_VARIABLE, str(tmp_path / "reg"))
-    record = registry.RunRecord(id="ab12-3", world_size=2, state="running", ranks=((0, 10, 99), (1, 11, 98)), losses=(1.0, 0.5))
+    record = registry.RunRecord(
+        id="ab12-3", world_size=2, state="running", ranks=((0, 10, 99), (1, 11, 98)), losses=(1.0, 0.5)
+    )
     registry.write(record)
     assert registry.read("ab12-3") == record
     assert registry.read("../ab12-3") is None

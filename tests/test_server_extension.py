@@ -7,6 +7,7 @@ what they do to processes: the right ones end, any other is never signalled.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -59,7 +60,12 @@ def stand_ins():
 def _me() -> dict:
     """This test process as the run's kernel and launcher: both alive."""
     me = os.getpid()
-    return {"kernel_pid": me, "kernel_start": processes.start_time(me), "launcher_pid": me, "launcher_start": processes.start_time(me)}
+    return {
+        "kernel_pid": me,
+        "kernel_start": processes.start_time(me),
+        "launcher_pid": me,
+        "launcher_start": processes.start_time(me),
+    }
 
 
 def _record(run_id: str, ranks: list[subprocess.Popen], **fields) -> registry.RunRecord:
@@ -131,9 +137,9 @@ async def test_a_process_outside_its_own_group_is_no_rank(jp_fetch, stand_ins):
 
 
 async def test_a_run_whose_kernel_is_gone_is_orphaned_until_cleaned_up(jp_fetch, stand_ins):
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
     gone_start = processes.start_time(gone.pid)
-    gone.wait()
+    await gone.wait()
     ranks = [stand_ins(), stand_ins()]
     _record("aa-5", ranks, kernel_pid=gone.pid, kernel_start=gone_start or 1)
     (run,) = await _get(jp_fetch, "runs")

@@ -15,7 +15,9 @@ import re
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from nbtrain import processes, registry
 from nbtrain.events import Metrics, StartRun
@@ -150,12 +152,12 @@ class Board:
         self.ended.append((tracker.record.id, tracker.folder))
         while len(self.ended) > KEEP_ENDED:
             old, folder = self.ended.pop(0)
-            self._safely(lambda: registry.remove(old, folder), None)
+            self._safely(lambda old=old, folder=folder: registry.remove(old, folder), None)
 
     def close(self) -> None:
         """The kernel is gone: forget the ended runs; runs still going stay (shown as orphaned)."""
         for record_id, folder in self.ended:
-            self._safely(lambda: registry.remove(record_id, folder), None)
+            self._safely(lambda record_id=record_id, folder=folder: registry.remove(record_id, folder), None)
 
     def _write(self, tracker: RunTracker) -> None:
         tracker.written = time.monotonic()
@@ -163,11 +165,10 @@ class Board:
         if self.enabled:
             self._safely(lambda: registry.write(replace(tracker.record, updated=time.time()), tracker.folder), None)
 
-    def _safely(self, action, fallback):  # noqa: ANN001, ANN202 - a thunk and its fallback value
+    def _safely(self, action: Callable[[], Any], fallback: Any) -> Any:
         try:
             return action()
         except OSError as error:  # RegistryError included: the registry goes, the runs stay
             self.enabled = False
             print(f"nbtrain launcher: the run registry is off: {error}", file=sys.stderr)
             return fallback
-

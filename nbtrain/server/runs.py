@@ -40,7 +40,12 @@ class StopOutcome:
     message: str
 
     def as_json(self) -> dict[str, Any]:
-        return {"id": self.run_id, "signalled": list(self.signalled), "refused": list(self.refused), "message": self.message}
+        return {
+            "id": self.run_id,
+            "signalled": list(self.signalled),
+            "refused": list(self.refused),
+            "message": self.message,
+        }
 
 
 def alive(pid: int | None, started: int | None) -> bool:
@@ -49,7 +54,9 @@ def alive(pid: int | None, started: int | None) -> bool:
 
 
 def shown_state(record: RunRecord) -> str:
-    if record.active and not (alive(record.kernel_pid, record.kernel_start) and alive(record.launcher_pid, record.launcher_start)):
+    if record.active and not (
+        alive(record.kernel_pid, record.kernel_start) and alive(record.launcher_pid, record.launcher_start)
+    ):
         return ORPHANED
     return record.state
 
@@ -116,8 +123,10 @@ def clean(run_id: str) -> StopOutcome:
 def _record(run_id: str) -> RunRecord:
     record = registry.read(run_id)
     if record is None:
-        raise RunNotFound(f"nbtrain has no run {run_id!r} in its registry {registry.directory(create=False)}; "
-                          "it may have ended and been cleaned up. Refresh the list of runs.")
+        raise RunNotFound(
+            f"nbtrain has no run {run_id!r} in its registry {registry.directory(create=False)}; "
+            "it may have ended and been cleaned up. Refresh the list of runs."
+        )
     return record
 
 
