@@ -150,8 +150,10 @@ def test_sidebar_stops_a_foreground_run_while_its_kernel_is_busy(session: Sessio
     page.get_by_text("Python 3 (ipykernel) | Busy").wait_for()  # the kernel is in the training cell
     session.screenshot("01-sidebar-running.png")
 
-    row.locator(".jp-nbtrain-action", has_text="Stop").click()
-    clicked = time.monotonic()
+    stop = row.locator(".jp-nbtrain-action", has_text="Stop")
+    stop.wait_for()
+    clicked = time.monotonic()  # before the click: the figure includes Playwright's own click
+    stop.click()
     left = bh.wait_gone(record["pids"], RANKS_GONE_SECONDS)
     seconds = time.monotonic() - clicked
     assert not left, f"ranks alive {RANKS_GONE_SECONDS} s after Stop: {[bh.describe(pid) for pid in left]}"
