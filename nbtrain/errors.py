@@ -30,10 +30,16 @@ class RunFailedError(NbtrainError, RuntimeError):
     """A run ended without a result. ``rank`` names the rank that caused it (or None)."""
 
     rank: int | None = None
+    headline: str = ""  # the message without ``where``
+    where: str = ""  # a timed-out or stopped run: where each rank was (nbtrain.stacks.describe)
 
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing our own (uninteresting) frames.
-        return [f"{type(self).__name__}: {self}"]
+        return f"{type(self).__name__}: {self}".splitlines()
+
+    def _set_message(self, headline: str, where: str) -> None:
+        self.headline, self.where = headline, where
+        self.args = (headline + (f"\n{where}" if where else ""),)
 
 
 class RankError(RunFailedError):
@@ -109,16 +115,25 @@ _START_ADVICE = {
 class RunTimeoutError(RunFailedError, TimeoutError):
     """The run took longer than its ``timeout``; every rank was stopped."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, where: str = ""):
         self.timeout = timeout
-        super().__init__(
+        super().__init__()
+        self._set_message(
             f"the run exceeded timeout={timeout:g} s and every rank was stopped. "
-            "Raise `timeout` (or pass timeout=None) if the run needs longer."
+            "Raise `timeout` (or pass timeout=None) if the run needs longer.",
+            where,
         )
 
 
 class RunStoppedError(RunFailedError):
-    """The run was stopped on request (``stop()`` or the Stop button) before it finished."""
+    """The run was stopped on request (``stop()`` or the Stop button) before it finished.
+
+    ``where`` says where each rank was when it was stopped.
+    """
+
+    def __init__(self, message: str, where: str = ""):
+        super().__init__()
+        self._set_message(message, where)
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -137,7 +152,7 @@ class RunInterrupted(KeyboardInterrupt):
 
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing nbtrain's frames.
-        return [f"KeyboardInterrupt: {self}"]
+        return f"KeyboardInterrupt: {self}".splitlines()  # with where each rank was, if known
 
 
 def describe_death(rank: int, *, signal_number: int | None, exit_code: int | None) -> str:
@@ -164,6 +179,30 @@ def describe_death(rank: int, *, signal_number: int | None, exit_code: int | Non
         f"rank {rank} exited with code {exit_code} before finishing its work"
         " (a call to sys.exit/os._exit, or a crash in native code). The other ranks were stopped."
     )
+
+
+class UnusedParametersError(NbtrainError, RuntimeError):
+    """A DDP model's first backward left trainable parameters without a gradient.
+
+    Example:
+        >>> print(UnusedParametersError("Net", ["head.weight", "head.bias"], 6))  # doctest: +ELLIPSIS
+        Net has 2 of its 6 trainable parameters that got no gradient in the first step: head.weight, head.bias. ...
+    """
+
+    def __init__(self, model: str, names: list[str], trainable: int, shown: int = 8):
+        self.model = model
+        self.names = list(names)
+        listed = ", ".join(self.names[:shown])
+        if len(self.names) > shown:
+            listed += f" and {len(self.names) - shown} more"
+        super().__init__(
+            f"{model} has {len(self.names)} of its {trainable} trainable parameters that got no gradient in the"
+            f" first step: {listed}. DistributedDataParallel averages gradients only once every parameter has one,"
+            " so the ranks' copies of the model would drift apart. If the model skips them on purpose (a branch, a frozen head),"
+            " run with --strategy ddp_find_unused_parameters_true (nbtrain.launch: strategy="
+            "'ddp_find_unused_parameters_true'; nbtrain.prepare(model, find_unused_parameters=True)), which looks"
+            " for unused parameters at every step; or freeze them with .requires_grad_(False)."
+        )
 
 
 class SerializationError(NbtrainError, TypeError):

@@ -60,6 +60,7 @@ class StartRun:
     threads_per_rank: int | None = None  # None: the user's OMP_NUM_THREADS decides
     has_tensor_file: bool = False
     strategy: str = ""  # its name, for the run registry only
+    log_path: str | None = None  # where the launcher writes every rank's full output
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,20 @@ class Output:
 
 
 @dataclass(frozen=True)
+class OutputSkipped:
+    """Lines a rank printed that the cell does not show as they come (past the first thousands).
+
+    The launcher keeps the last of them for the end of the run and writes all of them to
+    the run's log; this tells the live view how many there were and the latest few.
+    """
+
+    run_id: int
+    rank: int
+    counted: int  # the rank's lines so far, but for the last ones held back (sent when it ends)
+    latest: tuple[tuple[str, str], ...]  # (stream, line), oldest first
+
+
+@dataclass(frozen=True)
 class Metrics:
     """Scalars a rank logged with ``nbtrain.log``, a batch of steps at a time.
 
@@ -101,7 +116,7 @@ class Metrics:
 
 @dataclass(frozen=True)
 class MemorySample:
-    """A rank's memory: host RSS always, CUDA allocated/peak when on GPU (bytes)."""
+    """A rank's memory: host RSS always, CUDA allocated/peak/reserved when on GPU (bytes)."""
 
     run_id: int
     rank: int
@@ -109,6 +124,7 @@ class MemorySample:
     cuda_allocated_bytes: int | None = None
     cuda_peak_bytes: int | None = None
     time: float = 0.0
+    cuda_reserved_bytes: int | None = None  # what the caching allocator holds from the driver
 
 
 @dataclass(frozen=True)
@@ -155,6 +171,9 @@ class RunEnded:
     has_tensor_file: bool = False
     failure: RankFailed | RankExited | RankNotStarted | None = None
     detail: str = ""
+    # A run that timed out or was stopped: each rank's faulthandler dump at that moment,
+    # (rank, text); "" for a rank that did not answer. Parsed by nbtrain.stacks.
+    stacks: tuple[tuple[int, str], ...] = ()
 
 
 # Rank -> launcher only (not forwarded): the rank's work is done and its result is safe.

@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, NoReturn, Sequence
 
+from nbtrain import stacks
+
 LAUNCHER_MODULE = "nbtrain.launch_server"
 CONTROL_FD_VARIABLE = "NBTRAIN_CONTROL_FD"
 ROLE_VARIABLE = "NBTRAIN_ROLE"
@@ -388,8 +390,36 @@ def read_memory(pid: int, local_address: int, remote_address: int, nbytes: int) 
 
 
 def ignore_interrupts() -> None:
-    """The launcher hears about interrupts only through the kernel's StopRun requests."""
+    """The launcher hears about interrupts only through the kernel's StopRun requests.
+
+    It also ignores the stack-dump signal, and so does every rank it forks or spawns until
+    the rank registers its dump: a request that reaches a rank too early is lost, not fatal.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(stacks.DUMP_SIGNAL, signal.SIG_IGN)
+
+
+def request_stack(pid: int) -> bool:
+    """Ask a rank for its stack dump; False if it cannot answer (not registered, or gone)."""
+    if not catches(pid, stacks.DUMP_SIGNAL):
+        return False
+    try:
+        os.kill(pid, stacks.DUMP_SIGNAL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def catches(pid: int, number: int) -> bool:
+    """Whether process ``pid`` has a handler for signal ``number`` (its SigCgt mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (number - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def exit_now(code: int = 0) -> NoReturn:

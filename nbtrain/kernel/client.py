@@ -33,6 +33,12 @@ from nbtrain.errors import (
 # "file": rank 0 sends its result's tensors in a shared-memory file instead of the kernel
 # reading them out of its memory (which is automatic where a sandbox forbids the read).
 RESULT_TRANSFER_VARIABLE = "NBTRAIN_RESULT_TRANSFER"
+LOG_DIR_VARIABLE = "NBTRAIN_LOG_DIR"  # where runs' log files go (default ~/.cache/nbtrain/logs)
+LOGS_KEPT = 50  # older run logs in that directory are removed when a run starts
+# Rank output waiting in a run's inbox for the cell to show it: past this, lines are
+# dropped (and counted in a note) instead of growing the kernel. The launcher already
+# sends at most a few thousand lines per rank, so only a stalled reader gets here.
+PENDING_OUTPUT_CHARS = 8_000_000
 INTERRUPT_GRACE_SECONDS = 5.0  # how long a stop may take before the launcher is replaced
 POLL_SECONDS = 0.25
 _SOURCE_LINES_LIMIT = 4 << 20  # bytes of notebook source sent for tracebacks
@@ -64,6 +70,7 @@ class LauncherClient:
         self._queues: dict[int, queue.Queue] = {}
         self._stopping: set[int] = set()  # runs asked to stop: their results are not copied
         self._lock = threading.Lock()
+        self._pending_output: dict[int, _PendingOutput] = {}
         self._run_ids = itertools.count(1)
         threading.Thread(target=self._read_events, name="nbtrain-events", daemon=True).start()
         threading.Thread(target=self._read_stderr, name="nbtrain-launcher-stderr", daemon=True).start()
@@ -75,11 +82,14 @@ class LauncherClient:
             run_id = next(self._run_ids)
             inbox: queue.Queue = queue.Queue()
             self._queues[run_id] = inbox
+            message = start_run(run_id)
+            self._pending_output[run_id] = _PendingOutput(message.log_path)
             fds = () if tensor_fd is None else (tensor_fd,)
             try:
-                wire.send(self.process.channel, start_run(run_id), fds)
+                wire.send(self.process.channel, message, fds)
             except OSError as error:
                 del self._queues[run_id]
+                self._pending_output.pop(run_id, None)
                 raise LauncherError(f"could not reach the nbtrain launcher: {error}. {self.exit_detail()}") from error
         return run_id, inbox
 
@@ -94,7 +104,13 @@ class LauncherClient:
     def forget(self, run_id: int) -> None:
         with self._lock:
             self._queues.pop(run_id, None)
+            self._pending_output.pop(run_id, None)
             self._stopping.discard(run_id)
+
+    def output_taken(self, run_id: int, chars: int) -> None:
+        pending = self._pending_output.get(run_id)
+        if pending is not None:
+            pending.taken(chars)
 
     def close(self) -> None:
         self.alive = False
@@ -127,7 +143,7 @@ class LauncherClient:
                 for fd in fds:
                     os.close(fd)
             else:
-                inbox.put((message, fds))
+                self._file(message, fds, inbox)
         with self._lock:
             self.alive = False
             try:
@@ -137,6 +153,15 @@ class LauncherClient:
             gone = _LauncherGone(self.exit_detail())
             for inbox in self._queues.values():
                 inbox.put((gone, []))
+
+    def _file(self, message: Any, fds: list[int], inbox: queue.Queue) -> None:
+        pending = self._pending_output.get(message.run_id)
+        if pending is not None and isinstance(message, (events.Output, events.RunEnded)):
+            if isinstance(message, events.Output) and not pending.admit(message):
+                return  # dropped, and counted for the note
+            for note in pending.notes(message.run_id):
+                inbox.put((note, []))
+        inbox.put((message, fds))
 
     def _take_result(self, offer: events.ResultOffer, inbox: queue.Queue | None) -> None:
         copied = None
@@ -166,6 +191,45 @@ class LauncherClient:
             return
         for line in iter(stream.readline, b""):
             self.stderr_tail.append(line.decode(errors="replace"))
+
+
+class _PendingOutput:
+    """Characters of a run's output filed but not yet taken, and lines dropped per rank."""
+
+    def __init__(self, log_path: str | None):
+        self.log_path = log_path
+        self.chars = 0
+        self.dropped: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, output: events.Output) -> bool:
+        with self._lock:
+            if self.chars > PENDING_OUTPUT_CHARS:
+                self.dropped[output.rank] = self.dropped.get(output.rank, 0) + output.text.count("\n")
+                return False
+            self.chars += len(output.text)
+            return True
+
+    def taken(self, chars: int) -> None:
+        with self._lock:
+            self.chars -= chars
+
+    def notes(self, run_id: int) -> list[events.Output]:
+        """Once the reader caught up (or the run ended): say what was dropped."""
+        with self._lock:
+            if not self.dropped or (self.chars > PENDING_OUTPUT_CHARS / 2):
+                return []
+            dropped, self.dropped = self.dropped, {}
+        where = f" Every line is in {self.log_path}." if self.log_path else ""
+        return [
+            events.Output(
+                run_id,
+                rank,
+                "stderr",
+                f"nbtrain: {count:,} lines of rank {rank} were not shown: the notebook could not keep up.{where}\n",
+            )
+            for rank, count in sorted(dropped.items())
+        ]
 
 
 _client: LauncherClient | None = None
@@ -220,10 +284,18 @@ class Run:
         42
     """
 
-    def __init__(self, client: LauncherClient, run_id: int, inbox: queue.Queue, cfg: config.LaunchConfig):
+    def __init__(
+        self,
+        client: LauncherClient,
+        run_id: int,
+        inbox: queue.Queue,
+        cfg: config.LaunchConfig,
+        log_path: str | None = None,
+    ):
         self.client = client
         self.run_id = run_id
         self.config = cfg
+        self.log_path = log_path  # every rank's full output, once a rank printed anything
         self.state = "running"
         self.pids: dict[int, int] = {}
         self._inbox = inbox
@@ -259,7 +331,9 @@ class Run:
             self._ended = events.RunEnded(self.run_id, events.FAILED, detail=message.detail)
             self.client.forget(self.run_id)
             return self._ended
-        if isinstance(message, events.RankStarted):
+        if isinstance(message, events.Output):
+            self.client.output_taken(self.run_id, len(message.text))
+        elif isinstance(message, events.RankStarted):
             self.pids[message.rank] = message.pid
         if isinstance(message, events.RunEnded):
             self._ended, self._ended_fds = message, fds
@@ -328,7 +402,9 @@ class Run:
         # ranks run on. Raised afresh, out here: the interrupted frames, with whatever part
         # of the result they had loaded, are freed instead of living on in the traceback.
         self.abandon()
-        raise KeyboardInterrupt
+        where = self.where_ranks_were()
+        # A plain KeyboardInterrupt, as Python raises; its text says where each rank was.
+        raise KeyboardInterrupt(f"every rank was stopped.\n{where}" if where else "")
 
     def result(self) -> Any:
         """Rank 0's return value (call after the run ended)."""
@@ -358,6 +434,20 @@ class Run:
                 os.close(extra)
             self._ended_fds = []
 
+    def where_ranks_were(self) -> str:
+        """Where each rank was when a timeout or a stop ended the run, in the notebook's terms.
+
+        Each line names a rank, what it was doing and the cell and line (``rank 0: waiting
+        in all_reduce, Cell In[5], line 12``), then each rank's stack; "" when the run did
+        not end that way (or the launcher got no dump).
+        """
+        from nbtrain import stacks
+
+        if self._ended is None or not self._ended.stacks:
+            return ""
+        parsed = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in self._ended.stacks]
+        return stacks.describe(parsed, cell_namer(), _source_line)
+
     def _failure(self, ended: events.RunEnded) -> RunFailedError:
         failure = ended.failure
         if isinstance(failure, events.RankFailed):
@@ -367,9 +457,9 @@ class Run:
         if isinstance(failure, events.RankExited):
             return RankDiedError(failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code)
         if ended.state == events.TIMED_OUT:
-            return RunTimeoutError(self.config.timeout or 0.0)
+            return RunTimeoutError(self.config.timeout or 0.0, self.where_ranks_were())
         if ended.state == events.STOPPED:
-            return RunStoppedError("the run was stopped before it finished; every rank is gone.")
+            return RunStoppedError("the run was stopped before it finished; every rank is gone.", self.where_ranks_were())
         return LauncherError(ended.detail or "the run failed for an unknown reason")
 
 
@@ -395,6 +485,8 @@ def start(
     timeout: float | None = None,
     backend: str | None = None,
     oversubscribe: bool = False,
+    precision: str = "32-true",
+    sync_batchnorm: bool = False,
 ) -> Run:
     """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once.
 
@@ -405,7 +497,9 @@ def start(
     from nbtrain.errors import SerializationError
 
     plan = hardware.probe_plan(devices, accelerator, oversubscribe)
-    cfg = config.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
+    cfg = config.make_config(
+        plan, strategy=strategy, timeout=timeout, backend=backend, precision=precision, sync_batchnorm=sync_batchnorm
+    )
     _admit(cfg, fn, args, kwargs)
     try:
         payload, tensor_fd = _pickle_payload((fn, tuple(args), dict(kwargs or {})))
@@ -424,8 +518,8 @@ def start(
             ranks=cfg.rank_specs(),
             start_method=cfg.strategy.start_method,
             backend=cfg.backend,
-            # prepare() on a rank wraps models for this strategy (nbtrain.rank.prepare).
-            environ={**_caller_environment(), "NBTRAIN_MODEL_WRAPPER": cfg.strategy.model_wrapper},
+            # prepare() on a rank wraps models for this strategy and precision (nbtrain.rank.prepare).
+            environ={**_caller_environment(), **config.rank_environment(cfg)},
             cwd=os.getcwd(),
             sys_path=tuple(sys.path),
             source_lines=_notebook_source_lines(),
@@ -433,7 +527,10 @@ def start(
             threads_per_rank=threads,
             has_tensor_file=tensor_fd is not None,
             strategy=cfg.strategy.name,
+            log_path=log_paths.setdefault(run_id, _log_path(run_id)),
         )
+
+    log_paths: dict[int, str | None] = {}
 
     client = get_client()
     try:
@@ -441,7 +538,7 @@ def start(
     finally:
         if tensor_fd is not None:
             os.close(tensor_fd)
-    return Run(client, run_id, inbox, cfg)
+    return Run(client, run_id, inbox, cfg, log_paths.get(run_id))
 
 
 def launch(
@@ -453,6 +550,9 @@ def launch(
     timeout: float | None = None,
     background: bool = False,
     oversubscribe: bool = False,
+    backend: str | None = None,
+    precision: str = "32-true",
+    sync_batchnorm: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank; return rank 0's return value.
@@ -462,6 +562,9 @@ def launch(
     any rank stops all of them and raises here (:class:`nbtrain.errors.RankError`).
 
     ``oversubscribe=True`` allows more CPU processes than 4 per core (refused otherwise).
+    ``backend``, ``precision`` (Lightning's names: ``"32-true"``, ``"bf16-mixed"``,
+    ``"16-mixed"``, ...) and ``sync_batchnorm`` are as for ``%%distributed``; they apply to
+    what ``nbtrain.prepare`` does on the ranks.
 
     ``background=True`` returns at once with a
     :class:`nbtrain.kernel.background.BackgroundRun` (``wait()``, ``stop()``, ``result``,
@@ -482,6 +585,9 @@ def launch(
         strategy=strategy,
         timeout=timeout,
         oversubscribe=oversubscribe,
+        backend=backend,
+        precision=precision,
+        sync_batchnorm=sync_batchnorm,
     )
     if background:
         from nbtrain.kernel import background as _background
@@ -523,6 +629,22 @@ def _has_contents(cell: Any) -> bool:
     return True
 
 
+def _log_path(run_id: int) -> str | None:
+    """A new run's log file (created by the launcher at its first line); old ones are pruned."""
+    directory = os.environ.get(LOG_DIR_VARIABLE) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nbtrain", "logs"
+    )
+    try:
+        os.makedirs(directory, exist_ok=True)
+        logs = sorted(name for name in os.listdir(directory) if name.startswith("run-") and name.endswith(".log"))
+        for name in logs[: max(0, len(logs) - LOGS_KEPT + 1)]:
+            os.unlink(os.path.join(directory, name))
+    except OSError:
+        return None  # no writable place: the run goes on without a log
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join(directory, f"run-{stamp}-{os.getpid()}-{run_id}.log")
+
+
 def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:
     """cloudpickle, with tensors through shared memory (see :mod:`nbtrain.sharedtensors`).
 
@@ -546,6 +668,19 @@ def _caller_environment() -> dict[str, str]:
         for key, value in os.environ.items()
         if key not in (processes.CONTROL_FD_VARIABLE, processes.ROLE_VARIABLE)
     }
+
+
+def cell_namer() -> Callable[[str], str | None]:
+    """filename -> ``Cell In[N]`` for the notebook's cells, as IPython names them in tracebacks."""
+    shell = None
+    if "IPython" in sys.modules:
+        shell = sys.modules["IPython"].get_ipython()
+    names = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
+    return lambda filename: f"Cell In[{names[filename]}]" if filename in names else None
+
+
+def _source_line(filename: str, line: int) -> str:
+    return linecache.getline(filename, line)
 
 
 def _notebook_source_lines() -> dict[str, tuple[str, ...]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import re
 import signal
 import sys
@@ -31,7 +32,7 @@ from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 
-from nbtrain import config, events
+from nbtrain import charts, config, events
 from nbtrain.errors import (
     ConfigurationError,
     NbtrainError,
@@ -66,6 +67,7 @@ class CellRun:
     loaders: list[tuple[str, str]] = field(default_factory=list)  # (name, what its passes read)
     updated: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    log_path: str | None = None  # every rank's full output (None: no rank printed anything)
 
 
 last_run: CellRun | None = None
@@ -111,7 +113,7 @@ class DistributedMagics(Magics):
     @magic_arguments.argument(
         "--strategy",
         default=None,
-        help="ddp_notebook, ddp_spawn, fsdp or auto: see Strategies above. "
+        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, ddp_sharded, fsdp or auto: see Strategies above. "
         "Default: the session default (ddp_notebook).",
     )
     @magic_arguments.argument(
@@ -119,6 +121,13 @@ class DistributedMagics(Magics):
         type=_timeout_flag,
         default=_SESSION,
         help="Stop every rank after this many seconds; none: no limit. Default: the session default (no limit).",
+    )
+    @magic_arguments.argument(
+        "--stall-warning",
+        type=_timeout_flag,
+        default=_SESSION,
+        help="The live view names a rank that logged no step for this many seconds while it "
+        "runs; none: never. Default: the session default (30).",
     )
     @magic_arguments.argument(
         "--output",
@@ -131,6 +140,24 @@ class DistributedMagics(Magics):
         dest="auto",
         action="store_false",
         help="Do not prepare the kernel's models, optimizers and loaders, nor log the loss: the cell does it all.",
+    )
+    @magic_arguments.argument(
+        "--precision",
+        default="32-true",
+        help="32-true (32), 64-true, 16-mixed (16), bf16-mixed (bf16), 16-true, bf16-true: mixed runs the "
+        "prepared model's forward under autocast (16-mixed on CUDA also scales the loss); -true casts the "
+        "model on the ranks. The kernel's objects keep their dtype. Default: 32-true.",
+    )
+    @magic_arguments.argument(
+        "--sync-batchnorm",
+        action="store_true",
+        help="Compute BatchNorm statistics over every rank's batch (SyncBatchNorm on the ranks; "
+        "the kernel's model keeps plain BatchNorm and gets the synced running statistics).",
+    )
+    @magic_arguments.argument(
+        "--backend",
+        default=None,
+        help="Process-group backend: gloo, nccl, mpi or cpu:gloo,cuda:nccl. Default: gloo on CPU, nccl on CUDA.",
     )
     @magic_arguments.argument(
         "--allow-oversubscribe",
@@ -160,6 +187,10 @@ class DistributedMagics(Magics):
           ddp_notebook  data parallel; ranks fork from a warm, clean launcher (fast start)
           ddp_spawn     data parallel; each rank is a fresh interpreter (for libraries
                         that break after fork)
+          ddp_find_unused_parameters_true
+                        ddp_notebook for a model that skips some parameters in a step
+                        (DDP then searches for them at every step, at some cost)
+          ddp_sharded   data parallel, optimizer state partitioned across ranks (ZeRO)
           fsdp          fully sharded with FSDP2: each rank holds a slice of every weight
           auto          ddp_notebook for more than one device, a single worker for one
 
@@ -229,6 +260,13 @@ def fill_defaults(options: Any) -> Any:
         options.strategy = session.strategy
     if options.timeout is _SESSION:
         options.timeout = session.timeout
+    if options.stall_warning is _SESSION:
+        options.stall_warning = session.stall_warning
+    elif options.stall_warning is not None and not options.stall_warning > 0:
+        raise UsageError(
+            f"%%distributed: --stall-warning {options.stall_warning:g} is not a positive number of seconds; "
+            "give one, or none for no warning."
+        )
     return options
 
 
@@ -243,7 +281,14 @@ def check_flags(options: Any) -> config.LaunchConfig:
 
     try:
         plan = hardware.probe_plan(options.devices, options.accelerator, getattr(options, "allow_oversubscribe", False))
-        return config.make_config(plan, strategy=options.strategy, timeout=options.timeout)
+        return config.make_config(
+            plan,
+            strategy=options.strategy,
+            timeout=options.timeout,
+            backend=getattr(options, "backend", None),
+            precision=getattr(options, "precision", "32-true"),
+            sync_batchnorm=getattr(options, "sync_batchnorm", False),
+        )
     except ConfigurationError as error:
         raise UsageError(f"%%distributed: {error}") from None
 
@@ -363,6 +408,9 @@ def start_cell(shell: Any, prepared: PreparedCell, options: Any) -> Any:
             strategy=options.strategy,
             timeout=options.timeout,
             oversubscribe=getattr(options, "allow_oversubscribe", False),
+            backend=getattr(options, "backend", None),
+            precision=getattr(options, "precision", "32-true"),
+            sync_batchnorm=getattr(options, "sync_batchnorm", False),
         )
     except SerializationError as error:
         raise _plain(ns.explain_unpicklable(prepared.shipped, prepared.used_by) or error) from None
@@ -387,7 +435,7 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
 
         return background.follow_cell(shell, run, prepared, options)
     show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
-    view = _CellView(run, prepared.total_steps)
+    view = _CellView(run, prepared.total_steps, getattr(options, "stall_warning", charts.STALL_SECONDS))
     try:
         for event in run.events(poll=view.poll_seconds):
             if event is not None:
@@ -402,14 +450,17 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
         raise explain_failure(error, shell, prepared.unchanged) from None
     finally:
         record.seconds = time.monotonic() - started
+        record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
     if result is _INTERRUPTED:
         # Out here, not in the except clause: the interrupt and its frames (with any part
         # of the result they had loaded) are freed instead of living on as its context.
         run.abandon()  # stops the run and frees any result it brought back
         record.state = events.STOPPED
         view.finish(events.STOPPED)
+        where = run.where_ranks_were()
         raise RunInterrupted(
             f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
+            + (f"\n{where}" if where else "")
         )
     record.state = events.FINISHED
     view.finish(events.FINISHED)
@@ -478,6 +529,8 @@ def _summary(record: CellRun) -> str:
         text += " " + "; ".join(f"{name}: {how}" for name, how in loaders.items()) + "."
     if record.updated:
         text += f" Updated in the kernel: {', '.join(record.updated)}."
+    if record.log_path:
+        text += f" Full output: {record.log_path}"
     return text
 
 
@@ -488,10 +541,10 @@ class _CellView:
     terminal would print them again, so it gets every event but those.
     """
 
-    def __init__(self, run: Any, total_steps: int | None = None):
+    def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = charts.STALL_SECONDS):
         from nbtrain.kernel import display
 
-        self.view = display.LiveView(run.config, total_steps=total_steps)
+        self.view = display.LiveView(run.config, total_steps=total_steps, stall_warning=stall_warning)
         self.poll_seconds = display.FASTEST_FRAME_SECONDS / 2
         self.view.refresh(force=True)
 
@@ -560,9 +613,10 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
     if isinstance(error, RankError):
         text = cell_traceback(error.remote_traceback, shell)
         return RankError(error.rank, error.exc_type, error.exc_message, text, note)
-    message = f"{error} {note}"
+    where = getattr(error, "where", "")
+    message = f"{error.headline or error} {note}" + (f"\n{where}" if where else "")
     error.args = (message,)
-    error._render_traceback_ = lambda: [f"{type(error).__name__}: {message}"]  # type: ignore[attr-defined]
+    error._render_traceback_ = lambda: f"{type(error).__name__}: {message}".splitlines()  # type: ignore[attr-defined]
     return error
 
 
