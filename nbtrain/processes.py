@@ -28,6 +28,7 @@ Why each rule:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -35,9 +36,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, NoReturn, Sequence
+from typing import Callable, Iterable, Iterator, NoReturn, Sequence
 
 from nbtrain import stacks
 
@@ -387,6 +389,43 @@ def read_memory(pid: int, local_address: int, remote_address: int, nbytes: int) 
         if count == 0:
             raise OSError(errno.EFAULT, f"process {pid} has no memory at {remote_address + done:#x}")
         done += count
+
+
+class HeldInterrupts:
+    """What :func:`interrupts_held` saw: ``received`` turns True when SIGINT came meanwhile."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def note(self, number: int, frame: object) -> None:
+        self.received = True
+
+
+_holding: HeldInterrupts | None = None
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[HeldInterrupts]:
+    """Note SIGINT instead of raising KeyboardInterrupt, for code that must not be cut short.
+
+    A KeyboardInterrupt can land between any two bytecodes: half way through sending a
+    frame to the launcher, or after a run started but before anyone holds its handle. Held,
+    an interrupt is a flag that the code checks where acting on it is safe (its waits poll).
+    Only the main thread receives signals; in another thread, or inside a section that
+    already holds them, the holder yielded never turns True: the outermost section acts.
+    """
+    global _holding
+    if _holding is not None or threading.current_thread() is not threading.main_thread():
+        yield HeldInterrupts()
+        return
+    held = _holding = HeldInterrupts()
+    previous = signal.signal(signal.SIGINT, held.note)
+    try:
+        yield held
+    finally:
+        # A handler installed from C (None) cannot be put back: Python's default is the closest.
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+        _holding = None
 
 
 def ignore_interrupts() -> None:

@@ -534,11 +534,18 @@ def start(
 
     client = get_client()
     try:
-        run_id, inbox = client.submit(start_run, tensor_fd)
+        # Held: an interrupt half way through sending StartRun would garble the channel, and
+        # one between the send and the handle would leave a run nobody can stop.
+        with processes.interrupts_held() as held:
+            run_id, inbox = client.submit(start_run, tensor_fd)
+            run = Run(client, run_id, inbox, cfg, log_paths.get(run_id))
     finally:
         if tensor_fd is not None:
             os.close(tensor_fd)
-    return Run(client, run_id, inbox, cfg, log_paths.get(run_id))
+    if held.received:  # the caller was interrupted as the run started: it does not go on
+        run.abandon()
+        raise KeyboardInterrupt
+    return run
 
 
 def launch(
@@ -589,11 +596,15 @@ def launch(
         precision=precision,
         sync_batchnorm=sync_batchnorm,
     )
-    if background:
-        from nbtrain.kernel import background as _background
+    try:
+        if background:
+            from nbtrain.kernel import background as _background
 
-        return _background.follow_function(run, fn)
-    return run.wait(on_event=print_output)
+            return _background.follow_function(run, fn)
+        return run.wait(on_event=print_output)
+    except KeyboardInterrupt:
+        run.abandon()  # wait() did already; not so an interrupt before it, or in follow_function
+        raise
 
 
 def _admit(cfg: config.LaunchConfig, fn: Callable[..., Any], args: tuple, kwargs: dict | None) -> None:
