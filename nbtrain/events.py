@@ -39,6 +39,23 @@ class RankSpec:
 
 
 @dataclass(frozen=True)
+class NodePlace:
+    """Where one node's launcher stands in a run that spans nodes (the cluster engine).
+
+    ``master_port`` None: this node hosts the process group's store (global rank 0 is
+    here); its launcher binds ``master_addr`` on a free port and reports it with
+    :class:`StoreListening`. Otherwise the ranks connect to ``master_addr:master_port``.
+    """
+
+    node_rank: int
+    num_nodes: int
+    local_world_size: int
+    master_addr: str
+    master_port: int | None = None
+    label: str = ""  # how messages name this node, e.g. "node 1 (10.0.0.7)"
+
+
+@dataclass(frozen=True)
 class StartRun:
     """Kernel -> launcher: start ``world_size`` ranks running ``payload``.
 
@@ -59,6 +76,15 @@ class StartRun:
     timeout: float | None
     threads_per_rank: int | None = None  # None: the user's OMP_NUM_THREADS decides
     has_tensor_file: bool = False
+    node: NodePlace | None = None  # None: every rank is on this machine (the local engine)
+
+
+@dataclass(frozen=True)
+class StoreListening:
+    """Launcher -> its caller, on a node hosting the store: the port it bound for it."""
+
+    run_id: int
+    port: int
 
 
 @dataclass(frozen=True)
@@ -74,6 +100,7 @@ class RankStarted:
     run_id: int
     rank: int
     pid: int
+    node: str = ""  # the node's label on a cluster; empty on one machine
 
 
 @dataclass(frozen=True)
@@ -84,6 +111,7 @@ class Output:
     rank: int
     stream: str  # "stdout" | "stderr"
     text: str
+    node: str = ""  # the node's label on a cluster; empty on one machine
 
 
 @dataclass(frozen=True)
@@ -108,6 +136,7 @@ class MemorySample:
     cuda_allocated_bytes: int | None = None
     cuda_peak_bytes: int | None = None
     time: float = 0.0
+    node: str = ""  # the node's label on a cluster; empty on one machine
 
 
 @dataclass(frozen=True)
@@ -119,6 +148,7 @@ class RankFailed:
     exc_type: str
     message: str
     traceback: str
+    node: str = ""  # the node's label on a cluster; empty on one machine
 
 
 @dataclass(frozen=True)
@@ -131,6 +161,16 @@ class RankExited:
     signal_number: int | None
     reported: bool  # the rank said it was done (or failed) before it exited
     stopped: bool = False  # the launcher was already stopping the run: not a cause of failure
+    node: str = ""  # the node's label on a cluster; empty on one machine
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    """A cluster run's node went away (its agent died, or the whole node): the cause of failure."""
+
+    run_id: int
+    node: str
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -141,7 +181,7 @@ class RunEnded:
     state: str  # FINISHED | FAILED | STOPPED | TIMED_OUT
     result: bytes | None = None
     has_tensor_file: bool = False
-    failure: RankFailed | RankExited | None = None
+    failure: RankFailed | RankExited | NodeLost | None = None
     detail: str = ""
 
 

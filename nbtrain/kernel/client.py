@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 from nbtrain import config, events, processes, wire
 from nbtrain.errors import (
     LauncherError,
+    NodeLostError,
     RankDiedError,
     RankError,
     RunFailedError,
@@ -322,9 +323,13 @@ class Run:
     def _failure(self, ended: events.RunEnded) -> RunFailedError:
         failure = ended.failure
         if isinstance(failure, events.RankFailed):
-            return RankError(failure.rank, failure.exc_type, failure.message, failure.traceback)
+            return RankError(failure.rank, failure.exc_type, failure.message, failure.traceback, node=failure.node)
         if isinstance(failure, events.RankExited):
-            return RankDiedError(failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code)
+            return RankDiedError(
+                failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code, node=failure.node
+            )
+        if isinstance(failure, events.NodeLost):
+            return NodeLostError(failure.node, failure.detail)
         if ended.state == events.TIMED_OUT:
             return RunTimeoutError(self.config.timeout or 0.0)
         if ended.state == events.STOPPED:
@@ -337,7 +342,8 @@ def print_output(event: Any) -> None:
     if isinstance(event, events.Output):
         stream = sys.stderr if event.stream == "stderr" else sys.stdout
         lines = event.text.splitlines(keepends=True)
-        stream.write("".join(f"[rank {event.rank}] {line}" for line in lines))
+        tag = f"[rank {event.rank}, {event.node}]" if event.node else f"[rank {event.rank}]"
+        stream.write("".join(f"{tag} {line}" for line in lines))
         if not event.text.endswith("\n"):
             stream.write("\n")
         stream.flush()
@@ -353,13 +359,17 @@ def start(
     strategy: str = "ddp_notebook",
     timeout: float | None = None,
     backend: str | None = None,
+    cluster: str | None = None,
+    num_nodes: int | None = None,
 ) -> Run:
-    """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once."""
-    from nbtrain import hardware
+    """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once.
+
+    ``cluster="ray"`` (or a Ray address) runs on ``num_nodes`` nodes of a Ray cluster with
+    ``devices`` ranks on each (:mod:`nbtrain.cluster`); the default runs on this machine.
+    """
     from nbtrain.errors import SerializationError
 
-    plan = hardware.probe_plan(devices, accelerator)
-    cfg = config.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
+    client, cfg = _engine(cluster, num_nodes, devices, accelerator, strategy, timeout, backend)
     try:
         payload, tensor_fd = _pickle_payload((fn, tuple(args), dict(kwargs or {})))
     except Exception as error:
@@ -368,6 +378,8 @@ def start(
             "Objects such as open files, locks, sockets and generators cannot travel; "
             "create them inside the function instead."
         ) from error
+    from nbtrain import hardware
+
     threads = config.threads_per_rank(hardware.cpu_count(), cfg.world_size, os.environ)
 
     def start_run(run_id: int) -> events.StartRun:
@@ -387,13 +399,31 @@ def start(
             has_tensor_file=tensor_fd is not None,
         )
 
-    client = get_client()
     try:
         run_id, inbox = client.submit(start_run, tensor_fd)
     finally:
         if tensor_fd is not None:
             os.close(tensor_fd)
     return Run(client, run_id, inbox, cfg)
+
+
+def _engine(
+    cluster: str | None, num_nodes: int | None, devices: Any, accelerator: str, strategy: str,
+    timeout: float | None, backend: str | None,
+) -> tuple[Any, config.LaunchConfig]:
+    """The engine that runs the ranks (this machine's launcher, or a cluster's agents) and the plan."""
+    if cluster is not None and str(cluster).strip().lower() != "local":
+        from nbtrain.cluster import engine
+
+        return engine.prepare(cluster, num_nodes, devices, accelerator, strategy, timeout, backend)
+    if num_nodes not in (None, 1):
+        from nbtrain.cluster import nodes
+
+        nodes.validate_num_nodes(num_nodes, cluster)
+    from nbtrain import hardware
+
+    plan = hardware.probe_plan(devices, accelerator)
+    return get_client(), config.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
 
 
 def launch(
@@ -404,6 +434,8 @@ def launch(
     strategy: str = "ddp_notebook",
     timeout: float | None = None,
     background: bool = False,
+    cluster: str | None = None,
+    num_nodes: int | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank; return rank 0's return value.
@@ -411,6 +443,10 @@ def launch(
     ``fn`` may be a lambda, a closure or a function defined in the notebook: it travels
     with cloudpickle. Each rank's prints appear here, tagged with the rank. A failure in
     any rank stops all of them and raises here (:class:`nbtrain.errors.RankError`).
+
+    ``cluster="ray", num_nodes=2`` runs on two nodes of a Ray cluster (``RAY_ADDRESS``, the
+    cluster this machine belongs to, or an address given instead of ``"ray"``), ``devices``
+    ranks on each; rank 0's result comes back here all the same.
 
     ``background=True`` returns at once with a
     :class:`nbtrain.kernel.background.BackgroundRun` (``wait()``, ``stop()``, ``result``,
@@ -423,7 +459,8 @@ def launch(
         2
     """
     run = start(
-        fn, args, kwargs, devices=devices, accelerator=accelerator, strategy=strategy, timeout=timeout
+        fn, args, kwargs, devices=devices, accelerator=accelerator, strategy=strategy, timeout=timeout,
+        cluster=cluster, num_nodes=num_nodes,
     )
     if background:
         from nbtrain.kernel import background as _background

@@ -541,7 +541,7 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
     """The run's failure as the notebook shows it: rank tracebacks name cells, plus ``note``."""
     if isinstance(error, RankError):
         text = cell_traceback(error.remote_traceback, shell)
-        return RankError(error.rank, error.exc_type, error.exc_message, text, note)
+        return RankError(error.rank, error.exc_type, error.exc_message, text, note, node=error.node)
     message = f"{error} {note}"
     error.args = (message,)
     error._render_traceback_ = lambda: [f"{type(error).__name__}: {message}"]  # type: ignore[attr-defined]

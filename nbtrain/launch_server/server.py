@@ -36,6 +36,7 @@ from nbtrain.events import (
     SendResultFile,
     StartRun,
     StopRun,
+    StoreListening,
 )
 
 # Imported once here so that no rank pays for it: DistributedDataParallel's constructor
@@ -154,24 +155,42 @@ class Launcher:
 
     # -- starting ranks ----------------------------------------------------------------
     def _start(self, start: StartRun, tensor_fd: int | None) -> None:
-        store_socket = socket.create_server(("127.0.0.1", 0), backlog=max(128, 2 * len(start.ranks)))
-        port = store_socket.getsockname()[1]
         run = Run(start.run_id, [], None if start.timeout is None else time.monotonic() + start.timeout)
         self.runs[start.run_id] = run
+        store_socket = None
         try:
+            store_socket, port = self._store_socket(start)
             for spec in start.ranks:
                 assignment = RankAssignment(start, spec, port, os.getpid())
-                listen_fd = store_socket.fileno() if spec.rank == 0 else None
+                listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
                 run.ranks.append(self._start_rank(run, assignment, listen_fd, tensor_fd))
         except OSError as error:
-            run.failure = RankFailed(run.run_id, len(run.ranks), type(error).__name__, str(error), "")
+            first = start.ranks[len(run.ranks)].rank if len(run.ranks) < len(start.ranks) else 0
+            run.failure = RankFailed(run.run_id, first, type(error).__name__, str(error), "")
             self._stop(run, events.FAILED)
         finally:
             # The store's port stayed bound from here until rank 0 took the socket over:
             # no other process could take it in between.
-            store_socket.close()
+            if store_socket is not None:
+                store_socket.close()
             if tensor_fd is not None:
                 os.close(tensor_fd)
+
+    def _store_socket(self, start: StartRun) -> tuple[socket.socket | None, int]:
+        """The bound socket rank 0 will host the store on, and its port.
+
+        On a cluster only the node holding global rank 0 binds one (on the address the
+        other nodes reach it at) and reports its port; the other nodes are given it.
+        """
+        node = start.node
+        if node is not None and node.master_port is not None:
+            return None, node.master_port
+        address = "127.0.0.1" if node is None else node.master_addr
+        store_socket = socket.create_server((address, 0), backlog=max(128, 2 * len(start.ranks)))
+        port = store_socket.getsockname()[1]
+        if node is not None:
+            self._send(StoreListening(start.run_id, port))
+        return store_socket, port
 
     def _start_rank(
         self, run: Run, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None

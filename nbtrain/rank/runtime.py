@@ -99,15 +99,16 @@ def _user_thread_count(environ: Mapping[str, str]) -> int | None:
 
 def _torchrun_variables(assignment: RankAssignment) -> Mapping[str, str]:
     spec = assignment.spec
+    node = assignment.start.node
     return {
         "RANK": str(spec.rank),
         "LOCAL_RANK": str(spec.local_rank),
         "WORLD_SIZE": str(spec.world_size),
-        "LOCAL_WORLD_SIZE": str(spec.world_size),
-        "GROUP_RANK": "0",
+        "LOCAL_WORLD_SIZE": str(spec.world_size if node is None else node.local_world_size),
+        "GROUP_RANK": str(0 if node is None else node.node_rank),
         "ROLE_RANK": str(spec.rank),
         "ROLE_WORLD_SIZE": str(spec.world_size),
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": _master_address(assignment),
         "MASTER_PORT": str(assignment.master_port),
         # Rank 0 hosts the store itself (on the pre-bound socket); every rank, rank 0
         # included, connects to it as a client, as under torchrun's agent.
@@ -115,6 +116,11 @@ def _torchrun_variables(assignment: RankAssignment) -> Mapping[str, str]:
         "TORCHELASTIC_RESTART_COUNT": "0",
         "NBTRAIN_ROLE": "rank",
     }
+
+
+def _master_address(assignment: RankAssignment) -> str:
+    node = assignment.start.node
+    return "127.0.0.1" if node is None else node.master_addr
 
 
 def _install_source_lines(source_lines: Mapping[str, tuple[str, ...]]) -> None:
@@ -138,7 +144,7 @@ def _join_process_group(assignment: RankAssignment, listen_fd: int | None) -> No
     spec = assignment.spec
     if listen_fd is not None:
         _hosted_store = dist.TCPStore(
-            "127.0.0.1",
+            _master_address(assignment),
             assignment.master_port,
             spec.world_size,
             True,
