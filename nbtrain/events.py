@@ -88,6 +88,24 @@ class StoreListening:
 
 
 @dataclass(frozen=True)
+class RanksDone:
+    """Launcher -> its caller, on a cluster: this node's ranks are done (rank 0's result taken).
+
+    They wait for :class:`ReleaseRanks`: a node's ranks may not leave before every node's
+    are done, or those still joining the process group would lose rank 0's store.
+    """
+
+    run_id: int
+
+
+@dataclass(frozen=True)
+class ReleaseRanks:
+    """Kernel -> every node's launcher, on a cluster: every rank everywhere is done; leave."""
+
+    run_id: int
+
+
+@dataclass(frozen=True)
 class StopRun:
     """Kernel -> launcher: stop a run (interrupt, Stop button, or the caller gave up)."""
 

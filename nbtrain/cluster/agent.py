@@ -146,6 +146,10 @@ class NodeAgent:
                 del self._inboxes[run_id]
         return batch
 
+    def release(self, run_id: int) -> None:
+        """Every node's ranks are done: let this node's leave."""
+        self._send(events.ReleaseRanks(run_id))
+
     def stop(self, run_id: int, reason: str = "stopped") -> None:
         self._send(events.StopRun(run_id, reason))
 

@@ -21,6 +21,7 @@ Ray is imported only here and only when a cluster run is asked for.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -28,7 +29,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 from urllib.parse import urlparse
 
 from nbtrain import config, events
@@ -86,22 +87,44 @@ def connect(cluster: str) -> str:
     with _lock:
         if ray.is_initialized() and _connected_to == address:
             return address
+        began = time.monotonic()
+        _probe(address)  # before leaving a cluster we are connected to for one that is not there
         if ray.is_initialized():
             _close_client()
             ray.shutdown()
-        _probe(address)
         try:
-            ray.init(
-                address=address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=False,
-                namespace="nbtrain",
-            )
+            with _bounded_gcs_wait(CONNECT_SECONDS - (time.monotonic() - began)):
+                ray.init(
+                    address=address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=False,
+                    namespace="nbtrain",
+                )
         except Exception as error:  # noqa: BLE001 - Ray raises several kinds; the message says which
             raise ClusterError(
-                f"cannot connect to the Ray cluster at {address}: {error}. Check the address "
-                "(RAY_ADDRESS, or --cluster ray://host:10001), or start one with `ray start --head`."
-            ) from error
+                f"cannot reach the Ray cluster at {address}: {error}. Check that the cluster is up and the "
+                "address is right (RAY_ADDRESS, or --cluster ray://host:10001); `ray status` on its head node "
+                "prints it. To start one: `ray start --head`."
+            ) from None
         _connected_to = address
     return address
+
+
+@contextlib.contextmanager
+def _bounded_gcs_wait(seconds: float) -> Iterator[None]:
+    """Ray retries a silent cluster for 20 s; ask it to give up within ``seconds``.
+
+    ``RAY_gcs_server_port_wait_time_s`` is Ray's own setting for that budget (seconds, one
+    try each); a value the user set wins. Restored afterwards: nothing leaks into the kernel.
+    """
+    name = "RAY_gcs_server_port_wait_time_s"
+    saved = os.environ.get(name)
+    if saved is None:
+        # Each try takes about 1.4 s here (a request, then a 1 s pause).
+        os.environ[name] = str(max(1, int((seconds - 2.0) / 1.5)))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
 
 
 def resolve_address(cluster: str) -> str:
@@ -306,6 +329,7 @@ class _Relay:
         count = client.plan.num_nodes
         self.ended: list[events.RunEnded | None] = [None] * count
         self.failure_order: dict[tuple[str, int], int] = {}
+        self.done_nodes: set[int] = set()
         self.stopping = False
         self.stopped_by_caller = False
         self.stop_started = 0.0
@@ -401,6 +425,9 @@ class _Relay:
                 return True
             if isinstance(record, events.StoreListening):
                 continue
+            if isinstance(record, events.RanksDone):
+                self._node_done(index)
+                continue
             if isinstance(record, (events.RankFailed, events.RankExited)):
                 self.failure_order.setdefault((record.node, record.rank), len(self.failure_order))
             if type(record).__name__ == "NodeResult":
@@ -409,6 +436,13 @@ class _Relay:
                     continue
             self.inbox.put((record, []))
         return False
+
+    def _node_done(self, index: int) -> None:
+        """Release every node's ranks once all are done: rank 0 hosts the store until then."""
+        self.done_nodes.add(index)
+        if len(self.done_nodes) == self.client.plan.num_nodes and not self.stopping:
+            for agent in self.client.agents:
+                agent.release.remote(self.run_id)
 
     def _lost(self, index: int, error: BaseException) -> None:
         label = self.client.labels[index]

@@ -29,7 +29,9 @@ from nbtrain.events import (
     RankExited,
     RankFailed,
     RankStarted,
+    RanksDone,
     Release,
+    ReleaseRanks,
     ReleaseResult,
     ResultOffer,
     RunEnded,
@@ -94,6 +96,7 @@ class Run:
     result_pending: bool = False  # the kernel has not taken rank 0's result yet
     all_exited_at: float | None = None
     last_memory_sample: float = 0.0
+    hold: bool = False  # a cluster run: done ranks wait for ReleaseRanks (every node done)
 
 
 class Launcher:
@@ -145,6 +148,11 @@ class Launcher:
                     _send_quietly(rank_zero.channel, SendResultFile(run.run_id))
                 else:
                     self._release(run)
+        elif isinstance(message, ReleaseRanks):
+            run = self.runs.get(message.run_id)
+            if run is not None and run.hold:
+                run.hold = False
+                self._release(run)
         return True
 
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
@@ -156,6 +164,7 @@ class Launcher:
     # -- starting ranks ----------------------------------------------------------------
     def _start(self, start: StartRun, tensor_fd: int | None) -> None:
         run = Run(start.run_id, [], None if start.timeout is None else time.monotonic() + start.timeout)
+        run.hold = start.node is not None
         self.runs[start.run_id] = run
         store_socket = None
         try:
@@ -293,6 +302,9 @@ class Launcher:
 
     def _release(self, run: Run) -> None:
         run.result_pending = False
+        if run.hold:  # the caller releases every node's ranks together
+            self._send(RanksDone(run.run_id))
+            return
         for rank in run.ranks:
             _send_quietly(rank.channel, Release(run.run_id))
 
