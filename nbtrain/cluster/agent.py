@@ -34,6 +34,7 @@ from nbtrain import events, processes, wire
 
 READY_SECONDS = 180.0  # the launcher imports torch: seconds on a loaded small machine
 MAX_POLL_SECONDS = 1.0
+PARENT_CHECK_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class NodeAgent:
         self._node_id = context.get_node_id()
         self._address = ray.util.get_node_ip_address()
         self._resources = context.get_assigned_resources()
+        threading.Thread(target=_leave_with_parent, args=(os.getppid(),), name="nbtrain-agent-parent", daemon=True).start()
         threading.Thread(target=self._read_launcher, name="nbtrain-agent-events", daemon=True).start()
         threading.Thread(target=self._read_stderr, name="nbtrain-agent-stderr", daemon=True).start()
 
@@ -250,6 +252,18 @@ class NodeAgent:
     def _launcher_gone(self) -> str:
         tail = "".join(self._stderr).strip()
         return f"the nbtrain launcher on {self.label} exited" + (f"; its last output:\n{tail}" if tail else "")
+
+
+def _leave_with_parent(parent: int) -> None:
+    """Exit as soon as the process that started this worker (the node's raylet) is gone.
+
+    A Ray worker notices its raylet's death only slowly; meanwhile its launcher and ranks
+    would live on, on a node the cluster has already given up. This process's exit closes
+    the launcher's socket, and the launcher stops its ranks.
+    """
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_SECONDS)
+    os._exit(1)
 
 
 def _start_run(

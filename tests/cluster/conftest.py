@@ -36,14 +36,16 @@ class TestCluster:
         saved = os.environ.get("NBTRAIN_PREWARM")
         os.environ["NBTRAIN_PREWARM"] = "0"  # raylets pass it on: agents never prewarm a launcher of their own
         try:
-            self.cluster = Cluster(
-                initialize_head=True,
-                head_node_args={
-                    "num_cpus": 0,
-                    "object_store_memory": OBJECT_STORE_BYTES,
-                    "include_dashboard": False,
-                    "_system_config": SYSTEM_CONFIG,
-                },
+            self.cluster = _retried(
+                lambda: Cluster(
+                    initialize_head=True,
+                    head_node_args={
+                        "num_cpus": 0,
+                        "object_store_memory": OBJECT_STORE_BYTES,
+                        "include_dashboard": False,
+                        "_system_config": SYSTEM_CONFIG,
+                    },
+                )
             )
             self.workers = [self.add_worker() for _ in range(2)]
         finally:
@@ -54,7 +56,16 @@ class TestCluster:
         self.address = self.cluster.address
 
     def add_worker(self) -> Any:
-        node = self.cluster.add_node(num_cpus=WORKER_CPUS, object_store_memory=OBJECT_STORE_BYTES)
+        def add() -> Any:
+            before = set(self.cluster.list_all_nodes())
+            try:
+                return self.cluster.add_node(num_cpus=WORKER_CPUS, object_store_memory=OBJECT_STORE_BYTES)
+            except Exception:
+                for node in set(self.cluster.list_all_nodes()) - before:  # half-started: end it
+                    self.cluster.remove_node(node, allow_graceful=False)
+                raise
+
+        node = _retried(add)
         self.cluster.wait_for_nodes()
         return node
 
@@ -92,6 +103,17 @@ class TestCluster:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _retried(start: Any, attempts: int = 3) -> Any:
+    """Ray gives a raylet a fixed 30 s to register; on a machine this loaded it may need two tries."""
+    for attempt in range(attempts):
+        try:
+            return start()
+        except Exception:  # noqa: BLE001 - "timed out during startup": try again, then give up
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="session")
