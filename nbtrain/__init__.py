@@ -29,6 +29,7 @@ from nbtrain.errors import (
     NbtrainError,
     RankDiedError,
     RankError,
+    RankStartError,
     RunFailedError,
     RunStoppedError,
     RunTimeoutError,
@@ -36,7 +37,7 @@ from nbtrain.errors import (
 )
 from nbtrain.kernel.client import Run, launch, start
 from nbtrain.kernel.defaults import get_defaults, reset_defaults, set_defaults
-from nbtrain.rank.api import device, is_rank_zero, local_rank, log, rank, world_size
+from nbtrain.rank.api import all_reduce, device, is_rank_zero, local_rank, log, rank, world_size
 from nbtrain.rank.prepare import prepare
 
 __all__ = [
@@ -45,11 +46,13 @@ __all__ = [
     "NbtrainError",
     "RankDiedError",
     "RankError",
+    "RankStartError",
     "Run",
     "RunFailedError",
     "RunStoppedError",
     "RunTimeoutError",
     "SerializationError",
+    "all_reduce",
     "device",
     "get_defaults",
     "is_rank_zero",

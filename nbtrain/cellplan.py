@@ -8,21 +8,31 @@ The live view's progress bar needs a total. A data scientist writes::
             opt.zero_grad(); loss.backward(); opt.step()
 
 and the run's step number goes up once per ``loss.backward()`` (auto mode logs that loss)
-or once per ``nbtrain.log(...)`` call. When the one statement that advances the step runs
-exactly once per iteration of loops whose lengths are known, the total is their product:
-here 3 x the batches of ``loader`` per rank.
+or once per ``nbtrain.log(...)`` call. When each statement that advances the step runs
+exactly once per iteration of loops whose lengths are known, the total is the sum, over
+those statements, of the product of their loops: here 3 x the batches of ``loader`` per
+rank. A loop that advances nothing (an evaluation loop without ``.backward()``) adds
+nothing.
+
+A loop over a DataLoader reads this rank's share when it runs with gradients enabled (a
+training pass) and the whole loader under ``torch.no_grad()`` / ``torch.inference_mode()``
+(an evaluation pass; see :mod:`nbtrain.rank.prepare`). The kernel hands both lengths
+(``lengths`` and ``eval_lengths``); the ``with`` blocks around a loop say which applies.
 
 A wrong total is worse than none, so every rule is strict and anything else gives None:
 
-- exactly one call site advances the step (one ``.backward()`` in auto mode, one
-  ``nbtrain.log(...)`` otherwise), as a statement of its own, with no explicit ``step=``;
+- each call site that advances the step (``.backward()`` in auto mode, ``nbtrain.log(...)``
+  otherwise) is a statement of its own, with no explicit ``step=``;
 - between it and the top of the cell there are only ``for`` loops (their bodies, not
   their ``else``) and ``with`` blocks: no ``if``, ``while``, ``try``, function or
   comprehension, and no ``break`` or ``continue`` of any of those loops;
 - each loop iterates ``range(...)``, ``enumerate(<known>)`` or a kernel name whose length
   per rank is known (a DataLoader); ``range`` arguments are int literals, simple
   arithmetic, ``len(<known>)``, or names holding an int: a kernel global the cell never
-  rebinds, or one top-level ``name = <int expression>`` of the cell before the loops.
+  rebinds, or one top-level ``name = <int expression>`` of the cell before the loops;
+- where a loader's two lengths differ, its loop's grad mode must be certain: set only by
+  ``with torch.no_grad()``, ``torch.inference_mode()``, ``torch.enable_grad()`` or
+  ``torch.set_grad_enabled(<True or False>)``, never by a call outside a ``with``.
 
 Pure: it reads source text and the values the kernel hands it; no torch, no processes.
 
@@ -50,6 +60,10 @@ from typing import Callable, Container, Mapping
 BACKWARD = "backward"  # the step is the number of loss.backward() calls (auto mode logs that loss)
 LOG = "log"  # the step is the number of nbtrain.log(...) calls
 LOG_MODULES = ("nbtrain", "nbtrain.rank.api")  # where ``log`` can be imported from
+
+# The context managers that switch gradients on or off, by their last name
+# (``torch.no_grad``, ``torch.autograd.no_grad``, ``no_grad`` imported from torch).
+GRAD_SWITCHES = frozenset({"no_grad", "enable_grad", "inference_mode", "set_grad_enabled"})
 
 _ARITHMETIC: dict[type, Callable[[int, int], int]] = {
     ast.Add: operator.add,
@@ -88,26 +102,32 @@ def total_steps(
     *,
     ints: Mapping[str, int] | None = None,
     lengths: Mapping[str, int] | None = None,
+    eval_lengths: Mapping[str, int] | None = None,
     kernel_globals: Container[str] = (),
 ) -> int | None:
     """The number of steps the cell's code will log on a rank, or None when unsure.
 
     ``ints``: kernel globals holding ints (name -> value); ``lengths``: kernel globals the
-    cell may loop over (name -> items per rank, e.g. a DataLoader's batches after
-    prepare). ``kernel_globals``: every kernel global name, so that a kernel's own
-    ``range`` or ``enumerate`` is not taken for the builtin.
+    cell may loop over (name -> items per rank in a pass with gradients, e.g. a
+    DataLoader's batches after prepare); ``eval_lengths``: the same for a pass without
+    gradients (a loader evaluated whole: all its batches). ``kernel_globals``: every
+    kernel global name, so that a kernel's own ``range`` or ``enumerate`` is not taken
+    for the builtin.
 
     >>> total_steps("for i in range(2, 10, 3):\\n    nbtrain.log(loss=i)\\n", StepCounter(LOG))
     3
     >>> total_steps("for i in range(10):\\n    if i % 2:\\n        nbtrain.log(loss=i)\\n", StepCounter(LOG)) is None
     True
+    >>> mixed = "for x in loader:\\n    nbtrain.log(loss=x)\\nwith torch.no_grad():\\n    for x in loader:\\n        nbtrain.log(val=x)\\n"
+    >>> total_steps(mixed, StepCounter(LOG), lengths={"loader": 4}, eval_lengths={"loader": 8})
+    12
     """
     try:
         tree = ast.parse(code)
     except SyntaxError:
         return None
     try:
-        total = _Plan(tree, counter, ints or {}, lengths or {}, kernel_globals).total()
+        total = _Plan(tree, counter, ints or {}, lengths or {}, eval_lengths or {}, kernel_globals).total()
     except _Unknown:
         return None
     return total if total > 0 else None
@@ -120,18 +140,23 @@ class _Plan:
         counter: StepCounter,
         ints: Mapping[str, int],
         lengths: Mapping[str, int],
+        eval_lengths: Mapping[str, int],
         kernel_globals: Container[str],
     ) -> None:
         self.tree = tree
         self.counter = counter
         self.ints = ints
         self.lengths = lengths
+        self.eval_lengths = eval_lengths
         self.kernel_globals = kernel_globals
         self.parents: dict[ast.AST, ast.AST] = {}
         for node in ast.walk(tree):
             for child in ast.iter_child_nodes(node):
                 self.parents[child] = node
         self.bindings = _bindings(tree)
+        # Grad mode at the top of the cell: enabled, unless a call outside a ``with``
+        # switches it somewhere (then no loop's mode is certain).
+        self.top_without_grad: bool | None = None if _stray_grad_switch(tree, self.parents) else False
         self.log_modules = set(counter.log_modules)
         self.log_functions = set(counter.log_functions)
         for node in ast.walk(tree):  # the cell's own imports of nbtrain / nbtrain.log
@@ -144,34 +169,49 @@ class _Plan:
                     if alias.name == "log":
                         self.log_functions.add(alias.asname or "log")
 
-    # -- the step's one call site ---------------------------------------------------------
+    # -- the call sites that advance the step ---------------------------------------------
     def total(self) -> int:
         if self.counter.kind == LOG:
             for name in self.log_modules | self.log_functions:
                 if any(not _imports_nbtrain(statement, name) for statement in self.bindings.get(name, ())):
                     raise _Unknown(f"{name} is rebound in the cell: its calls may not be nbtrain.log")
-        site = self._the_counting_call()
+        return sum(self._site_total(site) for site in self._counting_calls())
+
+    def _site_total(self, site: ast.Call) -> int:
+        """How often ``site`` runs: the product of the loops around it."""
         statement = self.parents.get(site)
         if not isinstance(statement, ast.Expr):
             raise _Unknown("the counting call is part of a larger expression")
-        loops: list[ast.For] = []
+        blocks: list[ast.For | ast.With] = []  # from the innermost out
         child: ast.AST = statement
         parent = self.parents[child]
         while not isinstance(parent, ast.Module):
-            if isinstance(parent, ast.For) and _in_body(parent, child):
-                loops.append(parent)
-            elif not (isinstance(parent, ast.With) and _in_body(parent, child)):
+            if not (isinstance(parent, (ast.For, ast.With)) and _in_body(parent, child)):
                 raise _Unknown(f"the counting call is inside {type(parent).__name__}")
+            blocks.append(parent)
             child, parent = parent, self.parents[parent]
         top_index = self.tree.body.index(child)  # type: ignore[arg-type]
         total = 1
-        for loop in loops:
+        for i, loop in enumerate(blocks):
+            if not isinstance(loop, ast.For):
+                continue
             if _jumps(loop):
                 raise _Unknown("a loop around the counting call has break or continue")
-            total *= self._iterations(loop.iter, top_index)
+            total *= self._iterations(loop.iter, top_index, self._without_grad(blocks[i + 1 :]))
         return total
 
-    def _the_counting_call(self) -> ast.Call:
+    def _without_grad(self, outer: list[ast.For | ast.With]) -> bool | None:
+        """Whether code inside ``outer`` (innermost first) runs with gradients off; None: unsure."""
+        if self.top_without_grad is None:
+            return None
+        for block in outer:
+            if isinstance(block, ast.With):
+                enabled = _with_grad_mode(block)
+                if enabled is not None:
+                    return None if enabled is _UNSURE else not enabled
+        return self.top_without_grad
+
+    def _counting_calls(self) -> list[ast.Call]:
         sites = []
         for node in ast.walk(self.tree):
             called_here = isinstance(self.parents.get(node), ast.Call) and self.parents[node].func is node
@@ -181,9 +221,9 @@ class _Plan:
                 call = self.parents[node]
                 if self._counts(call):  # type: ignore[arg-type]
                     sites.append(call)
-        if len(sites) != 1:
-            raise _Unknown(f"{len(sites)} places advance the step")
-        return sites[0]
+        if not sites:
+            raise _Unknown("nothing in the cell advances the step")
+        return sites
 
     def _is_counter(self, node: ast.AST) -> bool:
         if self.counter.kind == BACKWARD:
@@ -209,17 +249,15 @@ class _Plan:
         return bool(keywords)  # log() with no scalars does nothing
 
     # -- how often a loop runs ------------------------------------------------------------
-    def _iterations(self, iterable: ast.expr, top_index: int) -> int:
+    def _iterations(self, iterable: ast.expr, top_index: int, without_grad: bool | None) -> int:
         if isinstance(iterable, ast.Name):
             if iterable.id in self.bindings:
                 raise _Unknown(f"{iterable.id} is rebound in the cell")
-            if iterable.id not in self.lengths:
-                raise _Unknown(f"the length of {iterable.id} is not known")
-            return int(self.lengths[iterable.id])
+            return self._length(iterable.id, without_grad)
         if isinstance(iterable, ast.Call) and self._is_builtin(iterable.func, "range") and not iterable.keywords:
             if not 1 <= len(iterable.args) <= 3:
                 raise _Unknown("range() with a strange number of arguments")
-            bounds = [self._int(arg, top_index) for arg in iterable.args]
+            bounds = [self._int(arg, top_index, without_grad) for arg in iterable.args]
             if len(bounds) == 3 and bounds[2] == 0:
                 raise _Unknown("range() with a step of 0 raises")
             try:
@@ -232,18 +270,31 @@ class _Plan:
                 raise _Unknown("enumerate() with strange arguments")
             if any(isinstance(a, ast.Starred) for a in iterable.args):
                 raise _Unknown("enumerate(*...)")
-            return self._iterations(iterable.args[0], top_index)
+            return self._iterations(iterable.args[0], top_index, without_grad)
         raise _Unknown(f"cannot tell how often a loop over {ast.dump(iterable)[:60]} runs")
 
-    def _int(self, node: ast.expr, before: int) -> int:
+    def _length(self, name: str, without_grad: bool | None) -> int:
+        """Items of the kernel's ``name`` per rank in a pass with (or without) gradients."""
+        with_grad, evaluated = self.lengths.get(name), self.eval_lengths.get(name)
+        if without_grad is None:  # the grad mode is unsure: fine only if both lengths agree
+            if with_grad is None or with_grad != evaluated:
+                raise _Unknown(f"the length of {name} depends on a grad mode that is not certain")
+            return int(with_grad)
+        length = evaluated if without_grad else with_grad
+        if length is None:
+            raise _Unknown(f"the length of {name} is not known")
+        return int(length)
+
+    def _int(self, node: ast.expr, before: int, without_grad: bool | None) -> int:
         """The int ``node`` evaluates to when the top-level statement ``before`` runs."""
         if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            value = self._int(node.operand, before)
+            value = self._int(node.operand, before, without_grad)
             return -value if isinstance(node.op, ast.USub) else value
         if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
-            left, right = self._int(node.left, before), self._int(node.right, before)
+            left = self._int(node.left, before, without_grad)
+            right = self._int(node.right, before, without_grad)
             if isinstance(node.op, ast.FloorDiv) and right == 0:
                 raise _Unknown("division by zero")
             return _ARITHMETIC[type(node.op)](left, right)
@@ -254,7 +305,7 @@ class _Plan:
             and isinstance(node.args[0], ast.Name)
             and not node.keywords
         ):
-            return self._iterations(node.args[0], before)  # len(loader) on a rank: its batches there
+            return self._iterations(node.args[0], before, without_grad)  # len(loader) on a rank: its batches there
         if isinstance(node, ast.Name):
             return self._name_int(node.id, before)
         raise _Unknown(f"not an int the kernel knows: {ast.dump(node)[:60]}")
@@ -283,7 +334,7 @@ class _Plan:
             raise _Unknown(f"{name} is not bound by a plain assignment")
         if not (isinstance(target, ast.Name) and target.id == name):
             raise _Unknown(f"{name} is bound by unpacking")
-        return self._int(value, index)
+        return self._int(value, index, self.top_without_grad)  # a top-level statement
 
     def _is_builtin(self, func: ast.expr, name: str) -> bool:
         return (
@@ -304,6 +355,54 @@ def _imports_nbtrain(statement: ast.AST, name: str) -> bool:
         )
     if isinstance(statement, ast.ImportFrom) and statement.module in LOG_MODULES:
         return all(alias.name == "log" for alias in statement.names if (alias.asname or alias.name) == name)
+    return False
+
+
+class _Unsure:
+    """A grad switch whose argument is not a literal: the mode it sets is not known."""
+
+
+_UNSURE = _Unsure()
+
+
+def _grad_switch(call: ast.Call) -> bool | _Unsure | None:
+    """What ``call`` as a ``with`` item sets gradients to: True, False, _UNSURE, or None (not a switch)."""
+    name = _dotted(call.func).rsplit(".", 1)[-1]
+    if name not in GRAD_SWITCHES:
+        return None
+    if name in ("no_grad", "enable_grad"):
+        return name == "enable_grad"
+    arguments = [*call.args, *(k.value for k in call.keywords if k.arg in ("mode", None))]
+    if not arguments and name == "inference_mode":
+        return False
+    if len(arguments) != 1 or not isinstance(arguments[0], ast.Constant) or type(arguments[0].value) is not bool:
+        return _UNSURE
+    if name == "inference_mode":  # inference_mode(False) leaves the mode as it was
+        return False if arguments[0].value else None
+    return arguments[0].value
+
+
+def _with_grad_mode(block: ast.With) -> bool | _Unsure | None:
+    """The grad mode inside ``block`` if its items set one (the last one wins), else None."""
+    mode: bool | _Unsure | None = None
+    for item in block.items:
+        if isinstance(item.context_expr, ast.Call):
+            switch = _grad_switch(item.context_expr)
+            mode = switch if switch is not None else mode
+    return mode
+
+
+def _stray_grad_switch(tree: ast.Module, parents: Mapping[ast.AST, ast.AST]) -> bool:
+    """Does the cell switch gradients by a call that is not a ``with`` item or a decorator?"""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or _grad_switch(node) is None:
+            continue
+        parent = parents.get(node)
+        if isinstance(parent, ast.withitem) and parent.context_expr is node:
+            continue
+        if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)) and node in parent.decorator_list:
+            continue  # it switches inside that function only
+        return True
     return False
 
 

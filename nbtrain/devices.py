@@ -30,6 +30,10 @@ negative numbers other than -1, more GPUs than are visible, indices out of range
 repeated, floats, booleans, and strings that are not a count, ``"-1"``, ``"auto"`` or a
 comma list (``"two"``, ``"1.5"``, ``""``, ``"[1,2]"``; for the last, pass the list
 itself or ``"1,2"``).
+
+CPU processes are bounded before anything starts: more than ``OVERSUBSCRIBE_FACTOR``
+processes per usable core (a typo such as ``10000`` for ``100``) is refused unless the
+caller passes ``oversubscribe=True``, and more than ``MOST_CPU_RANKS`` always is.
 """
 
 from __future__ import annotations
@@ -46,6 +50,14 @@ ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 PLAN_ACCELERATORS = ("cpu", "cuda", "mps")
 
 _GIB = 2**30
+
+# More CPU processes than this per usable core is refused without oversubscribe=True: the
+# ranks only share the cores, so each extra one slows every step, and 4 per core is
+# already past where data parallelism on CPU helps.
+OVERSUBSCRIBE_FACTOR = 4
+# Refused even with oversubscribe=True: gloo connects every pair of ranks, so each rank
+# holds a socket per peer and a larger group exhausts the usual 1,024 open files per process.
+MOST_CPU_RANKS = 1024
 
 
 @dataclass(frozen=True)
@@ -140,11 +152,13 @@ def plan_devices(
     gpus: Sequence[GpuInfo],
     mps_available: bool,
     cpu_count: int,
+    oversubscribe: bool = False,
 ) -> DevicePlan:
     """Which accelerator and which devices the run uses, one device per rank.
 
     ``gpus`` are the GPUs visible to this process, in logical order; ``devices=None``
     means ``"auto"``. Raises ConfigurationError naming the bad value and what exists.
+    On CPU, more than ``OVERSUBSCRIBE_FACTOR`` processes per core needs ``oversubscribe``.
 
     >>> gpus = [GpuInfo(i, "NVIDIA A100", 80 * 2**30, 79 * 2**30) for i in range(4)]
     >>> plan_devices(2, gpus=gpus, mps_available=False, cpu_count=8)
@@ -153,6 +167,8 @@ def plan_devices(
     (1, 3)
     >>> plan_devices(-1, "cpu", gpus=gpus, mps_available=False, cpu_count=8).world_size
     8
+    >>> plan_devices(64, "cpu", gpus=[], mps_available=False, cpu_count=8, oversubscribe=True).world_size
+    64
     """
     resolved = resolve_accelerator(accelerator, gpus=gpus, mps_available=mps_available)
     try:
@@ -162,7 +178,7 @@ def plan_devices(
         elif resolved == "mps":
             device_ids = _choose_mps(request)
         else:
-            device_ids = tuple(range(_cpu_process_count(request, gpus, cpu_count)))
+            device_ids = tuple(range(_cpu_process_count(request, gpus, cpu_count, oversubscribe)))
     except _InvalidDevices as invalid:
         available = _describe_available(resolved, gpus, cpu_count)
         raise ConfigurationError(f"devices={devices!r} is not valid: {invalid}. {available}.") from None
@@ -301,15 +317,34 @@ def _choose_mps(request: _DeviceRequest) -> tuple[int, ...]:
     raise _InvalidDevices("MPS (the Apple GPU) is a single device, numbered 0")
 
 
-def _cpu_process_count(request: _DeviceRequest, gpus: Sequence[GpuInfo], cpu_count: int) -> int:
+def _cpu_process_count(request: _DeviceRequest, gpus: Sequence[GpuInfo], cpu_count: int, oversubscribe: bool) -> int:
     if request == _AUTO:
         return 1  # as Lightning: on CPU, "auto" is one process
     if request == _ALL:
         return max(cpu_count, 1)
     if isinstance(request, int):
+        _check_cpu_ranks(request, max(cpu_count, 1), oversubscribe)
         return request
     use_gpus = "; pass accelerator='cuda' to run on them" if gpus else ""
     raise _InvalidDevices(f"it lists device indices, which select GPUs{use_gpus}")
+
+
+def _check_cpu_ranks(count: int, cores: int, oversubscribe: bool) -> None:
+    # Checked before the plan is built: a run of 10,000 ranks would otherwise start forking
+    # them, and 99999999999999999999 would overflow building the plan itself.
+    bound = OVERSUBSCRIBE_FACTOR * cores
+    if count > bound and not oversubscribe:
+        raise _InvalidDevices(
+            f"it asks for {count} CPU processes, more than {OVERSUBSCRIBE_FACTOR} per usable core "
+            f"({bound} for the {cores} core{'s' if cores != 1 else ''} here); use at most {bound} "
+            f"(devices={cores} runs one per core), or pass oversubscribe=True "
+            "(--allow-oversubscribe on the %%distributed line) if you mean it"
+        )
+    if count > MOST_CPU_RANKS:
+        raise _InvalidDevices(
+            f"it asks for {count} CPU processes, more than the {MOST_CPU_RANKS:,} one machine can connect "
+            "(gloo holds a socket per pair of ranks); use fewer devices"
+        )
 
 
 def _normalize_accelerator(accelerator: str | None) -> str:

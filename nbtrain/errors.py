@@ -83,6 +83,35 @@ class RankDiedError(RunFailedError):
         super().__init__(describe_death(rank, signal_number=signal_number, exit_code=exit_code, node=node))
 
 
+class RankStartError(RunFailedError):
+    """The launcher could not create a rank's process; the ranks already started were stopped.
+
+    Example:
+        >>> str(RankStartError(3, 8, "EAGAIN", "Resource temporarily unavailable")).split(":")[0]
+        'could not start rank 3 of 8'
+    """
+
+    def __init__(self, rank: int, world_size: int, error_name: str, reason: str):
+        self.rank = rank
+        self.error_name = error_name
+        started = f"the {rank} already started were stopped" if rank else "none had started"
+        super().__init__(
+            f"could not start rank {rank} of {world_size}: creating its process failed with {error_name} ({reason}). "
+            f"{_START_ADVICE.get(error_name, 'Use fewer devices, or check the limits of this machine.')} "
+            f"The run ended; {started}."
+        )
+
+
+_START_ADVICE = {
+    "EAGAIN": "A limit on processes is reached: the user's (ulimit -u, RLIMIT_NPROC), a container's "
+    "(the cgroup's pids.max) or the system's (kernel.pid_max). Use fewer devices, end other processes, "
+    "or raise the limit.",
+    "ENOMEM": "There is not enough memory to create another process. Use fewer devices, or free memory.",
+    "EMFILE": "The launcher has too many open files (ulimit -n). Use fewer devices, or raise the limit.",
+    "ENFILE": "The system has too many open files. Use fewer devices, or end other processes.",
+}
+
+
 class RunTimeoutError(RunFailedError, TimeoutError):
     """The run took longer than its ``timeout``; every rank was stopped."""
 
@@ -96,6 +125,25 @@ class RunTimeoutError(RunFailedError, TimeoutError):
 
 class RunStoppedError(RunFailedError):
     """The run was stopped on request (``stop()`` or the Stop button) before it finished."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The caller was interrupted (Jupyter's "interrupt kernel", Ctrl-C) and every rank stopped.
+
+    A KeyboardInterrupt, not an Exception: ``except Exception`` around a run does not
+    swallow the user's interrupt, and tools that execute notebooks see an interrupt. The
+    message says what happened to the run and the kernel. A stop on request (``stop()``, a
+    Stop button) is a :class:`RunStoppedError` instead.
+
+    Example:
+        >>> error = RunInterrupted("the run was interrupted and every rank was stopped.")
+        >>> isinstance(error, KeyboardInterrupt), isinstance(error, Exception)
+        (True, False)
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing nbtrain's frames.
+        return [f"KeyboardInterrupt: {self}"]
 
 
 class NodeLostError(RunFailedError):

@@ -192,6 +192,17 @@ class NodeLost:
 
 
 @dataclass(frozen=True)
+class RankNotStarted:
+    """The launcher could not create rank ``rank``'s process (fork or spawn failed)."""
+
+    run_id: int
+    rank: int
+    world_size: int
+    error_name: str  # errno's name: "EAGAIN", "ENOMEM", "EMFILE", ...
+    reason: str  # the system's words for it
+
+
+@dataclass(frozen=True)
 class RunEnded:
     """The last event of a run. On success ``result`` holds rank 0's pickled return value."""
 
@@ -199,7 +210,7 @@ class RunEnded:
     state: str  # FINISHED | FAILED | STOPPED | TIMED_OUT
     result: bytes | None = None
     has_tensor_file: bool = False
-    failure: RankFailed | RankExited | NodeLost | None = None
+    failure: RankFailed | RankExited | RankNotStarted | NodeLost | None = None
     detail: str = ""
 
 

@@ -103,15 +103,82 @@ def cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-def probe_plan(devices: object = "auto", accelerator: str | None = "auto") -> DevicePlan:
+def probe_plan(devices: object = "auto", accelerator: str | None = "auto", oversubscribe: bool = False) -> DevicePlan:
     """Plan ``devices`` on ``accelerator`` for this machine (see :func:`nbtrain.devices.plan_devices`).
 
     >>> probe_plan(1, "cpu")
     DevicePlan(accelerator='cpu', device_ids=(0,))
     """
     return plan_devices(
-        devices, accelerator, gpus=detect_gpus(), mps_available=mps_available(), cpu_count=cpu_count()
+        devices,
+        accelerator,
+        gpus=detect_gpus(),
+        mps_available=mps_available(),
+        cpu_count=cpu_count(),
+        oversubscribe=oversubscribe,
     )
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory a run can still take: the kernel's estimate, within this cgroup's limit.
+
+    ``MemAvailable`` counts reclaimable page cache as available, as the kernel's OOM
+    decisions do; a container's memory limit (cgroup v2, or v1) caps it. None when
+    neither can be read.
+
+    >>> (available_memory() or 1) > 0
+    True
+    """
+    candidates = [_meminfo_available()]
+    for limit_file, usage_file, stat_file, cache_key in _CGROUP_MEMORY_FILES:
+        limit, usage = _read_number(limit_file), _read_number(usage_file)
+        if limit is not None and usage is not None and limit < 1 << 60:  # "max" or v1's "no limit"
+            # The usage counts page cache, which the kernel reclaims before it kills anything.
+            candidates.append(max(0, limit - usage + _memory_stat(stat_file, cache_key)))
+    known = [value for value in candidates if value is not None]
+    return min(known) if known else None
+
+
+_CGROUP_MEMORY_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat", "inactive_file"),
+    (
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        "/sys/fs/cgroup/memory/memory.stat",
+        "total_inactive_file",
+    ),
+)
+
+
+def _memory_stat(path: str, key: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read_number(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None  # absent, or "max"
 
 
 def _entry_position(entry: str, uuids: Sequence[str], ordinal_count: int) -> int | None:

@@ -19,6 +19,11 @@ Why each rule:
   the kernel's end of its socket closes. So killing the kernel leaves no orphans.
 - Stopping is SIGTERM to each rank's group, then SIGKILL after a grace period, tolerating
   processes that are already gone.
+- A process that leaves its rank's group (``os.setsid()``, a double fork) is out of reach
+  of a group signal. So the launcher and every rank are child subreapers: such a process,
+  orphaned, becomes the rank's child while its rank lives, and the launcher's when the
+  rank is gone. The launcher's only children are its ranks; any other is left over from
+  a rank that ended, and is killed with everything below it (:func:`kill_strays`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, NoReturn, Sequence
 
@@ -37,6 +43,7 @@ LAUNCHER_MODULE = "nbtrain.launch_server"
 CONTROL_FD_VARIABLE = "NBTRAIN_CONTROL_FD"
 ROLE_VARIABLE = "NBTRAIN_ROLE"
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 @dataclass
@@ -150,6 +157,63 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def become_subreaper() -> None:
+    """Adopt this process's orphaned descendants instead of init (or the nearest subreaper).
+
+    The setting is not inherited by children, so the launcher and each rank set it.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+def children(pid: int | None = None) -> list[int]:
+    """The pids whose parent is ``pid`` (this process by default), zombies included."""
+    pid = os.getpid() if pid is None else pid
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found  # gone meanwhile
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", "rb") as f:
+                found.extend(int(child) for child in f.read().split())
+        except OSError:
+            continue
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first), as far as /proc shows them now."""
+    found: list[int] = []
+    level = children(pid)
+    while level:
+        found.extend(level)
+        level = [grandchild for child in level for grandchild in children(child)]
+    return found
+
+
+def kill_strays(keep: set[int]) -> list[int]:
+    """SIGKILL this process's children not in ``keep``, and everything below them; reap them.
+
+    A subreaper's unknown children are orphans adopted from a subtree whose owner ended.
+    Their own descendants are killed in the same pass; those adopted later (a parent killed
+    before its child) are found by the next call. Returns the pids killed.
+    """
+    strays = [pid for pid in children() if pid not in keep]
+    victims = [pid for stray in strays for pid in (stray, *descendants(stray))]
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in strays:
+        reap(pid)
+    return victims
+
+
 def open_pidfd(pid: int) -> int:
     """A descriptor that becomes readable when ``pid`` exits: a bounded wait, no SIGCHLD."""
     return os.pidfd_open(pid)
@@ -166,6 +230,13 @@ def reap(pid: int) -> tuple[int | None, int | None] | None:
     if os.WIFSIGNALED(status):
         return (None, os.WTERMSIG(status))
     return (os.WEXITSTATUS(status), None)
+
+
+def reap_now(pid: int, timeout: float = 2.0) -> None:
+    """Wait (bounded) for a child that was just sent SIGKILL, so that it leaves no zombie."""
+    deadline = time.monotonic() + timeout
+    while reap(pid) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def signal_group(pgid: int, number: int) -> None:

@@ -102,6 +102,92 @@ def test_with_blocks_and_amp_scaler_backward_count():
     assert total(cell) == 7
 
 
+KERNEL_EVAL_LENGTHS = {"loader": 14, "val_loader": 4}  # the same loaders read whole, under no_grad
+
+
+def test_each_call_site_adds_its_own_loops():
+    cell = """
+    for x, y in loader:
+        model(x).sum().backward()
+    for x, y in val_loader:
+        model(x).sum().backward()
+    """
+    assert total(cell) == 7 + 2
+    assert total("for i in range(5):\n    nbtrain.log(loss=1.0)\nnbtrain.log(accuracy=0.5)\n", LOGS) == 6
+    per_epoch = (
+        "for epoch in range(3):\n    for x, y in loader:\n        loss.backward()\n    nbtrain.log(epoch_loss=1.0)\n"
+        "    nbtrain.log(val=0.5)\n"
+    )
+    assert total(per_epoch, LOGS) == 6
+
+
+MIXED = """
+for epoch in range(epochs):
+    for x, y in loader:
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        nbtrain.log(loss=loss)
+    with torch.no_grad():
+        for x, y in val_loader:
+            nbtrain.log(val_loss=loss_fn(model(x), y))
+"""
+
+
+def test_an_evaluation_loop_reads_its_loader_whole():
+    # 3 epochs x (7 training batches per rank + 4 validation batches, the whole loader)
+    assert total(MIXED, LOGS, eval_lengths=KERNEL_EVAL_LENGTHS) == 3 * (7 + 4)
+    # inference_mode, torch.autograd.no_grad and set_grad_enabled(False) say the same
+    for switch in ("torch.inference_mode()", "torch.autograd.no_grad()", "torch.set_grad_enabled(False)", "no_grad()"):
+        assert total(MIXED.replace("torch.no_grad()", switch), LOGS, eval_lengths=KERNEL_EVAL_LENGTHS) == 33, switch
+    # gradients switched back on inside: the loop is a training pass again (2 batches per rank)
+    inner = """
+    with torch.no_grad():
+        with torch.enable_grad():
+            for x, y in val_loader:
+                nbtrain.log(val_loss=1.0)
+    """
+    assert total(inner, LOGS, eval_lengths=KERNEL_EVAL_LENGTHS) == 2
+
+
+def test_a_validation_loop_without_a_counting_call_adds_nothing_in_a_mixed_cell():
+    cell = MIXED.replace("            nbtrain.log(val_loss=loss_fn(model(x), y))", "            val = loss_fn(model(x), y)")
+    assert total(cell, LOGS, eval_lengths=KERNEL_EVAL_LENGTHS) == 3 * 7
+    backward_only = cell.replace("        nbtrain.log(loss=loss)\n", "")
+    assert total(backward_only, eval_lengths=KERNEL_EVAL_LENGTHS) == 3 * 7
+
+
+def test_len_of_a_loader_under_no_grad_counts_its_whole_batches():
+    cell = """
+    with torch.no_grad():
+        for step in range(len(loader) // 2):
+            nbtrain.log(val=1.0)
+    """
+    assert total(cell, LOGS, eval_lengths=KERNEL_EVAL_LENGTHS) == 7
+    assert total(cell.replace("torch.no_grad()", "torch.autocast('cpu')"), LOGS, eval_lengths=KERNEL_EVAL_LENGTHS) == 3
+
+
+GRAD_UNSURE = {
+    "a switch with a value from a variable": MIXED.replace("torch.no_grad()", "torch.set_grad_enabled(training)"),
+    "a switch outside a with block": "torch.set_grad_enabled(False)\n" + MIXED,
+    "no evaluation length known": MIXED,
+}
+
+
+@pytest.mark.parametrize("case", sorted(GRAD_UNSURE))
+def test_no_total_when_a_loaders_grad_mode_is_unsure(case):
+    eval_lengths = {} if case == "no evaluation length known" else KERNEL_EVAL_LENGTHS
+    assert total(GRAD_UNSURE[case], LOGS, eval_lengths=eval_lengths) is None
+
+
+def test_an_unsure_grad_mode_is_fine_where_both_lengths_agree():
+    # --no-auto, or a loader that cannot be sharded: every pass reads the whole loader
+    same = {"loader": 7, "val_loader": 4}
+    cell = "torch.set_grad_enabled(False)\n" + MIXED
+    assert total(cell, LOGS, lengths=same, eval_lengths=same) == 3 * (7 + 4)
+    decorated = "@torch.no_grad()\ndef evaluate():\n    pass\n" + MIXED  # switches inside evaluate() only
+    assert total(decorated, LOGS, eval_lengths=KERNEL_EVAL_LENGTHS) == 33
+
+
 def test_nbtrain_log_counts_when_the_cell_logs_itself():
     cell = """
     import nbtrain as nb
@@ -159,12 +245,6 @@ UNKNOWN_CELLS = {
                 model(x).sum().backward()
             except RuntimeError:
                 pass
-    """,
-    "two backward calls": """
-        for x, y in loader:
-            model(x).sum().backward()
-        for x, y in val_loader:
-            model(x).sum().backward()
     """,
     "backward in a function defined in the cell": """
         def train_step(x):
@@ -318,11 +398,6 @@ LOG_UNKNOWN_CELLS = {
     "an explicit step": "for i, (x, y) in enumerate(loader):\n    nbtrain.log(step=i, loss=1.0)\n",
     "a positional step": "for i in range(5):\n    nbtrain.log(i, loss=1.0)\n",
     "scalars from a dict": "for i in range(5):\n    nbtrain.log(**metrics)\n",
-    "two log calls": "for i in range(5):\n    nbtrain.log(loss=1.0)\nnbtrain.log(accuracy=0.5)\n",
-    "log once per epoch, after the batches": (
-        "for epoch in range(3):\n    for x, y in loader:\n        loss.backward()\n    nbtrain.log(epoch_loss=1.0)\n"
-        "    nbtrain.log(val=0.5)\n"
-    ),
     "log kept under another name": "record = nbtrain.log\nfor i in range(5):\n    record(loss=1.0)\n",
     "log rebound in the cell": "from math import log\nfor i in range(5):\n    log(loss=1.0)\n",
 }

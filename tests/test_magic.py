@@ -242,7 +242,7 @@ def test_interrupt_stops_every_rank_and_leaves_the_kernel_usable(kernel):
     kernel.interrupt()
     reply, out = kernel.wait_for_reply(msg_id, timeout=15)
     elapsed = time.monotonic() - started
-    assert reply["status"] == "error" and reply["ename"] == "RunStoppedError"
+    assert reply["status"] == "error" and reply["ename"] == "RunInterrupted"
     assert elapsed < 5.0, elapsed
     assert "every rank was stopped" in out.error["evalue"] and "model" in out.error["evalue"]
     assert wait_gone(ranks, 5.0) == []

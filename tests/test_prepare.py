@@ -413,3 +413,95 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
 
     assert prep.batches_per_rank(DataLoader(Stream()), 3, "ddp") is None  # each rank reads what it reads
     assert prep.batches_per_rank([1, 2, 3], 3, "ddp") is None  # not a DataLoader
+
+
+# -- training passes and evaluation passes -----------------------------------------------------
+
+
+def test_training_passes_read_a_share_and_passes_without_gradients_read_everything(launcher):
+    def fn():
+        import torch.distributed as dist
+
+        data = TensorDataset(torch.arange(10.0))
+        loader = nbtrain.prepare(DataLoader(data, batch_size=3, shuffle=True))
+        ordered = nbtrain.prepare(DataLoader(data, batch_size=4), evaluation="whole")
+
+        def items(batches):
+            return [int(v) for (x,) in batches for v in x]
+
+        seen = {"share": [items(loader) for _ in range(2)], "len_share": len(loader)}
+        with torch.no_grad():
+            seen["no_grad"], seen["len_no_grad"] = items(ordered), len(ordered)
+            seen["shuffled_whole"] = sorted(items(loader))
+        with torch.inference_mode():
+            seen["inference"] = items(ordered)
+        seen["third_share"] = items(loader)  # epoch 2: evaluation passes did not advance it
+        shards = [None] * nbtrain.world_size()
+        dist.all_gather_object(shards, seen["share"][0])
+        seen["shards"] = shards
+        seen["report"] = prep.describe_passes(loader), prep.describe_passes(ordered)
+        return seen
+
+    seen = finish(nbtrain.start(fn, devices=2))
+    first, second = seen["share"]
+    assert len(first) == 5 and first != second  # half of it, reshuffled by set_epoch
+    assert sorted(seen["shards"][0] + seen["shards"][1]) == list(range(10))
+    assert seen["len_share"] == 2 and seen["len_no_grad"] == 3  # 5 of 10 in batches of 3; 10 in 4s
+    assert seen["no_grad"] == seen["inference"] == list(range(10))  # whole, in the loader's own order
+    assert seen["shuffled_whole"] == list(range(10))
+    training_and_evaluation = (
+        "sharded for training (DistributedSampler, 5 of 10 per rank) and "
+        "evaluated whole on every rank (iterated without gradients)"
+    )
+    assert seen["report"] == (training_and_evaluation, "evaluated whole on every rank (iterated without gradients)")
+
+
+def test_evaluation_shard_keeps_evaluation_passes_sharded_and_all_reduce_adds_them_up(launcher):
+    def fn():
+        data = TensorDataset(torch.arange(12.0))
+        loader = nbtrain.prepare(DataLoader(data, batch_size=4), evaluation="shard")
+        with torch.no_grad():
+            values = [float(v) for (x,) in loader for v in x]
+        probe = torch.tensor([float(nbtrain.rank()), 1.0])
+        return {
+            "values": values,
+            "sum": nbtrain.all_reduce(sum(values)),
+            "count": nbtrain.all_reduce(len(values)),
+            "mean": nbtrain.all_reduce(nbtrain.rank() + 1, op="mean"),
+            "max": nbtrain.all_reduce(nbtrain.rank(), op="max"),
+            "min": nbtrain.all_reduce(0.5 + nbtrain.rank(), op="min"),
+            "tensor": nbtrain.all_reduce(probe).tolist(),
+            "probe_unchanged": probe.tolist() == [float(nbtrain.rank()), 1.0],
+            "report": prep.describe_passes(loader),
+        }
+
+    result = finish(nbtrain.start(fn, devices=2))
+    assert result["values"] == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]  # rank 0's share, in order
+    assert result["sum"] == sum(range(12)) and result["count"] == 12 and type(result["count"]) is int
+    assert result["mean"] == 1.5 and result["max"] == 1 and result["min"] == 0.5
+    assert result["tensor"] == [1.0, 2.0] and result["probe_unchanged"]
+    assert result["report"] == "evaluated sharded (DistributedSampler, 6 of 12 per rank; evaluation='shard')"
+
+
+def test_evaluation_choice_outside_a_run_is_remembered_and_checked():
+    loader = DataLoader(TensorDataset(torch.zeros(200, 1)), batch_size=16)
+    assert prep.batches_per_rank(loader, 2, "ddp", evaluation=True) == 13  # read whole
+    assert nbtrain.prepare(loader, evaluation="shard") is loader  # in the kernel: nothing to rebuild
+    assert prep.batches_per_rank(loader, 2, "ddp", evaluation=True) == 7  # the ranks will shard it
+    assert roundtrip(loader)._nbtrain_evaluation == "shard"  # the choice travels with the loader
+    with pytest.raises(ValueError, match=r"prepare\(evaluation='all'\): .* either 'whole' .* or 'shard'"):
+        nbtrain.prepare(loader, evaluation="all")
+
+
+def test_all_reduce_outside_a_run_gives_the_value_back_and_names_bad_input():
+    import doctest
+
+    from nbtrain.rank import api
+
+    assert doctest.testmod(api).failed == 0  # all_reduce's examples, outside a run
+    tensor = torch.ones(2)
+    assert nbtrain.all_reduce(tensor) is tensor and nbtrain.all_reduce(7, op="min") == 7
+    with pytest.raises(TypeError, match="takes a number or a tensor, not list: reduce each number"):
+        nbtrain.all_reduce([1, 2])
+    with pytest.raises(ValueError, match=r"all_reduce\(op='avg'\) is not a reduction .* sum, mean, max, min"):
+        nbtrain.all_reduce(1.0, op="avg")

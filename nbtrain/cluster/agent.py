@@ -213,7 +213,7 @@ class NodeAgent:
             os.close(fd)
         if hasattr(message, "node"):
             message = dataclasses.replace(message, node=self.label)
-        if isinstance(message, events.RunEnded) and message.failure is not None:
+        if isinstance(message, events.RunEnded) and hasattr(message.failure, "node"):
             message = dataclasses.replace(message, failure=dataclasses.replace(message.failure, node=self.label))
         return [message]
 
@@ -270,7 +270,9 @@ def _start_run(
     request: NodeRun, data: bytes, has_tensor_file: bool, label: str, interface: str | None
 ) -> events.StartRun:
     """The launcher's request: the kernel's settings, adapted to this node."""
-    environ = node_environment(request.environ, dict(os.environ))
+    # The kernel's interface names mean nothing here (a single-machine run sets loopback).
+    kernel = {k: v for k, v in request.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    environ = node_environment(kernel, dict(os.environ))
     if interface is not None:
         # gloo and NCCL otherwise bind to whatever the host name resolves to, which is
         # often a loopback address the other nodes cannot reach.

@@ -25,6 +25,7 @@ from nbtrain.errors import (
     NodeLostError,
     RankDiedError,
     RankError,
+    RankStartError,
     RunFailedError,
     RunStoppedError,
     RunTimeoutError,
@@ -62,6 +63,7 @@ class LauncherClient:
         self.alive = True
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
         self._queues: dict[int, queue.Queue] = {}
+        self._stopping: set[int] = set()  # runs asked to stop: their results are not copied
         self._lock = threading.Lock()
         self._run_ids = itertools.count(1)
         threading.Thread(target=self._read_events, name="nbtrain-events", daemon=True).start()
@@ -84,6 +86,7 @@ class LauncherClient:
 
     def stop(self, run_id: int, reason: str) -> None:
         with self._lock:
+            self._stopping.add(run_id)
             try:
                 wire.send(self.process.channel, events.StopRun(run_id, reason))
             except OSError:
@@ -92,6 +95,7 @@ class LauncherClient:
     def forget(self, run_id: int) -> None:
         with self._lock:
             self._queues.pop(run_id, None)
+            self._stopping.discard(run_id)
 
     def close(self) -> None:
         self.alive = False
@@ -137,7 +141,9 @@ class LauncherClient:
 
     def _take_result(self, offer: events.ResultOffer, inbox: queue.Queue | None) -> None:
         copied = None
-        if inbox is not None and os.environ.get(RESULT_TRANSFER_VARIABLE) != "file":
+        # A run being stopped gives up its result (the launcher stops rank 0 too): no copy.
+        wanted = inbox is not None and offer.run_id not in self._stopping
+        if wanted and os.environ.get(RESULT_TRANSFER_VARIABLE) != "file":
             from nbtrain import sharedtensors
 
             try:
@@ -148,7 +154,7 @@ class LauncherClient:
                 pass  # this thread must live on. Rank 0 sends a file instead.
         if copied is not None:
             inbox.put((copied, []))
-        answer = events.ReleaseResult(offer.run_id, send_file=inbox is not None and copied is None)
+        answer = events.ReleaseResult(offer.run_id, send_file=wanted and copied is None)
         with self._lock:
             try:
                 wire.send(self.process.channel, answer)
@@ -230,7 +236,8 @@ class Run:
         """Yield the run's events as they arrive, ending with its RunEnded.
 
         Yields None every ``poll`` seconds while nothing arrives, so a caller can redraw.
-        KeyboardInterrupt while waiting stops the run (every rank gone) and is re-raised.
+        KeyboardInterrupt while waiting stops the run (every rank gone, its result
+        dropped) and is re-raised.
         """
         while self._ended is None:
             try:
@@ -239,7 +246,7 @@ class Run:
                 yield None
                 continue
             except KeyboardInterrupt:
-                self.stop("interrupted")
+                self.abandon()
                 raise
             yield self._take(message, fds)
 
@@ -249,6 +256,7 @@ class Run:
             return None
         if isinstance(message, _LauncherGone):
             self.state = events.FAILED
+            self._copied = None
             self._ended = events.RunEnded(self.run_id, events.FAILED, detail=message.detail)
             self.client.forget(self.run_id)
             return self._ended
@@ -258,6 +266,8 @@ class Run:
             self._ended, self._ended_fds = message, fds
             self.state = message.state
             self.client.forget(self.run_id)
+            if message.state != events.FINISHED:
+                self._copied = None  # a failed or stopped run has no result: free its memory now
         return message
 
     def stop(self, reason: str = "stopped") -> None:
@@ -279,18 +289,47 @@ class Run:
             self._ended = events.RunEnded(self.run_id, events.STOPPED)
             self.state = events.STOPPED
 
+    def abandon(self) -> None:
+        """Stop the run for an interrupt (if it still goes) and drop its result.
+
+        Whatever rank 0's result already brought into this process is freed at once: an
+        interrupted call's traceback keeps this handle alive for as long as IPython keeps
+        the traceback.
+        """
+        self.stop("interrupted")
+        self._drop_result()
+
+    def _drop_result(self) -> None:
+        self._copied = None
+        for fd in self._ended_fds:
+            os.close(fd)
+        self._ended_fds = []
+        while True:  # what came after the run ended, or before a launcher that never answered
+            try:
+                message, fds = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            for fd in fds:
+                os.close(fd)
+
     def wait(self, on_event: Callable[[Any], None] | None = None) -> Any:
-        """Block until the run ends; return rank 0's result or raise its failure."""
+        """Block until the run ends; return rank 0's result or raise its failure.
+
+        KeyboardInterrupt stops every rank, drops the result and is re-raised.
+        """
         try:
             for event in self.events():
                 if event is not None and on_event is not None:
                     on_event(event)
+            return self.result()
         except KeyboardInterrupt:
-            # events() stops the run when the interrupt lands in its own wait; one that
-            # lands in on_event (printing a line, say) must stop it too, or the ranks run on.
-            self.stop("interrupted")
-            raise
-        return self.result()
+            pass
+        # events() stops the run when the interrupt lands in its own wait; one that lands in
+        # on_event (printing a line, say) or in loading the result must stop it too, or the
+        # ranks run on. Raised afresh, out here: the interrupted frames, with whatever part
+        # of the result they had loaded, are freed instead of living on in the traceback.
+        self.abandon()
+        raise KeyboardInterrupt
 
     def result(self) -> Any:
         """Rank 0's return value (call after the run ended)."""
@@ -324,6 +363,8 @@ class Run:
         failure = ended.failure
         if isinstance(failure, events.RankFailed):
             return RankError(failure.rank, failure.exc_type, failure.message, failure.traceback, node=failure.node)
+        if isinstance(failure, events.RankNotStarted):
+            return RankStartError(failure.rank, failure.world_size, failure.error_name, failure.reason)
         if isinstance(failure, events.RankExited):
             return RankDiedError(
                 failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code, node=failure.node
@@ -359,17 +400,22 @@ def start(
     strategy: str = "ddp_notebook",
     timeout: float | None = None,
     backend: str | None = None,
+    oversubscribe: bool = False,
     cluster: str | None = None,
     num_nodes: int | None = None,
 ) -> Run:
     """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once.
 
+    Refused before anything starts (ConfigurationError) when the run cannot fit: more CPU
+    processes than 4 per core (unless ``oversubscribe=True``), or more memory than is free.
     ``cluster="ray"`` (or a Ray address) runs on ``num_nodes`` nodes of a Ray cluster with
     ``devices`` ranks on each (:mod:`nbtrain.cluster`); the default runs on this machine.
     """
     from nbtrain.errors import SerializationError
 
-    client, cfg = _engine(cluster, num_nodes, devices, accelerator, strategy, timeout, backend)
+    client, cfg = _engine(cluster, num_nodes, devices, accelerator, strategy, timeout, backend, oversubscribe)
+    if isinstance(client, LauncherClient):  # a cluster's own checks list its nodes instead
+        _admit(cfg, fn, args, kwargs)
     try:
         payload, tensor_fd = _pickle_payload((fn, tuple(args), dict(kwargs or {})))
     except Exception as error:
@@ -409,7 +455,7 @@ def start(
 
 def _engine(
     cluster: str | None, num_nodes: int | None, devices: Any, accelerator: str, strategy: str,
-    timeout: float | None, backend: str | None,
+    timeout: float | None, backend: str | None, oversubscribe: bool = False,
 ) -> tuple[Any, config.LaunchConfig]:
     """The engine that runs the ranks (this machine's launcher, or a cluster's agents) and the plan."""
     if cluster is not None and str(cluster).strip().lower() != "local":
@@ -422,7 +468,7 @@ def _engine(
         nodes.validate_num_nodes(num_nodes, cluster)
     from nbtrain import hardware
 
-    plan = hardware.probe_plan(devices, accelerator)
+    plan = hardware.probe_plan(devices, accelerator, oversubscribe)
     return get_client(), config.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
 
 
@@ -434,6 +480,7 @@ def launch(
     strategy: str = "ddp_notebook",
     timeout: float | None = None,
     background: bool = False,
+    oversubscribe: bool = False,
     cluster: str | None = None,
     num_nodes: int | None = None,
     **kwargs: Any,
@@ -443,6 +490,8 @@ def launch(
     ``fn`` may be a lambda, a closure or a function defined in the notebook: it travels
     with cloudpickle. Each rank's prints appear here, tagged with the rank. A failure in
     any rank stops all of them and raises here (:class:`nbtrain.errors.RankError`).
+
+    ``oversubscribe=True`` allows more CPU processes than 4 per core (refused otherwise).
 
     ``cluster="ray", num_nodes=2`` runs on two nodes of a Ray cluster (``RAY_ADDRESS``, the
     cluster this machine belongs to, or an address given instead of ``"ray"``), ``devices``
@@ -459,14 +508,55 @@ def launch(
         2
     """
     run = start(
-        fn, args, kwargs, devices=devices, accelerator=accelerator, strategy=strategy, timeout=timeout,
-        cluster=cluster, num_nodes=num_nodes,
+        fn,
+        args,
+        kwargs,
+        devices=devices,
+        accelerator=accelerator,
+        strategy=strategy,
+        timeout=timeout,
+        oversubscribe=oversubscribe,
+        cluster=cluster,
+        num_nodes=num_nodes,
     )
     if background:
         from nbtrain.kernel import background as _background
 
         return _background.follow_function(run, fn)
     return run.wait(on_event=print_output)
+
+
+def _admit(cfg: config.LaunchConfig, fn: Callable[..., Any], args: tuple, kwargs: dict | None) -> None:
+    """Refuse a run whose memory cannot fit (ConfigurationError); warn on stderr when it comes close."""
+    from nbtrain import admission, hardware
+
+    namespace = getattr(fn, "__globals__", {})
+    referenced = [namespace.get(name) for name in getattr(getattr(fn, "__code__", None), "co_names", ())]
+    closure = [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if _has_contents(cell)]
+    need = admission.weigh([*args, *(kwargs or {}).values(), *closure, *referenced])
+    gpu_free = None
+    if cfg.plan.accelerator == "cuda":
+        gpu_free = {gpu.index: gpu.free_bytes for gpu in hardware.detect_gpus() if gpu.index in cfg.plan.device_ids}
+    warning = admission.check_memory(
+        need,
+        world_size=cfg.world_size,
+        accelerator=cfg.plan.accelerator,
+        sharded=cfg.strategy.model_wrapper == "fsdp",
+        start_method=cfg.strategy.start_method,
+        host_available=hardware.available_memory(),
+        gpu_free=gpu_free,
+    )
+    if warning:
+        sys.stderr.write(f"nbtrain warning: {warning}\n")
+        sys.stderr.flush()
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure variable not bound yet
+        return False
+    return True
 
 
 def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:

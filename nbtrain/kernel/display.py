@@ -488,7 +488,7 @@ def watch(
             view.handle(event)
             view.refresh()
     except KeyboardInterrupt:
-        run.stop("interrupted")  # already done when the interrupt came while waiting for events
+        run.abandon()  # already done when the interrupt came while waiting for events
         view.finish(events.STOPPED)
         raise
     view.finish(run.state)

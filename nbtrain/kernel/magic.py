@@ -37,7 +37,7 @@ from nbtrain.errors import (
     NbtrainError,
     RankError,
     RunFailedError,
-    RunStoppedError,
+    RunInterrupted,
     SerializationError,
 )
 
@@ -47,6 +47,7 @@ METRIC_ROWS = 100_000  # per rank, kept in ``last_run`` (a long run must not gro
 # nothing unused. prepare() sets that flag (so a model that skips a layer still trains);
 # the hint is about our choice, not the user's code.
 _NOISE = "find_unused_parameters=True was specified in DDP constructor"
+_INTERRUPTED = object()  # the result of a run whose cell was interrupted
 
 
 @dataclass
@@ -62,6 +63,7 @@ class CellRun:
     # the last METRIC_ROWS rows each rank logged: (step, unix time, {name: value})
     metrics: dict[int, collections.deque] = field(default_factory=dict)
     prepared: list[tuple[str, str]] = field(default_factory=list)
+    loaders: list[tuple[str, str]] = field(default_factory=list)  # (name, what its passes read)
     updated: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
 
@@ -129,6 +131,11 @@ class DistributedMagics(Magics):
         dest="auto",
         action="store_false",
         help="Do not prepare the kernel's models, optimizers and loaders, nor log the loss: the cell does it all.",
+    )
+    @magic_arguments.argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="Allow more CPU processes than 4 per core (refused otherwise, as a likely typo).",
     )
     @magic_arguments.argument(
         "--background",
@@ -235,7 +242,7 @@ def check_flags(options: Any) -> config.LaunchConfig:
     from nbtrain import hardware
 
     try:
-        plan = hardware.probe_plan(options.devices, options.accelerator)
+        plan = hardware.probe_plan(options.devices, options.accelerator, getattr(options, "allow_oversubscribe", False))
         return config.make_config(plan, strategy=options.strategy, timeout=options.timeout)
     except ConfigurationError as error:
         raise UsageError(f"%%distributed: {error}") from None
@@ -303,7 +310,8 @@ def infer_total_steps(code: str, analysis: Any, spec: Any, cfg: config.LaunchCon
     The cell's loops are read by :mod:`nbtrain.cellplan`. A step is a ``.backward()`` when
     auto mode logs the loss, an ``nbtrain.log`` call when the cell logs itself. A
     DataLoader's length is the one each rank will see after auto mode prepared it
-    (:func:`nbtrain.rank.prepare.batches_per_rank`), computed here from the kernel's loader.
+    (:func:`nbtrain.rank.prepare.batches_per_rank`), computed here from the kernel's loader:
+    its share in a pass with gradients, all of it in a pass without (an evaluation pass).
     """
     from nbtrain import cellplan
 
@@ -322,18 +330,19 @@ def infer_total_steps(code: str, analysis: Any, spec: Any, cfg: config.LaunchCon
         names = [n for n in analysis.names if n not in analysis.function_writes]
         ints = {n: user_ns[n] for n in names if type(user_ns[n]) is int}
         lengths: dict[str, int] = {}
+        eval_lengths: dict[str, int] = {}
         if "torch.utils.data" in sys.modules:  # no DataLoader can exist without it
             wrapper = cfg.strategy.model_wrapper if spec.auto else "none"  # not auto: loaders stay as they are
-            for name in names:
-                length = prepare.batches_per_rank(user_ns[name], cfg.world_size, wrapper)
-                if length is not None:
-                    lengths[name] = length
+            objects = {n: user_ns[n] for n in names}
+            lengths, eval_lengths = prepare.loader_lengths(objects, cfg.world_size, wrapper)
         counter = cellplan.StepCounter(
             kind,
             log_modules=frozenset(n for n in analysis.names if user_ns[n] is nbtrain),
             log_functions=frozenset(n for n in analysis.names if user_ns[n] is nbtrain.log),
         )
-        return cellplan.total_steps(code, counter, ints=ints, lengths=lengths, kernel_globals=user_ns)
+        return cellplan.total_steps(
+            code, counter, ints=ints, lengths=lengths, eval_lengths=eval_lengths, kernel_globals=user_ns
+        )
     except Exception:  # noqa: BLE001 - a progress total is a nicety: it must never stop a cell
         return None
 
@@ -353,9 +362,12 @@ def start_cell(shell: Any, prepared: PreparedCell, options: Any) -> Any:
             accelerator=options.accelerator,
             strategy=options.strategy,
             timeout=options.timeout,
+            oversubscribe=getattr(options, "allow_oversubscribe", False),
         )
     except SerializationError as error:
         raise _plain(ns.explain_unpicklable(prepared.shipped, prepared.used_by) or error) from None
+    except ConfigurationError as error:  # the run cannot fit in memory: refused before it started
+        raise UsageError(f"%%distributed: {error}") from None
 
 
 def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
@@ -383,20 +395,22 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
             view.show(event)
         result = run.result()
     except KeyboardInterrupt:
-        run.stop("interrupted")
-        record.state = events.STOPPED
-        view.finish(events.STOPPED)
-        raise _plain(
-            RunStoppedError(
-                f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
-            )
-        ) from None
+        result = _INTERRUPTED
     except RunFailedError as error:
         record.state = run.state
         view.finish(run.state)
         raise explain_failure(error, shell, prepared.unchanged) from None
     finally:
         record.seconds = time.monotonic() - started
+    if result is _INTERRUPTED:
+        # Out here, not in the except clause: the interrupt and its frames (with any part
+        # of the result they had loaded) are freed instead of living on as its context.
+        run.abandon()  # stops the run and frees any result it brought back
+        record.state = events.STOPPED
+        view.finish(events.STOPPED)
+        raise RunInterrupted(
+            f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
+        )
     record.state = events.FINISHED
     view.finish(events.FINISHED)
     return _bring_back(shell, result, prepared.shipped, record, options.output)
@@ -434,6 +448,7 @@ def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: 
     with _interrupts_deferred():  # all of it or, if interrupted before, none of it
         report = ns.apply_result(outcome, shipped, shell.user_ns, result.deleted)
     record.prepared = list(result.prepared)
+    record.loaders = list(result.loaders)
     record.updated = report.updated + [f"del {n}" for n in report.deleted]
     record.skipped = list(result.skipped) + report.skipped
     warnings = [f"note: {note}" for note in result.notes]
@@ -455,9 +470,12 @@ def _bring_back(shell: Any, result: Any, shipped: dict[str, Any], record: CellRu
 def _summary(record: CellRun) -> str:
     ranks = f"{record.world_size} rank{'s' if record.world_size != 1 else ''}"
     text = f"nbtrain: {ranks} ({record.accelerator}, {record.strategy}) finished in {record.seconds:.1f} s."
-    wrapped = [f"{name} ({how})" for name, how in record.prepared if how not in ("moved", "bound")]
+    loaders = dict(record.loaders)
+    wrapped = [f"{name} ({how})" for name, how in record.prepared if how not in ("moved", "bound") and name not in loaders]
     if wrapped:
         text += f" Auto-prepared: {', '.join(wrapped)}."
+    if loaders:  # e.g. "test_loader: evaluated whole on every rank (iterated without gradients)"
+        text += " " + "; ".join(f"{name}: {how}" for name, how in loaders.items()) + "."
     if record.updated:
         text += f" Updated in the kernel: {', '.join(record.updated)}."
     return text

@@ -381,6 +381,7 @@ class CellResult:
     skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, type, why)
     prepared: list[tuple[str, str]] = field(default_factory=list)  # (name, what auto mode did)
     notes: list[str] = field(default_factory=list)
+    loaders: list[tuple[str, str]] = field(default_factory=list)  # (name, what its passes read)
 
 
 class _ResultUnpickler(pickle.Unpickler):

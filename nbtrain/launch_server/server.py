@@ -9,6 +9,7 @@ imports the user's modules and a launch always runs the code the kernel has now.
 from __future__ import annotations
 
 import codecs
+import errno
 import os
 import select
 import selectors
@@ -28,6 +29,7 @@ from nbtrain.events import (
     RankDone,
     RankExited,
     RankFailed,
+    RankNotStarted,
     RankStarted,
     RanksDone,
     Release,
@@ -124,7 +126,13 @@ class Launcher:
                     self._on_exit(run, rank)
             if os.getppid() != self.parent_pid:  # the kernel died and its socket is held elsewhere
                 return self._shutdown()
+            # Before _tick ends a run: what a rank left behind must not hold its pipes open.
+            processes.kill_strays(self._live_ranks())
             self._tick(time.monotonic())
+
+    def _live_ranks(self) -> set[int]:
+        """The pids of ranks not yet reaped: the launcher's only legitimate children."""
+        return {rank.pid for run in self.runs.values() for rank in run.ranks if not rank.exited}
 
     def _on_control(self) -> bool:
         try:
@@ -136,9 +144,12 @@ class Launcher:
         elif isinstance(message, StopRun):
             run = self.runs.get(message.run_id)
             # The reason is the caller's words, not a state: the run ends STOPPED (which the
-            # kernel turns into RunStoppedError). A run whose ranks all finished already
-            # keeps its result, and one already failing keeps its failure.
-            if run is not None and run.end_state is None:
+            # kernel turns into RunStoppedError). A run whose result the kernel has taken
+            # keeps it, and one already failing keeps its failure; a result not taken yet
+            # is given up (the kernel does not copy it), and rank 0 is stopped with the rest.
+            if run is not None and (run.end_state is None or run.result_pending):
+                run.result_pending = False
+                run.end_state = None
                 self._stop(run, events.STOPPED)
         elif isinstance(message, ReleaseResult):
             run = self.runs.get(message.run_id)
@@ -174,8 +185,13 @@ class Launcher:
                 listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
                 run.ranks.append(self._start_rank(run, assignment, listen_fd, tensor_fd))
         except OSError as error:
-            first = start.ranks[len(run.ranks)].rank if len(run.ranks) < len(start.ranks) else 0
-            run.failure = RankFailed(run.run_id, first, type(error).__name__, str(error), "")
+            # On a cluster a node's first rank is not rank 0: name the global rank.
+            first = start.ranks[len(run.ranks)].rank if len(run.ranks) < len(start.ranks) else len(run.ranks)
+            # EAGAIN (a process limit), ENOMEM, EMFILE: the run cannot have all its ranks, so it
+            # ends now, and the ranks already started (waiting for their peers) are stopped.
+            name = errno.errorcode.get(error.errno or 0, type(error).__name__)
+            reason = error.strerror or str(error)
+            run.failure = RankNotStarted(run.run_id, first, len(start.ranks), name, reason)
             self._stop(run, events.FAILED)
         finally:
             # The store's port stayed bound from here until rank 0 took the socket over:
@@ -204,31 +220,39 @@ class Launcher:
     def _start_rank(
         self, run: Run, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None
     ) -> RankProcess:
-        launcher_end, rank_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        out_read, out_write = os.pipe()
-        err_read, err_write = os.pipe()
-        rank_fds = [fd for fd in (rank_end.fileno(), listen_fd, tensor_fd) if fd is not None]
-        if assignment.start.start_method == "spawn":
-            pid = self._spawn(assignment, rank_end, out_write, err_write, listen_fd, tensor_fd, rank_fds)
-        else:
-            pid = processes.fork_rank(
-                lambda: _rank_main(assignment, rank_end, out_write, err_write, listen_fd, tensor_fd, rank_fds)
-            )
-        for fd in (out_write, err_write):
-            os.close(fd)
-        rank_end.close()
-        rank = RankProcess(
-            assignment.spec, pid, processes.open_pidfd(pid), launcher_end, {out_read: "stdout", err_read: "stderr"}
-        )
-        self.selector.register(launcher_end, selectors.EVENT_READ, ("events", run, rank))
+        ends = _RankEnds.open()
+        try:
+            pid = self._create(assignment, ends, listen_fd, tensor_fd)
+        except BaseException:
+            ends.close_all()  # the fork failed: nothing holds the other ends
+            raise
+        ends.close_child_side()
+        try:
+            pidfd = processes.open_pidfd(pid)
+        except OSError:
+            processes.signal_group(pid, signal.SIGKILL)  # a rank we could not watch must not run
+            processes.reap_now(pid)
+            ends.close_all()
+            raise
+        rank = RankProcess(assignment.spec, pid, pidfd, ends.launcher_end, {ends.out_read: "stdout", ends.err_read: "stderr"})
+        self.selector.register(ends.launcher_end, selectors.EVENT_READ, ("events", run, rank))
         for fd in rank.pipes:
             os.set_blocking(fd, False)
             self.selector.register(fd, selectors.EVENT_READ, ("pipe", run, rank))
         self.selector.register(rank.pidfd, selectors.EVENT_READ, ("pidfd", run, rank))
         if assignment.start.start_method == "spawn":
-            _send_quietly(launcher_end, assignment)  # a fresh interpreter has nothing in memory
+            _send_quietly(ends.launcher_end, assignment)  # a fresh interpreter has nothing in memory
         self._send(RankStarted(run.run_id, assignment.spec.rank, pid))
         return rank
+
+    def _create(self, assignment: RankAssignment, ends: _RankEnds, listen_fd: int | None, tensor_fd: int | None) -> int:
+        rank_end, out_write, err_write = ends.rank_end, ends.out_write, ends.err_write
+        rank_fds = [fd for fd in (rank_end.fileno(), listen_fd, tensor_fd) if fd is not None]
+        if assignment.start.start_method == "spawn":
+            return self._spawn(assignment, rank_end, out_write, err_write, listen_fd, tensor_fd, rank_fds)
+        return processes.fork_rank(
+            lambda: _rank_main(assignment, rank_end, out_write, err_write, listen_fd, tensor_fd, rank_fds)
+        )
 
     def _spawn(self, assignment, rank_end, out_write, err_write, listen_fd, tensor_fd, rank_fds) -> int:
         env = dict(assignment.start.environ)
@@ -466,6 +490,51 @@ class Launcher:
                 while not rank.exited and processes.reap(rank.pid) is None and time.monotonic() < deadline:
                     time.sleep(0.01)
                 processes.remove_torch_shared_memory({rank.pid, *rank.members})
+        # What the ranks left behind is ours now; once the launcher is gone it would be init's.
+        while processes.kill_strays(self._live_ranks()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+@dataclass
+class _RankEnds:
+    """The channel and the two output pipes of a rank being started: both ends of each."""
+
+    launcher_end: socket.socket
+    rank_end: socket.socket
+    out_read: int
+    out_write: int
+    err_read: int
+    err_write: int
+
+    @classmethod
+    def open(cls) -> _RankEnds:
+        """All of them, or (EMFILE half way) none: what was opened is closed before raising."""
+        launcher_end, rank_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pipes: list[int] = []
+        try:
+            pipes.extend(os.pipe())
+            pipes.extend(os.pipe())
+        except OSError:
+            for fd in pipes:
+                os.close(fd)
+            launcher_end.close()
+            rank_end.close()
+            raise
+        return cls(launcher_end, rank_end, *pipes)
+
+    def close_child_side(self) -> None:
+        for fd in (self.out_write, self.err_write):
+            os.close(fd)
+        self.rank_end.close()
+
+    def close_all(self) -> None:
+        for fd in (self.out_read, self.out_write, self.err_read, self.err_write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # closed already (close_child_side ran)
+        self.launcher_end.close()
+        self.rank_end.close()
 
 
 def _readable_now(sock: socket.socket) -> bool:
@@ -526,6 +595,7 @@ def preload() -> tuple[str, ...]:
 def main() -> None:
     control = socket.socket(fileno=int(os.environ.pop(processes.CONTROL_FD_VARIABLE)))
     processes.ignore_interrupts()
+    processes.become_subreaper()
     parent_pid = os.getppid()
     loaded = preload()
     wire.send(control, events.LauncherReady(os.getpid(), loaded))

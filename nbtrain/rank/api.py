@@ -12,6 +12,8 @@ Example:
 
 from __future__ import annotations
 
+import numbers
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -135,6 +137,102 @@ def log(step: int | None = None, **scalars: Any) -> None:
     context.pending.append((context.step, time.time(), values))
     if len(context.pending) >= FLUSH_ROWS or time.monotonic() - context.last_flush >= FLUSH_SECONDS:
         context.flush()
+
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+def all_reduce(value: Any, op: str = "sum") -> Any:
+    """``value`` combined over every rank (``op``: sum, mean, max or min); every rank gets the result.
+
+    Takes a Python number (an int stays an int, except with ``mean``) or a tensor (a new
+    tensor comes back; the one passed in is not changed). Every rank must call it, the
+    same number of times: it is a collective. Outside a run, or on a single rank, there is
+    nothing to combine and ``value`` comes back as it is, so the same code runs anywhere.
+    Use it for the metrics of sharded evaluation (``nbtrain.prepare(loader,
+    evaluation="shard")``). The test function of the PyTorch MNIST example, rewritten
+    so: on the ranks each one scores its share and every rank prints the figures of the
+    whole test set; outside a run (as here) it scores everything itself and prints the same.
+
+    Example:
+        >>> import torch, torch.nn.functional as F, nbtrain
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> def test(model, test_loader):
+        ...     model.eval()
+        ...     test_loss, correct, seen = 0.0, 0, 0
+        ...     with torch.no_grad():
+        ...         for data, target in test_loader:  # on a rank: its share
+        ...             output = model(data)
+        ...             test_loss += F.nll_loss(output, target, reduction="sum").item()
+        ...             correct += output.argmax(dim=1).eq(target).sum().item()
+        ...             seen += len(target)
+        ...     test_loss, correct, seen = (nbtrain.all_reduce(v) for v in (test_loss, correct, seen))
+        ...     print(f"Test set: Average loss: {test_loss / seen:.4f}, Accuracy: {correct}/{seen}")
+        >>> model = torch.nn.LogSoftmax(dim=1)  # a "model" whose scores are its inputs
+        >>> data = TensorDataset(torch.eye(4).repeat(2, 1), torch.tensor([0, 1, 2, 3, 0, 0, 0, 0]))
+        >>> test(model, nbtrain.prepare(DataLoader(data, batch_size=4), evaluation="shard"))
+        Test set: Average loss: 1.1187, Accuracy: 5/8
+        >>> nbtrain.all_reduce(3), nbtrain.all_reduce(0.25, op="max")  # outside a run: as they are
+        (3, 0.25)
+        >>> nbtrain.all_reduce(torch.tensor([1.0, 2.0]), op="mean")
+        tensor([1., 2.])
+    """
+    if op not in REDUCE_OPS:
+        raise ValueError(f"all_reduce(op={op!r}) is not a reduction nbtrain knows; use one of {', '.join(REDUCE_OPS)}.")
+    tensor_in = _is_tensor(value)
+    if not tensor_in and not _is_real_number(value):
+        raise TypeError(
+            f"all_reduce() takes a number or a tensor, not {type(value).__name__}: "
+            "reduce each number on its own, or pass torch.tensor(values)."
+        )
+    if not _collective_ready():
+        return value
+    return _reduce_across_ranks(value, op, tensor_in)
+
+
+def _reduce_across_ranks(value: Any, op: str, tensor_in: bool) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    if tensor_in:
+        tensor = value.detach().clone()
+    else:
+        tensor = torch.tensor(value, dtype=torch.int64 if _is_int(value) else torch.float64)
+    if op == "mean" and not tensor.is_floating_point():
+        tensor = tensor.to(torch.float64)
+    # nccl reduces only device tensors; gloo reduces either.
+    home = tensor.device
+    if dist.get_backend() == "nccl" and home.type != "cuda":
+        tensor = tensor.to(device())
+    reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    dist.all_reduce(tensor, op=reduce_op[op])
+    if op == "mean":
+        tensor /= world_size()
+    tensor = tensor.to(home)
+    if tensor_in:
+        return tensor
+    return tensor.item() if op == "mean" or not _is_int(value) else int(tensor.item())
+
+
+def _collective_ready() -> bool:
+    if _context is None or _context.world_size < 2:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral)
+
+
+def _is_real_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real)
 
 
 def _pending_value(value: Any, context: RankContext) -> Any:

@@ -256,6 +256,8 @@ def _collect(
 
     rank0 = before is not None
     modules = _unique(namespace, torch.nn.Module)
+    for _, module in modules:
+        _reshard(module)
     changed_modules: set[str] = set()
     module_states: dict[str, Any] = {}
     for name, module in modules:
@@ -315,7 +317,7 @@ def _collect(
     # A changed kernel object travels by value, not as a reference to itself.
     exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
     payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
-    return ns.CellResult(payload, storages, deleted, skipped, prepared, prepare.notes())
+    return ns.CellResult(payload, storages, deleted, skipped, prepared, prepare.notes(), prepare.loader_report())
 
 
 def _unique(namespace: Mapping[str, Any], kind: Any) -> list[tuple[str, Any]]:
@@ -329,6 +331,21 @@ def _unique(namespace: Mapping[str, Any], kind: Any) -> list[tuple[str, Any]]:
             seen.add(id(value))
             found.append((name, value))
     return found
+
+
+def _reshard(module: Any) -> None:
+    """Register the shards of every FSDP2 unit of ``module`` again (local: no collective).
+
+    FSDP2 keeps the root's gathered weights after a forward, for the backward that
+    usually follows. After a forward without gradients (an evaluation loop at the end of
+    the cell) none follows, and the module would hold plain, gathered tensors: it would
+    look unsharded to the gathering below, on some ranks and not others.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
 
 
 def _is_sharded(module: Any) -> bool:

@@ -9,7 +9,13 @@ On a rank, ``prepare`` does what a torchrun script does by hand:
 - an ``Optimizer`` is bound to the prepared parameters (with FSDP2 the parameters become
   DTensors, so its param_groups are rebuilt in the same order, state included).
 - a ``DataLoader`` is rebuilt on a ``DistributedSampler`` that keeps its batch size,
-  shuffle, drop_last, collate_fn and workers, and calls ``set_epoch`` on every pass.
+  shuffle, drop_last, collate_fn and workers. Each pass decides, when iteration starts,
+  what it is: with gradients enabled it is a training pass (this rank's share, with
+  ``set_epoch`` on every training pass); with gradients disabled (``torch.no_grad()``,
+  ``torch.inference_mode()``) it is an evaluation pass, and every rank reads the whole
+  dataset in the loader's own order, so a metric computed the single-device way is the
+  true one on every rank. ``evaluation="shard"`` shards evaluation passes too (faster;
+  reduce the metric with :func:`nbtrain.all_reduce`).
 
 Outside a run (in the kernel) every rank-specific step is skipped: a module only moves to
 :func:`nbtrain.device`, the rest comes back unchanged, so the same code runs anywhere.
@@ -34,7 +40,7 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 from nbtrain.rank import api
 
@@ -60,6 +66,8 @@ class _Registry:
         self.param_owner: dict[int, Any] = {}  # id(new parameter) -> the sharded root module
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
         self.notes: list[str] = []
+        self.loader_names: dict[str, Any] = {}  # auto mode's loaders: kernel name -> prepared loader
+        self.first_iterated: list[Any] = []  # prepared loaders, in the order of their first pass
 
     def remember(self, original: Any, prepared: Any) -> None:
         self.prepared[id(original)] = (original, prepared)
@@ -96,18 +104,32 @@ def know_optimizers(objects: Iterable[Any]) -> None:
             _registry.optimizers.add(obj)
 
 
+EVALUATION_CHOICES = ("whole", "shard")
+# Set on a loader by ``prepare(loader, evaluation=...)`` where nothing is rebuilt (in the
+# kernel): it travels with the loader, so auto mode on the ranks honours it.
+EVALUATION_MARK = "_nbtrain_evaluation"
+
+
 def notes() -> list[str]:
     """Things prepare chose not to do, each one sentence (e.g. a loader it could not shard)."""
     return list(_registry.notes)
 
 
-def prepare(*objs: Any, **wrapper_options: Any) -> Any:
+def prepare(*objs: Any, evaluation: str | None = None, **wrapper_options: Any) -> Any:
     """Prepare models, optimizers and data loaders for this rank; return them in order.
 
     Pass everything at once: modules are prepared first, then the optimizers are bound to
     their (possibly new) parameters, then loaders are sharded. One object in, one object
     out; several in, a tuple out. Anything else passes through unchanged, and an object
     already prepared comes back as it is, so calling ``prepare`` twice is harmless.
+
+    A loader's training passes (iterated with gradients enabled) read this rank's share.
+    ``evaluation`` says what its passes without gradients read: ``"whole"`` (the default:
+    every rank reads the whole dataset, so metrics come out right unchanged) or
+    ``"shard"`` (each rank reads its share, as in training: faster, and the metric must be
+    reduced across ranks with :func:`nbtrain.all_reduce`). Outside a run (in the kernel)
+    the loader comes back unchanged but remembers the choice, so a later
+    ``%%distributed`` cell's auto mode honours it.
 
     ``wrapper_options`` go to the model wrapper: DistributedDataParallel's keyword
     arguments with ``ddp_*`` (default ``find_unused_parameters=True``, so a model that
@@ -122,6 +144,7 @@ def prepare(*objs: Any, **wrapper_options: Any) -> Any:
     """
     if not objs:
         raise TypeError("prepare() needs something to prepare, e.g. nbtrain.prepare(model, optimizer, loader).")
+    _check_evaluation(evaluation)
     torch = _torch()
     from torch.utils.data import DataLoader
 
@@ -135,8 +158,17 @@ def prepare(*objs: Any, **wrapper_options: Any) -> Any:
                 out[i] = prepare_optimizer(obj)
         for i, obj in enumerate(objs):
             if isinstance(obj, DataLoader):
-                out[i] = prepare_loader(obj)
+                out[i] = prepare_loader(obj, evaluation)
     return out[0] if len(objs) == 1 else tuple(out)
+
+
+def _check_evaluation(evaluation: str | None) -> None:
+    if evaluation is not None and evaluation not in EVALUATION_CHOICES:
+        raise ValueError(
+            f"prepare(evaluation={evaluation!r}): a loader's passes without gradients read either "
+            "'whole' (every rank reads the whole dataset: metrics come out right unchanged; the default) "
+            "or 'shard' (each rank reads its share: faster; reduce metrics with nbtrain.all_reduce)."
+        )
 
 
 # -- modules -------------------------------------------------------------------------------
@@ -386,11 +418,19 @@ def _move_optimizer_state(optimizer: Any) -> None:
 # -- data loaders --------------------------------------------------------------------------
 
 
-def prepare_loader(loader: Any) -> Any:
-    """The loader rebuilt on a DistributedSampler (this rank's share), or as is if it cannot be."""
+def prepare_loader(loader: Any, evaluation: str | None = None) -> Any:
+    """The loader rebuilt on a DistributedSampler (this rank's share), or as is if it cannot be.
+
+    ``evaluation`` ("whole" or "shard", see :func:`prepare`) is what its passes without
+    gradients read; None keeps the loader's earlier choice ("whole" if none).
+    """
     existing = _registry.prepared_for(loader)
     if existing is not None:
+        if evaluation is not None and existing is not loader:
+            setattr(existing, EVALUATION_MARK, evaluation)
         return existing
+    if evaluation is not None:
+        setattr(loader, EVALUATION_MARK, evaluation)
     if not _in_process_group() or model_wrapper() == "none":
         return loader
     if _already_distributed(loader):
@@ -402,6 +442,11 @@ def prepare_loader(loader: Any) -> Any:
     prepared = _rebuild_loader(loader, shuffle)
     _registry.remember(loader, prepared)
     return prepared
+
+
+def evaluation_of(loader: Any) -> str:
+    """"whole" or "shard": what ``loader``'s passes without gradients read once prepared."""
+    return getattr(loader, EVALUATION_MARK, "whole")
 
 
 def _shardable(loader: Any) -> tuple[str, bool]:
@@ -423,13 +468,15 @@ def _shardable(loader: Any) -> tuple[str, bool]:
     return f"{what} was not sharded: its sampler ({name}) is custom, so every rank reads all of it.", False
 
 
-def batches_per_rank(loader: Any, world_size: int, wrapper: str) -> int | None:
+def batches_per_rank(loader: Any, world_size: int, wrapper: str, *, evaluation: bool = False) -> int | None:
     """``len(loader)`` as each rank will see it once auto mode prepared it, or None if unsure.
 
     Called in the kernel, before the run, on the kernel's own loader: it takes the same
     decision as :func:`prepare_loader` (``wrapper`` is the strategy's model wrapper) and
     counts a DistributedSampler's share as torch does (padded, or cut with drop_last), so
-    every rank gets the same number. Nothing is built that draws from an RNG.
+    every rank gets the same number. ``evaluation=True`` asks about a pass without
+    gradients, which reads the whole loader unless it was prepared with
+    ``evaluation="shard"``. Nothing is built that draws from an RNG.
 
     Example:
         >>> import torch
@@ -437,6 +484,8 @@ def batches_per_rank(loader: Any, world_size: int, wrapper: str) -> int | None:
         >>> loader = DataLoader(TensorDataset(torch.zeros(200, 1)), batch_size=16, shuffle=True)
         >>> len(loader), batches_per_rank(loader, 2, "ddp"), batches_per_rank(loader, 2, "none")
         (13, 7, 13)
+        >>> batches_per_rank(loader, 2, "ddp", evaluation=True)  # under torch.no_grad(): all of it
+        13
     """
     from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
@@ -446,6 +495,8 @@ def batches_per_rank(loader: Any, world_size: int, wrapper: str) -> int | None:
         unchanged = len(loader)
         if wrapper == "none" or world_size < 2 or _already_distributed(loader) or _shardable(loader)[0]:
             return unchanged  # the rank iterates its copy of this very loader
+        if evaluation and evaluation_of(loader) == "whole":
+            return unchanged
         share = DistributedSampler(
             loader.dataset, num_replicas=world_size, rank=0, shuffle=False, drop_last=loader.drop_last
         )
@@ -454,6 +505,22 @@ def batches_per_rank(loader: Any, world_size: int, wrapper: str) -> int | None:
         return len(BatchSampler(share, loader.batch_size, loader.drop_last))
     except (TypeError, ValueError, AttributeError):  # no len(), or a loader torch would refuse
         return None
+
+
+def loader_lengths(objects: Mapping[str, Any], world_size: int, wrapper: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Batches per rank of each DataLoader among ``objects``: in passes with gradients, and without.
+
+    The second dict is what an evaluation pass reads (the whole loader, unless it was
+    prepared with ``evaluation="shard"``); see :func:`batches_per_rank`.
+    """
+    training: dict[str, int] = {}
+    evaluation: dict[str, int] = {}
+    for name, obj in objects.items():
+        for lengths, without_grad in ((training, False), (evaluation, True)):
+            length = batches_per_rank(obj, world_size, wrapper, evaluation=without_grad)
+            if length is not None:
+                lengths[name] = length
+    return training, evaluation
 
 
 def _already_distributed(loader: Any) -> bool:
@@ -467,27 +534,58 @@ def _already_distributed(loader: Any) -> bool:
 _loader_class: Any = None
 
 
-def _sharded_loader_class() -> type:
+def _prepared_loader_class() -> type:
     global _loader_class
     if _loader_class is not None:
         return _loader_class
+    import torch
     from torch.utils.data import DataLoader
 
-    class ShardedDataLoader(DataLoader):
-        """A DataLoader on a DistributedSampler whose epoch advances on every pass."""
+    class PreparedDataLoader(DataLoader):
+        """A DataLoader on a DistributedSampler that tells training passes from evaluation passes.
+
+        Each ``iter()`` (a ``for`` loop's start) reads the thread's grad mode, one cheap
+        call: enabled, a training pass reads this rank's share (``set_epoch`` first, so
+        every training pass shuffles anew); disabled, an evaluation pass reads the rank's
+        copy of the user's own loader, whole and in its own order, unless the loader
+        was prepared with ``evaluation="shard"``. ``len()`` follows the same rule, so
+        ``len(loader)`` inside ``torch.no_grad()`` counts the batches that pass reads.
+        """
+
+        _nbtrain_epoch: int  # training passes so far: the next one's set_epoch
+        _nbtrain_whole: Any  # what an evaluation pass reads: the rank's copy of the user's loader
+        _nbtrain_passes: dict[str, int]  # passes so far: "train", "whole", "shard"
 
         def __iter__(self) -> Iterator[Any]:
-            self.sampler.set_epoch(self._nbtrain_epoch)
-            self._nbtrain_epoch += 1
-            batches = super().__iter__()
+            kind = self._nbtrain_pass_kind()
+            if not any(self._nbtrain_passes.values()):
+                _registry.first_iterated.append(self)  # the summary names loaders in this order
+            self._nbtrain_passes[kind] += 1
+            if kind == "whole":
+                batches = iter(self._nbtrain_whole)
+            else:
+                if kind == "train":
+                    self.sampler.set_epoch(self._nbtrain_epoch)
+                    self._nbtrain_epoch += 1
+                batches = super().__iter__()
             device = api.device()
             if device.type == "cpu":
                 return batches
             return (_to_device(batch, device) for batch in batches)
 
-    ShardedDataLoader.__name__ = ShardedDataLoader.__qualname__ = "DataLoader"
-    _loader_class = ShardedDataLoader
-    return ShardedDataLoader
+        def __len__(self) -> int:
+            if self._nbtrain_pass_kind() == "whole":
+                return len(self._nbtrain_whole)
+            return super().__len__()
+
+        def _nbtrain_pass_kind(self) -> str:
+            if torch.is_grad_enabled():
+                return "train"
+            return "shard" if evaluation_of(self) == "shard" else "whole"
+
+    PreparedDataLoader.__name__ = PreparedDataLoader.__qualname__ = "DataLoader"
+    _loader_class = PreparedDataLoader
+    return PreparedDataLoader
 
 
 def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
@@ -523,11 +621,42 @@ def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
     }
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
-    cls = _sharded_loader_class()
+    cls = _prepared_loader_class()
     accepted = inspect.signature(cls.__init__).parameters
     new = cls(loader.dataset, **{k: v for k, v in kwargs.items() if k in accepted})
     new._nbtrain_epoch = 0
+    new._nbtrain_whole = loader
+    new._nbtrain_passes = {"train": 0, "whole": 0, "shard": 0}
+    setattr(new, EVALUATION_MARK, evaluation_of(loader))
     return new
+
+
+def loader_report() -> list[tuple[str, str]]:
+    """(name, what its passes read) for each loader auto mode prepared, for the run's summary.
+
+    Example: ``("test_loader", "evaluated whole on every rank (iterated without gradients)")``.
+    """
+    order = {id(loader): i for i, loader in enumerate(_registry.first_iterated)}
+    named = sorted(_registry.loader_names.items(), key=lambda item: order.get(id(item[1]), len(order)))
+    return [(name, describe_passes(loader)) for name, loader in named]
+
+
+def describe_passes(loader: Any) -> str:
+    """What a prepared loader's passes so far read, in words."""
+    share = f"DistributedSampler, {loader.sampler.num_samples} of {len(loader.dataset)} per rank"
+    passes = loader._nbtrain_passes
+    parts = []
+    if passes["train"]:
+        parts.append(f"sharded{' for training' if passes['whole'] or passes['shard'] else ''} ({share})")
+    if passes["whole"]:
+        parts.append("evaluated whole on every rank (iterated without gradients)")
+    if passes["shard"]:
+        parts.append(f"evaluated sharded ({share}; evaluation='shard')")
+    if not parts:
+        return f"not iterated (prepared: {share} when iterated with gradients)"
+    return " and ".join(parts)
+
+
 
 
 def _to_device(batch: Any, device: Any) -> Any:
@@ -570,6 +699,8 @@ def auto_prepare(namespace: dict[str, Any], names: Iterable[str]) -> list[tuple[
             prepared = prepare(obj)
             namespace[name] = prepared
             done.append((name, _describe(obj, prepared)))
+            if kind is DataLoader and prepared is not obj:
+                _registry.loader_names[name] = prepared
     return done
 
 

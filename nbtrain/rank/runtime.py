@@ -36,6 +36,9 @@ def run_rank(
 ) -> NoReturn:
     """Run one rank to completion and exit the process. Never returns."""
     start, spec = assignment.start, assignment.spec
+    # Orphans of this rank's subtree (a double fork, say) become its children, and the
+    # launcher's once it exits: so nothing it started outlives the run (nbtrain.processes).
+    processes.become_subreaper()
     _line_buffered_stdio()
     context = api.RankContext(
         start.run_id,
@@ -115,12 +118,45 @@ def _torchrun_variables(assignment: RankAssignment) -> Mapping[str, str]:
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": "0",
         "NBTRAIN_ROLE": "rank",
+        # On a cluster the node's agent names the interface holding the node's address.
+        **(_loopback_variables() if node is None else {}),
     }
 
 
 def _master_address(assignment: RankAssignment) -> str:
     node = assignment.start.node
     return "127.0.0.1" if node is None else node.master_addr
+
+
+def _loopback_variables() -> Mapping[str, str]:
+    """Keep every process-group socket on loopback, whatever the host name resolves to.
+
+    Without an interface, gloo listens on the address the host name resolves to, and NCCL's
+    bootstrap on the first non-loopback interface: in containers, Colab and Kaggle that is
+    a routable address, reachable from outside the machine. Every rank of a single-machine
+    run is on this host, so loopback is always right; a setting of the caller's is replaced.
+    """
+    interface = _loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface}
+
+
+_IFF_LOOPBACK = 0x8
+
+
+def _loopback_interface(directory: str = "/sys/class/net") -> str:
+    """The loopback interface's name: the one flagged IFF_LOOPBACK, "lo" where none is listed."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return "lo"
+    for name in names:
+        try:
+            with open(os.path.join(directory, name, "flags")) as f:
+                if int(f.read().strip(), 16) & _IFF_LOOPBACK:
+                    return name
+        except (OSError, ValueError):
+            continue
+    return "lo"
 
 
 def _install_source_lines(source_lines: Mapping[str, tuple[str, ...]]) -> None:

@@ -126,6 +126,16 @@ def wait_gone(pids: Iterable[int], timeout: float, *, reaped: bool = True) -> li
         time.sleep(POLL)
 
 
+def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``condition`` until it is true (returned), failing with ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} (waited {timeout} s)")
+        time.sleep(POLL)
+    return value
+
+
 def _is_zombie(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

@@ -1,0 +1,125 @@
+"""Interrupts in a real Jupyter kernel: they stay interrupts, and they free what the run brought.
+
+An interrupted ``%%distributed`` cell raises ``RunInterrupted`` (a KeyboardInterrupt that
+carries nbtrain's message), the Python API re-raises KeyboardInterrupt, and none of them is
+an Exception: ``except Exception`` around the call does not swallow the user's interrupt.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from kernel_helpers import NotebookKernel, wait_gone
+
+pytestmark = pytest.mark.timeout(300)
+
+MIB = 1 << 20
+END_BOUND = 10.0  # seconds from the interrupt to the cell's reply (a stop takes about 1 s)
+
+SPIN = """
+import nbtrain, time
+def spin():
+    print("running", nbtrain.rank(), flush=True)
+    while True:
+        time.sleep(0.01)
+"""
+
+# Each call runs until interrupted; the cell reports which handler saw the interrupt.
+CALLS = {
+    "cell": 'get_ipython().run_cell_magic("distributed", "--devices 2 --accelerator cpu", '
+    '"import nbtrain, time\\nprint(\\"running\\", nbtrain.rank(), flush=True)\\nwhile True:\\n    time.sleep(0.01)\\n")',
+    "launch": 'nbtrain.launch(spin, devices=2, accelerator="cpu")',
+    "start-wait": 'nbtrain.start(spin, devices=2, accelerator="cpu").wait(on_event=nbtrain.kernel.client.print_output)',
+}
+EXPECTED = {"cell": "RunInterrupted", "launch": "KeyboardInterrupt", "start-wait": "KeyboardInterrupt"}
+
+GUARDED = """
+try:
+    {call}
+except Exception as error:
+    print("swallowed by except Exception:", type(error).__name__)
+except KeyboardInterrupt as error:
+    print("a KeyboardInterrupt:", type(error).__name__, flush=True)
+    raise
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = NotebookKernel()
+    try:
+        k.run_ok("%load_ext nbtrain\nimport torch, nbtrain.kernel.client\n" + SPIN)
+        k.run_ok("%%distributed --devices 2 --accelerator cpu\nwarm = 1")  # the launcher is warm
+        yield k
+    finally:
+        k.shutdown()
+
+
+def _rank_pids(kernel: NotebookKernel) -> list[int]:
+    launchers = [p for p in kernel.children() if "nbtrain.launch_server" in " ".join(p.cmdline())]
+    assert len(launchers) == 1, launchers
+    return [p.pid for p in launchers[0].children(recursive=True)]
+
+
+@pytest.mark.parametrize("form", list(CALLS))
+def test_an_interrupt_is_not_swallowed_by_except_exception(kernel, form):
+    msg_id = kernel.start_cell(GUARDED.format(call=CALLS[form]))
+    kernel.wait_for_stream(msg_id, ["running 0", "running 1"], timeout=60)
+    ranks = _rank_pids(kernel)
+    assert len(ranks) == 2, ranks
+    started = time.monotonic()
+    kernel.interrupt()
+    reply, out = kernel.wait_for_reply(msg_id, timeout=60)
+    elapsed = time.monotonic() - started
+
+    assert "swallowed" not in out.stdout, out.stdout
+    assert f"a KeyboardInterrupt: {EXPECTED[form]}" in out.stdout, out.text
+    assert reply["status"] == "error" and reply["ename"] == EXPECTED[form], reply
+    if form == "cell":
+        text = "\n".join(out.error["traceback"])
+        assert text.startswith("KeyboardInterrupt: the cell was interrupted and every rank was stopped."), text
+        assert "The kernel is ready." in text and "nbtrain/" not in text
+    assert elapsed < END_BOUND, f"the cell ended {elapsed:.2f} s after the interrupt"
+    assert wait_gone(ranks, 10.0) == []
+    assert kernel.value("1 + 1") == 2
+
+
+def test_an_interrupted_background_wait_raises_keyboard_interrupt_and_the_run_goes_on(kernel):
+    kernel.run_ok('handle = nbtrain.launch(spin, devices=2, accelerator="cpu", background=True)')
+    msg_id = kernel.start_cell(GUARDED.format(call='print("waiting", flush=True); handle.wait()'))
+    kernel.wait_for_stream(msg_id, ["waiting"], timeout=60)
+    kernel.interrupt()
+    reply, out = kernel.wait_for_reply(msg_id, timeout=60)
+    try:
+        assert "swallowed" not in out.stdout, out.stdout
+        assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
+        assert kernel.value("handle.state") == "running"  # by design: interrupts leave background runs alone
+    finally:
+        kernel.run_ok("handle.stop()")
+    assert kernel.value("handle.state") == "stopped"
+
+
+def test_an_interrupted_runs_1_gib_result_is_freed_at_once(kernel):
+    kernel.run_ok("import gc; gc.collect()")
+    process = psutil.Process(kernel.pid)
+    before = process.memory_info().rss
+    msg_id = kernel.start_cell("%%distributed --devices 1 --accelerator cpu\nbig = torch.ones(256 * 1024 * 1024)\n")
+    # Interrupt once the kernel is copying rank 0's 1 GiB result out of rank 0's memory.
+    deadline = time.monotonic() + 120
+    while process.memory_info().rss < before + 128 * MIB:
+        assert time.monotonic() < deadline, "the kernel never started copying the result"
+        time.sleep(0.005)
+    started = time.monotonic()
+    kernel.interrupt()
+    reply, out = kernel.wait_for_reply(msg_id, timeout=60)
+    elapsed = time.monotonic() - started
+    after = process.memory_info().rss
+
+    assert reply["status"] == "error" and reply["ename"] == "RunInterrupted", (reply, out.text)
+    assert after - before < 200 * MIB, f"kernel RSS {before / MIB:.0f} MiB before, {after / MIB:.0f} MiB after"
+    assert elapsed < END_BOUND, f"the cell ended {elapsed:.2f} s after the interrupt"
+    assert kernel.value("'big' in globals()") is False
+    print(f"\ninterrupt -> reply {elapsed:.2f} s; kernel RSS {before / MIB:.0f} -> {after / MIB:.0f} MiB")
