@@ -131,6 +131,11 @@ class Output:
     text: str
     node: str = ""  # the node's label on a cluster; empty on one machine
 
+    @property
+    def tag(self) -> str:
+        """How a printed line names its rank: ``[rank 1]``, on a cluster ``[rank 1, node 0 (10.0.0.7)]``."""
+        return f"[rank {self.rank}, {self.node}]" if self.node else f"[rank {self.rank}]"
+
 
 @dataclass(frozen=True)
 class Metrics:

@@ -58,9 +58,9 @@ def validate_num_nodes(num_nodes: Any, cluster: str | None) -> int:
     >>> validate_num_nodes(2, "ray")
     2
     """
-    if num_nodes is None:
+    if num_nodes is None or (num_nodes == 1 and not isinstance(num_nodes, bool)):
         return 1
-    if cluster in (None, "local"):
+    if cluster is None or str(cluster).strip().lower() == "local":
         raise ConfigurationError(
             f"num_nodes={num_nodes!r} needs a cluster: on this machine every rank runs on one node. "
             "Pass cluster='ray' (or %%distributed --cluster ray) to run across the nodes of a Ray cluster."

@@ -383,8 +383,7 @@ def print_output(event: Any) -> None:
     if isinstance(event, events.Output):
         stream = sys.stderr if event.stream == "stderr" else sys.stdout
         lines = event.text.splitlines(keepends=True)
-        tag = f"[rank {event.rank}, {event.node}]" if event.node else f"[rank {event.rank}]"
-        stream.write("".join(f"{tag} {line}" for line in lines))
+        stream.write("".join(f"{event.tag} {line}" for line in lines))
         if not event.text.endswith("\n"):
             stream.write("\n")
         stream.flush()

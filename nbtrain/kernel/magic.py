@@ -33,6 +33,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 
 from nbtrain import config, events
 from nbtrain.errors import (
+    ClusterError,
     ConfigurationError,
     NbtrainError,
     RankError,
@@ -79,6 +80,16 @@ class _SessionDefault:
 
 
 _SESSION: Any = _SessionDefault()
+
+
+def _num_nodes_flag(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"--num-nodes takes a whole number of nodes, not {text!r}") from None
+    if value < 1:
+        raise ValueError(f"--num-nodes takes a positive number of nodes, not {text!r}")
+    return value
 
 
 def _timeout_flag(text: str) -> float | None:
@@ -136,6 +147,20 @@ class DistributedMagics(Magics):
         "--allow-oversubscribe",
         action="store_true",
         help="Allow more CPU processes than 4 per core (refused otherwise, as a likely typo).",
+    )
+    @magic_arguments.argument(
+        "--cluster",
+        default=None,
+        help="Where the ranks run: local (this machine), ray (the Ray cluster in RAY_ADDRESS, or the one "
+        "this machine belongs to), or a Ray address (ray://host:10001, host:6379). Default: the session "
+        "default (local).",
+    )
+    @magic_arguments.argument(
+        "--num-nodes",
+        type=_num_nodes_flag,
+        default=None,
+        help="With --cluster: how many nodes the run spans; --devices ranks on each. Default: the session "
+        "default (1).",
     )
     @magic_arguments.argument(
         "--background",
@@ -229,6 +254,10 @@ def fill_defaults(options: Any) -> Any:
         options.strategy = session.strategy
     if options.timeout is _SESSION:
         options.timeout = session.timeout
+    if options.cluster is None:
+        options.cluster = session.cluster
+    if options.num_nodes is None:
+        options.num_nodes = session.num_nodes if options.cluster == session.cluster else None
     return options
 
 
@@ -242,10 +271,27 @@ def check_flags(options: Any) -> config.LaunchConfig:
     from nbtrain import hardware
 
     try:
+        if _on_cluster(options):
+            from nbtrain.cluster import engine
+
+            return engine.prepare(
+                options.cluster, options.num_nodes, options.devices, options.accelerator, options.strategy,
+                options.timeout, None,
+            )[1]
+        if options.num_nodes not in (None, 1):
+            raise ConfigurationError(
+                f"--num-nodes {options.num_nodes} needs a cluster: without --cluster every rank runs on this "
+                "machine. Add --cluster ray to run across the nodes of a Ray cluster."
+            )
         plan = hardware.probe_plan(options.devices, options.accelerator, getattr(options, "allow_oversubscribe", False))
         return config.make_config(plan, strategy=options.strategy, timeout=options.timeout)
-    except ConfigurationError as error:
+    except (ConfigurationError, ClusterError) as error:
         raise UsageError(f"%%distributed: {error}") from None
+
+
+def _on_cluster(options: Any) -> bool:
+    cluster = getattr(options, "cluster", None)
+    return cluster is not None and str(cluster).strip().lower() != "local"
 
 
 # -- running a cell ------------------------------------------------------------------------
@@ -363,6 +409,8 @@ def start_cell(shell: Any, prepared: PreparedCell, options: Any) -> Any:
             strategy=options.strategy,
             timeout=options.timeout,
             oversubscribe=getattr(options, "allow_oversubscribe", False),
+            cluster=getattr(options, "cluster", None),
+            num_nodes=getattr(options, "num_nodes", None),
         )
     except SerializationError as error:
         raise _plain(ns.explain_unpicklable(prepared.shipped, prepared.used_by) or error) from None
@@ -529,7 +577,7 @@ class _OutputPrinter:
             if event.stream == "stderr" and _NOISE in text:
                 text = "".join(line for line in text.splitlines(keepends=True) if _NOISE not in line)
             if self.tagged:
-                text = "".join(f"[rank {event.rank}] {line}" for line in text.splitlines(keepends=True))
+                text = "".join(f"{event.tag} {line}" for line in text.splitlines(keepends=True))
             stream.write(text)
             stream.flush()
 

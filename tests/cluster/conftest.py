@@ -13,6 +13,7 @@ import signal
 import time
 from typing import Any, Iterator
 
+import psutil
 import pytest
 
 ray = pytest.importorskip("ray", reason="the cluster tests need Ray: pip install 'nbtrain[ray]'")
@@ -31,6 +32,11 @@ SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold"
 
 class TestCluster:
     """The session's cluster: its worker nodes, and a way to lose and replace one."""
+
+    # How long Ray takes to declare a node dead with SYSTEM_CONFIG's health checks (+1 s of slack for its gRPC).
+    detection_seconds = (
+        SYSTEM_CONFIG["health_check_period_ms"] * SYSTEM_CONFIG["health_check_failure_threshold"] / 1000 + 1.0
+    )
 
     def __init__(self) -> None:
         saved = os.environ.get("NBTRAIN_PREWARM")
@@ -56,16 +62,7 @@ class TestCluster:
         self.address = self.cluster.address
 
     def add_worker(self) -> Any:
-        def add() -> Any:
-            before = set(self.cluster.list_all_nodes())
-            try:
-                return self.cluster.add_node(num_cpus=WORKER_CPUS, object_store_memory=OBJECT_STORE_BYTES)
-            except Exception:
-                for node in set(self.cluster.list_all_nodes()) - before:  # half-started: end it
-                    self.cluster.remove_node(node, allow_graceful=False)
-                raise
-
-        node = _retried(add)
+        node = _retried(lambda: self.cluster.add_node(num_cpus=WORKER_CPUS, object_store_memory=OBJECT_STORE_BYTES))
         self.cluster.wait_for_nodes()
         return node
 
@@ -106,11 +103,19 @@ class TestCluster:
 
 
 def _retried(start: Any, attempts: int = 3) -> Any:
-    """Ray gives a raylet a fixed 30 s to register; on a machine this loaded it may need two tries."""
+    """Ray gives a raylet a fixed 30 s to register; on a machine this loaded it may need two tries.
+
+    A try that failed may have started processes (a GCS, a raylet) before giving up: they
+    are this process's children that were not there before, and are killed by PID.
+    """
     for attempt in range(attempts):
+        before = {child.pid for child in psutil.Process().children()}
         try:
             return start()
-        except Exception:  # noqa: BLE001 - "timed out during startup": try again, then give up
+        except Exception:  # noqa: BLE001 - "timed out during startup": clean up, try again, then give up
+            started = [child.pid for child in psutil.Process().children() if child.pid not in before]
+            procs.kill_pids(started)
+            procs.wait_gone(started, GONE_SECONDS)
             if attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")

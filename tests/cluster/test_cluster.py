@@ -282,17 +282,10 @@ def test_a_node_whose_raylet_dies_is_lost_and_the_next_run_works(ray_cluster: An
     assert isinstance(error, (NodeLostError, RankError)), error
     assert isinstance(error, NodeLostError), f"{error} (after {took:.1f} s)"
     assert "node 1 (" in str(error)
-    detection = conftest_detection_seconds()
-    assert took < detection + FAULT_SECONDS, f"{took:.1f} s"
+    assert took < ray_cluster.detection_seconds + FAULT_SECONDS, f"{took:.1f} s"
     _assert_all_gone(rank_processes(seen) + node_one)
     ray_cluster.replace_lost_nodes()
     assert procs.finish(start(_world), RUN_SECONDS)[1] == 4
-
-
-def conftest_detection_seconds() -> float:
-    from conftest import SYSTEM_CONFIG  # tests/cluster/conftest.py
-
-    return SYSTEM_CONFIG["health_check_period_ms"] * SYSTEM_CONFIG["health_check_failure_threshold"] / 1000 + 1.0
 
 
 # -- bad input ----------------------------------------------------------------------------
