@@ -30,12 +30,12 @@ SETUP = """
 import copy, os, torch
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 x, y = torch.randn(32, 4), torch.randn(32, 1)
 # What one process makes of the same steps: every rank trains on the same batch here,
 # so DDP's averaged gradient is this one.
 alone, alone_opt = copy.deepcopy(model), None
-alone_opt = torch.optim.SGD(alone.parameters(), lr=0.1)
+alone_opt = torch.optim.SGD(alone.parameters(), lr=0.1, momentum=0.9)
 for _ in range(3):
     alone_opt.zero_grad(); torch.nn.functional.mse_loss(alone(x), y).backward(); alone_opt.step()
 """
@@ -77,7 +77,7 @@ def test_a_cell_trains_on_two_nodes_and_its_state_comes_back(kernel: NotebookKer
     assert kernel.value("trained") is True
     assert kernel.value("float((model.weight - alone.weight).abs().max())") < 1e-5
     assert kernel.value("float((model.bias - alone.bias).abs().max())") < 1e-5
-    assert kernel.value("len(opt.state)") == 2  # the optimizer's state came back too
+    assert kernel.value("len(opt.state)") == 2  # its momentum buffers came back too
 
 
 def _ready_ranks(kernel: NotebookKernel, msg_id: str) -> list[int]:
