@@ -48,7 +48,8 @@ import nbtrain
 from launch import mlp  # benchmarks/launch.py, beside this script
 from nbtrain import events
 from nbtrain.kernel import client
-from nbtrain.kernel.display import CHART_CPU_SHARE, SLOWEST_CHART_SECONDS, ChartFigure, LiveView
+from nbtrain.kernel.chart_figure import ChartFigure
+from nbtrain.kernel.display import CHART_CPU_SHARE, SLOWEST_CHART_SECONDS, LiveView
 
 
 WORKLOADS = {

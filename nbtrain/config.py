@@ -26,7 +26,7 @@ class Strategy:
 
     name: str
     start_method: str  # "fork": from the warm launcher; "spawn": a fresh interpreter per rank
-    model_wrapper: str  # "ddp" | "fsdp" | "none"
+    model_wrapper: str  # "ddp" | "ddp_find_unused" | "fsdp" | "none"
     when_to_use: str
 
 
@@ -46,6 +46,13 @@ STRATEGIES: dict[str, Strategy] = {
             "Data parallel; each rank is a fresh interpreter. Slower start; for libraries that break after fork.",
         ),
         Strategy(
+            "ddp_find_unused_parameters_true",
+            "fork",
+            "ddp_find_unused",
+            "ddp_notebook for a model that leaves some parameters unused in a step (a branch, a frozen head):"
+            " DDP then searches the autograd graph for them at every step, which costs time.",
+        ),
+        Strategy(
             "fsdp",
             "fork",
             "fsdp",
@@ -62,6 +69,17 @@ STRATEGIES: dict[str, Strategy] = {
 
 BACKENDS = ("gloo", "nccl", "mpi", "cpu:gloo,cuda:nccl")
 
+# Lightning's precision names; the short forms it accepts map to them.
+PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+# What each accelerator can run. fp16 on CPU is left out as Lightning does: CPU autocast
+# and kernels in float16 are slow or missing, and bf16 is the CPU's reduced precision.
+_PRECISION_SUPPORT = {
+    "cpu": ("32-true", "64-true", "bf16-mixed", "bf16-true"),
+    "cuda": PRECISIONS,
+    "mps": ("32-true", "16-mixed", "16-true"),  # MPS has no float64
+}
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -71,6 +89,8 @@ class LaunchConfig:
     strategy: Strategy
     backend: str
     timeout: float | None
+    precision: str = "32-true"
+    sync_batchnorm: bool = False
 
     @property
     def world_size(self) -> int:
@@ -127,6 +147,29 @@ def backend_for(accelerator: str, requested: str | None = None) -> str:
     return "nccl" if accelerator == "cuda" else "gloo"
 
 
+def resolve_precision(precision: object, accelerator: str) -> str:
+    """Lightning's precision name for ``precision``, if ``accelerator`` can run it.
+
+    >>> resolve_precision("bf16", "cpu"), resolve_precision(32, "cuda")
+    ('bf16-mixed', '32-true')
+    """
+    key = str(precision).strip().lower()
+    key = PRECISION_ALIASES.get(key, key)
+    if key not in PRECISIONS:
+        raise ConfigurationError(
+            f"unknown precision {precision!r}. Available precisions: {', '.join(PRECISIONS)} "
+            f"(or {', '.join(PRECISION_ALIASES)})."
+        )
+    supported = _PRECISION_SUPPORT.get(accelerator, PRECISIONS)
+    if key not in supported:
+        raise ConfigurationError(
+            f"precision {key!r} cannot run on the {accelerator} accelerator. "
+            f"Available there: {', '.join(supported)}"
+            + (" (bf16-mixed is the CPU's mixed precision)." if accelerator == "cpu" else ".")
+        )
+    return key
+
+
 def validate_timeout(timeout: float | None) -> float | None:
     """``None`` (no limit) or a positive number of seconds."""
     if timeout is None:
@@ -154,7 +197,13 @@ def threads_per_rank(cpu_count: int, world_size: int, environ: Mapping[str, str]
 
 
 def make_config(
-    plan: DevicePlan, *, strategy: str, timeout: float | None, backend: str | None = None
+    plan: DevicePlan,
+    *,
+    strategy: str,
+    timeout: float | None,
+    backend: str | None = None,
+    precision: object = "32-true",
+    sync_batchnorm: bool = False,
 ) -> LaunchConfig:
     """Check and combine the settings of one launch."""
     return LaunchConfig(
@@ -162,4 +211,21 @@ def make_config(
         strategy=resolve_strategy(strategy, plan.world_size),
         backend=backend_for(plan.accelerator, backend),
         timeout=validate_timeout(timeout),
+        precision=resolve_precision(precision, plan.accelerator),
+        sync_batchnorm=bool(sync_batchnorm),
     )
+
+
+def rank_environment(cfg: LaunchConfig) -> dict[str, str]:
+    """What ``prepare`` on a rank reads: the model wrapper, precision and BatchNorm sync.
+
+    >>> from nbtrain.devices import DevicePlan
+    >>> cfg = make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None, precision="bf16")
+    >>> rank_environment(cfg)["NBTRAIN_PRECISION"]
+    'bf16-mixed'
+    """
+    return {
+        "NBTRAIN_MODEL_WRAPPER": cfg.strategy.model_wrapper,
+        "NBTRAIN_PRECISION": cfg.precision,
+        "NBTRAIN_SYNC_BATCHNORM": "1" if cfg.sync_batchnorm else "0",
+    }

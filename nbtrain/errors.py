@@ -198,5 +198,29 @@ def describe_death(rank: int, *, signal_number: int | None, exit_code: int | Non
     )
 
 
+class UnusedParametersError(NbtrainError, RuntimeError):
+    """A DDP model's first backward left trainable parameters without a gradient.
+
+    Example:
+        >>> print(UnusedParametersError("Net", ["head.weight", "head.bias"], 6))  # doctest: +ELLIPSIS
+        Net has 2 of its 6 trainable parameters that got no gradient in the first step: head.weight, head.bias. ...
+    """
+
+    def __init__(self, model: str, names: list[str], trainable: int, shown: int = 8):
+        self.model = model
+        self.names = list(names)
+        listed = ", ".join(self.names[:shown])
+        if len(self.names) > shown:
+            listed += f" and {len(self.names) - shown} more"
+        super().__init__(
+            f"{model} has {len(self.names)} of its {trainable} trainable parameters that got no gradient in the"
+            f" first step: {listed}. DistributedDataParallel averages gradients only once every parameter has one,"
+            " so the ranks' copies of the model would drift apart. If the model skips them on purpose (a branch, a frozen head),"
+            " run with --strategy ddp_find_unused_parameters_true (nbtrain.launch: strategy="
+            "'ddp_find_unused_parameters_true'; nbtrain.prepare(model, find_unused_parameters=True)), which looks"
+            " for unused parameters at every step; or freeze them with .requires_grad_(False)."
+        )
+
+
 class SerializationError(NbtrainError, TypeError):
     """Something the ranks need cannot be pickled (an open file, a lock, a generator...)."""

@@ -103,6 +103,7 @@ class ReleaseRanks:
     """Kernel -> every node's launcher, on a cluster: every rank everywhere is done; leave."""
 
     run_id: int
+    log_path: str | None = None  # where the launcher writes every rank's full output
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,20 @@ class Output:
 
 
 @dataclass(frozen=True)
+class OutputSkipped:
+    """Lines a rank printed that the cell does not show as they come (past the first thousands).
+
+    The launcher keeps the last of them for the end of the run and writes all of them to
+    the run's log; this tells the live view how many there were and the latest few.
+    """
+
+    run_id: int
+    rank: int
+    counted: int  # the rank's lines so far, but for the last ones held back (sent when it ends)
+    latest: tuple[tuple[str, str], ...]  # (stream, line), oldest first
+
+
+@dataclass(frozen=True)
 class Metrics:
     """Scalars a rank logged with ``nbtrain.log``, a batch of steps at a time.
 
@@ -151,7 +166,7 @@ class Metrics:
 
 @dataclass(frozen=True)
 class MemorySample:
-    """A rank's memory: host RSS always, CUDA allocated/peak when on GPU (bytes)."""
+    """A rank's memory: host RSS always, CUDA allocated/peak/reserved when on GPU (bytes)."""
 
     run_id: int
     rank: int
@@ -160,6 +175,7 @@ class MemorySample:
     cuda_peak_bytes: int | None = None
     time: float = 0.0
     node: str = ""  # the node's label on a cluster; empty on one machine
+    cuda_reserved_bytes: int | None = None  # what the caching allocator holds from the driver
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,19 @@ def test_launch_refuses_before_any_process_starts(launcher):
     assert {p.pid for p in procs.launcher_children()} == before
 
 
+def test_a_run_close_to_the_memory_limit_starts_with_a_one_line_warning(launcher, capfd):
+    # parameters + gradients of a meta model (no memory here or on the rank) at 90% of what is free
+    features = int((0.45 * hardware.available_memory() / 4) ** 0.5)
+    model = nn.Linear(features, features, bias=False, device="meta")
+    assert procs.finish(nbtrain.start(lambda: tuple(model.weight.shape), devices=1, accelerator="cpu")) == (
+        features,
+        features,
+    )
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("nbtrain warning:")]
+    assert len(warnings) == 1 and " of host memory available (" in warnings[0], warnings
+    assert warnings[0].endswith("it may run out of memory.")
+
+
 # -- through a real kernel -----------------------------------------------------------------
 
 
@@ -174,6 +187,7 @@ def test_ten_thousand_cpu_ranks_are_refused_in_under_a_second_with_the_core_coun
     cores = kernel.value("len(__import__('os').sched_getaffinity(0))")
     refusal, seconds = refused_in_kernel(kernel, "--devices 10000 --accelerator cpu")
     assert seconds < 1.0, seconds
+    print(f"--devices 10000 refused in {seconds * 1000:.0f} ms")
     assert refusal.startswith("%%distributed: devices='10000' is not valid: it asks for 10000 CPU processes")
     assert f"for the {cores} core" in refusal and f"({cores} CPU cores here)" in refusal
     assert "--allow-oversubscribe" in refusal
@@ -203,6 +217,7 @@ def test_a_meta_model_too_large_for_the_machine_is_refused_before_launch(kernel)
     )
     assert "so it was not started" in refusal and "--strategy fsdp" in refusal
     assert seconds < 1.0, seconds
+    print(f"a 298 GiB meta model refused in {seconds * 1000:.0f} ms")
 
 
 def test_oversubscribe_flag_lets_a_deliberate_run_through(kernel):

@@ -302,7 +302,7 @@ def test_losses_are_charted_first_and_the_number_of_charts_is_capped():
     state = two_rank_state()
     names = ["lr", "accuracy", "loss", "grad_norm", "val_loss", "a", "b"]
     state.apply(events.Metrics(RUN, 0, ((1, 0.0, {name: 1.0 for name in names}),)), now=101.0)
-    assert state.chart_metric_names() == ["loss", "val_loss", "lr", "accuracy", "grad_norm"]
+    assert state.chart_metric_names() == ["loss", "val_loss", "lr", "accuracy"]
 
 
 def test_memory_shows_rss_and_its_peak_on_cpu():
@@ -323,6 +323,36 @@ def test_memory_shows_cuda_allocated_and_peak_on_gpu():
     assert (memory.current_bytes, memory.peak_bytes) == (2 * 2**30, 3 * 2**30)
     assert state.memory_kind == "cuda"
     assert "GPU allocated" in charts.memory_line(state)
+
+
+def test_memory_is_kept_over_the_run_per_rank():
+    state = two_rank_state()
+    for now, rss in ((100.5, 300), (101.0, 320), (101.5, 340)):
+        state.apply(events.MemorySample(RUN, 1, rss * 2**20), now=now)
+    series = state.memory[1].rss
+    assert series.steps() == [0.5, 1.0, 1.5]  # seconds into the run
+    assert series.means() == [300 * 2**20, 320 * 2**20, 340 * 2**20]
+    assert state.memory[1].charted() == (series,)
+
+
+def test_gpu_memory_keeps_allocated_and_reserved_over_time():
+    state = two_rank_state()
+    state.apply(events.MemorySample(RUN, 0, 5 * 2**30), now=100.5)  # RSS from the launcher: not charted on a GPU
+    state.apply(events.MemorySample(RUN, 0, None, 2**30, 2**30, cuda_reserved_bytes=2 * 2**30), now=101.0)
+    allocated, reserved = state.memory[0].charted()
+    assert (allocated.steps(), allocated.means()) == ([1.0], [2**30])
+    assert (reserved.steps(), reserved.means()) == ([1.0], [2 * 2**30])
+
+
+def test_throughput_follows_the_step_rate_over_the_run():
+    state = two_rank_state()
+    state.apply(metrics(0, range(1, 11), start_time=0.0), now=101.0)  # one step a second
+    faster = tuple((s, 10 + (s - 10) / 2, {"loss": 1.0}) for s in range(11, 31))  # then two a second
+    state.apply(events.Metrics(RUN, 0, faster), now=102.0)
+    assert state.throughput.steps() == [1.0, 2.0]
+    assert state.throughput.means()[0] == pytest.approx(1.0) and state.throughput.means()[1] > 1.0
+    state.apply(metrics(1, range(1, 40), start_time=0.0), now=103.0)  # another rank: not the progress rank
+    assert state.throughput.count == 2
 
 
 # --- text --------------------------------------------------------------------------------

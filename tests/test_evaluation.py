@@ -107,7 +107,7 @@ for epoch in range(1, 3):
 """
 
 SUMMARY = (
-    "train_loader: sharded (DistributedSampler, 384 of 768 per rank); "
+    "train_loader: sharded (DistributedSampler, 384 of 768 per rank; effective batch 64 = 32 per rank x 2 ranks); "
     "test_loader: evaluated whole on every rank (iterated without gradients)."
 )
 TEST_LINE = re.compile(r"^(?:\[rank (\d)\] )?Test set: Average loss: ([\d.]+), Accuracy: (\d+)/(\d+) \(\d+%\)$", re.MULTILINE)
@@ -216,7 +216,7 @@ def test_one_loader_for_training_and_evaluation_in_one_cell(kernel):
     _, correct, n = kernel_evaluation(kernel, "train_loader")
     assert n == 768 and last[0][1:] == last[1][1:] == (correct, 768), out.stdout
     assert (
-        "train_loader: sharded for training (DistributedSampler, 384 of 768 per rank) and "
+        "train_loader: sharded for training (DistributedSampler, 384 of 768 per rank; effective batch 64 = 32 per rank x 2 ranks) and "
         "evaluated whole on every rank (iterated without gradients)." in out.stdout
     )
     # the epochs of the training passes are as if nothing else had read the loader

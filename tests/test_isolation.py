@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -120,7 +119,7 @@ def _start_escapees() -> dict:
     orphan = int(os.read(read_end, 32))
     os.close(read_end)
     os.waitpid(middle, 0)
-    return {"session": session.pid, "orphan": orphan, "returned_at": clock.time()}
+    return {"session": session.pid, "orphan": orphan}
 
 
 @pytest.mark.parametrize("ending", ["finished", "failed", "stopped"])
@@ -142,17 +141,17 @@ def test_a_ranks_own_sessions_and_double_forks_die_with_the_run(launcher, leak_g
     if ending == "stopped":
         procs.wait_for(report.exists, procs.RUN_TIMEOUT, f"rank 0 never wrote {report}")
         run.stop()
-    result, error, _ = procs.collect(run)
-    ended_at = time.time()
+    _, error, _ = procs.collect(run)
     escapees = json.loads(report.read_text())
     pids = [escapees["session"], escapees["orphan"]]
+    # When the run has ended they are dead already (at most not yet reaped): both held the
+    # rank's stdout, so the run's end did not wait for that pipe (benchmarks/cleanup.py
+    # measures how long the end takes).
+    living = [pid for pid in pids if procs.alive(pid) and not procs.is_zombie(pid)]
     try:
         assert (error is None) == (ending == "finished"), error
+        assert not living, f"still running when their run ended: {living}"
         left = procs.wait_gone(pids, 5.0)
-        assert not left, f"still running after their run ended: {left}"
-        if ending != "stopped":
-            # Both held the rank's stdout: the run must not have waited for that pipe to
-            # close (the launcher gives up on a pipe after DRAIN_SECONDS = 1 s).
-            assert ended_at - escapees["returned_at"] < 0.8, ended_at - escapees["returned_at"]
+        assert not left, f"not reaped after their run ended: {left}"
     finally:
         procs.kill_and_wait(pids, 5.0)

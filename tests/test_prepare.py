@@ -15,7 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import nbtrain
-from helpers.procs import finish, roundtrip
+from helpers.procs import collect, finish, roundtrip
+from nbtrain import events
+from nbtrain.errors import RankError
 from nbtrain.errors import SerializationError
 from nbtrain.kernel import namespace as ns
 from nbtrain.rank import cell as rank_cell
@@ -376,6 +378,71 @@ def test_auto_prepare_wraps_root_modules_only(launcher):
 
 
 
+class _TwoHeads(nn.Module):
+    """A model whose forward skips ``spare``: a parameter with no gradient in any step."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.spare = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _train_three_steps():
+    import sys
+
+    torch.manual_seed(0)
+    model = nbtrain.prepare(_TwoHeads())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print(f"stepped {step}", flush=True)
+    sys.stderr.flush()
+    return model.find_unused_parameters
+
+
+def _stderr_of(seen):
+    from nbtrain import events
+
+    return "".join(e.text for e in seen if isinstance(e, events.Output) and e.stream == "stderr")
+
+
+def test_ddp_looks_for_no_unused_parameters_and_warns_nothing(launcher):
+    def fn():
+        torch.manual_seed(0)
+        model = nbtrain.prepare(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+        for _ in range(3):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+        return model.find_unused_parameters
+
+    result, failure, seen = collect(nbtrain.start(fn, devices=2))
+    assert failure is None and result is False
+    assert "find_unused_parameters" not in _stderr_of(seen)  # DDP's hint about the flag never shows
+
+
+def test_unused_parameters_fail_the_first_step_naming_them_and_the_fix(launcher):
+    result, failure, seen = collect(nbtrain.start(_train_three_steps, devices=2))
+    assert isinstance(failure, RankError) and failure.exc_type == "UnusedParametersError", failure
+    message = failure.exc_message
+    assert "_TwoHeads has 2 of its 4 trainable parameters that got no gradient in the first step: " in message
+    assert "spare.weight, spare.bias" in message and "body." not in message
+    assert "--strategy ddp_find_unused_parameters_true" in message and "find_unused_parameters=True" in message
+    printed = "".join(e.text for e in seen if isinstance(e, events.Output))
+    assert "stepped" not in printed  # raised by the first backward, before the optimizer stepped
+
+
+def test_ddp_find_unused_parameters_true_strategy_trains_such_a_model(launcher):
+    result, failure, seen = collect(nbtrain.start(_train_three_steps, devices=2, strategy="ddp_find_unused_parameters_true"))
+    assert failure is None and result is True, failure
+    printed = "".join(e.text for e in seen if isinstance(e, events.Output))
+    assert printed.count("stepped 2") == 2
+
+
 def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(launcher):
     from torch.utils.data import DistributedSampler, IterableDataset, WeightedRandomSampler
 
@@ -450,7 +517,7 @@ def test_training_passes_read_a_share_and_passes_without_gradients_read_everythi
     assert seen["no_grad"] == seen["inference"] == list(range(10))  # whole, in the loader's own order
     assert seen["shuffled_whole"] == list(range(10))
     training_and_evaluation = (
-        "sharded for training (DistributedSampler, 5 of 10 per rank) and "
+        "sharded for training (DistributedSampler, 5 of 10 per rank; effective batch 6 = 3 per rank x 2 ranks) and "
         "evaluated whole on every rank (iterated without gradients)"
     )
     assert seen["report"] == (training_and_evaluation, "evaluated whole on every rank (iterated without gradients)")

@@ -64,7 +64,7 @@ def import_ray() -> Any:
 
 def prepare(
     cluster: str, num_nodes: int | None, devices: Any, accelerator: str, strategy: str, timeout: float | None,
-    backend: str | None,
+    backend: str | None = None, precision: str = "32-true", sync_batchnorm: bool = False,
 ) -> tuple[ClusterClient, config.LaunchConfig]:
     """The warm client for this request, and the run's launch settings."""
     count = nodes.validate_num_nodes(num_nodes, cluster)
@@ -74,7 +74,7 @@ def prepare(
     plan = nodes.plan_cluster(alive, num_nodes=count, devices=devices, accelerator=accelerator, address=address)
     cfg = config.make_config(
         DevicePlan(plan.accelerator, tuple(range(plan.world_size))), strategy=strategy, timeout=timeout,
-        backend=backend,
+        backend=backend, precision=precision, sync_batchnorm=sync_batchnorm,
     )
     return get_client(plan, address, alive), cfg
 

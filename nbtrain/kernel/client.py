@@ -34,6 +34,12 @@ from nbtrain.errors import (
 # "file": rank 0 sends its result's tensors in a shared-memory file instead of the kernel
 # reading them out of its memory (which is automatic where a sandbox forbids the read).
 RESULT_TRANSFER_VARIABLE = "NBTRAIN_RESULT_TRANSFER"
+LOG_DIR_VARIABLE = "NBTRAIN_LOG_DIR"  # where runs' log files go (default ~/.cache/nbtrain/logs)
+LOGS_KEPT = 50  # older run logs in that directory are removed when a run starts
+# Rank output waiting in a run's inbox for the cell to show it: past this, lines are
+# dropped (and counted in a note) instead of growing the kernel. The launcher already
+# sends at most a few thousand lines per rank, so only a stalled reader gets here.
+PENDING_OUTPUT_CHARS = 8_000_000
 INTERRUPT_GRACE_SECONDS = 5.0  # how long a stop may take before the launcher is replaced
 POLL_SECONDS = 0.25
 _SOURCE_LINES_LIMIT = 4 << 20  # bytes of notebook source sent for tracebacks
@@ -65,6 +71,7 @@ class LauncherClient:
         self._queues: dict[int, queue.Queue] = {}
         self._stopping: set[int] = set()  # runs asked to stop: their results are not copied
         self._lock = threading.Lock()
+        self._pending_output: dict[int, _PendingOutput] = {}
         self._run_ids = itertools.count(1)
         threading.Thread(target=self._read_events, name="nbtrain-events", daemon=True).start()
         threading.Thread(target=self._read_stderr, name="nbtrain-launcher-stderr", daemon=True).start()
@@ -76,11 +83,14 @@ class LauncherClient:
             run_id = next(self._run_ids)
             inbox: queue.Queue = queue.Queue()
             self._queues[run_id] = inbox
+            message = start_run(run_id)
+            self._pending_output[run_id] = _PendingOutput(message.log_path)
             fds = () if tensor_fd is None else (tensor_fd,)
             try:
-                wire.send(self.process.channel, start_run(run_id), fds)
+                wire.send(self.process.channel, message, fds)
             except OSError as error:
                 del self._queues[run_id]
+                self._pending_output.pop(run_id, None)
                 raise LauncherError(f"could not reach the nbtrain launcher: {error}. {self.exit_detail()}") from error
         return run_id, inbox
 
@@ -95,7 +105,13 @@ class LauncherClient:
     def forget(self, run_id: int) -> None:
         with self._lock:
             self._queues.pop(run_id, None)
+            self._pending_output.pop(run_id, None)
             self._stopping.discard(run_id)
+
+    def output_taken(self, run_id: int, chars: int) -> None:
+        pending = self._pending_output.get(run_id)
+        if pending is not None:
+            pending.taken(chars)
 
     def close(self) -> None:
         self.alive = False
@@ -128,7 +144,7 @@ class LauncherClient:
                 for fd in fds:
                     os.close(fd)
             else:
-                inbox.put((message, fds))
+                self._file(message, fds, inbox)
         with self._lock:
             self.alive = False
             try:
@@ -138,6 +154,15 @@ class LauncherClient:
             gone = _LauncherGone(self.exit_detail())
             for inbox in self._queues.values():
                 inbox.put((gone, []))
+
+    def _file(self, message: Any, fds: list[int], inbox: queue.Queue) -> None:
+        pending = self._pending_output.get(message.run_id)
+        if pending is not None and isinstance(message, (events.Output, events.RunEnded)):
+            if isinstance(message, events.Output) and not pending.admit(message):
+                return  # dropped, and counted for the note
+            for note in pending.notes(message.run_id):
+                inbox.put((note, []))
+        inbox.put((message, fds))
 
     def _take_result(self, offer: events.ResultOffer, inbox: queue.Queue | None) -> None:
         copied = None
@@ -167,6 +192,45 @@ class LauncherClient:
             return
         for line in iter(stream.readline, b""):
             self.stderr_tail.append(line.decode(errors="replace"))
+
+
+class _PendingOutput:
+    """Characters of a run's output filed but not yet taken, and lines dropped per rank."""
+
+    def __init__(self, log_path: str | None):
+        self.log_path = log_path
+        self.chars = 0
+        self.dropped: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, output: events.Output) -> bool:
+        with self._lock:
+            if self.chars > PENDING_OUTPUT_CHARS:
+                self.dropped[output.rank] = self.dropped.get(output.rank, 0) + output.text.count("\n")
+                return False
+            self.chars += len(output.text)
+            return True
+
+    def taken(self, chars: int) -> None:
+        with self._lock:
+            self.chars -= chars
+
+    def notes(self, run_id: int) -> list[events.Output]:
+        """Once the reader caught up (or the run ended): say what was dropped."""
+        with self._lock:
+            if not self.dropped or (self.chars > PENDING_OUTPUT_CHARS / 2):
+                return []
+            dropped, self.dropped = self.dropped, {}
+        where = f" Every line is in {self.log_path}." if self.log_path else ""
+        return [
+            events.Output(
+                run_id,
+                rank,
+                "stderr",
+                f"nbtrain: {count:,} lines of rank {rank} were not shown: the notebook could not keep up.{where}\n",
+            )
+            for rank, count in sorted(dropped.items())
+        ]
 
 
 _client: LauncherClient | None = None
@@ -221,10 +285,18 @@ class Run:
         42
     """
 
-    def __init__(self, client: LauncherClient, run_id: int, inbox: queue.Queue, cfg: config.LaunchConfig):
+    def __init__(
+        self,
+        client: LauncherClient,
+        run_id: int,
+        inbox: queue.Queue,
+        cfg: config.LaunchConfig,
+        log_path: str | None = None,
+    ):
         self.client = client
         self.run_id = run_id
         self.config = cfg
+        self.log_path = log_path  # every rank's full output, once a rank printed anything
         self.state = "running"
         self.pids: dict[int, int] = {}
         self._inbox = inbox
@@ -260,7 +332,9 @@ class Run:
             self._ended = events.RunEnded(self.run_id, events.FAILED, detail=message.detail)
             self.client.forget(self.run_id)
             return self._ended
-        if isinstance(message, events.RankStarted):
+        if isinstance(message, events.Output):
+            self.client.output_taken(self.run_id, len(message.text))
+        elif isinstance(message, events.RankStarted):
             self.pids[message.rank] = message.pid
         if isinstance(message, events.RunEnded):
             self._ended, self._ended_fds = message, fds
@@ -400,6 +474,8 @@ def start(
     timeout: float | None = None,
     backend: str | None = None,
     oversubscribe: bool = False,
+    precision: str = "32-true",
+    sync_batchnorm: bool = False,
     cluster: str | None = None,
     num_nodes: int | None = None,
 ) -> Run:
@@ -412,7 +488,9 @@ def start(
     """
     from nbtrain.errors import SerializationError
 
-    client, cfg = _engine(cluster, num_nodes, devices, accelerator, strategy, timeout, backend, oversubscribe)
+    client, cfg = _engine(
+        cluster, num_nodes, devices, accelerator, strategy, timeout, backend, oversubscribe, precision, sync_batchnorm
+    )
     if isinstance(client, LauncherClient):  # a cluster's own checks list its nodes instead
         _admit(cfg, fn, args, kwargs)
     try:
@@ -434,33 +512,38 @@ def start(
             ranks=cfg.rank_specs(),
             start_method=cfg.strategy.start_method,
             backend=cfg.backend,
-            # prepare() on a rank wraps models for this strategy (nbtrain.rank.prepare).
-            environ={**_caller_environment(), "NBTRAIN_MODEL_WRAPPER": cfg.strategy.model_wrapper},
+            # prepare() on a rank wraps models for this strategy and precision (nbtrain.rank.prepare).
+            environ={**_caller_environment(), **config.rank_environment(cfg)},
             cwd=os.getcwd(),
             sys_path=tuple(sys.path),
             source_lines=_notebook_source_lines(),
             timeout=cfg.timeout,
             threads_per_rank=threads,
             has_tensor_file=tensor_fd is not None,
+            log_path=log_paths.setdefault(run_id, _log_path(run_id) if isinstance(client, LauncherClient) else None),
         )
+
+    log_paths: dict[int, str | None] = {}
 
     try:
         run_id, inbox = client.submit(start_run, tensor_fd)
     finally:
         if tensor_fd is not None:
             os.close(tensor_fd)
-    return Run(client, run_id, inbox, cfg)
+    return Run(client, run_id, inbox, cfg, log_paths.get(run_id))
 
 
 def _engine(
     cluster: str | None, num_nodes: int | None, devices: Any, accelerator: str, strategy: str,
-    timeout: float | None, backend: str | None, oversubscribe: bool = False,
+    timeout: float | None, backend: str | None, oversubscribe: bool = False, precision: str = "32-true",
+    sync_batchnorm: bool = False,
 ) -> tuple[Any, config.LaunchConfig]:
     """The engine that runs the ranks (this machine's launcher, or a cluster's agents) and the plan."""
+    settings = {"backend": backend, "precision": precision, "sync_batchnorm": sync_batchnorm}
     if cluster is not None and str(cluster).strip().lower() != "local":
         from nbtrain.cluster import engine
 
-        return engine.prepare(cluster, num_nodes, devices, accelerator, strategy, timeout, backend)
+        return engine.prepare(cluster, num_nodes, devices, accelerator, strategy, timeout, **settings)
     if num_nodes not in (None, 1):
         from nbtrain.cluster import nodes
 
@@ -468,7 +551,7 @@ def _engine(
     from nbtrain import hardware
 
     plan = hardware.probe_plan(devices, accelerator, oversubscribe)
-    return get_client(), config.make_config(plan, strategy=strategy, timeout=timeout, backend=backend)
+    return get_client(), config.make_config(plan, strategy=strategy, timeout=timeout, **settings)
 
 
 def launch(
@@ -480,6 +563,9 @@ def launch(
     timeout: float | None = None,
     background: bool = False,
     oversubscribe: bool = False,
+    backend: str | None = None,
+    precision: str = "32-true",
+    sync_batchnorm: bool = False,
     cluster: str | None = None,
     num_nodes: int | None = None,
     **kwargs: Any,
@@ -491,6 +577,9 @@ def launch(
     any rank stops all of them and raises here (:class:`nbtrain.errors.RankError`).
 
     ``oversubscribe=True`` allows more CPU processes than 4 per core (refused otherwise).
+    ``backend``, ``precision`` (Lightning's names: ``"32-true"``, ``"bf16-mixed"``,
+    ``"16-mixed"``, ...) and ``sync_batchnorm`` are as for ``%%distributed``; they apply to
+    what ``nbtrain.prepare`` does on the ranks.
 
     ``cluster="ray", num_nodes=2`` runs on two nodes of a Ray cluster (``RAY_ADDRESS``, the
     cluster this machine belongs to, or an address given instead of ``"ray"``), ``devices``
@@ -515,6 +604,9 @@ def launch(
         strategy=strategy,
         timeout=timeout,
         oversubscribe=oversubscribe,
+        backend=backend,
+        precision=precision,
+        sync_batchnorm=sync_batchnorm,
         cluster=cluster,
         num_nodes=num_nodes,
     )
@@ -556,6 +648,22 @@ def _has_contents(cell: Any) -> bool:
     except ValueError:  # a closure variable not bound yet
         return False
     return True
+
+
+def _log_path(run_id: int) -> str | None:
+    """A new run's log file (created by the launcher at its first line); old ones are pruned."""
+    directory = os.environ.get(LOG_DIR_VARIABLE) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nbtrain", "logs"
+    )
+    try:
+        os.makedirs(directory, exist_ok=True)
+        logs = sorted(name for name in os.listdir(directory) if name.startswith("run-") and name.endswith(".log"))
+        for name in logs[: max(0, len(logs) - LOGS_KEPT + 1)]:
+            os.unlink(os.path.join(directory, name))
+    except OSError:
+        return None  # no writable place: the run goes on without a log
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join(directory, f"run-{stamp}-{os.getpid()}-{run_id}.log")
 
 
 def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import math
 import sys
 import time
 from typing import Any, TextIO
 
 from nbtrain import charts, config, events
+from nbtrain.kernel.chart_figure import ChartFigure, render_charts_png  # noqa: F401 - part of this module's API
 
 FASTEST_FRAME_SECONDS = 0.25  # at most four frames a second
 SLOWEST_FRAME_SECONDS = 1.0  # at least one a second while the run goes on (the clock moves)
@@ -43,11 +43,7 @@ TEXT_LINE_SECONDS = 1.0  # a terminal gets a progress line at most once a second
 TEXT_HEARTBEAT_SECONDS = 10.0  # ...and one every ten seconds even when nothing moved
 CHART_CPU_SHARE = 0.1  # drawing charts may use at most this share of one core...
 SLOWEST_CHART_SECONDS = 1.0  # ...but a moving run's chart is never older than this
-DPI = 80
-PANEL_INCHES = (3.3, 2.3)  # one chart: 264 x 184 pixels at 80 dpi
-PANELS_PER_ROW = 3
 MAX_LOG_RANKS = 16  # logs of more ranks than this would dwarf the charts
-DRAWN_POINTS = 300  # per line: about one per pixel of a chart's width
 
 _STATE_COLOURS = {
     charts.STARTING: "#757575",
@@ -57,7 +53,6 @@ _STATE_COLOURS = {
     events.STOPPED: "#ef6c00",
     events.TIMED_OUT: "#ef6c00",
 }
-_RANK_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 
 
 def frontend_is_rich() -> bool:
@@ -120,6 +115,7 @@ class LiveView:
         self._last_frame_at = -math.inf
         self._chart_version = -1
         self._chart_png_base64 = ""
+        self._chart_css_size = (0, 0)  # the PNG is shown at this size; it has twice the pixels
         self._chart_drawn_at = -math.inf
         self._chart_seconds = 0.0  # how long the last drawing took
         self._chart_figure: ChartFigure | None = None
@@ -238,9 +234,10 @@ class LiveView:
             started = time.perf_counter()
             png = self._chart_figure.draw(state)
             self._chart_seconds = time.perf_counter() - started
-            self._chart_drawn_at = now
+            self._chart_drawn_at = time.monotonic()  # the rest counts from the drawing's end
             self._chart_version = state.chart_version
             self._chart_png_base64 = base64.b64encode(png).decode("ascii")
+            self._chart_css_size = self._chart_figure.css_size
             self.chart_renders += 1
         return self._chart_png_base64
 
@@ -262,8 +259,10 @@ class LiveView:
             parts.append(f'<div style="color:{_STATE_COLOURS[events.FAILED]}">{html.escape(state.failure)}</div>')
         png = self.chart_png_base64(force=force_charts)
         if png:
+            width, height = self._chart_css_size
             parts.append(
-                f'<img src="data:image/png;base64,{png}" alt="metrics and memory per rank" style="max-width:100%">'
+                f'<img src="data:image/png;base64,{png}" width="{width}" height="{height}"'
+                ' alt="metrics, memory and throughput per rank" style="max-width:100%;height:auto">'
             )
         parts.append(_logs_html(state))
         parts.append("</div>")
@@ -312,150 +311,6 @@ def _logs_html(state: charts.RunState) -> str:
     if len(ranks) > MAX_LOG_RANKS:
         parts.append(f"<div>(output of {len(ranks) - MAX_LOG_RANKS} more ranks not shown)</div>")
     return "".join(parts)
-
-
-def render_charts_png(state: charts.RunState, dpi: int = DPI) -> bytes:
-    """One PNG: a chart per metric (losses first; a thin line per rank, a bold mean) and memory.
-
-    Example:
-        >>> from nbtrain import charts, events
-        >>> state = charts.RunState("ddp_notebook", "cpu", 1)
-        >>> state.apply(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}), (2, 0.1, {"loss": 0.5}))), now=0.0)
-        >>> render_charts_png(state)[:8]
-        b'\\x89PNG\\r\\n\\x1a\\n'
-    """
-    return ChartFigure(state, dpi).draw(state)
-
-
-class ChartFigure:
-    """The charts' matplotlib figure, kept between frames while its layout stays the same.
-
-    Only the lines' data, titles and bars change from one frame to the next, and updating
-    those costs a third of building the figure again (ticks and axes are the expensive
-    part). A bare ``Figure`` on the Agg canvas: no pyplot, so no global figure state, no
-    GUI backend, and nothing registered that would need closing.
-    """
-
-    def __init__(self, state: charts.RunState, dpi: int = DPI) -> None:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-
-        self.layout = self.layout_of(state)
-        self.dpi = dpi
-        metric_names, memory_ranks = self.layout[0], self.layout[2]
-        panels = len(metric_names) + (1 if memory_ranks else 0)
-        columns = min(PANELS_PER_ROW, max(1, panels))
-        rows = max(1, math.ceil(panels / columns))
-        self.figure = Figure(figsize=(PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows), dpi=dpi)
-        FigureCanvasAgg(self.figure)
-        inch_w, inch_h = PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows
-        self.figure.subplots_adjust(
-            left=0.45 / inch_w, right=1 - 0.1 / inch_w, bottom=0.35 / inch_h, top=1 - 0.28 / inch_h,
-            wspace=0.35, hspace=0.55,
-        )
-        axes = list(self.figure.subplots(rows, columns, squeeze=False).ravel())
-        for ax in axes[panels:]:
-            ax.set_visible(False)
-        for ax in axes[:panels]:
-            ax.tick_params(labelsize=7, length=2, pad=1)
-            ax.grid(True, linewidth=0.4, alpha=0.4)
-            ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
-        self.metric_axes: dict[str, Any] = {}
-        self.rank_lines: dict[str, dict[int, Any]] = {}
-        self.mean_lines: dict[str, Any] = {}
-        self.bands: dict[str, Any] = {}
-        for ax, name in zip(axes, metric_names):
-            self._build_metric(ax, name, state.metrics[name])
-        self.memory_axes = axes[len(metric_names)] if memory_ranks else None
-        if self.memory_axes is not None:
-            self._build_memory(self.memory_axes, memory_ranks)
-
-    @staticmethod
-    def layout_of(state: charts.RunState) -> tuple:
-        """What the figure's structure depends on; a new figure is built when it changes."""
-        names = tuple(state.chart_metric_names())
-        ranks = tuple(tuple(sorted(state.metrics[name].ranks)) for name in names)
-        return names, ranks, tuple(sorted(state.memory))
-
-    def _build_metric(self, ax: Any, name: str, history: charts.MetricHistory) -> None:
-        many_ranks = len(history.ranks) > 1
-        self.metric_axes[name] = ax
-        self.rank_lines[name] = {
-            rank: ax.plot(
-                [], [], linewidth=0.8, alpha=0.8 if many_ranks else 0.9,
-                color=_RANK_COLOURS[rank % len(_RANK_COLOURS)], label=f"rank {rank}",
-            )[0]
-            for rank in sorted(history.ranks)
-        }
-        if many_ranks:
-            self.mean_lines[name] = ax.plot([], [], linewidth=1.3, color="#222", alpha=0.8, label="mean")[0]
-        ax.set_xlabel("step", fontsize=7, labelpad=1)
-        if len(history.ranks) <= len(_RANK_COLOURS):
-            ax.legend(fontsize=6, loc="best", frameon=False, handlelength=1.2)
-
-    def _build_memory(self, ax: Any, ranks: tuple[int, ...]) -> None:
-        positions = list(range(len(ranks)))
-        self.peak_bars = ax.barh(positions, [0] * len(ranks), height=0.7, color="#90caf9")
-        self.current_bars = ax.barh(positions, [0] * len(ranks), height=0.45, color="#1565c0")
-        ax.set_yticks(positions, [f"rank {r}" for r in ranks])
-        ax.invert_yaxis()
-        self.memory_labels = (
-            [ax.text(0, p, "", va="center", fontsize=6) for p in positions] if len(ranks) <= 8 else []
-        )
-
-    def draw(self, state: charts.RunState) -> bytes:
-        """The figure with ``state``'s data, as PNG bytes."""
-        for name, ax in self.metric_axes.items():
-            self._draw_metric(ax, name, state.metrics[name])
-        if self.memory_axes is not None:
-            self._draw_memory(self.memory_axes, state)
-        buffer = io.BytesIO()
-        self.figure.savefig(buffer, format="png", dpi=self.dpi)
-        return buffer.getvalue()
-
-    def _draw_metric(self, ax: Any, name: str, history: charts.MetricHistory) -> None:
-        rank_means = []
-        for rank, line in self.rank_lines[name].items():
-            steps, means, _, _ = history.ranks[rank].coarsened(DRAWN_POINTS)
-            rank_means.append(means)
-            line.set_data(steps, means)
-        latest = next(iter(history.ranks.values())).last_value
-        old_band = self.bands.pop(name, None)
-        if old_band is not None:
-            old_band.remove()
-        mean_line = self.mean_lines.get(name)
-        if mean_line is not None:
-            steps, means, lows, highs = history.mean.coarsened(DRAWN_POINTS)
-            mean_line.set_data(steps, means)
-            if len(steps) < history.mean.count:  # each point stands for several steps: shade their range
-                self.bands[name] = ax.fill_between(steps, lows, highs, color="#000", alpha=0.1, linewidth=0)
-            latest = history.mean.last_value
-        longest = max(rank_means, key=len, default=[])
-        scale = "log" if charts.wants_log_scale(longest) else "linear"
-        if ax.get_yscale() != scale:
-            ax.set_yscale(scale)
-        ax.relim()
-        ax.autoscale_view()
-        ax.set_title(f"{name}  {charts.format_value(latest)}", fontsize=9, loc="left")
-
-    def _draw_memory(self, ax: Any, state: charts.RunState) -> None:
-        ranks = self.layout[2]
-        peaks = [state.memory[r].peak_bytes or 0 for r in ranks]
-        currents = [state.memory[r].current_bytes or 0 for r in ranks]
-        scale, unit = (2**30, "GiB") if max(peaks, default=0) >= 2**30 else (2**20, "MiB")
-        for bar, peak in zip(self.peak_bars, peaks):
-            bar.set_width(peak / scale)
-        for bar, current in zip(self.current_bars, currents):
-            bar.set_width(current / scale)
-        for label, position, current, peak in zip(self.memory_labels, range(len(ranks)), currents, peaks):
-            label.set_position((peak / scale, position))
-            label.set_text(f" {charts.format_bytes(current)} / {charts.format_bytes(peak)}")
-        # Room on the right for the labels.
-        ax.set_xlim(0, max(max(peaks, default=0) / scale * (1.7 if self.memory_labels else 1.05), 1.0))
-        ax.set_xlabel(unit, fontsize=7, labelpad=1)
-        kind = "GPU allocated" if state.memory_kind == "cuda" else "host RSS"
-        ax.set_title(f"memory, {kind}: now / peak", fontsize=9, loc="left")
 
 
 def watch(

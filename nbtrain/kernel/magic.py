@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import re
 import signal
 import sys
@@ -67,6 +68,7 @@ class CellRun:
     loaders: list[tuple[str, str]] = field(default_factory=list)  # (name, what its passes read)
     updated: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    log_path: str | None = None  # every rank's full output (None: no rank printed anything)
 
 
 last_run: CellRun | None = None
@@ -122,7 +124,7 @@ class DistributedMagics(Magics):
     @magic_arguments.argument(
         "--strategy",
         default=None,
-        help="ddp_notebook, ddp_spawn, fsdp or auto: see Strategies above. "
+        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, fsdp or auto: see Strategies above. "
         "Default: the session default (ddp_notebook).",
     )
     @magic_arguments.argument(
@@ -142,6 +144,24 @@ class DistributedMagics(Magics):
         dest="auto",
         action="store_false",
         help="Do not prepare the kernel's models, optimizers and loaders, nor log the loss: the cell does it all.",
+    )
+    @magic_arguments.argument(
+        "--precision",
+        default="32-true",
+        help="32-true (32), 64-true, 16-mixed (16), bf16-mixed (bf16), 16-true, bf16-true: mixed runs the "
+        "prepared model's forward under autocast (16-mixed on CUDA also scales the loss); -true casts the "
+        "model on the ranks. The kernel's objects keep their dtype. Default: 32-true.",
+    )
+    @magic_arguments.argument(
+        "--sync-batchnorm",
+        action="store_true",
+        help="Compute BatchNorm statistics over every rank's batch (SyncBatchNorm on the ranks; "
+        "the kernel's model keeps plain BatchNorm and gets the synced running statistics).",
+    )
+    @magic_arguments.argument(
+        "--backend",
+        default=None,
+        help="Process-group backend: gloo, nccl, mpi or cpu:gloo,cuda:nccl. Default: gloo on CPU, nccl on CUDA.",
     )
     @magic_arguments.argument(
         "--allow-oversubscribe",
@@ -185,6 +205,9 @@ class DistributedMagics(Magics):
           ddp_notebook  data parallel; ranks fork from a warm, clean launcher (fast start)
           ddp_spawn     data parallel; each rank is a fresh interpreter (for libraries
                         that break after fork)
+          ddp_find_unused_parameters_true
+                        ddp_notebook for a model that skips some parameters in a step
+                        (DDP then searches for them at every step, at some cost)
           fsdp          fully sharded with FSDP2: each rank holds a slice of every weight
           auto          ddp_notebook for more than one device, a single worker for one
 
@@ -276,7 +299,8 @@ def check_flags(options: Any) -> config.LaunchConfig:
 
             return engine.prepare(
                 options.cluster, options.num_nodes, options.devices, options.accelerator, options.strategy,
-                options.timeout, None,
+                options.timeout, getattr(options, "backend", None), getattr(options, "precision", "32-true"),
+                getattr(options, "sync_batchnorm", False),
             )[1]
         if options.num_nodes not in (None, 1):
             raise ConfigurationError(
@@ -284,7 +308,14 @@ def check_flags(options: Any) -> config.LaunchConfig:
                 "machine. Add --cluster ray to run across the nodes of a Ray cluster."
             )
         plan = hardware.probe_plan(options.devices, options.accelerator, getattr(options, "allow_oversubscribe", False))
-        return config.make_config(plan, strategy=options.strategy, timeout=options.timeout)
+        return config.make_config(
+            plan,
+            strategy=options.strategy,
+            timeout=options.timeout,
+            backend=getattr(options, "backend", None),
+            precision=getattr(options, "precision", "32-true"),
+            sync_batchnorm=getattr(options, "sync_batchnorm", False),
+        )
     except (ConfigurationError, ClusterError) as error:
         raise UsageError(f"%%distributed: {error}") from None
 
@@ -409,6 +440,9 @@ def start_cell(shell: Any, prepared: PreparedCell, options: Any) -> Any:
             strategy=options.strategy,
             timeout=options.timeout,
             oversubscribe=getattr(options, "allow_oversubscribe", False),
+            backend=getattr(options, "backend", None),
+            precision=getattr(options, "precision", "32-true"),
+            sync_batchnorm=getattr(options, "sync_batchnorm", False),
             cluster=getattr(options, "cluster", None),
             num_nodes=getattr(options, "num_nodes", None),
         )
@@ -450,6 +484,7 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
         raise explain_failure(error, shell, prepared.unchanged) from None
     finally:
         record.seconds = time.monotonic() - started
+        record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
     if result is _INTERRUPTED:
         # Out here, not in the except clause: the interrupt and its frames (with any part
         # of the result they had loaded) are freed instead of living on as its context.
@@ -526,6 +561,8 @@ def _summary(record: CellRun) -> str:
         text += " " + "; ".join(f"{name}: {how}" for name, how in loaders.items()) + "."
     if record.updated:
         text += f" Updated in the kernel: {', '.join(record.updated)}."
+    if record.log_path:
+        text += f" Full output: {record.log_path}"
     return text
 
 

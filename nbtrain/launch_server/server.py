@@ -8,7 +8,6 @@ imports the user's modules and a launch always runs the code the kernel has now.
 
 from __future__ import annotations
 
-import codecs
 import errno
 import os
 import select
@@ -21,10 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain import events, processes, wire
+from nbtrain.launch_server.output import STREAMS, RankOutput, RunLog
 from nbtrain.events import (
     MemorySample,
     Metrics,
     Output,
+    OutputSkipped,
     RankAssignment,
     RankDone,
     RankExited,
@@ -73,10 +74,7 @@ class RankProcess:
     pidfd: int
     channel: socket.socket
     pipes: dict[int, str]  # read fd -> "stdout" | "stderr"
-    partial: dict[str, str] = field(default_factory=lambda: {"stdout": "", "stderr": ""})
-    decoders: dict[str, Any] = field(
-        default_factory=lambda: {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
-    )
+    output: RankOutput
     done: bool = False
     failed: bool = False
     exited: bool = False
@@ -99,6 +97,8 @@ class Run:
     all_exited_at: float | None = None
     last_memory_sample: float = 0.0
     hold: bool = False  # a cluster run: done ranks wait for ReleaseRanks (every node done)
+    log: RunLog | None = None  # every rank's full output
+    last_skipped_report: float = 0.0
 
 
 class Launcher:
@@ -176,6 +176,7 @@ class Launcher:
     def _start(self, start: StartRun, tensor_fd: int | None) -> None:
         run = Run(start.run_id, [], None if start.timeout is None else time.monotonic() + start.timeout)
         run.hold = start.node is not None
+        run.log = RunLog(start.log_path) if start.log_path else None
         self.runs[start.run_id] = run
         store_socket = None
         try:
@@ -234,7 +235,9 @@ class Launcher:
             processes.reap_now(pid)
             ends.close_all()
             raise
-        rank = RankProcess(assignment.spec, pid, pidfd, ends.launcher_end, {ends.out_read: "stdout", ends.err_read: "stderr"})
+        pipes = {ends.out_read: "stdout", ends.err_read: "stderr"}
+        output = RankOutput(assignment.spec.rank, run.log)
+        rank = RankProcess(assignment.spec, pid, pidfd, ends.launcher_end, pipes, output)
         self.selector.register(ends.launcher_end, selectors.EVENT_READ, ("events", run, rank))
         for fd in rank.pipes:
             os.set_blocking(fd, False)
@@ -342,20 +345,14 @@ class Launcher:
             data = b""
         if not data:
             self._close_pipe(rank, fd)
-            self._flush_partial(run, rank, stream, final=True)
+            self._send_output(run, rank, rank.output.flush(stream, final=True))
             return
-        text = rank.partial[stream] + rank.decoders[stream].decode(data)
-        complete, _, rest = text.rpartition("\n")
-        rank.partial[stream] = rest
-        if complete:
-            self._send(Output(run.run_id, rank.spec.rank, stream, complete + "\n"))
+        # Bounded (nbtrain.launch_server.output): past the first lines only the last are
+        # kept, so a flood costs the kernel nothing and cannot outlast a stop.
+        self._send_output(run, rank, rank.output.feed(stream, data))
 
-    def _flush_partial(self, run: Run, rank: RankProcess, stream: str, final: bool = False) -> None:
-        text = rank.partial[stream]
-        if final:
-            text += rank.decoders[stream].decode(b"", final=True)
-        if text:
-            rank.partial[stream] = ""
+    def _send_output(self, run: Run, rank: RankProcess, pieces: list[tuple[str, str]]) -> None:
+        for stream, text in pieces:
             self._send(Output(run.run_id, rank.spec.rank, stream, text))
 
     def _close_pipe(self, rank: RankProcess, fd: int) -> None:
@@ -440,13 +437,23 @@ class Launcher:
                 run.all_exited_at = now  # also covers a run whose ranks could not all start
             self._sample_memory(run, now)
             for rank in run.ranks:
-                for stream in ("stdout", "stderr"):
-                    if rank.partial[stream]:  # e.g. a progress bar redrawn with "\r"
-                        self._flush_partial(run, rank, stream)
+                for stream in STREAMS:  # a line in progress: a prompt, a progress bar redrawn with "\r"
+                    self._send_output(run, rank, rank.output.flush(stream))
+            self._report_skipped(run, now)
             if run.all_exited_at is not None:
                 drained = not any(rank.pipes for rank in run.ranks)
                 if drained or now - run.all_exited_at > DRAIN_SECONDS:
                     self._finish(run)
+
+    def _report_skipped(self, run: Run, now: float) -> None:
+        """Twice a second, tell the live view about lines the cell does not show (a flood)."""
+        if now - run.last_skipped_report < MEMORY_SAMPLE_SECONDS:
+            return
+        run.last_skipped_report = now
+        for rank in run.ranks:
+            skipped = rank.output.skipped()
+            if skipped is not None:
+                self._send(OutputSkipped(run.run_id, rank.spec.rank, *skipped))
 
     def _sample_memory(self, run: Run, now: float) -> None:
         if now - run.last_memory_sample < MEMORY_SAMPLE_SECONDS:
@@ -462,8 +469,7 @@ class Launcher:
         for rank in run.ranks:
             for fd in list(rank.pipes):
                 self._close_pipe(rank, fd)
-            for stream in ("stdout", "stderr"):
-                self._flush_partial(run, rank, stream, final=True)
+            self._send_output(run, rank, rank.output.finish())  # the note, and the last lines held back
             try:
                 self.selector.unregister(rank.channel)
             except (KeyError, ValueError):
@@ -472,6 +478,8 @@ class Launcher:
             # Its pipes are drained, so every process that held them (workers too) is gone.
             processes.remove_torch_shared_memory({rank.pid, *rank.members})
         del self.runs[run.run_id]
+        if run.log is not None:
+            run.log.close()
         state = run.end_state or events.FAILED
         if state == events.FINISHED and run.failure is None:
             fds = () if run.result_fd is None else (run.result_fd,)

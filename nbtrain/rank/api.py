@@ -67,6 +67,7 @@ class RankContext:
                     cuda_allocated_bytes=torch.cuda.memory_allocated(),
                     cuda_peak_bytes=torch.cuda.max_memory_allocated(),
                     time=time.time(),
+                    cuda_reserved_bytes=torch.cuda.memory_reserved(),
                 )
             )
 

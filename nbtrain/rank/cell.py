@@ -239,7 +239,14 @@ def _state_marks(obj: Any) -> Any:
 
 
 def _signature(module: Any) -> tuple:
-    return tuple((key, tuple(t.shape), str(t.dtype)) for key, t in module.state_dict().items())
+    # Under a -true precision the rank cast the model itself: its dtype changing is ours,
+    # not the cell's, and the kernel's model keeps its own dtype (loaded by state).
+    from nbtrain.rank import precision
+
+    ours = precision.casts_model(precision.current())
+    return tuple(
+        (key, tuple(t.shape), "" if ours else str(t.dtype)) for key, t in module.state_dict().items()
+    )
 
 
 def _collect(

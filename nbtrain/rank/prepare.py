@@ -38,7 +38,6 @@ import inspect
 import os
 import sys
 import threading
-import warnings
 import weakref
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -47,7 +46,9 @@ from nbtrain.rank import api
 # What ``prepare`` wraps a model in when the caller did not say: the magic sets it from
 # --strategy; nbtrain.launch passes it in the environment.
 WRAPPER_VARIABLE = "NBTRAIN_MODEL_WRAPPER"
-WRAPPERS = ("ddp", "fsdp", "none")
+WRAPPERS = ("ddp", "ddp_find_unused", "fsdp", "none")
+DDP_WRAPPERS = ("ddp", "ddp_find_unused")  # the second searches every step for unused parameters
+UNUSED_NAMES_SHOWN = 8
 
 # Names whose presence in a cell (or a function it calls) means it distributes itself.
 SELF_DISTRIBUTING_NAMES = frozenset(
@@ -68,6 +69,7 @@ class _Registry:
         self.notes: list[str] = []
         self.loader_names: dict[str, Any] = {}  # auto mode's loaders: kernel name -> prepared loader
         self.first_iterated: list[Any] = []  # prepared loaders, in the order of their first pass
+        self.loss_scaling: Any = None  # precision.LossScaling under 16-mixed on CUDA
 
     def remember(self, original: Any, prepared: Any) -> None:
         self.prepared[id(original)] = (original, prepared)
@@ -132,8 +134,12 @@ def prepare(*objs: Any, evaluation: str | None = None, **wrapper_options: Any) -
     ``%%distributed`` cell's auto mode honours it.
 
     ``wrapper_options`` go to the model wrapper: DistributedDataParallel's keyword
-    arguments with ``ddp_*`` (default ``find_unused_parameters=True``, so a model that
-    skips some layers still trains), ``fully_shard``'s with ``fsdp``.
+    arguments with ``ddp_*``, ``fully_shard``'s with ``fsdp``. DDP gets
+    ``find_unused_parameters=False`` (no extra search of the autograd graph every step)
+    unless the strategy is ``ddp_find_unused_parameters_true`` or the caller passes
+    ``find_unused_parameters=True``; a model whose first backward leaves a trainable
+    parameter without a gradient then fails at once with
+    :class:`~nbtrain.errors.UnusedParametersError`, naming the parameters and the fix.
 
     Example, in a ``%%distributed`` cell or a function run by ``nbtrain.launch``::
 
@@ -175,7 +181,7 @@ def _check_evaluation(evaluation: str | None) -> None:
 
 
 def model_wrapper() -> str:
-    """"ddp", "fsdp" or "none": what a module is wrapped in on this rank."""
+    """"ddp", "ddp_find_unused", "fsdp" or "none": what a module is wrapped in on this rank."""
     if _registry.wrapper is not None:
         return _registry.wrapper
     requested = os.environ.get(WRAPPER_VARIABLE)
@@ -193,8 +199,10 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
         return module
     _move_module(module, api.device())
     wrapper = model_wrapper() if _in_process_group() else "none"
+    _apply_precision_and_sync(module, wrapper)
     trainable = any(p.requires_grad for p in module.parameters())
-    if wrapper == "ddp" and trainable:
+    if wrapper in DDP_WRAPPERS and trainable:
+        wrapper_options = {"find_unused_parameters": wrapper == "ddp_find_unused", **wrapper_options}
         prepared = _wrap_ddp(module, wrapper_options)
     elif wrapper == "fsdp" and trainable:
         prepared = _shard(module, wrapper_options)
@@ -202,6 +210,22 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
         prepared = module
     _registry.remember(module, prepared)
     return prepared
+
+
+def _apply_precision_and_sync(module: Any, wrapper: str) -> None:
+    """The launch's --sync-batchnorm and --precision, applied before the model is wrapped."""
+    from nbtrain.rank import precision, syncbn
+
+    device = api.device()
+    if wrapper != "none" and os.environ.get(syncbn.SYNC_VARIABLE) == "1":
+        syncbn.convert(module, device.type)
+    chosen = precision.current()
+    precision.apply(module, chosen, device)
+    if chosen == "16-mixed" and device.type == "cuda" and _registry.loss_scaling is None:
+        _registry.loss_scaling = precision.LossScaling("cuda")
+        _registry.loss_scaling.install()
+        for optimizer in list(_registry.optimizers):
+            _registry.loss_scaling.wrap_optimizer(optimizer)
 
 
 def is_wrapped(module: Any) -> bool:
@@ -243,14 +267,9 @@ def _move_module(module: Any, device: Any) -> None:
 
 def _wrap_ddp(module: Any, options: dict[str, Any]) -> Any:
     device = api.device()
-    kwargs = {"find_unused_parameters": True}
-    kwargs.update(options)
+    kwargs = dict(options)
     if device.type == "cuda" and "device_ids" not in kwargs:
         kwargs["device_ids"] = [device.index if device.index is not None else _torch().cuda.current_device()]
-    if kwargs.get("find_unused_parameters"):
-        # DDP warns on every rank when a model had no unused parameters after all; the
-        # setting is ours, not the user's, so the warning would only be noise.
-        warnings.filterwarnings("ignore", message=r"find_unused_parameters=True was specified")
     return transparent_ddp_class()(module, **kwargs)
 
 
@@ -274,7 +293,20 @@ def transparent_ddp_class() -> type:
     class TransparentDDP(DistributedDataParallel):
         def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(module, *args, **kwargs)
+            # Without DDP's own search, the first backward that syncs checks every trainable
+            # parameter got a gradient (see _check_first_backward).
+            object.__setattr__(self, "_nbtrain_check_unused", not self.find_unused_parameters)
             object.__setattr__(self, "_nbtrain_ready", True)
+
+        def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+            if (
+                self.__dict__["_nbtrain_check_unused"]
+                and self.require_backward_grad_sync
+                and _torch().is_grad_enabled()
+            ):
+                object.__setattr__(self, "_nbtrain_check_unused", False)
+                _check_first_backward(self.module)
+            return super().forward(*inputs, **kwargs)
 
         def __getattr__(self, name: str) -> Any:
             try:
@@ -309,6 +341,38 @@ def transparent_ddp_class() -> type:
     TransparentDDP.__qualname__ = "DistributedDataParallel"
     _transparent_ddp = TransparentDDP
     return TransparentDDP
+
+
+def _check_first_backward(module: Any) -> None:
+    """Raise UnusedParametersError at the end of the next backward if it left a trainable parameter out.
+
+    DistributedDataParallel with ``find_unused_parameters=False`` all-reduces a bucket of
+    gradients once every parameter in it has one. A parameter the loss does not depend on
+    never gets one: its bucket is never averaged (the ranks' weights drift apart) and the
+    next forward fails with a message that names parameter indices. Hooks on each parameter
+    record which ones the backward reached; the first of them queues a check that the
+    autograd engine runs when the backward ends, so the error comes on the first step,
+    before the optimizer steps with unaveraged gradients. The hooks go after that one backward.
+    """
+    from nbtrain.errors import UnusedParametersError
+
+    trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    reached: set[int] = set()
+    handles: list[Any] = []
+
+    def check() -> None:
+        for handle in handles:
+            handle.remove()
+        missing = [name for name, p in trainable if id(p) not in reached]
+        if missing:
+            raise UnusedParametersError(type(module).__name__, missing, len(trainable))
+
+    def seen(param: Any) -> None:
+        if not reached:
+            _torch().autograd.Variable._execution_engine.queue_callback(check)
+        reached.add(id(param))
+
+    handles.extend(p.register_post_accumulate_grad_hook(seen) for _, p in trainable)
 
 
 def _shard(module: Any, options: dict[str, Any]) -> Any:
@@ -362,6 +426,8 @@ def _shard_blocks(module: Any) -> list[Any]:
 def prepare_optimizer(optimizer: Any) -> Any:
     """The optimizer, bound to the prepared parameters; its state follows them."""
     _registry.optimizers.add(optimizer)
+    if _registry.loss_scaling is not None:
+        _registry.loss_scaling.wrap_optimizer(optimizer)
     _rebind_optimizer(optimizer)
     _move_optimizer_state(optimizer)
     _registry.remember(optimizer, optimizer)
@@ -647,7 +713,7 @@ def describe_passes(loader: Any) -> str:
     passes = loader._nbtrain_passes
     parts = []
     if passes["train"]:
-        parts.append(f"sharded{' for training' if passes['whole'] or passes['shard'] else ''} ({share})")
+        parts.append(f"sharded{' for training' if passes['whole'] or passes['shard'] else ''} ({share}{_effective_batch(loader)})")
     if passes["whole"]:
         parts.append("evaluated whole on every rank (iterated without gradients)")
     if passes["shard"]:
@@ -657,6 +723,15 @@ def describe_passes(loader: Any) -> str:
     return " and ".join(parts)
 
 
+
+
+def _effective_batch(loader: Any) -> str:
+    """"; effective batch 64 = 32 per rank x 2 ranks": what the learning rate usually follows."""
+    batch = loader.batch_size
+    world = api.world_size()
+    if not batch or world < 2:
+        return ""
+    return f"; effective batch {batch * world} = {batch} per rank x {world} ranks"
 
 
 def _to_device(batch: Any, device: Any) -> Any:
@@ -743,7 +818,7 @@ def loss_logging() -> Iterator[None]:
         gradient = args[0] if args else kwargs.get("gradient")
         if not getattr(busy, "on", False) and not context.logged and gradient is None and self.numel() == 1:
             was = context.logged
-            api.log(loss=self)
+            api.log(loss=getattr(self, "_nbtrain_unscaled", self))  # the true loss under 16-mixed
             context.logged = was  # our own entry does not count as the user's log()
         busy.on = True
         try:

@@ -120,7 +120,7 @@ def wait_gone(pids: Iterable[int], timeout: float, *, reaped: bool = True) -> li
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass  # not ours: its parent reaps it
-        left = [p for p in pids if alive(p) and (reaped or not _is_zombie(p))]
+        left = [p for p in pids if alive(p) and (reaped or not is_zombie(p))]
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(POLL)
@@ -136,7 +136,7 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
     return value
 
 
-def _is_zombie(pid: int) -> bool:
+def is_zombie(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

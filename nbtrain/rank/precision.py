@@ -1,0 +1,176 @@
+"""Precision on a rank: Lightning's names applied to what ``prepare`` hands back.
+
+- ``*-mixed``: the prepared model's forward runs under ``torch.autocast`` for the rank's
+  device (weights stay in full precision: the optimizer updates float32 master weights).
+  ``16-mixed`` on CUDA also scales the loss and unscales before each optimizer step
+  (``torch.amp.GradScaler``: a step whose gradients overflowed is skipped, as torch does).
+- ``*-true``: the model is cast to that dtype on the rank; floating-point inputs are cast
+  to it and half-precision outputs back to the default dtype, so a float32 target still
+  meets a float32 prediction in the loss.
+
+The kernel's objects never change dtype: the state that comes back is loaded into them in
+their own dtype (``namespace.apply_result`` copies with ``load_state_dict``).
+
+Example (on a rank, or anywhere outside a run):
+    >>> import torch
+    >>> model = apply(torch.nn.Linear(2, 1), "bf16-true", torch.device("cpu"))
+    >>> model.weight.dtype, model(torch.ones(1, 2)).dtype
+    (torch.bfloat16, torch.float32)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+PRECISION_VARIABLE = "NBTRAIN_PRECISION"
+_DTYPES = {"16": "float16", "bf16": "bfloat16", "64": "float64", "32": "float32"}
+
+
+def current() -> str:
+    """The precision this rank was launched with (``32-true`` when none was asked)."""
+    return os.environ.get(PRECISION_VARIABLE, "32-true")
+
+
+def casts_model(precision: str) -> bool:
+    """Whether ``precision`` casts the model's weights on the rank (the ``-true`` ones but 32)."""
+    return precision.endswith("-true") and precision != "32-true"
+
+
+def dtype_of(precision: str) -> Any:
+    """The torch dtype a precision name computes in: ``bf16-mixed`` -> torch.bfloat16."""
+    import torch
+
+    return getattr(torch, _DTYPES[precision.split("-")[0]])
+
+
+def apply(module: Any, precision: str, device: Any) -> Any:
+    """Make ``module`` compute in ``precision`` on ``device``; returns the same module."""
+    if precision == "32-true":
+        return module
+    dtype = dtype_of(precision)
+    if precision.endswith("-true"):
+        module.to(dtype)
+        module.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
+        if precision != "64-true":
+            module.register_forward_hook(_cast_outputs(), always_call=True)
+        return module
+    _autocast_forward(module, device.type, dtype)
+    return module
+
+
+def _autocast_forward(module: Any, device_type: str, dtype: Any) -> None:
+    """Run every forward of ``module`` under autocast, entered and left by two hooks."""
+    import torch
+
+    entered: list[Any] = []
+
+    def enter(_module: Any, _args: Any) -> None:
+        context = torch.autocast(device_type, dtype=dtype)
+        context.__enter__()
+        entered.append(context)
+
+    def leave(_module: Any, _args: Any, output: Any) -> Any:
+        # always_call: the context is left even when the forward raised.
+        if entered:
+            entered.pop().__exit__(None, None, None)
+        return output
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+
+
+def _cast_inputs(dtype: Any) -> Any:
+    def hook(_module: Any, args: Any, kwargs: Any) -> Any:
+        return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+
+    return hook
+
+
+def _cast_outputs() -> Any:
+    def hook(_module: Any, _args: Any, output: Any) -> Any:
+        import torch
+
+        return _cast_floating(output, torch.get_default_dtype())
+
+    return hook
+
+
+def _cast_floating(data: Any, dtype: Any) -> Any:
+    import torch
+
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if data.is_floating_point() else data
+    if isinstance(data, (list, tuple)):
+        cast = [_cast_floating(item, dtype) for item in data]
+        return type(data)(*cast) if hasattr(data, "_fields") else type(data)(cast)
+    if isinstance(data, dict):
+        return {key: _cast_floating(value, dtype) for key, value in data.items()}
+    return data
+
+
+class LossScaling:
+    """``16-mixed`` on CUDA: scale each scalar loss's backward, step optimizers through a scaler.
+
+    Installed by ``prepare`` for the cell (or ``launch``'s function); ``optimizer.step()``
+    and ``loss.backward()`` in the user's code are unchanged.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        import torch
+
+        self.scaler = torch.amp.GradScaler(device_type)
+        self._stepped: set[int] = set()
+
+    def scale(self, loss: Any) -> Any:
+        """The loss to call backward on: scaled when it is a scalar that needs gradients.
+
+        The scaled tensor remembers the loss it came from, so the loss the live view logs
+        is the true one, not the scaled one.
+        """
+        if loss.requires_grad and loss.numel() == 1:
+            scaled = self.scaler.scale(loss)
+            scaled._nbtrain_unscaled = loss
+            return scaled
+        return loss
+
+    def install(self) -> None:
+        """Scale ``loss.backward()`` for the rest of this rank's life (a rank runs one cell)."""
+        import torch
+
+        plain_backward = torch.Tensor.backward
+        scale = self.scale
+
+        def backward(tensor: Any, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if gradient is None and not hasattr(tensor, "_nbtrain_unscaled"):
+                tensor = scale(tensor)
+            return plain_backward(tensor, gradient, *args, **kwargs)
+
+        backward.__doc__ = plain_backward.__doc__
+        torch.Tensor.backward = backward
+
+    def wrap_optimizer(self, optimizer: Any) -> None:
+        """Make ``optimizer.step()`` unscale, skip on overflow, and update the scale."""
+        if id(optimizer) in self._stepped:
+            return
+        self._stepped.add(id(optimizer))
+        plain_step = optimizer.step
+        scaler = self.scaler
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            result = scaler.step(_Unwrapped(optimizer, plain_step), *args, **kwargs)
+            scaler.update()
+            return result
+
+        optimizer.step = step
+
+
+class _Unwrapped:
+    """The optimizer as GradScaler sees it: its own ``step``, not our wrapper (no recursion)."""
+
+    def __init__(self, optimizer: Any, step: Any) -> None:
+        self._optimizer = optimizer
+        self.step = step
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)

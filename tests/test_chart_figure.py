@@ -1,0 +1,175 @@
+"""The live view's chart figure (nbtrain.kernel.chart_figure): layout checked through matplotlib's text extents.
+
+Every chart state below is drawn for real (Agg); then every label the PNG shows (titles,
+tick labels, axis names, value labels, the key) is measured with matplotlib's own text
+extents: none may overlap another or leave the image, tick labels must be at least 10
+CSS pixels, and no axis may show an offset label (the ``1e-5`` that used to sit on the
+title of a linear loss axis).
+"""
+
+from __future__ import annotations
+
+import doctest
+import functools
+import math
+import struct
+
+import pytest
+
+from nbtrain import charts, events
+from nbtrain.kernel import chart_figure
+from nbtrain.kernel.chart_figure import ChartFigure
+
+RUN = 1
+MIN_TICK_CSS_PX = 10.0
+
+
+def run_state(
+    world_size: int = 2,
+    steps: int = 400,
+    metric=lambda step, rank: 2 * math.exp(-step / 80) + 0.05 * math.sin(step + rank),
+    names: tuple[str, ...] = ("loss",),
+    memory: str = "rss",
+    batch_size: int | None = 8,
+) -> charts.RunState:
+    """A state fed as a run would feed it: batches of 20 steps, memory samples beside them."""
+    state = charts.RunState("ddp_notebook", "cpu", world_size, total_steps=steps, batch_size=batch_size)
+    for first in range(1, steps + 1, 20):
+        now = first / 20
+        for rank in range(world_size):
+            rows = tuple(
+                (step, step / 20, {name: metric(step, rank) + index for index, name in enumerate(names)})
+                for step in range(first, min(first + 20, steps + 1))
+            )
+            state.apply(events.Metrics(RUN, rank, rows), now=now)
+            if memory == "cuda":
+                sample = events.MemorySample(
+                    RUN, rank, None, int((1 + first / steps) * 2**30), 2 * 2**30, cuda_reserved_bytes=int(2.5 * 2**30)
+                )
+            else:
+                sample = events.MemorySample(RUN, rank, (300 + first // 10 + rank) * 2**20)
+            state.apply(sample, now=now)
+    return state
+
+
+STATES = {
+    "loss-linear": lambda: run_state(),
+    # The issue's case: a linear axis of tiny values (title "loss 8.929e-06" and the offset label clashed).
+    "tiny-linear": lambda: run_state(metric=lambda s, r: 8.9e-6 + 1e-8 * math.sin(s + r)),
+    "loss-log": lambda: run_state(metric=lambda s, r: 10 * math.exp(-s / 40) + 1e-4),
+    "large-values": lambda: run_state(metric=lambda s, r: 3e6 + 1e5 * math.sin(s / 10 + r)),
+    "negative": lambda: run_state(metric=lambda s, r: -0.125 * s),
+    "flat": lambda: run_state(metric=lambda s, r: 0.5),
+    "one-rank": lambda: run_state(world_size=1, batch_size=None),
+    "twelve-ranks": lambda: run_state(world_size=12),
+    "gpu-four-ranks-six-charts": lambda: run_state(
+        world_size=4, memory="cuda", names=("loss", "validation_loss_exponential_average", "accuracy", "lr")
+    ),
+    "long-run": lambda: run_state(steps=20_000),
+}
+
+
+@functools.lru_cache(maxsize=None)  # drawn once per module: the tests only read the figure
+def drawn(name: str) -> tuple[ChartFigure, bytes]:
+    state = STATES[name]()
+    figure = ChartFigure(state)
+    return figure, figure.draw(state)
+
+
+def overlap(a, b, slack: float = 0.5) -> bool:
+    return a.x0 + slack < b.x1 and b.x0 + slack < a.x1 and a.y0 + slack < b.y1 and b.y0 + slack < a.y1
+
+
+@pytest.mark.parametrize("name", STATES)
+def test_no_label_overlaps_another_or_leaves_the_image(name):
+    figure, _ = drawn(name)
+    boxes = figure.text_boxes()
+    width, height = figure.pixel_size
+    assert len(boxes) >= 8, boxes  # titles, ticks and axis names were all measured
+    for text, box in boxes:
+        assert box.x0 >= -0.5 and box.y0 >= -0.5 and box.x1 <= width + 0.5 and box.y1 <= height + 0.5, (
+            f"{text!r} is cut off: {box} in a {width}x{height} image"
+        )
+    clashes = [
+        (a, b) for i, (a, box_a) in enumerate(boxes) for b, box_b in boxes[i + 1 :] if overlap(box_a, box_b)
+    ]
+    assert not clashes, f"labels overlap: {clashes}"
+
+
+@pytest.mark.parametrize("name", STATES)
+def test_tick_labels_are_at_least_10_css_pixels_and_no_axis_has_an_offset_label(name):
+    figure, _ = drawn(name)
+    for panel in figure.panels:
+        for axis in (panel.ax.xaxis, panel.ax.yaxis):
+            assert axis.get_offset_text().get_text() == "", f"{panel.panel}: offset label {axis.get_offset_text()}"
+            for label in axis.get_majorticklabels():
+                css_px = label.get_fontsize() * charts.CSS_DPI / 72
+                assert css_px >= MIN_TICK_CSS_PX, (label.get_text(), css_px)
+    ticks = [box for text, box in figure.text_boxes() if text and text[0].isdigit()]
+    assert ticks and min(box.height for box in ticks) / charts.PIXEL_RATIO >= MIN_TICK_CSS_PX
+
+
+@pytest.mark.parametrize("name", ["loss-linear", "gpu-four-ranks-six-charts"])
+def test_the_png_has_twice_the_pixels_of_its_css_size_and_a_transparent_background(name):
+    figure, png = drawn(name)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height, depth, colour_type = struct.unpack(">IIBB", png[16:26])
+    assert (width, height) == figure.pixel_size == tuple(charts.PIXEL_RATIO * n for n in figure.css_size)
+    assert colour_type == 6, "RGBA: the page's background (light or dark) shows through"
+    import numpy
+
+    corner = numpy.asarray(figure.figure.canvas.buffer_rgba())[0, 0]
+    assert corner[3] == 0, f"the top-left pixel is not transparent: {list(corner)}"
+
+
+def test_memory_is_a_line_over_time_per_rank_with_each_current_value_labelled():
+    state = run_state()
+    figure = ChartFigure(state)
+    figure.draw(state)
+    memory = next(p for p in figure.panels if p.panel.kind == "memory")
+    for rank in (0, 1):
+        seconds, mib = memory.lines[rank][0].get_data()
+        assert len(seconds) == 20 and seconds[0] < seconds[-1] and mib[0] < mib[-1]  # it grew over the run
+    texts = [text for text, _ in figure.text_boxes()]
+    assert "host RSS, MiB" in texts and "338.0 MiB" in texts and "339.0 MiB" in texts
+
+
+def test_gpu_memory_shows_allocated_and_reserved_lines():
+    state = run_state(world_size=2, memory="cuda")
+    figure = ChartFigure(state)
+    figure.draw(state)
+    memory = next(p for p in figure.panels if p.panel.kind == "memory")
+    allocated, reserved = memory.lines[0]
+    last_allocated = 1 + 381 / 400  # GiB, at the last sample (step 381)
+    assert allocated.get_ydata()[-1] == pytest.approx(last_allocated) and reserved.get_ydata()[-1] == pytest.approx(2.5)
+    texts = [text for text, _ in figure.text_boxes()]
+    assert "GPU allocated, GiB" in texts and "GPU reserved" in texts and "1.95 GiB" in texts
+
+
+def test_throughput_is_charted_over_time_with_its_current_value():
+    state = run_state()  # 20 steps every second of the run's clock, batch 8 on 2 ranks
+    figure = ChartFigure(state)
+    figure.draw(state)
+    throughput = next(p for p in figure.panels if p.panel.kind == "throughput")
+    seconds, rates = throughput.line.get_data()
+    assert len(seconds) > 5 and rates[-1] == pytest.approx(20 * 8 * 2)
+    assert "throughput  320 samples/s" in [text for text, _ in figure.text_boxes()]
+
+
+def test_a_decaying_loss_over_decades_gets_a_log_axis_with_plain_labels():
+    figure, _ = drawn("loss-log")
+    loss = figure.panels[0]
+    assert loss.ax.get_yscale() == "log"
+    labels = [t.get_text() for t in loss.ax.yaxis.get_majorticklabels() if t.get_text()]
+    assert labels and all("$" not in label for label in labels), labels  # no mathtext 10^x
+
+
+def test_the_figure_is_kept_while_its_charts_stay_the_same():
+    state = run_state()
+    assert ChartFigure.layout_of(state) == ChartFigure.layout_of(run_state(steps=800))
+    state.apply(events.Metrics(RUN, 0, ((401, 30.0, {"accuracy": 0.5}),)), now=30.0)
+    assert len(ChartFigure.layout_of(state)) == len(ChartFigure.layout_of(run_state())) + 1
+
+
+def test_module_examples_run():
+    assert doctest.testmod(chart_figure).failed == 0

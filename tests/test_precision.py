@@ -1,0 +1,196 @@
+"""Training options: --precision, --sync-batchnorm, --backend, and the effective batch size.
+
+Real ranks (CPU, gloo, 2 processes) through ``nbtrain.start``; the flags through a real
+kernel. Rank functions are nested so that they travel by value, as notebook code does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nbtrain
+from helpers.procs import finish
+from kernel_helpers import NotebookKernel
+from nbtrain import config
+from nbtrain.devices import DevicePlan
+from nbtrain.errors import ConfigurationError
+from nbtrain.rank import precision, syncbn
+
+pytestmark = pytest.mark.timeout(240)
+
+
+# -- the names, pure ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("32", "32-true"), (32, "32-true"), ("16", "16-mixed"), ("bf16", "bf16-mixed"), ("BF16-True", "bf16-true")],
+)
+def test_lightning_precision_names_and_short_forms(given, expected):
+    assert config.resolve_precision(given, "cuda") == expected
+
+
+def test_unknown_precision_lists_the_choices():
+    with pytest.raises(ConfigurationError, match=r"unknown precision 'half'\. Available precisions: 32-true, 64-true"):
+        config.resolve_precision("half", "cpu")
+
+
+def test_fp16_on_cpu_is_refused_with_bf16_pointed_to():
+    with pytest.raises(ConfigurationError) as refused:
+        config.resolve_precision("16-mixed", "cpu")
+    message = str(refused.value)
+    assert "'16-mixed' cannot run on the cpu accelerator" in message
+    assert "bf16-mixed is the CPU's mixed precision" in message
+
+
+def test_the_ranks_are_told_precision_and_batchnorm_sync():
+    cfg = config.make_config(
+        DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None, precision="bf16-true", sync_batchnorm=True
+    )
+    environ = config.rank_environment(cfg)
+    assert environ == {"NBTRAIN_MODEL_WRAPPER": "ddp", "NBTRAIN_PRECISION": "bf16-true", "NBTRAIN_SYNC_BATCHNORM": "1"}
+
+
+def test_true_precision_casts_inputs_and_gives_float32_outputs():
+    model = precision.apply(torch.nn.Linear(3, 2), "bf16-true", torch.device("cpu"))
+    out = model(torch.randn(4, 3))
+    assert model.weight.dtype == torch.bfloat16 and out.dtype == torch.float32
+
+
+def test_mixed_precision_runs_forward_under_autocast_and_keeps_weights():
+    model = precision.apply(torch.nn.Linear(3, 2), "bf16-mixed", torch.device("cpu"))
+    out = model(torch.randn(4, 3))
+    assert model.weight.dtype == torch.float32 and out.dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")  # left after the forward
+
+
+def test_loss_scaling_scales_backward_and_steps_through_the_scaler():
+    """The 16-mixed mechanism, on CPU's GradScaler: same update as unscaled SGD."""
+    torch.manual_seed(0)
+    model, reference = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    reference.load_state_dict(model.state_dict())
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    scaling = precision.LossScaling("cpu")
+    scaling.wrap_optimizer(opt)
+    x = torch.randn(8, 3)
+    scaled = scaling.scale(model(x).pow(2).mean())
+    assert scaled._nbtrain_unscaled.item() * scaling.scaler.get_scale() == pytest.approx(scaled.item(), rel=1e-5)
+    scaled.backward()
+    opt.step()
+    reference(x).pow(2).mean().backward()
+    ref_opt.step()
+    assert torch.allclose(model.weight, reference.weight, atol=1e-6)
+
+
+def test_sync_batchnorm_keeps_parameters_and_state_keys():
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2))
+    weight, keys = model[1].weight, list(model.state_dict())
+    syncbn.convert(model, "cpu")
+    assert type(model[1]).__name__ == "SyncBatchNorm" and model[1].weight is weight
+    assert list(model.state_dict()) == keys
+
+
+# -- real ranks ----------------------------------------------------------------------------
+
+
+def _train_losses(precision_name: str) -> list[float]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    x, y = torch.randn(256, 16), torch.randn(256, 1)
+
+    def fn(model, x, y):
+        net = nbtrain.prepare(model)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        share = slice(nbtrain.rank() * 128, (nbtrain.rank() + 1) * 128)
+        losses = []
+        for _ in range(40):
+            loss = torch.nn.functional.mse_loss(net(x[share]).float(), y[share])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    return finish(nbtrain.start(fn, (model, x, y), devices=2, accelerator="cpu", precision=precision_name))
+
+
+def test_bf16_mixed_tracks_32_true(launcher):
+    """bf16 autocast keeps 8 bits of mantissa: each step's loss within 3% of fp32's, same descent."""
+    full, mixed = _train_losses("32-true"), _train_losses("bf16-mixed")
+    assert mixed[-1] < 0.9 * mixed[0]
+    worst = max(abs(a - b) / a for a, b in zip(full, mixed))
+    assert worst < 0.03, f"bf16-mixed loss strayed {worst:.1%} from 32-true's"
+
+
+def test_sync_batchnorm_matches_one_process_with_the_combined_batch(launcher):
+    """2 ranks x 8 samples with synced BatchNorm step exactly as one process with 16."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 1))
+    x, y = torch.randn(16, 4) * 3 + 1, torch.randn(16, 1)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 1))
+    reference.load_state_dict(model.state_dict())
+
+    def fn(model, x, y):
+        net = nbtrain.prepare(model)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        share = slice(nbtrain.rank() * 8, (nbtrain.rank() + 1) * 8)
+        torch.nn.functional.mse_loss(net(x[share]), y[share]).backward()
+        opt.step()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    state = finish(nbtrain.start(fn, (model, x, y), devices=2, accelerator="cpu", sync_batchnorm=True))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    for key, value in reference.state_dict().items():
+        assert torch.allclose(state[key].double(), value.double(), atol=1e-5), key
+
+
+# -- the magic -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = NotebookKernel()
+    try:
+        k.run_ok(
+            "%load_ext nbtrain\n"
+            "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+            "torch.manual_seed(0)\n"
+            "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+            "loader = DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=8)\n"
+        )
+        yield k
+    finally:
+        k.shutdown()
+
+
+CELL = """%%distributed --devices 2 --accelerator cpu {flags}
+for x, y in loader:
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_a_cell_in_bf16_true_comes_back_in_the_kernels_dtype(kernel):
+    before = kernel.value("model[1].running_mean.sum().item()")
+    out = kernel.run_ok(CELL.format(flags="--precision bf16-true --sync-batchnorm"))
+    assert "effective batch 16 = 8 per rank x 2 ranks" in out.text
+    assert kernel.value("[str(model[0].weight.dtype), type(model[1]).__name__]") == ["torch.float32", "BatchNorm1d"]
+    assert kernel.value("model[1].running_mean.sum().item()") != before
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ("--precision 16-mixed", "UsageError: %%distributed: precision '16-mixed' cannot run on the cpu accelerator"),
+        ("--precision half", "UsageError: %%distributed: unknown precision 'half'. Available precisions:"),
+        ("--backend nccl", "UsageError: %%distributed: backend 'nccl' needs CUDA devices"),
+        ("--backend tcp", "UsageError: %%distributed: unknown process-group backend 'tcp'. Available backends:"),
+    ],
+)
+def test_bad_training_options_are_one_line_usage_errors(kernel, flags, needle):
+    out = kernel.run(CELL.format(flags=flags))
+    assert needle in out.text, out.text
