@@ -76,6 +76,7 @@ class StartRun:
     timeout: float | None
     threads_per_rank: int | None = None  # None: the user's OMP_NUM_THREADS decides
     has_tensor_file: bool = False
+    log_path: str | None = None  # where the launcher writes every rank's full output
     node: NodePlace | None = None  # None: every rank is on this machine (the local engine)
 
 
@@ -103,7 +104,6 @@ class ReleaseRanks:
     """Kernel -> every node's launcher, on a cluster: every rank everywhere is done; leave."""
 
     run_id: int
-    log_path: str | None = None  # where the launcher writes every rank's full output
 
 
 @dataclass(frozen=True)
