@@ -272,6 +272,9 @@ class ClusterClient:
     def forget(self, run_id: int) -> None:
         self._relays.pop(run_id, None)
 
+    def output_taken(self, run_id: int, chars: int) -> None:
+        """The local client bounds output not yet shown; a cluster run's arrives one poll at a time."""
+
     def close(self) -> None:
         """Kill every agent (their launchers and ranks go with them) and free the nodes."""
         self.alive = False

@@ -17,7 +17,7 @@ import queue
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from nbtrain import config, events, processes, wire
 from nbtrain.errors import (
@@ -275,6 +275,21 @@ atexit.register(_close_client)
 os.register_at_fork(after_in_child=_forget_client_in_child)
 
 
+class Engine(Protocol):
+    """What a :class:`Run` asks of the engine that runs its ranks: this machine's launcher
+    (:class:`LauncherClient`) or a cluster's agents (:class:`nbtrain.cluster.engine.ClusterClient`).
+
+    ``submit`` returns the run's id and the queue its records arrive on, as
+    ``(record, fds)``; the magic and the live view read only those records.
+    """
+
+    def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, queue.Queue]: ...
+    def stop(self, run_id: int, reason: str) -> None: ...
+    def forget(self, run_id: int) -> None: ...
+    def output_taken(self, run_id: int, chars: int) -> None: ...
+    def close(self) -> None: ...
+
+
 class Run:
     """A run in progress. ``wait()`` returns rank 0's result or raises the run's failure.
 
@@ -287,7 +302,7 @@ class Run:
 
     def __init__(
         self,
-        client: LauncherClient,
+        client: Engine,
         run_id: int,
         inbox: queue.Queue,
         cfg: config.LaunchConfig,
