@@ -45,6 +45,7 @@ LOG_LINE_CHARS = 240  # a runaway line (a tensor printed whole) must not bloat t
 RATE_WINDOW_SECONDS = 10.0
 MEAN_WAIT_SECONDS = 2.0  # ranks' batches arrive within a quarter second of each other
 MAX_METRIC_CHARTS = 4  # with memory and throughput: six charts, two rows of three
+STALL_SECONDS = 30.0  # a rank that logged steps and then none for this long is named
 STARTING = "starting"
 RUNNING = "running"
 END_STATES = (events.FINISHED, events.FAILED, events.STOPPED, events.TIMED_OUT)
@@ -412,11 +413,14 @@ class RunState:
         batch_size: int | None = None,
         started_at: float = 0.0,
         max_points: int = MAX_POINTS,
+        stall_seconds: float | None = STALL_SECONDS,
     ) -> None:
         if total_steps is not None and total_steps <= 0:
             raise ValueError(f"total_steps must be a positive number of steps, not {total_steps!r}")
         if batch_size is not None and batch_size <= 0:
             raise ValueError(f"batch_size must be a positive number of samples per rank, not {batch_size!r}")
+        if stall_seconds is not None and not stall_seconds > 0:
+            raise ValueError(f"stall_seconds must be a positive number of seconds or None, not {stall_seconds!r}")
         self.strategy = strategy
         self.accelerator = accelerator
         self.world_size = world_size
@@ -432,6 +436,8 @@ class RunState:
         self.logs: dict[int, LogTail] = {}
         self.started_ranks: set[int] = set()
         self.latest_step: dict[int, int] = {}
+        self.stall_seconds = stall_seconds
+        self.last_step_at: dict[int, float] = {}  # when each rank's step last moved (kernel clock)
         self.rate = StepRate()
         self._rate_rank: int | None = None
         self.throughput = DownsampledSeries(max_points)  # (seconds into the run, steps/s)
@@ -494,6 +500,8 @@ class RunState:
             history.settle(now)
         first_step, first_time, _ = event.rows[0]
         last_step, last_time, _ = event.rows[-1]
+        if last_step != self.latest_step.get(event.rank):
+            self.last_step_at[event.rank] = now
         self.latest_step[event.rank] = last_step
         if event.rank == self.progress_rank:
             if self._rate_rank != event.rank:  # rank 0 showed up late: measure it alone
@@ -541,6 +549,41 @@ class RunState:
     def current_step(self) -> int | None:
         rank = self.progress_rank
         return None if rank is None else self.latest_step[rank]
+
+    def stall(self, now: float) -> str | None:
+        """``no step from rank 1 for 42 s`` when a rank that logged steps stopped, else None.
+
+        A run that timed out or was stopped keeps the line as it was at the end. Only ranks
+        that log count. While others still step, the quiet ones are named; when
+        none steps any more (a deadlock stops everyone), the ranks behind the others are
+        the ones to look at: the rest are waiting for them in a collective.
+
+        >>> s = RunState(world_size=2, stall_seconds=30)
+        >>> s.apply(events.Metrics(1, 0, ((5, 0.0, {"loss": 1.0}),)), now=0.0)
+        >>> s.apply(events.Metrics(1, 1, ((4, 0.0, {"loss": 1.0}),)), now=0.0)
+        >>> s.stall(now=10.0), s.stall(now=42.0)
+        (None, 'no step from rank 1 for 42 s (at step 4; the others are at step 5)')
+        """
+        if self.stall_seconds is None or self.state in (events.FINISHED, events.FAILED):
+            return None
+        if self.ended_at is not None:  # timed out or stopped: the last frame keeps the clue
+            now = self.ended_at
+        quiet = {r: now - t for r, t in self.last_step_at.items() if now - t >= self.stall_seconds}
+        if not quiet:
+            return None
+        behind = quiet
+        if len(quiet) == len(self.last_step_at):
+            lowest = min(self.latest_step[r] for r in quiet)
+            behind = {r: t for r, t in quiet.items() if self.latest_step[r] == lowest}
+            if len(behind) == len(quiet):
+                return f"no step from any rank for {min(quiet.values()):.0f} s"
+        ranks = sorted(behind)
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        text = f"no step from {who} for {min(behind.values()):.0f} s"
+        ahead = sorted({self.latest_step[r] for r in self.latest_step if r not in behind})
+        if len(ahead) == 1:
+            text += f" (at step {self.latest_step[ranks[0]]}; the others are at step {ahead[0]})"
+        return text
 
     def elapsed(self, now: float) -> float:
         end = self.ended_at if self.ended_at is not None else now
@@ -739,6 +782,9 @@ def summary_text(state: RunState, now: float, max_metrics: int = MAX_METRIC_CHAR
     lines = [status_line(state, now), progress_text(state)]
     if state.failure:
         lines.append(state.failure)
+    stall = state.stall(now)
+    if stall:
+        lines.append(stall)
     for name in state.chart_metric_names(max_metrics):
         lines.append(metric_line(state.metrics[name]))
     memory = memory_line(state)
@@ -750,6 +796,9 @@ def summary_text(state: RunState, now: float, max_metrics: int = MAX_METRIC_CHAR
 def one_line_progress(state: RunState, now: float) -> str:
     """A single line for a terminal: state, time, step, rate and the first metric's mean."""
     parts = [f"[nbtrain] {state.state}", format_duration(state.elapsed(now)), progress_text(state)]
+    stall = state.stall(now)
+    if stall:
+        parts.append(stall)
     if state.steps_per_second is not None:
         parts.append(format_rate(state.steps_per_second, "steps/s"))
     names = state.chart_metric_names(1)

@@ -26,7 +26,7 @@ class Strategy:
 
     name: str
     start_method: str  # "fork": from the warm launcher; "spawn": a fresh interpreter per rank
-    model_wrapper: str  # "ddp" | "ddp_find_unused" | "fsdp" | "none"
+    model_wrapper: str  # "ddp" | "ddp_find_unused" | "ddp_sharded" | "fsdp" | "none"
     when_to_use: str
 
 
@@ -38,6 +38,13 @@ STRATEGIES: dict[str, Strategy] = {
             "fork",
             "ddp",
             "Data parallel; ranks fork from a warm, clean launcher. Fast start. The default.",
+        ),
+        Strategy(
+            "ddp_sharded",
+            "fork",
+            "ddp_sharded",
+            "Data parallel with the optimizer state partitioned across ranks (ZeroRedundancyOptimizer): "
+            "each rank keeps 1/N of it. The kernel's optimizer gets the full state back.",
         ),
         Strategy(
             "ddp_spawn",

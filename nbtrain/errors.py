@@ -30,10 +30,16 @@ class RunFailedError(NbtrainError, RuntimeError):
     """A run ended without a result. ``rank`` names the rank that caused it (or None)."""
 
     rank: int | None = None
+    headline: str = ""  # the message without ``where``
+    where: str = ""  # a timed-out or stopped run: where each rank was (nbtrain.stacks.describe)
 
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing our own (uninteresting) frames.
-        return [f"{type(self).__name__}: {self}"]
+        return f"{type(self).__name__}: {self}".splitlines()
+
+    def _set_message(self, headline: str, where: str) -> None:
+        self.headline, self.where = headline, where
+        self.args = (headline + (f"\n{where}" if where else ""),)
 
 
 class RankError(RunFailedError):
@@ -115,16 +121,25 @@ _START_ADVICE = {
 class RunTimeoutError(RunFailedError, TimeoutError):
     """The run took longer than its ``timeout``; every rank was stopped."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, where: str = ""):
         self.timeout = timeout
-        super().__init__(
+        super().__init__()
+        self._set_message(
             f"the run exceeded timeout={timeout:g} s and every rank was stopped. "
-            "Raise `timeout` (or pass timeout=None) if the run needs longer."
+            "Raise `timeout` (or pass timeout=None) if the run needs longer.",
+            where,
         )
 
 
 class RunStoppedError(RunFailedError):
-    """The run was stopped on request (``stop()`` or the Stop button) before it finished."""
+    """The run was stopped on request (``stop()`` or the Stop button) before it finished.
+
+    ``where`` says where each rank was when it was stopped.
+    """
+
+    def __init__(self, message: str, where: str = ""):
+        super().__init__()
+        self._set_message(message, where)
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -143,7 +158,7 @@ class RunInterrupted(KeyboardInterrupt):
 
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing nbtrain's frames.
-        return [f"KeyboardInterrupt: {self}"]
+        return f"KeyboardInterrupt: {self}".splitlines()  # with where each rank was, if known
 
 
 class NodeLostError(RunFailedError):

@@ -233,6 +233,9 @@ class RunEnded:
     has_tensor_file: bool = False
     failure: RankFailed | RankExited | RankNotStarted | NodeLost | None = None
     detail: str = ""
+    # A run that timed out or was stopped: each rank's faulthandler dump at that moment,
+    # (rank, text); "" for a rank that did not answer. Parsed by nbtrain.stacks.
+    stacks: tuple[tuple[int, str], ...] = ()
 
 
 # Rank -> launcher only (not forwarded): the rank's work is done and its result is safe.

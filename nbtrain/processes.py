@@ -28,6 +28,7 @@ Why each rule:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -35,9 +36,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, NoReturn, Sequence
+from typing import Callable, Iterable, Iterator, NoReturn, Sequence
+
+from nbtrain import stacks
 
 LAUNCHER_MODULE = "nbtrain.launch_server"
 CONTROL_FD_VARIABLE = "NBTRAIN_CONTROL_FD"
@@ -342,9 +346,74 @@ def read_memory(pid: int, local_address: int, remote_address: int, nbytes: int) 
         done += count
 
 
+class HeldInterrupts:
+    """What :func:`interrupts_held` saw: ``received`` turns True when SIGINT came meanwhile."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def note(self, number: int, frame: object) -> None:
+        self.received = True
+
+
+_holding: HeldInterrupts | None = None
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[HeldInterrupts]:
+    """Note SIGINT instead of raising KeyboardInterrupt, for code that must not be cut short.
+
+    A KeyboardInterrupt can land between any two bytecodes: half way through sending a
+    frame to the launcher, or after a run started but before anyone holds its handle. Held,
+    an interrupt is a flag that the code checks where acting on it is safe (its waits poll).
+    Only the main thread receives signals; in another thread, or inside a section that
+    already holds them, the holder yielded never turns True: the outermost section acts.
+    """
+    global _holding
+    if _holding is not None or threading.current_thread() is not threading.main_thread():
+        yield HeldInterrupts()
+        return
+    held = _holding = HeldInterrupts()
+    previous = signal.signal(signal.SIGINT, held.note)
+    try:
+        yield held
+    finally:
+        # A handler installed from C (None) cannot be put back: Python's default is the closest.
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+        _holding = None
+
+
 def ignore_interrupts() -> None:
-    """The launcher hears about interrupts only through the kernel's StopRun requests."""
+    """The launcher hears about interrupts only through the kernel's StopRun requests.
+
+    It also ignores the stack-dump signal, and so does every rank it forks or spawns until
+    the rank registers its dump: a request that reaches a rank too early is lost, not fatal.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(stacks.DUMP_SIGNAL, signal.SIG_IGN)
+
+
+def request_stack(pid: int) -> bool:
+    """Ask a rank for its stack dump; False if it cannot answer (not registered, or gone)."""
+    if not catches(pid, stacks.DUMP_SIGNAL):
+        return False
+    try:
+        os.kill(pid, stacks.DUMP_SIGNAL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def catches(pid: int, number: int) -> bool:
+    """Whether process ``pid`` has a handler for signal ``number`` (its SigCgt mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (number - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def exit_now(code: int = 0) -> NoReturn:

@@ -26,6 +26,7 @@ CHILDREN_GONE_SECONDS = 5.0
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes several seconds or a lot of memory (still run by default)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/gpu; skipped where none exists)")
 
 
 @pytest.fixture

@@ -8,15 +8,16 @@ process was started.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
+from helpers import procs
 from torch import nn
 
 import nbtrain
 from nbtrain import admission, devices, hardware
 from nbtrain.errors import ConfigurationError
-from helpers import procs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -77,7 +78,8 @@ def test_tensors_are_counted_once_per_storage_and_shared_once():
     values = [{"a": data[:10], "b": data[10:], "again": data}, model, [model], torch.optim.SGD(model.parameters(), 0.1)]
     need = admission.weigh(values)
     params = 110 * 4
-    assert need == admission.Footprint(parameters=params, gradients=params, optimizer_state=0, shared=params + 1_000_000)
+    expected = admission.Footprint(parameters=params, gradients=params, optimizer_state=0, shared=params + 1_000_000)
+    assert need == expected
 
 
 def test_an_optimizers_existing_state_is_counted_as_it_is():
@@ -113,7 +115,8 @@ def test_on_cuda_the_model_is_checked_against_each_gpus_free_memory():
     settings = {"world_size": 2, "accelerator": "cuda", "sharded": False, "start_method": "fork"}
     with pytest.raises(ConfigurationError, match="8.0 GiB of memory on GPU 1 .* only 6.0 GiB is available"):
         admission.check_memory(need, host_available=64 * _GIB, gpu_free={0: 40 * _GIB, 1: 6 * _GIB}, **settings)
-    assert admission.check_memory(need, host_available=1 * _GIB, gpu_free={0: 40 * _GIB, 1: 40 * _GIB}, **settings) is None
+    roomy = {0: 40 * _GIB, 1: 40 * _GIB}
+    assert admission.check_memory(need, host_available=1 * _GIB, gpu_free=roomy, **settings) is None
 
 
 def test_available_memory_is_what_the_machine_reports():
@@ -132,6 +135,23 @@ def test_launch_refuses_before_any_process_starts(launcher):
     model = nn.Linear(100_000, 100_000, device="meta")  # 40 GB of parameters, 0 bytes here
     with pytest.raises(ConfigurationError, match="GiB of host memory .* so it was not started"):
         nbtrain.launch(lambda: model.weight.shape, devices=2, accelerator="cpu")
+    assert {p.pid for p in procs.launcher_children()} == before
+
+
+def test_on_cuda_free_gpu_memory_is_read_through_nvml_before_launch(launcher, monkeypatch):
+    from test_devices import fake_nvml
+
+    nvml = fake_nvml({"GPU-aa11": ("NVIDIA A100", 80 * _GIB, 70 * _GIB), "GPU-bb22": ("NVIDIA A100", 80 * _GIB, _GIB)})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # no GPU in CI: NVML simulated, nothing else
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    before = {p.pid for p in procs.launcher_children()}
+    model = nn.Linear(32_768, 32_768, bias=False, device="meta")  # 4 GiB of parameters, 8 with gradients
+    with pytest.raises(ConfigurationError) as refused:
+        nbtrain.start(lambda: model.weight.shape, devices=2, accelerator="cuda")
+    assert str(refused.value).startswith(
+        "this run needs about 8.0 GiB of memory on GPU 1 (8.0 GiB per rank: parameters 4.0 GiB + gradients 4.0 GiB), "
+        "but only 1.0 GiB is available, so it was not started."
+    )
     assert {p.pid for p in procs.launcher_children()} == before
 
 
@@ -157,7 +177,8 @@ def kernel():
 
     k = NotebookKernel()
     try:
-        k.run_ok("%load_ext nbtrain\nimport time, torch\nfrom torch import nn\nfrom IPython.core.error import UsageError")
+        k.run_ok("%load_ext nbtrain\nimport time, torch\nfrom torch import nn")
+        k.run_ok("from IPython.core.error import UsageError")
         k.run_ok("nbtrain_launcher = __import__('nbtrain.kernel.client').kernel.client.get_client()")
         assert k.value("nbtrain_launcher.ready.wait(120)")
         yield k

@@ -421,3 +421,41 @@ def test_charts_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# --- stalls ------------------------------------------------------------------------------
+
+
+def test_a_rank_that_stops_stepping_while_the_others_go_on_is_named():
+    state = RunState("ddp_notebook", "cpu", 3, stall_seconds=30)
+    for second in range(0, 41):
+        for rank in (0, 2):
+            state.apply(metrics(rank, range(second + 1, second + 2)), now=float(second))
+        if second <= 5:
+            state.apply(metrics(1, range(second + 1, second + 2)), now=float(second))
+    assert state.stall(now=40.0) == "no step from rank 1 for 35 s (at step 6; the others are at step 41)"
+    assert "no step from rank 1 for 35 s" in charts.summary_text(state, 40.0)
+    assert "no step from rank 1 for 35 s" in charts.one_line_progress(state, 40.0)
+
+
+def test_in_a_deadlock_the_rank_behind_is_named_and_nothing_before_the_limit():
+    state = two_rank_state(stall_seconds=30)
+    state.apply(metrics(0, range(1, 8)), now=1.0)  # rank 0 logged step 7 and waits in all_reduce
+    state.apply(metrics(1, range(1, 7)), now=1.0)  # rank 1 never reached step 7
+    assert state.stall(now=30.9) is None
+    assert state.stall(now=31.0) == "no step from rank 1 for 30 s (at step 6; the others are at step 7)"
+
+
+def test_ranks_stopped_at_the_same_step_and_runs_that_ended_or_never_log():
+    state = two_rank_state(stall_seconds=5)
+    assert state.stall(now=100.0) is None  # nothing logged: nothing to compare with
+    state.apply(metrics(0, range(1, 4)), now=0.0)
+    state.apply(metrics(1, range(1, 4)), now=0.0)
+    assert state.stall(now=9.0) == "no step from any rank for 9 s"
+    state.finish(events.TIMED_OUT, now=9.0)
+    assert state.stall(now=20.0) == "no step from any rank for 9 s"  # the last frame keeps it
+    state.finish(events.FINISHED, now=9.0)
+    assert state.stall(now=20.0) is None
+    assert RunState(stall_seconds=None).stall(now=1e9) is None
+    with pytest.raises(ValueError, match="stall_seconds must be a positive number of seconds or None, not 0"):
+        RunState(stall_seconds=0)

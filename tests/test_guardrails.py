@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from helpers import procs
 
 pytestmark = pytest.mark.timeout(300)

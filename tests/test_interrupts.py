@@ -123,3 +123,86 @@ def test_an_interrupted_runs_1_gib_result_is_freed_at_once(kernel):
     assert elapsed < END_BOUND, f"the cell ended {elapsed:.2f} s after the interrupt"
     assert kernel.value("'big' in globals()") is False
     print(f"\ninterrupt -> reply {elapsed:.2f} s; kernel RSS {before / MIB:.0f} -> {after / MIB:.0f} MiB")
+
+
+# An interrupt injected at the N-th line the launch sequence executes: a trace function
+# counts the lines of these functions and sends the kernel SIGINT at the chosen one, so
+# the signal arrives exactly as Jupyter's "interrupt kernel" would, at that instant.
+INJECTOR = """
+import linecache, os, signal, sys
+import nbtrain.kernel.magic
+from nbtrain.kernel import client as _client, magic as _magic
+_TARGETS = {f.__code__ for f in (
+    _magic.run_distributed_cell, _magic._run_cell, _magic._launch_and_follow, _magic._follow, _magic.start_cell,
+    _client.start, _client.LauncherClient.submit, _client.Run.__init__, _client.Run.events,
+)}
+
+
+class _Injector:
+    def __init__(self, at):
+        self.at, self.count, self.fired = at, 0, False
+
+    def __call__(self, frame, event, arg):
+        return self.line if frame.f_code in _TARGETS else None
+
+    def line(self, frame, event, arg):
+        # A `try:` line is a no-op where no signal is ever taken: raised there by this
+        # function, an interrupt would seem to land outside the try it opens.
+        if event == "line" and linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() != "try:":
+            self.count += 1
+            if self.count == self.at:
+                self.fired = True
+                os.kill(os.getpid(), signal.SIGINT)
+        return self.line
+
+
+_injected = []
+
+
+def _inject(at):
+    injector = _Injector(at)
+    sys.settrace(injector)
+    try:
+        get_ipython().run_cell_magic("distributed", "--devices 1 --accelerator cpu", "x = nbtrain.rank() + 1\\n")
+    finally:
+        sys.settrace(None)
+        _injected.append({"count": injector.count, "fired": injector.fired})
+"""
+FINAL_STATES = {"finished", "failed", "stopped", "timed out"}
+
+
+def _launcher_children(kernel: NotebookKernel) -> list[int]:
+    return [p.pid for p in kernel.descendants() if "nbtrain.launch_server" not in " ".join(p.cmdline())]
+
+
+@pytest.mark.slow
+def test_an_interrupt_at_every_line_of_the_launch_prevents_or_stops_the_run(kernel):
+    kernel.run_ok(INJECTOR + "x = 0\n_inject(0)")  # counting only: no interrupt
+    total = kernel.value("_injected[-1]['count']")
+    assert kernel.value("x") == 1 and total > 20, total
+    outcomes: dict[str, int] = {}
+    for at in range(1, total + 1):
+        out = kernel.run(f"x = 0\n_inject({at})")
+        seen = kernel.value("[_injected[-1], nbtrain.kernel.magic.last_run.state, x]")
+        injected, state, x = seen
+        where = f"interrupt at line {at} of {total}: {out.text[-600:]}"
+        assert state in FINAL_STATES, where
+        if not injected["fired"]:  # the run ended in fewer lines this time
+            assert out.error is None and x == 1 and state == "finished", where
+            outcomes["ended first"] = outcomes.get("ended first", 0) + 1
+            continue
+        assert out.error is not None and out.error["ename"] == "RunInterrupted", where
+        message = out.error["evalue"]
+        assert message.startswith("the cell was interrupted"), where
+        assert "nbtrain/" not in "\n".join(out.error["traceback"]), where
+        late = "its results are in the kernel" in message
+        assert x == (1 if late else 0), where  # all of the results, or none of them
+        kind = "after the results" if late else "before the start" if "before it started" in message else "stopped"
+        outcomes[kind] = outcomes.get(kind, 0) + 1
+        left = wait_gone(_launcher_children(kernel), 10.0)
+        assert not left, f"ranks left running: {left}; {where}"
+    assert outcomes.get("stopped", 0) > 0 and outcomes.get("before the start", 0) > 0, outcomes
+    kernel.run_ok("x = 0")
+    kernel.run_ok("%%distributed --devices 2 --accelerator cpu\nx = nbtrain.rank() + 1")
+    assert kernel.value("x") == 1  # the kernel and its launcher work as before
+    print(f"\n{total} lines, outcomes: {outcomes}")

@@ -19,7 +19,8 @@ def test_a_long_line_arriving_in_chunks_is_cut_once_with_the_count(tmp_path):
     shown = out.feed("stdout", b"a" * 7) + out.flush("stdout") + out.feed("stdout", b"a" * 20)
     shown += out.flush("stdout")  # the line is past its limit: it waits for its end
     shown += out.feed("stdout", b"a" * 5 + b"\nok\n")
-    assert texts(shown) == "a" * 7 + "aaa … [22 more characters cut from this line; all of it is in " + log.path + "]\nok\n"
+    marker = f" … [22 more characters cut from this line; all of it is in {log.path}]"
+    assert texts(shown) == "a" * 10 + marker + "\nok\n"
     log.close()
     assert (tmp_path / "run.log").read_bytes() == b"[rank 0] " + b"a" * 32 + b"\n[rank 0] ok\n"
 
@@ -28,7 +29,8 @@ def test_the_head_then_a_note_then_only_the_last_lines_at_the_end():
     out = RankOutput(1, None, SMALL)
     shown = out.feed("stdout", b"".join(b"%d\n" % i for i in range(10)))
     assert shown[0] == ("stdout", "0\n1\n2\n")
-    assert shown[1][0] == "stderr" and shown[1][1].startswith("nbtrain: rank 1 printed more than the cell shows (3 lines")
+    assert shown[1][0] == "stderr"
+    assert shown[1][1].startswith("nbtrain: rank 1 printed more than the cell shows (3 lines")
     assert out.skipped() == (3 + 5, (("stdout", "8\n"), ("stdout", "9\n")))
     assert out.skipped() is None  # nothing new
     shown = out.feed("stderr", b"err\n") + out.finish()
@@ -67,4 +69,6 @@ def test_the_kernel_drops_output_nobody_takes_and_says_so():
     assert pending.notes(1) == []  # still behind: no note yet
     pending.taken(pending.chars)
     (note,) = pending.notes(1)
-    assert note.text == "nbtrain: 9 lines of rank 0 were not shown: the notebook could not keep up. Every line is in /logs/run.log.\n"
+    assert note.text == (
+        "nbtrain: 9 lines of rank 0 were not shown: the notebook could not keep up. Every line is in /logs/run.log.\n"
+    )

@@ -54,7 +54,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from nbtrain import events
+from nbtrain import charts, events
 from nbtrain.errors import RunStoppedError
 from nbtrain.kernel import client, display
 
@@ -102,6 +102,7 @@ class BackgroundRun:
         output: str = "all",
         shell: Any = None,
         total_steps: int | None = None,
+        stall_warning: float | None = charts.STALL_SECONDS,
     ) -> None:
         cfg = run.config
         self.id = next(_ids)
@@ -121,6 +122,7 @@ class BackgroundRun:
         self.view: _View | None = None
         self.output = output
         self.total_steps = total_steps  # the live view's progress total, when known
+        self.stall_warning = stall_warning
         self._started_at = time.monotonic()
         self._state = RUNNING
         self._value: Any = None
@@ -403,7 +405,7 @@ class BackgroundRun:
         """Show the live view and its Stop button in the current cell (the main thread, at start)."""
         if not display.frontend_is_rich():
             return
-        self.view = _View(self.run.config, total_steps=self.total_steps)
+        self.view = _View(self.run.config, total_steps=self.total_steps, stall_warning=self.stall_warning)
         index = len(runs())  # its place in nbtrain.runs() once started
         self.view.note = (
             f"background run {self.id} · the kernel is free · "
@@ -433,6 +435,7 @@ class CellBackgroundRun(BackgroundRun):
             output=options.output,
             shell=shell,
             total_steps=prepared.total_steps,
+            stall_warning=getattr(options, "stall_warning", charts.STALL_SECONDS),
         )
         self.shell = shell
         self.prepared = prepared
@@ -450,7 +453,7 @@ class CellBackgroundRun(BackgroundRun):
         self.record.state = self.run.state
         self.record.seconds = self.seconds or 0.0
         if isinstance(error, RunStoppedError):
-            error = RunStoppedError(f"background run {self.id} was stopped; every rank is gone.")
+            error = RunStoppedError(f"background run {self.id} was stopped; every rank is gone.", error.where)
         return magic.explain_failure(error, self.shell, self.prepared.unchanged)
 
     def _outcome(self, raw: Any) -> None:

@@ -418,7 +418,9 @@ class Run:
         # ranks run on. Raised afresh, out here: the interrupted frames, with whatever part
         # of the result they had loaded, are freed instead of living on in the traceback.
         self.abandon()
-        raise KeyboardInterrupt
+        where = self.where_ranks_were()
+        # A plain KeyboardInterrupt, as Python raises; its text says where each rank was.
+        raise KeyboardInterrupt(f"every rank was stopped.\n{where}" if where else "")
 
     def result(self) -> Any:
         """Rank 0's return value (call after the run ended)."""
@@ -448,6 +450,20 @@ class Run:
                 os.close(extra)
             self._ended_fds = []
 
+    def where_ranks_were(self) -> str:
+        """Where each rank was when a timeout or a stop ended the run, in the notebook's terms.
+
+        Each line names a rank, what it was doing and the cell and line (``rank 0: waiting
+        in all_reduce, Cell In[5], line 12``), then each rank's stack; "" when the run did
+        not end that way (or the launcher got no dump).
+        """
+        from nbtrain import stacks
+
+        if self._ended is None or not self._ended.stacks:
+            return ""
+        parsed = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in self._ended.stacks]
+        return stacks.describe(parsed, cell_namer(), _source_line)
+
     def _failure(self, ended: events.RunEnded) -> RunFailedError:
         failure = ended.failure
         if isinstance(failure, events.RankFailed):
@@ -461,9 +477,9 @@ class Run:
         if isinstance(failure, events.NodeLost):
             return NodeLostError(failure.node, failure.detail)
         if ended.state == events.TIMED_OUT:
-            return RunTimeoutError(self.config.timeout or 0.0)
+            return RunTimeoutError(self.config.timeout or 0.0, self.where_ranks_were())
         if ended.state == events.STOPPED:
-            return RunStoppedError("the run was stopped before it finished; every rank is gone.")
+            return RunStoppedError("the run was stopped before it finished; every rank is gone.", self.where_ranks_were())
         return LauncherError(ended.detail or "the run failed for an unknown reason")
 
 
@@ -541,11 +557,18 @@ def start(
     log_paths: dict[int, str | None] = {}
 
     try:
-        run_id, inbox = client.submit(start_run, tensor_fd)
+        # Held: an interrupt half way through sending StartRun would garble the channel, and
+        # one between the send and the handle would leave a run nobody can stop.
+        with processes.interrupts_held() as held:
+            run_id, inbox = client.submit(start_run, tensor_fd)
+            run = Run(client, run_id, inbox, cfg, log_paths.get(run_id))
     finally:
         if tensor_fd is not None:
             os.close(tensor_fd)
-    return Run(client, run_id, inbox, cfg, log_paths.get(run_id))
+    if held.received:  # the caller was interrupted as the run started: it does not go on
+        run.abandon()
+        raise KeyboardInterrupt
+    return run
 
 
 def _engine(
@@ -625,11 +648,15 @@ def launch(
         cluster=cluster,
         num_nodes=num_nodes,
     )
-    if background:
-        from nbtrain.kernel import background as _background
+    try:
+        if background:
+            from nbtrain.kernel import background as _background
 
-        return _background.follow_function(run, fn)
-    return run.wait(on_event=print_output)
+            return _background.follow_function(run, fn)
+        return run.wait(on_event=print_output)
+    except KeyboardInterrupt:
+        run.abandon()  # wait() did already; not so an interrupt before it, or in follow_function
+        raise
 
 
 def _admit(cfg: config.LaunchConfig, fn: Callable[..., Any], args: tuple, kwargs: dict | None) -> None:
@@ -704,6 +731,19 @@ def _caller_environment() -> dict[str, str]:
         for key, value in os.environ.items()
         if key not in (processes.CONTROL_FD_VARIABLE, processes.ROLE_VARIABLE)
     }
+
+
+def cell_namer() -> Callable[[str], str | None]:
+    """filename -> ``Cell In[N]`` for the notebook's cells, as IPython names them in tracebacks."""
+    shell = None
+    if "IPython" in sys.modules:
+        shell = sys.modules["IPython"].get_ipython()
+    names = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
+    return lambda filename: f"Cell In[{names[filename]}]" if filename in names else None
+
+
+def _source_line(filename: str, line: int) -> str:
+    return linecache.getline(filename, line)
 
 
 def _notebook_source_lines() -> dict[str, tuple[str, ...]]:

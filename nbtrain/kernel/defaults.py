@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbtrain import config
+from nbtrain.charts import STALL_SECONDS
 from nbtrain.errors import ConfigurationError
 
 
@@ -38,6 +39,7 @@ class Defaults:
     accelerator: str = "auto"
     strategy: str = "ddp_notebook"
     timeout: float | None = None
+    stall_warning: float | None = STALL_SECONDS  # the live view's "no step from rank N" after this
     cluster: str = "local"  # or "ray", or a Ray cluster's address (nbtrain.cluster)
     num_nodes: int = 1
 
@@ -47,6 +49,8 @@ class Defaults:
         parts += ["--strategy", self.strategy]
         if self.timeout is not None:
             parts += ["--timeout", f"{self.timeout:g}"]
+        if self.stall_warning != STALL_SECONDS:
+            parts += ["--stall-warning", "none" if self.stall_warning is None else f"{self.stall_warning:g}"]
         if self.cluster != "local":
             parts += ["--cluster", self.cluster, "--num-nodes", str(self.num_nodes)]
         return " ".join(parts)
@@ -71,6 +75,7 @@ def set_defaults(
     accelerator: Any = _UNSET,
     strategy: Any = _UNSET,
     timeout: Any = _UNSET,
+    stall_warning: Any = _UNSET,
     cluster: Any = _UNSET,
     num_nodes: Any = _UNSET,
 ) -> Defaults:
@@ -79,8 +84,9 @@ def set_defaults(
     Settings not passed keep their value. ``devices`` takes what ``--devices`` takes
     (2, -1, "auto", "0,2" or a list of GPU indices), ``accelerator`` one of auto, cpu,
     cuda (gpu), mps, ``strategy`` one of :data:`nbtrain.config.STRATEGIES`, ``timeout`` a
-    number of seconds or None, ``cluster`` "local", "ray" or a Ray address and ``num_nodes``
-    the nodes a cluster run spans (see README "On a cluster"). The combination is checked against this machine (its GPUs
+    number of seconds or None, ``stall_warning`` the seconds without a step after which the
+    live view names the rank (None: never; 30 built in), ``cluster`` "local", "ray" or a Ray
+    address and ``num_nodes`` the nodes a cluster run spans (see README "On a cluster"). The combination is checked against this machine (its GPUs
     through NVML: CUDA is never initialised here) and a ConfigurationError says what is
     wrong; nothing changes then. Returns the new defaults.
 
@@ -97,6 +103,7 @@ def set_defaults(
             accelerator=old.accelerator if accelerator is _UNSET else _accelerator_text(accelerator),
             strategy=old.strategy if strategy is _UNSET else _strategy_text(strategy),
             timeout=old.timeout if timeout is _UNSET else config.validate_timeout(timeout),
+            stall_warning=old.stall_warning if stall_warning is _UNSET else _stall_seconds(stall_warning),
             cluster=old.cluster if cluster is _UNSET else _cluster_text(cluster),
             num_nodes=old.num_nodes if num_nodes is _UNSET else num_nodes,
         )
@@ -155,6 +162,20 @@ def devices_text(devices: Any) -> str:
     if not text or any(ch.isspace() for ch in text):
         raise ConfigurationError(f"devices={devices!r} is not valid: {_DEVICE_FORMS}.")
     return text
+
+
+def _stall_seconds(seconds: Any) -> float | None:
+    if seconds is None:
+        return None
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        value = -1.0
+    if isinstance(seconds, bool) or not value > 0 or value == float("inf"):
+        raise ConfigurationError(
+            f"stall_warning={seconds!r} is not valid: give a positive number of seconds, or None for no warning."
+        )
+    return value
 
 
 def _accelerator_text(accelerator: Any) -> str:

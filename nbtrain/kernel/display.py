@@ -93,6 +93,7 @@ class LiveView:
         batch_size: int | None = None,
         rich: bool | None = None,
         stream: TextIO | None = None,
+        stall_warning: float | None = charts.STALL_SECONDS,
     ) -> None:
         if config is not None:
             strategy = strategy or config.strategy.name
@@ -105,6 +106,7 @@ class LiveView:
             total_steps=total_steps,
             batch_size=batch_size,
             started_at=time.monotonic(),
+            stall_seconds=stall_warning,
         )
         self.rich = frontend_is_rich() if rich is None else rich
         self.stream = stream  # text frontend only; None: sys.stdout (and stderr for ranks' stderr)
@@ -257,6 +259,9 @@ class LiveView:
         ]
         if state.failure:
             parts.append(f'<div style="color:{_STATE_COLOURS[events.FAILED]}">{html.escape(state.failure)}</div>')
+        stall = state.stall(now)
+        if stall:  # before any timeout: which rank to look at
+            parts.append(f'<div style="color:#b26a00">{html.escape(stall)}</div>')
         png = self.chart_png_base64(force=force_charts)
         if png:
             width, height = self._chart_css_size
@@ -319,8 +324,12 @@ def watch(
     total_steps: int | None = None,
     batch_size: int | None = None,
     rich: bool | None = None,
+    stall_warning: float | None = charts.STALL_SECONDS,
 ) -> Any:
     """Show ``run`` live in this cell until it ends; return rank 0's result (or raise its failure).
+
+    ``stall_warning``: after this many seconds without a step from a rank that logs steps,
+    the view says ``no step from rank N for S s`` (None: never).
 
     Interrupting the kernel stops every rank, leaves the view showing "stopped" and
     re-raises KeyboardInterrupt.
@@ -335,7 +344,7 @@ def watch(
         >>> watch(nbtrain.start(train, devices=2, accelerator="cpu"), total_steps=50)  # doctest: +SKIP
         'done'
     """
-    view = LiveView(run.config, total_steps=total_steps, batch_size=batch_size, rich=rich)
+    view = LiveView(run.config, total_steps=total_steps, batch_size=batch_size, rich=rich, stall_warning=stall_warning)
     try:
         view.refresh(force=True)
         # Wake at twice the frame rate when idle, so a due frame is never a whole period late.

@@ -21,9 +21,7 @@ import collections
 import contextlib
 import os
 import re
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -32,7 +30,7 @@ from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 
-from nbtrain import config, events
+from nbtrain import charts, config, events, processes
 from nbtrain.errors import (
     ClusterError,
     ConfigurationError,
@@ -49,7 +47,6 @@ METRIC_ROWS = 100_000  # per rank, kept in ``last_run`` (a long run must not gro
 # nothing unused. prepare() sets that flag (so a model that skips a layer still trains);
 # the hint is about our choice, not the user's code.
 _NOISE = "find_unused_parameters=True was specified in DDP constructor"
-_INTERRUPTED = object()  # the result of a run whose cell was interrupted
 
 
 @dataclass
@@ -124,7 +121,7 @@ class DistributedMagics(Magics):
     @magic_arguments.argument(
         "--strategy",
         default=None,
-        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, fsdp or auto: see Strategies above. "
+        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, ddp_sharded, fsdp or auto: see Strategies above. "
         "Default: the session default (ddp_notebook).",
     )
     @magic_arguments.argument(
@@ -132,6 +129,13 @@ class DistributedMagics(Magics):
         type=_timeout_flag,
         default=_SESSION,
         help="Stop every rank after this many seconds; none: no limit. Default: the session default (no limit).",
+    )
+    @magic_arguments.argument(
+        "--stall-warning",
+        type=_timeout_flag,
+        default=_SESSION,
+        help="The live view names a rank that logged no step for this many seconds while it "
+        "runs; none: never. Default: the session default (30).",
     )
     @magic_arguments.argument(
         "--output",
@@ -208,6 +212,7 @@ class DistributedMagics(Magics):
           ddp_find_unused_parameters_true
                         ddp_notebook for a model that skips some parameters in a step
                         (DDP then searches for them at every step, at some cost)
+          ddp_sharded   data parallel, optimizer state partitioned across ranks (ZeRO)
           fsdp          fully sharded with FSDP2: each rank holds a slice of every weight
           auto          ddp_notebook for more than one device, a single worker for one
 
@@ -277,6 +282,13 @@ def fill_defaults(options: Any) -> Any:
         options.strategy = session.strategy
     if options.timeout is _SESSION:
         options.timeout = session.timeout
+    if options.stall_warning is _SESSION:
+        options.stall_warning = session.stall_warning
+    elif options.stall_warning is not None and not options.stall_warning > 0:
+        raise UsageError(
+            f"%%distributed: --stall-warning {options.stall_warning:g} is not a positive number of seconds; "
+            "give one, or none for no warning."
+        )
     if options.cluster is None:
         options.cluster = session.cluster
     if options.num_nodes is None:
@@ -458,45 +470,109 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any) -> Any:
     With ``--background`` it returns the run's :class:`nbtrain.kernel.background.BackgroundRun`
     at once; :mod:`nbtrain.kernel.background` then follows the run and applies its results
     with :func:`apply_cell_result`, as this function does for a blocking run.
+
+    An interrupt at any moment either prevents the run or stops it, and ends the cell with
+    :class:`RunInterrupted`; ``last_run`` is left in a final state. Until the launch, an
+    interrupt raises where it lands (nothing has started); from the launch on, interrupts
+    are held and acted on where that is safe (see :func:`nbtrain.processes.interrupts_held`).
     """
+    try:
+        stage: list[str] = []  # "finished" once the results are in
+        return _run_cell(shell, line, cell, options, stage)
+    except RunInterrupted:
+        raise
+    except KeyboardInterrupt:
+        try:
+            late = "finished" in stage
+        except NameError:  # it came before the first statement: nothing started
+            late = False
+        if late:  # in the instant after interrupts stopped being held
+            raise RunInterrupted(_LATE) from None
+        raise RunInterrupted(
+            "the cell was interrupted before it started: nothing ran and nothing in the kernel changed. "
+            "The kernel is ready."
+        ) from None
+
+
+def _run_cell(shell: Any, line: str, cell: str, options: Any, stage: list[str]) -> Any:
+    prepared = prepare_cell(shell, line, cell, options)  # an interrupt here: nothing has started
+    with processes.interrupts_held() as held:
+        value = _launch_and_follow(shell, prepared, options, held)
+        stage.append("finished")
+    if held.received:  # it came after the last look
+        if getattr(options, "background", False):
+            value.stop("interrupted")
+            raise _interrupted(prepared, value.run)
+        raise RunInterrupted(_LATE)
+    return value
+
+
+_LATE = "the cell was interrupted after its run had finished; its results are in the kernel."
+
+
+def _launch_and_follow(shell: Any, prepared: PreparedCell, options: Any, held: processes.HeldInterrupts) -> Any:
     global last_run
-    prepared = prepare_cell(shell, line, cell, options)
     record = last_run = prepared.record
     started = time.monotonic()
-    run = start_cell(shell, prepared, options)
+    try:
+        run = start_cell(shell, prepared, options)
+    except BaseException:
+        record.state = events.FAILED  # refused before it started (what cannot travel, or fit)
+        raise
     if getattr(options, "background", False):
         from nbtrain.kernel import background
 
-        return background.follow_cell(shell, run, prepared, options)
-    show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
-    view = _CellView(run, prepared.total_steps)
+        handle = background.follow_cell(shell, run, prepared, options)
+        if held.received:  # the cell that starts it was interrupted: the run does not go on
+            handle.stop("interrupted")
+            raise _interrupted(prepared, run)
+        return handle
     try:
-        for event in run.events(poll=view.poll_seconds):
+        return _follow(shell, run, prepared, options, held)
+    finally:
+        record.seconds = time.monotonic() - started
+        record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
+
+
+def _follow(shell: Any, run: Any, prepared: PreparedCell, options: Any, held: processes.HeldInterrupts) -> Any:
+    """Show the run until it ends, then bring its results back; every check of ``held`` is a safe point."""
+    record = prepared.record
+    view = None
+    if not held.received:
+        show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
+        view = _CellView(run, prepared.total_steps, getattr(options, "stall_warning", charts.STALL_SECONDS))
+        for event in run.events(poll=view.poll_seconds):  # wakes at least every poll
+            if held.received:
+                break
             if event is not None:
                 show(event)
             view.show(event)
+    if held.received:
+        run.abandon()  # stops the run and frees any result it brought back
+        record.state = events.STOPPED
+        if view is not None:
+            view.finish(events.STOPPED)
+        raise _interrupted(prepared, run)
+    try:
         result = run.result()
-    except KeyboardInterrupt:
-        result = _INTERRUPTED
     except RunFailedError as error:
         record.state = run.state
         view.finish(run.state)
         raise explain_failure(error, shell, prepared.unchanged) from None
-    finally:
-        record.seconds = time.monotonic() - started
-        record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
-    if result is _INTERRUPTED:
-        # Out here, not in the except clause: the interrupt and its frames (with any part
-        # of the result they had loaded) are freed instead of living on as its context.
-        run.abandon()  # stops the run and frees any result it brought back
-        record.state = events.STOPPED
-        view.finish(events.STOPPED)
-        raise RunInterrupted(
-            f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
-        )
     record.state = events.FINISHED
     view.finish(events.FINISHED)
-    return _bring_back(shell, result, prepared.shipped, record, options.output)
+    value = _bring_back(shell, result, prepared.shipped, record, options.output)
+    if held.received:  # it came while the results went in: they are in, all of them
+        raise RunInterrupted(_LATE)
+    return value
+
+
+def _interrupted(prepared: PreparedCell, run: Any) -> RunInterrupted:
+    where = run.where_ranks_were()  # each rank's stack when it was stopped, if the launcher got one
+    return RunInterrupted(
+        f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
+        + (f"\n{where}" if where else "")
+    )
 
 
 @dataclass
@@ -573,10 +649,10 @@ class _CellView:
     terminal would print them again, so it gets every event but those.
     """
 
-    def __init__(self, run: Any, total_steps: int | None = None):
+    def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = charts.STALL_SECONDS):
         from nbtrain.kernel import display
 
-        self.view = display.LiveView(run.config, total_steps=total_steps)
+        self.view = display.LiveView(run.config, total_steps=total_steps, stall_warning=stall_warning)
         self.poll_seconds = display.FASTEST_FRAME_SECONDS / 2
         self.view.refresh(force=True)
 
@@ -645,9 +721,10 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
     if isinstance(error, RankError):
         text = cell_traceback(error.remote_traceback, shell)
         return RankError(error.rank, error.exc_type, error.exc_message, text, note, node=error.node)
-    message = f"{error} {note}"
+    where = getattr(error, "where", "")
+    message = f"{error.headline or error} {note}" + (f"\n{where}" if where else "")
     error.args = (message,)
-    error._render_traceback_ = lambda: [f"{type(error).__name__}: {message}"]  # type: ignore[attr-defined]
+    error._render_traceback_ = lambda: f"{type(error).__name__}: {message}".splitlines()  # type: ignore[attr-defined]
     return error
 
 
@@ -739,15 +816,11 @@ def _warn(text: str) -> None:
 
 @contextlib.contextmanager
 def _interrupts_deferred() -> Iterator[None]:
-    """Hold SIGINT while the kernel's objects are being updated, then deliver it."""
-    if threading.current_thread() is not threading.main_thread():
+    """Hold SIGINT while the kernel's objects are being updated, then deliver it.
+
+    Inside a section that already holds interrupts (a blocking cell), that section acts.
+    """
+    with processes.interrupts_held() as held:
         yield
-        return
-    received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if received:
+    if held.received:
         raise KeyboardInterrupt

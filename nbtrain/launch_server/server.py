@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain import events, processes, wire
-from nbtrain.launch_server.output import STREAMS, RankOutput, RunLog
 from nbtrain.events import (
     MemorySample,
     Metrics,
@@ -43,6 +42,7 @@ from nbtrain.events import (
     StopRun,
     StoreListening,
 )
+from nbtrain.launch_server.output import STREAMS, RankOutput, RunLog
 
 # Imported once here so that no rank pays for it: DistributedDataParallel's constructor
 # alone imports torch._dynamo, 1.5-2 s per rank on a small machine.
@@ -62,6 +62,10 @@ PRELOAD = (
 )
 
 STOP_GRACE_SECONDS = 0.5  # SIGTERM first; SIGKILL for what is left after this
+# Before stopping a run that timed out or was stopped, each rank dumps its stack: wait for
+# every dump to arrive and go quiet, but never longer than STACK_WAIT_SECONDS in all.
+STACK_WAIT_SECONDS = 1.0
+STACK_QUIET_SECONDS = 0.05
 DRAIN_SECONDS = 1.0  # how long to wait for output pipes to close once every rank exited
 MEMORY_SAMPLE_SECONDS = 0.5
 TICK_SECONDS = 0.1
@@ -79,6 +83,10 @@ class RankProcess:
     failed: bool = False
     exited: bool = False
     members: set[int] = field(default_factory=set)  # pids seen in its process group
+    stack_fd: int | None = None  # read end of the pipe its faulthandler dumps to
+    stack: bytes = b""
+    stack_asked: bool = False
+    stack_seen_at: float = 0.0  # when the last bytes of its dump arrived
 
 
 @dataclass
@@ -97,6 +105,7 @@ class Run:
     all_exited_at: float | None = None
     last_memory_sample: float = 0.0
     hold: bool = False  # a cluster run: done ranks wait for ReleaseRanks (every node done)
+    stacks_until: float | None = None  # collecting stack dumps before the stop, until then
     log: RunLog | None = None  # every rank's full output
     last_skipped_report: float = 0.0
 
@@ -124,6 +133,8 @@ class Launcher:
                     self._on_output(run, rank, key.fd)
                 elif kind == "pidfd":
                     self._on_exit(run, rank)
+                elif kind == "stack":
+                    self._on_stack(rank)
             if os.getppid() != self.parent_pid:  # the kernel died and its socket is held elsewhere
                 return self._shutdown()
             # Before _tick ends a run: what a rank left behind must not hold its pipes open.
@@ -238,6 +249,9 @@ class Launcher:
         pipes = {ends.out_read: "stdout", ends.err_read: "stderr"}
         output = RankOutput(assignment.spec.rank, run.log)
         rank = RankProcess(assignment.spec, pid, pidfd, ends.launcher_end, pipes, output)
+        rank.stack_fd = ends.stack_read
+        os.set_blocking(ends.stack_read, False)
+        self.selector.register(ends.stack_read, selectors.EVENT_READ, ("stack", run, rank))
         self.selector.register(ends.launcher_end, selectors.EVENT_READ, ("events", run, rank))
         for fd in rank.pipes:
             os.set_blocking(fd, False)
@@ -249,15 +263,13 @@ class Launcher:
         return rank
 
     def _create(self, assignment: RankAssignment, ends: _RankEnds, listen_fd: int | None, tensor_fd: int | None) -> int:
-        rank_end, out_write, err_write = ends.rank_end, ends.out_write, ends.err_write
-        rank_fds = [fd for fd in (rank_end.fileno(), listen_fd, tensor_fd) if fd is not None]
+        fds = RankFds(ends.rank_end.fileno(), ends.out_write, ends.err_write, listen_fd, tensor_fd, ends.stack_write)
         if assignment.start.start_method == "spawn":
-            return self._spawn(assignment, rank_end, out_write, err_write, listen_fd, tensor_fd, rank_fds)
-        return processes.fork_rank(
-            lambda: _rank_main(assignment, rank_end, out_write, err_write, listen_fd, tensor_fd, rank_fds)
-        )
+            return self._spawn(assignment, fds)
+        rank_end = ends.rank_end
+        return processes.fork_rank(lambda: _rank_main(assignment, rank_end, fds))
 
-    def _spawn(self, assignment, rank_end, out_write, err_write, listen_fd, tensor_fd, rank_fds) -> int:
+    def _spawn(self, assignment: RankAssignment, fds: RankFds) -> int:
         env = dict(assignment.start.environ)
         # The caller's environment has no NBTRAIN_ROLE; without it the fresh interpreter's
         # `import nbtrain` would prewarm a launcher of its own (one more torch import per rank).
@@ -266,16 +278,17 @@ class Launcher:
             sys.executable,
             "-m",
             "nbtrain.rank",
-            str(rank_end.fileno()),
-            str(-1 if listen_fd is None else listen_fd),
-            str(-1 if tensor_fd is None else tensor_fd),
+            str(fds.channel),
+            str(-1 if fds.listen is None else fds.listen),
+            str(-1 if fds.tensor is None else fds.tensor),
+            str(fds.stack),
         ]
         # stdout/stderr go to the pipes; posix_spawn needs them on fds 1 and 2 of the child.
         saved = [os.dup(1), os.dup(2)]
         try:
-            os.dup2(out_write, 1)
-            os.dup2(err_write, 2)
-            pid = processes.spawn_rank(argv, env, rank_fds)
+            os.dup2(fds.out, 1)
+            os.dup2(fds.err, 2)
+            pid = processes.spawn_rank(argv, env, fds.kept)
         finally:
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
@@ -381,7 +394,8 @@ class Launcher:
         if rank.spec.rank == 0:
             run.result_pending = False
         exited = RankExited(
-            run.run_id, rank.spec.rank, exit_code, signal_number, reported, stopped=run.stop_started is not None
+            run.run_id, rank.spec.rank, exit_code, signal_number, reported,
+            stopped=run.stop_started is not None or run.stacks_until is not None,
         )
         self._send(exited)
         if not reported and run.end_state in (None, events.FINISHED):
@@ -409,11 +423,52 @@ class Launcher:
 
     # -- stopping and finishing --------------------------------------------------------
     def _stop(self, run: Run, state: str) -> None:
-        if run.stop_started is not None:
+        if run.stop_started is not None or run.stacks_until is not None:
             return
         run.end_state = state
+        if state in (events.STOPPED, events.TIMED_OUT) and self._ask_for_stacks(run):
+            return  # _tick stops the ranks once their dumps are in
+        self._stop_now(run)
+
+    def _stop_now(self, run: Run) -> None:
+        run.stacks_until = None
         run.stop_started = time.monotonic()
         self._signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGTERM)
+
+    def _ask_for_stacks(self, run: Run) -> bool:
+        """Signal every live rank for its stack dump; False when none can answer."""
+        for rank in run.ranks:
+            rank.stack_asked = not rank.exited and processes.request_stack(rank.pid)
+        if not any(rank.stack_asked for rank in run.ranks):
+            return False
+        run.stacks_until = time.monotonic() + STACK_WAIT_SECONDS
+        return True
+
+    def _stacks_in(self, run: Run, now: float) -> bool:
+        return all(
+            rank.exited or not rank.stack_asked or (rank.stack and now - rank.stack_seen_at > STACK_QUIET_SECONDS)
+            for rank in run.ranks
+        )
+
+    def _on_stack(self, rank: RankProcess) -> None:
+        assert rank.stack_fd is not None
+        try:
+            data = os.read(rank.stack_fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # every holder of the write end is gone
+            self._close_stack(rank)
+            return
+        rank.stack += data
+        rank.stack_seen_at = time.monotonic()
+
+    def _close_stack(self, rank: RankProcess) -> None:
+        if rank.stack_fd is not None:
+            self.selector.unregister(rank.stack_fd)
+            os.close(rank.stack_fd)
+            rank.stack_fd = None
 
     def _signal_groups(self, ranks: list[RankProcess], number: int) -> None:
         # Note who is in each group before signalling it: a DataLoader worker killed between
@@ -430,10 +485,17 @@ class Launcher:
         for run in list(self.runs.values()):
             if run.deadline is not None and now > run.deadline and run.end_state is None:
                 self._stop(run, events.TIMED_OUT)
+            if run.stacks_until is not None and (now > run.stacks_until or self._stacks_in(run, now)):
+                self._stop_now(run)
             if run.stop_started is not None and not run.killed and now - run.stop_started > STOP_GRACE_SECONDS:
                 run.killed = True
                 self._signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGKILL)
-            if run.all_exited_at is None and run.end_state is not None and all(r.exited for r in run.ranks):
+            if (
+                run.all_exited_at is None
+                and run.end_state is not None
+                and run.stacks_until is None
+                and all(r.exited for r in run.ranks)
+            ):
                 run.all_exited_at = now  # also covers a run whose ranks could not all start
             self._sample_memory(run, now)
             for rank in run.ranks:
@@ -475,6 +537,7 @@ class Launcher:
             except (KeyError, ValueError):
                 pass
             rank.channel.close()
+            self._close_stack(rank)
             # Its pipes are drained, so every process that held them (workers too) is gone.
             processes.remove_torch_shared_memory({rank.pid, *rank.members})
         del self.runs[run.run_id]
@@ -485,7 +548,7 @@ class Launcher:
             fds = () if run.result_fd is None else (run.result_fd,)
             self._send(RunEnded(run.run_id, state, run.result, run.result_fd is not None), fds)
         else:
-            self._send(RunEnded(run.run_id, state, failure=run.failure))
+            self._send(RunEnded(run.run_id, state, failure=run.failure, stacks=_stacks(run)))
         if run.result_fd is not None:
             os.close(run.result_fd)
 
@@ -503,6 +566,15 @@ class Launcher:
             time.sleep(0.01)
 
 
+def _stacks(run: Run) -> tuple[tuple[int, str], ...]:
+    """What each rank's dump said, for a run that ended by a timeout or a stop."""
+    if run.end_state not in (events.STOPPED, events.TIMED_OUT):
+        return ()
+    return tuple(
+        (rank.spec.rank, rank.stack.decode("utf-8", "replace")) for rank in run.ranks if rank.stack or rank.stack_asked
+    )
+
+
 @dataclass
 class _RankEnds:
     """The channel and the two output pipes of a rank being started: both ends of each."""
@@ -513,6 +585,8 @@ class _RankEnds:
     out_write: int
     err_read: int
     err_write: int
+    stack_read: int  # the rank's faulthandler dumps (nbtrain.stacks)
+    stack_write: int
 
     @classmethod
     def open(cls) -> _RankEnds:
@@ -520,8 +594,8 @@ class _RankEnds:
         launcher_end, rank_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pipes: list[int] = []
         try:
-            pipes.extend(os.pipe())
-            pipes.extend(os.pipe())
+            for _ in range(3):
+                pipes.extend(os.pipe())
         except OSError:
             for fd in pipes:
                 os.close(fd)
@@ -531,12 +605,12 @@ class _RankEnds:
         return cls(launcher_end, rank_end, *pipes)
 
     def close_child_side(self) -> None:
-        for fd in (self.out_write, self.err_write):
+        for fd in (self.out_write, self.err_write, self.stack_write):
             os.close(fd)
         self.rank_end.close()
 
     def close_all(self) -> None:
-        for fd in (self.out_read, self.out_write, self.err_read, self.err_write):
+        for fd in (self.out_read, self.out_write, self.err_read, self.err_write, self.stack_read, self.stack_write):
             try:
                 os.close(fd)
             except OSError:
@@ -557,24 +631,33 @@ def _send_quietly(channel: socket.socket, message: Any) -> None:
         pass  # the rank is already gone; its exit is handled by its pidfd
 
 
-def _rank_main(
-    assignment: RankAssignment,
-    channel: socket.socket,
-    out_write: int,
-    err_write: int,
-    listen_fd: int | None,
-    tensor_fd: int | None,
-    keep_fds: list[int],
-) -> None:
+@dataclass(frozen=True)
+class RankFds:
+    """The descriptors a new rank gets: its channel, stdout/stderr pipes, the store's
+    listening socket (rank 0), the payload's tensors, and the pipe for its stack dumps."""
+
+    channel: int
+    out: int
+    err: int
+    listen: int | None
+    tensor: int | None
+    stack: int
+
+    @property
+    def kept(self) -> list[int]:
+        return [fd for fd in (self.channel, self.listen, self.tensor, self.stack) if fd is not None]
+
+
+def _rank_main(assignment: RankAssignment, channel: socket.socket, fds: RankFds) -> None:
     """In the forked child: wire up stdio, drop the launcher's descriptors, run the rank."""
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
-    os.dup2(out_write, 1)
-    os.dup2(err_write, 2)
-    _close_all_but({0, 1, 2, *keep_fds})
+    os.dup2(fds.out, 1)
+    os.dup2(fds.err, 2)
+    _close_all_but({0, 1, 2, *fds.kept})
     from nbtrain.rank import runtime
 
-    runtime.run_rank(assignment, channel, listen_fd, tensor_fd)
+    runtime.run_rank(assignment, channel, fds.listen, fds.tensor, fds.stack)
 
 
 def _close_all_but(keep: set[int]) -> None:

@@ -1,4 +1,4 @@
-"""``python -m nbtrain.rank CHANNEL_FD LISTEN_FD TENSOR_FD``: a rank in a fresh interpreter.
+"""``python -m nbtrain.rank CHANNEL_FD LISTEN_FD TENSOR_FD STACK_FD``: a rank in a fresh interpreter.
 
 Used by the ``ddp_spawn`` strategy. The launcher starts it with stdout/stderr on its pipes
 and sends the RankAssignment as the first message on the channel.
@@ -12,11 +12,17 @@ from nbtrain.rank import runtime
 
 
 def main() -> None:
-    channel_fd, listen_fd, tensor_fd = (int(arg) for arg in sys.argv[1:4])
+    channel_fd, listen_fd, tensor_fd, stack_fd = (int(arg) for arg in sys.argv[1:5])
     channel = socket.socket(fileno=channel_fd)
     assignment, _ = wire.receive(channel)
     processes.die_with_parent(assignment.launcher_pid)
-    runtime.run_rank(assignment, channel, None if listen_fd < 0 else listen_fd, None if tensor_fd < 0 else tensor_fd)
+    runtime.run_rank(
+        assignment,
+        channel,
+        None if listen_fd < 0 else listen_fd,
+        None if tensor_fd < 0 else tensor_fd,
+        None if stack_fd < 0 else stack_fd,
+    )
 
 
 main()

@@ -282,7 +282,12 @@ def _collect(
     optimizer_states: dict[str, Any] = {}
     for name, optimizer in _unique(namespace, torch.optim.Optimizer):
         owner = _sharded_owner(optimizer, [m for _, m in modules])
-        if owner is not None:
+        zero = prepare.prepared_for(optimizer)
+        if type(zero).__name__ == "ZeroRedundancyOptimizer":  # ddp_sharded: each rank holds a part
+            zero.consolidate_state_dict(to=0)  # every rank, always: it is a collective
+            if rank0:
+                optimizer_states[name] = zero.state_dict()
+        elif owner is not None:
             state = _full_optimizer_state(owner, optimizer)
             if rank0:
                 optimizer_states[name] = state

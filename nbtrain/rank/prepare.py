@@ -46,8 +46,9 @@ from nbtrain.rank import api
 # What ``prepare`` wraps a model in when the caller did not say: the magic sets it from
 # --strategy; nbtrain.launch passes it in the environment.
 WRAPPER_VARIABLE = "NBTRAIN_MODEL_WRAPPER"
-WRAPPERS = ("ddp", "ddp_find_unused", "fsdp", "none")
-DDP_WRAPPERS = ("ddp", "ddp_find_unused")  # the second searches every step for unused parameters
+WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded", "fsdp", "none")
+# The second searches every step for unused parameters; the third shards optimizer state.
+DDP_WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded")
 UNUSED_NAMES_SHOWN = 8
 
 # Names whose presence in a cell (or a function it calls) means it distributes itself.
@@ -424,7 +425,13 @@ def _shard_blocks(module: Any) -> list[Any]:
 
 
 def prepare_optimizer(optimizer: Any) -> Any:
-    """The optimizer, bound to the prepared parameters; its state follows them."""
+    """The optimizer, bound to the prepared parameters; its state follows them.
+
+    Under ``ddp_sharded`` it is a ``ZeroRedundancyOptimizer`` of the same class and
+    settings, holding this rank's partition of the state only.
+    """
+    if model_wrapper() == "ddp_sharded" and _in_process_group() and not _is_zero(optimizer):
+        return _shard_optimizer_state(optimizer)
     _registry.optimizers.add(optimizer)
     if _registry.loss_scaling is not None:
         _registry.loss_scaling.wrap_optimizer(optimizer)
@@ -432,6 +439,34 @@ def prepare_optimizer(optimizer: Any) -> Any:
     _move_optimizer_state(optimizer)
     _registry.remember(optimizer, optimizer)
     return optimizer
+
+
+def prepared_for(obj: Any) -> Any | None:
+    """What ``prepare`` made of ``obj`` on this rank (None if it never saw it)."""
+    return _registry.prepared_for(obj)
+
+
+def _is_zero(optimizer: Any) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _shard_optimizer_state(optimizer: Any) -> Any:
+    """A ZeroRedundancyOptimizer over ``optimizer``'s parameters, groups and state."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    groups = optimizer.param_groups
+    defaults = {k: v for k, v in groups[0].items() if k != "params"}
+    sharded = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=type(optimizer), **defaults)
+    for group in groups[1:]:
+        sharded.add_param_group(dict(group))
+    if optimizer.state:  # state made in the kernel (a second cell): every rank keeps its part
+        sharded.load_state_dict(optimizer.state_dict())
+    if _registry.loss_scaling is not None:
+        _registry.loss_scaling.wrap_optimizer(sharded)
+    _registry.remember(optimizer, sharded)
+    return sharded
 
 
 def _rebind_optimizer(optimizer: Any) -> None:

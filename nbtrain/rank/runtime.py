@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import io
 import linecache
 import os
@@ -23,7 +24,7 @@ import sys
 import traceback
 from typing import Any, Mapping, NoReturn
 
-from nbtrain import processes, sharedtensors, wire
+from nbtrain import processes, sharedtensors, stacks, wire
 from nbtrain.events import RankAssignment, RankDone, RankFailed, Release, SendResultFile
 from nbtrain.rank import api
 
@@ -32,10 +33,15 @@ _hosted_store: Any = None  # rank 0's TCPStore server; must live as long as the 
 
 
 def run_rank(
-    assignment: RankAssignment, channel: socket.socket, listen_fd: int | None, tensor_fd: int | None
+    assignment: RankAssignment,
+    channel: socket.socket,
+    listen_fd: int | None,
+    tensor_fd: int | None,
+    stack_fd: int | None = None,
 ) -> NoReturn:
     """Run one rank to completion and exit the process. Never returns."""
     start, spec = assignment.start, assignment.spec
+    register_stack_dump(stack_fd, start.environ)
     # Orphans of this rank's subtree (a double fork, say) become its children, and the
     # launcher's once it exits: so nothing it started outlives the run (nbtrain.processes).
     processes.become_subreaper()
@@ -67,6 +73,18 @@ def run_rank(
         _report_failure(channel, start.run_id, spec.rank, error)
         processes.exit_now(1)
     processes.exit_now(0)
+
+
+def register_stack_dump(stack_fd: int | None, environ: Mapping[str, str]) -> None:
+    """Let the launcher ask for this rank's stack at any moment, even inside a collective.
+
+    faulthandler dumps from its C signal handler, which runs while the main thread is
+    blocked in C++ (gloo, NCCL): a Python handler would wait for the call to return. The
+    dump goes to a pipe only the launcher reads. This is the whole cost to a healthy run.
+    """
+    if stack_fd is None or environ.get(stacks.DISABLE_VARIABLE) == "0":
+        return
+    faulthandler.register(stacks.DUMP_SIGNAL, file=stack_fd, all_threads=True, chain=False)
 
 
 def _line_buffered_stdio() -> None:

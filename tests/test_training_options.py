@@ -1,4 +1,4 @@
-"""Training options: --precision, --sync-batchnorm, --backend, and the effective batch size.
+"""Training options: --precision, --sync-batchnorm, --backend, ddp_sharded, and the effective batch size.
 
 Real ranks (CPU, gloo, 2 processes) through ``nbtrain.start``; the flags through a real
 kernel. Rank functions are nested so that they travel by value, as notebook code does.
@@ -194,3 +194,34 @@ def test_a_cell_in_bf16_true_comes_back_in_the_kernels_dtype(kernel):
 def test_bad_training_options_are_one_line_usage_errors(kernel, flags, needle):
     out = kernel.run(CELL.format(flags=flags))
     assert needle in out.text, out.text
+
+
+SHARDED_SETUP = """
+torch.manual_seed(1)
+net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+start = {k: v.clone() for k, v in net.state_dict().items()}
+adam = torch.optim.Adam(net.parameters(), lr=0.01)
+"""
+SHARDED_CELL = """%%distributed --devices 2 --accelerator cpu --strategy {strategy}
+for x, y in loader:
+    loss = torch.nn.functional.mse_loss(net(x), y)
+    adam.zero_grad(); loss.backward(); adam.step()
+"""
+SHARDED_RESULT = (
+    "[[v.tolist() for v in net.state_dict().values()], "
+    "[[s['exp_avg_sq'].tolist() for s in adam.state_dict()['state'].values()], type(adam).__name__]]"
+)
+
+
+def test_ddp_sharded_trains_as_ddp_and_returns_the_full_optimizer_state(kernel):
+    """ZeRO partitions Adam's state across the ranks; the kernel's Adam gets all of it back."""
+    results = {}
+    for strategy in ("ddp_notebook", "ddp_sharded"):
+        kernel.run_ok(SHARDED_SETUP)
+        out = kernel.run_ok(SHARDED_CELL.format(strategy=strategy))
+        results[strategy] = kernel.value(SHARDED_RESULT)
+    assert "adam (ZeroRedundancyOptimizer)" in out.text
+    (weights, (moments, kind)), (sharded_weights, (sharded_moments, sharded_kind)) = results.values()
+    assert kind == sharded_kind == "Adam" and len(sharded_moments) == 4  # every parameter's state
+    for a, b in zip([*weights, *moments], [*sharded_weights, *sharded_moments]):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
