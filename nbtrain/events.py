@@ -76,6 +76,7 @@ class StartRun:
     timeout: float | None
     threads_per_rank: int | None = None  # None: the user's OMP_NUM_THREADS decides
     has_tensor_file: bool = False
+    strategy: str = ""  # its name, for the run registry only
     log_path: str | None = None  # where the launcher writes every rank's full output
     node: NodePlace | None = None  # None: every rank is on this machine (the local engine)
 

@@ -416,9 +416,11 @@ class BackgroundRun:
         self.view.refresh(force=True)
         self.stop_button = _stop_button(self)
         if self.stop_button is not None:
-            from IPython.display import display as show
-
-            show(self.stop_button)
+            display.show_widget(
+                self.stop_button,
+                f"nbtrain: the Stop button of background run {self.id} (live only while the run goes on;"
+                " the view above says how it ended)",
+            )
 
 
 class CellBackgroundRun(BackgroundRun):

@@ -551,6 +551,7 @@ def start(
             timeout=cfg.timeout,
             threads_per_rank=threads,
             has_tensor_file=tensor_fd is not None,
+            strategy=cfg.strategy.name,
             log_path=log_paths.setdefault(run_id, _log_path(run_id) if isinstance(client, LauncherClient) else None),
         )
 

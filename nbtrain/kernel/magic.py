@@ -43,10 +43,6 @@ from nbtrain.errors import (
 
 OUTPUT_MODES = ("all", "rank0", "none")
 METRIC_ROWS = 100_000  # per rank, kept in ``last_run`` (a long run must not grow the kernel)
-# DDP's C++ reducer prints this once per rank when find_unused_parameters=True found
-# nothing unused. prepare() sets that flag (so a model that skips a layer still trains);
-# the hint is about our choice, not the user's code.
-_NOISE = "find_unused_parameters=True was specified in DDP constructor"
 
 
 @dataclass
@@ -652,7 +648,11 @@ class _CellView:
     def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = charts.STALL_SECONDS):
         from nbtrain.kernel import display
 
-        self.view = display.LiveView(run.config, total_steps=total_steps, stall_warning=stall_warning)
+        # The cell's stream lines (_OutputPrinter) are where rank output goes: the whole of it,
+        # kept in the saved notebook, chosen by --output. The view shows no second copy.
+        self.view = display.LiveView(
+            run.config, total_steps=total_steps, stall_warning=stall_warning, show_logs=False
+        )
         self.poll_seconds = display.FASTEST_FRAME_SECONDS / 2
         self.view.refresh(force=True)
 
@@ -687,8 +687,6 @@ class _OutputPrinter:
                 return
             stream = sys.stderr if event.stream == "stderr" else sys.stdout
             text = event.text
-            if event.stream == "stderr" and _NOISE in text:
-                text = "".join(line for line in text.splitlines(keepends=True) if _NOISE not in line)
             if self.tagged:
                 text = "".join(f"{event.tag} {line}" for line in text.splitlines(keepends=True))
             stream.write(text)

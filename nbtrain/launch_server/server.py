@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain import events, processes, wire
+from nbtrain.launch_server import tracker
 from nbtrain.events import (
     MemorySample,
     Metrics,
@@ -117,6 +118,7 @@ class Launcher:
         self.selector = selectors.DefaultSelector()
         self.selector.register(control, selectors.EVENT_READ, ("control", None, None))
         self.runs: dict[int, Run] = {}
+        self.board = tracker.Board(tracker.find_owner(parent_pid))
 
     # -- main loop ---------------------------------------------------------------------
     def serve(self) -> None:
@@ -206,6 +208,7 @@ class Launcher:
             run.failure = RankNotStarted(run.run_id, first, len(start.ranks), name, reason)
             self._stop(run, events.FAILED)
         finally:
+            self.board.start(start, [(rank.spec.rank, rank.pid) for rank in run.ranks])
             # The store's port stayed bound from here until rank 0 took the socket over:
             # no other process could take it in between.
             if store_socket is not None:
@@ -307,8 +310,13 @@ class Launcher:
             return
         if isinstance(message, (Metrics, MemorySample)):
             self._send(message)
+            entry = self.board.get(run.run_id)
+            if entry is not None and isinstance(message, Metrics):
+                entry.on_metrics(message)
         elif isinstance(message, RankFailed):
             rank.failed = True
+            if self._stopped_from_outside(run):
+                return  # a peer's signal broke its collective: not a failure of the run
             self._send(message)
             if run.failure is None:
                 run.failure = message
@@ -391,6 +399,8 @@ class Launcher:
             self._on_rank_event(run, rank)
         # Rank 0 holding a result the kernel has not taken yet has not finished its part.
         reported = (rank.done and not (rank.spec.rank == 0 and run.result_pending)) or rank.failed
+        if not reported:
+            self._stopped_from_outside(run)
         if rank.spec.rank == 0:
             run.result_pending = False
         exited = RankExited(
@@ -422,6 +432,13 @@ class Launcher:
         return True
 
     # -- stopping and finishing --------------------------------------------------------
+    def _stopped_from_outside(self, run: Run) -> bool:
+        """Whether the run was stopped from the browser (the server extension signals the
+        ranks itself after leaving a stop request): it then ends as stopped, not failed."""
+        if run.stop_started is None and self.board.stop_requested(run.run_id):
+            self._stop(run, events.STOPPED)
+        return run.end_state == events.STOPPED
+
     def _stop(self, run: Run, state: str) -> None:
         if run.stop_started is not None or run.stacks_until is not None:
             return
@@ -433,6 +450,9 @@ class Launcher:
     def _stop_now(self, run: Run) -> None:
         run.stacks_until = None
         run.stop_started = time.monotonic()
+        entry = self.board.get(run.run_id)
+        if entry is not None:
+            entry.update(state="stopping")
         self._signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGTERM)
 
     def _ask_for_stacks(self, run: Run) -> bool:
@@ -482,6 +502,10 @@ class Launcher:
             processes.signal_group(rank.pid, number)
 
     def _tick(self, now: float) -> None:
+        for run_id in self.board.tick(now):  # stop requests, looked for about once a second
+            run = self.runs.get(run_id)
+            if run is not None and run.end_state is None:
+                self._stop(run, events.STOPPED)
         for run in list(self.runs.values()):
             if run.deadline is not None and now > run.deadline and run.end_state is None:
                 self._stop(run, events.TIMED_OUT)
@@ -544,6 +568,7 @@ class Launcher:
         if run.log is not None:
             run.log.close()
         state = run.end_state or events.FAILED
+        self.board.end(run.run_id, state)
         if state == events.FINISHED and run.failure is None:
             fds = () if run.result_fd is None else (run.result_fd,)
             self._send(RunEnded(run.run_id, state, run.result, run.result_fd is not None), fds)
@@ -553,6 +578,7 @@ class Launcher:
             os.close(run.result_fd)
 
     def _shutdown(self) -> None:
+        self.board.close()
         for run in self.runs.values():
             self._signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGKILL)
         deadline = time.monotonic() + 2.0
