@@ -249,3 +249,52 @@ def _shutdown(nvml: ModuleType) -> None:
         nvml.nvmlShutdown()
     except nvml.NVMLError:
         pass  # nothing is left to release, and the GPUs are already listed
+
+
+@dataclass(frozen=True)
+class GpuUsage:
+    """One GPU as NVML sees it now (NVML's numbering, all GPUs of the machine)."""
+
+    index: int
+    name: str
+    used_bytes: int
+    total_bytes: int
+    utilization_percent: int | None
+    process_bytes: dict[int, int]  # pid -> GPU memory it holds (compute processes)
+
+
+def gpu_usage() -> list[GpuUsage]:
+    """Every GPU's memory and utilisation, and what each process holds, through NVML.
+
+    Like :func:`detect_gpus`, never creates a CUDA context; [] without a driver or GPU.
+
+    >>> isinstance(gpu_usage(), list)
+    True
+    """
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no package, no driver library, no GPU
+        return []
+    try:
+        return [_usage(pynvml, index) for index in range(pynvml.nvmlDeviceGetCount())]
+    except pynvml.NVMLError:
+        return []
+    finally:
+        _shutdown(pynvml)
+
+
+def _usage(nvml: ModuleType, index: int) -> GpuUsage:
+    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    memory = _ask(nvml, nvml.nvmlDeviceGetMemoryInfo, handle, default=None)
+    rates = _ask(nvml, nvml.nvmlDeviceGetUtilizationRates, handle, default=None)
+    held = _ask(nvml, nvml.nvmlDeviceGetComputeRunningProcesses, handle, default=[])
+    return GpuUsage(
+        index=index,
+        name=_text(_ask(nvml, nvml.nvmlDeviceGetName, handle, default="unknown GPU")),
+        used_bytes=int(memory.used) if memory is not None else 0,
+        total_bytes=int(memory.total) if memory is not None else 0,
+        utilization_percent=int(rates.gpu) if rates is not None else None,
+        process_bytes={int(p.pid): int(p.usedGpuMemory or 0) for p in held},
+    )

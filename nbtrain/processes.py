@@ -257,15 +257,65 @@ def process_groups() -> dict[int, list[int]]:
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-            # Fields after the command name (which may hold spaces or parentheses).
-            pgid = int(stat[stat.rindex(b")") + 2 :].split()[2])
-        except (OSError, ValueError, IndexError):
+        fields = _stat_fields(int(name))
+        if fields is None:
             continue  # gone meanwhile
-        groups.setdefault(pgid, []).append(int(name))
+        groups.setdefault(int(fields[2]), []).append(int(name))
     return groups
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot; None once it is gone (or a zombie).
+
+    A pid alone may be reused by an unrelated process; a pid with its start time cannot,
+    so the run registry keeps both and nothing is signalled unless both still match.
+    """
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])  # field 22 of /proc/<pid>/stat; the list starts at field 3
+
+
+def signal_ranks(ranks: Iterable[tuple[int, int]], number: int) -> list[int]:
+    """Signal the process group of each rank given as (pid, start time); the pids signalled.
+
+    A rank is signalled only if a live process still has that pid AND that start time AND
+    leads its own process group (every rank does), so a stale or forged registry record
+    can never reach another process. The identity is checked through a pidfd opened
+    first: the process the pidfd holds is the one whose start time was read. The leader
+    gets the signal through the pidfd (no pid reuse possible), then its group (its
+    DataLoader workers) through killpg, as the launcher's own stop does.
+    """
+    signalled = []
+    for pid, started in ranks:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            continue  # gone already
+        try:
+            fields = _stat_fields(pid)
+            if fields is None or fields[0] in (b"Z", b"X") or int(fields[19]) != started or int(fields[2]) != pid:
+                continue
+            signal.pidfd_send_signal(pidfd, number)
+            signal_group(pid, number)
+            signalled.append(pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+        finally:
+            os.close(pidfd)
+    return signalled
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/<pid>/stat from field 3 (state) on (the command name before it may hold spaces
+    or parentheses); None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return fields if len(fields) > 19 else None
 
 
 def remove_torch_shared_memory(pids: Iterable[int], directory: str = "/dev/shm") -> None:
@@ -291,13 +341,8 @@ def remove_torch_shared_memory(pids: Iterable[int], directory: str = "/dev/shm")
 
 
 def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    state = stat[stat.rindex(b")") + 2 :][:1]
-    return state not in (b"Z", b"X")  # a zombie has exited; only its parent's wait is missing
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in (b"Z", b"X")  # a zombie has exited; only its wait is missing
 
 
 def resident_bytes(pid: int) -> int | None:

@@ -71,6 +71,14 @@ class CellResult:
     loaders: list[tuple[str, str]] = field(default_factory=list)  # (name, what its passes read)
 
 
+class CopiedResult:
+    """Rank 0's result once it is in the kernel's memory (filed under its run by either engine)."""
+
+    def __init__(self, data: bytes, mapping: Any):
+        self.data = data
+        self.mapping = mapping
+
+
 def rng_states() -> dict[str, Any] | None:
     """This process's RNG states (torch CPU, random, numpy), so ranks start where the kernel is.
 

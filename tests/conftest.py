@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 
-import nbtrain  # noqa: F401 - starts the warm launcher, as in a notebook
-from nbtrain.kernel import client as kernel_client
+# Every launcher the tests start (this process's, and those of the kernels and notebooks it
+# starts, which inherit the environment) keeps its run registry here, not in the user's
+# Jupyter runtime directory: a real JupyterLab's sidebar never lists test runs.
+os.environ.setdefault("NBTRAIN_RUNTIME_DIR", tempfile.mkdtemp(prefix="nbtrain-test-registry-"))
+
+import nbtrain  # noqa: F401, E402 - starts the warm launcher, as in a notebook
+from nbtrain.kernel import client as kernel_client  # noqa: E402
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:  # for `helpers` (ranks get this sys.path too); pytest's prepend mode adds it

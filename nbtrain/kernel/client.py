@@ -17,13 +17,15 @@ import queue
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from nbtrain import config as config_module
 from nbtrain import events as messages  # not `events`: Run.events() is a method here
 from nbtrain import processes, wire
+from nbtrain.records import CopiedResult
 from nbtrain.errors import (
     LauncherError,
+    NodeLostError,
     RankDiedError,
     RankError,
     RankStartError,
@@ -51,14 +53,6 @@ class _LauncherGone:
 
     def __init__(self, detail: str):
         self.detail = detail
-
-
-class _CopiedResult:
-    """Filed under a run once rank 0's result is in the kernel's memory."""
-
-    def __init__(self, data: bytes, mapping: Any):
-        self.data = data
-        self.mapping = mapping
 
 
 class LauncherClient:
@@ -173,7 +167,7 @@ class LauncherClient:
             from nbtrain import sharedtensors
 
             try:
-                copied = _CopiedResult(
+                copied = CopiedResult(
                     offer.result, sharedtensors.read_from_process(offer.pid, offer.regions, offer.total_bytes)
                 )
             except Exception:  # noqa: BLE001 - forbidden here (a sandbox), or no memory: and
@@ -286,6 +280,21 @@ def _forget_client_in_child() -> None:
     _client = None
 
 
+class Engine(Protocol):
+    """What a :class:`Run` asks of the engine that runs its ranks: this machine's launcher
+    (:class:`LauncherClient`) or a cluster's agents (:class:`nbtrain.cluster.engine.ClusterClient`).
+
+    ``submit`` returns the run's id and the queue its records arrive on, as
+    ``(record, fds)``; the magic and the live view read only those records.
+    """
+
+    def submit(self, start_run: Callable[[int], messages.StartRun], tensor_fd: int | None) -> tuple[int, queue.Queue]: ...
+    def stop(self, run_id: int, reason: str) -> None: ...
+    def forget(self, run_id: int) -> None: ...
+    def output_taken(self, run_id: int, chars: int) -> None: ...
+    def close(self) -> None: ...
+
+
 class Run:
     """A run in progress. ``wait()`` returns rank 0's result or raises the run's failure.
 
@@ -298,7 +307,7 @@ class Run:
 
     def __init__(
         self,
-        client: LauncherClient,
+        client: Engine,
         run_id: int,
         inbox: queue.Queue,
         cfg: config_module.LaunchConfig,
@@ -313,7 +322,7 @@ class Run:
         self._inbox = inbox
         self._ended: messages.RunEnded | None = None
         self._ended_fds: list[int] = []
-        self._copied: _CopiedResult | None = None
+        self._copied: CopiedResult | None = None
 
     def events(self, poll: float = POLL_SECONDS) -> Iterator[Any]:
         """Yield the run's events as they arrive, ending with its RunEnded.
@@ -334,7 +343,7 @@ class Run:
             yield self._take(message, fds)
 
     def _take(self, message: Any, fds: list[int]) -> Any:
-        if isinstance(message, _CopiedResult):
+        if isinstance(message, CopiedResult):
             self._copied = message
             return None
         if isinstance(message, _LauncherGone):
@@ -463,11 +472,15 @@ class Run:
     def _failure(self, ended: messages.RunEnded) -> RunFailedError:
         failure = ended.failure
         if isinstance(failure, messages.RankFailed):
-            return RankError(failure.rank, failure.exc_type, failure.message, failure.traceback)
+            return RankError(failure.rank, failure.exc_type, failure.message, failure.traceback, node=failure.node)
         if isinstance(failure, messages.RankNotStarted):
             return RankStartError(failure.rank, failure.world_size, failure.error_name, failure.reason)
         if isinstance(failure, messages.RankExited):
-            return RankDiedError(failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code)
+            return RankDiedError(
+                failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code, node=failure.node
+            )
+        if isinstance(failure, messages.NodeLost):
+            return NodeLostError(failure.node, failure.detail)
         if ended.state == messages.TIMED_OUT:
             return RunTimeoutError(self.config.timeout or 0.0, self.where_ranks_were())
         if ended.state == messages.STOPPED:
@@ -489,6 +502,8 @@ def start(
     precision: str = "32-true",
     sync_batchnorm: bool = False,
     config: config_module.LaunchConfig | None = None,
+    cluster: str | None = None,
+    num_nodes: int | None = None,
 ) -> Run:
     """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once.
 
@@ -497,17 +512,19 @@ def start(
     A caller that already built the launch configuration (the magic, from its flags)
     passes it as ``config``: the devices, accelerator, strategy, timeout, backend and
     oversubscribe arguments are then not read, and the hardware is not probed again.
+    ``cluster="ray"`` (or a Ray address) runs on ``num_nodes`` nodes of a Ray cluster with
+    ``devices`` ranks on each (:mod:`nbtrain.cluster`); the default runs on this machine.
     """
-    from nbtrain import hardware
     from nbtrain.errors import SerializationError
 
-    cfg = config
-    if cfg is None:
-        plan = hardware.probe_plan(devices, accelerator, oversubscribe)
-        cfg = config_module.make_config(
-            plan, strategy=strategy, timeout=timeout, backend=backend, precision=precision, sync_batchnorm=sync_batchnorm
+    if config is not None and (cluster is None or str(cluster).strip().lower() == "local"):
+        client, cfg = get_client(), config
+    else:
+        client, cfg = _engine(
+            cluster, num_nodes, devices, accelerator, strategy, timeout, backend, oversubscribe, precision, sync_batchnorm
         )
-    _admit(cfg, fn, args, kwargs)
+    if isinstance(client, LauncherClient):  # a cluster's own checks list its nodes instead
+        _admit(cfg, fn, args, kwargs)
     try:
         payload, tensor_fd = _pickle_payload((fn, tuple(args), dict(kwargs or {})))
     except Exception as error:
@@ -516,6 +533,8 @@ def start(
             "Objects such as open files, locks, sockets and generators cannot travel; "
             "create them inside the function instead."
         ) from error
+    from nbtrain import hardware
+
     threads = config_module.threads_per_rank(hardware.cpu_count(), cfg.world_size, os.environ)
 
     def start_run(run_id: int) -> messages.StartRun:
@@ -533,12 +552,12 @@ def start(
             timeout=cfg.timeout,
             threads_per_rank=threads,
             has_tensor_file=tensor_fd is not None,
-            log_path=log_paths.setdefault(run_id, _log_path(run_id)),
+            strategy=cfg.strategy.name,
+            log_path=log_paths.setdefault(run_id, _log_path(run_id) if isinstance(client, LauncherClient) else None),
         )
 
     log_paths: dict[int, str | None] = {}
 
-    client = get_client()
     try:
         # Held: an interrupt half way through sending StartRun would garble the channel, and
         # one between the send and the handle would leave a run nobody can stop.
@@ -554,6 +573,27 @@ def start(
     return run
 
 
+def _engine(
+    cluster: str | None, num_nodes: int | None, devices: Any, accelerator: str, strategy: str,
+    timeout: float | None, backend: str | None, oversubscribe: bool = False, precision: str = "32-true",
+    sync_batchnorm: bool = False,
+) -> tuple[Any, config_module.LaunchConfig]:
+    """The engine that runs the ranks (this machine's launcher, or a cluster's agents) and the plan."""
+    settings = {"backend": backend, "precision": precision, "sync_batchnorm": sync_batchnorm}
+    if cluster is not None and str(cluster).strip().lower() != "local":
+        from nbtrain.cluster import engine
+
+        return engine.prepare(cluster, num_nodes, devices, accelerator, strategy, timeout, **settings)
+    if num_nodes not in (None, 1):
+        from nbtrain.cluster import nodes
+
+        nodes.validate_num_nodes(num_nodes, cluster)
+    from nbtrain import hardware
+
+    plan = hardware.probe_plan(devices, accelerator, oversubscribe)
+    return get_client(), config_module.make_config(plan, strategy=strategy, timeout=timeout, **settings)
+
+
 def launch(
     fn: Callable[..., Any],
     *args: Any,
@@ -566,6 +606,8 @@ def launch(
     backend: str | None = None,
     precision: str = "32-true",
     sync_batchnorm: bool = False,
+    cluster: str | None = None,
+    num_nodes: int | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank; return rank 0's return value.
@@ -578,6 +620,10 @@ def launch(
     ``backend``, ``precision`` (Lightning's names: ``"32-true"``, ``"bf16-mixed"``,
     ``"16-mixed"``, ...) and ``sync_batchnorm`` are as for ``%%distributed``; they apply to
     what ``nbtrain.prepare`` does on the ranks.
+
+    ``cluster="ray", num_nodes=2`` runs on two nodes of a Ray cluster (``RAY_ADDRESS``, the
+    cluster this machine belongs to, or an address given instead of ``"ray"``), ``devices``
+    ranks on each; rank 0's result comes back here all the same.
 
     ``background=True`` returns at once with a
     :class:`nbtrain.kernel.background.BackgroundRun` (``wait()``, ``stop()``, ``result``,
@@ -601,6 +647,8 @@ def launch(
         backend=backend,
         precision=precision,
         sync_batchnorm=sync_batchnorm,
+        cluster=cluster,
+        num_nodes=num_nodes,
     )
     try:
         if background:

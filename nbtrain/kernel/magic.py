@@ -33,6 +33,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 
 from nbtrain import charts, config, events, processes, records
 from nbtrain.errors import (
+    ClusterError,
     ConfigurationError,
     NbtrainError,
     RankError,
@@ -44,10 +45,6 @@ from nbtrain.kernel import shell as kernel_shell
 
 OUTPUT_MODES = ("all", "rank0", "none")
 METRIC_ROWS = 100_000  # per rank, kept in ``last_run`` (a long run must not grow the kernel)
-# DDP's C++ reducer prints this once per rank when find_unused_parameters=True found
-# nothing unused. prepare() sets that flag (so a model that skips a layer still trains);
-# the hint is about our choice, not the user's code.
-_NOISE = "find_unused_parameters=True was specified in DDP constructor"
 
 
 @dataclass
@@ -80,6 +77,16 @@ class _SessionDefault:
 
 
 _SESSION: Any = _SessionDefault()
+
+
+def _num_nodes_flag(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"--num-nodes takes a whole number of nodes, not {text!r}") from None
+    if value < 1:
+        raise ValueError(f"--num-nodes takes a positive number of nodes, not {text!r}")
+    return value
 
 
 def _timeout_flag(text: str) -> float | None:
@@ -162,6 +169,20 @@ class DistributedMagics(Magics):
         "--allow-oversubscribe",
         action="store_true",
         help="Allow more CPU processes than 4 per core (refused otherwise, as a likely typo).",
+    )
+    @magic_arguments.argument(
+        "--cluster",
+        default=None,
+        help="Where the ranks run: local (this machine), ray (the Ray cluster in RAY_ADDRESS, or the one "
+        "this machine belongs to), or a Ray address (ray://host:10001, host:6379). Default: the session "
+        "default (local).",
+    )
+    @magic_arguments.argument(
+        "--num-nodes",
+        type=_num_nodes_flag,
+        default=None,
+        help="With --cluster: how many nodes the run spans; --devices ranks on each. Default: the session "
+        "default (1).",
     )
     @magic_arguments.argument(
         "--background",
@@ -249,6 +270,8 @@ class CellOptions:
     precision: str = "32-true"
     sync_batchnorm: bool = False
     backend: str | None = None  # None: gloo on CPU, nccl on CUDA
+    cluster: str | None = None  # None or "local": this machine; "ray" or a Ray address
+    num_nodes: int | None = None  # with a cluster: nodes the run spans
     allow_oversubscribe: bool = False
     background: bool = False
     help: bool = False
@@ -270,6 +293,10 @@ def fill_defaults(parsed: Any) -> CellOptions:
     from nbtrain.kernel import defaults
 
     session = defaults.get_defaults()
+    cluster = session.cluster if parsed.cluster is None else parsed.cluster
+    num_nodes = parsed.num_nodes
+    if num_nodes is None:
+        num_nodes = session.num_nodes if cluster == session.cluster else None
     return CellOptions(
         devices=session.devices if parsed.devices is None else parsed.devices,
         accelerator=session.accelerator if parsed.accelerator is None else parsed.accelerator,
@@ -284,6 +311,8 @@ def fill_defaults(parsed: Any) -> CellOptions:
         allow_oversubscribe=parsed.allow_oversubscribe,
         background=parsed.background,
         help=parsed.help,
+        cluster=cluster,
+        num_nodes=num_nodes,
     )
 
 
@@ -308,6 +337,18 @@ def check_flags(options: CellOptions) -> config.LaunchConfig:
     from nbtrain import hardware
 
     try:
+        if _on_cluster(options):
+            from nbtrain.cluster import engine
+
+            return engine.prepare(
+                options.cluster, options.num_nodes, options.devices, options.accelerator, options.strategy,
+                options.timeout, options.backend, options.precision, options.sync_batchnorm,
+            )[1]
+        if options.num_nodes not in (None, 1):
+            raise ConfigurationError(
+                f"--num-nodes {options.num_nodes} needs a cluster: without --cluster every rank runs on this "
+                "machine. Add --cluster ray to run across the nodes of a Ray cluster."
+            )
         plan = hardware.probe_plan(options.devices, options.accelerator, options.allow_oversubscribe)
         return config.make_config(
             plan,
@@ -317,8 +358,13 @@ def check_flags(options: CellOptions) -> config.LaunchConfig:
             precision=options.precision,
             sync_batchnorm=options.sync_batchnorm,
         )
-    except ConfigurationError as error:
+    except (ConfigurationError, ClusterError) as error:
         raise UsageError(f"%%distributed: {error}") from None
+
+
+def _on_cluster(options: CellOptions) -> bool:
+    cluster = options.cluster
+    return cluster is not None and str(cluster).strip().lower() != "local"
 
 
 # -- running a cell ------------------------------------------------------------------------
@@ -421,8 +467,12 @@ def infer_total_steps(code: str, analysis: Any, spec: Any, cfg: config.LaunchCon
         return None
 
 
-def start_cell(shell: Any, prepared: PreparedCell) -> Any:
-    """Launch a prepared cell; the :class:`nbtrain.kernel.client.Run`. Explains what cannot travel."""
+def start_cell(shell: Any, prepared: PreparedCell, options: CellOptions) -> Any:
+    """Launch a prepared cell; the :class:`nbtrain.kernel.client.Run`. Explains what cannot travel.
+
+    On this machine the launch config built from the flags is passed on (the hardware is
+    probed once); a cluster's engine plans its own placement from the flags.
+    """
     from nbtrain.kernel import client
     from nbtrain.kernel import namespace as ns
     from nbtrain.rank import cell as rank_cell
@@ -432,12 +482,28 @@ def start_cell(shell: Any, prepared: PreparedCell) -> Any:
         return client.start(
             rank_cell.run_cell,
             (prepared.spec, prepared.shipped, ns.anchor_function(kernel_shell.user_namespace(shell))),
-            config=prepared.cfg,
+            **_launch_arguments(prepared, options),
         )
     except SerializationError as error:
         raise _plain(ns.explain_unpicklable(prepared.shipped, prepared.used_by) or error) from None
     except ConfigurationError as error:  # the run cannot fit in memory: refused before it started
         raise UsageError(f"%%distributed: {error}") from None
+
+
+def _launch_arguments(prepared: PreparedCell, options: CellOptions) -> dict[str, Any]:
+    if not _on_cluster(options):
+        return {"config": prepared.cfg}
+    return {
+        "devices": options.devices,
+        "accelerator": options.accelerator,
+        "strategy": options.strategy,
+        "timeout": options.timeout,
+        "backend": options.backend,
+        "precision": options.precision,
+        "sync_batchnorm": options.sync_batchnorm,
+        "cluster": options.cluster,
+        "num_nodes": options.num_nodes,
+    }
 
 
 def run_distributed_cell(shell: Any, line: str, cell: str, options: CellOptions) -> Any:
@@ -491,7 +557,7 @@ def _launch_and_follow(shell: Any, prepared: PreparedCell, options: CellOptions,
     record = last_run = prepared.record
     started = time.monotonic()
     try:
-        run = start_cell(shell, prepared)
+        run = start_cell(shell, prepared, options)
     except BaseException:
         record.state = events.FAILED  # refused before it started (what cannot travel, or fit)
         raise
@@ -631,7 +697,11 @@ class _CellView:
     def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = charts.STALL_SECONDS):
         from nbtrain.kernel import display
 
-        self.view = display.LiveView(run.config, total_steps=total_steps, stall_warning=stall_warning)
+        # The cell's stream lines (_OutputPrinter) are where rank output goes: the whole of it,
+        # kept in the saved notebook, chosen by --output. The view shows no second copy.
+        self.view = display.LiveView(
+            run.config, total_steps=total_steps, stall_warning=stall_warning, show_logs=False
+        )
         self.poll_seconds = display.FASTEST_FRAME_SECONDS / 2
         self.view.refresh(force=True)
 
@@ -666,10 +736,8 @@ class _OutputPrinter:
                 return
             stream = sys.stderr if event.stream == "stderr" else sys.stdout
             text = event.text
-            if event.stream == "stderr" and _NOISE in text:
-                text = "".join(line for line in text.splitlines(keepends=True) if _NOISE not in line)
             if self.tagged:
-                text = "".join(f"[rank {event.rank}] {line}" for line in text.splitlines(keepends=True))
+                text = "".join(f"{event.tag} {line}" for line in text.splitlines(keepends=True))
             stream.write(text)
             stream.flush()
 
@@ -699,7 +767,7 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
     """The run's failure as the notebook shows it: rank tracebacks name cells, plus ``note``."""
     if isinstance(error, RankError):
         text = cell_traceback(error.remote_traceback, shell)
-        return RankError(error.rank, error.exc_type, error.exc_message, text, note)
+        return RankError(error.rank, error.exc_type, error.exc_message, text, note, node=error.node)
     where = getattr(error, "where", "")
     message = f"{error.headline or error} {note}" + (f"\n{where}" if where else "")
     error.args = (message,)

@@ -199,7 +199,8 @@ class Launcher:
     # -- showing ------------------------------------------------------------------------
     def show(self) -> "Launcher":
         """Display the form in the current cell."""
-        display.show_widget(self.form)
+        display.enable_colab_widgets()
+        display.show_widget(self.form, self.summary())
         self._shown_in = kernel_shell.execution_count()
         return self
 
@@ -209,8 +210,25 @@ class Launcher:
             return
         self.show()
 
+    def summary(self) -> str:
+        """One line saying what the form set, for a saved notebook that cannot show the form."""
+        return summary_line(self.settings)
+
     def __repr__(self) -> str:
         return f"<nbtrain launcher: {self.settings.magic_line()}>"
+
+
+def summary_line(settings: defaults.Defaults) -> str:
+    """What a launcher form showing ``settings`` stands for, in one line.
+
+    >>> summary_line(defaults.Defaults("2", "cpu"))
+    'nbtrain launcher: 2 x cpu, ddp_notebook, no timeout (the defaults of later %%distributed cells when it was shown)'
+    """
+    timeout = "no timeout" if settings.timeout is None else f"timeout {settings.timeout:g} s"
+    return (
+        f"nbtrain launcher: {settings.devices} x {settings.accelerator}, {settings.strategy}, {timeout}"
+        " (the defaults of later %%distributed cells when it was shown)"
+    )
 
 
 def launcher(*, machine: Machine | None = None) -> Launcher:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain import events, processes, wire
+from nbtrain.launch_server import tracker
 from nbtrain.events import (
     MemorySample,
     Metrics,
@@ -31,13 +32,16 @@ from nbtrain.events import (
     RankFailed,
     RankNotStarted,
     RankStarted,
+    RanksDone,
     Release,
+    ReleaseRanks,
     ReleaseResult,
     ResultOffer,
     RunEnded,
     SendResultFile,
     StartRun,
     StopRun,
+    StoreListening,
 )
 from nbtrain.launch_server.output import STREAMS, RankOutput, RunLog
 
@@ -101,6 +105,7 @@ class Run:
     result_pending: bool = False  # the kernel has not taken rank 0's result yet
     all_exited_at: float | None = None
     last_memory_sample: float = 0.0
+    hold: bool = False  # a cluster run: done ranks wait for ReleaseRanks (every node done)
     stacks_until: float | None = None  # collecting stack dumps before the stop, until then
     log: RunLog | None = None  # every rank's full output
     last_skipped_report: float = 0.0
@@ -113,6 +118,7 @@ class Launcher:
         self.selector = selectors.DefaultSelector()
         self.selector.register(control, selectors.EVENT_READ, ("control", None, None))
         self.runs: dict[int, Run] = {}
+        self.board = tracker.Board(tracker.find_owner(parent_pid))
 
     # -- main loop ---------------------------------------------------------------------
     def serve(self) -> None:
@@ -166,6 +172,11 @@ class Launcher:
                     _send_quietly(rank_zero.channel, SendResultFile(run.run_id))
                 else:
                     self._release(run)
+        elif isinstance(message, ReleaseRanks):
+            run = self.runs.get(message.run_id)
+            if run is not None and run.hold:
+                run.hold = False
+                self._release(run)
         return True
 
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
@@ -176,29 +187,50 @@ class Launcher:
 
     # -- starting ranks ----------------------------------------------------------------
     def _start(self, start: StartRun, tensor_fd: int | None) -> None:
-        store_socket = socket.create_server(("127.0.0.1", 0), backlog=max(128, 2 * len(start.ranks)))
-        port = store_socket.getsockname()[1]
         run = Run(start.run_id, [], None if start.timeout is None else time.monotonic() + start.timeout)
+        run.hold = start.node is not None
         run.log = RunLog(start.log_path) if start.log_path else None
         self.runs[start.run_id] = run
+        store_socket = None
         try:
+            store_socket, port = self._store_socket(start)
             for spec in start.ranks:
                 assignment = RankAssignment(start, spec, port, os.getpid())
-                listen_fd = store_socket.fileno() if spec.rank == 0 else None
+                listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
                 run.ranks.append(self._start_rank(run, assignment, listen_fd, tensor_fd))
         except OSError as error:
+            # On a cluster a node's first rank is not rank 0: name the global rank.
+            first = start.ranks[len(run.ranks)].rank if len(run.ranks) < len(start.ranks) else len(run.ranks)
             # EAGAIN (a process limit), ENOMEM, EMFILE: the run cannot have all its ranks, so it
             # ends now, and the ranks already started (waiting for their peers) are stopped.
             name = errno.errorcode.get(error.errno or 0, type(error).__name__)
             reason = error.strerror or str(error)
-            run.failure = RankNotStarted(run.run_id, len(run.ranks), len(start.ranks), name, reason)
+            run.failure = RankNotStarted(run.run_id, first, len(start.ranks), name, reason)
             self._stop(run, events.FAILED)
         finally:
+            self.board.start(start, [(rank.spec.rank, rank.pid) for rank in run.ranks])
             # The store's port stayed bound from here until rank 0 took the socket over:
             # no other process could take it in between.
-            store_socket.close()
+            if store_socket is not None:
+                store_socket.close()
             if tensor_fd is not None:
                 os.close(tensor_fd)
+
+    def _store_socket(self, start: StartRun) -> tuple[socket.socket | None, int]:
+        """The bound socket rank 0 will host the store on, and its port.
+
+        On a cluster only the node holding global rank 0 binds one (on the address the
+        other nodes reach it at) and reports its port; the other nodes are given it.
+        """
+        node = start.node
+        if node is not None and node.master_port is not None:
+            return None, node.master_port
+        address = "127.0.0.1" if node is None else node.master_addr
+        store_socket = socket.create_server((address, 0), backlog=max(128, 2 * len(start.ranks)))
+        port = store_socket.getsockname()[1]
+        if node is not None:
+            self._send(StoreListening(start.run_id, port))
+        return store_socket, port
 
     def _start_rank(
         self, run: Run, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None
@@ -278,8 +310,13 @@ class Launcher:
             return
         if isinstance(message, (Metrics, MemorySample)):
             self._send(message)
+            entry = self.board.get(run.run_id)
+            if entry is not None and isinstance(message, Metrics):
+                entry.on_metrics(message)
         elif isinstance(message, RankFailed):
             rank.failed = True
+            if self._stopped_from_outside(run):
+                return  # a peer's signal broke its collective: not a failure of the run
             self._send(message)
             if run.failure is None:
                 run.failure = message
@@ -313,6 +350,9 @@ class Launcher:
 
     def _release(self, run: Run) -> None:
         run.result_pending = False
+        if run.hold:  # the caller releases every node's ranks together
+            self._send(RanksDone(run.run_id))
+            return
         for rank in run.ranks:
             _send_quietly(rank.channel, Release(run.run_id))
 
@@ -359,6 +399,8 @@ class Launcher:
             self._on_rank_event(run, rank)
         # Rank 0 holding a result the kernel has not taken yet has not finished its part.
         reported = (rank.done and not (rank.spec.rank == 0 and run.result_pending)) or rank.failed
+        if not reported:
+            self._stopped_from_outside(run)
         if rank.spec.rank == 0:
             run.result_pending = False
         exited = RankExited(
@@ -390,6 +432,13 @@ class Launcher:
         return True
 
     # -- stopping and finishing --------------------------------------------------------
+    def _stopped_from_outside(self, run: Run) -> bool:
+        """Whether the run was stopped from the browser (the server extension signals the
+        ranks itself after leaving a stop request): it then ends as stopped, not failed."""
+        if run.stop_started is None and self.board.stop_requested(run.run_id):
+            self._stop(run, events.STOPPED)
+        return run.end_state == events.STOPPED
+
     def _stop(self, run: Run, state: str) -> None:
         if run.stop_started is not None or run.stacks_until is not None:
             return
@@ -401,6 +450,9 @@ class Launcher:
     def _stop_now(self, run: Run) -> None:
         run.stacks_until = None
         run.stop_started = time.monotonic()
+        entry = self.board.get(run.run_id)
+        if entry is not None:
+            entry.update(state="stopping")
         self._signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGTERM)
 
     def _ask_for_stacks(self, run: Run) -> bool:
@@ -450,6 +502,10 @@ class Launcher:
             processes.signal_group(rank.pid, number)
 
     def _tick(self, now: float) -> None:
+        for run_id in self.board.tick(now):  # stop requests, looked for about once a second
+            run = self.runs.get(run_id)
+            if run is not None and run.end_state is None:
+                self._stop(run, events.STOPPED)
         for run in list(self.runs.values()):
             if run.deadline is not None and now > run.deadline and run.end_state is None:
                 self._stop(run, events.TIMED_OUT)
@@ -512,6 +568,7 @@ class Launcher:
         if run.log is not None:
             run.log.close()
         state = run.end_state or events.FAILED
+        self.board.end(run.run_id, state)
         if state == events.FINISHED and run.failure is None:
             fds = () if run.result_fd is None else (run.result_fd,)
             self._send(RunEnded(run.run_id, state, run.result, run.result_fd is not None), fds)
@@ -521,6 +578,7 @@ class Launcher:
             os.close(run.result_fd)
 
     def _shutdown(self) -> None:
+        self.board.close()
         for run in self.runs.values():
             self._signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGKILL)
         deadline = time.monotonic() + 2.0

@@ -1,0 +1,150 @@
+/**
+ * What the sidebar and the status bar compute from the server's answers: pure functions,
+ * no JupyterLab imports, so `npm test` checks them under Node alone.
+ *
+ * Example:
+ *   statusText([{state: 'running', world_size: 2}]) === 'nbtrain: 1 run · 2 ranks'
+ */
+
+/** One run as `GET nbtrain/api/runs` returns it (the fields the sidebar uses). */
+export interface RunInfo {
+  id: string;
+  state: string;
+  world_size: number;
+  kernel_id?: string | null;
+  notebook?: string | null;
+  strategy?: string;
+  accelerator?: string;
+  pids?: number[];
+  live_pids?: number[];
+  step?: number | null;
+  loss?: number | null;
+  losses?: number[];
+  steps_per_second?: number | null;
+  elapsed?: number;
+}
+
+export interface GpuInfo {
+  index: number;
+  name: string;
+  memory_used: number;
+  memory_total: number;
+  utilization: number | null;
+}
+
+export interface DevicesInfo {
+  gpus: GpuInfo[];
+  host: { cpus: number; cpu_percent: number; memory_used: number; memory_total: number };
+  ranks: { run: string; rank: number; pid: number; rss: number | null; gpu_memory: number | null }[];
+}
+
+/** States in which a run still has ranks working for it. */
+export const ACTIVE_STATES = ['starting', 'running', 'stopping'];
+
+export function isActive(run: Pick<RunInfo, 'state'>): boolean {
+  return ACTIVE_STATES.indexOf(run.state) >= 0;
+}
+
+/** The status-bar text: "nbtrain: 1 run · 2 ranks" (active runs only); "" with none. */
+export function statusText(runs: Pick<RunInfo, 'state' | 'world_size'>[]): string {
+  const active = runs.filter(isActive);
+  if (active.length === 0) {
+    return '';
+  }
+  const ranks = active.reduce((sum, run) => sum + run.world_size, 0);
+  return `nbtrain: ${plural(active.length, 'run')} · ${plural(ranks, 'rank')}`;
+}
+
+export function plural(count: number, noun: string): string {
+  return `${count} ${noun}${count === 1 ? '' : 's'}`;
+}
+
+/** 75 -> "1:15", 3725 -> "1:02:05". */
+export function formatElapsed(seconds: number): string {
+  const total = Math.max(0, Math.floor(seconds));
+  const h = Math.floor(total / 3600);
+  const m = Math.floor((total % 3600) / 60);
+  const s = total % 60;
+  const mm = h > 0 ? String(m).padStart(2, '0') : String(m);
+  return `${h > 0 ? h + ':' : ''}${mm}:${String(s).padStart(2, '0')}`;
+}
+
+/** 1536 -> "1.5 KiB"; null -> "–". */
+export function formatBytes(bytes: number | null | undefined): string {
+  if (bytes === null || bytes === undefined) {
+    return '–';
+  }
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+  let value = bytes;
+  let unit = 0;
+  while (value >= 1024 && unit < units.length - 1) {
+    value /= 1024;
+    unit += 1;
+  }
+  return unit === 0 ? `${value} B` : `${value.toFixed(1)} ${units[unit]}`;
+}
+
+/** A loss to show: 3 significant digits, "–" when unknown. */
+export function formatLoss(loss: number | null | undefined): string {
+  if (loss === null || loss === undefined || !isFinite(loss)) {
+    return '–';
+  }
+  return Number(loss.toPrecision(3)).toString();
+}
+
+/**
+ * The SVG polyline points of a sparkline of `values` in a `width` x `height` box
+ * (the highest value at the top; a flat series in the middle); "" for fewer than 2 points.
+ */
+export function sparklinePoints(values: number[], width: number, height: number): string {
+  const finite = values.filter(v => isFinite(v));
+  if (finite.length < 2) {
+    return '';
+  }
+  const low = Math.min(...finite);
+  const high = Math.max(...finite);
+  const step = width / (finite.length - 1);
+  return finite
+    .map((v, i) => {
+      const y = high === low ? height / 2 : height - ((v - low) / (high - low)) * height;
+      return `${round(i * step)},${round(y)}`;
+    })
+    .join(' ');
+}
+
+function round(value: number): number {
+  return Math.round(value * 10) / 10;
+}
+
+/** The notebook's name for a run's row: its file name, or its kernel when the path is unknown. */
+export function runTitle(run: Pick<RunInfo, 'notebook' | 'kernel_id' | 'id'>): string {
+  if (run.notebook) {
+    const parts = run.notebook.split('/');
+    return parts[parts.length - 1];
+  }
+  return run.kernel_id ? `kernel ${run.kernel_id.slice(0, 8)}` : `run ${run.id}`;
+}
+
+/**
+ * The first line of the cell the palette command inserts: the kernel's session defaults
+ * (`nbtrain.get_defaults().magic_line()`, read from the kernel), or a plain
+ * `%%distributed` (which uses them too) when the kernel could not say.
+ */
+export function distributedCell(magicLine: string | null | undefined): string {
+  const line = (magicLine || '').trim();
+  const first = line.startsWith('%%distributed') ? line : '%%distributed';
+  return `${first}\n`;
+}
+
+/** The expression the command asks the kernel for, without importing (or starting) nbtrain. */
+export const DEFAULTS_EXPRESSION =
+  "__import__('sys').modules['nbtrain'].get_defaults().magic_line() if 'nbtrain' in __import__('sys').modules else ''";
+
+/** Parse the text/plain repr of a Python str ("'%%distributed ...'") as the kernel returns it. */
+export function parsePythonString(repr: string | undefined): string {
+  if (!repr) {
+    return '';
+  }
+  const quoted = /^(['"])(.*)\1$/s.exec(repr.trim());
+  return quoted ? quoted[2].replace(/\\'/g, "'").replace(/\\\\/g, '\\') : '';
+}

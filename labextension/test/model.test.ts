@@ -1,0 +1,68 @@
+import { test } from 'node:test';
+import * as assert from 'node:assert/strict';
+
+import {
+  distributedCell,
+  formatBytes,
+  formatElapsed,
+  formatLoss,
+  parsePythonString,
+  runTitle,
+  sparklinePoints,
+  statusText
+} from '../src/model';
+
+test('status text counts active runs and their ranks', () => {
+  assert.equal(statusText([{ state: 'running', world_size: 2 }]), 'nbtrain: 1 run · 2 ranks');
+  assert.equal(
+    statusText([
+      { state: 'running', world_size: 2 },
+      { state: 'stopping', world_size: 4 },
+      { state: 'finished', world_size: 8 },
+      { state: 'orphaned', world_size: 3 }
+    ]),
+    'nbtrain: 2 runs · 6 ranks'
+  );
+  assert.equal(statusText([{ state: 'running', world_size: 1 }]), 'nbtrain: 1 run · 1 rank');
+  assert.equal(statusText([{ state: 'finished', world_size: 2 }]), '');
+});
+
+test('elapsed time reads as m:ss or h:mm:ss', () => {
+  assert.equal(formatElapsed(0), '0:00');
+  assert.equal(formatElapsed(75.9), '1:15');
+  assert.equal(formatElapsed(3725), '1:02:05');
+  assert.equal(formatElapsed(-3), '0:00');
+});
+
+test('bytes, losses', () => {
+  assert.equal(formatBytes(512), '512 B');
+  assert.equal(formatBytes(1536), '1.5 KiB');
+  assert.equal(formatBytes(3 * 1024 ** 3), '3.0 GiB');
+  assert.equal(formatBytes(null), '–');
+  assert.equal(formatLoss(0.123456), '0.123');
+  assert.equal(formatLoss(1234.5), '1230');
+  assert.equal(formatLoss(null), '–');
+  assert.equal(formatLoss(NaN), '–');
+});
+
+test('sparkline puts the highest loss at the top and spans the width', () => {
+  assert.equal(sparklinePoints([2, 1, 0], 100, 20), '0,0 50,10 100,20');
+  assert.equal(sparklinePoints([5, 5], 10, 20), '0,10 10,10');
+  assert.equal(sparklinePoints([1], 10, 20), '');
+  assert.equal(sparklinePoints([1, NaN, 3], 10, 20), '0,20 10,0');
+});
+
+test('a run is named by its notebook, else its kernel', () => {
+  assert.equal(runTitle({ id: 'a-1', notebook: 'dir/train.ipynb', kernel_id: 'k' }), 'train.ipynb');
+  assert.equal(runTitle({ id: 'a-1', notebook: null, kernel_id: '0123456789' }), 'kernel 01234567');
+  assert.equal(runTitle({ id: 'a-1' }), 'run a-1');
+});
+
+test('the inserted cell uses the kernel defaults, or a plain %%distributed', () => {
+  const line = parsePythonString("'%%distributed --devices 2 --accelerator cpu --strategy ddp_notebook'");
+  assert.equal(line, '%%distributed --devices 2 --accelerator cpu --strategy ddp_notebook');
+  assert.equal(distributedCell(line), line + '\n');
+  assert.equal(distributedCell(parsePythonString("''")), '%%distributed\n');
+  assert.equal(distributedCell(undefined), '%%distributed\n');
+  assert.equal(distributedCell('print(1)'), '%%distributed\n');
+});

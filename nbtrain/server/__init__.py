@@ -1,0 +1,32 @@
+"""nbtrain's Jupyter server extension: the REST API behind the JupyterLab sidebar.
+
+Enabled by ``etc/jupyter/jupyter_server_config.d/nbtrain.json``, which the wheel installs.
+It adds routes to the server's own web application (no port or socket of its own), every
+one behind Jupyter's authentication (token or cookie, and XSRF for POST):
+
+- ``GET  {base_url}nbtrain/api/runs``: every run in this user's run registry
+  (:mod:`nbtrain.registry`), each with ``id``, ``state``, ``world_size``, ``kernel_id``,
+  ``pids``, ``notebook``, ``step``, ``loss``, ``losses``, ``steps_per_second``, ``elapsed``;
+- ``GET  {base_url}nbtrain/api/devices``: each GPU (NVML), the host's CPU and memory, each rank's memory;
+- ``POST {base_url}nbtrain/api/runs/<id>/stop``: stop a run by signalling its ranks directly;
+- ``POST {base_url}nbtrain/api/runs/<id>/clean``: forget an ended or orphaned run, killing what is left of it.
+
+Example (from a shell, with the server's token)::
+
+    curl -H "Authorization: token $TOKEN" http://127.0.0.1:8888/nbtrain/api/runs
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
+    return [{"module": "nbtrain.server"}]
+
+
+def _load_jupyter_server_extension(serverapp: Any) -> None:
+    from nbtrain.server import handlers
+
+    handlers.setup(serverapp.web_app)
+    serverapp.log.info("nbtrain: run and device API at %snbtrain/api/", serverapp.web_app.settings["base_url"])

@@ -1,0 +1,70 @@
+"""The tornado handlers of nbtrain's REST API (routes listed in :mod:`nbtrain.server`).
+
+Each derives from jupyter_server's APIHandler and is ``@tornado.web.authenticated``: a
+request without the server's token (or login cookie plus XSRF token, for POST) gets 403.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from typing import Any
+
+import tornado.ioloop
+import tornado.web
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+
+from nbtrain import registry
+from nbtrain.server import devices, runs
+
+_RUN_ID = r"(?P<run_id>[A-Za-z0-9_-]{1,64})"
+
+
+class RunsHandler(APIHandler):
+    @tornado.web.authenticated
+    def get(self) -> None:
+        self.finish(json.dumps(runs.list_runs()))
+
+
+class RunActionHandler(APIHandler):
+    @tornado.web.authenticated
+    def post(self, run_id: str, action: str) -> None:
+        try:
+            if action == "stop":
+                outcome = runs.stop(run_id, signal.SIGTERM)
+                # What SIGTERM leaves after the grace period gets SIGKILL, as the launcher does
+                # (and would do itself; a launcher that died with its kernel cannot).
+                tornado.ioloop.IOLoop.current().call_later(runs.STOP_GRACE_SECONDS, runs.kill_rest, run_id)
+            else:
+                outcome = runs.clean(run_id)
+        except runs.RunNotFound as error:
+            raise tornado.web.HTTPError(404, str(error)) from None
+        except ValueError as error:
+            raise tornado.web.HTTPError(409, str(error)) from None
+        except registry.RegistryError as error:
+            raise tornado.web.HTTPError(500, str(error)) from None
+        if outcome.refused and not outcome.signalled:
+            self.set_status(409)
+        self.finish(json.dumps(outcome.as_json()))
+
+
+class DevicesHandler(APIHandler):
+    def initialize(self, host: devices.HostSampler) -> None:
+        self.host = host
+
+    @tornado.web.authenticated
+    def get(self) -> None:
+        self.finish(json.dumps(devices.snapshot(self.host)))
+
+
+def setup(web_app: Any) -> None:
+    base = url_path_join(web_app.settings["base_url"], "nbtrain", "api")
+    web_app.add_handlers(
+        ".*$",
+        [
+            (url_path_join(base, "runs"), RunsHandler),
+            (url_path_join(base, "runs", _RUN_ID, r"(?P<action>stop|clean)"), RunActionHandler),
+            (url_path_join(base, "devices"), DevicesHandler, {"host": devices.HostSampler()}),
+        ],
+    )

@@ -1,0 +1,146 @@
+"""What the server extension shows of the run registry, and how it stops and cleans runs.
+
+Pure of tornado: the handlers (:mod:`nbtrain.server.handlers`) call these. A run's shown
+state is its record's, except that a run still going whose kernel or launcher is gone is
+"orphaned" (its kernel can no longer end it). Stop and clean-up act on the rank processes
+themselves, through :func:`nbtrain.processes.signal_ranks`, which signals nothing whose
+pid and start time do not both match the record.
+
+Example:
+    >>> from nbtrain.registry import RunRecord
+    >>> shown_state(RunRecord(id="a-1", world_size=2, state="finished"))
+    'finished'
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nbtrain import processes, registry
+from nbtrain.registry import RunRecord
+
+ORPHANED = "orphaned"
+STOP_GRACE_SECONDS = 0.5  # SIGTERM first; SIGKILL for what is left after this, as the launcher does
+
+
+class RunNotFound(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class StopOutcome:
+    """What a stop or clean-up did: ranks signalled, and ranks it refused to touch."""
+
+    run_id: str
+    signalled: tuple[int, ...]
+    refused: tuple[int, ...]  # pids alive now but not the run's ranks (another start time)
+    message: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.run_id,
+            "signalled": list(self.signalled),
+            "refused": list(self.refused),
+            "message": self.message,
+        }
+
+
+def alive(pid: int | None, started: int | None) -> bool:
+    """Whether the process ``pid`` that started at ``started`` still runs (not a zombie)."""
+    return pid is not None and started is not None and processes.start_time(pid) == started
+
+
+def shown_state(record: RunRecord) -> str:
+    if record.active and not (
+        alive(record.kernel_pid, record.kernel_start) and alive(record.launcher_pid, record.launcher_start)
+    ):
+        return ORPHANED
+    return record.state
+
+
+def live_ranks(record: RunRecord) -> list[tuple[int, int, int]]:
+    return [(rank, pid, started) for rank, pid, started in record.ranks if alive(pid, started)]
+
+
+def describe(record: RunRecord, now: float | None = None) -> dict[str, Any]:
+    """The JSON the sidebar gets for one run."""
+    now = time.time() if now is None else now
+    data = record.as_json()
+    data["state"] = shown_state(record)
+    data["recorded_state"] = record.state
+    data["pids"] = list(record.pids)
+    data["live_pids"] = [pid for _, pid, _ in live_ranks(record)]
+    data["elapsed"] = max(0.0, (record.ended or now) - record.started)
+    return data
+
+
+def list_runs() -> list[dict[str, Any]]:
+    """Every run in the registry, as shown; records of ended runs whose launcher is gone are
+    removed on the way (a launcher killed outright could not remove them itself)."""
+    shown = []
+    for record in registry.read_all():
+        if not record.active and not alive(record.launcher_pid, record.launcher_start):
+            registry.remove(record.id)
+            continue
+        shown.append(describe(record))
+    return shown
+
+
+def stop(run_id: str, number: int = signal.SIGTERM) -> StopOutcome:
+    """Ask the run's launcher to end it as stopped, and signal its ranks (pid and start time checked).
+
+    Raises RunNotFound if the registry has no such run.
+    """
+    record = _record(run_id)
+    if not record.active:
+        return StopOutcome(run_id, (), (), f"run {run_id} already ended ({record.state}); nothing to stop.")
+    registry.request_stop(run_id)
+    return _signal(record, number)
+
+
+def kill_rest(run_id: str) -> StopOutcome | None:
+    """After the grace period: SIGKILL whatever of the run's ranks is still there."""
+    record = registry.read(run_id)
+    return None if record is None else _signal(record, signal.SIGKILL)
+
+
+def clean(run_id: str) -> StopOutcome:
+    """Forget a run that is no longer going (ended, or orphaned): SIGKILL what is left of its
+    ranks (pid and start time checked), then remove its record. A live run must be stopped first."""
+    record = _record(run_id)
+    if record.active and shown_state(record) != ORPHANED:
+        raise ValueError(
+            f"run {run_id} is still {record.state} and its kernel lives: stop it first (POST .../stop), then clean it up."
+        )
+    outcome = _signal(record, signal.SIGKILL)
+    registry.remove(run_id)
+    return outcome
+
+
+def _record(run_id: str) -> RunRecord:
+    record = registry.read(run_id)
+    if record is None:
+        raise RunNotFound(
+            f"nbtrain has no run {run_id!r} in its registry {registry.directory(create=False)}; "
+            "it may have ended and been cleaned up. Refresh the list of runs."
+        )
+    return record
+
+
+def _signal(record: RunRecord, number: int) -> StopOutcome:
+    ranks = [(pid, started) for _, pid, started in record.ranks]
+    signalled = tuple(processes.signal_ranks(ranks, number))
+    refused = tuple(
+        pid for pid, started in ranks if pid not in signalled and processes.start_time(pid) not in (None, started)
+    )
+    name = signal.Signals(number).name
+    message = f"sent {name} to rank processes {list(signalled)} of run {record.id}."
+    if refused:
+        message += (
+            f" Refused pids {list(refused)}: they run, but started at another time than the run's ranks did "
+            "(the pid now belongs to another process), so nothing was sent to them."
+        )
+    return StopOutcome(record.id, signalled, refused, message)

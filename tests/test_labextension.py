@@ -1,0 +1,227 @@
+"""nbtrain's JupyterLab extension: its TypeScript logic, its installation, and the sidebar in a real JupyterLab.
+
+- ``npm test`` in labextension/ (Node's built-in test runner) checks the TypeScript pieces
+  that compute something (status text, sparkline, elapsed time, the inserted cell);
+- ``jupyter labextension list`` shows the prebuilt extension enabled, and the server
+  extension is enabled by the file the package installs;
+- in JupyterLab with Debian's Chromium (the session of tests/test_browser.py): the sidebar
+  lists a run started from a cell with its world size; its Stop ends a foreground run while
+  the kernel is busy in that cell, the cell ends stopped and the kernel runs the next one;
+  a kernel killed during a run leaves the run orphaned, and "Clean up" removes it.
+
+Screenshots go to ``test-artifacts/browser/<test>/`` (git-ignored); the Stop's measured
+time (click to every rank gone) to ``stop-seconds.txt`` there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import browser_helpers as bh
+from helpers import procs
+from test_browser import (  # noqa: F401
+    KERNEL_READY_MS,
+    RUN_MS,
+    UI_TIMEOUT_MS,
+    Session,
+    _check_kernel_python,
+    session,
+)
+
+LABEXTENSION = Path(__file__).resolve().parent.parent / "labextension"
+NPM_TEST_SECONDS = 240  # tsc, then node --test, on a loaded 2-core machine
+SIDEBAR_REFRESH_MS = 2_000
+RANKS_GONE_SECONDS = 10.0
+ORPHANED_MS = 30_000  # the kernel's death seen by the next refreshes
+
+SETUP_CELL = (
+    "%load_ext nbtrain\nimport sys, nbtrain\nnbtrain.set_defaults(devices=2, accelerator='cpu')\nprint(sys.executable)"
+)
+# Long enough to be running whenever the test acts; it ends only by being stopped.
+LONG_CELL = """%%distributed
+import time
+import torch
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+x = torch.randn(64, 8)
+y = x.sum(1, keepdim=True)
+for step in range(100_000):
+    loss = ((model(x) - y) ** 2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    time.sleep(0.05)
+"""
+NEXT_CELL = "print('the next cell ran')"
+
+
+def test_typescript_units() -> None:
+    npm = shutil.which("npm")
+    assert npm, "npm is missing: `bash .ci/setup` installs Node.js and npm (apt-get install nodejs npm)"
+    if not (LABEXTENSION / "node_modules").exists():
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=LABEXTENSION, check=True, timeout=NPM_TEST_SECONDS)
+    done = subprocess.run(
+        [npm, "test"], cwd=LABEXTENSION, capture_output=True, text=True, timeout=NPM_TEST_SECONDS, check=False
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "# fail 0" in done.stdout and "# pass " in done.stdout, done.stdout[-2000:]
+
+
+def test_jupyter_lists_both_extensions_enabled() -> None:
+    jupyter = [sys.executable, "-m", "jupyter"]
+    lab = subprocess.run([*jupyter, "labextension", "list"], capture_output=True, text=True, timeout=120, check=False)
+    line = next((line for line in (lab.stdout + lab.stderr).splitlines() if "nbtrain v" in line), "")
+    assert "enabled" in line and "OK" in line and "(python, nbtrain)" in line, lab.stdout + lab.stderr
+    server = subprocess.run(
+        [*jupyter, "server", "extension", "list"], capture_output=True, text=True, timeout=120, check=False
+    )
+    text = server.stdout + server.stderr
+    assert "nbtrain.server" in text and "enabled" in text.split("nbtrain.server", 1)[1][:40], text
+
+
+# -- the sidebar in a real JupyterLab ----------------------------------------------------------
+
+
+def _api(session: Session, path: str) -> Any:
+    return _api_root(session, f"nbtrain/api/{path}")
+
+
+def _api_root(session: Session, path: str) -> Any:
+    with urllib.request.urlopen(session.lab.url(path), timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _devices_requests(session: Session, window_ms: int) -> int:
+    """How many times the page asked for the devices during ``window_ms`` (a count over a window)."""
+    seen: list[str] = []
+
+    def note(request: Any) -> None:
+        if "/nbtrain/api/devices" in request.url:
+            seen.append(request.url)
+
+    session.page.on("request", note)
+    session.page.wait_for_timeout(window_ms)
+    session.page.remove_listener("request", note)
+    return len(seen)
+
+
+def _open_sidebar(session: Session) -> Any:
+    session.page.locator('.jp-SideBar li[data-id="nbtrain-sidebar"]').click()
+    panel = session.page.locator("#nbtrain-sidebar")
+    panel.wait_for(state="visible")
+    return panel
+
+
+def _start(session: Session, name: str) -> tuple[Any, Any]:
+    notebook = session.open_notebook(name, [SETUP_CELL, LONG_CELL, NEXT_CELL])
+    session.run_all()
+    _check_kernel_python(notebook.locator(".jp-Cell").nth(0))
+    panel = _open_sidebar(session)
+    row = panel.locator(f'.jp-nbtrain-run[data-state="running"]:has(.jp-nbtrain-title:text-is("{name}"))')
+    row.wait_for(timeout=RUN_MS)
+    return notebook, row
+
+
+def _record(session: Session, name: str) -> dict:
+    runs = [run for run in _api(session, "runs") if (run["notebook"] or "").endswith(name)]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_sidebar_stops_a_foreground_run_while_its_kernel_is_busy(session: Session) -> None:
+    page = session.page
+    notebook, row = _start(session, "sidebar.ipynb")
+    assert row.get_attribute("data-world-size") == "2"
+    assert "2 ranks · cpu · ddp_notebook" in row.locator(".jp-nbtrain-facts").inner_text()
+    page.locator(".jp-nbtrain-status").get_by_text("nbtrain: 1 run · 2 ranks").wait_for()
+    row.locator(".jp-nbtrain-spark polyline").wait_for(timeout=RUN_MS)  # two loss points: two seconds of steps
+    record = _record(session, "sidebar.ipynb")
+    assert record["world_size"] == 2 and record["state"] == "running" and len(record["pids"]) == 2
+    assert record["kernel_id"] in [kernel["id"] for kernel in _api_root(session, "api/kernels")]
+    assert all(bh.alive(pid) for pid in record["pids"]), "the ranks the sidebar names are alive"
+    session.lab.remember_tree()
+    page.get_by_text("Python 3 (ipykernel) | Busy").wait_for()  # the kernel is in the training cell
+    session.screenshot("01-sidebar-running.png")
+
+    stop = row.locator(".jp-nbtrain-action", has_text="Stop")
+    stop.wait_for()
+    clicked = time.monotonic()  # before the click: the figure includes Playwright's own click
+    stop.click()
+    left = bh.wait_gone(record["pids"], RANKS_GONE_SECONDS)
+    seconds = time.monotonic() - clicked
+    assert not left, f"ranks alive {RANKS_GONE_SECONDS} s after Stop: {[bh.describe(pid) for pid in left]}"
+    (session.artifacts / "stop-seconds.txt").write_text(f"{seconds:.3f}\n")
+    print(f"browser Stop: every rank gone {seconds:.3f} s after the click")
+
+    train, after = notebook.locator(".jp-Cell").nth(1), notebook.locator(".jp-Cell").nth(2)
+    train.locator(".jp-OutputArea").get_by_text("RunStoppedError: the run was stopped before it finished").wait_for(
+        timeout=RUN_MS
+    )
+    session.wait_idle(RUN_MS)  # the training cell is over, as after the view's Stop
+    # Run All stopped at the error: the user runs the next cell, and the kernel runs it.
+    after.locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+    after.locator(".jp-OutputArea-output").get_by_text("the next cell ran").wait_for(timeout=RUN_MS)
+    panel_row = page.locator('.jp-nbtrain-run[data-state="stopped"]:has(.jp-nbtrain-title:text-is("sidebar.ipynb"))')
+    panel_row.wait_for(timeout=RUN_MS)
+    assert page.locator(".jp-nbtrain-status").inner_text() == ""
+    session.screenshot("02-sidebar-stopped.png")
+
+    _insert_distributed_cell(session, notebook)
+    _dark_theme(session)
+    session.screenshot("04-sidebar-dark.png")
+
+
+def _insert_distributed_cell(session: Session, notebook: Any) -> None:
+    """The palette command adds a cell with the kernel's session defaults (set by the first cell)."""
+    page = session.page
+    notebook.locator(".jp-Cell").nth(2).click()
+    page.keyboard.press("Control+Shift+C")
+    page.locator(".lm-CommandPalette-input").fill("Insert a %%distributed cell")
+    page.keyboard.press("Enter")
+    inserted = notebook.locator(".jp-Cell").nth(3)
+    inserted.get_by_text("%%distributed --devices 2 --accelerator cpu --strategy ddp_notebook").wait_for()
+    session.screenshot("03-inserted-cell.png")
+
+
+def _dark_theme(session: Session) -> None:
+    page = session.page
+    page.keyboard.press("Control+Shift+C")
+    page.locator(".lm-CommandPalette-input").fill("Use Theme: JupyterLab Dark")
+    page.keyboard.press("Enter")
+    page.locator("body[data-jp-theme-name='JupyterLab Dark']").wait_for(state="attached")
+
+
+def test_a_killed_kernel_leaves_an_orphaned_run_that_clean_up_removes(session: Session) -> None:
+    page = session.page
+    _start(session, "orphan.ipynb")
+    record = _record(session, "orphan.ipynb")
+    session.lab.remember_tree()
+    os.kill(record["kernel_pid"], signal.SIGKILL)
+
+    orphaned = page.locator('.jp-nbtrain-run[data-state="orphaned"]:has(.jp-nbtrain-title:text-is("orphan.ipynb"))')
+    orphaned.wait_for(timeout=ORPHANED_MS)
+    assert _record(session, "orphan.ipynb")["state"] == "orphaned"
+    # JupyterLab says the kernel died (and starts a new one): the user acknowledges it.
+    page.locator(".jp-Dialog").get_by_role("button", name="Ok").click()
+    session.screenshot("01-orphaned.png")
+    orphaned.locator(".jp-nbtrain-action", has_text="Clean up").click()
+    orphaned.wait_for(state="detached", timeout=UI_TIMEOUT_MS)
+    assert [run for run in _api(session, "runs") if run["id"] == record["id"]] == []
+    left = bh.wait_gone(record["pids"], RANKS_GONE_SECONDS)
+    assert not left, f"ranks of the orphaned run still alive after clean-up: {[bh.describe(p) for p in left]}"
+    session.screenshot("02-cleaned.png")
+
+    # The sidebar refreshes every 2 s while shown, and asks nothing while hidden.
+    assert _devices_requests(session, 3 * SIDEBAR_REFRESH_MS) >= 2
+    page.locator('.jp-SideBar li[data-id="nbtrain-sidebar"]').click()
+    page.locator("#nbtrain-sidebar").wait_for(state="hidden")
+    assert _devices_requests(session, 3 * SIDEBAR_REFRESH_MS) == 0
+    assert procs.wait_gone([record["kernel_pid"]], RANKS_GONE_SECONDS, reaped=False) == []

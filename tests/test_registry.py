@@ -1,0 +1,100 @@
+"""The run registry as the launcher keeps it, and a stop that goes around the kernel.
+
+Real launcher, real ranks: a run's record appears with its ranks' pids and start times,
+rank 0's step and loss; the server extension's stop (nbtrain.server.runs.stop, which
+signals the ranks itself) ends the run as stopped, exactly as the kernel's own stop does.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import pytest
+from helpers import procs
+
+from nbtrain import processes, registry
+from nbtrain.errors import RunStoppedError
+from nbtrain.kernel import client as kernel_client
+from nbtrain.server import runs
+
+RECORD_SECONDS = 30.0  # a record appears once every rank is forked
+ENDED_SECONDS = 30.0
+
+
+def _train_until_stopped() -> None:
+    import time
+
+    import nbtrain
+
+    for step in range(100_000):
+        nbtrain.log(loss=1.0 / (step + 1))
+        time.sleep(0.02)
+
+
+def _newest_record(since: float) -> registry.RunRecord | None:
+    """This process's newest run in the registry started after ``since``."""
+    mine = [r for r in registry.read_all() if r.kernel_pid == os.getpid() and r.started >= since]
+    return mine[-1] if mine else None
+
+
+def test_a_run_is_recorded_and_a_stop_from_outside_ends_it_as_stopped(launcher) -> None:
+    since = time.time()
+    run = kernel_client.start(_train_until_stopped, devices=2, accelerator="cpu")
+    try:
+        record = procs.wait_for(
+            lambda: (r := _newest_record(since)) is not None and r.step is not None and r.losses and r,
+            RECORD_SECONDS,
+            "the run's record with rank 0's step and loss",
+        )
+        assert stat.S_IMODE(os.stat(registry.directory()).st_mode) == 0o700
+        assert record.world_size == 2 and record.state == "running" and record.strategy == "ddp_notebook"
+        assert record.accelerator == "cpu" and record.kernel_pid == os.getpid()
+        assert [rank for rank, _, _ in record.ranks] == [0, 1]
+        for _, pid, started in record.ranks:
+            assert processes.start_time(pid) == started
+        assert runs.shown_state(record) == "running"
+
+        outcome = runs.stop(record.id)
+        assert sorted(outcome.signalled) == sorted(record.pids), outcome
+        with pytest.raises(RunStoppedError, match="stopped before it finished"):
+            procs.finish(run, ENDED_SECONDS)
+    finally:
+        run.stop()
+    assert procs.wait_gone(record.pids, 10.0, reaped=False) == []
+    ended = registry.read(record.id)
+    assert ended is not None and ended.state == "stopped" and ended.ended is not None
+    assert not registry.stop_requested(record.id), "the launcher removes the stop request once the run ended"
+
+
+def test_signal_ranks_refuses_a_pid_whose_start_time_differs() -> None:
+    import subprocess
+
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        started = processes.start_time(other.pid)
+        assert started is not None
+        assert processes.signal_ranks([(other.pid, started + 1)], 15) == []
+        with pytest.raises(subprocess.TimeoutExpired):
+            other.wait(timeout=0.5)  # not signalled: still running
+        assert processes.signal_ranks([(other.pid, started)], 15) == [other.pid]
+        assert other.wait(timeout=10) == -15
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_record_survives_a_round_trip_and_ids_cannot_climb_out(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(registry.DIRECTORY_VARIABLE, str(tmp_path / "reg"))
+    record = registry.RunRecord(
+        id="ab12-3", world_size=2, state="running", ranks=((0, 10, 99), (1, 11, 98)), losses=(1.0, 0.5)
+    )
+    registry.write(record)
+    assert registry.read("ab12-3") == record
+    assert registry.read("../ab12-3") is None
+    registry.request_stop("../../x")
+    assert os.listdir(tmp_path / "reg") == ["ab12-3.json"]
+    os.chmod(tmp_path / "reg", 0o755)
+    with pytest.raises(registry.RegistryError, match="chmod 700"):
+        registry.directory()
