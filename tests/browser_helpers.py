@@ -46,6 +46,7 @@ SERVER_READY_SECONDS = 60.0  # a cold JupyterLab start on a loaded 2-core machin
 SERVER_STOP_SECONDS = 20.0  # SIGTERM: the server shuts its kernels down, then exits
 GONE_SECONDS = 10.0
 POLL = 0.1
+THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 
 
 def free_port() -> int:
@@ -88,7 +89,10 @@ class JupyterLab:
             leftovers = lab.stop()
     """
 
-    def __init__(self, base: Path, log_path: Path, mark: str):
+    def __init__(self, base: Path, log_path: Path, mark: str, theme: str = "light"):
+        if theme not in THEMES:
+            raise ValueError(f"theme must be one of {', '.join(THEMES)}, not {theme!r}")
+        self.theme = theme
         self.base = base
         self.root = base / "root"
         self.log_path = log_path
@@ -114,6 +118,11 @@ class JupyterLab:
         (dirs["config"] / "labconfig" / "page_config.json").write_text(
             json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
         )
+        # The theme, as a user who picked it in Settings would have it (user settings live
+        # under JUPYTER_CONFIG_DIR/lab/user-settings).
+        themes = dirs["config"] / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
+        themes.mkdir(parents=True, exist_ok=True)
+        (themes / "themes.jupyterlab-settings").write_text(json.dumps({"theme": THEMES[self.theme]}))
         env = dict(os.environ)
         env.update(
             {
@@ -126,6 +135,7 @@ class JupyterLab:
             }
         )
         env.pop("JUPYTER_PATH", None)
+        env.pop("JUPYTERLAB_SETTINGS_DIR", None)  # the theme written above is the one that counts
         self.port = free_port()
         command = [
             sys.executable,

@@ -43,7 +43,7 @@ UI_TIMEOUT_MS = 30_000  # any one click or element in the UI
 KERNEL_READY_MS = 60_000  # the kernel starts (and imports IPython) on a loaded 2-core machine
 RUN_MS = 90_000  # torch imports in the launcher, the ranks start, train and end
 SCREENSHOT_GAP_MS = 2_000  # the two live screenshots are this far apart (the requirement itself)
-STEPS = 80  # 0.1 s each: about 8 s of training, a loss logged at each step
+STEPS = 200  # 0.1 s each: about 20 s of training (a loaded machine is slow to show the first frame)
 RANKS_GONE_SECONDS = 10.0
 
 SETUP_CELL = "%load_ext nbtrain\nimport sys\nprint(sys.executable)"
@@ -140,18 +140,21 @@ def _publish(staging: Path, final: Path) -> None:
 
 @pytest.fixture
 def session(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Session]:
-    """JupyterLab and Chromium, started here and ended here, every process checked gone."""
+    """JupyterLab (light theme, or the theme given as the fixture's parameter) and Chromium,
+    started here and ended here, every process checked gone."""
     _requirements()
     from playwright.sync_api import sync_playwright
 
-    final = ARTIFACTS / request.node.originalname.removeprefix("test_")
+    theme = getattr(request, "param", "light")
+    name = request.node.originalname.removeprefix("test_")
+    final = ARTIFACTS / (name if theme == "light" else f"{name}-{theme}")
     # Written aside, then moved into place: two runs of the suite at once do not mix files.
     staging = ARTIFACTS / f".{final.name}.{os.getpid()}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     mark = uuid.uuid4().hex
     ours_before = {p.pid for p in psutil.Process().children(recursive=True)}
-    lab = bh.JupyterLab(tmp_path, staging / "jupyterlab.log", mark)
+    lab = bh.JupyterLab(tmp_path, staging / "jupyterlab.log", mark, theme)
     leftovers: list[str] = []
     try:
         lab.start()
@@ -207,9 +210,12 @@ def _check_kernel_python(cell: Any) -> None:
     assert str(Path(sys.executable).parent) in output.inner_text()
 
 
+@pytest.mark.parametrize("session", ["light", "dark"], indirect=True)
 def test_live_view_chart_moves_then_finished(session: Session) -> None:
     page = session.page
     notebook = session.open_notebook("live_view.ipynb", [SETUP_CELL, TRAIN_CELL])
+    theme = session.page.evaluate("document.body.dataset.jpThemeLight")
+    assert theme == ("true" if session.lab.theme == "light" else "false"), f"JupyterLab's theme: light={theme}"
     session.run_all()
     setup, train = notebook.locator(".jp-Cell").nth(0), notebook.locator(".jp-Cell").nth(1)
     _check_kernel_python(setup)
@@ -245,7 +251,23 @@ def test_live_view_chart_moves_then_finished(session: Session) -> None:
     assert f"step {STEPS}" in text, text
     assert "nbtrain: 2 ranks (cpu, ddp_notebook) finished in" in text, text
     assert "Error" not in text, text
+    # The cell prints nothing, so nothing else shows: no DDP warning (auto mode leaves
+    # find_unused_parameters off), no per-rank log.
+    for noise in ("find_unused_parameters", "reducer.cpp", "Warning", "rank 0 output"):
+        assert noise not in text, f"{noise!r} on the page:\n{text}"
     session.save_png(chart.get_attribute("src"), "chart-03-final.png")
+    _check_chart_is_high_dpi(chart)
+
+
+def _check_chart_is_high_dpi(chart: Any) -> None:
+    """The PNG has at least twice the pixels it is shown at (sharp on a high-DPI screen)."""
+    natural_w, natural_h, css_w, css_h = chart.evaluate(
+        "img => [img.naturalWidth, img.naturalHeight, img.clientWidth, img.clientHeight]"
+    )
+    assert css_w > 0 and css_h > 0, (css_w, css_h)
+    assert natural_w >= 2 * css_w and natural_h >= 2 * css_h, (
+        f"the chart is {natural_w}x{natural_h} pixels shown at {css_w}x{css_h} CSS pixels"
+    )
 
 
 def test_background_run_stop_button(session: Session) -> None:
@@ -280,3 +302,49 @@ def test_background_run_stop_button(session: Session) -> None:
     assert "running" not in shown, shown
     left = bh.wait_gone(ranks, RANKS_GONE_SECONDS)
     assert not left, f"ranks still alive after the view said stopped: {[bh.describe(pid) for pid in left]}"
+
+
+PRINTING_BACKGROUND_CELL = """%%distributed --devices 2 --accelerator cpu --background
+import time
+for step in range(3000):
+    print(f"step {step}")  # a background run's output lives in its view's log
+    nbtrain.log(loss=1.0 / (step + 1))
+    time.sleep(0.1)
+"""
+LOG_FRAMES_SECONDS = 3  # the requirement: the log stays open across this much of the run's frames
+
+
+def _elapsed(live: Any) -> float:
+    match = re.search(r"· (\d+(?:\.\d+)?) s ·", live.inner_text())
+    assert match, f"no elapsed time in the status line:\n{live.inner_text()}"
+    return float(match.group(1))
+
+
+def test_an_opened_log_stays_open_across_frames(session: Session) -> None:
+    page = session.page
+    notebook = session.open_notebook("log.ipynb", [SETUP_CELL, "import nbtrain", PRINTING_BACKGROUND_CELL])
+    session.run_all()
+    train = notebook.locator(".jp-Cell").nth(2)
+    live = train.locator(".nbtrain-live")
+    log = live.locator("details", has_text="rank 0 output")
+    log.wait_for(timeout=RUN_MS)
+    live.get_by_text(re.compile(r"rank 0 output: \d+ lines, last 20 shown")).wait_for(timeout=RUN_MS)
+    session.lab.remember_tree()
+    assert not log.evaluate("d => d.open"), "a long log starts folded"
+    log.locator("summary").click()
+    assert log.evaluate("d => d.open")
+    log.evaluate("d => { d.dataset.clicked = 'yes'; }")  # gone once a frame replaces the element
+    started = _elapsed(live)
+    # A bounded wait on the frames themselves: the status line's clock moved 3 s on.
+    page.wait_for_function(
+        "([start, seconds]) => { const t = document.querySelector('.jp-Notebook .nbtrain-live');"
+        " const m = t && t.innerText.match(/· (\\d+(?:\\.\\d+)?) s ·/); return m && parseFloat(m[1]) >= start + seconds; }",
+        arg=[started, LOG_FRAMES_SECONDS],
+        timeout=RUN_MS,
+    )
+    train.scroll_into_view_if_needed()
+    session.screenshot("01-log-open-after-frames.png")
+    assert log.evaluate("d => d.dataset.clicked") is None, "no frame replaced the view in 3 s: nothing was tested"
+    assert log.evaluate("d => d.open"), f"the log the user opened closed again within {LOG_FRAMES_SECONDS} s of frames"
+    train.get_by_role("button", name="Stop").click()
+    live.get_by_text("stopped", exact=True).wait_for(timeout=RUN_MS)

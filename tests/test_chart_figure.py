@@ -66,6 +66,7 @@ STATES = {
         world_size=4, memory="cuda", names=("loss", "validation_loss_exponential_average", "accuracy", "lr")
     ),
     "long-run": lambda: run_state(steps=20_000),
+    "first-sample": lambda: run_state(steps=1),  # one point per chart: the axes still span something
 }
 
 

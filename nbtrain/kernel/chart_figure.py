@@ -221,6 +221,11 @@ class _Panel:
             ax.yaxis.set_major_formatter(_CompactFormatter())
         ax.relim()
         ax.autoscale_view()
+        low, high = ax.get_xlim()
+        if self.x_label == "seconds":  # time runs from the run's start, whenever the first sample came
+            ax.set_xlim(0, max(high, 1.0))
+        elif high - low < 1:  # one step so far: a step's width, not ticks a millionth apart
+            ax.set_xlim(low, low + 1)
 
 
 class _MetricPanel(_Panel):

@@ -93,6 +93,7 @@ class LiveView:
         batch_size: int | None = None,
         rich: bool | None = None,
         stream: TextIO | None = None,
+        show_logs: bool = True,
         stall_warning: float | None = charts.STALL_SECONDS,
     ) -> None:
         if config is not None:
@@ -110,6 +111,10 @@ class LiveView:
         )
         self.rich = frontend_is_rich() if rich is None else rich
         self.stream = stream  # text frontend only; None: sys.stdout (and stderr for ranks' stderr)
+        # Each rank's output has one place: this view's log tails, or (show_logs=False) the
+        # cell's own stream lines, which the caller prints (a blocking %%distributed cell).
+        self.show_logs = show_logs
+        self.key = f"{id(self):x}-{time.monotonic_ns():x}"  # names this view's logs in the page
         self.frames = 0  # frames shown (rich) or progress lines printed (text)
         self.chart_renders = 0
         self._handle: Any = None
@@ -136,7 +141,7 @@ class LiveView:
     def _print_rank_output(self, event: events.Output) -> None:
         # A terminal has no log panel: each rank's lines go straight out, tagged, as launch() prints them.
         lines = event.text.splitlines() or [""]
-        text = "".join(f"[rank {event.rank}] {line}\n" for line in lines)
+        text = "".join(f"{event.tag} {line}\n" for line in lines)
         if self.stream is None and event.stream == "stderr":
             sys.stderr.write(text)
             sys.stderr.flush()
@@ -269,7 +274,8 @@ class LiveView:
                 f'<img src="data:image/png;base64,{png}" width="{width}" height="{height}"'
                 ' alt="metrics, memory and throughput per rank" style="max-width:100%;height:auto">'
             )
-        parts.append(_logs_html(state))
+        if self.show_logs:
+            parts.append(_logs_html(state, self.key))
         parts.append("</div>")
         return "".join(parts)
 
@@ -293,7 +299,19 @@ def _progress_html(state: charts.RunState) -> str:
     )
 
 
-def _logs_html(state: charts.RunState) -> str:
+# Each frame replaces the view's HTML, so an opened <details> would close again. Where the
+# frontend runs a trusted output's handlers and scripts (JupyterLab, Notebook, VS Code,
+# Colab), the user's choice is kept in the page under the log's name and put back on every
+# frame; elsewhere (a saved notebook) the attributes are dropped and the log is static.
+_KEEP_TOGGLE = "(window.nbtrainLogs=window.nbtrainLogs||{})[this.dataset.nbtrainLog]=this.open"
+_RESTORE_TOGGLES = (
+    "<script>(function(){var kept=window.nbtrainLogs||{};"
+    "document.querySelectorAll('details[data-nbtrain-log]').forEach(function(d){"
+    "var open=kept[d.dataset.nbtrainLog];if(open!==undefined&&d.open!==open){d.open=open;}});})();</script>"
+)
+
+
+def _logs_html(state: charts.RunState, key: str = "") -> str:
     parts = []
     ranks = sorted(state.logs)
     for rank in ranks[:MAX_LOG_RANKS]:
@@ -309,13 +327,39 @@ def _logs_html(state: charts.RunState) -> str:
         # Short logs are open; long ones stay folded so the charts stay in view.
         is_open = " open" if tail.total <= 5 else ""
         parts.append(
-            f"<details{is_open}><summary>{summary}</summary>"
+            f'<details{is_open} data-nbtrain-log="{key}-{rank}" ontoggle="{_KEEP_TOGGLE}">'
+            f"<summary>{summary}</summary>"
             f'<pre style="margin:0 0 4px 0;padding:4px;max-height:20em;overflow:auto;font-size:11px">{body}</pre>'
             "</details>"
         )
     if len(ranks) > MAX_LOG_RANKS:
         parts.append(f"<div>(output of {len(ranks) - MAX_LOG_RANKS} more ranks not shown)</div>")
+    if parts:
+        parts.append(_RESTORE_TOGGLES)
     return "".join(parts)
+
+
+def show_widget(widget: Any, summary: str) -> Any:
+    """Display an ipywidget so that a frontend without its state shows ``summary``, not its repr.
+
+    A live notebook renders the widget (its view mimetype ranks first); nbconvert, GitHub and
+    nbviewer have no widget state and fall back to the bundle's text/html or text/plain,
+    which ipywidgets fills with the Python repr (``VBox(children=(HTML(value=...``). Here
+    that fallback is one line saying what was there.
+
+    Example (in a notebook cell):
+        >>> import ipywidgets
+        >>> show_widget(ipywidgets.Button(description="Stop"), "nbtrain: Stop button")  # doctest: +SKIP
+    """
+    from IPython.display import display
+
+    bundle = dict(widget._repr_mimebundle_() or {})
+    bundle["text/plain"] = summary
+    bundle["text/html"] = (
+        '<div class="nbtrain-static" style="font-family:var(--jp-code-font-family,monospace);font-size:12px">'
+        f"{html.escape(summary)}</div>"
+    )
+    return display(bundle, raw=True)
 
 
 def watch(

@@ -200,8 +200,10 @@ class Launcher:
         """Display the form in the current cell."""
         from IPython.display import display
 
+        from nbtrain.kernel.display import show_widget
+
         enable_colab_widgets()
-        display(self.form)
+        show_widget(self.form, self.summary())
         self._shown_in = _execution_count()
         return self
 
@@ -211,8 +213,25 @@ class Launcher:
             return
         self.show()
 
+    def summary(self) -> str:
+        """One line saying what the form set, for a saved notebook that cannot show the form."""
+        return summary_line(self.settings)
+
     def __repr__(self) -> str:
         return f"<nbtrain launcher: {self.settings.magic_line()}>"
+
+
+def summary_line(settings: defaults.Defaults) -> str:
+    """What a launcher form showing ``settings`` stands for, in one line.
+
+    >>> summary_line(defaults.Defaults("2", "cpu"))
+    'nbtrain launcher: 2 x cpu, ddp_notebook, no timeout (the defaults of later %%distributed cells when it was shown)'
+    """
+    timeout = "no timeout" if settings.timeout is None else f"timeout {settings.timeout:g} s"
+    return (
+        f"nbtrain launcher: {settings.devices} x {settings.accelerator}, {settings.strategy}, {timeout}"
+        " (the defaults of later %%distributed cells when it was shown)"
+    )
 
 
 def launcher(*, machine: Machine | None = None) -> Launcher:
