@@ -51,21 +51,24 @@ class RankError(RunFailedError):
         (1, 'ValueError')
     """
 
-    def __init__(self, rank: int, exc_type: str, exc_message: str, remote_traceback: str, note: str = ""):
+    def __init__(
+        self, rank: int, exc_type: str, exc_message: str, remote_traceback: str, note: str = "", node: str = ""
+    ):
         self.rank = rank
+        self.node = node  # on a cluster: the node's label, e.g. "node 1 (10.0.0.7)"
         self.exc_type = exc_type
         self.exc_message = exc_message
         self.remote_traceback = remote_traceback
         self.note = note  # what it means for the caller, e.g. which kernel objects are unchanged
         super().__init__(
-            f"rank {rank} raised {exc_type}: {exc_message}\n"
+            f"{rank_name(rank, node)} raised {exc_type}: {exc_message}\n"
             f"The other ranks were stopped. Traceback from rank {rank}:\n{remote_traceback.rstrip()}"
             + (f"\n{note}" if note else "")
         )
 
     def _render_traceback_(self) -> list[str]:
         return [
-            f"RankError: rank {self.rank} raised {self.exc_type}: {self.exc_message}",
+            f"RankError: {rank_name(self.rank, self.node)} raised {self.exc_type}: {self.exc_message}",
             "(the other ranks were stopped)",
             "",
             *self.remote_traceback.rstrip().splitlines(),
@@ -76,11 +79,14 @@ class RankError(RunFailedError):
 class RankDiedError(RunFailedError):
     """A rank ended without reporting (killed by a signal, crashed, or called ``os._exit``)."""
 
-    def __init__(self, rank: int, *, signal_number: int | None = None, exit_code: int | None = None):
+    def __init__(
+        self, rank: int, *, signal_number: int | None = None, exit_code: int | None = None, node: str = ""
+    ):
         self.rank = rank
+        self.node = node
         self.signal_number = signal_number
         self.exit_code = exit_code
-        super().__init__(describe_death(rank, signal_number=signal_number, exit_code=exit_code))
+        super().__init__(describe_death(rank, signal_number=signal_number, exit_code=exit_code, node=node))
 
 
 class RankStartError(RunFailedError):
@@ -155,18 +161,44 @@ class RunInterrupted(KeyboardInterrupt):
         return f"KeyboardInterrupt: {self}".splitlines()  # with where each rank was, if known
 
 
-def describe_death(rank: int, *, signal_number: int | None, exit_code: int | None) -> str:
+class NodeLostError(RunFailedError):
+    """A node of a cluster run was lost (its agent or its whole node died) before the run ended."""
+
+    def __init__(self, node: str, detail: str):
+        self.node = node
+        self.detail = detail
+        super().__init__(
+            f"{node} was lost during the run: {detail}. Its ranks are gone and the other nodes' ranks "
+            "were stopped; the next run starts new nbtrain agents on the nodes the cluster has then."
+        )
+
+
+class ClusterError(NbtrainError, RuntimeError):
+    """The cluster cannot be reached or cannot hold the run (the cluster engine)."""
+
+
+def rank_name(rank: int, node: str = "") -> str:
+    """How messages name a rank: ``rank 1``, or on a cluster ``rank 1 on node 1 (10.0.0.7)``.
+
+    >>> rank_name(3, "node 1 (10.0.0.7)")
+    'rank 3 on node 1 (10.0.0.7)'
+    """
+    return f"rank {rank} on {node}" if node else f"rank {rank}"
+
+
+def describe_death(rank: int, *, signal_number: int | None, exit_code: int | None, node: str = "") -> str:
     """One sentence saying how a rank ended and what the user can do about it.
 
     >>> describe_death(1, signal_number=9, exit_code=None).split(".")[0]
     'rank 1 was killed by signal 9 (SIGKILL)'
     """
+    who = rank_name(rank, node)
     if signal_number is not None:
         try:
             name = signal.Signals(signal_number).name
         except ValueError:
             name = "unknown signal"
-        text = f"rank {rank} was killed by signal {signal_number} ({name})."
+        text = f"{who} was killed by signal {signal_number} ({name})."
         if signal_number == signal.SIGKILL:
             text += (
                 " SIGKILL often means the machine ran out of memory (the kernel's OOM killer):"
@@ -176,7 +208,7 @@ def describe_death(rank: int, *, signal_number: int | None, exit_code: int | Non
             text += " A segmentation fault is a crash in native code (a C/C++/CUDA extension)."
         return text + " The other ranks were stopped."
     return (
-        f"rank {rank} exited with code {exit_code} before finishing its work"
+        f"{who} exited with code {exit_code} before finishing its work"
         " (a call to sys.exit/os._exit, or a crash in native code). The other ranks were stopped."
     )
 

@@ -39,6 +39,23 @@ class RankSpec:
 
 
 @dataclass(frozen=True)
+class NodePlace:
+    """Where one node's launcher stands in a run that spans nodes (the cluster engine).
+
+    ``master_port`` None: this node hosts the process group's store (global rank 0 is
+    here); its launcher binds ``master_addr`` on a free port and reports it with
+    :class:`StoreListening`. Otherwise the ranks connect to ``master_addr:master_port``.
+    """
+
+    node_rank: int
+    num_nodes: int
+    local_world_size: int
+    master_addr: str
+    master_port: int | None = None
+    label: str = ""  # how messages name this node, e.g. "node 1 (10.0.0.7)"
+
+
+@dataclass(frozen=True)
 class StartRun:
     """Kernel -> launcher: start ``world_size`` ranks running ``payload``.
 
@@ -61,6 +78,33 @@ class StartRun:
     has_tensor_file: bool = False
     strategy: str = ""  # its name, for the run registry only
     log_path: str | None = None  # where the launcher writes every rank's full output
+    node: NodePlace | None = None  # None: every rank is on this machine (the local engine)
+
+
+@dataclass(frozen=True)
+class StoreListening:
+    """Launcher -> its caller, on a node hosting the store: the port it bound for it."""
+
+    run_id: int
+    port: int
+
+
+@dataclass(frozen=True)
+class RanksDone:
+    """Launcher -> its caller, on a cluster: this node's ranks are done (rank 0's result taken).
+
+    They wait for :class:`ReleaseRanks`: a node's ranks may not leave before every node's
+    are done, or those still joining the process group would lose rank 0's store.
+    """
+
+    run_id: int
+
+
+@dataclass(frozen=True)
+class ReleaseRanks:
+    """Kernel -> every node's launcher, on a cluster: every rank everywhere is done; leave."""
+
+    run_id: int
 
 
 @dataclass(frozen=True)
@@ -76,6 +120,7 @@ class RankStarted:
     run_id: int
     rank: int
     pid: int
+    node: str = ""  # the node's label on a cluster; empty on one machine
 
 
 @dataclass(frozen=True)
@@ -86,6 +131,12 @@ class Output:
     rank: int
     stream: str  # "stdout" | "stderr"
     text: str
+    node: str = ""  # the node's label on a cluster; empty on one machine
+
+    @property
+    def tag(self) -> str:
+        """How a printed line names its rank: ``[rank 1]``, on a cluster ``[rank 1, node 0 (10.0.0.7)]``."""
+        return f"[rank {self.rank}, {self.node}]" if self.node else f"[rank {self.rank}]"
 
 
 @dataclass(frozen=True)
@@ -124,6 +175,7 @@ class MemorySample:
     cuda_allocated_bytes: int | None = None
     cuda_peak_bytes: int | None = None
     time: float = 0.0
+    node: str = ""  # the node's label on a cluster; empty on one machine
     cuda_reserved_bytes: int | None = None  # what the caching allocator holds from the driver
 
 
@@ -136,6 +188,7 @@ class RankFailed:
     exc_type: str
     message: str
     traceback: str
+    node: str = ""  # the node's label on a cluster; empty on one machine
 
 
 @dataclass(frozen=True)
@@ -148,6 +201,16 @@ class RankExited:
     signal_number: int | None
     reported: bool  # the rank said it was done (or failed) before it exited
     stopped: bool = False  # the launcher was already stopping the run: not a cause of failure
+    node: str = ""  # the node's label on a cluster; empty on one machine
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    """A cluster run's node went away (its agent died, or the whole node): the cause of failure."""
+
+    run_id: int
+    node: str
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -169,7 +232,7 @@ class RunEnded:
     state: str  # FINISHED | FAILED | STOPPED | TIMED_OUT
     result: bytes | None = None
     has_tensor_file: bool = False
-    failure: RankFailed | RankExited | RankNotStarted | None = None
+    failure: RankFailed | RankExited | RankNotStarted | NodeLost | None = None
     detail: str = ""
     # A run that timed out or was stopped: each rank's faulthandler dump at that moment,
     # (rank, text); "" for a rank that did not answer. Parsed by nbtrain.stacks.

@@ -231,6 +231,15 @@ def read_from_process(pid: int, regions: tuple[tuple[int, int, int], ...], total
     return mapping
 
 
+def private_copy(view: memoryview) -> mmap.mmap:
+    """A copy of a layout that arrived in someone else's buffer (the cluster engine's object
+    store), in this process's own memory: what :func:`loads_mapped` reads."""
+    mapping = _new_private_memory(len(view))
+    if len(view):
+        mapping[: len(view)] = view
+    return mapping
+
+
 def _thread_count(pieces: int) -> int:
     return max(1, min(pieces, _MAX_THREADS, len(os.sched_getaffinity(0))))
 

@@ -232,6 +232,8 @@ def test_a_background_cell_returns_at_once_updates_live_and_then_updates_the_ker
     # The run ends; with no cell running, the kernel applies its results at once, and says so.
     index, text, html = session.wait_view(view, "finished — kernel updated: model, history")
     assert "finished" in text.splitlines()[0] and "kernel updated: model, history" in html
+    log = session.value("nbtrain.kernel.magic.last_run.log_path")  # the ranks printed: their full output
+    assert log and f"Full output: {log}" in text
     assert session.value(
         "[id(model) == model_id, any(not torch.equal(p, q) for p, q in zip(model.parameters(), w0)), len(history)]"
     ) == [True, True, 2]

@@ -49,6 +49,7 @@ import contextvars
 import datetime
 import html
 import itertools
+import os
 import sys
 import threading
 import time
@@ -477,16 +478,23 @@ class CellBackgroundRun(BackgroundRun):
             note = "finished — nothing in the kernel needed updating"
         for warning in applied.warnings:
             note += f"\nnbtrain {warning}"
-        self._end(events.FINISHED, note=note)
+        self._end(events.FINISHED, note=note + self._log_note())
 
     def _end(self, state: str, error: BaseException | None = None, note: str | None = None) -> None:
+        log = self.run.log_path
+        self.record.log_path = log if log and os.path.exists(log) else None
         super()._end(state, error, note)
         self.prepared.shipped = {}  # the handle stays in nbtrain.runs(): keep no old objects alive
 
+    def _log_note(self) -> str:
+        """" Full output: <path>", as a blocking cell's summary ends, when a rank printed anything."""
+        log = self.run.log_path
+        return f" Full output: {log}" if log and os.path.exists(log) else ""
+
     def _end_note(self, state: str, error: BaseException | None) -> str:
         if state == events.STOPPED:
-            return f"stopped — every rank is gone. {self.prepared.unchanged}"
-        return super()._end_note(state, error)
+            return f"stopped — every rank is gone. {self.prepared.unchanged}{self._log_note()}"
+        return super()._end_note(state, error) + self._log_note()
 
 
 def follow_cell(shell: Any, run: Any, prepared: Any, options: Any) -> CellBackgroundRun:

@@ -17,11 +17,12 @@ import queue
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from nbtrain import config, events, processes, wire
 from nbtrain.errors import (
     LauncherError,
+    NodeLostError,
     RankDiedError,
     RankError,
     RankStartError,
@@ -274,6 +275,21 @@ atexit.register(_close_client)
 os.register_at_fork(after_in_child=_forget_client_in_child)
 
 
+class Engine(Protocol):
+    """What a :class:`Run` asks of the engine that runs its ranks: this machine's launcher
+    (:class:`LauncherClient`) or a cluster's agents (:class:`nbtrain.cluster.engine.ClusterClient`).
+
+    ``submit`` returns the run's id and the queue its records arrive on, as
+    ``(record, fds)``; the magic and the live view read only those records.
+    """
+
+    def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, queue.Queue]: ...
+    def stop(self, run_id: int, reason: str) -> None: ...
+    def forget(self, run_id: int) -> None: ...
+    def output_taken(self, run_id: int, chars: int) -> None: ...
+    def close(self) -> None: ...
+
+
 class Run:
     """A run in progress. ``wait()`` returns rank 0's result or raises the run's failure.
 
@@ -286,7 +302,7 @@ class Run:
 
     def __init__(
         self,
-        client: LauncherClient,
+        client: Engine,
         run_id: int,
         inbox: queue.Queue,
         cfg: config.LaunchConfig,
@@ -451,11 +467,15 @@ class Run:
     def _failure(self, ended: events.RunEnded) -> RunFailedError:
         failure = ended.failure
         if isinstance(failure, events.RankFailed):
-            return RankError(failure.rank, failure.exc_type, failure.message, failure.traceback)
+            return RankError(failure.rank, failure.exc_type, failure.message, failure.traceback, node=failure.node)
         if isinstance(failure, events.RankNotStarted):
             return RankStartError(failure.rank, failure.world_size, failure.error_name, failure.reason)
         if isinstance(failure, events.RankExited):
-            return RankDiedError(failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code)
+            return RankDiedError(
+                failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code, node=failure.node
+            )
+        if isinstance(failure, events.NodeLost):
+            return NodeLostError(failure.node, failure.detail)
         if ended.state == events.TIMED_OUT:
             return RunTimeoutError(self.config.timeout or 0.0, self.where_ranks_were())
         if ended.state == events.STOPPED:
@@ -468,7 +488,7 @@ def print_output(event: Any) -> None:
     if isinstance(event, events.Output):
         stream = sys.stderr if event.stream == "stderr" else sys.stdout
         lines = event.text.splitlines(keepends=True)
-        stream.write("".join(f"[rank {event.rank}] {line}" for line in lines))
+        stream.write("".join(f"{event.tag} {line}" for line in lines))
         if not event.text.endswith("\n"):
             stream.write("\n")
         stream.flush()
@@ -487,20 +507,23 @@ def start(
     oversubscribe: bool = False,
     precision: str = "32-true",
     sync_batchnorm: bool = False,
+    cluster: str | None = None,
+    num_nodes: int | None = None,
 ) -> Run:
     """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once.
 
     Refused before anything starts (ConfigurationError) when the run cannot fit: more CPU
     processes than 4 per core (unless ``oversubscribe=True``), or more memory than is free.
+    ``cluster="ray"`` (or a Ray address) runs on ``num_nodes`` nodes of a Ray cluster with
+    ``devices`` ranks on each (:mod:`nbtrain.cluster`); the default runs on this machine.
     """
-    from nbtrain import hardware
     from nbtrain.errors import SerializationError
 
-    plan = hardware.probe_plan(devices, accelerator, oversubscribe)
-    cfg = config.make_config(
-        plan, strategy=strategy, timeout=timeout, backend=backend, precision=precision, sync_batchnorm=sync_batchnorm
+    client, cfg = _engine(
+        cluster, num_nodes, devices, accelerator, strategy, timeout, backend, oversubscribe, precision, sync_batchnorm
     )
-    _admit(cfg, fn, args, kwargs)
+    if isinstance(client, LauncherClient):  # a cluster's own checks list its nodes instead
+        _admit(cfg, fn, args, kwargs)
     try:
         payload, tensor_fd = _pickle_payload((fn, tuple(args), dict(kwargs or {})))
     except Exception as error:
@@ -509,6 +532,8 @@ def start(
             "Objects such as open files, locks, sockets and generators cannot travel; "
             "create them inside the function instead."
         ) from error
+    from nbtrain import hardware
+
     threads = config.threads_per_rank(hardware.cpu_count(), cfg.world_size, os.environ)
 
     def start_run(run_id: int) -> events.StartRun:
@@ -527,12 +552,11 @@ def start(
             threads_per_rank=threads,
             has_tensor_file=tensor_fd is not None,
             strategy=cfg.strategy.name,
-            log_path=log_paths.setdefault(run_id, _log_path(run_id)),
+            log_path=log_paths.setdefault(run_id, _log_path(run_id) if isinstance(client, LauncherClient) else None),
         )
 
     log_paths: dict[int, str | None] = {}
 
-    client = get_client()
     try:
         # Held: an interrupt half way through sending StartRun would garble the channel, and
         # one between the send and the handle would leave a run nobody can stop.
@@ -548,6 +572,27 @@ def start(
     return run
 
 
+def _engine(
+    cluster: str | None, num_nodes: int | None, devices: Any, accelerator: str, strategy: str,
+    timeout: float | None, backend: str | None, oversubscribe: bool = False, precision: str = "32-true",
+    sync_batchnorm: bool = False,
+) -> tuple[Any, config.LaunchConfig]:
+    """The engine that runs the ranks (this machine's launcher, or a cluster's agents) and the plan."""
+    settings = {"backend": backend, "precision": precision, "sync_batchnorm": sync_batchnorm}
+    if cluster is not None and str(cluster).strip().lower() != "local":
+        from nbtrain.cluster import engine
+
+        return engine.prepare(cluster, num_nodes, devices, accelerator, strategy, timeout, **settings)
+    if num_nodes not in (None, 1):
+        from nbtrain.cluster import nodes
+
+        nodes.validate_num_nodes(num_nodes, cluster)
+    from nbtrain import hardware
+
+    plan = hardware.probe_plan(devices, accelerator, oversubscribe)
+    return get_client(), config.make_config(plan, strategy=strategy, timeout=timeout, **settings)
+
+
 def launch(
     fn: Callable[..., Any],
     *args: Any,
@@ -560,6 +605,8 @@ def launch(
     backend: str | None = None,
     precision: str = "32-true",
     sync_batchnorm: bool = False,
+    cluster: str | None = None,
+    num_nodes: int | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank; return rank 0's return value.
@@ -572,6 +619,10 @@ def launch(
     ``backend``, ``precision`` (Lightning's names: ``"32-true"``, ``"bf16-mixed"``,
     ``"16-mixed"``, ...) and ``sync_batchnorm`` are as for ``%%distributed``; they apply to
     what ``nbtrain.prepare`` does on the ranks.
+
+    ``cluster="ray", num_nodes=2`` runs on two nodes of a Ray cluster (``RAY_ADDRESS``, the
+    cluster this machine belongs to, or an address given instead of ``"ray"``), ``devices``
+    ranks on each; rank 0's result comes back here all the same.
 
     ``background=True`` returns at once with a
     :class:`nbtrain.kernel.background.BackgroundRun` (``wait()``, ``stop()``, ``result``,
@@ -595,6 +646,8 @@ def launch(
         backend=backend,
         precision=precision,
         sync_batchnorm=sync_batchnorm,
+        cluster=cluster,
+        num_nodes=num_nodes,
     )
     try:
         if background:

@@ -40,6 +40,8 @@ class Defaults:
     strategy: str = "ddp_notebook"
     timeout: float | None = None
     stall_warning: float | None = STALL_SECONDS  # the live view's "no step from rank N" after this
+    cluster: str = "local"  # or "ray", or a Ray cluster's address (nbtrain.cluster)
+    num_nodes: int = 1
 
     def magic_line(self) -> str:
         """The ``%%distributed`` line that asks for exactly these settings, to copy into a cell."""
@@ -49,6 +51,8 @@ class Defaults:
             parts += ["--timeout", f"{self.timeout:g}"]
         if self.stall_warning != STALL_SECONDS:
             parts += ["--stall-warning", "none" if self.stall_warning is None else f"{self.stall_warning:g}"]
+        if self.cluster != "local":
+            parts += ["--cluster", self.cluster, "--num-nodes", str(self.num_nodes)]
         return " ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -72,6 +76,8 @@ def set_defaults(
     strategy: Any = _UNSET,
     timeout: Any = _UNSET,
     stall_warning: Any = _UNSET,
+    cluster: Any = _UNSET,
+    num_nodes: Any = _UNSET,
 ) -> Defaults:
     """Set the defaults of every later ``%%distributed`` cell that does not give the flag.
 
@@ -79,7 +85,8 @@ def set_defaults(
     (2, -1, "auto", "0,2" or a list of GPU indices), ``accelerator`` one of auto, cpu,
     cuda (gpu), mps, ``strategy`` one of :data:`nbtrain.config.STRATEGIES`, ``timeout`` a
     number of seconds or None, ``stall_warning`` the seconds without a step after which the
-    live view names the rank (None: never; 30 built in). The combination is checked against this machine (its GPUs
+    live view names the rank (None: never; 30 built in), ``cluster`` "local", "ray" or a Ray
+    address and ``num_nodes`` the nodes a cluster run spans (see README "On a cluster"). The combination is checked against this machine (its GPUs
     through NVML: CUDA is never initialised here) and a ConfigurationError says what is
     wrong; nothing changes then. Returns the new defaults.
 
@@ -97,6 +104,8 @@ def set_defaults(
             strategy=old.strategy if strategy is _UNSET else _strategy_text(strategy),
             timeout=old.timeout if timeout is _UNSET else config.validate_timeout(timeout),
             stall_warning=old.stall_warning if stall_warning is _UNSET else _stall_seconds(stall_warning),
+            cluster=old.cluster if cluster is _UNSET else _cluster_text(cluster),
+            num_nodes=old.num_nodes if num_nodes is _UNSET else num_nodes,
         )
         # Checked with the value as given, so a message names it as the user wrote it.
         check(new, devices=new.devices if devices is _UNSET else devices)
@@ -113,11 +122,26 @@ def reset_defaults() -> Defaults:
 
 
 def check(defaults: Defaults, devices: Any = None) -> None:
-    """Raise ConfigurationError unless ``defaults`` can run on this machine."""
-    from nbtrain import hardware
+    """Raise ConfigurationError unless ``defaults`` can run on this machine (or ask for a cluster).
 
-    hardware.probe_plan(defaults.devices if devices is None else devices, defaults.accelerator)
+    A cluster's nodes are checked when a cell runs: setting a default connects to nothing.
+    """
+    from nbtrain import hardware
+    from nbtrain.cluster import nodes
+
+    nodes.validate_num_nodes(defaults.num_nodes, defaults.cluster)
+    if defaults.cluster == "local":
+        hardware.probe_plan(defaults.devices if devices is None else devices, defaults.accelerator)
     config.resolve_strategy(defaults.strategy, 2)
+
+
+def _cluster_text(cluster: Any) -> str:
+    text = "local" if cluster is None else str(cluster).strip()
+    if not text or any(ch.isspace() for ch in text):
+        raise ConfigurationError(
+            f"cluster={cluster!r} is not valid: pass 'local', 'ray', or a Ray address such as 'ray://host:10001'."
+        )
+    return "local" if text.lower() == "local" else text
 
 
 def devices_text(devices: Any) -> str:

@@ -141,7 +141,7 @@ class LiveView:
     def _print_rank_output(self, event: events.Output) -> None:
         # A terminal has no log panel: each rank's lines go straight out, tagged, as launch() prints them.
         lines = event.text.splitlines() or [""]
-        text = "".join(f"[rank {event.rank}] {line}\n" for line in lines)
+        text = "".join(f"{event.tag} {line}\n" for line in lines)
         if self.stream is None and event.stream == "stderr":
             sys.stderr.write(text)
             sys.stderr.flush()

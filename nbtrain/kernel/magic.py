@@ -32,6 +32,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 
 from nbtrain import charts, config, events, processes
 from nbtrain.errors import (
+    ClusterError,
     ConfigurationError,
     NbtrainError,
     RankError,
@@ -74,6 +75,16 @@ class _SessionDefault:
 
 
 _SESSION: Any = _SessionDefault()
+
+
+def _num_nodes_flag(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"--num-nodes takes a whole number of nodes, not {text!r}") from None
+    if value < 1:
+        raise ValueError(f"--num-nodes takes a positive number of nodes, not {text!r}")
+    return value
 
 
 def _timeout_flag(text: str) -> float | None:
@@ -156,6 +167,20 @@ class DistributedMagics(Magics):
         "--allow-oversubscribe",
         action="store_true",
         help="Allow more CPU processes than 4 per core (refused otherwise, as a likely typo).",
+    )
+    @magic_arguments.argument(
+        "--cluster",
+        default=None,
+        help="Where the ranks run: local (this machine), ray (the Ray cluster in RAY_ADDRESS, or the one "
+        "this machine belongs to), or a Ray address (ray://host:10001, host:6379). Default: the session "
+        "default (local).",
+    )
+    @magic_arguments.argument(
+        "--num-nodes",
+        type=_num_nodes_flag,
+        default=None,
+        help="With --cluster: how many nodes the run spans; --devices ranks on each. Default: the session "
+        "default (1).",
     )
     @magic_arguments.argument(
         "--background",
@@ -260,6 +285,10 @@ def fill_defaults(options: Any) -> Any:
             f"%%distributed: --stall-warning {options.stall_warning:g} is not a positive number of seconds; "
             "give one, or none for no warning."
         )
+    if options.cluster is None:
+        options.cluster = session.cluster
+    if options.num_nodes is None:
+        options.num_nodes = session.num_nodes if options.cluster == session.cluster else None
     return options
 
 
@@ -273,6 +302,19 @@ def check_flags(options: Any) -> config.LaunchConfig:
     from nbtrain import hardware
 
     try:
+        if _on_cluster(options):
+            from nbtrain.cluster import engine
+
+            return engine.prepare(
+                options.cluster, options.num_nodes, options.devices, options.accelerator, options.strategy,
+                options.timeout, getattr(options, "backend", None), getattr(options, "precision", "32-true"),
+                getattr(options, "sync_batchnorm", False),
+            )[1]
+        if options.num_nodes not in (None, 1):
+            raise ConfigurationError(
+                f"--num-nodes {options.num_nodes} needs a cluster: without --cluster every rank runs on this "
+                "machine. Add --cluster ray to run across the nodes of a Ray cluster."
+            )
         plan = hardware.probe_plan(options.devices, options.accelerator, getattr(options, "allow_oversubscribe", False))
         return config.make_config(
             plan,
@@ -282,8 +324,13 @@ def check_flags(options: Any) -> config.LaunchConfig:
             precision=getattr(options, "precision", "32-true"),
             sync_batchnorm=getattr(options, "sync_batchnorm", False),
         )
-    except ConfigurationError as error:
+    except (ConfigurationError, ClusterError) as error:
         raise UsageError(f"%%distributed: {error}") from None
+
+
+def _on_cluster(options: Any) -> bool:
+    cluster = getattr(options, "cluster", None)
+    return cluster is not None and str(cluster).strip().lower() != "local"
 
 
 # -- running a cell ------------------------------------------------------------------------
@@ -404,6 +451,8 @@ def start_cell(shell: Any, prepared: PreparedCell, options: Any) -> Any:
             backend=getattr(options, "backend", None),
             precision=getattr(options, "precision", "32-true"),
             sync_batchnorm=getattr(options, "sync_batchnorm", False),
+            cluster=getattr(options, "cluster", None),
+            num_nodes=getattr(options, "num_nodes", None),
         )
     except SerializationError as error:
         raise _plain(ns.explain_unpicklable(prepared.shipped, prepared.used_by) or error) from None
@@ -639,7 +688,7 @@ class _OutputPrinter:
             stream = sys.stderr if event.stream == "stderr" else sys.stdout
             text = event.text
             if self.tagged:
-                text = "".join(f"[rank {event.rank}] {line}" for line in text.splitlines(keepends=True))
+                text = "".join(f"{event.tag} {line}" for line in text.splitlines(keepends=True))
             stream.write(text)
             stream.flush()
 
@@ -669,7 +718,7 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
     """The run's failure as the notebook shows it: rank tracebacks name cells, plus ``note``."""
     if isinstance(error, RankError):
         text = cell_traceback(error.remote_traceback, shell)
-        return RankError(error.rank, error.exc_type, error.exc_message, text, note)
+        return RankError(error.rank, error.exc_type, error.exc_message, text, note, node=error.node)
     where = getattr(error, "where", "")
     message = f"{error.headline or error} {note}" + (f"\n{where}" if where else "")
     error.args = (message,)

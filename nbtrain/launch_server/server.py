@@ -32,13 +32,16 @@ from nbtrain.events import (
     RankFailed,
     RankNotStarted,
     RankStarted,
+    RanksDone,
     Release,
+    ReleaseRanks,
     ReleaseResult,
     ResultOffer,
     RunEnded,
     SendResultFile,
     StartRun,
     StopRun,
+    StoreListening,
 )
 from nbtrain.launch_server.output import STREAMS, RankOutput, RunLog
 
@@ -102,6 +105,7 @@ class Run:
     result_pending: bool = False  # the kernel has not taken rank 0's result yet
     all_exited_at: float | None = None
     last_memory_sample: float = 0.0
+    hold: bool = False  # a cluster run: done ranks wait for ReleaseRanks (every node done)
     stacks_until: float | None = None  # collecting stack dumps before the stop, until then
     log: RunLog | None = None  # every rank's full output
     last_skipped_report: float = 0.0
@@ -168,6 +172,11 @@ class Launcher:
                     _send_quietly(rank_zero.channel, SendResultFile(run.run_id))
                 else:
                     self._release(run)
+        elif isinstance(message, ReleaseRanks):
+            run = self.runs.get(message.run_id)
+            if run is not None and run.hold:
+                run.hold = False
+                self._release(run)
         return True
 
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
@@ -178,30 +187,50 @@ class Launcher:
 
     # -- starting ranks ----------------------------------------------------------------
     def _start(self, start: StartRun, tensor_fd: int | None) -> None:
-        store_socket = socket.create_server(("127.0.0.1", 0), backlog=max(128, 2 * len(start.ranks)))
-        port = store_socket.getsockname()[1]
         run = Run(start.run_id, [], None if start.timeout is None else time.monotonic() + start.timeout)
+        run.hold = start.node is not None
         run.log = RunLog(start.log_path) if start.log_path else None
         self.runs[start.run_id] = run
+        store_socket = None
         try:
+            store_socket, port = self._store_socket(start)
             for spec in start.ranks:
                 assignment = RankAssignment(start, spec, port, os.getpid())
-                listen_fd = store_socket.fileno() if spec.rank == 0 else None
+                listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
                 run.ranks.append(self._start_rank(run, assignment, listen_fd, tensor_fd))
         except OSError as error:
+            # On a cluster a node's first rank is not rank 0: name the global rank.
+            first = start.ranks[len(run.ranks)].rank if len(run.ranks) < len(start.ranks) else len(run.ranks)
             # EAGAIN (a process limit), ENOMEM, EMFILE: the run cannot have all its ranks, so it
             # ends now, and the ranks already started (waiting for their peers) are stopped.
             name = errno.errorcode.get(error.errno or 0, type(error).__name__)
             reason = error.strerror or str(error)
-            run.failure = RankNotStarted(run.run_id, len(run.ranks), len(start.ranks), name, reason)
+            run.failure = RankNotStarted(run.run_id, first, len(start.ranks), name, reason)
             self._stop(run, events.FAILED)
         finally:
             self.board.start(start, [(rank.spec.rank, rank.pid) for rank in run.ranks])
             # The store's port stayed bound from here until rank 0 took the socket over:
             # no other process could take it in between.
-            store_socket.close()
+            if store_socket is not None:
+                store_socket.close()
             if tensor_fd is not None:
                 os.close(tensor_fd)
+
+    def _store_socket(self, start: StartRun) -> tuple[socket.socket | None, int]:
+        """The bound socket rank 0 will host the store on, and its port.
+
+        On a cluster only the node holding global rank 0 binds one (on the address the
+        other nodes reach it at) and reports its port; the other nodes are given it.
+        """
+        node = start.node
+        if node is not None and node.master_port is not None:
+            return None, node.master_port
+        address = "127.0.0.1" if node is None else node.master_addr
+        store_socket = socket.create_server((address, 0), backlog=max(128, 2 * len(start.ranks)))
+        port = store_socket.getsockname()[1]
+        if node is not None:
+            self._send(StoreListening(start.run_id, port))
+        return store_socket, port
 
     def _start_rank(
         self, run: Run, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None
@@ -321,6 +350,9 @@ class Launcher:
 
     def _release(self, run: Run) -> None:
         run.result_pending = False
+        if run.hold:  # the caller releases every node's ranks together
+            self._send(RanksDone(run.run_id))
+            return
         for rank in run.ranks:
             _send_quietly(rank.channel, Release(run.run_id))
 

@@ -120,23 +120,30 @@ def _user_thread_count(environ: Mapping[str, str]) -> int | None:
 
 def _torchrun_variables(assignment: RankAssignment) -> Mapping[str, str]:
     spec = assignment.spec
+    node = assignment.start.node
     return {
         "RANK": str(spec.rank),
         "LOCAL_RANK": str(spec.local_rank),
         "WORLD_SIZE": str(spec.world_size),
-        "LOCAL_WORLD_SIZE": str(spec.world_size),
-        "GROUP_RANK": "0",
+        "LOCAL_WORLD_SIZE": str(spec.world_size if node is None else node.local_world_size),
+        "GROUP_RANK": str(0 if node is None else node.node_rank),
         "ROLE_RANK": str(spec.rank),
         "ROLE_WORLD_SIZE": str(spec.world_size),
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": _master_address(assignment),
         "MASTER_PORT": str(assignment.master_port),
         # Rank 0 hosts the store itself (on the pre-bound socket); every rank, rank 0
         # included, connects to it as a client, as under torchrun's agent.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": "0",
         "NBTRAIN_ROLE": "rank",
-        **_loopback_variables(),
+        # On a cluster the node's agent names the interface holding the node's address.
+        **(_loopback_variables() if node is None else {}),
     }
+
+
+def _master_address(assignment: RankAssignment) -> str:
+    node = assignment.start.node
+    return "127.0.0.1" if node is None else node.master_addr
 
 
 def _loopback_variables() -> Mapping[str, str]:
@@ -191,7 +198,7 @@ def _join_process_group(assignment: RankAssignment, listen_fd: int | None) -> No
     spec = assignment.spec
     if listen_fd is not None:
         _hosted_store = dist.TCPStore(
-            "127.0.0.1",
+            _master_address(assignment),
             assignment.master_port,
             spec.world_size,
             True,

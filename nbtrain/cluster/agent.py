@@ -1,0 +1,386 @@
+"""The nbtrain agent: one per node of a cluster run, a Ray actor kept warm across runs.
+
+A Ray worker has threads of its own (gRPC, the core worker), so forking it would hand a
+rank whatever lock one of them held. The agent therefore forks nothing: it starts the
+same clean, single-threaded launcher the kernel uses on one machine
+(:mod:`nbtrain.launch_server`) and relays between it and the kernel. The launcher forks
+this node's ranks with the rank runtime every local run uses.
+
+Lifetimes: the launcher exits when the agent's end of its socket closes or the agent
+process dies (it watches its parent), and its ranks die with it (PDEATHSIG). Ray ends the
+agent when the kernel (its driver) goes, when the kernel kills it, or with its node.
+
+Data: the run's payload arrives from Ray's object store and goes to the launcher in a
+memfd, as on one machine. Rank 0's result is read out of rank 0's memory here (this
+process is its ancestor) and put into the object store once; the kernel reads it from
+there. Every other record goes back as plain frozen dataclasses through :meth:`poll`.
+
+This module runs only inside a Ray worker; the kernel imports it only to name the class.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import mmap
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nbtrain import events, processes, wire
+
+READY_SECONDS = 180.0  # the launcher imports torch: seconds on a loaded small machine
+MAX_POLL_SECONDS = 1.0
+PARENT_CHECK_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the kernel learns about an agent's node when the agent is up."""
+
+    node_id: str
+    address: str  # the node's IP address as Ray reports it
+    agent_pid: int
+    launcher_pid: int
+    cpus: int  # CPUs of this agent's placement-group bundle
+    gpus: int
+    socket_interface: str | None  # the network interface holding ``address``
+
+
+@dataclass(frozen=True)
+class NodeRun:
+    """Kernel -> agent: this node's part of a run (everything but the payload)."""
+
+    run_id: int
+    place: events.NodePlace
+    ranks: tuple[events.RankSpec, ...]
+    start_method: str
+    backend: str
+    environ: dict[str, str]
+    cwd: str
+    sys_path: tuple[str, ...]
+    source_lines: dict[str, tuple[str, ...]]
+    timeout: float | None
+    threads_per_rank: int | None
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    """Agent -> kernel, before RunEnded: rank 0's result; its tensors in the object store."""
+
+    run_id: int
+    data: bytes
+    tensors: Any  # a Ray ObjectRef to a uint8 array holding every storage, or None
+
+
+class NodeAgent:
+    """One node's agent (wrapped by ``ray.remote`` in :mod:`nbtrain.cluster.engine`)."""
+
+    def __init__(self, label: str) -> None:
+        import ray
+
+        self.label = label
+        self.launcher = processes.start_launcher()
+        self._ready = threading.Event()
+        self._lock = threading.Condition()
+        self._inboxes: dict[int, collections.deque] = {}
+        self._stderr: collections.deque[str] = collections.deque(maxlen=40)
+        self._alive = True
+        context = ray.get_runtime_context()
+        self._node_id = context.get_node_id()
+        self._address = ray.util.get_node_ip_address()
+        self._resources = context.get_assigned_resources()
+        threading.Thread(target=_leave_with_parent, args=(os.getppid(),), name="nbtrain-agent-parent", daemon=True).start()
+        threading.Thread(target=self._read_launcher, name="nbtrain-agent-events", daemon=True).start()
+        threading.Thread(target=self._read_stderr, name="nbtrain-agent-stderr", daemon=True).start()
+
+    # -- called by the kernel ----------------------------------------------------------
+    def ready(self) -> NodeInfo:
+        """Wait until the launcher has imported torch; what this node is."""
+        if not self._ready.wait(READY_SECONDS):
+            raise RuntimeError(f"the nbtrain launcher on {self.label} was not ready in {READY_SECONDS:g} s")
+        if not self._alive:
+            raise RuntimeError(f"the nbtrain launcher on {self.label} exited: {''.join(self._stderr)}")
+        return NodeInfo(
+            node_id=self._node_id,
+            address=self._address,
+            agent_pid=os.getpid(),
+            launcher_pid=self.launcher.pid,
+            cpus=int(self._resources.get("CPU", 0)),
+            gpus=int(self._resources.get("GPU", 0)),
+            socket_interface=interface_of(self._address),
+        )
+
+    def begin(self, request: NodeRun, payload: tuple[bytes, Any]) -> int | None:
+        """Start this node's ranks; on the node hosting the store, return its port."""
+        data, tensors = payload
+        self.label = request.place.label
+        tensor_fd = _memfd_holding(tensors) if tensors is not None else None
+        with self._lock:
+            self._inboxes[request.run_id] = collections.deque()
+        start = _start_run(request, data, tensor_fd is not None, self.label, interface_of(self._address))
+        try:
+            self._send(start, () if tensor_fd is None else (tensor_fd,))
+        finally:
+            if tensor_fd is not None:
+                os.close(tensor_fd)
+        if request.place.master_port is not None:
+            return None
+        return self._wait_for_port(request.run_id)
+
+    def poll(self, run_id: int, timeout: float = 0.25) -> list[Any]:
+        """The run's records since the last poll (waits up to ``timeout`` for the first)."""
+        deadline = time.monotonic() + min(timeout, MAX_POLL_SECONDS)
+        with self._lock:
+            inbox = self._inboxes.get(run_id)
+            if inbox is None:
+                return [events.RunEnded(run_id, events.FAILED, detail=f"{self.label} knows no run {run_id}")]
+            while not inbox and self._alive and time.monotonic() < deadline:
+                self._lock.wait(max(0.0, deadline - time.monotonic()))
+            batch = list(inbox)
+            inbox.clear()
+            if not self._alive and not any(isinstance(m, events.RunEnded) for m in batch):
+                batch.append(events.RunEnded(run_id, events.FAILED, detail=self._launcher_gone()))
+            if any(isinstance(m, events.RunEnded) for m in batch):
+                del self._inboxes[run_id]
+        return batch
+
+    def release(self, run_id: int) -> None:
+        """Every node's ranks are done: let this node's leave."""
+        self._send(events.ReleaseRanks(run_id))
+
+    def stop(self, run_id: int, reason: str = "stopped") -> None:
+        self._send(events.StopRun(run_id, reason))
+
+    def processes(self) -> list[int]:
+        """This node's nbtrain processes: the agent, its launcher and every rank (for checks)."""
+        return [os.getpid(), self.launcher.pid, *_descendants(self.launcher.pid)]
+
+    # -- the launcher's side -----------------------------------------------------------
+    def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
+        try:
+            wire.send(self.launcher.channel, message, fds)
+        except OSError as error:
+            raise RuntimeError(f"the nbtrain launcher on {self.label} is gone: {error}") from error
+
+    def _wait_for_port(self, run_id: int) -> int | None:
+        deadline = time.monotonic() + 30.0
+        with self._lock:
+            while time.monotonic() < deadline:
+                inbox = self._inboxes.get(run_id, ())
+                for message in inbox:
+                    if isinstance(message, events.StoreListening):
+                        return message.port
+                    if isinstance(message, events.RunEnded):
+                        return None  # it could not start; the kernel reads why from poll
+                if not self._alive:
+                    return None
+                self._lock.wait(0.1)
+        raise RuntimeError(f"the nbtrain launcher on {self.label} did not start run {run_id} within 30 s")
+
+    def _read_launcher(self) -> None:
+        channel = self.launcher.channel
+        while True:
+            try:
+                message, fds = wire.receive(channel)
+            except (wire.ChannelClosed, OSError):
+                break
+            if isinstance(message, events.LauncherReady):
+                self._ready.set()
+                continue
+            for record in self._relayed(message, fds):
+                self._file(record)
+        with self._lock:
+            self._alive = False
+            self._lock.notify_all()
+        self._ready.set()
+
+    def _relayed(self, message: Any, fds: list[int]) -> list[Any]:
+        """What the kernel gets for one launcher record: tagged with this node's label."""
+        if isinstance(message, events.ResultOffer):
+            return self._take_result(message)
+        if isinstance(message, events.RunEnded) and fds:  # rank 0's result came as a file
+            try:
+                result = NodeResult(message.run_id, message.result or b"", _put_file(fds[0]))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            return [result, dataclasses.replace(message, has_tensor_file=False)]
+        for fd in fds:
+            os.close(fd)
+        if hasattr(message, "node"):
+            message = dataclasses.replace(message, node=self.label)
+        if isinstance(message, events.RunEnded) and hasattr(message.failure, "node"):
+            message = dataclasses.replace(message, failure=dataclasses.replace(message.failure, node=self.label))
+        return [message]
+
+    def _take_result(self, offer: events.ResultOffer) -> list[Any]:
+        """Copy rank 0's tensors out of its memory into the object store, then release it."""
+        from nbtrain import sharedtensors
+
+        try:
+            mapping = sharedtensors.read_from_process(offer.pid, offer.regions, offer.total_bytes)
+        except Exception:  # noqa: BLE001 - forbidden here: rank 0 sends a file instead
+            self._send(events.ReleaseResult(offer.run_id, send_file=True))
+            return []
+        try:
+            ref = _put_buffer(mapping, offer.total_bytes)
+        finally:
+            mapping.close()
+        self._send(events.ReleaseResult(offer.run_id))
+        return [NodeResult(offer.run_id, offer.result, ref)]
+
+    def _file(self, record: Any) -> None:
+        with self._lock:
+            inbox = self._inboxes.get(getattr(record, "run_id", -1))
+            if inbox is not None:
+                inbox.append(record)
+                self._lock.notify_all()
+
+    def _read_stderr(self) -> None:
+        stream = self.launcher.popen.stderr
+        if stream is None:
+            return
+        for line in iter(stream.readline, b""):
+            text = line.decode(errors="replace")
+            self._stderr.append(text)
+            sys.stderr.write(text)  # into Ray's log for this worker
+
+    def _launcher_gone(self) -> str:
+        tail = "".join(self._stderr).strip()
+        return f"the nbtrain launcher on {self.label} exited" + (f"; its last output:\n{tail}" if tail else "")
+
+
+def _leave_with_parent(parent: int) -> None:
+    """Exit as soon as the process that started this worker (the node's raylet) is gone.
+
+    A Ray worker notices its raylet's death only slowly; meanwhile its launcher and ranks
+    would live on, on a node the cluster has already given up. This process's exit closes
+    the launcher's socket, and the launcher stops its ranks.
+    """
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_SECONDS)
+    os._exit(1)
+
+
+def _start_run(
+    request: NodeRun, data: bytes, has_tensor_file: bool, label: str, interface: str | None
+) -> events.StartRun:
+    """The launcher's request: the kernel's settings, adapted to this node."""
+    # The kernel's interface names mean nothing here (a single-machine run sets loopback).
+    kernel = {k: v for k, v in request.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    environ = node_environment(kernel, dict(os.environ))
+    if interface is not None:
+        # gloo and NCCL otherwise bind to whatever the host name resolves to, which is
+        # often a loopback address the other nodes cannot reach.
+        environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    return events.StartRun(
+        run_id=request.run_id,
+        payload=data,
+        ranks=request.ranks,
+        start_method=request.start_method,
+        backend=request.backend,
+        environ=environ,
+        cwd=request.cwd if os.path.isdir(request.cwd) else os.getcwd(),
+        sys_path=node_sys_path(request.sys_path, tuple(sys.path)),
+        source_lines=request.source_lines,
+        timeout=request.timeout,
+        threads_per_rank=request.threads_per_rank,
+        has_tensor_file=has_tensor_file,
+        node=dataclasses.replace(request.place, label=label),
+    )
+
+
+def node_environment(kernel: dict[str, str], node: dict[str, str]) -> dict[str, str]:
+    """The ranks' environment on a node: the node's own, plus what only the kernel has.
+
+    The node's values win: its PATH, home and the CUDA_VISIBLE_DEVICES Ray gave this
+    agent are right here; the kernel's may not even exist on this host.
+
+    >>> node_environment({"A": "kernel", "B": "kernel"}, {"A": "node"})
+    {'A': 'node', 'B': 'kernel'}
+    """
+    drop = (processes.CONTROL_FD_VARIABLE, processes.ROLE_VARIABLE)
+    merged = {**kernel, **node}
+    return {key: value for key, value in merged.items() if key not in drop}
+
+
+def node_sys_path(kernel: tuple[str, ...], node: tuple[str, ...]) -> tuple[str, ...]:
+    """The kernel's import path as far as it exists on this node, then the node's own."""
+    kept = [entry for entry in kernel if entry == "" or os.path.exists(entry)]
+    return tuple(kept + [entry for entry in node if entry not in kept])
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds ``address`` (for gloo and NCCL to bind to), if any."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on this interface
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return None
+
+
+def _memfd_holding(tensors: Any) -> int:
+    """A memfd holding the payload's storages (what the launcher hands its ranks)."""
+    view = memoryview(tensors).cast("B")
+    fd = os.memfd_create("nbtrain-payload", os.MFD_CLOEXEC)
+    try:
+        written = 0
+        while written < len(view):
+            written += os.write(fd, view[written:])
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _put_buffer(mapping: mmap.mmap, nbytes: int) -> Any:
+    import numpy
+    import ray
+
+    array = numpy.frombuffer(mapping, dtype=numpy.uint8, count=nbytes)
+    try:
+        return ray.put(array)
+    finally:
+        del array  # the mapping can close only once no array refers to it
+
+
+def _put_file(fd: int) -> Any:
+    size = os.fstat(fd).st_size
+    mapping = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    try:
+        return _put_buffer(mapping, size)
+    finally:
+        mapping.close()
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+                parent = int(stat[stat.rindex(b")") + 2 :].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -1,0 +1,486 @@
+"""The kernel's side of the cluster engine: the Ray connection, the warm agents, one relay per run.
+
+``nbtrain.launch(fn, cluster="ray", num_nodes=2)`` (or ``%%distributed --cluster ray
+--num-nodes 2``) comes here instead of to the local launcher. The kernel is Ray's driver:
+
+1. :func:`prepare` connects (``RAY_ADDRESS``, the cluster this machine belongs to, or a
+   named address), checks the request against the alive nodes, and returns the warm
+   :class:`ClusterClient` for it. The client holds a STRICT_SPREAD placement group, one
+   bundle per node, and one :class:`nbtrain.cluster.agent.NodeAgent` actor in each; it
+   stays warm across runs, as the local launcher does.
+2. :meth:`ClusterClient.submit` puts the payload into the object store once and starts
+   the node holding global rank 0 first: its launcher binds the process group's port on
+   the node's own address and reports it; then every other node starts, given that port.
+3. A relay thread per run keeps one long poll outstanding at each agent and files what
+   comes back under the run exactly as the local client does, so :class:`nbtrain.Run`, the
+   magic and the live view cannot tell the engines apart. The nodes' outcomes combine into
+   one (:func:`nbtrain.cluster.nodes.combine`).
+
+Ray is imported only here and only when a cluster run is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterator
+from urllib.parse import urlparse
+
+from nbtrain import config, events
+from nbtrain.cluster import nodes
+from nbtrain.devices import DevicePlan
+from nbtrain.errors import ClusterError, ConfigurationError
+
+CONNECT_SECONDS = 10.0  # an address that does not answer fails within this
+PROBE_SECONDS = 5.0
+PLACEMENT_SECONDS = 30.0  # the cluster has the resources, but they may be busy
+AGENTS_READY_SECONDS = 240.0  # Ray workers start, and each launcher imports torch
+BEGIN_SECONDS = 60.0
+POLL_SECONDS = 0.25
+NODE_FATE_SECONDS = 120.0  # after a stop: how long Ray may take to say a silent node is gone
+
+_lock = threading.Lock()
+_client: ClusterClient | None = None
+_connected_to: str | None = None
+
+
+def import_ray() -> Any:
+    """Ray, or an error saying which extra installs it."""
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError(
+            "cluster='ray' needs Ray, which is not installed in this kernel's environment. "
+            f"Install the extra with `{nodes.EXTRA}` (on every node of the cluster too), then restart the kernel."
+        ) from None
+    return ray
+
+
+def prepare(
+    cluster: str, num_nodes: int | None, devices: Any, accelerator: str, strategy: str, timeout: float | None,
+    backend: str | None = None, precision: str = "32-true", sync_batchnorm: bool = False,
+) -> tuple[ClusterClient, config.LaunchConfig]:
+    """The warm client for this request, and the run's launch settings."""
+    count = nodes.validate_num_nodes(num_nodes, cluster)
+    ray = import_ray()
+    address = connect(cluster)
+    alive = _alive_nodes(ray)
+    plan = nodes.plan_cluster(alive, num_nodes=count, devices=devices, accelerator=accelerator, address=address)
+    cfg = config.make_config(
+        DevicePlan(plan.accelerator, tuple(range(plan.world_size))), strategy=strategy, timeout=timeout,
+        backend=backend, precision=precision, sync_batchnorm=sync_batchnorm,
+    )
+    return get_client(plan, address, alive), cfg
+
+
+def connect(cluster: str) -> str:
+    """Connect this kernel to the cluster (once); the address, for messages."""
+    global _connected_to
+    ray = import_ray()
+    address = resolve_address(cluster)
+    with _lock:
+        if ray.is_initialized() and _connected_to == address:
+            return address
+        began = time.monotonic()
+        _probe(address)  # before leaving a cluster we are connected to for one that is not there
+        if ray.is_initialized():
+            _close_client()
+            ray.shutdown()
+        try:
+            with _bounded_gcs_wait(CONNECT_SECONDS - (time.monotonic() - began)):
+                ray.init(
+                    address=address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=False,
+                    namespace="nbtrain",
+                )
+        except Exception as error:  # noqa: BLE001 - Ray raises several kinds; the message says which
+            raise ClusterError(
+                f"cannot reach the Ray cluster at {address}: {error}. Check that the cluster is up and the "
+                "address is right (RAY_ADDRESS, or --cluster ray://host:10001); `ray status` on its head node "
+                "prints it. To start one: `ray start --head`."
+            ) from None
+        _connected_to = address
+    return address
+
+
+@contextlib.contextmanager
+def _bounded_gcs_wait(seconds: float) -> Iterator[None]:
+    """Ray retries a silent cluster for 20 s; ask it to give up within ``seconds``.
+
+    ``RAY_gcs_server_port_wait_time_s`` is Ray's own setting for that budget (seconds, one
+    try each); a value the user set wins. Restored afterwards: nothing leaks into the kernel.
+    """
+    name = "RAY_gcs_server_port_wait_time_s"
+    saved = os.environ.get(name)
+    if saved is None:
+        # Each try takes about 1.4 s here (a request, then a 1 s pause).
+        os.environ[name] = str(max(1, int((seconds - 2.0) / 1.5)))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+
+
+def resolve_address(cluster: str) -> str:
+    """``ray`` means RAY_ADDRESS, else the cluster this machine belongs to ("auto").
+
+    >>> resolve_address("ray://10.0.0.1:10001"), resolve_address("10.0.0.1:6379")
+    ('ray://10.0.0.1:10001', '10.0.0.1:6379')
+    """
+    text = str(cluster).strip()
+    if text.lower() == "ray":
+        return os.environ.get("RAY_ADDRESS") or "auto"
+    return text
+
+
+def _probe(address: str) -> None:
+    """Fail within seconds, naming the address, where Ray itself would retry for a long time."""
+    if address in ("auto", "local"):
+        return  # Ray finds (or fails to find) this machine's cluster at once
+    target = urlparse(address if "://" in address else f"tcp://{address}")
+    if target.hostname is None or target.port is None:
+        raise ConfigurationError(
+            f"cluster={address!r} is not a Ray address; use 'ray', 'ray://host:10001' or 'host:6379'."
+        )
+    try:
+        socket.create_connection((target.hostname, target.port), timeout=PROBE_SECONDS).close()
+    except OSError as error:
+        raise ClusterError(
+            f"cannot reach the Ray cluster at {address}: {error}. Check that the cluster is up and the address "
+            "(host and port of its head node) is right; `ray status` on the head node prints it."
+        ) from None
+
+
+def _alive_nodes(ray: Any) -> list[nodes.NodeResources]:
+    alive = []
+    for node in ray.nodes():
+        if node.get("Alive"):
+            resources = node.get("Resources", {})
+            alive.append(
+                nodes.NodeResources(
+                    node["NodeID"], node.get("NodeManagerAddress", "?"), int(resources.get("CPU", 0)),
+                    int(resources.get("GPU", 0)),
+                )
+            )
+    return alive
+
+
+def get_client(plan: nodes.ClusterPlan, address: str, alive: list[nodes.NodeResources]) -> ClusterClient:
+    """The warm agents for ``plan``; other warm agents are ended first (they hold the nodes)."""
+    global _client
+    with _lock:
+        if _client is not None and (not _client.alive or _client.plan != plan):
+            _close_client()
+        if _client is None:
+            _client = ClusterClient(plan, address, alive)
+        return _client
+
+
+def close() -> None:
+    """End the warm agents (and every rank of theirs); the next cluster run starts new ones."""
+    with _lock:
+        _close_client()
+
+
+def _close_client() -> None:
+    global _client
+    if _client is not None:
+        _client.close()
+    _client = None
+
+
+class ClusterClient:
+    """The warm agents of one plan; the cluster engine's side of :class:`nbtrain.Run`.
+
+    It answers what a Run asks of an engine (``stop``, ``forget``, ``close``) as the local
+    launcher's client does.
+    """
+
+    def __init__(self, plan: nodes.ClusterPlan, address: str, alive: list[nodes.NodeResources]):
+        ray = import_ray()
+        from ray.util.placement_group import placement_group
+
+        self.plan = plan
+        self.address = address
+        self.alive = True
+        self._run_ids = itertools.count(1)
+        self._relays: dict[int, _Relay] = {}
+        self._group = placement_group([plan.bundle()] * plan.num_nodes, strategy="STRICT_SPREAD")
+        try:
+            self._wait_for_placement(ray, alive)
+            self.agents, self.infos = self._start_agents(ray)
+        except BaseException:
+            self.close()
+            raise
+        self.labels = [nodes.node_label(i, info.address) for i, info in enumerate(self.infos)]
+
+    def _wait_for_placement(self, ray: Any, alive: list[nodes.NodeResources]) -> None:
+        ready, _ = ray.wait([self._group.ready()], timeout=PLACEMENT_SECONDS)
+        if not ready:
+            raise ClusterError(
+                f"the cluster at {self.address} has {self.plan.num_nodes} nodes that could hold "
+                f"{self.plan.bundle()} each, but they stayed busy for {PLACEMENT_SECONDS:g} s (other jobs or "
+                f"actors hold them). It has: {nodes.describe_nodes(alive)}. Free them, or ask for fewer."
+            )
+
+    def _start_agents(self, ray: Any) -> tuple[list[Any], list[Any]]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from nbtrain.cluster.agent import NodeAgent
+
+        remote = ray.remote(NodeAgent)
+        resources = self.plan.bundle()
+        agents = [
+            remote.options(
+                num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0), max_concurrency=16,
+                max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, index),
+            ).remote(f"node {index}")
+            for index in range(self.plan.num_nodes)
+        ]
+        try:
+            infos = ray.get([agent.ready.remote() for agent in agents], timeout=AGENTS_READY_SECONDS)
+        except Exception as error:  # noqa: BLE001 - a worker that cannot start, or a timeout
+            raise ClusterError(f"the nbtrain agents did not start on the cluster at {self.address}: {error}") from None
+        # Global rank 0 (and the result's copy) on the kernel's own node when it is in the run.
+        here = ray.get_runtime_context().get_node_id()
+        order = sorted(range(len(agents)), key=lambda i: infos[i].node_id != here)
+        return [agents[i] for i in order], [infos[i] for i in order]
+
+    # -- the engine seam (what Run and start() use) -------------------------------------
+    def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, queue.Queue]:
+        if not self.alive:
+            raise ClusterError("the nbtrain agents of this cluster were ended; start the run again")
+        run_id = next(self._run_ids)
+        inbox: queue.Queue = queue.Queue()
+        template = start_run(run_id)
+        relay = _Relay(self, template, _put_payload(template.payload, tensor_fd), inbox)
+        self._relays[run_id] = relay
+        threading.Thread(target=relay.run, name=f"nbtrain-cluster-run-{run_id}", daemon=True).start()
+        return run_id, inbox
+
+    def stop(self, run_id: int, reason: str) -> None:
+        relay = self._relays.get(run_id)
+        if relay is not None:
+            relay.stop(reason, by_caller=True)
+
+    def forget(self, run_id: int) -> None:
+        self._relays.pop(run_id, None)
+
+    def output_taken(self, run_id: int, chars: int) -> None:
+        """The local client bounds output not yet shown; a cluster run's arrives one poll at a time."""
+
+    def close(self) -> None:
+        """Kill every agent (their launchers and ranks go with them) and free the nodes."""
+        self.alive = False
+        ray = import_ray()
+        from ray.util.placement_group import remove_placement_group
+
+        for agent in getattr(self, "agents", []):
+            try:
+                ray.kill(agent)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        try:
+            remove_placement_group(self._group)
+        except Exception:  # noqa: BLE001 - already removed, or Ray is gone
+            pass
+
+    def exit_detail(self) -> str:
+        return f"the nbtrain agents on the cluster at {self.address} were ended"
+
+    def node_processes(self) -> list[list[int]]:
+        """Each node's nbtrain processes (agent, launcher, ranks), node 0 first: for checks."""
+        ray = import_ray()
+        return ray.get([agent.processes.remote() for agent in self.agents], timeout=30)
+
+
+def _put_payload(data: bytes, tensor_fd: int | None) -> Any:
+    """The payload in the object store, once for every node: the pickle and its tensors' bytes."""
+    ray = import_ray()
+    if tensor_fd is None:
+        return ray.put((data, None))
+    import mmap
+
+    import numpy
+
+    size = os.fstat(tensor_fd).st_size
+    mapping = mmap.mmap(tensor_fd, max(size, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    try:
+        array = numpy.frombuffer(mapping, dtype=numpy.uint8, count=size)
+        ref = ray.put((data, array))
+        del array
+    finally:
+        mapping.close()
+    return ref
+
+
+class _Relay:
+    """One run across the nodes: start them, relay their records, combine their ends."""
+
+    def __init__(self, client: ClusterClient, template: events.StartRun, payload: Any, inbox: queue.Queue):
+        self.client = client
+        self.template = template
+        self.payload = payload
+        self.inbox = inbox
+        self.run_id = template.run_id
+        count = client.plan.num_nodes
+        self.ended: list[events.RunEnded | None] = [None] * count
+        self.failure_order: dict[tuple[str, int], int] = {}
+        self.done_nodes: set[int] = set()
+        self.stopping = False
+        self.stopped_by_caller = False
+        self.stop_started = 0.0
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        ray = import_ray()
+        try:
+            started = self._begin(ray)
+            self._follow(ray, started)
+        except Exception as error:  # noqa: BLE001 - whatever happens, the run must end
+            for index, ended in enumerate(self.ended):
+                if ended is None:
+                    self.ended[index] = events.RunEnded(self.run_id, events.FAILED, detail=f"{error}")
+            self.stop("failed", by_caller=False)
+        finally:
+            self.payload = None  # frees the object store's copy
+        final = nodes.combine(self.run_id, [e for e in self.ended if e is not None], self.failure_order,
+                              self.stopped_by_caller)
+        if any(isinstance(e.failure, events.NodeLost) for e in self.ended if e is not None):
+            self.client.alive = False  # the next run places new agents
+        self.inbox.put((final, []))
+
+    # -- starting ------------------------------------------------------------------------
+    def _begin(self, ray: Any) -> list[int]:
+        """Start node 0 (it binds the store's port), then all the others with that port."""
+        first = self.client.agents[0]
+        try:
+            port = ray.get(first.begin.remote(self._request(0, None), self.payload), timeout=BEGIN_SECONDS)
+        except ray.exceptions.RayActorError as error:
+            self._lost(0, error)
+            return []
+        others = list(range(1, self.client.plan.num_nodes))
+        if port is None:  # node 0 could not start its ranks; its poll says why
+            for index in others:
+                self.ended[index] = events.RunEnded(self.run_id, events.STOPPED)
+            return [0]
+        refs = {index: self.client.agents[index].begin.remote(self._request(index, port), self.payload)
+                for index in others}
+        started = [0]
+        for index, ref in refs.items():
+            try:
+                ray.get(ref, timeout=BEGIN_SECONDS)
+                started.append(index)
+            except ray.exceptions.RayActorError as error:
+                self._lost(index, error)
+        return started
+
+    def _request(self, index: int, port: int | None) -> Any:
+        from nbtrain.cluster.agent import NodeRun
+
+        plan, template, info = self.client.plan, self.template, self.client.infos[index]
+        place = events.NodePlace(
+            node_rank=index, num_nodes=plan.num_nodes, local_world_size=plan.per_node,
+            master_addr=self.client.infos[0].address, master_port=port, label=self.client.labels[index],
+        )
+        return NodeRun(
+            run_id=self.run_id, place=place, ranks=nodes.node_ranks(plan, index),
+            start_method=template.start_method, backend=template.backend, environ=dict(template.environ),
+            cwd=template.cwd, sys_path=template.sys_path, source_lines=dict(template.source_lines),
+            timeout=template.timeout,
+            threads_per_rank=nodes.threads_per_rank(info.cpus, plan.per_node, template.threads_per_rank),
+        )
+
+    # -- following -----------------------------------------------------------------------
+    def _follow(self, ray: Any, started: list[int]) -> None:
+        agents = self.client.agents
+        pending = {agents[i].poll.remote(self.run_id, POLL_SECONDS): i for i in started}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_SECONDS)
+            for ref in ready:
+                index = pending.pop(ref)
+                try:
+                    batch = ray.get(ref)
+                except ray.exceptions.RayError as error:
+                    self._lost(index, error)
+                    continue
+                if not self._take(index, batch):
+                    pending[agents[index].poll.remote(self.run_id, POLL_SECONDS)] = index
+            if self.stopping and time.monotonic() - self.stop_started > NODE_FATE_SECONDS:
+                for index in pending.values():  # Ray never said: count them lost, end them
+                    self._lost(index, TimeoutError(f"no answer {NODE_FATE_SECONDS:g} s after the run was stopped"))
+                    ray.kill(agents[index])
+                return
+
+    def _take(self, index: int, batch: list[Any]) -> bool:
+        """File one poll's records; True once this node's run has ended."""
+        for record in batch:
+            if isinstance(record, events.RunEnded):
+                self.ended[index] = record
+                if record.state != events.FINISHED:
+                    self.stop("a node's run ended", by_caller=False)
+                return True
+            if isinstance(record, events.StoreListening):
+                continue
+            if isinstance(record, events.RanksDone):
+                self._node_done(index)
+                continue
+            if isinstance(record, (events.RankFailed, events.RankExited)):
+                self.failure_order.setdefault((record.node, record.rank), len(self.failure_order))
+            if type(record).__name__ == "NodeResult":
+                record = _copied_result(record)
+                if record is None:
+                    continue
+            self.inbox.put((record, []))
+        return False
+
+    def _node_done(self, index: int) -> None:
+        """Release every node's ranks once all are done: rank 0 hosts the store until then."""
+        self.done_nodes.add(index)
+        if len(self.done_nodes) == self.client.plan.num_nodes and not self.stopping:
+            for agent in self.client.agents:
+                agent.release.remote(self.run_id)
+
+    def _lost(self, index: int, error: BaseException) -> None:
+        label = self.client.labels[index]
+        detail = f"its nbtrain agent died ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        self.ended[index] = events.RunEnded(
+            self.run_id, events.FAILED, failure=events.NodeLost(self.run_id, label, detail)
+        )
+        self.stop("a node was lost", by_caller=False)
+
+    def stop(self, reason: str, *, by_caller: bool) -> None:
+        """Stop the run on every node still running it (each launcher stops its ranks)."""
+        with self._lock:
+            self.stopped_by_caller = self.stopped_by_caller or by_caller
+            if self.stopping:
+                return
+            self.stopping = True
+            self.stop_started = time.monotonic()
+        for index, agent in enumerate(self.client.agents):
+            if self.ended[index] is None:
+                try:
+                    agent.stop.remote(self.run_id, reason)
+                except Exception:  # noqa: BLE001 - a dead agent: its ranks died with it
+                    pass
+
+
+def _copied_result(record: Any) -> Any:
+    """Rank 0's result out of the object store into the kernel's own memory (one copy)."""
+    from nbtrain.kernel.client import _CopiedResult
+
+    if record.tensors is None:
+        return None
+    ray = import_ray()
+    from nbtrain import sharedtensors
+
+    array = ray.get(record.tensors)
+    mapping = sharedtensors.private_copy(memoryview(array).cast("B"))
+    del array
+    return _CopiedResult(record.data, mapping)

@@ -1,0 +1,195 @@
+"""The cluster engine's rules, pure: which nodes a run can use, where each rank goes, and
+how the nodes' outcomes combine into one.
+
+Nothing here imports Ray or torch or starts anything, so each rule is tested directly.
+
+Example:
+    >>> nodes = [NodeResources("a1", "10.0.0.1", cpus=4, gpus=0), NodeResources("b2", "10.0.0.2", cpus=4, gpus=0)]
+    >>> plan = plan_cluster(nodes, num_nodes=2, devices=2, accelerator="auto", address="10.0.0.1:6379")
+    >>> plan.accelerator, plan.per_node, plan.world_size, plan.bundle()
+    ('cpu', 2, 4, {'CPU': 2})
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from nbtrain import devices as _devices
+from nbtrain import events
+from nbtrain.errors import ConfigurationError
+
+EXTRA = "pip install 'nbtrain[ray]'"
+
+
+@dataclass(frozen=True)
+class NodeResources:
+    """One alive node of the cluster, as Ray reports it (total resources)."""
+
+    node_id: str
+    address: str
+    cpus: int
+    gpus: int
+
+    def describe(self) -> str:
+        return f"{self.address} (id {self.node_id[:8]}): {self.cpus} CPUs, {self.gpus} GPUs"
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """How many nodes, which accelerator, and how many ranks on each node."""
+
+    num_nodes: int
+    accelerator: str  # "cpu" | "cuda"
+    per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.per_node
+
+    def bundle(self) -> dict[str, float]:
+        """One node's placement-group bundle: its ranks' GPUs, or one CPU per CPU rank."""
+        return {"GPU": self.per_node} if self.accelerator == "cuda" else {"CPU": self.per_node}
+
+
+def validate_num_nodes(num_nodes: Any, cluster: str | None) -> int:
+    """``num_nodes`` as a positive int; refused without a cluster.
+
+    >>> validate_num_nodes(2, "ray")
+    2
+    """
+    if num_nodes is None or (num_nodes == 1 and not isinstance(num_nodes, bool)):
+        return 1
+    if cluster is None or str(cluster).strip().lower() == "local":
+        raise ConfigurationError(
+            f"num_nodes={num_nodes!r} needs a cluster: on this machine every rank runs on one node. "
+            "Pass cluster='ray' (or %%distributed --cluster ray) to run across the nodes of a Ray cluster."
+        )
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ConfigurationError(f"num_nodes must be a positive whole number of nodes, not {num_nodes!r}.")
+    return num_nodes
+
+
+def plan_cluster(
+    nodes: Sequence[NodeResources], *, num_nodes: int, devices: Any, accelerator: str, address: str
+) -> ClusterPlan:
+    """Check the request against the cluster's nodes; raise listing what it has if it cannot fit."""
+    if accelerator in (None, "auto"):
+        accelerator = "cuda" if sum(1 for n in nodes if n.gpus > 0) >= num_nodes else "cpu"
+    if accelerator == "gpu":
+        accelerator = "cuda"
+    if accelerator not in ("cpu", "cuda"):
+        raise ConfigurationError(
+            f"accelerator={accelerator!r} is not available on a Ray cluster; use 'cpu', 'cuda' or 'auto'."
+        )
+    per_node = _per_node(nodes, num_nodes, devices, accelerator, address)
+    plan = ClusterPlan(num_nodes, accelerator, per_node)
+    fitting = [n for n in nodes if (n.gpus if accelerator == "cuda" else n.cpus) >= per_node]
+    if len(fitting) < num_nodes:
+        kind = "GPUs" if accelerator == "cuda" else "CPUs"
+        raise ConfigurationError(
+            f"num_nodes={num_nodes} with devices={devices!r} needs {num_nodes} nodes with {per_node} {kind} each, "
+            f"but only {len(fitting)} of the cluster's nodes have that. The cluster at {address} has: "
+            + describe_nodes(nodes)
+            + ". Ask for fewer nodes or devices, or add nodes to the cluster."
+        )
+    return plan
+
+
+def _per_node(nodes: Sequence[NodeResources], num_nodes: int, devices: Any, accelerator: str, address: str) -> int:
+    """Ranks per node, as ``devices`` means on one machine (checked against the largest node)."""
+    biggest_gpus = max((n.gpus for n in nodes), default=0)
+    biggest_cpus = max((n.cpus for n in nodes), default=0)
+    gpus = [_devices.GpuInfo(i, "GPU", 0, 0) for i in range(biggest_gpus)]
+    try:
+        plan = _devices.plan_devices(devices, accelerator, gpus=gpus, mps_available=False, cpu_count=biggest_cpus)
+    except ConfigurationError as error:
+        raise ConfigurationError(f"{error} The cluster at {address} has: {describe_nodes(nodes)}.") from None
+    return plan.world_size
+
+
+def describe_nodes(nodes: Sequence[NodeResources]) -> str:
+    """The cluster's alive nodes, for messages.
+
+    >>> describe_nodes([NodeResources("abcdef123", "10.0.0.1", 4, 1)])
+    '1 node: 10.0.0.1 (id abcdef12): 4 CPUs, 1 GPUs'
+    """
+    count = f"{len(nodes)} node" + ("" if len(nodes) == 1 else "s")
+    return f"{count}: " + "; ".join(n.describe() for n in nodes) if nodes else "no alive nodes"
+
+
+def node_ranks(plan: ClusterPlan, node_rank: int) -> tuple[events.RankSpec, ...]:
+    """The ranks on node ``node_rank``: global ranks in node order, local ranks from 0.
+
+    >>> [(s.rank, s.local_rank) for s in node_ranks(ClusterPlan(2, "cpu", 2), 1)]
+    [(2, 0), (3, 1)]
+    """
+    return tuple(
+        events.RankSpec(
+            rank=node_rank * plan.per_node + local,
+            local_rank=local,
+            world_size=plan.world_size,
+            device_type=plan.accelerator,
+            device_index=local if plan.accelerator == "cuda" else None,
+        )
+        for local in range(plan.per_node)
+    )
+
+
+def node_label(node_rank: int, address: str) -> str:
+    """How messages name a node of the run.
+
+    >>> node_label(1, "10.0.0.7")
+    'node 1 (10.0.0.7)'
+    """
+    return f"node {node_rank} ({address})"
+
+
+def threads_per_rank(bundle_cpus: int, per_node: int, kernel_choice: int | None) -> int | None:
+    """Intra-op threads per rank on a node: its bundle's CPUs shared by its ranks.
+
+    None stays None: the user set OMP_NUM_THREADS, and their choice wins.
+
+    >>> threads_per_rank(4, 2, 8), threads_per_rank(1, 2, 8), threads_per_rank(4, 2, None)
+    (2, 1, None)
+    """
+    if kernel_choice is None:
+        return None
+    return max(1, bundle_cpus // max(1, per_node))
+
+
+def combine(
+    run_id: int,
+    ended: Sequence[events.RunEnded],
+    failure_order: dict[tuple[str, int], int],
+    stopped_by_caller: bool = False,
+) -> events.RunEnded:
+    """One RunEnded for the run from each node's (node 0's first).
+
+    The root cause wins over its consequences: a lost node; a rank that died on its own;
+    the run's timeout or the caller's stop (the other nodes' ranks then see broken
+    connections and raise); and only then the first exception raised (``failure_order``:
+    when each rank's failure reached the kernel).
+    """
+    if all(e.state == events.FINISHED for e in ended):
+        return ended[0]
+    failures = [e.failure for e in ended if e.failure is not None]
+    lost = [f for f in failures if isinstance(f, events.NodeLost)]
+    died = [f for f in failures if isinstance(f, events.RankExited) and not f.stopped and f.signal_number != 15]
+    if lost or died:
+        return events.RunEnded(run_id, events.FAILED, failure=(lost or died)[0])
+    states = {e.state for e in ended}
+    if events.TIMED_OUT in states:
+        return events.RunEnded(run_id, events.TIMED_OUT)
+    if stopped_by_caller:
+        return events.RunEnded(run_id, events.STOPPED)
+    raised = sorted(
+        (f for f in failures if isinstance(f, events.RankFailed)),
+        key=lambda f: failure_order.get((f.node, f.rank), len(failure_order)),
+    )
+    if raised or failures:
+        return events.RunEnded(run_id, events.FAILED, failure=(raised or failures)[0])
+    if events.STOPPED in states:
+        return events.RunEnded(run_id, events.STOPPED)
+    details = "; ".join(e.detail for e in ended if e.detail)
+    return events.RunEnded(run_id, events.FAILED, detail=details or "a node ended the run without saying why")
