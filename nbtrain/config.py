@@ -40,13 +40,6 @@ STRATEGIES: dict[str, Strategy] = {
             "Data parallel; ranks fork from a warm, clean launcher. Fast start. The default.",
         ),
         Strategy(
-            "ddp_sharded",
-            "fork",
-            "ddp_sharded",
-            "Data parallel with the optimizer state partitioned across ranks (ZeroRedundancyOptimizer): "
-            "each rank keeps 1/N of it. The kernel's optimizer gets the full state back.",
-        ),
-        Strategy(
             "ddp_spawn",
             "spawn",
             "ddp",
@@ -58,6 +51,13 @@ STRATEGIES: dict[str, Strategy] = {
             "ddp_find_unused",
             "ddp_notebook for a model that leaves some parameters unused in a step (a branch, a frozen head):"
             " DDP then searches the autograd graph for them at every step, which costs time.",
+        ),
+        Strategy(
+            "ddp_sharded",
+            "fork",
+            "ddp_sharded",
+            "Data parallel with the optimizer state partitioned across ranks (ZeroRedundancyOptimizer): "
+            "each rank keeps 1/N of it. The optimizer in the kernel gets the full state back.",
         ),
         Strategy(
             "fsdp",

@@ -197,6 +197,7 @@ def _dark_theme(session: Session) -> None:
     page.locator(".lm-CommandPalette-input").fill("Use Theme: JupyterLab Dark")
     page.keyboard.press("Enter")
     page.locator("body[data-jp-theme-name='JupyterLab Dark']").wait_for(state="attached")
+    page.locator("#jupyterlab-splash").wait_for(state="detached")  # the overlay shown while the theme loads
 
 
 def test_a_killed_kernel_leaves_an_orphaned_run_that_clean_up_removes(session: Session) -> None:

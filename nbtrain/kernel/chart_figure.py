@@ -342,8 +342,7 @@ class _ThroughputPanel(_TimePanel):
         seconds, rates, _, _ = state.throughput.coarsened(DRAWN_POINTS)
         self.line.set_data(seconds, [rate * per_step for rate in rates])
         self._rescale()
-        low, high = self.ax.get_ylim()
-        self.ax.set_ylim(0, max(high, 1e-9))
+        self.ax.set_ylim(0, max(max(rates, default=0.0) * per_step * 1.12, 1e-9))  # headroom: the line clear of the top
         latest = state.throughput.last_value
         shown = charts.format_rate(None if latest is None else latest * per_step, self.panel.name)
         self.title.set_text(charts.fit_title("throughput", shown))

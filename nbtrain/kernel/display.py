@@ -363,7 +363,9 @@ def _progress_html(state: charts.RunState) -> str:
 # frontend runs a trusted output's handlers and scripts (JupyterLab, Notebook, VS Code,
 # Colab), the user's choice is kept in the page under the log's name and put back on every
 # frame; elsewhere (a saved notebook) the attributes are dropped and the log is static.
-_KEEP_TOGGLE = "(window.nbtrainLogs=window.nbtrainLogs||{})[this.dataset.nbtrainLog]=this.open"
+# A click on the summary (mouse or keyboard) is the user's choice; the new state is the opposite
+# of the current one. (A toggle event would also fire when a frame's <details open> is parsed.)
+_KEEP_TOGGLE = "(window.nbtrainLogs=window.nbtrainLogs||{})[this.parentNode.dataset.nbtrainLog]=!this.parentNode.open"
 _RESTORE_TOGGLES = (
     "<script>(function(){var kept=window.nbtrainLogs||{};"
     "document.querySelectorAll('details[data-nbtrain-log]').forEach(function(d){"
@@ -387,8 +389,8 @@ def _logs_html(state: charts.RunState, key: str = "") -> str:
         # Short logs are open; long ones stay folded so the charts stay in view.
         is_open = " open" if tail.total <= 5 else ""
         parts.append(
-            f'<details{is_open} data-nbtrain-log="{key}-{rank}" ontoggle="{_KEEP_TOGGLE}">'
-            f"<summary>{summary}</summary>"
+            f'<details{is_open} data-nbtrain-log="{key}-{rank}">'
+            f'<summary onclick="{_KEEP_TOGGLE}">{summary}</summary>'
             f'<pre style="margin:0 0 4px 0;padding:4px;max-height:20em;overflow:auto;font-size:11px">{body}</pre>'
             "</details>"
         )
