@@ -6,6 +6,8 @@ kernel. Rank functions are nested so that they travel by value, as notebook code
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -178,6 +180,8 @@ def test_a_cell_in_bf16_true_comes_back_in_the_kernels_dtype(kernel):
     before = kernel.value("model[1].running_mean.sum().item()")
     out = kernel.run_ok(CELL.format(flags="--precision bf16-true --sync-batchnorm"))
     assert "effective batch 16 = 8 per rank x 2 ranks" in out.text
+    seconds = float(re.search(r"finished in ([\d.]+) s\.", out.text).group(1))
+    assert seconds >= 0.1, out.text  # the run's real duration: forking and training 2 ranks takes longer
     assert kernel.value("[str(model[0].weight.dtype), type(model[1]).__name__]") == ["torch.float32", "BatchNorm1d"]
     assert kernel.value("model[1].running_mean.sum().item()") != before
 

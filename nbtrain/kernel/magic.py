@@ -573,13 +573,15 @@ def _launch_and_follow(shell: Any, prepared: PreparedCell, options: CellOptions,
             raise _interrupted(prepared, run)
         return handle
     try:
-        return _follow(shell, run, prepared, options, held)
+        return _follow(shell, run, prepared, options, held, started)
     finally:
         record.seconds = time.monotonic() - started
         record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
 
 
-def _follow(shell: Any, run: Any, prepared: PreparedCell, options: CellOptions, held: processes.HeldInterrupts) -> Any:
+def _follow(
+    shell: Any, run: Any, prepared: PreparedCell, options: CellOptions, held: processes.HeldInterrupts, started: float
+) -> Any:
     """Show the run until it ends, then bring its results back; every check of ``held`` is a safe point."""
     record = prepared.record
     view = None
@@ -605,6 +607,7 @@ def _follow(shell: Any, run: Any, prepared: PreparedCell, options: CellOptions, 
         view.finish(run.state)
         raise explain_failure(error, shell, prepared.unchanged) from None
     record.state = events.FINISHED
+    record.seconds = time.monotonic() - started  # the summary _bring_back prints states it
     view.finish(events.FINISHED)
     value = _bring_back(shell, result, prepared.shipped, record, options.output)
     if held.received:  # it came while the results went in: they are in, all of them
