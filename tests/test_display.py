@@ -195,7 +195,7 @@ def test_a_distributed_cell_whose_total_is_uncertain_shows_steps_without_a_total
     assert not any("/" in line or "ETA" in line or "%" in line for line in progress), progress
     assert "· finished ·" in frames[-1]["text/plain"].splitlines()[0]
     assert progress[-1] == f"step {EXPECTED_TOTAL}"  # it never broke out: every step still counted
-    html = frames[-1]["text/html"]
+    html = re.sub(r"base64,[^\"]+", "base64,", frames[-1]["text/html"])  # "ETA" may occur in the PNG's base64
     assert f"step {EXPECTED_TOTAL}" in html and "%)" not in html and "ETA" not in html  # no bar drawn
 
 

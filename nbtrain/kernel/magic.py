@@ -608,6 +608,7 @@ def _follow(
         raise explain_failure(error, shell, prepared.unchanged) from None
     record.state = events.FINISHED
     record.seconds = time.monotonic() - started  # the summary _bring_back prints states it
+    record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None  # and names it
     view.finish(events.FINISHED)
     value = _bring_back(shell, result, prepared.shipped, record, options.output)
     if held.received:  # it came while the results went in: they are in, all of them
