@@ -1,6 +1,7 @@
 """A real JupyterLab and a real browser for tests: started by the test, ended by PID.
 
-:class:`JupyterLab` starts ``python -m jupyter lab`` from this venv on a free port of
+:class:`JupyterLab` starts ``python -m jupyter lab`` (or ``jupyter notebook``, Notebook 7,
+with ``app="notebook"``) from this venv on a free port of
 127.0.0.1, with a token, a temporary root directory and temporary Jupyter/IPython
 config, data and runtime directories (so nothing of the user's setup leaks in), in a
 process group of its own. :func:`open_browser` starts Debian's Chromium through
@@ -47,6 +48,12 @@ SERVER_STOP_SECONDS = 20.0  # SIGTERM: the server shuts its kernels down, then e
 GONE_SECONDS = 10.0
 POLL = 0.1
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
+# The front ends to start: JupyterLab, or Notebook 7 (built on JupyterLab's components, it
+# loads the same prebuilt extensions). Each with its own application's option names.
+APPS = {
+    "lab": ("lab", "LabApp", ["--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]),
+    "notebook": ("notebook", "JupyterNotebookApp", []),
+}
 
 
 def free_port() -> int:
@@ -77,11 +84,12 @@ def write_notebook(path: Path, sources: Iterable[str]) -> None:
 
 
 class JupyterLab:
-    """A JupyterLab server of this venv on 127.0.0.1, its root a temporary directory.
+    """A JupyterLab (or, with ``app="notebook"``, Notebook 7) server of this venv on
+    127.0.0.1, its root a temporary directory.
 
     Example::
 
-        lab = JupyterLab(tmp_path, log_path)
+        lab = JupyterLab(tmp_path, log_path, mark="test-1")
         try:
             lab.start()
             page.goto(lab.url("lab/tree/x.ipynb"))
@@ -89,10 +97,13 @@ class JupyterLab:
             leftovers = lab.stop()
     """
 
-    def __init__(self, base: Path, log_path: Path, mark: str, theme: str = "light"):
+    def __init__(self, base: Path, log_path: Path, mark: str, theme: str = "light", app: str = "lab"):
         if theme not in THEMES:
             raise ValueError(f"theme must be one of {', '.join(THEMES)}, not {theme!r}")
+        if app not in APPS:
+            raise ValueError(f"app must be one of {', '.join(APPS)}, not {app!r}")
         self.theme = theme
+        self.app = app
         self.base = base
         self.root = base / "root"
         self.log_path = log_path
@@ -137,19 +148,20 @@ class JupyterLab:
         env.pop("JUPYTER_PATH", None)
         env.pop("JUPYTERLAB_SETTINGS_DIR", None)  # the theme written above is the one that counts
         self.port = free_port()
+        subcommand, app_class, app_options = APPS[self.app]
         command = [
             sys.executable,
             "-m",
             "jupyter",
-            "lab",
+            subcommand,
             "--no-browser",
             "--ip=127.0.0.1",
             f"--port={self.port}",
             "--port-retries=0",
             f"--IdentityProvider.token={self.token}",
             f"--ServerApp.root_dir={self.root}",
-            f"--LabApp.workspaces_dir={dirs['workspaces']}",
-            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            f"--{app_class}.workspaces_dir={dirs['workspaces']}",
+            *app_options,
             "--ServerApp.allow_remote_access=False",
             "--ServerApp.terminals_enabled=False",
         ]
@@ -189,6 +201,20 @@ class JupyterLab:
                 self.process.wait(timeout=POLL)
             except subprocess.TimeoutExpired:
                 pass
+
+    def api(self, path: str) -> Any:
+        """GET ``path`` of the server's REST API (with the token), as JSON."""
+        with urllib.request.urlopen(self.url(path), timeout=10) as response:
+            return json.loads(response.read())
+
+    def wait_kernel_connected(self, timeout: float) -> None:
+        """Until a page holds a connection to a kernel: before that the page's session has no
+        kernel, and a cell run then is dropped (Notebook 7 shows "idle" while it connects)."""
+        procs.wait_for(
+            lambda: any(kernel.get("connections") for kernel in self.api("api/kernels")),
+            timeout,
+            f"no page connected to a kernel of the server on port {self.port}",
+        )
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -291,8 +317,9 @@ def chromium_problem() -> str | None:
         return "the playwright package is missing: run `bash .ci/browser-setup` (pip install -e '.[browser]')"
     try:
         import jupyterlab  # noqa: F401
-    except ImportError:
-        return "jupyterlab is missing: run `bash .ci/browser-setup` (pip install -e '.[browser]')"
+        import notebook  # noqa: F401  (Notebook 7: the extension's test there)
+    except ImportError as error:
+        return f"{error.name} is missing: run `bash .ci/browser-setup` (pip install -e '.[browser]')"
     return None
 
 

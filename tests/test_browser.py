@@ -83,15 +83,25 @@ class Session:
     def open_notebook(self, name: str, sources: list[str]) -> Any:
         """Write the notebook, open it, wait until its kernel is idle; the notebook panel."""
         bh.write_notebook(self.lab.root / name, sources)
-        self.page.goto(self.lab.url(f"lab/tree/{name}"))
+        self.page.goto(self.lab.url(f"lab/tree/{name}" if self.lab.app == "lab" else f"notebooks/{name}"))
         notebook = self.page.locator(".jp-NotebookPanel", has=self.page.locator(".jp-Notebook .jp-Cell"))
         notebook.wait_for(state="visible")
         self.wait_idle(KERNEL_READY_MS)
         return notebook
 
     def wait_idle(self, timeout_ms: int) -> None:
-        """The status bar names the kernel and says Idle (started, or done with the cells)."""
-        self.page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=timeout_ms)
+        """The kernel is idle (started, or done with the cells)."""
+        self.wait_kernel("Idle", timeout_ms)
+
+    def wait_kernel(self, state: str, timeout_ms: int = UI_TIMEOUT_MS) -> None:
+        """The kernel's state as the page shows it: JupyterLab's status bar names the kernel
+        and its state; Notebook 7 has no status bar, its toolbar's indicator carries it."""
+        if self.lab.app == "lab":
+            self.page.get_by_text(f"Python 3 (ipykernel) | {state}").wait_for(timeout=timeout_ms)
+        else:
+            self.lab.wait_kernel_connected(timeout_ms / 1000)
+            indicator = f'.jp-Notebook-ExecutionIndicator[data-status="{state.lower()}"]'
+            self.page.locator(indicator).wait_for(state="attached", timeout=timeout_ms)
 
     def run_all(self) -> None:
         """Run > Run All Cells, as a user would."""
@@ -140,21 +150,23 @@ def _publish(staging: Path, final: Path) -> None:
 
 @pytest.fixture
 def session(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Session]:
-    """JupyterLab (light theme, or the theme given as the fixture's parameter) and Chromium,
-    started here and ended here, every process checked gone."""
+    """JupyterLab (light theme, or the theme given as the fixture's parameter; "notebook":
+    Notebook 7 instead, light) and Chromium, started here and ended here, every process checked gone."""
     _requirements()
     from playwright.sync_api import sync_playwright
 
-    theme = getattr(request, "param", "light")
+    param = getattr(request, "param", "light")
+    app = "notebook" if param == "notebook" else "lab"
+    theme = "light" if app == "notebook" else param
     name = request.node.originalname.removeprefix("test_")
-    final = ARTIFACTS / (name if theme == "light" else f"{name}-{theme}")
+    final = ARTIFACTS / (name if param == "light" else f"{name}-{param}")
     # Written aside, then moved into place: two runs of the suite at once do not mix files.
     staging = ARTIFACTS / f".{final.name}.{os.getpid()}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     mark = uuid.uuid4().hex
     ours_before = {p.pid for p in psutil.Process().children(recursive=True)}
-    lab = bh.JupyterLab(tmp_path, staging / "jupyterlab.log", mark, theme)
+    lab = bh.JupyterLab(tmp_path, staging / "jupyterlab.log", mark, theme, app)
     leftovers: list[str] = []
     try:
         lab.start()

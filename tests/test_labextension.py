@@ -7,7 +7,10 @@
 - in JupyterLab with Debian's Chromium (the session of tests/test_browser.py): the sidebar
   lists a run started from a cell with its world size; its Stop ends a foreground run while
   the kernel is busy in that cell, the cell ends stopped and the kernel runs the next one;
-  a kernel killed during a run leaves the run orphaned, and "Clean up" removes it.
+  a kernel killed during a run (its launcher frozen, so that the ranks outlive it) leaves
+  the run orphaned, and "Clean up" ends its ranks and forgets it;
+- in Notebook 7 (``jupyter notebook``) the same extension loads: its panel lists the run
+  and its Stop ends it while the kernel is busy.
 
 Screenshots go to ``test-artifacts/browser/<test>/`` (git-ignored); the Stop's measured
 time (click to every rank gone) to ``stop-seconds.txt`` there.
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import browser_helpers as bh
+import pytest
 from helpers import procs
 from test_browser import (  # noqa: F401
     KERNEL_READY_MS,
@@ -37,10 +41,13 @@ from test_browser import (  # noqa: F401
     session,
 )
 
+from nbtrain import processes
+
 LABEXTENSION = Path(__file__).resolve().parent.parent / "labextension"
 NPM_TEST_SECONDS = 240  # tsc, then node --test, on a loaded 2-core machine
 SIDEBAR_REFRESH_MS = 2_000
 RANKS_GONE_SECONDS = 10.0
+LAUNCHER_GONE_SECONDS = 20.0  # a thawed launcher's shutdown: signal, reap (bounded at 2 s), exit
 ORPHANED_MS = 30_000  # the kernel's death seen by the next refreshes
 
 SETUP_CELL = (
@@ -113,8 +120,16 @@ def _devices_requests(session: Session, window_ms: int) -> int:
 
 
 def _open_sidebar(session: Session) -> Any:
-    session.page.locator('.jp-SideBar li[data-id="nbtrain-sidebar"]').click()
-    panel = session.page.locator("#nbtrain-sidebar")
+    """Show the sidebar as a user would: JupyterLab's tab in the right side bar; in Notebook 7,
+    View > Right Sidebar, which lists each panel of the right area by its caption."""
+    page = session.page
+    if session.lab.app == "lab":
+        page.locator('.jp-SideBar li[data-id="nbtrain-sidebar"]').click()
+    else:
+        page.get_by_role("menuitem", name="View", exact=True).click()
+        page.locator(".lm-Menu-item", has_text="Right Sidebar").click()
+        page.locator(".lm-Menu-item", has_text="Show nbtrain: runs and devices").click()
+    panel = page.locator("#nbtrain-sidebar")
     panel.wait_for(state="visible")
     return panel
 
@@ -135,21 +150,24 @@ def _record(session: Session, name: str) -> dict:
     return runs[0]
 
 
-def test_sidebar_stops_a_foreground_run_while_its_kernel_is_busy(session: Session) -> None:
-    page = session.page
-    notebook, row = _start(session, "sidebar.ipynb")
+def _check_running(session: Session, row: Any, name: str) -> dict:
+    """The sidebar's row and the API agree on the run: 2 live ranks of a kernel of this server."""
     assert row.get_attribute("data-world-size") == "2"
     assert "2 ranks · cpu · ddp_notebook" in row.locator(".jp-nbtrain-facts").inner_text()
-    page.locator(".jp-nbtrain-status").get_by_text("nbtrain: 1 run · 2 ranks").wait_for()
     row.locator(".jp-nbtrain-spark polyline").wait_for(timeout=RUN_MS)  # two loss points: two seconds of steps
-    record = _record(session, "sidebar.ipynb")
+    record = _record(session, name)
     assert record["world_size"] == 2 and record["state"] == "running" and len(record["pids"]) == 2
     assert record["kernel_id"] in [kernel["id"] for kernel in _api_root(session, "api/kernels")]
     assert all(bh.alive(pid) for pid in record["pids"]), "the ranks the sidebar names are alive"
     session.lab.remember_tree()
-    page.get_by_text("Python 3 (ipykernel) | Busy").wait_for()  # the kernel is in the training cell
-    session.screenshot("01-sidebar-running.png")
+    session.wait_kernel("Busy")  # the kernel is in the training cell
+    return record
 
+
+def _stop_from_sidebar(session: Session, notebook: Any, row: Any, record: dict) -> float:
+    """Stop in the sidebar while the kernel is busy in the run's cell: the ranks go, the cell
+    ends stopped, the kernel runs the next cell. The seconds from the click to every rank gone."""
+    page = session.page
     stop = row.locator(".jp-nbtrain-action", has_text="Stop")
     stop.wait_for()
     clicked = time.monotonic()  # before the click: the figure includes Playwright's own click
@@ -158,7 +176,7 @@ def test_sidebar_stops_a_foreground_run_while_its_kernel_is_busy(session: Sessio
     seconds = time.monotonic() - clicked
     assert not left, f"ranks alive {RANKS_GONE_SECONDS} s after Stop: {[bh.describe(pid) for pid in left]}"
     (session.artifacts / "stop-seconds.txt").write_text(f"{seconds:.3f}\n")
-    print(f"browser Stop: every rank gone {seconds:.3f} s after the click")
+    print(f"browser Stop ({session.lab.app}): every rank gone {seconds:.3f} s after the click")
 
     train, after = notebook.locator(".jp-Cell").nth(1), notebook.locator(".jp-Cell").nth(2)
     train.locator(".jp-OutputArea").get_by_text("RunStoppedError: the run was stopped before it finished").wait_for(
@@ -169,14 +187,40 @@ def test_sidebar_stops_a_foreground_run_while_its_kernel_is_busy(session: Sessio
     after.locator(".jp-InputArea-editor").click()
     page.keyboard.press("Shift+Enter")
     after.locator(".jp-OutputArea-output").get_by_text("the next cell ran").wait_for(timeout=RUN_MS)
-    panel_row = page.locator('.jp-nbtrain-run[data-state="stopped"]:has(.jp-nbtrain-title:text-is("sidebar.ipynb"))')
-    panel_row.wait_for(timeout=RUN_MS)
+    name = record["notebook"].rsplit("/", 1)[-1]
+    stopped = f'.jp-nbtrain-run[data-state="stopped"]:has(.jp-nbtrain-title:text-is("{name}"))'
+    page.locator(stopped).wait_for(timeout=RUN_MS)
+    return seconds
+
+
+def test_sidebar_stops_a_foreground_run_while_its_kernel_is_busy(session: Session) -> None:
+    page = session.page
+    notebook, row = _start(session, "sidebar.ipynb")
+    record = _check_running(session, row, "sidebar.ipynb")
+    page.locator(".jp-nbtrain-status").get_by_text("nbtrain: 1 run · 2 ranks").wait_for()
+    session.screenshot("01-sidebar-running.png")
+
+    _stop_from_sidebar(session, notebook, row, record)
     assert page.locator(".jp-nbtrain-status").inner_text() == ""
     session.screenshot("02-sidebar-stopped.png")
 
     _insert_distributed_cell(session, notebook)
     _dark_theme(session)
     session.screenshot("04-sidebar-dark.png")
+
+
+@pytest.mark.parametrize("session", ["notebook"], indirect=True)
+def test_notebook7_loads_the_sidebar_which_stops_a_run(session: Session) -> None:
+    """In Notebook 7 (``jupyter notebook``): the same prebuilt extension loads, its panel in
+    the right area lists the run with its world size, and its Stop ends the run while the
+    kernel is busy; the palette command inserts the cell. (Notebook 7 has no status bar.)"""
+    notebook, row = _start(session, "notebook7.ipynb")
+    assert session.page.locator(".jp-NotebookPanel").count() == 1 and "/notebooks/" in session.page.url
+    record = _check_running(session, row, "notebook7.ipynb")
+    session.screenshot("01-notebook7-running.png")
+    _stop_from_sidebar(session, notebook, row, record)
+    session.screenshot("02-notebook7-stopped.png")
+    _insert_distributed_cell(session, notebook)
 
 
 def _insert_distributed_cell(session: Session, notebook: Any) -> None:
@@ -200,29 +244,49 @@ def _dark_theme(session: Session) -> None:
     page.locator("#jupyterlab-splash").wait_for(state="detached")  # the overlay shown while the theme loads
 
 
+def _freeze(pid: int, started: int) -> None:
+    """SIGSTOP the process ``pid`` if it is still the one that started at ``started``."""
+    assert processes.start_time(pid) == started, f"pid {pid} is no longer the run's launcher"
+    os.kill(pid, signal.SIGSTOP)
+
+
 def test_a_killed_kernel_leaves_an_orphaned_run_that_clean_up_removes(session: Session) -> None:
+    """Ranks die with their launcher (PDEATHSIG), and a launcher stops its ranks when its
+    kernel dies: ranks outlive their kernel only while their launcher lives but cannot act
+    (stopped, frozen by a cgroup or a debugger, stuck). So the test freezes the launcher
+    (SIGSTOP) and then kills the kernel: the ranks survive, and only Clean up ends them."""
     page = session.page
     _start(session, "orphan.ipynb")
     record = _record(session, "orphan.ipynb")
     session.lab.remember_tree()
-    os.kill(record["kernel_pid"], signal.SIGKILL)
-
-    orphaned = page.locator('.jp-nbtrain-run[data-state="orphaned"]:has(.jp-nbtrain-title:text-is("orphan.ipynb"))')
-    orphaned.wait_for(timeout=ORPHANED_MS)
-    assert _record(session, "orphan.ipynb")["state"] == "orphaned"
-    # JupyterLab says the kernel died (and starts a new one): the user acknowledges it.
-    page.locator(".jp-Dialog").get_by_role("button", name="Ok").click()
-    session.screenshot("01-orphaned.png")
-    orphaned.locator(".jp-nbtrain-action", has_text="Clean up").click()
-    orphaned.wait_for(state="detached", timeout=UI_TIMEOUT_MS)
+    launcher = record["launcher_pid"]
+    _freeze(launcher, record["launcher_start"])
+    try:
+        os.kill(record["kernel_pid"], signal.SIGKILL)
+        orphaned = page.locator(
+            '.jp-nbtrain-run[data-state="orphaned"]:has(.jp-nbtrain-title:text-is("orphan.ipynb"))'
+        )
+        orphaned.wait_for(timeout=ORPHANED_MS)
+        assert _record(session, "orphan.ipynb")["state"] == "orphaned"
+        assert procs.wait_gone([record["kernel_pid"]], RANKS_GONE_SECONDS, reaped=False) == []
+        assert all(bh.alive(pid) for pid in record["pids"]), "the ranks outlive their kernel: only Clean up ends them"
+        # JupyterLab says the kernel died (and starts a new one): the user acknowledges it.
+        page.locator(".jp-Dialog").get_by_role("button", name="Ok").click()
+        session.screenshot("01-orphaned.png")
+        orphaned.locator(".jp-nbtrain-action", has_text="Clean up").click()
+        orphaned.wait_for(state="detached", timeout=UI_TIMEOUT_MS)
+        assert [run for run in _api(session, "runs") if run["id"] == record["id"]] == []
+        left = bh.wait_gone(record["pids"], RANKS_GONE_SECONDS)
+        assert not left, f"ranks of the orphaned run still alive after clean-up: {[bh.describe(p) for p in left]}"
+        session.screenshot("02-cleaned.png")
+    finally:
+        os.kill(launcher, signal.SIGCONT)
+    # Thawed, the launcher finds its kernel gone and exits; the run stays forgotten.
+    assert bh.wait_gone([launcher], LAUNCHER_GONE_SECONDS) == [], bh.describe(launcher)
     assert [run for run in _api(session, "runs") if run["id"] == record["id"]] == []
-    left = bh.wait_gone(record["pids"], RANKS_GONE_SECONDS)
-    assert not left, f"ranks of the orphaned run still alive after clean-up: {[bh.describe(p) for p in left]}"
-    session.screenshot("02-cleaned.png")
 
     # The sidebar refreshes every 2 s while shown, and asks nothing while hidden.
     assert _devices_requests(session, 3 * SIDEBAR_REFRESH_MS) >= 2
     page.locator('.jp-SideBar li[data-id="nbtrain-sidebar"]').click()
     page.locator("#nbtrain-sidebar").wait_for(state="hidden")
     assert _devices_requests(session, 3 * SIDEBAR_REFRESH_MS) == 0
-    assert procs.wait_gone([record["kernel_pid"]], RANKS_GONE_SECONDS, reaped=False) == []
