@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import browser_helpers as bh
+import psutil
 import pytest
 from helpers import procs
 from test_browser import (  # noqa: F401
@@ -179,9 +180,10 @@ def _stop_from_sidebar(session: Session, notebook: Any, row: Any, record: dict) 
     print(f"browser Stop ({session.lab.app}): every rank gone {seconds:.3f} s after the click")
 
     train, after = notebook.locator(".jp-Cell").nth(1), notebook.locator(".jp-Cell").nth(2)
-    train.locator(".jp-OutputArea").get_by_text("RunStoppedError: the run was stopped before it finished").wait_for(
-        timeout=RUN_MS
-    )
+    error = train.locator(".jp-OutputArea").get_by_text("RunStoppedError: the run was stopped before it finished")
+    error.wait_for(timeout=RUN_MS)
+    # As after the view's Stop, but without a stack line: the ranks were signalled at once.
+    assert "Where each rank was" not in error.inner_text(), error.inner_text()
     session.wait_idle(RUN_MS)  # the training cell is over, as after the view's Stop
     # Run All stopped at the error: the user runs the next cell, and the kernel runs it.
     after.locator(".jp-InputArea-editor").click()
@@ -198,15 +200,37 @@ def test_sidebar_stops_a_foreground_run_while_its_kernel_is_busy(session: Sessio
     notebook, row = _start(session, "sidebar.ipynb")
     record = _check_running(session, row, "sidebar.ipynb")
     page.locator(".jp-nbtrain-status").get_by_text("nbtrain: 1 run · 2 ranks").wait_for()
+    # The API lives in the server's own web application: the server listens on its port only.
+    assert session.lab.process is not None
+    server = psutil.Process(session.lab.process.pid)
+    listening = {c.laddr.port for c in server.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    assert listening == {session.lab.port}, listening
     session.screenshot("01-sidebar-running.png")
 
+    _check_readable(session, "light")
     _stop_from_sidebar(session, notebook, row, record)
     assert page.locator(".jp-nbtrain-status").inner_text() == ""
     session.screenshot("02-sidebar-stopped.png")
+    _check_readable(session, "light")
+    _open_from_sidebar(session, "sidebar.ipynb")
 
     _insert_distributed_cell(session, notebook)
     _dark_theme(session)
+    _check_readable(session, "dark")
     session.screenshot("04-sidebar-dark.png")
+
+
+def _open_from_sidebar(session: Session, name: str) -> None:
+    """With a Launcher tab in front of the notebook, the run's Open brings the notebook back."""
+    page = session.page
+    current = ".lm-DockPanel-tabBar .lm-TabBar-tab.jp-mod-current"
+    page.keyboard.press("Control+Shift+C")
+    page.locator(".lm-CommandPalette-input").fill("New Launcher")
+    page.keyboard.press("Enter")
+    page.locator(current, has_text="Launcher").wait_for()
+    row = page.locator(f'.jp-nbtrain-run:has(.jp-nbtrain-title:text-is("{name}"))')
+    row.locator(".jp-nbtrain-open").click()
+    page.locator(current, has_text=name).wait_for()
 
 
 @pytest.mark.parametrize("session", ["notebook"], indirect=True)
@@ -217,6 +241,7 @@ def test_notebook7_loads_the_sidebar_which_stops_a_run(session: Session) -> None
     notebook, row = _start(session, "notebook7.ipynb")
     assert session.page.locator(".jp-NotebookPanel").count() == 1 and "/notebooks/" in session.page.url
     record = _check_running(session, row, "notebook7.ipynb")
+    _check_readable(session, "Notebook 7's light")
     session.screenshot("01-notebook7-running.png")
     _stop_from_sidebar(session, notebook, row, record)
     session.screenshot("02-notebook7-stopped.png")
@@ -233,6 +258,51 @@ def _insert_distributed_cell(session: Session, notebook: Any) -> None:
     inserted = notebook.locator(".jp-Cell").nth(3)
     inserted.get_by_text("%%distributed --devices 2 --accelerator cpu --strategy ddp_notebook").wait_for()
     session.screenshot("03-inserted-cell.png")
+
+
+# The text of the sidebar, against what it is drawn on (the first ancestor with a background).
+_COLOURS_JS = """element => {
+  const parse = text => (text.match(/[\\d.]+/g) || []).map(Number);
+  let node = element, background = null;
+  while (node && !background) {
+    const colour = parse(getComputedStyle(node).backgroundColor);
+    if (colour.length === 3 || (colour.length === 4 && colour[3] > 0)) background = colour;
+    node = node.parentElement;
+  }
+  return [parse(getComputedStyle(element).color), background || [255, 255, 255]];
+}"""
+READABLE = 4.5  # WCAG's contrast ratio for normal text (AA)
+
+
+def _luminance(rgb: list[float]) -> float:
+    def linear(value: float) -> float:
+        value /= 255
+        return value / 12.92 if value <= 0.03928 else ((value + 0.055) / 1.055) ** 2.4
+
+    red, green, blue = (linear(value) for value in rgb[:3])
+    return 0.2126 * red + 0.7152 * green + 0.0722 * blue
+
+
+def _contrast(element: Any) -> float:
+    """WCAG contrast ratio of an element's text over its background (a translucent text
+    colour blended over the background first, as the browser draws it)."""
+    text, background = element.evaluate(_COLOURS_JS)
+    alpha = text[3] if len(text) == 4 else 1.0
+    drawn = [alpha * t + (1 - alpha) * b for t, b in zip(text[:3], background[:3])]
+    light, dark = sorted((_luminance(drawn), _luminance(background)), reverse=True)
+    return (light + 0.05) / (dark + 0.05)
+
+
+def _check_readable(session: Session, theme: str) -> None:
+    """Every kind of text of the sidebar (headings, run title, state badge, facts, devices,
+    ranks' memory while they run) reads well: WCAG's AA contrast for normal text."""
+    panel = session.page.locator("#nbtrain-sidebar")
+    kinds = [".jp-nbtrain-heading", ".jp-nbtrain-title", ".jp-nbtrain-state", ".jp-nbtrain-facts", ".jp-nbtrain-host"]
+    if panel.locator(".jp-nbtrain-rank-memory").count():
+        kinds.append(".jp-nbtrain-rank-memory")
+    ratios = {selector: round(_contrast(panel.locator(selector).first), 2) for selector in kinds}
+    state = panel.locator(".jp-nbtrain-state").first.inner_text()
+    assert min(ratios.values()) >= READABLE, f"{theme} theme, a {state} run: contrast ratios {ratios}"
 
 
 def _dark_theme(session: Session) -> None:
@@ -268,6 +338,7 @@ def test_a_killed_kernel_leaves_an_orphaned_run_that_clean_up_removes(session: S
         )
         orphaned.wait_for(timeout=ORPHANED_MS)
         assert _record(session, "orphan.ipynb")["state"] == "orphaned"
+        _check_readable(session, "light")
         assert procs.wait_gone([record["kernel_pid"]], RANKS_GONE_SECONDS, reaped=False) == []
         assert all(bh.alive(pid) for pid in record["pids"]), "the ranks outlive their kernel: only Clean up ends them"
         # JupyterLab says the kernel died (and starts a new one): the user acknowledges it.

@@ -1,7 +1,8 @@
 """The run registry as the launcher keeps it, and a stop that goes around the kernel.
 
 Real launcher, real ranks: a run's record appears with its ranks' pids and start times,
-rank 0's step and loss; the server extension's stop (nbtrain.server.runs.stop, which
+rank 0's step and loss, and is rewritten at most about once a second while rank 0 logs
+every 20 ms; the server extension's stop (nbtrain.server.runs.stop, which
 signals the ranks itself) ends the run as stopped, exactly as the kernel's own stop does.
 """
 
@@ -55,17 +56,36 @@ def test_a_run_is_recorded_and_a_stop_from_outside_ends_it_as_stopped(launcher) 
         for _, pid, started in record.ranks:
             assert processes.start_time(pid) == started
         assert runs.shown_state(record) == "running"
+        gaps = _rewrite_gaps(record.id, writes=4, timeout=RECORD_SECONDS)
+        assert min(gaps) >= 0.9, f"the record was rewritten {min(gaps):.3f} s after its previous write: {gaps}"
 
         outcome = runs.stop(record.id)
         assert sorted(outcome.signalled) == sorted(record.pids), outcome
-        with pytest.raises(RunStoppedError, match="stopped before it finished"):
+        with pytest.raises(RunStoppedError, match="stopped before it finished") as stopped:
             procs.finish(run, ENDED_SECONDS)
+        # The server signalled every rank as it asked: no rank is said to have "not answered".
+        assert "Where each rank was" not in str(stopped.value), str(stopped.value)
     finally:
         run.stop()
     assert procs.wait_gone(record.pids, 10.0, reaped=False) == []
     ended = registry.read(record.id)
     assert ended is not None and ended.state == "stopped" and ended.ended is not None
     assert not registry.stop_requested(record.id), "the launcher removes the stop request once the run ended"
+
+
+def _rewrite_gaps(run_id: str, writes: int, timeout: float) -> list[float]:
+    """Seconds between successive writes of a running run's record, as seen by polling its
+    ``updated`` time until ``writes`` writes were seen (a poll may miss a write: a gap seen
+    is never shorter than the real one)."""
+    seen: list[float] = []
+    deadline = time.monotonic() + timeout
+    while len(seen) < writes and time.monotonic() < deadline:
+        current = registry.read(run_id)
+        if current is not None and (not seen or current.updated != seen[-1]):
+            seen.append(current.updated)
+        time.sleep(0.01)  # the poll interval, bounded by the deadline above
+    assert len(seen) == writes, f"{len(seen)} writes of the record in {timeout} s while rank 0 logs every 20 ms"
+    return [later - earlier for earlier, later in zip(seen, seen[1:])]
 
 
 def test_signal_ranks_refuses_a_pid_whose_start_time_differs() -> None:

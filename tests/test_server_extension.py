@@ -91,9 +91,24 @@ async def test_runs_lists_every_record_with_its_state_and_pids(jp_fetch, stand_i
     assert run["notebook"] == "train.ipynb" and run["step"] == 12 and run["steps_per_second"] == 4.0
 
 
+async def test_each_run_names_its_notebook_as_the_contents_api_does(jp_fetch, jp_root_dir, stand_ins):
+    # jupyter_server gives a kernel its notebook as a file system path (JPY_SESSION_NAME).
+    _record("aa-9", [stand_ins()], notebook=str(jp_root_dir / "sub" / "train.ipynb"), started=1.0)
+    _record("aa-10", [stand_ins()], notebook="/elsewhere/other.ipynb", started=2.0)
+    inside, outside = await _get(jp_fetch, "runs")
+    assert inside["path"] == "sub/train.ipynb" and inside["notebook"] == str(jp_root_dir / "sub" / "train.ipynb")
+    assert outside["path"] is None  # outside the server's root: nothing the front end can open
+
+
 async def test_every_route_refuses_a_request_without_the_token(jp_fetch, stand_ins):
     _record("aa-1", [stand_ins()])
-    for method, path, body in (("GET", "runs", None), ("GET", "devices", None), ("POST", "runs/aa-1/stop", b"")):
+    routes = (
+        ("GET", "runs", None),
+        ("GET", "devices", None),
+        ("POST", "runs/aa-1/stop", b""),
+        ("POST", "runs/aa-1/clean", b""),
+    )
+    for method, path, body in routes:
         with pytest.raises(HTTPClientError) as refused:
             await jp_fetch("nbtrain", "api", *path.split("/"), method=method, body=body, headers={"Authorization": ""})
         assert refused.value.code == 403, path
@@ -147,6 +162,17 @@ async def test_a_run_whose_kernel_is_gone_is_orphaned_until_cleaned_up(jp_fetch,
     await jp_fetch("nbtrain", "api", "runs", "aa-5", "clean", method="POST", body=b"")
     assert [p.wait(timeout=GONE_SECONDS) for p in ranks] == [-9, -9]
     assert await _get(jp_fetch, "runs") == []
+
+
+async def test_stop_works_after_the_kernel_died(jp_fetch, stand_ins):
+    gone = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    gone_start = processes.start_time(gone.pid)
+    await gone.wait()
+    ranks = [stand_ins(), stand_ins()]
+    _record("aa-8", ranks, kernel_pid=gone.pid, kernel_start=gone_start or 1)
+    response = await jp_fetch("nbtrain", "api", "runs", "aa-8", "stop", method="POST", body=b"")
+    assert sorted(json.loads(response.body)["signalled"]) == sorted(p.pid for p in ranks)
+    assert [p.wait(timeout=GONE_SECONDS) for p in ranks] == [-15, -15]
 
 
 async def test_a_live_run_cannot_be_cleaned_up_before_it_is_stopped(jp_fetch, stand_ins):

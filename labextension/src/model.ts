@@ -13,6 +13,8 @@ export interface RunInfo {
   world_size: number;
   kernel_id?: string | null;
   notebook?: string | null;
+  /** The notebook as the contents API names it (relative to the server's root): what Open opens. */
+  path?: string | null;
   strategy?: string;
   accelerator?: string;
   pids?: number[];

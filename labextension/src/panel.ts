@@ -130,10 +130,9 @@ export class NbtrainPanel extends Widget {
       spark.append(line);
     }
     const title = h('span', 'jp-nbtrain-title', [runTitle(run)], { title: run.notebook || run.kernel_id || run.id });
-    const open = run.notebook
-      ? h('button', 'jp-nbtrain-open jp-mod-styled', ['Open'], { title: `Open ${run.notebook}` })
-      : null;
-    open?.addEventListener('click', () => this.openNotebook(run.notebook as string));
+    // The server's path for it: the record's is a file system path, which the front end cannot open.
+    const open = run.path ? h('button', 'jp-nbtrain-open jp-mod-styled', ['Open'], { title: `Open ${run.path}` }) : null;
+    open?.addEventListener('click', () => this.openNotebook(run.path as string));
     return h(
       'div',
       'jp-nbtrain-run',

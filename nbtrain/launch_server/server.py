@@ -436,8 +436,17 @@ class Launcher:
         """Whether the run was stopped from the browser (the server extension signals the
         ranks itself after leaving a stop request): it then ends as stopped, not failed."""
         if run.stop_started is None and self.board.stop_requested(run.run_id):
-            self._stop(run, events.STOPPED)
+            self._stop_asked_outside(run)
         return run.end_state == events.STOPPED
+
+    def _stop_asked_outside(self, run: Run) -> None:
+        """Stop a run asked to stop through the registry, without asking for stack dumps: the
+        server signals every rank itself as it asks, so a rank still alive is already dying
+        and would only be reported as one that "did not answer in time"."""
+        if run.stop_started is not None or run.stacks_until is not None:
+            return
+        run.end_state = events.STOPPED
+        self._stop_now(run)
 
     def _stop(self, run: Run, state: str) -> None:
         if run.stop_started is not None or run.stacks_until is not None:
@@ -505,7 +514,7 @@ class Launcher:
         for run_id in self.board.tick(now):  # stop requests, looked for about once a second
             run = self.runs.get(run_id)
             if run is not None and run.end_state is None:
-                self._stop(run, events.STOPPED)
+                self._stop_asked_outside(run)
         for run in list(self.runs.values()):
             if run.deadline is not None and now > run.deadline and run.end_state is None:
                 self._stop(run, events.TIMED_OUT)

@@ -6,7 +6,8 @@ one behind Jupyter's authentication (token or cookie, and XSRF for POST):
 
 - ``GET  {base_url}nbtrain/api/runs``: every run in this user's run registry
   (:mod:`nbtrain.registry`), each with ``id``, ``state``, ``world_size``, ``kernel_id``,
-  ``pids``, ``notebook``, ``step``, ``loss``, ``losses``, ``steps_per_second``, ``elapsed``;
+  ``pids``, ``notebook`` (its file), ``path`` (the same, as the contents API names it: what
+  the sidebar opens), ``step``, ``loss``, ``losses``, ``steps_per_second``, ``elapsed``;
 - ``GET  {base_url}nbtrain/api/devices``: each GPU (NVML), the host's CPU and memory, each rank's memory;
 - ``POST {base_url}nbtrain/api/runs/<id>/stop``: stop a run by signalling its ranks directly;
 - ``POST {base_url}nbtrain/api/runs/<id>/clean``: forget an ended or orphaned run, killing what is left of it.

@@ -24,7 +24,7 @@ _RUN_ID = r"(?P<run_id>[A-Za-z0-9_-]{1,64})"
 class RunsHandler(APIHandler):
     @tornado.web.authenticated
     def get(self) -> None:
-        self.finish(json.dumps(runs.list_runs()))
+        self.finish(json.dumps(runs.list_runs(self.settings.get("server_root_dir"))))
 
 
 class RunActionHandler(APIHandler):

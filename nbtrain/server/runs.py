@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -65,10 +66,32 @@ def live_ranks(record: RunRecord) -> list[tuple[int, int, int]]:
     return [(rank, pid, started) for rank, pid, started in record.ranks if alive(pid, started)]
 
 
-def describe(record: RunRecord, now: float | None = None) -> dict[str, Any]:
-    """The JSON the sidebar gets for one run."""
+def contents_path(notebook: str | None, root: str | None) -> str | None:
+    """The notebook's path as the server's contents API names it ('/'-separated, relative to
+    the server's root), which is what the front end opens; None when it is unknown or lies
+    outside the root. jupyter_server gives a kernel ``JPY_SESSION_NAME`` as a file system path.
+
+    Example:
+        >>> contents_path("/home/me/work/sub/train.ipynb", "/home/me/work")
+        'sub/train.ipynb'
+        >>> contents_path("/tmp/train.ipynb", "/home/me/work") is None
+        True
+    """
+    if not notebook or not root:
+        return None
+    if not os.path.isabs(notebook):
+        return notebook.replace(os.sep, "/")
+    relative = os.path.relpath(notebook, root)
+    if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+        return None
+    return relative.replace(os.sep, "/")
+
+
+def describe(record: RunRecord, now: float | None = None, root: str | None = None) -> dict[str, Any]:
+    """The JSON the sidebar gets for one run (``root``: the server's root directory)."""
     now = time.time() if now is None else now
     data = record.as_json()
+    data["path"] = contents_path(record.notebook, root)
     data["state"] = shown_state(record)
     data["recorded_state"] = record.state
     data["pids"] = list(record.pids)
@@ -77,7 +100,7 @@ def describe(record: RunRecord, now: float | None = None) -> dict[str, Any]:
     return data
 
 
-def list_runs() -> list[dict[str, Any]]:
+def list_runs(root: str | None = None) -> list[dict[str, Any]]:
     """Every run in the registry, as shown; records of ended runs whose launcher is gone are
     removed on the way (a launcher killed outright could not remove them itself)."""
     shown = []
@@ -85,7 +108,7 @@ def list_runs() -> list[dict[str, Any]]:
         if not record.active and not alive(record.launcher_pid, record.launcher_start):
             registry.remove(record.id)
             continue
-        shown.append(describe(record))
+        shown.append(describe(record, root=root))
     return shown
 
 
