@@ -288,7 +288,7 @@ def _contrast(element: Any) -> float:
     colour blended over the background first, as the browser draws it)."""
     text, background = element.evaluate(_COLOURS_JS)
     alpha = text[3] if len(text) == 4 else 1.0
-    drawn = [alpha * t + (1 - alpha) * b for t, b in zip(text[:3], background[:3])]
+    drawn = [alpha * t + (1 - alpha) * b for t, b in zip(text[:3], background[:3], strict=True)]
     light, dark = sorted((_luminance(drawn), _luminance(background)), reverse=True)
     return (light + 0.05) / (dark + 0.05)
 

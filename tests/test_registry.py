@@ -85,7 +85,7 @@ def _rewrite_gaps(run_id: str, writes: int, timeout: float) -> list[float]:
             seen.append(current.updated)
         time.sleep(0.01)  # the poll interval, bounded by the deadline above
     assert len(seen) == writes, f"{len(seen)} writes of the record in {timeout} s while rank 0 logs every 20 ms"
-    return [later - earlier for earlier, later in zip(seen, seen[1:])]
+    return [later - earlier for earlier, later in zip(seen, seen[1:], strict=False)]
 
 
 def test_signal_ranks_refuses_a_pid_whose_start_time_differs() -> None:

@@ -52,7 +52,7 @@ def snapshot(host: HostSampler) -> dict[str, Any]:
             held[pid] = held.get(pid, 0) + used
     ranks = []
     for run in runs.list_runs():
-        for rank, pid, started in run["ranks"]:
+        for rank, pid, _started in run["ranks"]:
             if pid in run["live_pids"]:
                 ranks.append(
                     {

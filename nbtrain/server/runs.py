@@ -136,7 +136,8 @@ def clean(run_id: str) -> StopOutcome:
     record = _record(run_id)
     if record.active and shown_state(record) != ORPHANED:
         raise ValueError(
-            f"run {run_id} is still {record.state} and its kernel lives: stop it first (POST .../stop), then clean it up."
+            f"run {run_id} is still {record.state} and its kernel lives: "
+            "stop it first (POST .../stop), then clean it up."
         )
     outcome = _signal(record, signal.SIGKILL)
     registry.remove(run_id)
