@@ -100,6 +100,27 @@ def _wait_until_printed(run, needle: str, ranks: set[int], timeout: float = 60.0
     raise AssertionError("the run ended early")
 
 
+def _wait_until_blocked(pid: int, wchan: str, timeout: float = 60.0) -> None:
+    """Return once ``pid`` sits blocked in the kernel function ``wchan`` names, within ``timeout``.
+
+    A rank's line can arrive before its print returned, and a rank can be between its print
+    and its collective: blocked means the main thread sleeps in ``wchan`` and the process
+    used no CPU time across three looks 50 ms apart.
+    """
+    deadline = time.monotonic() + timeout
+    seen: list[tuple[str, int]] = []
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/wchan") as f:
+            where = f.read()
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        seen = [*seen[-2:], (where, int(fields[11]) + int(fields[12]))]  # utime + stime
+        if len(seen) == 3 and all(wchan in w and t == seen[0][1] for w, t in seen):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"rank process {pid} not blocked in {wchan} within {timeout} s: {seen}")
+
+
 def deadlocked():
     import torch
     import torch.distributed as dist
@@ -115,6 +136,8 @@ def deadlocked():
 def test_stopping_a_deadlocked_run_says_where_each_rank_was(launcher, strategy):
     run = nbtrain.start(deadlocked, devices=2, accelerator="cpu", strategy=strategy)
     _wait_until_printed(run, "entering", {0, 1})
+    _wait_until_blocked(run.pids[0], "futex")  # in all_reduce, not on its way there
+    _wait_until_blocked(run.pids[1], "nanosleep")  # in time.sleep, not still in print
     started = time.monotonic()
     run.stop()
     assert time.monotonic() - started < STOP_BOUND

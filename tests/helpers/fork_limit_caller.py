@@ -35,12 +35,19 @@ def tasks_of(uid: int) -> int:
 
 
 def fds(pid: int) -> dict[str, str]:
+    """The launcher's pipes and sockets: what a failed rank could leave open.
+
+    Files are left out: the launcher's samplers open /proc/<pid>/stat for a moment, and
+    a snapshot taken during such a read is no leak.
+    """
     found = {}
     for name in os.listdir(f"/proc/{pid}/fd"):
         try:
-            found[name] = os.readlink(f"/proc/{pid}/fd/{name}")
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
         except OSError:
-            pass
+            continue
+        if not target.startswith("/"):
+            found[name] = target
     return found
 
 
