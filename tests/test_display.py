@@ -1,4 +1,4 @@
-"""The live view (nbtrain.kernel.display) in a real Jupyter kernel, a terminal and plain python.
+"""The live view (nbtrain.kernel.display.live) in a real Jupyter kernel, a terminal and plain python.
 
 Kernels are started by nbclient / jupyter_client and shut down through them; every wait
 has a bound. The drawing itself is checked directly on views fed with event records.
@@ -429,5 +429,7 @@ def test_a_failed_run_names_its_cause_in_the_frame():
     assert ">failed</b>" in bundle["text/html"] and "rank 1 raised ValueError: bad batch</div>" in bundle["text/html"]
 
 
-def test_module_examples_run():
-    assert doctest.testmod(display).failed == 0
+@pytest.mark.parametrize("module", [display.live, display.show, display.form], ids=lambda module: module.__name__)
+def test_module_examples_run(module):
+    result = doctest.testmod(module)
+    assert result.failed == 0 and result.attempted > 0

@@ -1,4 +1,4 @@
-"""The live view's chart figure (nbtrain.kernel.chart_figure): layout checked through matplotlib's text extents.
+"""The live view's chart figure (nbtrain.kernel.display.chart): layout checked through matplotlib's text extents.
 
 Every chart state below is drawn for real (Agg); then every label the PNG shows (titles,
 tick labels, axis names, value labels, the key) is measured with matplotlib's own text
@@ -17,8 +17,8 @@ import struct
 import pytest
 
 from nbtrain import charts, events
-from nbtrain.kernel import chart_figure
-from nbtrain.kernel.chart_figure import ChartFigure
+from nbtrain.kernel.display import chart as chart_figure
+from nbtrain.kernel.display.chart import ChartFigure
 
 RUN = 1
 MIN_TICK_CSS_PX = 10.0
