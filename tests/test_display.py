@@ -7,7 +7,6 @@ has a bound. The drawing itself is checked directly on views fed with event reco
 from __future__ import annotations
 
 import base64
-import doctest
 import json
 import math
 import os
@@ -428,8 +427,3 @@ def test_a_failed_run_names_its_cause_in_the_frame():
     assert "rank 1 raised ValueError: bad batch" in bundle["text/plain"]
     assert ">failed</b>" in bundle["text/html"] and "rank 1 raised ValueError: bad batch</div>" in bundle["text/html"]
 
-
-@pytest.mark.parametrize("module", [display.live, display.show, display.form], ids=lambda module: module.__name__)
-def test_module_examples_run(module):
-    result = doctest.testmod(module)
-    assert result.failed == 0 and result.attempted > 0

@@ -9,7 +9,6 @@ title of a linear loss axis).
 
 from __future__ import annotations
 
-import doctest
 import functools
 import math
 import struct
@@ -17,7 +16,6 @@ import struct
 import pytest
 
 from nbtrain import charts, events
-from nbtrain.kernel.display import chart as chart_figure
 from nbtrain.kernel.display.chart import ChartFigure
 
 RUN = 1
@@ -171,6 +169,3 @@ def test_the_figure_is_kept_while_its_charts_stay_the_same():
     state.apply(events.Metrics(RUN, 0, ((401, 30.0, {"accuracy": 0.5}),)), now=30.0)
     assert len(ChartFigure.layout_of(state)) == len(ChartFigure.layout_of(run_state())) + 1
 
-
-def test_module_examples_run():
-    assert doctest.testmod(chart_figure).failed == 0
