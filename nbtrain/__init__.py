@@ -83,10 +83,10 @@ def launcher(**kwargs: object) -> object:
 
     Accelerator, devices (a checkbox per GPU, or a number of CPU processes), strategy and
     timeout; it shows the equivalent ``%%distributed`` line to copy. Returns the form's
-    :class:`nbtrain.kernel.widget.Launcher` (its controls are attributes: ``devices``,
+    :class:`nbtrain.kernel.display.Launcher` (its controls are attributes: ``devices``,
     ``accelerator``, ``strategy``, ``timeout``, ``gpus``).
     """
-    from nbtrain.kernel.widget import launcher as _launcher
+    from nbtrain.kernel.display import launcher as _launcher
 
     return _launcher(**kwargs)
 
