@@ -28,6 +28,7 @@ Example (in a notebook cell):
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import math
 import sys
@@ -35,8 +36,8 @@ import time
 from typing import Any, TextIO
 
 from nbtrain import charts, config, events
-from nbtrain.kernel.chart_figure import ChartFigure, render_charts_png  # noqa: F401 - part of this module's API
 from nbtrain.kernel import shell as kernel_shell
+from nbtrain.kernel.chart_figure import ChartFigure, render_charts_png  # noqa: F401 - part of this module's API
 
 FASTEST_FRAME_SECONDS = 0.25  # at most four frames a second
 SLOWEST_FRAME_SECONDS = 1.0  # at least one a second while the run goes on (the clock moves)
@@ -84,22 +85,18 @@ def show_text(text: str, updatable: bool = False) -> Any:
 
 def update_text(shown: Any, text: str) -> None:
     """Replace what :func:`show_text` showed, wherever the display is (from any thread)."""
-    try:
+    with contextlib.suppress(Exception):  # the frontend is gone; the caller still knows the text
         shown.update({"text/plain": text}, raw=True)
-    except Exception:  # noqa: BLE001 - the frontend is gone; the caller still knows the text
-        pass
 
 
 def enable_colab_widgets() -> None:
     """In Colab, turn on the widget manager that ipywidgets 8 needs there (elsewhere: nothing)."""
     if "google.colab" not in sys.modules:
         return
-    try:
+    with contextlib.suppress(Exception):  # an older Colab: its own manager may still show core widgets
         from google.colab import output  # type: ignore[import-not-found]  # only exists in Colab
 
         output.enable_custom_widget_manager()
-    except Exception:  # noqa: BLE001 - an older Colab: its own manager may still show core widgets
-        pass
 
 
 def stop_button(tooltip: str, summary: str, on_stop: Any) -> Any:
@@ -317,8 +314,10 @@ class LiveView:
         status_parts[state_index] = f'<b style="color:{colour}">{status_parts[state_index]}</b>'
         status = " · ".join(status_parts)
         parts = [
-            '<div class="nbtrain-live" style="font-family:var(--jp-code-font-family,monospace);'
-            'font-size:12px;line-height:1.5">',
+            (
+                '<div class="nbtrain-live" style="font-family:var(--jp-code-font-family,monospace);'
+                'font-size:12px;line-height:1.5">'
+            ),
             f"<div>{status}</div>",
             _progress_html(state),
         ]
