@@ -24,6 +24,7 @@ processes, fds, threads and the kernel's RSS stay flat and the launch time does 
     .venv/bin/python benchmarks/soak.py --runs 40 --seed 12     # ~3 min; what the tests run
     nice -n 10 .venv/bin/python benchmarks/soak.py --runs 1000 --seed 7
     .venv/bin/python benchmarks/soak.py --launches 100
+    .venv/bin/python benchmarks/soak.py --runs 200 --trace /tmp/soak.csv  # resources after each run
 
 A failed check prints what happened, with the seed and run number to replay it; the exit
 status is 1 if any check failed. Progress goes to stderr, the tables to stdout.
@@ -342,7 +343,7 @@ def next_run_works(kernel: NotebookKernel, bound: float = PLAIN_BOUND) -> bool:
 GROWTH_KEYS = ("descendant processes", "open fds", "threads", "memfds", "listening ports", "/dev/shm entries")
 
 
-def soak(runs: int, seed: int) -> bool:
+def soak(runs: int, seed: int, trace: str | None = None) -> bool:
     plans = plan_runs(runs, seed)
     tallies = {kind: Tally() for kind in KINDS}
     failures: list[str] = []
@@ -361,6 +362,8 @@ def soak(runs: int, seed: int) -> bool:
             tally.runs += 1
             problems = run_one(kernel, plan, tally, pids_seen)
             pids_seen.update(p.pid for p in tree(kernel.pid))
+            if trace:
+                write_trace(trace, index + 1, plan, resources(kernel.pid, pids_seen))
             status = "ok" if not problems else "FAILED"
             progress(f"run {index + 1}/{runs} {plan.kind} world={plan.world} rank={plan.rank} step={plan.step}: {status}")
             for problem in problems:
@@ -374,6 +377,15 @@ def soak(runs: int, seed: int) -> bool:
     for failure in failures:
         print("\n" + failure)
     return not failures and growth_ok
+
+
+def write_trace(path: str, number: int, plan: Plan, now: dict[str, int]) -> None:
+    """One CSV row per run: the kernel tree's resources right after it, to see when a count grows."""
+    new = not os.path.exists(path) or number == 1
+    with open(path, "w" if number == 1 else "a") as f:
+        if new:
+            f.write(",".join(["run", "kind", *now]) + "\n")
+        f.write(",".join([str(number), plan.kind, *map(str, now.values())]) + "\n")
 
 
 def print_fault_table(tallies: dict[str, Tally]) -> None:
@@ -489,8 +501,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=40, help="random runs in the soak (default 40)")
     parser.add_argument("--seed", type=int, default=12, help="seed of the random plan, to replay a soak (default 12)")
     parser.add_argument("--launches", type=int, default=0, help="instead: re-run a trivial cell this many times")
+    parser.add_argument("--trace", help="write the kernel tree's resources after every run to this CSV file")
     args = parser.parse_args()
-    ok = launches(args.launches) if args.launches else soak(args.runs, args.seed)
+    ok = launches(args.launches) if args.launches else soak(args.runs, args.seed, args.trace)
     print("\nresult:", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
 
