@@ -48,8 +48,8 @@ import nbtrain
 from launch import mlp  # benchmarks/launch.py, beside this script
 from nbtrain import events
 from nbtrain.kernel import client
-from nbtrain.kernel.chart_figure import ChartFigure
-from nbtrain.kernel.display import CHART_CPU_SHARE, SLOWEST_CHART_SECONDS, LiveView
+from nbtrain.kernel.display.chart import ChartFigure
+from nbtrain.kernel.display.live import CHART_CPU_SHARE, SLOWEST_CHART_SECONDS, LiveView
 
 
 WORKLOADS = {

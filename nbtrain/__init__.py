@@ -12,7 +12,7 @@ In a notebook::
 From Python, run a function on N ranks and get rank 0's return value back:
 
     >>> import nbtrain
-    >>> nbtrain.launch(lambda: nbtrain.world_size(), devices=2)  # doctest: +SKIP
+    >>> nbtrain.launch(lambda: nbtrain.world_size(), devices=2, accelerator="cpu")
     2
 
 Importing nbtrain starts nothing and does not import torch. ``%load_ext nbtrain`` starts
@@ -85,10 +85,10 @@ def launcher(**kwargs: object) -> object:
 
     Accelerator, devices (a checkbox per GPU, or a number of CPU processes), strategy and
     timeout; it shows the equivalent ``%%distributed`` line to copy. Returns the form's
-    :class:`nbtrain.kernel.widget.Launcher` (its controls are attributes: ``devices``,
+    :class:`nbtrain.kernel.display.Launcher` (its controls are attributes: ``devices``,
     ``accelerator``, ``strategy``, ``timeout``, ``gpus``).
     """
-    from nbtrain.kernel.widget import launcher as _launcher
+    from nbtrain.kernel.display import launcher as _launcher
 
     return _launcher(**kwargs)
 
@@ -124,7 +124,16 @@ def watch(run: Run, **options: _Any) -> _Any:
 
     Example:
         >>> import nbtrain
-        >>> nbtrain.watch(nbtrain.start(train, devices=2, accelerator="cpu"), total_steps=100)  # doctest: +SKIP
+        >>> def train():
+        ...     for step in range(100):
+        ...         nbtrain.log(loss=1.0 / (step + 1))
+        ...     return "done"
+        >>> nbtrain.watch(nbtrain.start(train, devices=2, accelerator="cpu"), total_steps=100)  # doctest: +ELLIPSIS
+        [nbtrain] starting ...
+        nbtrain · ddp_notebook · cpu · 2 ranks · finished ...
+        step 100/100 [####################] 100%
+        ...
+        'done'
     """
     from nbtrain.kernel.display import watch as _watch
 
@@ -139,7 +148,7 @@ def prewarm() -> None:
 
     Example:
         >>> import nbtrain
-        >>> nbtrain.prewarm()  # doctest: +SKIP
+        >>> nbtrain.prewarm()
     """
     from nbtrain.kernel.client import prewarm as _prewarm
 

@@ -831,7 +831,7 @@ def wants_log_scale(values: list[float]) -> bool:
 
 
 # -- chart layout ----------------------------------------------------------------------
-# What the figure looks like, decided here without matplotlib (nbtrain.kernel.chart_figure
+# What the figure looks like, decided here without matplotlib (nbtrain.kernel.display.chart
 # draws it). Sizes are CSS pixels: the PNG has PIXEL_RATIO times as many pixels and the
 # page shows it at the CSS size, so it is sharp on high-DPI screens and its type has a
 # known size on every screen.

@@ -13,6 +13,22 @@ import signal
 class NbtrainError(Exception):
     """Base class of every error nbtrain raises on purpose."""
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled as their fields and message, not by calling __init__ with the message:
+        # most constructors take fields (rank, signal, ...), so pickle's default rebuilds a
+        # wrong message or fails. Users keep failures (joblib, multiprocessing, a saved run).
+        return _restore_error, (type(self), self.args, self.__dict__)
+
+
+def _restore_error(cls: type[NbtrainError], args: tuple[object, ...], state: dict[str, object]) -> NbtrainError:
+    # OSError (TimeoutError's base) lays out its instances itself and only its __new__ may
+    # make one; for RunTimeoutError, cls.__new__ would be RuntimeError's.
+    new = OSError.__new__ if issubclass(cls, OSError) else cls.__new__
+    error = new(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class NbtrainWarning(UserWarning):
     """Base class of nbtrain's warnings (skipped values, ignored settings)."""

@@ -5,7 +5,6 @@ Pure: events are built by hand, clocks are plain numbers; no process, no drawing
 
 from __future__ import annotations
 
-import doctest
 import math
 import os
 import subprocess
@@ -406,10 +405,6 @@ def test_a_total_that_the_steps_overtake_is_dropped_not_shown_past_100_percent()
 )
 def test_log_scale_only_for_a_decaying_quantity_over_two_decades(values, expected):
     assert charts.wants_log_scale(values) is expected
-
-
-def test_module_examples_run():
-    assert doctest.testmod(charts).failed == 0
 
 
 def test_charts_imports_nothing_heavy():

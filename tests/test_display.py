@@ -1,4 +1,4 @@
-"""The live view (nbtrain.kernel.display) in a real Jupyter kernel, a terminal and plain python.
+"""The live view (nbtrain.kernel.display.live) in a real Jupyter kernel, a terminal and plain python.
 
 Kernels are started by nbclient / jupyter_client and shut down through them; every wait
 has a bound. The drawing itself is checked directly on views fed with event records.
@@ -7,7 +7,6 @@ has a bound. The drawing itself is checked directly on views fed with event reco
 from __future__ import annotations
 
 import base64
-import doctest
 import json
 import math
 import os
@@ -428,6 +427,3 @@ def test_a_failed_run_names_its_cause_in_the_frame():
     assert "rank 1 raised ValueError: bad batch" in bundle["text/plain"]
     assert ">failed</b>" in bundle["text/html"] and "rank 1 raised ValueError: bad batch</div>" in bundle["text/html"]
 
-
-def test_module_examples_run():
-    assert doctest.testmod(display).failed == 0

@@ -561,11 +561,6 @@ def test_evaluation_choice_outside_a_run_is_remembered_and_checked():
 
 
 def test_all_reduce_outside_a_run_gives_the_value_back_and_names_bad_input():
-    import doctest
-
-    from nbtrain.rank import api
-
-    assert doctest.testmod(api).failed == 0  # all_reduce's examples, outside a run
     tensor = torch.ones(2)
     assert nbtrain.all_reduce(tensor) is tensor and nbtrain.all_reduce(7, op="min") == 7
     with pytest.raises(TypeError, match="takes a number or a tensor, not list: reduce each number"):

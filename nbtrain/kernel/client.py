@@ -300,8 +300,8 @@ class Run:
 
     Example:
         >>> import nbtrain
-        >>> run = nbtrain.start(lambda: 6 * 7, devices=2)  # doctest: +SKIP
-        >>> run.wait()  # doctest: +SKIP
+        >>> run = nbtrain.start(lambda: 6 * 7, devices=2, accelerator="cpu")
+        >>> run.wait()
         42
     """
 
@@ -632,7 +632,7 @@ def launch(
 
     Example:
         >>> import nbtrain, torch.distributed as dist
-        >>> nbtrain.launch(lambda: dist.get_world_size(), devices=2)  # doctest: +SKIP
+        >>> nbtrain.launch(lambda: dist.get_world_size(), devices=2, accelerator="cpu")
         2
     """
     run = start(

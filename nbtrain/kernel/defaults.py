@@ -93,8 +93,11 @@ def set_defaults(
 
     Example:
         >>> import nbtrain
-        >>> nbtrain.set_defaults(devices=2, accelerator="cpu", timeout=600)  # doctest: +SKIP
-        Defaults(devices='2', accelerator='cpu', strategy='ddp_notebook', timeout=600.0)
+        >>> previous = nbtrain.get_defaults()
+        >>> nbtrain.set_defaults(devices=2, accelerator="cpu", timeout=600)  # doctest: +NORMALIZE_WHITESPACE
+        Defaults(devices='2', accelerator='cpu', strategy='ddp_notebook', timeout=600.0,
+                 stall_warning=30.0, cluster='local', num_nodes=1)
+        >>> _ = nbtrain.set_defaults(**previous.as_dict())
     """
     global _current
     with _lock:

@@ -14,7 +14,8 @@ import nbtrain
 from nbtrain import hardware
 from nbtrain.devices import GpuInfo
 from nbtrain.errors import ConfigurationError
-from nbtrain.kernel import defaults, widget
+from nbtrain.kernel import defaults
+from nbtrain.kernel.display import form as launcher_form
 
 from kernel_helpers import NotebookKernel
 
@@ -34,7 +35,7 @@ def fresh_defaults():
 def two_gpus(monkeypatch):
     gpus = (GpuInfo(0, "NVIDIA A100", 80 * GIB, 70 * GIB), GpuInfo(1, "NVIDIA A100", 80 * GIB, 79 * GIB))
     monkeypatch.setattr(hardware, "detect_gpus", lambda: list(gpus))
-    return widget.Machine(gpus, False, 8)
+    return launcher_form.Machine(gpus, False, 8)
 
 
 # -- the defaults, without widgets ---------------------------------------------------------
@@ -73,8 +74,8 @@ def test_set_defaults_refuses_what_cannot_run_here_and_changes_nothing(settings,
 
 
 def test_the_cpu_form_counts_processes_and_shows_the_line_live():
-    machine = widget.Machine((), False, 2)
-    form = widget.Launcher(machine)
+    machine = launcher_form.Machine((), False, 2)
+    form = launcher_form.Launcher(machine)
     assert form.accelerator.options == (("cpu: 2 cores", "cpu"),) and form.accelerator.value == "cpu"
     assert (form.devices.value, form.devices.min, form.devices.max) == (2, 1, 4)
     assert list(form.devices_box.children) == [form.devices, form.devices_help]
@@ -93,7 +94,7 @@ def test_the_cpu_form_counts_processes_and_shows_the_line_live():
 
 
 def test_every_strategy_has_its_explanation_under_the_dropdown():
-    form = widget.Launcher(widget.Machine((), False, 2))
+    form = launcher_form.Launcher(launcher_form.Machine((), False, 2))
     assert list(form.strategy.options) == list(nbtrain.config.STRATEGIES)
     for name, strategy in nbtrain.config.STRATEGIES.items():
         form.strategy.value = name
@@ -102,12 +103,12 @@ def test_every_strategy_has_its_explanation_under_the_dropdown():
 
 def test_the_form_starts_from_the_session_defaults():
     nbtrain.set_defaults(devices=3, accelerator="cpu", strategy="ddp_spawn", timeout=30)
-    form = widget.Launcher(widget.Machine((), False, 2))
+    form = launcher_form.Launcher(launcher_form.Machine((), False, 2))
     assert (form.devices.value, form.strategy.value, form.timeout.value) == (3, "ddp_spawn", 30.0)
 
 
 def test_the_gpu_form_has_a_checkbox_per_gpu_with_its_free_memory(two_gpus):
-    form = widget.Launcher(two_gpus)
+    form = launcher_form.Launcher(two_gpus)
     assert form.accelerator.value == "cuda"
     assert [label for label, _ in form.accelerator.options] == ["cuda: 2 GPUs (NVIDIA A100)", "cpu: 8 cores"]
     assert [box.description for box in form.gpus] == [
@@ -131,7 +132,7 @@ def test_the_widget_module_never_imports_torch_or_initialises_cuda():
     import subprocess
     import sys
 
-    code = "import sys\nfrom nbtrain.kernel import widget\nwidget.Launcher()\nprint('torch' in sys.modules)\n"
+    code = "import sys\nfrom nbtrain.kernel.display import form\nform.Launcher()\nprint('torch' in sys.modules)\n"
     env = {**os.environ, "NBTRAIN_PREWARM": "0"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr

@@ -27,8 +27,9 @@ from typing import Any
 from nbtrain import config
 from nbtrain.devices import GpuInfo
 from nbtrain.errors import ConfigurationError
-from nbtrain.kernel import defaults, display
+from nbtrain.kernel import defaults
 from nbtrain.kernel import shell as kernel_shell
+from nbtrain.kernel.display.show import enable_colab_widgets, show_widget
 
 CPU_PROCESSES_PER_CORE = 2  # the slider goes up to twice the cores
 DEFAULT_CPU_PROCESSES = 2
@@ -199,8 +200,8 @@ class Launcher:
     # -- showing ------------------------------------------------------------------------
     def show(self) -> "Launcher":
         """Display the form in the current cell."""
-        display.enable_colab_widgets()
-        display.show_widget(self.form, self.summary())
+        enable_colab_widgets()
+        show_widget(self.form, self.summary())
         self._shown_in = kernel_shell.execution_count()
         return self
 

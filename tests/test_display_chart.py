@@ -1,4 +1,4 @@
-"""The live view's chart figure (nbtrain.kernel.chart_figure): layout checked through matplotlib's text extents.
+"""The live view's chart figure (nbtrain.kernel.display.chart): layout checked through matplotlib's text extents.
 
 Every chart state below is drawn for real (Agg); then every label the PNG shows (titles,
 tick labels, axis names, value labels, the key) is measured with matplotlib's own text
@@ -9,7 +9,6 @@ title of a linear loss axis).
 
 from __future__ import annotations
 
-import doctest
 import functools
 import math
 import struct
@@ -17,8 +16,7 @@ import struct
 import pytest
 
 from nbtrain import charts, events
-from nbtrain.kernel import chart_figure
-from nbtrain.kernel.chart_figure import ChartFigure
+from nbtrain.kernel.display.chart import ChartFigure
 
 RUN = 1
 MIN_TICK_CSS_PX = 10.0
@@ -171,6 +169,3 @@ def test_the_figure_is_kept_while_its_charts_stay_the_same():
     state.apply(events.Metrics(RUN, 0, ((401, 30.0, {"accuracy": 0.5}),)), now=30.0)
     assert len(ChartFigure.layout_of(state)) == len(ChartFigure.layout_of(run_state())) + 1
 
-
-def test_module_examples_run():
-    assert doctest.testmod(chart_figure).failed == 0

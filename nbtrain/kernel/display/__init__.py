@@ -1,0 +1,55 @@
+"""Everything a cell shows: the one owner of displays and widgets in the kernel.
+
+- :mod:`~nbtrain.kernel.display.live`: a run's live view (status, progress, charts, log
+  tails), ``watch(run)``, and the noted view a background run shows;
+- :mod:`~nbtrain.kernel.display.chart`: the live view's charts drawn as one PNG (matplotlib);
+- :mod:`~nbtrain.kernel.display.form`: the launcher form (``nbtrain.launcher()``, ipywidgets);
+- :mod:`~nbtrain.kernel.display.show`: the small pieces: text updated in place, a widget
+  with a saved-notebook fallback, a Stop button, rank output lines printed by ``launch``.
+
+Other modules ask this package (``from nbtrain.kernel import display``) and never call
+IPython's ``display`` themselves. Importing it imports neither torch, matplotlib nor
+ipywidgets: each is imported when first drawn or shown.
+
+Example (in a notebook cell):
+    >>> import nbtrain
+    >>> from nbtrain.kernel import display
+    >>> def train():
+    ...     for step in range(100):
+    ...         nbtrain.log(loss=1.0 / (step + 1))
+    >>> display.watch(nbtrain.start(train, devices=2, accelerator="cpu"), total_steps=100)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from nbtrain.kernel.display.chart import ChartFigure, render_charts_png
+from nbtrain.kernel.display.form import Launcher, Machine, launcher
+from nbtrain.kernel.display.live import FASTEST_FRAME_SECONDS, LiveView, NotedLiveView, watch
+from nbtrain.kernel.display.show import (
+    enable_colab_widgets,
+    frontend_is_rich,
+    print_output,
+    show_text,
+    show_widget,
+    stop_button,
+    update_text,
+)
+
+__all__ = [
+    "FASTEST_FRAME_SECONDS",
+    "ChartFigure",
+    "Launcher",
+    "LiveView",
+    "Machine",
+    "NotedLiveView",
+    "enable_colab_widgets",
+    "frontend_is_rich",
+    "launcher",
+    "print_output",
+    "render_charts_png",
+    "show_text",
+    "show_widget",
+    "stop_button",
+    "update_text",
+    "watch",
+]

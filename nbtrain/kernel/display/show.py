@@ -1,0 +1,110 @@
+"""The small pieces a cell shows: text updated in place, a widget with a saved-notebook fallback, a Stop button, rank output lines.
+
+Everything here goes through IPython's ``display`` (imported when first used, so a plain
+``python`` caller never imports IPython's display machinery) and the shell module
+(:mod:`nbtrain.kernel.shell`), the one owner of the IPython shell.
+
+Example:
+    >>> print_output(events.Output(1, 0, "stdout", "hello\\n"))
+    [rank 0] hello
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+from typing import Any
+
+from nbtrain import events
+from nbtrain.kernel import shell as kernel_shell
+
+
+def frontend_is_rich() -> bool:
+    """True inside a Jupyter kernel (it can show HTML and images); False in a terminal or plain python."""
+    return kernel_shell.is_notebook(kernel_shell.get_shell())
+
+
+def print_output(event: Any) -> None:
+    """Each rank's lines on our stdout/stderr, tagged (``launch``'s default event handler)."""
+    if isinstance(event, events.Output):
+        stream = sys.stderr if event.stream == "stderr" else sys.stdout
+        lines = event.text.splitlines(keepends=True)
+        stream.write("".join(f"{event.tag} {line}" for line in lines))
+        if not event.text.endswith("\n"):
+            stream.write("\n")
+        stream.flush()
+
+
+def show_text(text: str, updatable: bool = False) -> Any:
+    """Show ``text`` as the cell's display data; with ``updatable``, its handle for :func:`update_text`."""
+    from IPython.display import display
+
+    if updatable:
+        return display({"text/plain": text}, raw=True, display_id=True)
+    display({"text/plain": text}, raw=True)
+    return None
+
+
+def update_text(shown: Any, text: str) -> None:
+    """Replace what :func:`show_text` showed, wherever the display is (from any thread)."""
+    try:
+        shown.update({"text/plain": text}, raw=True)
+    except Exception:  # noqa: BLE001 - the frontend is gone; the caller still knows the text
+        pass
+
+
+def enable_colab_widgets() -> None:
+    """In Colab, turn on the widget manager that ipywidgets 8 needs there (elsewhere: nothing)."""
+    if "google.colab" not in sys.modules:
+        return
+    try:
+        from google.colab import output  # type: ignore[import-not-found]  # only exists in Colab
+
+        output.enable_custom_widget_manager()
+    except Exception:  # noqa: BLE001 - an older Colab: its own manager may still show core widgets
+        pass
+
+
+def stop_button(tooltip: str, summary: str, on_stop: Any) -> Any:
+    """Show a Stop button (a core ``ipywidgets.Button``) calling ``on_stop()`` once; None without ipywidgets.
+
+    ``summary`` is what a saved notebook shows in its place (see :func:`show_widget`).
+    """
+    try:
+        import ipywidgets
+    except ImportError:
+        return None
+    button = ipywidgets.Button(description="Stop", button_style="danger", icon="stop", tooltip=tooltip)
+
+    def on_click(_button: Any) -> None:
+        _button.disabled = True
+        _button.description = "Stopping…"
+        on_stop()
+
+    button.on_click(on_click)
+    enable_colab_widgets()
+    show_widget(button, summary)
+    return button
+
+
+def show_widget(widget: Any, summary: str) -> Any:
+    """Display an ipywidget so that a frontend without its state shows ``summary``, not its repr.
+
+    A live notebook renders the widget (its view mimetype ranks first); nbconvert, GitHub and
+    nbviewer have no widget state and fall back to the bundle's text/html or text/plain,
+    which ipywidgets fills with the Python repr (``VBox(children=(HTML(value=...``). Here
+    that fallback is one line saying what was there.
+
+    Example (in a notebook cell):
+        >>> import ipywidgets
+        >>> show_widget(ipywidgets.Button(description="Stop"), "nbtrain: Stop button")  # doctest: +SKIP
+    """
+    from IPython.display import display
+
+    bundle = dict(widget._repr_mimebundle_() or {})
+    bundle["text/plain"] = summary
+    bundle["text/html"] = (
+        '<div class="nbtrain-static" style="font-family:var(--jp-code-font-family,monospace);font-size:12px">'
+        f"{html.escape(summary)}</div>"
+    )
+    return display(bundle, raw=True)
