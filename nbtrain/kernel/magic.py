@@ -108,7 +108,8 @@ class DistributedMagics(Magics):
     @magic_arguments.argument(
         "--devices",
         default=None,
-        help="How many ranks, or which GPUs: 2, -1 (every GPU or core), auto (every GPU, else 1), 0,2. "
+        help="How many ranks, or which GPUs: 2, -1 (every GPU or core), auto (every GPU, else 1), 0,2, "
+        "free:2 (2 GPUs no other process uses, most free memory first; NVML). "
         "Default: the session default (auto unless nbtrain.set_defaults or nbtrain.launcher() changed it).",
     )
     @magic_arguments.argument(
