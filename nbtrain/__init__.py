@@ -39,6 +39,7 @@ from nbtrain.errors import (
     RunTimeoutError,
     SerializationError,
 )
+from nbtrain.hardware import find_usable_cuda_devices
 from nbtrain.kernel.client import Run, launch, start
 from nbtrain.kernel.defaults import get_defaults, reset_defaults, set_defaults
 from nbtrain.rank.api import all_reduce, device, is_rank_zero, local_rank, log, rank, world_size
@@ -58,12 +59,13 @@ __all__ = [
     "SerializationError",
     "all_reduce",
     "device",
+    "find_usable_cuda_devices",
     "get_defaults",
     "is_rank_zero",
+    "last_run",
     "launch",
     "launcher",
     "local_rank",
-    "last_run",
     "log",
     "prepare",
     "prewarm",

@@ -19,7 +19,11 @@ without a GPU and keeps torch (and CUDA) out of the Jupyter kernel.
 ``[1, 3]``             GPUs 1 and 3                           error: not a count
 ``"1,3"``              GPUs 1 and 3                           error: not a count
 ``"1,"``               GPU 1 (a trailing comma makes a list)  error: not a count
+``"free:2"``           two GPUs no other process uses         error: needs GPUs
 =====================  =====================================  ==========================
+
+``"free:k"`` is resolved through NVML by :func:`nbtrain.hardware.probe_plan` (see
+:mod:`nbtrain.freegpus`); :func:`plan_devices` itself never sees which processes hold a GPU.
 
 GPU indices count from 0 among the GPUs this process can see, that is after
 ``CUDA_VISIBLE_DEVICES``, exactly as ``torch.cuda`` numbers them. On MPS there is a
@@ -42,7 +46,6 @@ import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from nbtrain.errors import ConfigurationError
 
@@ -105,7 +108,7 @@ class DevicePlan:
 # (for -1), a count > 0, or a tuple of indices.
 _AUTO = "auto"
 _ALL = "all"
-_DeviceRequest = Union[str, int, tuple[int, ...]]
+_DeviceRequest = str | int | tuple[int, ...]
 
 _FORMS = "use a count (devices=2), -1, 'auto', or GPU indices ([1, 3] or '1,3')"
 
@@ -236,6 +239,12 @@ def _parse_devices_string(devices: str) -> _DeviceRequest:
     text = devices.strip()
     if text.lower() == "auto":
         return _AUTO
+    if text.lower().startswith("free:"):
+        # nbtrain.hardware.probe_plan resolves free:k on this machine, through NVML, before this.
+        raise _InvalidDevices(
+            "free:k picks GPUs of this machine that no other process uses, and is not planned here "
+            "(on a cluster, give the number of GPUs per node)"
+        )
     if text.startswith(("[", "(")):
         raise _InvalidDevices("write the list itself (devices=[1, 2]) or a comma list (devices='1,2')")
     if "," in text:

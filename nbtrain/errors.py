@@ -13,6 +13,22 @@ import signal
 class NbtrainError(Exception):
     """Base class of every error nbtrain raises on purpose."""
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled as their fields and message, not by calling __init__ with the message:
+        # most constructors take fields (rank, signal, ...), so pickle's default rebuilds a
+        # wrong message or fails. Users keep failures (joblib, multiprocessing, a saved run).
+        return _restore_error, (type(self), self.args, self.__dict__)
+
+
+def _restore_error(cls: type[NbtrainError], args: tuple[object, ...], state: dict[str, object]) -> NbtrainError:
+    # OSError (TimeoutError's base) lays out its instances itself and only its __new__ may
+    # make one; for RunTimeoutError, cls.__new__ would be RuntimeError's.
+    new = OSError.__new__ if issubclass(cls, OSError) else cls.__new__
+    error = new(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class NbtrainWarning(UserWarning):
     """Base class of nbtrain's warnings (skipped values, ignored settings)."""
@@ -230,7 +246,8 @@ class UnusedParametersError(NbtrainError, RuntimeError):
         super().__init__(
             f"{model} has {len(self.names)} of its {trainable} trainable parameters that got no gradient in the"
             f" first step: {listed}. DistributedDataParallel averages gradients only once every parameter has one,"
-            " so the ranks' copies of the model would drift apart. If the model skips them on purpose (a branch, a frozen head),"
+            " so the ranks' copies of the model would drift apart. If the model skips them on purpose (a branch,"
+            " a frozen head),"
             " run with --strategy ddp_find_unused_parameters_true (nbtrain.launch: strategy="
             "'ddp_find_unused_parameters_true'; nbtrain.prepare(model, find_unused_parameters=True)), which looks"
             " for unused parameters at every step; or freeze them with .requires_grad_(False)."

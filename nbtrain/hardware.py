@@ -18,12 +18,14 @@ import os
 import platform
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
-from nbtrain.devices import DevicePlan, GpuInfo, plan_devices
+from nbtrain import freegpus
+from nbtrain.devices import DevicePlan, GpuInfo, normalize_accelerator, plan_devices
+from nbtrain.errors import ConfigurationError
 
 # CUDA reads an ordinal like C's strtoul: leading digits count, the rest is ignored
 # ("1gpu" is 1), and a minus sign ("-1") makes the entry invalid.
@@ -40,11 +42,8 @@ def detect_gpus() -> list[GpuInfo]:
     >>> isinstance(detect_gpus(), list)
     True
     """
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # no package, no driver library, no GPU: each means "no usable GPU"
+    pynvml = _started_nvml()
+    if pynvml is None:
         return []
     try:
         return _visible_gpus(pynvml, os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -54,6 +53,20 @@ def detect_gpus() -> list[GpuInfo]:
         return []
     finally:
         _shutdown(pynvml)
+
+
+def _started_nvml() -> ModuleType | None:
+    """pynvml, initialised; None without the package, the driver library or a GPU (each
+    means "no usable GPU")."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:  # raised for a missing driver library too (NVML_ERROR_LIBRARY_NOT_FOUND)
+        return None
+    return pynvml
 
 
 def visible_device_order(
@@ -106,9 +119,14 @@ def cpu_count() -> int:
 def probe_plan(devices: object = "auto", accelerator: str | None = "auto", oversubscribe: bool = False) -> DevicePlan:
     """Plan ``devices`` on ``accelerator`` for this machine (see :func:`nbtrain.devices.plan_devices`).
 
+    ``devices="free:k"`` picks k GPUs that no other process uses (:func:`find_usable_cuda_devices`).
+
     >>> probe_plan(1, "cpu")
     DevicePlan(accelerator='cpu', device_ids=(0,))
     """
+    count = freegpus.parse_free_devices(devices)
+    if count is not None:
+        return _free_plan(devices, count, accelerator)
     return plan_devices(
         devices,
         accelerator,
@@ -117,6 +135,104 @@ def probe_plan(devices: object = "auto", accelerator: str | None = "auto", overs
         cpu_count=cpu_count(),
         oversubscribe=oversubscribe,
     )
+
+
+def find_usable_cuda_devices(num_devices: int = -1) -> list[int]:
+    """The indices of ``num_devices`` GPUs that no other process uses (-1: every such GPU).
+
+    A GPU is free when NVML lists no compute process on it; of the free ones, those with
+    the most free memory are chosen, and their indices (as torch numbers them, after
+    ``CUDA_VISIBLE_DEVICES``) come back in ascending order. NVML reads the driver: no CUDA
+    context is created in this process, so the kernel can still fork healthy CUDA ranks.
+    Too few free GPUs raises :class:`~nbtrain.errors.ConfigurationError` naming each busy
+    GPU and what holds it (pid, process name, memory); so does a machine without NVML
+    (the ``nvidia-ml-py`` package and the NVIDIA driver). ``--devices free:2`` on a
+    ``%%distributed`` line (or ``devices="free:2"``) makes the same choice at launch.
+
+    Another process can still take a GPU between this call and the launch: the choice
+    is a snapshot.
+
+    Example:
+        >>> import nbtrain
+        >>> gpus = nbtrain.find_usable_cuda_devices(2)  # doctest: +SKIP
+        >>> gpus  # doctest: +SKIP
+        [0, 2]
+        >>> nbtrain.launch(train, devices=gpus, accelerator="cuda")  # doctest: +SKIP
+    """
+    count = freegpus.check_count(num_devices)
+    return list(freegpus.choose_free_gpus(count, gpu_occupancy(f"find_usable_cuda_devices({num_devices!r})")))
+
+
+def _free_plan(devices: object, count: int, accelerator: str | None) -> DevicePlan:
+    asked = f"devices={devices!r}"
+    if normalize_accelerator(accelerator) not in ("auto", "cuda"):
+        raise ConfigurationError(
+            f"{asked} picks GPUs that no other process uses, but the accelerator is {accelerator!r}; "
+            "use accelerator='cuda' (or 'auto'), or give a number of processes (devices=2)."
+        )
+    occupancy = gpu_occupancy(asked)
+    chosen = freegpus.choose_free_gpus(count, occupancy, asked)
+    return plan_devices(
+        list(chosen), "cuda", gpus=[o.gpu for o in occupancy], mps_available=False, cpu_count=cpu_count()
+    )
+
+
+def gpu_occupancy(asked: str = "free-GPU selection") -> list[freegpus.GpuOccupancy]:
+    """The visible GPUs (numbered as torch will) and the compute processes on each, through NVML.
+
+    Unlike :func:`detect_gpus`, a machine where NVML cannot be used is an error here
+    (ConfigurationError saying what is missing), not an empty list: "no GPU is free"
+    must not be the answer when nobody could look. Never initialises CUDA.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        raise ConfigurationError(
+            f"{asked} needs NVML to see which GPUs other processes use, but the nvidia-ml-py package "
+            "is not installed: pip install nvidia-ml-py, or name the GPUs (devices='0,1')."
+        ) from None
+    try:
+        pynvml.nvmlInit()
+    except Exception as error:  # noqa: BLE001 - NVMLError, or a broken package: the same advice
+        raise ConfigurationError(
+            f"{asked} needs NVML, which could not start ({error}): is the NVIDIA driver installed? "
+            "On a machine without GPUs, give a number of CPU processes (devices=2, accelerator='cpu')."
+        ) from None
+    try:
+        visible = _visible_devices(pynvml, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return [_occupancy(pynvml, logical, handle, device) for logical, (handle, device) in enumerate(visible)]
+    except pynvml.NVMLError as error:
+        raise ConfigurationError(f"{asked}: NVML could not list the GPUs ({error}).") from None
+    finally:
+        _shutdown(pynvml)
+
+
+def _occupancy(nvml: ModuleType, logical: int, handle: Any, device: _NvmlDevice) -> freegpus.GpuOccupancy:
+    gpu = GpuInfo(logical, device.name, device.total_bytes, device.free_bytes)
+    held = _ask(nvml, nvml.nvmlDeviceGetComputeRunningProcesses, handle, default=None)
+    if held is None:  # the driver will not say: the GPU cannot be called free
+        return freegpus.GpuOccupancy(gpu, known=False)
+    processes = tuple(
+        freegpus.GpuProcess(int(p.pid), _process_name(nvml, int(p.pid)), _used_bytes(p)) for p in held
+    )
+    return freegpus.GpuOccupancy(gpu, processes)
+
+
+def _used_bytes(process: Any) -> int | None:
+    used = getattr(process, "usedGpuMemory", None)
+    # NVML reports NVML_VALUE_NOT_AVAILABLE (an all-ones value) where it does not know.
+    return None if used is None or used >= 1 << 63 else int(used)
+
+
+def _process_name(nvml: ModuleType, pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() or "unknown"
+    except OSError:  # not in this process's pid namespace (another container), or gone
+        pass
+    query = getattr(nvml, "nvmlSystemGetProcessName", None)
+    name = _ask(nvml, query, pid, default="") if query is not None else ""
+    return _text(name).strip() or "unknown"
 
 
 def available_memory() -> int | None:
@@ -200,16 +316,19 @@ class _NvmlDevice:
 
 
 def _visible_gpus(nvml: ModuleType, cuda_visible_devices: str | None) -> list[GpuInfo]:
+    visible = _visible_devices(nvml, cuda_visible_devices)
+    return [GpuInfo(logical, d.name, d.total_bytes, d.free_bytes) for logical, (_, d) in enumerate(visible)]
+
+
+def _visible_devices(nvml: ModuleType, cuda_visible_devices: str | None) -> list[tuple[Any, _NvmlDevice]]:
+    """(NVML handle, description) of each device CUDA will show, in CUDA's order."""
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
-    candidates = [_describe(nvml, handle) for handle in handles]
+    candidates = list(handles)
     if cuda_visible_devices and "MIG-" in cuda_visible_devices:
-        candidates += [_describe(nvml, slice_) for slice_ in _mig_slices(nvml, handles)]
-    uuids = [candidate.uuid for candidate in candidates]
-    order = visible_device_order(cuda_visible_devices, uuids, ordinal_count=len(handles))
-    return [
-        GpuInfo(logical, candidates[p].name, candidates[p].total_bytes, candidates[p].free_bytes)
-        for logical, p in enumerate(order)
-    ]
+        candidates += list(_mig_slices(nvml, handles))
+    described = [_describe(nvml, handle) for handle in candidates]
+    order = visible_device_order(cuda_visible_devices, [d.uuid for d in described], ordinal_count=len(handles))
+    return [(candidates[p], described[p]) for p in order]
 
 
 def _describe(nvml: ModuleType, handle: Any) -> _NvmlDevice:
@@ -271,11 +390,8 @@ def gpu_usage() -> list[GpuUsage]:
     >>> isinstance(gpu_usage(), list)
     True
     """
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # no package, no driver library, no GPU
+    pynvml = _started_nvml()
+    if pynvml is None:
         return []
     try:
         return [_usage(pynvml, index) for index in range(pynvml.nvmlDeviceGetCount())]

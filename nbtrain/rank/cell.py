@@ -26,8 +26,9 @@ import hashlib
 import pickle
 import sys
 import types
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from nbtrain import records
 from nbtrain.rank import api, prepare
@@ -61,7 +62,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
         spec = CellSpec(code="y = x + 1\\n", filename="<cell>", names=("x",), auto=False)
         run_cell(spec, {"x": 1})   # -> CellResult whose "bound" holds y = 2
     """
-    __tracebackhide__ = True  # noqa: F841 - the rank runtime drops frames that say so
+    __tracebackhide__ = True  # the rank runtime drops frames that say so
     cell_globals: dict[str, Any] = anchor.__globals__ if anchor is not None else {"__name__": "__main__"}
     cell_globals.update(namespace)
     cell_globals.setdefault("__builtins__", builtins)
@@ -115,12 +116,12 @@ def _rewrap_scheduled_optimizers(values: Iterable[Any]) -> None:
 
 
 def _execute(spec: CellSpec, cell_globals: dict[str, Any]) -> tuple[Any] | None:
-    __tracebackhide__ = True  # noqa: F841
+    __tracebackhide__ = True  # the rank runtime drops frames that say so
     tree = ast.parse(spec.code, spec.filename)
     last = None
     if spec.display_last and tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
-    exec(compile(tree, spec.filename, "exec"), cell_globals)
+    exec(compile(tree, spec.filename, "exec"), cell_globals)  # noqa: S102 - running the user's cell is the point
     if last is not None:
         return (eval(compile(last, spec.filename, "eval"), cell_globals),)
     return None
@@ -459,10 +460,8 @@ def _dump_outcome(
     skipped: list[tuple[str, str, str]],
 ) -> tuple[bytes, list]:
     """Pickle the outcome; a value that cannot travel is left out and named in ``skipped``."""
-    try:
+    with contextlib.suppress(Exception):  # find the culprits below
         return _dump(outcome, refs, cell_globals, exempt)
-    except Exception:  # noqa: BLE001 - find the culprits below
-        pass
     for section in ("bound", "changed", "tensors"):
         for name in sorted(outcome[section]):
             value = outcome[section][name]
@@ -527,10 +526,11 @@ class _ResultReferences(_PicklerBase):
     once torch and cloudpickle are imported, and names the torch classes it looks for.
     """
 
-    typed_storage_type: type = type(None)
-    storage_types: tuple[type, ...] = ()
-    dtensor_type: type = type(None)
-    ddp_type: type = type(None)
+    # The torch classes, set by _result_pickler_class (Any: torch is not imported here).
+    typed_storage_type: Any = type(None)
+    storage_types: Any = ()
+    dtensor_type: Any = type(None)
+    ddp_type: Any = type(None)
 
     def __init__(self, file: Any, refs: dict[int, tuple], cell_globals: dict, exempt: set[int]):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -592,7 +592,7 @@ class _ResultReferences(_PicklerBase):
         return (make, (newargs[0], self.cell_globals, *newargs[2:]), (state, slotstate), items, dict_items, setter)
 
 
-def _result_pickler_class() -> type:
+def _result_pickler_class() -> type[_ResultReferences]:
     """:class:`_ResultReferences` on cloudpickle's Pickler (built once: it imports torch and cloudpickle)."""
     global _result_pickler
     if _result_pickler is None:
@@ -608,7 +608,8 @@ def _result_pickler_class() -> type:
             ddp_type = DistributedDataParallel
 
         _result_pickler = ResultPickler
-    return _result_pickler
+    result_pickler: type[_ResultReferences] = _result_pickler
+    return result_pickler
 
 
 # -- change detection ----------------------------------------------------------------------
