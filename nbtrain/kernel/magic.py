@@ -19,7 +19,9 @@ a rank is :mod:`nbtrain.rank.cell`.
 
 from __future__ import annotations
 
+import argparse
 import collections
+import difflib
 import os
 import re
 import sys
@@ -80,12 +82,13 @@ _SESSION: Any = _SessionDefault()
 
 
 def _num_nodes_flag(text: str) -> int:
+    # ArgumentTypeError: argparse shows its text (a ValueError's would become "invalid value").
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"--num-nodes takes a whole number of nodes, not {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--num-nodes takes a whole number of nodes, not {text!r}") from None
     if value < 1:
-        raise ValueError(f"--num-nodes takes a positive number of nodes, not {text!r}")
+        raise argparse.ArgumentTypeError(f"--num-nodes takes a positive number of nodes, not {text!r}")
     return value
 
 
@@ -283,10 +286,31 @@ def parse_flags(magic: Any, line: str) -> CellOptions:
     try:
         parsed = magic_arguments.parse_argstring(magic, line)
     except UsageError as error:
-        raise UsageError(f"%%distributed: {error}. See %%distributed --help.") from None
+        hint = _flag_hint(magic, str(error))
+        raise UsageError(f"%%distributed: {error}. {hint + ' ' if hint else ''}{_SEE_HELP}") from None
     except ValueError as error:  # unbalanced quotes
-        raise UsageError(f"%%distributed: cannot read the flags {line!r}: {error}.") from None
+        raise UsageError(
+            f"%%distributed: cannot read the flags {line!r}: {error}. Close the quote, or write the value "
+            f"without quotes (--devices 0,1). {_SEE_HELP}"
+        ) from None
     return fill_defaults(parsed)
+
+
+_SEE_HELP = "%%distributed --help (or %distributed?) says what each flag takes."
+
+
+def _flag_hint(magic: Any, error: str) -> str:
+    """What the flag named in argparse's ``error`` takes, or the flag a misspelt one may have meant."""
+    helps = {option: action.help or "" for action in magic.parser._actions for option in action.option_strings}
+    flags = [option for option in helps if option.startswith("--") and option != "--help"]
+    unknown = re.match(r"unrecognized arguments: (\S+)", error)
+    if unknown:
+        close = difflib.get_close_matches(unknown.group(1).split("=")[0], flags, n=1)
+        return f"Did you mean {close[0]}?" if close else f"The flags are {', '.join(flags)}."
+    named = re.match(r"argument (--[\w-]+)", error)
+    if named and "choose from" not in error:  # argparse already listed the choices
+        return f"{named.group(1)}: {helps.get(named.group(1), '')}".rstrip(": ")
+    return ""
 
 
 def fill_defaults(parsed: Any) -> CellOptions:
