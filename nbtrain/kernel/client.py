@@ -593,12 +593,27 @@ def start(
             cluster, num_nodes, devices, accelerator, strategy, timeout, backend, oversubscribe, precision,
             sync_batchnorm,
         )
-    local = isinstance(client, LauncherClient)
+    return start_on(client, cfg, fn, args, kwargs)
+
+
+def start_on(
+    engine: Engine,
+    cfg: config_module.LaunchConfig,
+    fn: Callable[..., Any],
+    args: tuple = (),
+    kwargs: dict | None = None,
+) -> Run:
+    """Start ``fn(*args, **kwargs)`` on an engine chosen with its plan already (the magic plans a cell's run once).
+
+    ``engine`` is this machine's launcher (:func:`get_client`) or a cluster's warm client
+    (:func:`nbtrain.cluster.engine.prepare`, which also gives ``cfg``).
+    """
+    local = isinstance(engine, LauncherClient)
     if local:  # a cluster's own checks list its nodes instead
         _admit(cfg, fn, args, kwargs)
     payload, tensor_fd = _serialise(fn, args, kwargs)
     try:
-        return _submit(client, _StartMessage(cfg, payload, tensor_fd is not None, with_log=local), tensor_fd)
+        return _submit(engine, _StartMessage(cfg, payload, tensor_fd is not None, with_log=local), tensor_fd)
     finally:
         if tensor_fd is not None:
             os.close(tensor_fd)
