@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import ast
 import operator
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
-from typing import Callable, Container, Mapping
 
 BACKWARD = "backward"  # the step is the number of loss.backward() calls (auto mode logs that loss)
 LOG = "log"  # the step is the number of nbtrain.log(...) calls
@@ -118,7 +118,8 @@ def total_steps(
     3
     >>> total_steps("for i in range(10):\\n    if i % 2:\\n        nbtrain.log(loss=i)\\n", StepCounter(LOG)) is None
     True
-    >>> mixed = "for x in loader:\\n    nbtrain.log(loss=x)\\nwith torch.no_grad():\\n    for x in loader:\\n        nbtrain.log(val=x)\\n"
+    >>> mixed = ("for x in loader:\\n    nbtrain.log(loss=x)\\n"
+    ...          "with torch.no_grad():\\n    for x in loader:\\n        nbtrain.log(val=x)\\n")
     >>> total_steps(mixed, StepCounter(LOG), lengths={"loader": 4}, eval_lengths={"loader": 8})
     12
     """
@@ -450,9 +451,7 @@ def _bindings(tree: ast.Module) -> dict[str, list[ast.AST]]:
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
             for name in node.names:
                 bind(name, node)
-        elif isinstance(node, ast.ExceptHandler):
-            bind(node.name, node)
-        elif isinstance(node, (ast.MatchAs, ast.MatchStar)):
+        elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)):
             bind(node.name, node)
         elif isinstance(node, ast.MatchMapping):
             bind(node.rest, node)

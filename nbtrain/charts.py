@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +55,7 @@ END_STATES = (events.FINISHED, events.FAILED, events.STOPPED, events.TIMED_OUT)
 class _Bucket:
     """Consecutive points merged into one: their mean step, mean value, min and max."""
 
-    __slots__ = ("step_sum", "value_sum", "low", "high", "count")
+    __slots__ = ("count", "high", "low", "step_sum", "value_sum")
 
     def __init__(self, step: float, value: float) -> None:
         self.step_sum = step
@@ -67,10 +68,8 @@ class _Bucket:
         self.step_sum += step
         self.value_sum += value
         self.count += 1
-        if value < self.low:
-            self.low = value
-        if value > self.high:
-            self.high = value
+        self.low = min(self.low, value)
+        self.high = max(self.high, value)
 
     def absorb(self, other: _Bucket) -> None:
         self.step_sum += other.step_sum
@@ -240,7 +239,7 @@ class MetricHistory:
         ordered = sorted(self._waiting)
         overflow = len(ordered) - self._waiting_cap
         for index, step in enumerate(ordered):
-            total, count, first_seen = self._waiting[step]
+            _total, count, first_seen = self._waiting[step]
             ready = (
                 step <= every_rank_reached
                 or count >= self.world_size
@@ -675,7 +674,7 @@ def format_duration(seconds: float | None) -> str:
         return "–"
     if seconds < 60:
         return f"{seconds:.1f} s"
-    whole = int(round(seconds))
+    whole = round(seconds)
     hours, rest = divmod(whole, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
@@ -749,7 +748,7 @@ def progress_text(state: RunState, bar_width: int = 20) -> str:
     fraction = progress_fraction(state)
     if fraction is None:
         return "no steps logged yet" if step is None else f"step {step:,}"
-    filled = int(round(fraction * bar_width))
+    filled = round(fraction * bar_width)
     text = f"step {step or 0:,}/{state.known_total:,} [{'#' * filled}{'-' * (bar_width - filled)}] {fraction:.0%}"
     eta = state.eta_seconds()
     if eta is not None:
@@ -897,7 +896,8 @@ def chart_panels(state: RunState, max_metrics: int = MAX_METRIC_CHARTS) -> tuple
     [('metric', 'loss', (0,)), ('memory', 'rss', (1,)), ('throughput', 'samples/s', ())]
     """
     panels = [
-        Panel("metric", name, tuple(sorted(state.metrics[name].ranks))) for name in state.chart_metric_names(max_metrics)
+        Panel("metric", name, tuple(sorted(state.metrics[name].ranks)))
+        for name in state.chart_metric_names(max_metrics)
     ]
     if state.memory:
         panels.append(Panel("memory", state.memory_kind, tuple(sorted(state.memory))))
@@ -964,7 +964,7 @@ def tick_labels(values: list[float]) -> list[str]:
     (['0', '0.5', '1'], ['1k', '1.25k', '1.5k'], ['1.001', '1.002'])
     """
     finite = sorted(v for v in values if math.isfinite(v))
-    gaps = [b - a for a, b in zip(finite, finite[1:]) if b > a]
+    gaps = [b - a for a, b in itertools.pairwise(finite) if b > a]
     tolerance = 1e-3 * min(gaps) if gaps else 1e-9 * max((abs(v) for v in finite), default=1.0)
     digits = 2
     while digits < 7 and any(abs(float(f"{v:.{digits}g}") - v) > tolerance for v in finite):
@@ -996,7 +996,7 @@ def spread_labels(positions: list[float], gap: float, low: float, high: float) -
             mean = (below[0] * below[1] + top[0] * top[1]) / size
             below[:] = [mean, size, mean - (size - 1) * gap / 2]
     result: list[float] = []
-    for mean, size, first in merged:
+    for _mean, size, first in merged:
         first = min(max(first, low), high - (size - 1) * gap)
         result.extend(first + k * gap for k in range(int(size)))
     for index in range(1, len(result)):  # clamping a cluster may have pushed it onto a neighbour
@@ -1006,6 +1006,6 @@ def spread_labels(positions: list[float], gap: float, low: float, high: float) -
         for index in range(len(result) - 2, -1, -1):
             result[index] = min(result[index], result[index + 1] - gap)
     out = [0.0] * len(positions)
-    for index, position in zip(order, result):
+    for index, position in zip(order, result, strict=True):
         out[index] = position
     return out

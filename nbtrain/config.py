@@ -12,8 +12,8 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from nbtrain.devices import DevicePlan
 from nbtrain.errors import ConfigurationError

@@ -46,7 +46,6 @@ import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from nbtrain.errors import ConfigurationError
 
@@ -109,7 +108,7 @@ class DevicePlan:
 # (for -1), a count > 0, or a tuple of indices.
 _AUTO = "auto"
 _ALL = "all"
-_DeviceRequest = Union[str, int, tuple[int, ...]]
+_DeviceRequest = str | int | tuple[int, ...]
 
 _FORMS = "use a count (devices=2), -1, 'auto', or GPU indices ([1, 3] or '1,3')"
 

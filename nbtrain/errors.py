@@ -246,7 +246,8 @@ class UnusedParametersError(NbtrainError, RuntimeError):
         super().__init__(
             f"{model} has {len(self.names)} of its {trainable} trainable parameters that got no gradient in the"
             f" first step: {listed}. DistributedDataParallel averages gradients only once every parameter has one,"
-            " so the ranks' copies of the model would drift apart. If the model skips them on purpose (a branch, a frozen head),"
+            " so the ranks' copies of the model would drift apart. If the model skips them on purpose (a branch,"
+            " a frozen head),"
             " run with --strategy ddp_find_unused_parameters_true (nbtrain.launch: strategy="
             "'ddp_find_unused_parameters_true'; nbtrain.prepare(model, find_unused_parameters=True)), which looks"
             " for unused parameters at every step; or freeze them with .requires_grad_(False)."

@@ -17,8 +17,9 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 # Run states, as the live view and RunEnded name them.
 FINISHED = "finished"

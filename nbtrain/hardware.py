@@ -42,11 +42,8 @@ def detect_gpus() -> list[GpuInfo]:
     >>> isinstance(detect_gpus(), list)
     True
     """
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # no package, no driver library, no GPU: each means "no usable GPU"
+    pynvml = _started_nvml()
+    if pynvml is None:
         return []
     try:
         return _visible_gpus(pynvml, os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -56,6 +53,20 @@ def detect_gpus() -> list[GpuInfo]:
         return []
     finally:
         _shutdown(pynvml)
+
+
+def _started_nvml() -> ModuleType | None:
+    """pynvml, initialised; None without the package, the driver library or a GPU (each
+    means "no usable GPU")."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:  # raised for a missing driver library too (NVML_ERROR_LIBRARY_NOT_FOUND)
+        return None
+    return pynvml
 
 
 def visible_device_order(
@@ -379,11 +390,8 @@ def gpu_usage() -> list[GpuUsage]:
     >>> isinstance(gpu_usage(), list)
     True
     """
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # no package, no driver library, no GPU
+    pynvml = _started_nvml()
+    if pynvml is None:
         return []
     try:
         return [_usage(pynvml, index) for index in range(pynvml.nvmlDeviceGetCount())]

@@ -38,8 +38,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, NoReturn, Sequence
+from typing import NoReturn
 
 from nbtrain import stacks
 
@@ -124,7 +125,9 @@ def fork_rank(child_main: Callable[[], None]) -> int:
             _become_rank(parent)
             child_main()
             code = 0
-        except BaseException:  # pragma: no cover - runtime reports its own errors
+        # A forked child must reach os._exit whatever it raised: never unwind into the
+        # parent's code. The runtime reports its own errors.
+        except BaseException:  # noqa: BLE001  # pragma: no cover
             code = 71
         finally:
             os._exit(code)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import random
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 _INTERNAL = re.compile(r"^(__\w*__|_+|_i+|_i?\d+|_oh|_ih|_dh|In|Out|get_ipython|exit|quit|_exit_code)$")
 

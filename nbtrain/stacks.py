@@ -26,8 +26,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 # A real-time signal: nothing a training script or a library commonly uses, queued rather
 # than merged, and (unlike SIGUSR1/2) not what job schedulers send to ask for a checkpoint.
@@ -79,7 +79,8 @@ class RankStack:
         ours = self._visible()
         user = [f for f in ours if not f.in_library]
         if not ours:
-            place = next((_NBTRAIN_PLACES[f.function] for f in reversed(self.frames) if f.function in _NBTRAIN_PLACES), None)
+            places = (_NBTRAIN_PLACES[f.function] for f in reversed(self.frames) if f.function in _NBTRAIN_PLACES)
+            place = next(places, None)
             return f"rank {self.rank}: {place or 'no stack (it did not answer in time)'}"
         where = _location(user[-1], namer) if user else _location(ours[-1], namer)
         innermost = ours[-1]

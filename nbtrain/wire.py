@@ -22,7 +22,8 @@ import os
 import pickle
 import socket
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 _HEADER = struct.Struct("!Q")
 _MAX_FDS = 8

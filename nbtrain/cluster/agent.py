@@ -93,7 +93,9 @@ class NodeAgent:
         self._node_id = context.get_node_id()
         self._address = ray.util.get_node_ip_address()
         self._resources = context.get_assigned_resources()
-        threading.Thread(target=_leave_with_parent, args=(os.getppid(),), name="nbtrain-agent-parent", daemon=True).start()
+        threading.Thread(
+            target=_leave_with_parent, args=(os.getppid(),), name="nbtrain-agent-parent", daemon=True
+        ).start()
         threading.Thread(target=self._read_launcher, name="nbtrain-agent-events", daemon=True).start()
         threading.Thread(target=self._read_stderr, name="nbtrain-agent-stderr", daemon=True).start()
 

@@ -29,7 +29,8 @@ import queue
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urlparse
 
 from nbtrain import config, events
@@ -283,14 +284,10 @@ class ClusterClient:
         from ray.util.placement_group import remove_placement_group
 
         for agent in getattr(self, "agents", []):
-            try:
+            with contextlib.suppress(Exception):  # already dead
                 ray.kill(agent)
-            except Exception:  # noqa: BLE001 - already dead
-                pass
-        try:
+        with contextlib.suppress(Exception):  # already removed, or Ray is gone
             remove_placement_group(self._group)
-        except Exception:  # noqa: BLE001 - already removed, or Ray is gone
-            pass
 
     def exit_detail(self) -> str:
         return f"the nbtrain agents on the cluster at {self.address} were ended"
@@ -466,10 +463,8 @@ class _Relay:
             self.stop_started = time.monotonic()
         for index, agent in enumerate(self.client.agents):
             if self.ended[index] is None:
-                try:
+                with contextlib.suppress(Exception):  # a dead agent: its ranks died with it
                     agent.stop.remote(self.run_id, reason)
-                except Exception:  # noqa: BLE001 - a dead agent: its ranks died with it
-                    pass
 
 
 def _copied_result(record: Any) -> Any:

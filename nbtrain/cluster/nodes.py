@@ -12,8 +12,9 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from nbtrain import devices as _devices
 from nbtrain import events

@@ -45,6 +45,7 @@ Example (in a notebook):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import contextvars
 import datetime
 import itertools
@@ -52,8 +53,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from nbtrain import charts, events
 from nbtrain.errors import RunStoppedError
@@ -303,11 +305,9 @@ class BackgroundRun:
             return
         if isinstance(event, events.Output) and not self._shows_output(event):
             return
-        try:
+        with contextlib.suppress(Exception):  # a frontend gone away must not stop the following
             self.view.handle(event)
             self.view.refresh()
-        except Exception:  # noqa: BLE001 - a frontend gone away must not stop the following
-            pass
 
     def _shows_output(self, event: events.Output) -> bool:
         return self.output == "all" or (self.output == "rank0" and event.rank == 0)
@@ -347,20 +347,16 @@ class BackgroundRun:
         self._ended.set()
         self._update_shown()
         if self._main_loop is not None:
-            try:
+            with contextlib.suppress(Exception):  # the loop is closing: the kernel is going away
                 self._main_loop.add_callback(self._settle_here)
                 return
-            except Exception:  # noqa: BLE001 - the loop is closing: the kernel is going away
-                pass
         self._settle()
 
     def _note(self, note: str) -> None:
         if self.view is not None:
-            try:
+            with contextlib.suppress(Exception):  # the frontend is gone; the handle still knows
                 self.view.note = note
                 self.view.refresh(force=True)
-            except Exception:  # noqa: BLE001 - the frontend is gone; the handle still knows
-                pass
 
     def _settle_here(self) -> None:
         """Apply pending results if this is the thread that may write the kernel's objects."""
@@ -407,27 +403,25 @@ class BackgroundRun:
     def _finish_view(self, state: str, note: str) -> None:
         self._update_shown()
         if self.stop_button is not None:
-            try:
+            with contextlib.suppress(Exception):  # the frontend is gone; the handle still knows
                 self.stop_button.layout.display = "none"
-            except Exception:  # noqa: BLE001
-                pass
         if self.view is None:
             summary = f"[nbtrain] background run {self.id} ({self.name}) {note}"
             sys.stderr.write(summary + "\n")
             sys.stderr.flush()
             return
-        try:
+        with contextlib.suppress(Exception):  # the frontend is gone; the handle still knows
             self.view.note = note
             self.view.finish(state)
-        except Exception:  # noqa: BLE001 - the frontend is gone; the handle still knows
-            pass
 
     # -- showing it ---------------------------------------------------------------------
     def _display(self) -> None:
         """Show the live view and its Stop button in the current cell (the main thread, at start)."""
         if not display.frontend_is_rich():
             return
-        self.view = display.NotedLiveView(self.run.config, total_steps=self.total_steps, stall_warning=self.stall_warning)
+        self.view = display.NotedLiveView(
+            self.run.config, total_steps=self.total_steps, stall_warning=self.stall_warning
+        )
         index = len(runs())  # its place in nbtrain.runs() once started
         self.view.note = (
             f"background run {self.id} · the kernel is free · "

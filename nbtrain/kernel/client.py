@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import itertools
 import linecache
 import os
 import queue
+import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from nbtrain import config as config_module
 from nbtrain import events as messages  # not `events`: Run.events() is a method here
 from nbtrain import processes, wire
-from nbtrain.records import CopiedResult
 from nbtrain.errors import (
     LauncherError,
     NodeLostError,
@@ -33,6 +35,7 @@ from nbtrain.errors import (
     RunStoppedError,
     RunTimeoutError,
 )
+from nbtrain.records import CopiedResult
 
 # "file": rank 0 sends its result's tensors in a shared-memory file instead of the kernel
 # reading them out of its memory (which is automatic where a sandbox forbids the read).
@@ -115,7 +118,9 @@ class LauncherClient:
     def exit_detail(self) -> str:
         code = self.process.popen.poll()
         tail = "".join(self.stderr_tail).strip()
-        text = "the nbtrain launcher process has exited" if code is not None else "the nbtrain launcher stopped answering"
+        text = (
+            "the nbtrain launcher process has exited" if code is not None else "the nbtrain launcher stopped answering"
+        )
         if code is not None:
             text += f" (exit code {code})"
         return text + (f"; its last output:\n{tail}" if tail else ". The next launch starts a new one.")
@@ -142,10 +147,8 @@ class LauncherClient:
                 self._file(message, fds, inbox)
         with self._lock:
             self.alive = False
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # still running: the detail says so
                 self.process.popen.wait(timeout=1.0)
-            except Exception:  # noqa: BLE001 - still running: the detail says so
-                pass
             gone = _LauncherGone(self.exit_detail())
             for inbox in self._queues.values():
                 inbox.put((gone, []))
@@ -166,12 +169,12 @@ class LauncherClient:
         if wanted and os.environ.get(RESULT_TRANSFER_VARIABLE) != "file":
             from nbtrain import sharedtensors
 
-            try:
+            # Forbidden here (a sandbox), or no memory: this thread must live on, and rank 0
+            # sends a file instead.
+            with contextlib.suppress(Exception):
                 copied = CopiedResult(
                     offer.result, sharedtensors.read_from_process(offer.pid, offer.regions, offer.total_bytes)
                 )
-            except Exception:  # noqa: BLE001 - forbidden here (a sandbox), or no memory: and
-                pass  # this thread must live on. Rank 0 sends a file instead.
         if copied is not None:
             inbox.put((copied, []))
         answer = messages.ReleaseResult(offer.run_id, send_file=wanted and copied is None)
@@ -288,7 +291,9 @@ class Engine(Protocol):
     ``(record, fds)``; the magic and the live view read only those records.
     """
 
-    def submit(self, start_run: Callable[[int], messages.StartRun], tensor_fd: int | None) -> tuple[int, queue.Queue]: ...
+    def submit(
+        self, start_run: Callable[[int], messages.StartRun], tensor_fd: int | None
+    ) -> tuple[int, queue.Queue[Any]]: ...
     def stop(self, run_id: int, reason: str) -> None: ...
     def forget(self, run_id: int) -> None: ...
     def output_taken(self, run_id: int, chars: int) -> None: ...
@@ -400,7 +405,7 @@ class Run:
         self._ended_fds = []
         while True:  # what came after the run ended, or before a launcher that never answered
             try:
-                message, fds = self._inbox.get_nowait()
+                _message, fds = self._inbox.get_nowait()
             except queue.Empty:
                 return
             for fd in fds:
@@ -484,7 +489,9 @@ class Run:
         if ended.state == messages.TIMED_OUT:
             return RunTimeoutError(self.config.timeout or 0.0, self.where_ranks_were())
         if ended.state == messages.STOPPED:
-            return RunStoppedError("the run was stopped before it finished; every rank is gone.", self.where_ranks_were())
+            return RunStoppedError(
+                "the run was stopped before it finished; every rank is gone.", self.where_ranks_were()
+            )
         return LauncherError(ended.detail or "the run failed for an unknown reason")
 
 
@@ -521,7 +528,8 @@ def start(
         client, cfg = get_client(), config
     else:
         client, cfg = _engine(
-            cluster, num_nodes, devices, accelerator, strategy, timeout, backend, oversubscribe, precision, sync_batchnorm
+            cluster, num_nodes, devices, accelerator, strategy, timeout, backend, oversubscribe, precision,
+            sync_batchnorm,
         )
     if isinstance(client, LauncherClient):  # a cluster's own checks list its nodes instead
         _admit(cfg, fn, args, kwargs)
@@ -690,7 +698,7 @@ def _admit(cfg: config_module.LaunchConfig, fn: Callable[..., Any], args: tuple,
 
 def _has_contents(cell: Any) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents  # raises for an empty cell
     except ValueError:  # a closure variable not bound yet
         return False
     return True

@@ -87,9 +87,9 @@ def set_defaults(
     cuda (gpu), mps, ``strategy`` one of :data:`nbtrain.config.STRATEGIES`, ``timeout`` a
     number of seconds or None, ``stall_warning`` the seconds without a step after which the
     live view names the rank (None: never; 30 built in), ``cluster`` "local", "ray" or a Ray
-    address and ``num_nodes`` the nodes a cluster run spans (see README "On a cluster"). The combination is checked against this machine (its GPUs
-    through NVML: CUDA is never initialised here) and a ConfigurationError says what is
-    wrong; nothing changes then. Returns the new defaults.
+    address and ``num_nodes`` the nodes a cluster run spans (see README "On a cluster"). The
+    combination is checked against this machine (its GPUs through NVML: CUDA is never
+    initialised here) and a ConfigurationError says what is wrong; nothing changes then. Returns the new defaults.
 
     Example:
         >>> import nbtrain
@@ -156,7 +156,7 @@ def devices_text(devices: Any) -> str:
     """
     if devices is None:
         return "auto"
-    if isinstance(devices, bool) or isinstance(devices, float):
+    if isinstance(devices, (bool, float)):
         raise ConfigurationError(f"devices={devices!r} is not valid: {_DEVICE_FORMS}.")
     if isinstance(devices, (list, tuple, range)):
         items = [str(int(item)) for item in devices]

@@ -120,9 +120,8 @@ class DistributedMagics(Magics):
     @magic_arguments.argument(
         "--strategy",
         default=None,
-        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, ddp_sharded, fsdp, fsdp_cpu_offload, dp "
-        "or auto: see Strategies above. "
-        "Default: the session default (ddp_notebook).",
+        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, ddp_sharded, fsdp, fsdp_cpu_offload, dp"
+        " or auto: see Strategies above. Default: the session default (ddp_notebook).",
     )
     @magic_arguments.argument(
         "--timeout",
@@ -335,7 +334,7 @@ def _stall_warning(flag: Any, session: float | None) -> float | None:
 
 def help_text(magic: Any) -> str:
     text = magic.parser.format_help().rstrip()
-    return text[len("::\n\n  ") :] if text.startswith("::\n\n  ") else text  # an RST code-block marker
+    return text.removeprefix("::\n\n  ")  # an RST code-block marker
 
 
 def check_flags(options: CellOptions) -> config.LaunchConfig:
@@ -685,7 +684,9 @@ def _summary(record: CellRun) -> str:
     ranks = f"{record.world_size} rank{'s' if record.world_size != 1 else ''}"
     text = f"nbtrain: {ranks} ({record.accelerator}, {record.strategy}) finished in {record.seconds:.1f} s."
     loaders = dict(record.loaders)
-    wrapped = [f"{name} ({how})" for name, how in record.prepared if how not in ("moved", "bound") and name not in loaders]
+    wrapped = [
+        f"{name} ({how})" for name, how in record.prepared if how not in ("moved", "bound") and name not in loaders
+    ]
     if wrapped:
         text += f" Auto-prepared: {', '.join(wrapped)}."
     if loaders:  # e.g. "test_loader: evaluated whole on every rank (iterated without gradients)"

@@ -30,8 +30,9 @@ import pickle
 import symtable
 import sys
 import types
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from nbtrain.errors import SerializationError
 from nbtrain.records import (
@@ -150,9 +151,12 @@ def _augmented_globals(tree: ast.AST) -> set[str]:
             for child in ast.iter_child_nodes(node):
                 visit(child, inner)
             return
-        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
-            if declared is None or node.target.id in declared:
-                found.add(node.target.id)
+        if (
+            isinstance(node, ast.AugAssign)
+            and isinstance(node.target, ast.Name)
+            and (declared is None or node.target.id in declared)
+        ):
+            found.add(node.target.id)
         for child in ast.iter_child_nodes(node):
             visit(child, declared)
 
@@ -242,14 +246,17 @@ def _refers_to_nbtrain(tree: ast.AST, user_ns: Mapping[str, Any], attr: str, cod
 
     target = getattr(nbtrain, attr, None)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr == attr and isinstance(node.value, ast.Name):
-            if node.value.id == "nbtrain" or user_ns.get(node.value.id) is nbtrain:
-                return True
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == attr
+            and isinstance(node.value, ast.Name)
+            and (node.value.id == "nbtrain" or user_ns.get(node.value.id) is nbtrain)
+        ):
+            return True
         if isinstance(node, ast.Name) and node.id == attr and user_ns.get(attr) is target is not None:
             return True
-        if isinstance(node, ast.ImportFrom) and node.module == "nbtrain":
-            if any(alias.name == attr for alias in node.names):
-                return True
+        if isinstance(node, ast.ImportFrom) and node.module == "nbtrain" and any(a.name == attr for a in node.names):
+            return True
     return attr in code_names and ("nbtrain" in code_names or user_ns.get(attr) is target is not None)
 
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import linecache
 import sys
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from nbtrain import processes
 

@@ -8,6 +8,7 @@ imports the user's modules and a launch always runs the code the kernel has now.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
@@ -20,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain import events, processes, wire
-from nbtrain.launch_server import tracker
 from nbtrain.events import (
     MemorySample,
     Metrics,
@@ -31,8 +31,8 @@ from nbtrain.events import (
     RankExited,
     RankFailed,
     RankNotStarted,
-    RankStarted,
     RanksDone,
+    RankStarted,
     Release,
     ReleaseRanks,
     ReleaseResult,
@@ -43,6 +43,7 @@ from nbtrain.events import (
     StopRun,
     StoreListening,
 )
+from nbtrain.launch_server import tracker
 from nbtrain.launch_server.output import STREAMS, RankOutput, RunLog
 
 # Imported once here so that no rank pays for it: DistributedDataParallel's constructor
@@ -710,11 +711,9 @@ def _close_all_but(keep: set[int]) -> None:
 def preload() -> tuple[str, ...]:
     loaded = []
     for module in PRELOAD:
-        try:
+        with contextlib.suppress(Exception):  # a missing optional module only costs speed
             __import__(module)
             loaded.append(module)
-        except Exception:  # noqa: BLE001 - a missing optional module only costs speed
-            pass
     return tuple(loaded)
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import numbers
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 # Metrics are sent in batches at most this often (GPU tensors converted to floats then:
 # converting one forces a device sync, so once per batch instead of once per log() call)...
@@ -205,7 +206,9 @@ def _reduce_across_ranks(value: Any, op: str, tensor_in: bool) -> Any:
     home = tensor.device
     if dist.get_backend() == "nccl" and home.type != "cuda":
         tensor = tensor.to(device())
-    reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    reduce_op = {
+        "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN
+    }
     dist.all_reduce(tensor, op=reduce_op[op])
     if op == "mean":
         tensor /= world_size()

@@ -26,8 +26,9 @@ import hashlib
 import pickle
 import sys
 import types
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from nbtrain import records
 from nbtrain.rank import api, prepare
@@ -56,7 +57,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
         spec = CellSpec(code="y = x + 1\\n", filename="<cell>", names=("x",), auto=False)
         run_cell(spec, {"x": 1})   # -> CellResult whose "bound" holds y = 2
     """
-    __tracebackhide__ = True  # noqa: F841 - the rank runtime drops frames that say so
+    __tracebackhide__ = True  # the rank runtime drops frames that say so
     cell_globals: dict[str, Any] = anchor.__globals__ if anchor is not None else {"__name__": "__main__"}
     cell_globals.update(namespace)
     cell_globals.setdefault("__builtins__", builtins)
@@ -110,12 +111,12 @@ def _rewrap_scheduled_optimizers(values: Iterable[Any]) -> None:
 
 
 def _execute(spec: CellSpec, cell_globals: dict[str, Any]) -> tuple[Any] | None:
-    __tracebackhide__ = True  # noqa: F841
+    __tracebackhide__ = True  # the rank runtime drops frames that say so
     tree = ast.parse(spec.code, spec.filename)
     last = None
     if spec.display_last and tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
-    exec(compile(tree, spec.filename, "exec"), cell_globals)
+    exec(compile(tree, spec.filename, "exec"), cell_globals)  # noqa: S102 - running the user's cell is the point
     if last is not None:
         return (eval(compile(last, spec.filename, "eval"), cell_globals),)
     return None
@@ -422,10 +423,8 @@ def _dump_outcome(
     skipped: list[tuple[str, str, str]],
 ) -> tuple[bytes, list]:
     """Pickle the outcome; a value that cannot travel is left out and named in ``skipped``."""
-    try:
+    with contextlib.suppress(Exception):  # find the culprits below
         return _dump(outcome, refs, cell_globals, exempt)
-    except Exception:  # noqa: BLE001 - find the culprits below
-        pass
     for section in ("bound", "changed", "tensors"):
         for name in sorted(outcome[section]):
             value = outcome[section][name]

@@ -39,7 +39,8 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from nbtrain.rank import api
 
@@ -795,7 +796,8 @@ def describe_passes(loader: Any) -> str:
     passes = loader._nbtrain_passes
     parts = []
     if passes["train"]:
-        parts.append(f"sharded{' for training' if passes['whole'] or passes['shard'] else ''} ({share}{_effective_batch(loader)})")
+        also = " for training" if passes["whole"] or passes["shard"] else ""
+        parts.append(f"sharded{also} ({share}{_effective_batch(loader)})")
     if passes["whole"]:
         parts.append("evaluated whole on every rank (iterated without gradients)")
     if passes["shard"]:

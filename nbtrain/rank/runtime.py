@@ -22,7 +22,8 @@ import os
 import socket
 import sys
 import traceback
-from typing import Any, Mapping, NoReturn
+from collections.abc import Mapping
+from typing import Any, NoReturn
 
 from nbtrain import processes, sharedtensors, stacks, wire
 from nbtrain.events import RankAssignment, RankDone, RankFailed, Release, SendResultFile

@@ -136,7 +136,7 @@ class ChartFigure:
                 slack = (high - low) * 1e-9 if axis.get_scale() == "linear" else 0.0
                 for tick in axis.get_major_ticks() + axis.get_minor_ticks():
                     tick_labels.update((id(tick.label1), id(tick.label2)))
-                for loc, label in zip(axis.get_majorticklocs(), axis.get_majorticklabels()):
+                for loc, label in zip(axis.get_majorticklocs(), axis.get_majorticklabels(), strict=False):
                     if low - slack <= loc <= high + slack or _log_close(axis, loc, low, high):
                         shown.append(label)
         shown += [t for t in self.figure.findobj(_is_visible_text) if id(t) not in tick_labels]
@@ -200,7 +200,9 @@ class _Panel:
         ax.xaxis.set_major_formatter(_CompactFormatter())
         ax.yaxis.set_major_formatter(_CompactFormatter())
         # Under the tick labels, at the right end: out of the way of both.
-        ax.set_xlabel(self.x_label, fontsize=_points(charts.FONT_CSS["label"]), color=charts.INK, labelpad=0, loc="right")
+        ax.set_xlabel(
+            self.x_label, fontsize=_points(charts.FONT_CSS["label"]), color=charts.INK, labelpad=0, loc="right"
+        )
         self.title = ax.set_title("", loc="left", fontsize=_points(charts.FONT_CSS["title"]), color=charts.INK, pad=6)
         self.title.set_fontweight("bold")
 
@@ -298,7 +300,7 @@ class _MemoryPanel(_TimePanel):
         largest = max((max(highs, default=0.0) for parts in drawn.values() for _, _, _, highs in parts), default=0.0)
         divisor, unit = charts.byte_unit(largest)
         for rank, lines in self.lines.items():
-            for line, (seconds, values, _, _) in zip(lines, drawn[rank]):
+            for line, (seconds, values, _, _) in zip(lines, drawn[rank], strict=False):
                 line.set_data(seconds, [v / divisor for v in values])
         self._rescale()
         self.ax.set_ylim(0, max(largest / divisor * 1.08, 1e-9))
@@ -324,7 +326,7 @@ class _MemoryPanel(_TimePanel):
         height_px = ax.get_position().height * ax.get_figure().get_figheight() * charts.CSS_DPI
         gap = 1.25 * charts.FONT_CSS["value"] / height_px
         spread = charts.spread_labels([w[2] for w in wanted], gap, gap / 2, 1 - gap / 2)
-        for (rank, current, _), y in zip(wanted, spread):
+        for (rank, current, _), y in zip(wanted, spread, strict=True):
             label = self.labels[rank]
             label.xy = (1, y)
             label.set_text(charts.format_bytes(current))
@@ -362,7 +364,7 @@ def _compact_formatter_class() -> type:
 
         def set_locs(self, locs: Any) -> None:
             values = [float(loc) for loc in locs]
-            self.labels = dict(zip(values, charts.tick_labels(values)))
+            self.labels = dict(zip(values, charts.tick_labels(values), strict=True))
 
         def __call__(self, x: float, pos: int | None = None) -> str:
             label = self.labels.get(x)
@@ -374,7 +376,7 @@ def _compact_formatter_class() -> type:
 _formatter_class: Any = None
 
 
-def _CompactFormatter() -> Any:  # noqa: N802 - builds an instance, like a class would
+def _CompactFormatter() -> Any:
     global _formatter_class
     if _formatter_class is None:
         _formatter_class = _compact_formatter_class()

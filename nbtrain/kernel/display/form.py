@@ -46,7 +46,7 @@ class Machine:
     cpus: int
 
     @classmethod
-    def probe(cls) -> "Machine":
+    def probe(cls) -> Machine:
         """Ask NVML and the OS (never CUDA, never torch)."""
         from nbtrain import hardware
 
@@ -171,7 +171,7 @@ class Launcher:
         """The ``--devices`` value the controls ask for."""
         accelerator = self.accelerator.value
         if accelerator == "cuda":
-            chosen = [gpu.index for gpu, box in zip(self.machine.gpus, self.gpus) if box.value]
+            chosen = [gpu.index for gpu, box in zip(self.machine.gpus, self.gpus, strict=True) if box.value]
             if not chosen:
                 raise_no_gpu()
             if chosen == list(range(len(chosen))):
@@ -198,7 +198,7 @@ class Launcher:
             self.devices_box.children = children
 
     # -- showing ------------------------------------------------------------------------
-    def show(self) -> "Launcher":
+    def show(self) -> Launcher:
         """Display the form in the current cell."""
         enable_colab_widgets()
         show_widget(self.form, self.summary())

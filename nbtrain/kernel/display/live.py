@@ -249,8 +249,10 @@ class LiveView:
         status_parts[state_index] = f'<b style="color:{colour}">{status_parts[state_index]}</b>'
         status = " · ".join(status_parts)
         parts = [
-            '<div class="nbtrain-live" style="font-family:var(--jp-code-font-family,monospace);'
-            'font-size:12px;line-height:1.5">',
+            (
+                '<div class="nbtrain-live" style="font-family:var(--jp-code-font-family,monospace);'
+                'font-size:12px;line-height:1.5">'
+            ),
             f"<div>{status}</div>",
             _progress_html(state),
         ]

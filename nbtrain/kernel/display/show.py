@@ -1,4 +1,5 @@
-"""The small pieces a cell shows: text updated in place, a widget with a saved-notebook fallback, a Stop button, rank output lines.
+"""The small pieces a cell shows: text updated in place, a widget with a saved-notebook
+fallback, a Stop button, rank output lines.
 
 Everything here goes through IPython's ``display`` (imported when first used, so a plain
 ``python`` caller never imports IPython's display machinery) and the shell module
@@ -11,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import html
 import sys
 from typing import Any
@@ -47,22 +49,18 @@ def show_text(text: str, updatable: bool = False) -> Any:
 
 def update_text(shown: Any, text: str) -> None:
     """Replace what :func:`show_text` showed, wherever the display is (from any thread)."""
-    try:
+    with contextlib.suppress(Exception):  # the frontend is gone; the caller still knows the text
         shown.update({"text/plain": text}, raw=True)
-    except Exception:  # noqa: BLE001 - the frontend is gone; the caller still knows the text
-        pass
 
 
 def enable_colab_widgets() -> None:
     """In Colab, turn on the widget manager that ipywidgets 8 needs there (elsewhere: nothing)."""
     if "google.colab" not in sys.modules:
         return
-    try:
+    with contextlib.suppress(Exception):  # an older Colab: its own manager may still show core widgets
         from google.colab import output  # type: ignore[import-not-found]  # only exists in Colab
 
         output.enable_custom_widget_manager()
-    except Exception:  # noqa: BLE001 - an older Colab: its own manager may still show core widgets
-        pass
 
 
 def stop_button(tooltip: str, summary: str, on_stop: Any) -> Any:
