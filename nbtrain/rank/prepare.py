@@ -40,9 +40,17 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbtrain.rank import api
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel as _DDPBase
+    from torch.utils.data import DataLoader as _LoaderBase
+else:
+    # torch is imported when the first model or loader is prepared; the mixins below are
+    # put in front of its classes then (transparent_ddp_class, _prepared_loader_class).
+    _DDPBase = _LoaderBase = object
 
 # What ``prepare`` wraps a model in when the caller did not say: the magic sets it from
 # --strategy; nbtrain.launch passes it in the environment.
@@ -349,6 +357,24 @@ def transparent_dp_class() -> type:
 _transparent_ddp: Any = None
 
 
+class _ReadsThrough(_ReadThrough, _DDPBase):
+    """What :func:`transparent_ddp_class` adds to DistributedDataParallel (a mixin put in front of it):
+    reading through to the model (:class:`_ReadThrough`) and the check of the first backward."""
+
+    def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        # Without DDP's own search, the first backward that syncs checks every trainable
+        # parameter got a gradient (see _check_first_backward).
+        object.__setattr__(self, "_nbtrain_check_unused", not self.find_unused_parameters)
+        object.__setattr__(self, "_nbtrain_ready", True)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.__dict__["_nbtrain_check_unused"] and self.require_backward_grad_sync and _torch().is_grad_enabled():
+            object.__setattr__(self, "_nbtrain_check_unused", False)
+            _check_first_backward(self.module)
+        return super().forward(*inputs, **kwargs)
+
+
 def transparent_ddp_class() -> type:
     """A DistributedDataParallel subclass that reads through to the wrapped model (see :class:`_ReadThrough`).
 
@@ -356,32 +382,16 @@ def transparent_ddp_class() -> type:
     syncs checks that every trainable parameter got a gradient.
     """
     global _transparent_ddp
-    if _transparent_ddp is not None:
-        return _transparent_ddp
-    from torch.nn.parallel import DistributedDataParallel
+    if _transparent_ddp is None:
+        from torch.nn.parallel import DistributedDataParallel
 
-    class TransparentDDP(_ReadThrough, DistributedDataParallel):
-        def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(module, *args, **kwargs)
-            # Without DDP's own search, the first backward that syncs checks every trainable
-            # parameter got a gradient (see _check_first_backward).
-            object.__setattr__(self, "_nbtrain_check_unused", not self.find_unused_parameters)
-            object.__setattr__(self, "_nbtrain_ready", True)
+        class TransparentDDP(_ReadsThrough, DistributedDataParallel):
+            pass
 
-        def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-            if (
-                self.__dict__["_nbtrain_check_unused"]
-                and self.require_backward_grad_sync
-                and _torch().is_grad_enabled()
-            ):
-                object.__setattr__(self, "_nbtrain_check_unused", False)
-                _check_first_backward(self.module)
-            return super().forward(*inputs, **kwargs)
-
-    TransparentDDP.__name__ = "DistributedDataParallel"
-    TransparentDDP.__qualname__ = "DistributedDataParallel"
-    _transparent_ddp = TransparentDDP
-    return TransparentDDP
+        TransparentDDP.__name__ = "DistributedDataParallel"
+        TransparentDDP.__qualname__ = "DistributedDataParallel"
+        _transparent_ddp = TransparentDDP
+    return _transparent_ddp
 
 
 def _check_first_backward(module: Any) -> None:
@@ -683,58 +693,62 @@ def _already_distributed(loader: Any) -> bool:
 _loader_class: Any = None
 
 
+class _PassAware(_LoaderBase):
+    """A DataLoader on a DistributedSampler that tells training passes from evaluation passes.
+
+    Each ``iter()`` (a ``for`` loop's start) reads the thread's grad mode, one cheap
+    call: enabled, a training pass reads this rank's share (``set_epoch`` first, so
+    every training pass shuffles anew); disabled, an evaluation pass reads the rank's
+    copy of the user's own loader, whole and in its own order, unless the loader
+    was prepared with ``evaluation="shard"``. ``len()`` follows the same rule, so
+    ``len(loader)`` inside ``torch.no_grad()`` counts the batches that pass reads.
+    (A mixin: :func:`_prepared_loader_class` puts it in front of torch's DataLoader.)
+    """
+
+    _nbtrain_epoch: int  # training passes so far: the next one's set_epoch
+    _nbtrain_whole: Any  # what an evaluation pass reads: the rank's copy of the user's loader
+    _nbtrain_passes: dict[str, int]  # passes so far: "train", "whole", "shard"
+
+    def __iter__(self) -> Iterator[Any]:
+        kind = self._nbtrain_pass_kind()
+        if not any(self._nbtrain_passes.values()):
+            _registry.first_iterated.append(self)  # the summary names loaders in this order
+        self._nbtrain_passes[kind] += 1
+        if kind == "whole":
+            batches = iter(self._nbtrain_whole)
+        else:
+            if kind == "train":
+                self.sampler.set_epoch(self._nbtrain_epoch)
+                self._nbtrain_epoch += 1
+            batches = super().__iter__()
+        device = api.device()
+        if device.type == "cpu":
+            return batches
+        return (_to_device(batch, device) for batch in batches)
+
+    def __len__(self) -> int:
+        if self._nbtrain_pass_kind() == "whole":
+            return len(self._nbtrain_whole)
+        return super().__len__()
+
+    def _nbtrain_pass_kind(self) -> str:
+        if _torch().is_grad_enabled():
+            return "train"
+        return "shard" if evaluation_of(self) == "shard" else "whole"
+
+
 def _prepared_loader_class() -> type:
+    """:class:`_PassAware` on torch's DataLoader, named ``DataLoader`` (built once: it imports torch)."""
     global _loader_class
-    if _loader_class is not None:
-        return _loader_class
-    import torch
-    from torch.utils.data import DataLoader
+    if _loader_class is None:
+        from torch.utils.data import DataLoader
 
-    class PreparedDataLoader(DataLoader):
-        """A DataLoader on a DistributedSampler that tells training passes from evaluation passes.
+        class PreparedDataLoader(_PassAware, DataLoader):
+            pass
 
-        Each ``iter()`` (a ``for`` loop's start) reads the thread's grad mode, one cheap
-        call: enabled, a training pass reads this rank's share (``set_epoch`` first, so
-        every training pass shuffles anew); disabled, an evaluation pass reads the rank's
-        copy of the user's own loader, whole and in its own order, unless the loader
-        was prepared with ``evaluation="shard"``. ``len()`` follows the same rule, so
-        ``len(loader)`` inside ``torch.no_grad()`` counts the batches that pass reads.
-        """
-
-        _nbtrain_epoch: int  # training passes so far: the next one's set_epoch
-        _nbtrain_whole: Any  # what an evaluation pass reads: the rank's copy of the user's loader
-        _nbtrain_passes: dict[str, int]  # passes so far: "train", "whole", "shard"
-
-        def __iter__(self) -> Iterator[Any]:
-            kind = self._nbtrain_pass_kind()
-            if not any(self._nbtrain_passes.values()):
-                _registry.first_iterated.append(self)  # the summary names loaders in this order
-            self._nbtrain_passes[kind] += 1
-            if kind == "whole":
-                batches = iter(self._nbtrain_whole)
-            else:
-                if kind == "train":
-                    self.sampler.set_epoch(self._nbtrain_epoch)
-                    self._nbtrain_epoch += 1
-                batches = super().__iter__()
-            device = api.device()
-            if device.type == "cpu":
-                return batches
-            return (_to_device(batch, device) for batch in batches)
-
-        def __len__(self) -> int:
-            if self._nbtrain_pass_kind() == "whole":
-                return len(self._nbtrain_whole)
-            return super().__len__()
-
-        def _nbtrain_pass_kind(self) -> str:
-            if torch.is_grad_enabled():
-                return "train"
-            return "shard" if evaluation_of(self) == "shard" else "whole"
-
-    PreparedDataLoader.__name__ = PreparedDataLoader.__qualname__ = "DataLoader"
-    _loader_class = PreparedDataLoader
-    return PreparedDataLoader
+        PreparedDataLoader.__name__ = PreparedDataLoader.__qualname__ = "DataLoader"
+        _loader_class = PreparedDataLoader
+    return _loader_class
 
 
 def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
