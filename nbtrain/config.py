@@ -251,10 +251,10 @@ def check_strategy_fits(strategy: Strategy, plan: DevicePlan, sync_batchnorm: bo
     one process per share, ``ddp_notebook``. SyncBatchNorm needs one process per device,
     and DataParallel has one process in all.
 
-    >>> check_strategy_fits(STRATEGIES["dp"], DevicePlan("cpu", (0, 1)))
+    >>> check_strategy_fits(STRATEGIES["dp"], DevicePlan("cpu", (0, 1)))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    nbtrain.errors.ConfigurationError: strategy 'dp' (DataParallel) splits each batch over CUDA GPUs from one process, and the accelerator here is 'cpu'; use strategy 'ddp_notebook' for data parallel CPU processes.
+    nbtrain.errors.ConfigurationError: strategy 'dp' (DataParallel) splits each batch over CUDA GPUs from one ...
     """
     if strategy.model_wrapper != "dp":
         return

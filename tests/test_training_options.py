@@ -10,10 +10,10 @@ import re
 
 import pytest
 import torch
-
-import nbtrain
 from helpers.procs import finish
 from kernel_helpers import NotebookKernel
+
+import nbtrain
 from nbtrain import config
 from nbtrain.devices import DevicePlan
 from nbtrain.errors import ConfigurationError
@@ -121,7 +121,7 @@ def test_bf16_mixed_tracks_32_true(launcher):
     """bf16 autocast keeps 8 bits of mantissa: each step's loss within 3% of fp32's, same descent."""
     full, mixed = _train_losses("32-true"), _train_losses("bf16-mixed")
     assert mixed[-1] < 0.9 * mixed[0]
-    worst = max(abs(a - b) / a for a, b in zip(full, mixed))
+    worst = max(abs(a - b) / a for a, b in zip(full, mixed, strict=True))
     assert worst < 0.03, f"bf16-mixed loss strayed {worst:.1%} from 32-true's"
 
 
@@ -228,7 +228,7 @@ def test_ddp_sharded_trains_as_ddp_and_returns_the_full_optimizer_state(kernel):
     assert "adam (ZeroRedundancyOptimizer)" in out.text
     (weights, (moments, kind)), (sharded_weights, (sharded_moments, sharded_kind)) = results.values()
     assert kind == sharded_kind == "Adam" and len(sharded_moments) == 4  # every parameter's state
-    for a, b in zip([*weights, *moments], [*sharded_weights, *sharded_moments]):
+    for a, b in zip([*weights, *moments], [*sharded_weights, *sharded_moments], strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
 
 
@@ -279,7 +279,8 @@ def test_fsdp_cpu_offload_matches_one_process_with_the_combined_batch(launcher):
         state = {k: v.full_tensor() for k, v in net.state_dict().items()}
         return isinstance(net, FSDPModule), policy, state
 
-    sharded, policy, state = finish(nbtrain.start(fn, (model, x, y), devices=2, accelerator="cpu", strategy="fsdp_cpu_offload"))
+    run = nbtrain.start(fn, (model, x, y), devices=2, accelerator="cpu", strategy="fsdp_cpu_offload")
+    sharded, policy, state = finish(run)
     assert sharded and policy == "CPUOffloadPolicy"
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for _ in range(3):
@@ -299,5 +300,5 @@ def test_a_cell_under_fsdp_cpu_offload_brings_weights_and_adam_state_back_as_fsd
         results[strategy] = kernel.value(SHARDED_RESULT)
     (weights, (moments, kind)), (offloaded, (offloaded_moments, offloaded_kind)) = results.values()
     assert kind == offloaded_kind == "Adam" and len(offloaded_moments) == 4
-    for a, b in zip([*weights, *moments], [*offloaded, *offloaded_moments]):
+    for a, b in zip([*weights, *moments], [*offloaded, *offloaded_moments], strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)

@@ -333,25 +333,24 @@ class _ReadThrough:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-_transparent_dp: Any = None
+_transparent_dp: type | None = None
 
 
 def transparent_dp_class() -> type:
     """A DataParallel subclass that reads through to the wrapped model (see :class:`_ReadThrough`)."""
     global _transparent_dp
-    if _transparent_dp is not None:
-        return _transparent_dp
-    from torch.nn.parallel import DataParallel
+    if _transparent_dp is None:
+        from torch.nn.parallel import DataParallel
 
-    class TransparentDP(_ReadThrough, DataParallel):
-        def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(module, *args, **kwargs)
-            object.__setattr__(self, "_nbtrain_ready", True)
+        class TransparentDP(_ReadThrough, DataParallel):  # type: ignore[type-arg]
+            def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+                super().__init__(module, *args, **kwargs)
+                object.__setattr__(self, "_nbtrain_ready", True)
 
-    TransparentDP.__name__ = "DataParallel"
-    TransparentDP.__qualname__ = "DataParallel"
-    _transparent_dp = TransparentDP
-    return TransparentDP
+        TransparentDP.__name__ = "DataParallel"
+        TransparentDP.__qualname__ = "DataParallel"
+        _transparent_dp = TransparentDP
+    return _transparent_dp
 
 
 _transparent_ddp: Any = None
