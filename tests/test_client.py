@@ -126,17 +126,25 @@ def test_a_result_with_tensors_arrives_through_its_memory_file():
     ("ended", "error", "text"),
     [
         (
-            events.RunEnded(RUN, events.FAILED, failure=events.RankFailed(RUN, 1, "ValueError", "bad", "Traceback\nValueError: bad\n")),
+            events.RunEnded(
+                RUN,
+                events.FAILED,
+                failure=events.RankFailed(RUN, 1, "ValueError", "bad", "Traceback\nValueError: bad\n"),
+            ),
             RankError,
             "rank 1 raised ValueError: bad",
         ),
         (
-            events.RunEnded(RUN, events.FAILED, failure=events.RankExited(RUN, 0, None, signal.SIGKILL, reported=False)),
+            events.RunEnded(
+                RUN, events.FAILED, failure=events.RankExited(RUN, 0, None, signal.SIGKILL, reported=False)
+            ),
             RankDiedError,
             "rank 0 was killed by signal 9 (SIGKILL)",
         ),
         (
-            events.RunEnded(RUN, events.FAILED, failure=events.RankNotStarted(RUN, 1, 2, "EAGAIN", "no more processes")),
+            events.RunEnded(
+                RUN, events.FAILED, failure=events.RankNotStarted(RUN, 1, 2, "EAGAIN", "no more processes")
+            ),
             RankStartError,
             "could not start rank 1 of 2: creating its process failed with EAGAIN (no more processes)",
         ),
@@ -147,7 +155,11 @@ def test_a_result_with_tensors_arrives_through_its_memory_file():
         ),
         (events.RunEnded(RUN, events.TIMED_OUT), RunTimeoutError, "the run exceeded timeout=30 s"),
         (events.RunEnded(RUN, events.STOPPED), RunStoppedError, "the run was stopped before it finished"),
-        (events.RunEnded(RUN, events.FAILED, detail="the launcher exited (code 1)"), LauncherError, "the launcher exited (code 1)"),
+        (
+            events.RunEnded(RUN, events.FAILED, detail="the launcher exited (code 1)"),
+            LauncherError,
+            "the launcher exited (code 1)",
+        ),
     ],
     ids=["raised", "killed", "not started", "node lost", "timed out", "stopped", "launcher"],
 )
@@ -250,11 +262,19 @@ def test_a_start_message_carries_the_callers_state_and_the_config(monkeypatch, t
     monkeypatch.setenv("NBTRAIN_ROLE", "should not travel")
     message = client._StartMessage(CONFIG, b"payload", has_tensor_file=False, with_log=True)
     start = message(RUN)
-    assert (start.run_id, start.payload, start.timeout, start.strategy, start.backend) == (RUN, b"payload", 30.0, "ddp_notebook", "gloo")
+    assert (start.run_id, start.payload, start.timeout, start.strategy, start.backend) == (
+        RUN,
+        b"payload",
+        30.0,
+        "ddp_notebook",
+        "gloo",
+    )
     assert [(s.rank, s.world_size, s.device_type) for s in start.ranks] == [(0, 2, "cpu"), (1, 2, "cpu")]
     assert start.cwd == os.getcwd() and start.sys_path == tuple(sys.path)
     assert "NBTRAIN_ROLE" not in start.environ and start.environ["PATH"] == os.environ["PATH"]
-    assert start.log_path is not None and start.log_path.startswith(str(tmp_path)) and message.log_path == start.log_path
+    assert (
+        start.log_path is not None and start.log_path.startswith(str(tmp_path)) and message.log_path == start.log_path
+    )
 
 
 def test_old_run_logs_are_pruned_to_the_last_ones(monkeypatch, tmp_path):
@@ -265,10 +285,17 @@ def test_old_run_logs_are_pruned_to_the_last_ones(monkeypatch, tmp_path):
     (tmp_path / "notes.txt").write_text("not a log")
     path = client._log_path(7)
     assert path is not None and path.endswith(f"-{os.getpid()}-7.log")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "run-20260103-000000-1-1.log", "run-20260104-000000-1-1.log"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "notes.txt",
+        "run-20260103-000000-1-1.log",
+        "run-20260104-000000-1-1.log",
+    ]
 
 
 def test_a_function_that_cannot_travel_says_what_to_do():
     lock = threading.Lock()
-    with pytest.raises(SerializationError, match=r"the function or its arguments cannot be sent to the ranks: .* create them inside the function"):
+    with pytest.raises(
+        SerializationError,
+        match=r"the function or its arguments cannot be sent to the ranks: .* create them inside the function",
+    ):
         client._serialise(lambda: lock, (), None)

@@ -113,7 +113,9 @@ def test_the_launcher_says_it_is_ready_with_torch_preloaded_and_no_threads(chann
     with open(f"/proc/{channel.launcher.pid}/status") as f:
         threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
     assert threads == 1  # it forks ranks: no other thread may hold a lock then
-    assert channel.ready is not None and {"torch", "torch.distributed", "nbtrain.rank.runtime"} <= set(channel.ready.preloaded)
+    assert channel.ready is not None and {"torch", "torch.distributed", "nbtrain.rank.runtime"} <= set(
+        channel.ready.preloaded
+    )
 
 
 def test_a_run_starts_every_rank_and_ends_with_rank_0s_result(channel):
@@ -202,7 +204,10 @@ def test_a_run_past_its_timeout_is_stopped_as_timed_out(channel):
 
 
 def test_runs_are_independent_and_identified_by_their_id(channel):
-    first, second = start_run(next(_run_ids), lambda: "first", devices=1), start_run(next(_run_ids), lambda: "second", devices=1)
+    first, second = (
+        start_run(next(_run_ids), lambda: "first", devices=1),
+        start_run(next(_run_ids), lambda: "second", devices=1),
+    )
     channel.send(first)
     channel.send(second)
     ended: dict[int, Any] = {}
