@@ -55,9 +55,12 @@ else:
 # What ``prepare`` wraps a model in when the caller did not say: the magic sets it from
 # --strategy; nbtrain.launch passes it in the environment.
 WRAPPER_VARIABLE = "NBTRAIN_MODEL_WRAPPER"
-WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded", "fsdp", "none")
+WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded", "fsdp", "fsdp_offload", "dp", "none")
 # The second searches every step for unused parameters; the third shards optimizer state.
 DDP_WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded")
+# fsdp_offload keeps the shards (and the optimizer's step) in host memory: FSDP2's CPUOffloadPolicy.
+FSDP_WRAPPERS = ("fsdp", "fsdp_offload")
+DP_DEVICES_VARIABLE = "NBTRAIN_DP_DEVICES"  # dp: DataParallel's device_ids (nbtrain.config sets it)
 UNUSED_NAMES_SHOWN = 8
 
 class _Registry:
@@ -208,8 +211,10 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
     if wrapper in DDP_WRAPPERS and trainable:
         wrapper_options = {"find_unused_parameters": wrapper == "ddp_find_unused", **wrapper_options}
         prepared = _wrap_ddp(module, wrapper_options)
-    elif wrapper == "fsdp" and trainable:
-        prepared = _shard(module, wrapper_options)
+    elif wrapper in FSDP_WRAPPERS and trainable:
+        prepared = _shard(module, wrapper_options, offload=wrapper == "fsdp_offload")
+    elif wrapper == "dp" and trainable:
+        prepared = _wrap_dp(module, wrapper_options)
     else:
         prepared = module
     _registry.remember(module, prepared)
@@ -233,11 +238,11 @@ def _apply_precision_and_sync(module: Any, wrapper: str) -> None:
 
 
 def is_wrapped(module: Any) -> bool:
-    """True for DDP/FSDP1 wrappers and modules FSDP2 already sharded."""
+    """True for DDP, DataParallel and FSDP1 wrappers and modules FSDP2 already sharded."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-    if isinstance(module, (DistributedDataParallel, FSDPModule)):
+    if isinstance(module, (DistributedDataParallel, DataParallel, FSDPModule)):
         return True
     return type(module).__name__ == "FullyShardedDataParallel"
 
@@ -253,10 +258,10 @@ def original_of(obj: Any) -> Any:
         return entry[1]
     if "torch" not in sys.modules:
         return obj
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     seen = 0
-    while isinstance(obj, DistributedDataParallel) and seen < 8:
+    while isinstance(obj, (DistributedDataParallel, DataParallel)) and seen < 8:
         obj, seen = obj.module, seen + 1
     if type(obj).__name__ == "FullyShardedDataParallel" and hasattr(obj, "module"):
         obj = obj.module
@@ -277,28 +282,30 @@ def _wrap_ddp(module: Any, options: dict[str, Any]) -> Any:
     return transparent_ddp_class()(module, **kwargs)
 
 
-_transparent_ddp: Any = None
+def _wrap_dp(module: Any, options: dict[str, Any]) -> Any:
+    """DataParallel over the launch's GPUs; this rank's own GPU (the first) holds the model and outputs."""
+    kwargs = dict(options)
+    if "device_ids" not in kwargs:
+        chosen = os.environ.get(DP_DEVICES_VARIABLE, "")
+        kwargs["device_ids"] = [int(index) for index in chosen.split(",") if index] or None
+    return transparent_dp_class()(module, **kwargs)
 
 
-class _ReadsThrough(_DDPBase):
-    """What :func:`transparent_ddp_class` adds to DistributedDataParallel (a mixin put in front of it)."""
+class _ReadThrough:
+    """A wrapper (DDP, DataParallel) that reads through to the model it wraps.
 
-    def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(module, *args, **kwargs)
-        # Without DDP's own search, the first backward that syncs checks every trainable
-        # parameter got a gradient (see _check_first_backward).
-        object.__setattr__(self, "_nbtrain_check_unused", not self.find_unused_parameters)
-        object.__setattr__(self, "_nbtrain_ready", True)
+    ``wrapped.fc``, ``wrapped.num_classes`` and the model's own methods keep working (an
+    attribute the wrapper lacks falls back to ``self.module``), the wrapper's own methods
+    stay reachable, and ``state_dict``/``load_state_dict`` use the model's keys (no
+    ``module.`` prefix), so a state saved in a cell loads into the kernel's model.
+    Setting an attribute the model has and the wrapper lacks sets it on the model.
+    """
 
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.__dict__["_nbtrain_check_unused"] and self.require_backward_grad_sync and _torch().is_grad_enabled():
-            object.__setattr__(self, "_nbtrain_check_unused", False)
-            _check_first_backward(self.module)
-        return super().forward(*inputs, **kwargs)
+    module: Any
 
     def __getattr__(self, name: str) -> Any:
         try:
-            return super().__getattr__(name)
+            return super().__getattr__(name)  # type: ignore[misc]
         except AttributeError:
             inner = self.__dict__.get("_modules", {}).get("module")
             if inner is None:
@@ -326,14 +333,52 @@ class _ReadsThrough(_DDPBase):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-def transparent_ddp_class() -> type:
-    """A DistributedDataParallel subclass that reads through to the wrapped model.
+_transparent_dp: type | None = None
 
-    ``wrapped.fc``, ``wrapped.num_classes`` and the model's own methods keep working (an
-    attribute DDP lacks falls back to ``self.module``), DDP's own methods (``no_sync``,
-    ``join``) stay reachable, and ``state_dict``/``load_state_dict`` use the model's keys
-    (no ``module.`` prefix), so a state saved in a cell loads into the kernel's model.
-    Setting an attribute the model has and DDP lacks sets it on the model.
+
+def transparent_dp_class() -> type:
+    """A DataParallel subclass that reads through to the wrapped model (see :class:`_ReadThrough`)."""
+    global _transparent_dp
+    if _transparent_dp is None:
+        from torch.nn.parallel import DataParallel
+
+        class TransparentDP(_ReadThrough, DataParallel):  # type: ignore[type-arg]
+            def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+                super().__init__(module, *args, **kwargs)
+                object.__setattr__(self, "_nbtrain_ready", True)
+
+        TransparentDP.__name__ = "DataParallel"
+        TransparentDP.__qualname__ = "DataParallel"
+        _transparent_dp = TransparentDP
+    return _transparent_dp
+
+
+_transparent_ddp: Any = None
+
+
+class _ReadsThrough(_ReadThrough, _DDPBase):
+    """What :func:`transparent_ddp_class` adds to DistributedDataParallel (a mixin put in front of it):
+    reading through to the model (:class:`_ReadThrough`) and the check of the first backward."""
+
+    def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        # Without DDP's own search, the first backward that syncs checks every trainable
+        # parameter got a gradient (see _check_first_backward).
+        object.__setattr__(self, "_nbtrain_check_unused", not self.find_unused_parameters)
+        object.__setattr__(self, "_nbtrain_ready", True)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.__dict__["_nbtrain_check_unused"] and self.require_backward_grad_sync and _torch().is_grad_enabled():
+            object.__setattr__(self, "_nbtrain_check_unused", False)
+            _check_first_backward(self.module)
+        return super().forward(*inputs, **kwargs)
+
+
+def transparent_ddp_class() -> type:
+    """A DistributedDataParallel subclass that reads through to the wrapped model (see :class:`_ReadThrough`).
+
+    DDP's own methods (``no_sync``, ``join``) stay reachable; the first backward that
+    syncs checks that every trainable parameter got a gradient.
     """
     global _transparent_ddp
     if _transparent_ddp is None:
@@ -380,15 +425,23 @@ def _check_first_backward(module: Any) -> None:
     handles.extend(p.register_post_accumulate_grad_hook(seen) for _, p in trainable)
 
 
-def _shard(module: Any, options: dict[str, Any]) -> Any:
-    """Shard ``module`` in place with FSDP2: each block of a ModuleList/Sequential, then the root."""
+def _shard(module: Any, options: dict[str, Any], offload: bool = False) -> Any:
+    """Shard ``module`` in place with FSDP2: each block of a ModuleList/Sequential, then the root.
+
+    ``offload`` keeps the shards in host memory (CPUOffloadPolicy): FSDP2 copies a block's
+    weights to the device for its forward and backward, and the optimizer steps on the CPU.
+    """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     device = api.device()
     before = dict(module.named_parameters())
     kwargs = dict(options)
     kwargs.setdefault("mesh", init_device_mesh(device.type, (api.world_size(),)))
+    if offload:
+        # Pinned host memory makes the copies to a GPU asynchronous; without a GPU torch
+        # cannot pin (it refuses), and there is nothing to copy to.
+        kwargs.setdefault("offload_policy", CPUOffloadPolicy(pin_memory=device.type == "cuda"))
     for block in _shard_blocks(module):
         fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
