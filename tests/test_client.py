@@ -187,11 +187,15 @@ def test_a_failure_without_a_cause_says_what_each_rank_did_and_where_the_log_is(
         run.wait()
     assert str(caught.value).splitlines() == [
         "the run failed, but no rank reported an error and nbtrain saw no cause.",
-        "Seen: rank 0 was killed by signal 15 (SIGTERM) when nbtrain stopped it; "
-        "rank 1 exited with code 0 after finishing its work.",
+        (
+            "Seen: rank 0 was killed by signal 15 (SIGTERM) when nbtrain stopped it; "
+            "rank 1 exited with code 0 after finishing its work."
+        ),
         "Last output of rank 1: step 1 | step 2 | saving",
-        f"Every rank's full output is in {log}. Run it again; if it fails the same way, the launcher's own "
-        "messages are on the kernel's stderr (the terminal or log that runs Jupyter).",
+        (
+            f"Every rank's full output is in {log}. Run it again; if it fails the same way, the launcher's own "
+            "messages are on the kernel's stderr (the terminal or log that runs Jupyter)."
+        ),
     ]
 
 
