@@ -55,7 +55,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from nbtrain import charts, events
 from nbtrain.errors import RunNotEndedError, RunStoppedError
@@ -85,6 +85,32 @@ class CellCallbacks:
     keep_metrics: Callable[[Any, Any], None]
     explain_failure: Callable[[BaseException, Any, str], BaseException]
     apply_result: Callable[[Any, Any, dict, Any], Any]
+
+
+class CellFlags(Protocol):
+    """What a background cell reads of its flags: the magic's frozen ``CellOptions`` (typed
+    here by its shape, since this module never imports the magic)."""
+
+    @property
+    def output(self) -> str: ...
+
+    @property
+    def stall_warning(self) -> float | None: ...
+
+
+class PreparedCellLike(Protocol):
+    """What a background cell reads of the magic's ``PreparedCell``."""
+
+    shipped: dict[str, Any]  # emptied when the run is over: the handle keeps no old objects alive
+
+    @property
+    def record(self) -> Any: ...
+
+    @property
+    def total_steps(self) -> int | None: ...
+
+    @property
+    def unchanged(self) -> str: ...
 
 
 def runs() -> list[BackgroundRun]:
@@ -441,7 +467,9 @@ class BackgroundRun:
 class CellBackgroundRun(BackgroundRun):
     """A ``%%distributed --background`` cell: on success its results go into the kernel."""
 
-    def __init__(self, shell: Any, run: Any, prepared: Any, options: Any, callbacks: CellCallbacks) -> None:
+    def __init__(
+        self, shell: Any, run: Any, prepared: PreparedCellLike, options: CellFlags, callbacks: CellCallbacks
+    ) -> None:
         number = kernel_shell.current_cell_number(shell)
         super().__init__(
             run,
@@ -504,7 +532,9 @@ class CellBackgroundRun(BackgroundRun):
         return super()._end_note(state, error) + self._log_note()
 
 
-def follow_cell(shell: Any, run: Any, prepared: Any, options: Any, callbacks: CellCallbacks) -> CellBackgroundRun:
+def follow_cell(
+    shell: Any, run: Any, prepared: PreparedCellLike, options: CellFlags, callbacks: CellCallbacks
+) -> CellBackgroundRun:
     """Follow a started ``%%distributed --background`` cell; its handle, at once.
 
     ``prepared`` is the magic's prepared cell (``shipped``, ``record``, ``total_steps``,
