@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbtrain import charts, events
-from nbtrain.errors import RunStoppedError
+from nbtrain.errors import RunNotEndedError, RunStoppedError
 from nbtrain.kernel import display
 from nbtrain.kernel import shell as kernel_shell
 
@@ -172,10 +172,10 @@ class BackgroundRun:
 
     @property
     def result(self) -> Any:
-        """What the run returned; raises its failure, or RuntimeError while it is still running."""
+        """What the run returned; raises its failure, or RunNotEndedError (a RuntimeError) while it is still running."""
         self._settle_here()
         if not self._done.is_set():
-            raise RuntimeError(
+            raise RunNotEndedError(
                 f"background run {self.id} is still running; handle.wait() waits for it, handle.stop() stops it."
             )
         if self.error is not None:
