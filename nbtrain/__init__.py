@@ -85,10 +85,12 @@ __version__ = "0.1.0"
 def launcher(**kwargs: object) -> object:
     """Show a form (ipywidgets) that sets the defaults of every ``%%distributed`` cell.
 
-    Accelerator, devices (a checkbox per GPU, or a number of CPU processes), strategy and
-    timeout; it shows the equivalent ``%%distributed`` line to copy. Returns the form's
+    Accelerator, devices (a checkbox per GPU, or a number of CPU processes), strategy,
+    timeout, precision, backend, BatchNorm sync, cluster and number of nodes; it shows the
+    equivalent ``%%distributed`` line to copy. Returns the form's
     :class:`nbtrain.kernel.display.Launcher` (its controls are attributes: ``devices``,
-    ``accelerator``, ``strategy``, ``timeout``, ``gpus``).
+    ``accelerator``, ``strategy``, ``timeout``, ``gpus``, ``precision``, ``backend``,
+    ``sync_batchnorm``, ``cluster``, ``num_nodes``).
     """
     from nbtrain.kernel.display import launcher as _launcher
 

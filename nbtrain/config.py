@@ -70,7 +70,7 @@ STRATEGIES: dict[str, Strategy] = {
             "fork",
             "fsdp_offload",
             "fsdp with the sharded parameters, gradients and optimizer state kept in host memory "
-            "(FSDP2's CPUOffloadPolicy): the GPU holds one block's gathered weights at a time; "
+            "(the CPUOffloadPolicy of FSDP2): the GPU holds the gathered weights of one block at a time; "
             "the optimizer steps on the CPU. For models whose shards do not fit in GPU memory.",
         ),
         Strategy(

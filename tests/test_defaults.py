@@ -61,6 +61,9 @@ def test_defaults_are_a_frozen_record():
         "stall_warning",
         "cluster",
         "num_nodes",
+        "precision",
+        "sync_batchnorm",
+        "backend",
     }
 
 
@@ -192,3 +195,38 @@ def test_the_magic_line_asks_for_exactly_the_defaults():
     assert (
         set_defaults(stall_warning=12).magic_line().endswith("--stall-warning 12 --cluster ray://h:10001 --num-nodes 3")
     )
+
+
+def test_precision_backend_and_batchnorm_sync_are_session_defaults_too():
+    settings = set_defaults(devices=2, accelerator="cpu", precision="bf16", backend="GLOO", sync_batchnorm=True)
+    assert (settings.precision, settings.backend, settings.sync_batchnorm) == ("bf16-mixed", "gloo", True)
+    assert settings.magic_line() == (
+        "%%distributed --devices 2 --accelerator cpu --strategy ddp_notebook"
+        " --precision bf16-mixed --sync-batchnorm --backend gloo"
+    )
+    assert set_defaults(backend=None, precision="32").magic_line().endswith("--strategy ddp_notebook --sync-batchnorm")
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks what a machine without GPU refuses")
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"precision": "16-mixed"}, "precision '16-mixed' cannot run on the cpu accelerator"),
+        ({"precision": "half"}, "unknown precision 'half'. Available precisions:"),
+        ({"backend": "nccl"}, "backend 'nccl' needs CUDA devices"),
+        ({"backend": "tcp"}, "unknown process-group backend 'tcp'. Available backends:"),
+        ({"strategy": "dp"}, "strategy 'dp' (DataParallel) splits each batch over CUDA GPUs"),
+        ({"sync_batchnorm": "yes"}, "sync_batchnorm='yes' is not valid: pass True or False."),
+    ],
+)
+def test_training_defaults_the_cpu_cannot_run_are_refused(settings, message):
+    before = set_defaults(devices=2, accelerator="cpu")
+    with pytest.raises(ConfigurationError) as refused:
+        set_defaults(**settings)
+    assert message in str(refused.value)
+    assert get_defaults() == before
+
+
+def test_dp_is_refused_as_a_cluster_default():
+    with pytest.raises(ConfigurationError, match="cannot span a cluster's nodes"):
+        set_defaults(cluster="ray", num_nodes=2, strategy="dp")

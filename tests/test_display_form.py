@@ -9,6 +9,7 @@ what the form shows, and that changing a control changes what the next cell runs
 from __future__ import annotations
 
 import pytest
+from kernel_helpers import NotebookKernel
 
 import nbtrain
 from nbtrain import hardware
@@ -16,8 +17,6 @@ from nbtrain.devices import GpuInfo
 from nbtrain.errors import ConfigurationError
 from nbtrain.kernel import defaults
 from nbtrain.kernel.display import form as launcher_form
-
-from kernel_helpers import NotebookKernel
 
 GIB = 2**30
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -101,6 +100,56 @@ def test_every_strategy_has_its_explanation_under_the_dropdown():
         assert strategy.when_to_use.split(";")[0] in form.strategy_help.value
 
 
+def test_precision_backend_batchnorm_sync_and_cluster_are_fields_of_the_form():
+    form = launcher_form.Launcher(launcher_form.Machine((), False, 2))
+    assert list(form.precision.options) == list(nbtrain.config.PRECISIONS) and form.precision.value == "32-true"
+    assert [value for _, value in form.backend.options] == ["", *nbtrain.config.BACKENDS]
+    assert form.num_nodes.disabled and form.cluster.value == "local"
+    form.precision.value = "bf16-mixed"
+    form.backend.value = "gloo"
+    form.sync_batchnorm.value = True
+    line = "%%distributed --devices 2 --accelerator cpu --strategy ddp_notebook --precision bf16-mixed"
+    assert nbtrain.get_defaults().magic_line() == line + " --sync-batchnorm --backend gloo"
+    form.precision.value = "16-mixed"  # the CPU cannot: said so, the last good defaults stay
+    assert "precision &#x27;16-mixed&#x27; cannot run on the cpu accelerator" in form.status.value
+    assert nbtrain.get_defaults().precision == "bf16-mixed"
+    form.precision.value = "32-true"
+    form.cluster.value = "ray"
+    assert not form.num_nodes.disabled
+    form.num_nodes.value = 3
+    assert nbtrain.get_defaults().magic_line().endswith("--cluster ray --num-nodes 3 --sync-batchnorm --backend gloo")
+    form.cluster.value = "10.0.0.1:6379"  # an address, typed in
+    assert (nbtrain.get_defaults().cluster, nbtrain.get_defaults().num_nodes) == ("10.0.0.1:6379", 3)
+    form.cluster.value = ""
+    assert nbtrain.get_defaults().cluster == "local" and form.num_nodes.disabled
+
+
+def test_the_new_strategies_are_in_the_form_with_their_help():
+    form = launcher_form.Launcher(launcher_form.Machine((), False, 2))
+    for name in ("ddp_sharded", "fsdp_cpu_offload", "dp"):
+        assert name in form.strategy.options
+    form.strategy.value = "dp"  # CUDA only: refused on this CPU form, pointing to ddp_notebook
+    assert "use strategy &#x27;ddp_notebook&#x27;" in form.status.value
+    form.strategy.value = "fsdp_cpu_offload"
+    assert form.status.value == "" and "CPUOffloadPolicy" in form.strategy_help.value
+
+
+def test_the_readme_flag_table_lists_every_flag_and_strategy():
+    import pathlib
+    import re
+
+    from nbtrain.kernel import magic
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    row = re.compile(r"^\| `(--[a-z-]+)`[^|]*\| (.*)$", re.MULTILINE)
+    rows = {match.group(1): match.group(2) for match in row.finditer(readme)}
+    flags = {a.option_strings[-1] for a in magic.DistributedMagics.distributed.parser._actions}
+    assert flags - {"--help"} <= set(rows), flags - set(rows)
+    strategies = set(re.findall(r"`([a-z_]+)`:", rows["--strategy"]))
+    assert strategies == set(nbtrain.config.STRATEGIES)
+    assert set(re.findall(r"`([a-z0-9-]+)`", rows["--precision"])) >= set(nbtrain.config.PRECISIONS)
+
+
 def test_the_form_starts_from_the_session_defaults():
     nbtrain.set_defaults(devices=3, accelerator="cpu", strategy="ddp_spawn", timeout=30)
     form = launcher_form.Launcher(launcher_form.Machine((), False, 2))
@@ -181,8 +230,8 @@ def test_the_form_renders_in_a_kernel_and_its_values_become_the_cells_defaults()
         children = {cid: _state_of(notebook, cid) for cid in _child_ids(form)}
         kinds = [state["_model_name"] for state in children.values()]
         assert kinds == ["HTMLModel", "DropdownModel", "VBoxModel", "DropdownModel", "HTMLModel", "HBoxModel",
-                         "HTMLModel", "HTMLModel"]
-        title, accelerator, devices_box, strategy, strategy_help, timeout_row, line, status = children.values()
+                         "HBoxModel", "CheckboxModel", "HBoxModel", "HTMLModel", "HTMLModel"]
+        _, accelerator, devices_box, strategy, strategy_help, timeout_row, *_, line, status = children.values()
         cores = hardware.cpu_count()
         assert accelerator["_options_labels"] == [f"cpu: {cores} core" + ("s" if cores != 1 else "")]
         assert accelerator["description"] == "accelerator" and strategy["_options_labels"][0] == "ddp_notebook"
@@ -195,6 +244,17 @@ def test_the_form_renders_in_a_kernel_and_its_values_become_the_cells_defaults()
         assert status["value"] == ""
         timeout_box = _state_of(notebook, _child_ids(timeout_row)[0])
         assert timeout_box["_model_name"] == "BoundedFloatTextModel" and timeout_box["value"] == 0
+
+        # The training fields become the cells' defaults as well: the ranks are told them.
+        kernel.run_ok("w.precision.value = 'bf16-mixed'\nw.sync_batchnorm.value = True\nw.devices.value = 2")
+        told = kernel.run_ok(
+            "%%distributed\nimport os\n"
+            "print(os.environ['NBTRAIN_PRECISION'], os.environ['NBTRAIN_SYNC_BATCHNORM'])\n"
+        )
+        assert "[rank 1] bf16-mixed 1" in told.stdout, told.text
+        plain = kernel.run_ok("%%distributed --precision 32-true\nimport os\nprint(os.environ['NBTRAIN_PRECISION'])\n")
+        assert "[rank 0] 32-true" in plain.stdout  # a flag wins
+        kernel.run_ok("w.precision.value = '32-true'\nw.sync_batchnorm.value = False")
 
         # The flags' help says where defaults come from; --timeout none beats a session timeout.
         help_text = " ".join(kernel.run_ok("%%distributed --help\npass\n").stdout.split())

@@ -174,7 +174,7 @@ def test_unpicklable_globals_stop_the_launch_with_the_name(kernel):
     ("flags", "expected"),
     [
         ("--devices two", "devices='two' is not valid"),
-        ("--strategy zero", "unknown strategy 'zero'. Available strategies: ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, ddp_sharded, fsdp, auto"),
+        ("--strategy zero", "unknown strategy 'zero'. Available strategies: ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, ddp_sharded, fsdp, fsdp_cpu_offload, dp, auto"),
         ("--output loud", "argument --output: invalid choice: 'loud'"),
         ("--timeout soon", "argument --timeout: invalid float value: 'soon'"),
         ("--timeout -3", "timeout must be positive"),

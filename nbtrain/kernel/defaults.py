@@ -43,6 +43,9 @@ class Defaults:
     stall_warning: float | None = STALL_SECONDS  # the live view's "no step from rank N" after this
     cluster: str = "local"  # or "ray", or a Ray cluster's address (nbtrain.cluster)
     num_nodes: int = 1
+    precision: str = "32-true"  # Lightning's name (nbtrain.config.PRECISIONS)
+    sync_batchnorm: bool = False
+    backend: str | None = None  # None: gloo on CPU, nccl on CUDA
 
     def magic_line(self) -> str:
         """The ``%%distributed`` line that asks for exactly these settings, to copy into a cell."""
@@ -54,6 +57,12 @@ class Defaults:
             parts += ["--stall-warning", "none" if self.stall_warning is None else f"{self.stall_warning:g}"]
         if self.cluster != "local":
             parts += ["--cluster", self.cluster, "--num-nodes", str(self.num_nodes)]
+        if self.precision != "32-true":
+            parts += ["--precision", self.precision]
+        if self.sync_batchnorm:
+            parts.append("--sync-batchnorm")
+        if self.backend is not None:
+            parts += ["--backend", self.backend]
         return " ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -79,6 +88,9 @@ def set_defaults(
     stall_warning: Any = _UNSET,
     cluster: Any = _UNSET,
     num_nodes: Any = _UNSET,
+    precision: Any = _UNSET,
+    sync_batchnorm: Any = _UNSET,
+    backend: Any = _UNSET,
 ) -> Defaults:
     """Set the defaults of every later ``%%distributed`` cell that does not give the flag.
 
@@ -87,8 +99,10 @@ def set_defaults(
     cuda (gpu), mps, ``strategy`` one of :data:`nbtrain.config.STRATEGIES`, ``timeout`` a
     number of seconds or None, ``stall_warning`` the seconds without a step after which the
     live view names the rank (None: never; 30 built in), ``cluster`` "local", "ray" or a Ray
-    address and ``num_nodes`` the nodes a cluster run spans (see README "On a cluster"). The
-    combination is checked against this machine (its GPUs through NVML: CUDA is never
+    address and ``num_nodes`` the nodes a cluster run spans (see README "On a cluster"),
+    ``precision`` one of Lightning's names (``"bf16-mixed"``, ``"16"``, ...), ``sync_batchnorm``
+    True or False, ``backend`` one of gloo, nccl, mpi, cpu:gloo,cuda:nccl or None (gloo on
+    CPU, nccl on CUDA). The combination is checked against this machine (its GPUs through NVML: CUDA is never
     initialised here) and a ConfigurationError says what is wrong; nothing changes then. Returns the new defaults.
 
     Example:
@@ -96,7 +110,8 @@ def set_defaults(
         >>> previous = nbtrain.get_defaults()
         >>> nbtrain.set_defaults(devices=2, accelerator="cpu", timeout=600)  # doctest: +NORMALIZE_WHITESPACE
         Defaults(devices='2', accelerator='cpu', strategy='ddp_notebook', timeout=600.0,
-                 stall_warning=30.0, cluster='local', num_nodes=1)
+                 stall_warning=30.0, cluster='local', num_nodes=1, precision='32-true',
+                 sync_batchnorm=False, backend=None)
         >>> _ = nbtrain.set_defaults(**previous.as_dict())
     """
     global _current
@@ -110,6 +125,9 @@ def set_defaults(
             stall_warning=old.stall_warning if stall_warning is _UNSET else _stall_seconds(stall_warning),
             cluster=old.cluster if cluster is _UNSET else _cluster_text(cluster),
             num_nodes=old.num_nodes if num_nodes is _UNSET else num_nodes,
+            precision=old.precision if precision is _UNSET else _precision_text(precision),
+            sync_batchnorm=old.sync_batchnorm if sync_batchnorm is _UNSET else _flag(sync_batchnorm),
+            backend=old.backend if backend is _UNSET else _backend_text(backend),
         )
         # Checked with the value as given, so a message names it as the user wrote it.
         check(new, devices=new.devices if devices is _UNSET else devices)
@@ -134,9 +152,15 @@ def check(defaults: Defaults, devices: Any = None) -> None:
     from nbtrain.cluster import nodes
 
     nodes.validate_num_nodes(defaults.num_nodes, defaults.cluster)
-    if defaults.cluster == "local":
-        hardware.probe_plan(defaults.devices if devices is None else devices, defaults.accelerator)
-    config.resolve_strategy(defaults.strategy, 2)
+    strategy = config.resolve_strategy(defaults.strategy, 2)
+    if defaults.cluster != "local":
+        config.check_cluster_strategy(defaults.strategy)
+        return
+    plan = hardware.probe_plan(defaults.devices if devices is None else devices, defaults.accelerator)
+    # What the devices can run: a precision, a backend, dp on CUDA only (as a cell checks them).
+    config.resolve_precision(defaults.precision, plan.accelerator)
+    config.backend_for(plan.accelerator, defaults.backend)
+    config.check_strategy_fits(strategy, plan, defaults.sync_batchnorm)
 
 
 def _cluster_text(cluster: Any) -> str:
@@ -179,6 +203,24 @@ def _stall_seconds(seconds: Any) -> float | None:
         raise ConfigurationError(
             f"stall_warning={seconds!r} is not valid: give a positive number of seconds, or None for no warning."
         )
+    return value
+
+
+def _precision_text(precision: Any) -> str:
+    return config.resolve_precision(precision, "cuda")  # every name; the machine is checked with the rest
+
+
+def _backend_text(backend: Any) -> str | None:
+    if backend is None or str(backend).strip().lower() in ("", "default", "none"):
+        return None
+    name = str(backend).strip().lower()
+    config.backend_for("cuda", name)  # raises, listing the backends
+    return name
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"sync_batchnorm={value!r} is not valid: pass True or False.")
     return value
 
 

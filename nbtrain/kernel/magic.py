@@ -153,21 +153,23 @@ class DistributedMagics(Magics):
     )
     @magic_arguments.argument(
         "--precision",
-        default="32-true",
+        default=None,
         help="32-true (32), 64-true, 16-mixed (16), bf16-mixed (bf16), 16-true, bf16-true: mixed runs the "
         "prepared model's forward under autocast (16-mixed on CUDA also scales the loss); -true casts the "
-        "model on the ranks. The kernel's objects keep their dtype. Default: 32-true.",
+        "model on the ranks. The kernel's objects keep their dtype. Default: the session default (32-true).",
     )
     @magic_arguments.argument(
         "--sync-batchnorm",
         action="store_true",
         help="Compute BatchNorm statistics over every rank's batch (SyncBatchNorm on the ranks; "
-        "the kernel's model keeps plain BatchNorm and gets the synced running statistics).",
+        "the kernel's model keeps plain BatchNorm and gets the synced running statistics). "
+        "Also on when the session default says so.",
     )
     @magic_arguments.argument(
         "--backend",
         default=None,
-        help="Process-group backend: gloo, nccl, mpi or cpu:gloo,cuda:nccl. Default: gloo on CPU, nccl on CUDA.",
+        help="Process-group backend: gloo, nccl, mpi or cpu:gloo,cuda:nccl. Default: the session default "
+        "(gloo on CPU, nccl on CUDA).",
     )
     @magic_arguments.argument(
         "--allow-oversubscribe",
@@ -334,9 +336,9 @@ def fill_defaults(parsed: Any) -> CellOptions:
         stall_warning=_stall_warning(parsed.stall_warning, session.stall_warning),
         output=parsed.output,
         auto=parsed.auto,
-        precision=parsed.precision,
-        sync_batchnorm=parsed.sync_batchnorm,
-        backend=parsed.backend,
+        precision=session.precision if parsed.precision is None else parsed.precision,
+        sync_batchnorm=parsed.sync_batchnorm or session.sync_batchnorm,
+        backend=session.backend if parsed.backend is None else parsed.backend,
         allow_oversubscribe=parsed.allow_oversubscribe,
         background=parsed.background,
         help=parsed.help,

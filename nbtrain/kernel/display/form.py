@@ -1,7 +1,7 @@
 """``nbtrain.launcher()``: a form that sets the defaults of every ``%%distributed`` cell.
 
-Core ipywidgets only (Dropdown, IntSlider, Checkbox, BoundedFloatText, HTML, VBox,
-HBox), so it renders wherever Jupyter widgets do: JupyterLab, Notebook 7, VS Code,
+Core ipywidgets only (Dropdown, Combobox, IntSlider, Checkbox, BoundedFloatText,
+BoundedIntText, HTML, VBox, HBox), so it renders wherever Jupyter widgets do: JupyterLab, Notebook 7, VS Code,
 Kaggle (which loads no third-party widget JavaScript) and Colab (after
 ``google.colab.output.enable_custom_widget_manager()``).
 
@@ -79,6 +79,10 @@ class Launcher:
     - ``gpus``: one Checkbox per GPU, with its name and free memory (shown for ``cuda``);
     - ``strategy``: Dropdown, with ``strategy_help`` under it saying when to use it;
     - ``timeout``: BoundedFloatText, seconds (0: no limit);
+    - ``precision``: Dropdown of Lightning's precisions; ``backend``: Dropdown (``""``: gloo
+      on CPU, nccl on CUDA); ``sync_batchnorm``: Checkbox;
+    - ``cluster``: Combobox, ``local``, ``ray`` or a Ray address typed in; ``num_nodes``:
+      BoundedIntText, the nodes a cluster run spans (1, and disabled, for ``local``);
     - ``magic_line``: HTML, the equivalent ``%%distributed`` line; ``status``: HTML, any problem.
 
     ``form`` is the ipywidgets box that is shown; ``settings`` the defaults it set.
@@ -92,6 +96,8 @@ class Launcher:
         wide = widgets.Layout(width="420px")  # one layout, shared by the full-width controls
         self._add_device_controls(widgets, current, wide)
         self._add_run_controls(widgets, current, wide)
+        self._add_training_controls(widgets, current)
+        self._add_cluster_controls(widgets, current)
         self.magic_line = widgets.HTML()
         self.status = widgets.HTML()
         title = widgets.HTML(
@@ -106,13 +112,18 @@ class Launcher:
                 self.strategy,
                 self.strategy_help,
                 widgets.HBox([self.timeout, self.timeout_help]),
+                widgets.HBox([self.precision, self.backend]),
+                self.sync_batchnorm,
+                widgets.HBox([self.cluster, self.num_nodes]),
                 self.magic_line,
                 self.status,
             ]
         )
         self.settings: defaults.Defaults = current
         self._shown_in: Any = None
-        for control in (self.accelerator, self.devices, self.strategy, self.timeout, *self.gpus):
+        controls = (self.accelerator, self.devices, self.strategy, self.timeout, *self.gpus)
+        extra = (self.precision, self.backend, self.sync_batchnorm, self.cluster, self.num_nodes)
+        for control in (*controls, *extra):
             control.observe(self._changed, names="value")
         self._changed()
 
@@ -159,17 +170,49 @@ class Launcher:
         )
         self.timeout_help = widgets.HTML('<span style="color:#757575">0: no limit</span>')
 
+    def _add_training_controls(self, widgets: Any, current: defaults.Defaults) -> None:
+        """Precision, process-group backend and BatchNorm sync, set as ``current`` says."""
+        half = widgets.Layout(width="260px")
+        self.precision = widgets.Dropdown(
+            options=list(config.PRECISIONS), value=current.precision, description="precision", style=_STYLE,
+            layout=half,
+        )
+        self.backend = widgets.Dropdown(
+            options=[("default (gloo on CPU, nccl on CUDA)", ""), *((name, name) for name in config.BACKENDS)],
+            value=current.backend or "", description="backend", layout=half,
+        )
+        self.sync_batchnorm = widgets.Checkbox(
+            value=current.sync_batchnorm, description="sync BatchNorm statistics across ranks", indent=False
+        )
+
+    def _add_cluster_controls(self, widgets: Any, current: defaults.Defaults) -> None:
+        """Where the ranks run: this machine, or a Ray cluster's nodes (see README "On a cluster")."""
+        self.cluster = widgets.Combobox(
+            options=["local", "ray"], value=current.cluster, placeholder="local, ray, or host:6379",
+            description="cluster", ensure_option=False, style=_STYLE, layout=widgets.Layout(width="260px"),
+        )
+        self.num_nodes = widgets.BoundedIntText(
+            value=current.num_nodes, min=1, max=1024, description="nodes", layout=widgets.Layout(width="160px"),
+        )
+
     # -- reacting to the controls ------------------------------------------------------
     def _changed(self, _change: Any = None) -> None:
         accelerator = self.accelerator.value
         self._show_devices(accelerator)
         self.strategy_help.value = _help_html(config.STRATEGIES[self.strategy.value].when_to_use)
+        cluster = self.cluster.value.strip() or "local"
+        self.num_nodes.disabled = cluster == "local"
         try:
             self.settings = defaults.set_defaults(
                 devices=self.devices_value(),
                 accelerator=accelerator,
                 strategy=self.strategy.value,
                 timeout=self.timeout.value or None,
+                precision=self.precision.value,
+                backend=self.backend.value or None,
+                sync_batchnorm=self.sync_batchnorm.value,
+                cluster=cluster,
+                num_nodes=1 if cluster == "local" else self.num_nodes.value,
             )
             self.status.value = ""
         except ConfigurationError as error:
