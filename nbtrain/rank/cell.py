@@ -106,7 +106,7 @@ def _rewrap_scheduled_optimizers(values: Iterable[Any]) -> None:
             return _func.__get__(opt, opt.__class__)(*args, **kwargs)
 
         functools.update_wrapper(wrapper, func)
-        wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # the mark torch's LRScheduler sets
         optimizer.step = wrapper
 
 
@@ -115,7 +115,8 @@ def _execute(spec: CellSpec, cell_globals: dict[str, Any]) -> tuple[Any] | None:
     tree = ast.parse(spec.code, spec.filename)
     last = None
     if spec.display_last and tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+        last = ast.Expression(tree.body[-1].value)
+        tree.body.pop()
     exec(compile(tree, spec.filename, "exec"), cell_globals)  # noqa: S102 - running the user's cell is the point
     if last is not None:
         return (eval(compile(last, spec.filename, "eval"), cell_globals),)
@@ -190,7 +191,7 @@ class _Before:
         special = {id(v) for n, v in self.objects.items() if self.kinds[n] in tracked_apart}
         self.special = special  # by reference in fingerprints: their changes are tracked apart
         self.refs = _kernel_refs(self.objects)
-        self.keep: list = []  # tensors the fingerprints name by id (see _fingerprint)
+        self.keep: list[Any] = []  # tensors the fingerprints name by id (see _fingerprint)
         self.fingerprints = {
             name: _fingerprint(value, special, self.keep)
             for name, value in self.objects.items()
@@ -208,9 +209,9 @@ class _Before:
         }
 
 
-def _kernel_refs(objects: Mapping[str, Any]) -> dict[int, tuple]:
+def _kernel_refs(objects: Mapping[str, Any]) -> dict[int, tuple[Any, ...]]:
     """id -> persistent id, for every shipped object and the parts of shipped modules."""
-    refs: dict[int, tuple] = {}
+    refs: dict[int, tuple[Any, ...]] = {}
     for name in sorted(objects):
         value = objects[name]
         refs.setdefault(id(value), (records.KERNEL_TAG, name))
@@ -219,7 +220,7 @@ def _kernel_refs(objects: Mapping[str, Any]) -> dict[int, tuple]:
     return refs
 
 
-def _add_module_parts(refs: dict[int, tuple], name: str, module: Any) -> None:
+def _add_module_parts(refs: dict[int, tuple[Any, ...]], name: str, module: Any) -> None:
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(module, torch.nn.Module):
         return
@@ -239,7 +240,7 @@ def _state_marks(obj: Any) -> Any:
     return obj.state_dict()
 
 
-def _signature(module: Any) -> tuple:
+def _signature(module: Any) -> tuple[Any, ...]:
     # Under a -true precision the rank cast the model itself: its dtype changing is ours,
     # not the cell's, and the kernel's model keeps its own dtype (loaded by state).
     from nbtrain.rank import precision
@@ -271,7 +272,7 @@ def _collect(
     for name, module in modules:
         if _is_sharded(module):
             state = _full_model_state(module)  # every rank, always: it is a collective
-        elif not rank0 or _fingerprint(_state_marks(module), before.special) == before.states[name]:
+        elif before is None or _fingerprint(_state_marks(module), before.special) == before.states[name]:
             continue  # untouched (an evaluation cell, say): no need to copy its weights back
         elif _signature(module) == before.signatures.get(name):
             state = module.state_dict()
@@ -284,7 +285,7 @@ def _collect(
     for name, optimizer in _unique(namespace, torch.optim.Optimizer):
         owner = _sharded_owner(optimizer, [m for _, m in modules])
         zero = prepare.prepared_for(optimizer)
-        if type(zero).__name__ == "ZeroRedundancyOptimizer":  # ddp_sharded: each rank holds a part
+        if zero is not None and type(zero).__name__ == "ZeroRedundancyOptimizer":  # ddp_sharded: each rank holds a part
             zero.consolidate_state_dict(to=0)  # every rank, always: it is a collective
             if rank0:
                 optimizer_states[name] = zero.state_dict()
@@ -292,9 +293,9 @@ def _collect(
             state = _full_optimizer_state(owner, optimizer)
             if rank0:
                 optimizer_states[name] = state
-        elif rank0 and _fingerprint(_state_marks(optimizer), before.special) != before.states[name]:
+        elif before is not None and _fingerprint(_state_marks(optimizer), before.special) != before.states[name]:
             optimizer_states[name] = optimizer.state_dict()
-    if not rank0:
+    if before is None:  # not rank 0
         return None
 
     refs = dict(before.refs)
@@ -397,7 +398,8 @@ def _full_optimizer_state(module: Any, optimizer: Any) -> dict[str, Any]:
     """The unsharded optimizer state, keyed by parameter index as ``Optimizer.state_dict`` keys it."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    by_name = get_optimizer_state_dict(module, optimizer, options=_full_options())
+    # Any: torch's type is a union over every key, and "state" / "param_groups" hold known shapes.
+    by_name: Any = get_optimizer_state_dict(module, optimizer, options=_full_options())
     if not by_name:
         return {}
     names = {id(p): n for n, p in module.named_parameters()}
@@ -417,11 +419,11 @@ def _full_optimizer_state(module: Any, optimizer: Any) -> dict[str, Any]:
 
 def _dump_outcome(
     outcome: dict[str, Any],
-    refs: dict[int, tuple],
+    refs: dict[int, tuple[Any, ...]],
     cell_globals: dict[str, Any],
     exempt: set[int],
     skipped: list[tuple[str, str, str]],
-) -> tuple[bytes, list]:
+) -> tuple[bytes, list[Any]]:
     """Pickle the outcome; a value that cannot travel is left out and named in ``skipped``."""
     with contextlib.suppress(Exception):  # find the culprits below
         return _dump(outcome, refs, cell_globals, exempt)
@@ -430,13 +432,13 @@ def _dump_outcome(
             value = outcome[section][name]
             try:
                 _dump(value, refs, cell_globals, exempt)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:  # noqa: BLE001 - whatever stops it, it is named in skipped
                 del outcome[section][name]
                 skipped.append((name, records.type_name(value), _short(error)))
     if outcome["display"] is not None:
         try:
             _dump(outcome["display"], refs, cell_globals, exempt)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:  # noqa: BLE001 - whatever stops it, it is named in skipped
             skipped.append(("the cell's value", records.type_name(outcome["display"][0]), _short(error)))
             outcome["display"] = None
     return _dump(outcome, refs, cell_globals, exempt)
@@ -447,7 +449,9 @@ def _short(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
-def _dump(obj: Any, refs: dict[int, tuple], cell_globals: dict[str, Any], exempt: set[int]) -> tuple[bytes, list]:
+def _dump(
+    obj: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any], exempt: set[int]
+) -> tuple[bytes, list[Any]]:
     import io
 
     buffer = io.BytesIO()
@@ -457,7 +461,7 @@ def _dump(obj: Any, refs: dict[int, tuple], cell_globals: dict[str, Any], exempt
 
 
 _ATOMIC = (int, float, str, bytes, bool, type(None))
-_result_pickler: Any = None
+_result_pickler: type | None = None
 
 
 def _result_pickler_class() -> type:
@@ -474,13 +478,13 @@ def _result_pickler_class() -> type:
     class ResultPickler(cloudpickle.Pickler):
         """cloudpickle that sends references to the kernel's own objects instead of copies."""
 
-        def __init__(self, file: Any, refs: dict[int, tuple], cell_globals: dict, exempt: set[int]):
+        def __init__(self, file: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any], exempt: set[int]):
             super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
             self.refs = refs
             self.cell_globals = cell_globals
             self.exempt = exempt
-            self.storages: list = []
-            self._storage_index: dict[tuple, int] = {}
+            self.storages: list[Any] = []
+            self._storage_index: dict[tuple[str, int, int], int] = {}
 
         def persistent_id(self, obj: Any) -> Any:
             if type(obj) in _ATOMIC:
@@ -499,7 +503,7 @@ def _result_pickler_class() -> type:
                     ref = self.refs.get(id(original))
             return ref
 
-        def _storage_id(self, obj: Any) -> tuple:
+        def _storage_id(self, obj: Any) -> tuple[Any, ...]:
             if isinstance(obj, torch.storage.TypedStorage):
                 untyped, dtype = obj._untyped_storage, obj.dtype
             else:
@@ -541,10 +545,10 @@ def _result_pickler_class() -> type:
 
 # -- change detection ----------------------------------------------------------------------
 
-_fingerprint_pickler: Any = None
+_fingerprint_pickler: type | None = None
 
 
-def _fingerprint(value: Any, special: set[int], keep: list | None = None) -> bytes | None:
+def _fingerprint(value: Any, special: set[int], keep: list[Any] | None = None) -> bytes | None:
     """A digest of ``value``'s pickle; tensors count by identity and version, not by data.
 
     ``keep`` collects the tensors seen: holding them keeps their ids from being reused by
@@ -556,7 +560,7 @@ def _fingerprint(value: Any, special: set[int], keep: list | None = None) -> byt
         import cloudpickle
 
         class FingerprintPickler(cloudpickle.Pickler):
-            def __init__(self, file: Any, special: set[int], keep: list | None):
+            def __init__(self, file: Any, special: set[int], keep: list[Any] | None):
                 super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
                 self.special = special
                 self.keep = keep

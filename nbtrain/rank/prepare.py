@@ -61,7 +61,7 @@ class _Registry:
         self.originals: dict[int, tuple[Any, Any]] = {}  # id(prepared) -> (prepared, original)
         self.param_swaps: dict[int, tuple[Any, Any]] = {}  # id(old param) -> (old, new DTensor param)
         self.param_owner: dict[int, Any] = {}  # id(new parameter) -> the sharded root module
-        self.optimizers: weakref.WeakSet = weakref.WeakSet()
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self.notes: list[str] = []
         self.loader_names: dict[str, Any] = {}  # auto mode's loaders: kernel name -> prepared loader
         self.first_iterated: list[Any] = []  # prepared loaders, in the order of their first pass
@@ -269,7 +269,7 @@ def _wrap_ddp(module: Any, options: dict[str, Any]) -> Any:
     return transparent_ddp_class()(module, **kwargs)
 
 
-_transparent_ddp: Any = None
+_transparent_ddp: type | None = None
 
 
 def transparent_ddp_class() -> type:
@@ -302,7 +302,7 @@ def transparent_ddp_class() -> type:
             ):
                 object.__setattr__(self, "_nbtrain_check_unused", False)
                 _check_first_backward(self.module)
-            return super().forward(*inputs, **kwargs)
+            return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]  # DDP's is unannotated
 
         def __getattr__(self, name: str) -> Any:
             try:
@@ -403,7 +403,7 @@ def _shard_blocks(module: Any) -> list[Any]:
     """
     import torch
 
-    blocks = []
+    blocks: list[Any] = []
     for sub in module.modules():
         if isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential)):
             blocks.extend(child for child in sub.children() if any(True for _ in child.parameters()))
@@ -479,7 +479,7 @@ def _rebind_optimizer(optimizer: Any) -> None:
         _load_full_optimizer_state(owner, optimizer, full)
 
 
-def _load_full_optimizer_state(module: Any, optimizer: Any, full: dict) -> None:
+def _load_full_optimizer_state(module: Any, optimizer: Any, full: dict[str, Any]) -> None:
     """Shard a full (index-keyed) optimizer state onto FSDP2 parameters."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -490,7 +490,7 @@ def _load_full_optimizer_state(module: Any, optimizer: Any, full: dict) -> None:
             f"the state of {type(optimizer).__name__} was reset: it trains parameters of more than one sharded model."
         )
         return
-    by_name = {
+    by_name: dict[str, Any] = {
         "state": {order[i]: value for i, value in full["state"].items()},
         "param_groups": [
             {**{k: v for k, v in g.items() if k != "params"}, "params": [order[i] for i in g["params"]]}
@@ -593,7 +593,7 @@ def batches_per_rank(loader: Any, world_size: int, wrapper: str, *, evaluation: 
             return unchanged  # the rank iterates its copy of this very loader
         if evaluation and evaluation_of(loader) == "whole":
             return unchanged
-        share = DistributedSampler(
+        share: DistributedSampler[Any] = DistributedSampler(
             loader.dataset, num_replicas=world_size, rank=0, shuffle=False, drop_last=loader.drop_last
         )
         if loader.batch_size is None:
@@ -627,7 +627,7 @@ def _already_distributed(loader: Any) -> bool:
     )
 
 
-_loader_class: Any = None
+_loader_class: type | None = None
 
 
 def _prepared_loader_class() -> type:
@@ -637,7 +637,7 @@ def _prepared_loader_class() -> type:
     import torch
     from torch.utils.data import DataLoader
 
-    class PreparedDataLoader(DataLoader):
+    class PreparedDataLoader(DataLoader[Any]):
         """A DataLoader on a DistributedSampler that tells training passes from evaluation passes.
 
         Each ``iter()`` (a ``for`` loop's start) reads the thread's grad mode, one cheap
@@ -652,16 +652,19 @@ def _prepared_loader_class() -> type:
         _nbtrain_whole: Any  # what an evaluation pass reads: the rank's copy of the user's loader
         _nbtrain_passes: dict[str, int]  # passes so far: "train", "whole", "shard"
 
-        def __iter__(self) -> Iterator[Any]:
+        # Not DataLoader's iterator type: a pass reads the user's own loader, or moves batches.
+        def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
             kind = self._nbtrain_pass_kind()
             if not any(self._nbtrain_passes.values()):
                 _registry.first_iterated.append(self)  # the summary names loaders in this order
             self._nbtrain_passes[kind] += 1
+            batches: Iterator[Any]
             if kind == "whole":
                 batches = iter(self._nbtrain_whole)
             else:
                 if kind == "train":
-                    self.sampler.set_epoch(self._nbtrain_epoch)
+                    sampler: Any = self.sampler  # a DistributedSampler (_rebuild_loader)
+                    sampler.set_epoch(self._nbtrain_epoch)
                     self._nbtrain_epoch += 1
                 batches = super().__iter__()
             device = api.device()
@@ -692,7 +695,7 @@ def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
         seed = int(loader.generator.initial_seed())
     else:  # every rank draws the same seed: they start from the kernel's RNG state
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
-    sampler = DistributedSampler(
+    sampler: DistributedSampler[Any] = DistributedSampler(
         loader.dataset,
         num_replicas=api.world_size(),
         rank=api.rank(),
@@ -718,7 +721,7 @@ def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     cls = _prepared_loader_class()
-    accepted = inspect.signature(cls.__init__).parameters
+    accepted = inspect.signature(cls).parameters
     new = cls(loader.dataset, **{k: v for k, v in kwargs.items() if k in accepted})
     new._nbtrain_epoch = 0
     new._nbtrain_whole = loader
@@ -792,7 +795,7 @@ def auto_prepare(namespace: dict[str, Any], names: Iterable[str]) -> list[tuple[
 
     names = sorted(n for n in names if n in namespace)
     modules = {id(namespace[n]): namespace[n] for n in names if isinstance(namespace[n], torch.nn.Module)}
-    inside = set()
+    inside: set[int] = set()
     for module in modules.values():
         inside.update(id(sub) for sub in module.modules() if sub is not module)
     done: list[tuple[str, str]] = []
@@ -858,7 +861,7 @@ def loss_logging() -> Iterator[None]:
             busy.on = False
 
     backward.__doc__ = original.__doc__
-    backward.__wrapped__ = original  # type: ignore[attr-defined]
+    backward.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps would set it
     torch.Tensor.backward = backward
     try:
         yield
