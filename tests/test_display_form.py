@@ -11,13 +11,12 @@ from __future__ import annotations
 import pytest
 
 import nbtrain
+from kernel_helpers import NotebookKernel
 from nbtrain import hardware
 from nbtrain.devices import GpuInfo
 from nbtrain.errors import ConfigurationError
 from nbtrain.kernel import defaults
 from nbtrain.kernel.display import form as launcher_form
-
-from kernel_helpers import NotebookKernel
 
 GIB = 2**30
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -63,7 +62,7 @@ def test_set_defaults_keeps_what_is_not_given_and_writes_the_magic_line():
     ],
 )
 def test_set_defaults_refuses_what_cannot_run_here_and_changes_nothing(settings, message, monkeypatch):
-    monkeypatch.setattr(hardware, "detect_gpus", lambda: [])
+    monkeypatch.setattr(hardware, "detect_gpus", list)
     nbtrain.set_defaults(devices=2, accelerator="cpu")
     with pytest.raises(ConfigurationError, match=message):
         nbtrain.set_defaults(**settings)
@@ -134,7 +133,7 @@ def test_the_widget_module_never_imports_torch_or_initialises_cuda():
 
     code = "import sys\nfrom nbtrain.kernel.display import form\nform.Launcher()\nprint('torch' in sys.modules)\n"
     env = {**os.environ, "NBTRAIN_PREWARM": "0"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 
@@ -182,7 +181,7 @@ def test_the_form_renders_in_a_kernel_and_its_values_become_the_cells_defaults()
         kinds = [state["_model_name"] for state in children.values()]
         assert kinds == ["HTMLModel", "DropdownModel", "VBoxModel", "DropdownModel", "HTMLModel", "HBoxModel",
                          "HTMLModel", "HTMLModel"]
-        title, accelerator, devices_box, strategy, strategy_help, timeout_row, line, status = children.values()
+        _title, accelerator, devices_box, strategy, strategy_help, timeout_row, line, status = children.values()
         cores = hardware.cpu_count()
         assert accelerator["_options_labels"] == [f"cpu: {cores} core" + ("s" if cores != 1 else "")]
         assert accelerator["description"] == "accelerator" and strategy["_options_labels"][0] == "ddp_notebook"

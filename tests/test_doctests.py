@@ -16,9 +16,9 @@ import types
 
 import psutil
 import pytest
-from helpers import procs
 
 import nbtrain
+from helpers import procs
 
 PACKAGE = pathlib.Path(nbtrain.__file__).parent
 PROCESS_GONE_SECONDS = 5.0
@@ -57,7 +57,10 @@ def launcher_pid() -> int | None:
 
 def test_the_examples_are_found_in_every_package():
     names = modules_with_examples()
-    assert {"nbtrain", "nbtrain.wire", "nbtrain.kernel.defaults", "nbtrain.rank.api", "nbtrain.launch_server.output"} <= set(names)
+    expected = {
+        "nbtrain", "nbtrain.wire", "nbtrain.kernel.defaults", "nbtrain.rank.api", "nbtrain.launch_server.output"
+    }
+    assert expected <= set(names)
     assert all(importlib.util.find_spec(name) is not None for name in names)
 
 

@@ -14,9 +14,9 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers import procs
 from kernel_helpers import NotebookKernel
-
 from nbtrain import freegpus
 from nbtrain.devices import GpuInfo
 from nbtrain.errors import ConfigurationError
@@ -45,7 +45,9 @@ def test_too_few_free_gpus_names_each_busy_one_and_what_holds_it():
     with pytest.raises(ConfigurationError) as refused:
         freegpus.choose_free_gpus(2, machine, "devices='free:2'")
     message = str(refused.value)
-    assert message.startswith("devices='free:2' asks for 2 GPUs that no other process uses, but 1 of the 3 visible is free")
+    assert message.startswith(
+        "devices='free:2' asks for 2 GPUs that no other process uses, but 1 of the 3 visible is free"
+    )
     assert "GPU 0 (NVIDIA A100) held by pid 4242 python (30.0 GiB), pid 77 trainer (memory unknown)" in message
     assert "GPU 2 (NVIDIA A100): NVML cannot list its processes" in message
     assert "ask for fewer (free:1)" in message and "\n" not in message
@@ -118,7 +120,8 @@ def test_a_process_picks_the_free_gpus_without_touching_cuda(holder):
 
 def test_cuda_visible_devices_renumbers_the_choice(holder):
     (refused,) = _python(
-        "import nbtrain\ntry:\n    nbtrain.find_usable_cuda_devices(2)\nexcept nbtrain.ConfigurationError as e:\n    print(e)",
+        "import nbtrain\ntry:\n    nbtrain.find_usable_cuda_devices(2)\n"
+        "except nbtrain.ConfigurationError as e:\n    print(e)",
         _machine(holder),
         CUDA_VISIBLE_DEVICES="2,1",
     )
@@ -130,7 +133,10 @@ def test_cuda_visible_devices_renumbers_the_choice(holder):
     ("spec", "needle"),
     [
         ("absent", "needs NVML to see which GPUs other processes use, but the nvidia-ml-py package is not installed"),
-        (json.dumps({"gpus": [], "init_error": "Driver Not Loaded"}), "NVML, which could not start (Driver Not Loaded)"),
+        (
+            json.dumps({"gpus": [], "init_error": "Driver Not Loaded"}),
+            "NVML, which could not start (Driver Not Loaded)",
+        ),
     ],
 )
 def test_without_nvml_free_selection_says_what_is_missing(spec, needle):

@@ -17,12 +17,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import nbtrain
 from helpers.procs import collect, finish, roundtrip
 from nbtrain import events
-from nbtrain.errors import RankError
-from nbtrain.errors import SerializationError
+from nbtrain.errors import RankError, SerializationError
 from nbtrain.kernel import namespace as ns
 from nbtrain.rank import cell as rank_cell
 from nbtrain.rank import prepare as prep
-
 
 # -- which kernel globals a cell uses ---------------------------------------------------------
 
@@ -45,7 +43,7 @@ def test_used_names_include_nested_scopes_but_not_locals_or_parameters():
 
 def test_used_names_follow_notebook_functions_classes_and_closures():
     user_ns: dict = {"__name__": "__main__"}
-    exec(
+    exec(  # noqa: S102 - as a notebook cell defines it
         "import math\n"
         "LR = 0.1\n"
         "WIDTH = 3\n"
@@ -102,7 +100,7 @@ def test_cells_that_distribute_themselves_are_detected(code, expected):
 
 def test_prepare_called_inside_a_notebook_function_is_detected():
     user_ns: dict = {"__name__": "__main__", "nbtrain": nbtrain}
-    exec("def setup(m):\n    return nbtrain.prepare(m)\n", user_ns)
+    exec("def setup(m):\n    return nbtrain.prepare(m)\n", user_ns)  # noqa: S102 - as a notebook cell defines it
     assert ns.analyse_cell("model = setup(model)", user_ns).self_distributes == ("nbtrain.prepare",)
 
 
@@ -118,7 +116,7 @@ def test_logging_and_shell_use_and_the_shown_value_are_detected():
 
 def test_what_notebook_functions_refer_to_and_write_is_reported():
     user_ns: dict = {"__name__": "__main__", "epochs": 3}
-    exec("def setup():\n    global epochs\n    epochs = 5\ndef train_step(loss):\n    loss.backward()\n", user_ns)
+    exec("def setup():\n    global epochs\n    epochs = 5\ndef train_step(loss):\n    loss.backward()\n", user_ns)  # noqa: S102 - as a notebook cell defines it
     analysis = ns.analyse_cell("setup()\nfor i in range(epochs):\n    train_step(model(x))\n", user_ns)
     assert analysis.function_writes == {"epochs"}
     assert "backward" in analysis.function_names
@@ -131,7 +129,7 @@ def test_what_notebook_functions_refer_to_and_write_is_reported():
 def test_unpicklable_variable_is_named_with_its_type_and_a_remedy():
     lock = threading.Lock()
     user_ns: dict = {"__name__": "__main__", "lock": lock}
-    exec("def helper():\n    return lock\n", user_ns)
+    exec("def helper():\n    return lock\n", user_ns)  # noqa: S102 - as a notebook cell defines it
     analysis = ns.analyse_cell("helper()", user_ns)
     error = ns.explain_unpicklable({n: user_ns[n] for n in analysis.names}, analysis.used_by)
     assert isinstance(error, SerializationError)
@@ -209,7 +207,7 @@ def test_unchanged_plain_objects_are_left_alone_and_unpicklable_values_skipped()
     config = {"lr": 0.1, "nested": [1, 2]}
     kernel_ns: dict = {"__name__": "__main__", "config": config}
     nested = config["nested"]
-    outcome, report, result = _run_here(kernel_ns, "lr = config['lr']\nimport threading\nguard = threading.Lock()\n")
+    outcome, _report, result = _run_here(kernel_ns, "lr = config['lr']\nimport threading\nguard = threading.Lock()\n")
     assert kernel_ns["config"] is config and config["nested"] is nested  # not even copied
     assert "config" not in outcome["changed"]
     assert kernel_ns["lr"] == 0.1
@@ -373,7 +371,9 @@ def test_auto_prepare_wraps_root_modules_only(launcher):
         return done, type(namespace["model"]).__name__, namespace["head"] is model[1]
 
     done, model_type, head_same = finish(nbtrain.start(fn, devices=2))
-    assert dict(done) == {"model": "DistributedDataParallel", "loss_fn": "moved", "opt": "bound", "loader": "DistributedSampler"}
+    assert dict(done) == {
+        "model": "DistributedDataParallel", "loss_fn": "moved", "opt": "bound", "loader": "DistributedSampler"
+    }
     assert model_type == "DistributedDataParallel" and head_same
 
 
@@ -426,7 +426,7 @@ def test_ddp_looks_for_no_unused_parameters_and_warns_nothing(launcher):
 
 
 def test_unused_parameters_fail_the_first_step_naming_them_and_the_fix(launcher):
-    result, failure, seen = collect(nbtrain.start(_train_three_steps, devices=2))
+    _result, failure, seen = collect(nbtrain.start(_train_three_steps, devices=2))
     assert isinstance(failure, RankError) and failure.exc_type == "UnusedParametersError", failure
     message = failure.exc_message
     assert "_TwoHeads has 2 of its 4 trainable parameters that got no gradient in the first step: " in message
@@ -437,7 +437,8 @@ def test_unused_parameters_fail_the_first_step_naming_them_and_the_fix(launcher)
 
 
 def test_ddp_find_unused_parameters_true_strategy_trains_such_a_model(launcher):
-    result, failure, seen = collect(nbtrain.start(_train_three_steps, devices=2, strategy="ddp_find_unused_parameters_true"))
+    run = nbtrain.start(_train_three_steps, devices=2, strategy="ddp_find_unused_parameters_true")
+    result, failure, seen = collect(run)
     assert failure is None and result is True, failure
     printed = "".join(e.text for e in seen if isinstance(e, events.Output))
     assert printed.count("stepped 2") == 2

@@ -121,7 +121,7 @@ def test_bf16_mixed_tracks_32_true(launcher):
     """bf16 autocast keeps 8 bits of mantissa: each step's loss within 3% of fp32's, same descent."""
     full, mixed = _train_losses("32-true"), _train_losses("bf16-mixed")
     assert mixed[-1] < 0.9 * mixed[0]
-    worst = max(abs(a - b) / a for a, b in zip(full, mixed))
+    worst = max(abs(a - b) / a for a, b in zip(full, mixed, strict=False))
     assert worst < 0.03, f"bf16-mixed loss strayed {worst:.1%} from 32-true's"
 
 
@@ -227,5 +227,5 @@ def test_ddp_sharded_trains_as_ddp_and_returns_the_full_optimizer_state(kernel):
     assert "adam (ZeroRedundancyOptimizer)" in out.text
     (weights, (moments, kind)), (sharded_weights, (sharded_moments, sharded_kind)) = results.values()
     assert kind == sharded_kind == "Adam" and len(sharded_moments) == 4  # every parameter's state
-    for a, b in zip([*weights, *moments], [*sharded_weights, *sharded_moments]):
+    for a, b in zip([*weights, *moments], [*sharded_weights, *sharded_moments], strict=False):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
