@@ -26,7 +26,7 @@ class Strategy:
 
     name: str
     start_method: str  # "fork": from the warm launcher; "spawn": a fresh interpreter per rank
-    model_wrapper: str  # "ddp" | "ddp_find_unused" | "ddp_sharded" | "fsdp" | "none"
+    model_wrapper: str  # "ddp" | "ddp_find_unused" | "ddp_sharded" | "fsdp" | "fsdp_offload" | "dp" | "none"
     when_to_use: str
 
 
@@ -66,6 +66,21 @@ STRATEGIES: dict[str, Strategy] = {
             "Fully sharded (FSDP2): each rank holds a slice of every weight. For models too big for one device.",
         ),
         Strategy(
+            "fsdp_cpu_offload",
+            "fork",
+            "fsdp_offload",
+            "fsdp with the sharded parameters, gradients and optimizer state kept in host memory "
+            "(FSDP2's CPUOffloadPolicy): the GPU holds one block's gathered weights at a time; "
+            "the optimizer steps on the CPU. For models whose shards do not fit in GPU memory.",
+        ),
+        Strategy(
+            "dp",
+            "fork",
+            "dp",
+            "DataParallel: one process drives every chosen GPU, splitting each batch across them. "
+            "CUDA only; slower than ddp_notebook (one Python process, weights copied every step).",
+        ),
+        Strategy(
             "auto",
             "fork",
             "ddp",
@@ -101,10 +116,13 @@ class LaunchConfig:
 
     @property
     def world_size(self) -> int:
-        return self.plan.world_size
+        """Processes (ranks): one under ``dp``, which drives every chosen GPU from one process."""
+        return 1 if self.strategy.model_wrapper == "dp" else self.plan.world_size
 
     def rank_specs(self) -> tuple[RankSpec, ...]:
         device_type = self.plan.accelerator
+        if self.strategy.model_wrapper == "dp":  # one rank, on the first chosen GPU (DataParallel's output device)
+            return (RankSpec(0, 0, 1, device_type, self.plan.device_ids[0]),)
         return tuple(
             RankSpec(
                 rank=rank,
@@ -213,14 +231,53 @@ def make_config(
     sync_batchnorm: bool = False,
 ) -> LaunchConfig:
     """Check and combine the settings of one launch."""
+    chosen = resolve_strategy(strategy, plan.world_size)
+    check_strategy_fits(chosen, plan, sync_batchnorm)
     return LaunchConfig(
         plan=plan,
-        strategy=resolve_strategy(strategy, plan.world_size),
+        strategy=chosen,
         backend=backend_for(plan.accelerator, backend),
         timeout=validate_timeout(timeout),
         precision=resolve_precision(precision, plan.accelerator),
         sync_batchnorm=bool(sync_batchnorm),
     )
+
+
+def check_strategy_fits(strategy: Strategy, plan: DevicePlan, sync_batchnorm: bool = False) -> None:
+    """Refuse, before any process starts, a strategy the devices cannot run.
+
+    ``dp`` is DataParallel, which scatters each batch over CUDA devices from one process:
+    on CPU it would run every replica on the same cores, so the data-parallel way there is
+    one process per share, ``ddp_notebook``. SyncBatchNorm needs one process per device,
+    and DataParallel has one process in all.
+
+    >>> check_strategy_fits(STRATEGIES["dp"], DevicePlan("cpu", (0, 1)))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    nbtrain.errors.ConfigurationError: strategy 'dp' (DataParallel) splits each batch over CUDA GPUs from one ...
+    """
+    if strategy.model_wrapper != "dp":
+        return
+    if plan.accelerator != "cuda":
+        raise ConfigurationError(
+            f"strategy 'dp' (DataParallel) splits each batch over CUDA GPUs from one process, and the accelerator "
+            f"here is {plan.accelerator!r}; use strategy 'ddp_notebook' for data parallel "
+            f"{plan.accelerator.upper() if plan.accelerator == 'mps' else 'CPU'} processes."
+        )
+    if sync_batchnorm:
+        raise ConfigurationError(
+            "sync_batchnorm cannot go with strategy 'dp': SyncBatchNorm needs one process per GPU and DataParallel "
+            "has one in all; use strategy 'ddp_notebook' (one process per GPU) to sync BatchNorm."
+        )
+
+
+def check_cluster_strategy(strategy: str) -> None:
+    """Refuse ``dp`` on a cluster: DataParallel is one process, on one machine's GPUs."""
+    if str(strategy).strip().lower() == "dp":
+        raise ConfigurationError(
+            "strategy 'dp' (DataParallel) is one process on one machine's GPUs and cannot span a cluster's "
+            "nodes; use strategy 'ddp_notebook' (one rank per GPU on every node)."
+        )
 
 
 def rank_environment(cfg: LaunchConfig) -> dict[str, str]:
@@ -231,8 +288,14 @@ def rank_environment(cfg: LaunchConfig) -> dict[str, str]:
     >>> rank_environment(cfg)["NBTRAIN_PRECISION"]
     'bf16-mixed'
     """
-    return {
+    environ = {
         "NBTRAIN_MODEL_WRAPPER": cfg.strategy.model_wrapper,
         "NBTRAIN_PRECISION": cfg.precision,
         "NBTRAIN_SYNC_BATCHNORM": "1" if cfg.sync_batchnorm else "0",
     }
+    if cfg.strategy.model_wrapper == "dp":  # DataParallel's device_ids, the rank's own first
+        environ[DP_DEVICES_VARIABLE] = ",".join(str(index) for index in cfg.plan.device_ids)
+    return environ
+
+
+DP_DEVICES_VARIABLE = "NBTRAIN_DP_DEVICES"

@@ -1,6 +1,6 @@
-"""Device planning (nbtrain.devices) and the machine probes (nbtrain.hardware).
+"""Device planning (nbtrain.devices); the machine probes are in test_hardware.py.
 
-Everything runs without a GPU: GPUs are GpuInfo lists, and NVML is a fake module.
+Everything runs without a GPU: GPUs are GpuInfo lists.
 """
 
 from __future__ import annotations
@@ -8,15 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import types
-from dataclasses import dataclass
 
 import pytest
 
-from nbtrain import hardware
 from nbtrain.devices import ACCELERATORS, DevicePlan, GpuInfo, plan_devices, resolve_accelerator
 from nbtrain.errors import ConfigurationError
-from nbtrain.hardware import detect_gpus, visible_device_order
 
 GIB = 2**30
 FOUR_GPUS = tuple(GpuInfo(i, "NVIDIA A100-SXM4-80GB", 80 * GIB, (79 - i) * GIB) for i in range(4))
@@ -289,212 +285,7 @@ def test_device_plan_rejects_what_cannot_run(accelerator, device_ids):
         DevicePlan(accelerator, device_ids)
 
 
-# --- CUDA_VISIBLE_DEVICES --------------------------------------------------------------
-
-UUIDS = ["GPU-aa11-0000", "GPU-bb22-0000", "GPU-ab33-0000", "GPU-cc44-0000"]
-
-
-@pytest.mark.parametrize(
-    ("cuda_visible_devices", "expected"),
-    [
-        (None, [0, 1, 2, 3]),
-        ("", []),
-        ("-1", []),
-        ("NoDevFiles", []),
-        ("0", [0]),
-        ("2,0", [2, 0]),
-        ("3, 1", [3, 1]),
-        (" 1 ", [1]),
-        ("1,-1,2", [1]),  # a negative entry ends the list
-        ("1,4,2", [1]),  # GPU 4 does not exist
-        ("1,x,2", [1]),
-        ("1,,2", [1]),
-        ("0,1,", [0, 1]),
-        ("1gpu,2", [1, 2]),  # ordinals are read like strtoul
-        ("+2", [2]),
-        ("1,0,1", []),  # a repeated device hides every device, as in CUDA
-        ("GPU-bb22-0000", [1]),  # a full UUID
-        ("GPU-c", [3]),  # a unique prefix
-        ("GPU-cc44,GPU-aa", [3, 0]),
-        ("GPU-a", []),  # ambiguous: aa11 and ab33
-        ("GPU-bb,GPU-a,GPU-cc", [1]),
-        ("GPU-ffff", []),
-        ("GPU-bb,GPU-bb22", []),
-        ("2,GPU-aa", [2, 0]),
-        ("GPU-cc,1", [3, 1]),
-        ("MIG-aa", []),
-    ],
-)
-def test_visible_device_order(cuda_visible_devices, expected):
-    assert visible_device_order(cuda_visible_devices, UUIDS) == expected
-
-
-def test_visible_device_order_ordinals_address_physical_gpus_only():
-    uuids = ["GPU-aa", "GPU-bb", "MIG-0001", "MIG-0002"]
-    assert visible_device_order(None, uuids, ordinal_count=2) == [0, 1]
-    assert visible_device_order("2", uuids, ordinal_count=2) == []
-    assert visible_device_order("MIG-0002,MIG-0001", uuids, ordinal_count=2) == [3, 2]
-
-
-# --- hardware probes -------------------------------------------------------------------
-
-
-def test_detect_gpus_returns_a_list_of_gpu_info():
-    gpus = detect_gpus()  # [] on a machine without an NVIDIA driver
-    assert isinstance(gpus, list)
-    assert all(isinstance(gpu, GpuInfo) for gpu in gpus)
-    assert [gpu.index for gpu in gpus] == list(range(len(gpus)))
-
-
-@dataclass
-class _Memory:
-    total: int
-    free: int
-
-
-class _NVMLError(Exception):
-    pass
-
-
-def fake_nvml(devices: dict[str, tuple[str, int, int]], *, init_fails: bool = False, mig=None) -> types.ModuleType:
-    """A stand-in for pynvml: devices maps UUID -> (name, total, free), in NVML order."""
-    nvml = types.ModuleType("pynvml")
-    nvml.NVMLError = _NVMLError
-    nvml.calls = []
-    uuids = list(devices)
-    mig = mig or {}
-
-    def init():
-        nvml.calls.append("init")
-        if init_fails:
-            raise _NVMLError("NVML Shared Library Not Found")
-
-    def memory(handle):
-        if handle not in devices:
-            raise _NVMLError("Not Supported")
-        return _Memory(devices[handle][1], devices[handle][2])
-
-    def mig_handle(handle, slot):
-        slices = mig.get(handle, [])
-        if slot >= len(slices) or slices[slot] is None:
-            raise _NVMLError("Not Found")
-        return slices[slot]
-
-    nvml.nvmlInit = init
-    nvml.nvmlShutdown = lambda: nvml.calls.append("shutdown")
-    nvml.nvmlDeviceGetCount = lambda: len(uuids)
-    nvml.nvmlDeviceGetHandleByIndex = lambda index: uuids[index]  # the handle is the UUID
-    nvml.nvmlDeviceGetUUID = lambda handle: handle
-    nvml.nvmlDeviceGetName = lambda handle: devices[handle][0].encode()  # old releases return bytes
-    nvml.nvmlDeviceGetMemoryInfo = memory
-    nvml.nvmlDeviceGetMaxMigDeviceCount = lambda handle: len(mig[handle]) if handle in mig else 0
-    nvml.nvmlDeviceGetMigDeviceHandleByIndex = mig_handle
-    return nvml
-
-
-MACHINE = {
-    "GPU-aa11": ("NVIDIA A100", 80 * GIB, 70 * GIB),
-    "GPU-bb22": ("NVIDIA A100", 80 * GIB, 60 * GIB),
-    "GPU-cc33": ("NVIDIA A100", 80 * GIB, 50 * GIB),
-}
-
-
-@pytest.mark.parametrize(
-    ("cuda_visible_devices", "expected"),
-    [
-        (None, [(0, 70), (1, 60), (2, 50)]),
-        ("2,0", [(0, 50), (1, 70)]),
-        ("GPU-bb", [(0, 60)]),
-        ("", []),
-        ("-1", []),
-    ],
-)
-def test_detect_gpus_applies_cuda_visible_devices(monkeypatch, cuda_visible_devices, expected):
-    nvml = fake_nvml(MACHINE)
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    if cuda_visible_devices is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", cuda_visible_devices)
-    gpus = detect_gpus()
-    assert [(gpu.index, gpu.free_bytes // GIB) for gpu in gpus] == expected
-    assert all(gpu.name == "NVIDIA A100" and gpu.total_bytes == 80 * GIB for gpu in gpus)
-    assert nvml.calls == ["init", "shutdown"]
-
-
-def test_detect_gpus_finds_mig_slices_named_in_cuda_visible_devices(monkeypatch):
-    machine = {**MACHINE, "MIG-0001": ("NVIDIA A100 MIG 3g.40gb", 40 * GIB, 39 * GIB)}
-    nvml = fake_nvml(MACHINE, mig={"GPU-aa11": [None, "MIG-0001"]})
-    nvml.nvmlDeviceGetName = lambda handle: machine[handle][0]
-    nvml.nvmlDeviceGetMemoryInfo = lambda handle: _Memory(machine[handle][1], machine[handle][2])
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-0001")
-    assert detect_gpus() == [GpuInfo(0, "NVIDIA A100 MIG 3g.40gb", 40 * GIB, 39 * GIB)]
-
-
-def test_detect_gpus_without_a_driver_is_empty_and_skips_shutdown(monkeypatch):
-    nvml = fake_nvml(MACHINE, init_fails=True)
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    assert detect_gpus() == []
-    assert nvml.calls == ["init"]
-
-
-def test_detect_gpus_without_pynvml_is_empty(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` raise ImportError
-    assert detect_gpus() == []
-
-
-def test_detect_gpus_shuts_nvml_down_when_listing_fails(monkeypatch):
-    nvml = fake_nvml(MACHINE)
-
-    def lost_gpu():
-        raise _NVMLError("GPU is lost")
-
-    nvml.nvmlDeviceGetCount = lost_gpu
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    assert detect_gpus() == []
-    assert nvml.calls == ["init", "shutdown"]
-
-
-def test_detect_gpus_keeps_a_gpu_whose_memory_is_not_reported(monkeypatch):
-    nvml = fake_nvml(MACHINE)
-    nvml.nvmlDeviceGetMemoryInfo = lambda handle: (_ for _ in ()).throw(_NVMLError("Not Supported"))
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    assert detect_gpus() == [GpuInfo(0, "NVIDIA A100", 0, 0)]
-
-
-def test_machine_probes(monkeypatch):
-    assert hardware.cpu_count() >= 1
-    assert isinstance(hardware.mps_available(), bool)
-    monkeypatch.setattr(hardware.sys, "platform", "darwin")
-    monkeypatch.setattr(hardware.platform, "machine", lambda: "arm64")
-    assert hardware.mps_available()
-    monkeypatch.setattr(hardware.platform, "machine", lambda: "x86_64")
-    assert not hardware.mps_available()
-
-
-def test_probe_plan_uses_the_probes(monkeypatch):
-    monkeypatch.setattr(hardware, "detect_gpus", lambda: list(FOUR_GPUS[:2]))
-    monkeypatch.setattr(hardware, "mps_available", lambda: False)
-    monkeypatch.setattr(hardware, "cpu_count", lambda: 3)
-    assert hardware.probe_plan("auto", "auto") == DevicePlan("cuda", (0, 1))
-    assert hardware.probe_plan(-1, "cpu") == DevicePlan("cpu", (0, 1, 2))
-
-
-def run_without_launcher(code: str) -> None:
-    # Importing nbtrain starts the warm launcher unless told not to; these checks need none.
-    env = {**os.environ, "NBTRAIN_PREWARM": "0"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
-
-
-@pytest.mark.parametrize("module", ["nbtrain.devices", "nbtrain.hardware"])
-def test_importing_does_not_import_torch(module):
-    run_without_launcher(f"import {module}, sys; assert 'torch' not in sys.modules, 'torch was imported'")
-
-
-def test_probing_does_not_import_torch():
-    run_without_launcher(
-        "import sys, nbtrain.hardware as h; h.probe_plan('auto', 'auto'); "
-        "assert 'torch' not in sys.modules, 'torch was imported'"
-    )
+def test_importing_does_not_import_torch():
+    # Importing nbtrain starts the warm launcher unless told not to; this check needs none.
+    code = "import nbtrain.devices, sys; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "NBTRAIN_PREWARM": "0"}, timeout=120)

@@ -173,7 +173,7 @@ def test_notebook_cell_source_appears_in_the_traceback(launcher, leak_guard):
     )
     linecache.cache[cell] = (len(source), None, source.splitlines(keepends=True), cell)
     namespace: dict = {}
-    exec(compile(source, cell, "exec"), namespace)  # noqa: S102 - defined as a notebook cell defines it
+    exec(compile(source, cell, "exec"), namespace)
     try:
         with pytest.raises(nbtrain.RankError) as caught:
             finish(nbtrain.start(namespace["cell_fn"], devices=2))

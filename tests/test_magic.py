@@ -370,6 +370,24 @@ def test_fsdp_really_shards_and_the_kernel_gets_full_weights(kernel):
     assert kernel.value("tuple(opt.state_dict()['state'][0]['exp_avg'].shape)") == [16, 8]
 
 
+def test_a_sharded_tensor_left_in_a_name_is_named_with_its_fix(kernel):
+    kernel.run_ok(SETUP)
+    out = kernel.run_ok(
+        "%%distributed --devices 2 --strategy fsdp\n"
+        "doubled = model[0].weight.detach() * 2\n"
+        "parts = {'w': model[0].weight.detach()}\n"
+    )
+    warning = [line for line in out.stderr.splitlines() if "not brought back" in line]
+    assert len(warning) == 1, out.stderr
+    assert (
+        "doubled (torch.distributed.tensor.DTensor: a sharded DTensor, of which rank 0 has only its shard; "
+        "end the cell with `doubled = doubled.full_tensor()` to bring the whole tensor back, or `del doubled`)"
+    ) in warning[0]
+    assert "parts (dict: it holds a sharded DTensor" in warning[0]
+    assert "keep `.full_tensor()` of each sharded tensor in `parts` instead, or `del parts`" in warning[0]
+    assert kernel.value("'doubled' in globals() or 'parts' in globals()") is False
+
+
 def test_output_modes_and_shell_magics_inside_the_cell(kernel):
     out = kernel.run_ok("%%distributed --devices 2 --output rank0\n%time z = 6 * 7\n!echo from-the-shell\nz + 1\n")
     assert out.stdout.count("from-the-shell") == 1 and "[rank" not in out.stdout and "Wall time" in out.stdout

@@ -121,7 +121,7 @@ def test_bf16_mixed_tracks_32_true(launcher):
     """bf16 autocast keeps 8 bits of mantissa: each step's loss within 3% of fp32's, same descent."""
     full, mixed = _train_losses("32-true"), _train_losses("bf16-mixed")
     assert mixed[-1] < 0.9 * mixed[0]
-    worst = max(abs(a - b) / a for a, b in zip(full, mixed, strict=False))
+    worst = max(abs(a - b) / a for a, b in zip(full, mixed, strict=True))
     assert worst < 0.03, f"bf16-mixed loss strayed {worst:.1%} from 32-true's"
 
 
@@ -193,6 +193,7 @@ def test_a_cell_in_bf16_true_comes_back_in_the_kernels_dtype(kernel):
         ("--precision half", "UsageError: %%distributed: unknown precision 'half'. Available precisions:"),
         ("--backend nccl", "UsageError: %%distributed: backend 'nccl' needs CUDA devices"),
         ("--backend tcp", "UsageError: %%distributed: unknown process-group backend 'tcp'. Available backends:"),
+        ("--strategy dp", "UsageError: %%distributed: strategy 'dp' (DataParallel) splits each batch over CUDA GPUs"),
     ],
 )
 def test_bad_training_options_are_one_line_usage_errors(kernel, flags, needle):
@@ -227,5 +228,77 @@ def test_ddp_sharded_trains_as_ddp_and_returns_the_full_optimizer_state(kernel):
     assert "adam (ZeroRedundancyOptimizer)" in out.text
     (weights, (moments, kind)), (sharded_weights, (sharded_moments, sharded_kind)) = results.values()
     assert kind == sharded_kind == "Adam" and len(sharded_moments) == 4  # every parameter's state
-    for a, b in zip([*weights, *moments], [*sharded_weights, *sharded_moments], strict=False):
+    for a, b in zip([*weights, *moments], [*sharded_weights, *sharded_moments], strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
+
+
+# -- dp and fsdp_cpu_offload ---------------------------------------------------------------
+
+
+def test_dp_is_one_rank_driving_every_chosen_gpu():
+    cfg = config.make_config(DevicePlan("cuda", (0, 2)), strategy="dp", timeout=None)
+    (spec,) = cfg.rank_specs()
+    assert (spec.rank, spec.world_size, spec.device_type, spec.device_index) == (0, 1, "cuda", 0)
+    assert config.rank_environment(cfg)["NBTRAIN_DP_DEVICES"] == "0,2"
+    assert cfg.world_size == 1
+
+
+def test_dp_on_cpu_is_refused_before_launch_pointing_to_ddp_notebook(launcher, leak_guard):
+    with pytest.raises(ConfigurationError) as refused:
+        nbtrain.start(lambda: 1, devices=2, accelerator="cpu", strategy="dp")
+    message = str(refused.value)
+    assert message.startswith("strategy 'dp' (DataParallel) splits each batch over CUDA GPUs from one process")
+    assert "use strategy 'ddp_notebook'" in message and "\n" not in message
+    assert not leak_guard.leaks()  # nothing was started
+
+
+def test_dp_refuses_sync_batchnorm():
+    with pytest.raises(ConfigurationError, match="sync_batchnorm cannot go with strategy 'dp'"):
+        config.make_config(DevicePlan("cuda", (0, 1)), strategy="dp", timeout=None, sync_batchnorm=True)
+
+
+def test_fsdp_cpu_offload_matches_one_process_with_the_combined_batch(launcher):
+    """2 CPU ranks with the shards offloaded (FSDP2, CPUOffloadPolicy) step as one process with both halves."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    reference.load_state_dict(model.state_dict())
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def fn(model, x, y):
+        from torch.distributed.fsdp import FSDPModule
+
+        net = nbtrain.prepare(model)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        share = slice(nbtrain.rank() * 8, (nbtrain.rank() + 1) * 8)
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x[share]), y[share]).backward()
+            opt.step()
+        policy = type(net[0]._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+        state = {k: v.full_tensor() for k, v in net.state_dict().items()}
+        return isinstance(net, FSDPModule), policy, state
+
+    run = nbtrain.start(fn, (model, x, y), devices=2, accelerator="cpu", strategy="fsdp_cpu_offload")
+    sharded, policy, state = finish(run)
+    assert sharded and policy == "CPUOffloadPolicy"
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    for key, value in reference.state_dict().items():
+        assert torch.allclose(state[key], value, atol=1e-6), key
+
+
+def test_a_cell_under_fsdp_cpu_offload_brings_weights_and_adam_state_back_as_fsdp_does(kernel):
+    results = {}
+    for strategy in ("fsdp", "fsdp_cpu_offload"):
+        kernel.run_ok(SHARDED_SETUP)
+        out = kernel.run_ok(SHARDED_CELL.format(strategy=strategy))
+        assert f"(cpu, {strategy})" in out.text, out.text
+        results[strategy] = kernel.value(SHARDED_RESULT)
+    (weights, (moments, kind)), (offloaded, (offloaded_moments, offloaded_kind)) = results.values()
+    assert kind == offloaded_kind == "Adam" and len(offloaded_moments) == 4
+    for a, b in zip([*weights, *moments], [*offloaded, *offloaded_moments], strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)

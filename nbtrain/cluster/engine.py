@@ -72,6 +72,7 @@ def prepare(
 ) -> tuple[ClusterClient, config.LaunchConfig]:
     """The warm client for this request, and the run's launch settings."""
     count = nodes.validate_num_nodes(num_nodes, cluster)
+    config.check_cluster_strategy(strategy)
     ray = import_ray()
     address = connect(cluster)
     alive = _alive_nodes(ray)

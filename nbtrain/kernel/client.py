@@ -526,8 +526,6 @@ def start(
     ``cluster="ray"`` (or a Ray address) runs on ``num_nodes`` nodes of a Ray cluster with
     ``devices`` ranks on each (:mod:`nbtrain.cluster`); the default runs on this machine.
     """
-    from nbtrain.errors import SerializationError
-
     if config is not None and (cluster is None or str(cluster).strip().lower() == "local"):
         client, cfg = get_client(), config
     else:
@@ -535,24 +533,52 @@ def start(
             cluster, num_nodes, devices, accelerator, strategy, timeout, backend, oversubscribe, precision,
             sync_batchnorm,
         )
-    if isinstance(client, LauncherClient):  # a cluster's own checks list its nodes instead
+    local = isinstance(client, LauncherClient)
+    if local:  # a cluster's own checks list its nodes instead
         _admit(cfg, fn, args, kwargs)
+    payload, tensor_fd = _serialise(fn, args, kwargs)
     try:
-        payload, tensor_fd = _pickle_payload((fn, tuple(args), dict(kwargs or {})))
+        return _submit(client, _StartMessage(cfg, payload, tensor_fd is not None, with_log=local), tensor_fd)
+    finally:
+        if tensor_fd is not None:
+            os.close(tensor_fd)
+
+
+def _serialise(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> tuple[bytes, int | None]:
+    """The run's payload (and the memfd of its tensors), or a SerializationError saying what to do."""
+    from nbtrain.errors import SerializationError
+
+    try:
+        return _pickle_payload((fn, tuple(args), dict(kwargs or {})))
     except Exception as error:
         raise SerializationError(
             f"the function or its arguments cannot be sent to the ranks: {error}. "
             "Objects such as open files, locks, sockets and generators cannot travel; "
             "create them inside the function instead."
         ) from error
-    from nbtrain import hardware
 
-    threads = config_module.threads_per_rank(hardware.cpu_count(), cfg.world_size, os.environ)
 
-    def start_run(run_id: int) -> messages.StartRun:
+class _StartMessage:
+    """Builds a run's ``StartRun`` once the engine has given it an id, and keeps the log file it named."""
+
+    def __init__(self, cfg: config_module.LaunchConfig, payload: bytes, has_tensor_file: bool, with_log: bool) -> None:
+        from nbtrain import hardware
+
+        self.cfg = cfg
+        self.payload = payload
+        self.has_tensor_file = has_tensor_file
+        self.with_log = with_log  # a cluster's agents keep their own logs
+        self.threads = config_module.threads_per_rank(hardware.cpu_count(), cfg.world_size, os.environ)
+        self.log_path: str | None = None
+
+    def __call__(self, run_id: int) -> messages.StartRun:
+        cfg = self.cfg
+        self.log_path = _log_path(run_id) if self.with_log else None
         return messages.StartRun(
             run_id=run_id,
-            payload=payload,
+            payload=self.payload,
             ranks=cfg.rank_specs(),
             start_method=cfg.strategy.start_method,
             backend=cfg.backend,
@@ -562,23 +588,20 @@ def start(
             sys_path=tuple(sys.path),
             source_lines=_notebook_source_lines(),
             timeout=cfg.timeout,
-            threads_per_rank=threads,
-            has_tensor_file=tensor_fd is not None,
+            threads_per_rank=self.threads,
+            has_tensor_file=self.has_tensor_file,
             strategy=cfg.strategy.name,
-            log_path=log_paths.setdefault(run_id, _log_path(run_id) if isinstance(client, LauncherClient) else None),
+            log_path=self.log_path,
         )
 
-    log_paths: dict[int, str | None] = {}
 
-    try:
-        # Held: an interrupt half way through sending StartRun would garble the channel, and
-        # one between the send and the handle would leave a run nobody can stop.
-        with processes.interrupts_held() as held:
-            run_id, inbox = client.submit(start_run, tensor_fd)
-            run = Run(client, run_id, inbox, cfg, log_paths.get(run_id))
-    finally:
-        if tensor_fd is not None:
-            os.close(tensor_fd)
+def _submit(client: Engine, start_message: _StartMessage, tensor_fd: int | None) -> Run:
+    """Send the run to its engine and return its handle; an interrupt meanwhile stops it and is raised after."""
+    # Held: an interrupt half way through sending StartRun would garble the channel, and
+    # one between the send and the handle would leave a run nobody can stop.
+    with processes.interrupts_held() as held:
+        run_id, inbox = client.submit(start_message, tensor_fd)
+        run = Run(client, run_id, inbox, start_message.cfg, start_message.log_path)
     if held.received:  # the caller was interrupted as the run started: it does not go on
         run.abandon()
         raise KeyboardInterrupt
@@ -697,7 +720,7 @@ def _admit(
         need,
         world_size=cfg.world_size,
         accelerator=cfg.plan.accelerator,
-        sharded=cfg.strategy.model_wrapper == "fsdp",
+        sharded=cfg.strategy.model_wrapper in ("fsdp", "fsdp_offload"),
         start_method=cfg.strategy.start_method,
         host_available=hardware.available_memory(),
         gpu_free=gpu_free,

@@ -121,8 +121,8 @@ class DistributedMagics(Magics):
     @magic_arguments.argument(
         "--strategy",
         default=None,
-        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, ddp_sharded, fsdp or auto: see Strategies"
-        " above. Default: the session default (ddp_notebook).",
+        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, ddp_sharded, fsdp, fsdp_cpu_offload, dp"
+        " or auto: see Strategies above. Default: the session default (ddp_notebook).",
     )
     @magic_arguments.argument(
         "--timeout",
@@ -214,6 +214,10 @@ class DistributedMagics(Magics):
                         (DDP then searches for them at every step, at some cost)
           ddp_sharded   data parallel, optimizer state partitioned across ranks (ZeRO)
           fsdp          fully sharded with FSDP2: each rank holds a slice of every weight
+          fsdp_cpu_offload
+                        fsdp with the shards and the optimizer step in host memory
+          dp            DataParallel: one process splits each batch over the GPUs
+                        (CUDA only; on CPU use ddp_notebook)
           auto          ddp_notebook for more than one device, a single worker for one
 
         Example (a DataLoader, model, loss_fn and opt defined in earlier cells):

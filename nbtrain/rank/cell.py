@@ -28,10 +28,15 @@ import sys
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbtrain import records
 from nbtrain.rank import api, prepare
+
+if TYPE_CHECKING:
+    from cloudpickle import Pickler as _PicklerBase
+else:
+    _PicklerBase = object  # cloudpickle's, put under it when the pickler is first built
 
 
 @dataclass(frozen=True)
@@ -263,10 +268,45 @@ def _collect(
     """Gather full states (every rank: FSDP needs collectives); rank 0 builds the result."""
     import torch
 
-    rank0 = before is not None
     modules = _unique(namespace, torch.nn.Module)
     for _, module in modules:
         _reshard(module)
+    module_states, changed_modules = _module_states(modules, before)
+    optimizer_states = _optimizer_states(namespace, modules, before)
+    if before is None:  # not rank 0: it took part in the collectives, and sends nothing
+        return None
+    refs = dict(before.refs)
+    for name, module in modules:  # FSDP swapped the parameters: map the new ones too
+        if name not in changed_modules:
+            _add_module_parts(refs, name, module)
+    outcome: dict[str, Any] = {
+        "modules": module_states,
+        "optimizers": optimizer_states,
+        "schedulers": {n: s.state_dict() for n, s in _unique(namespace, _is_scheduler)},
+        "tensors": {
+            n: v for n, v in before.objects.items() if before.kinds[n] == "tensor" and v._version != before.versions[n]
+        },
+        "changed": _changed_objects(before, changed_modules),
+        "bound": _bound(cell_globals, before, hidden),
+        "display": display,
+        "rng": records.rng_states(),
+    }
+    for name in outcome["bound"]:  # bound anew: it travels as a binding, not as a change
+        outcome["changed"].pop(name, None)
+    deleted = sorted(n for n in before.objects if n not in cell_globals)
+    # A changed kernel object travels by value, not as a reference to itself.
+    exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
+    skipped: list[tuple[str, str, str]] = []
+    payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
+    return records.CellResult(payload, storages, deleted, skipped, prepared, prepare.notes(), prepare.loader_report())
+
+
+def _module_states(modules: list[tuple[str, Any]], before: _Before | None) -> tuple[dict[str, Any], set[str]]:
+    """Rank 0's (state, training flags) of each module the cell changed, and the modules whose architecture changed.
+
+    ``before`` is None on the other ranks: they only take part in the collectives.
+    """
+    rank0 = before is not None
     changed_modules: set[str] = set()
     module_states: dict[str, Any] = {}
     for name, module in modules:
@@ -281,57 +321,54 @@ def _collect(
             continue
         if rank0:
             module_states[name] = (state, [(path, sub.training) for path, sub in module.named_modules()])
-    optimizer_states: dict[str, Any] = {}
+    return module_states, changed_modules
+
+
+def _optimizer_states(
+    namespace: Mapping[str, Any], modules: list[tuple[str, Any]], before: _Before | None
+) -> dict[str, Any]:
+    """Rank 0's full state of each optimizer the cell changed (every rank takes part in the collectives)."""
+    import torch
+
+    states: dict[str, Any] = {}
     for name, optimizer in _unique(namespace, torch.optim.Optimizer):
         owner = _sharded_owner(optimizer, [m for _, m in modules])
         zero = prepare.prepared_for(optimizer)
         if zero is not None and type(zero).__name__ == "ZeroRedundancyOptimizer":  # ddp_sharded: each rank holds a part
             zero.consolidate_state_dict(to=0)  # every rank, always: it is a collective
-            if rank0:
-                optimizer_states[name] = zero.state_dict()
+            if before is not None:
+                states[name] = zero.state_dict()
         elif owner is not None:
             state = _full_optimizer_state(owner, optimizer)
-            if rank0:
-                optimizer_states[name] = state
+            if before is not None:
+                states[name] = state
         elif before is not None and _fingerprint(_state_marks(optimizer), before.special) != before.states[name]:
-            optimizer_states[name] = optimizer.state_dict()
-    if before is None:  # not rank 0
-        return None
+            states[name] = optimizer.state_dict()
+    return states
 
-    refs = dict(before.refs)
-    for name, module in modules:  # FSDP swapped the parameters: map the new ones too
-        if name not in changed_modules:
-            _add_module_parts(refs, name, module)
-    skipped: list[tuple[str, str, str]] = []
-    outcome: dict[str, Any] = {
-        "modules": module_states,
-        "optimizers": optimizer_states,
-        "schedulers": {n: s.state_dict() for n, s in _unique(namespace, _is_scheduler)},
-        "tensors": {
-            n: v for n, v in before.objects.items() if before.kinds[n] == "tensor" and v._version != before.versions[n]
-        },
-        "changed": {},
-        "bound": {},
-        "display": display,
-        "rng": records.rng_states(),
-    }
-    for name, value in before.objects.items():
-        if before.kinds[name] == "plain" and _fingerprint(value, before.special) != before.fingerprints[name]:
-            outcome["changed"][name] = value
-    for name in sorted(changed_modules):
-        outcome["changed"][name] = before.objects[name]
+
+def _bound(cell_globals: dict[str, Any], before: _Before, hidden: set[str]) -> dict[str, Any]:
+    """The names the cell bound to another object (a prepared wrapper counts as what it wraps)."""
+    bound = {}
     for name, value in cell_globals.items():
         if records.is_internal(name) or name in hidden:
             continue
         original = prepare.original_of(value)
         if name not in before.bindings or before.bindings[name] is not original:
-            outcome["bound"][name] = original
-            outcome["changed"].pop(name, None)
-    deleted = sorted(n for n in before.objects if n not in cell_globals)
-    # A changed kernel object travels by value, not as a reference to itself.
-    exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
-    payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
-    return records.CellResult(payload, storages, deleted, skipped, prepared, prepare.notes(), prepare.loader_report())
+            bound[name] = original
+    return bound
+
+
+def _changed_objects(before: _Before, changed_modules: set[str]) -> dict[str, Any]:
+    """The kernel's plain objects the cell changed in place, and modules whose architecture it changed."""
+    changed = {
+        name: value
+        for name, value in before.objects.items()
+        if before.kinds[name] == "plain" and _fingerprint(value, before.special) != before.fingerprints[name]
+    }
+    for name in sorted(changed_modules):
+        changed[name] = before.objects[name]
+    return changed
 
 
 def _unique(namespace: Mapping[str, Any], kind: Any) -> list[tuple[str, Any]]:
@@ -434,14 +471,32 @@ def _dump_outcome(
                 _dump(value, refs, cell_globals, exempt)
             except Exception as error:  # noqa: BLE001 - whatever stops it, it is named in skipped
                 del outcome[section][name]
-                skipped.append((name, records.type_name(value), _short(error)))
+                skipped.append((name, records.type_name(value), _why_not_sent(name, value, error)))
     if outcome["display"] is not None:
         try:
             _dump(outcome["display"], refs, cell_globals, exempt)
         except Exception as error:  # noqa: BLE001 - whatever stops it, it is named in skipped
-            skipped.append(("the cell's value", records.type_name(outcome["display"][0]), _short(error)))
+            value = outcome["display"][0]
+            skipped.append(("the cell's value", records.type_name(value), _why_not_sent("", value, error)))
             outcome["display"] = None
     return _dump(outcome, refs, cell_globals, exempt)
+
+
+def _why_not_sent(name: str, value: Any, error: BaseException) -> str:
+    """Why ``name`` (empty: the cell's value) could not go back to the kernel, and what to do."""
+    if not isinstance(error, ShardedTensorError):
+        return _short(error)
+    if not name:
+        return "a sharded DTensor, of which rank 0 has only its shard; end the cell with `<expression>.full_tensor()`"
+    if isinstance(value, _result_pickler_class().dtensor_type):
+        return (
+            f"a sharded DTensor, of which rank 0 has only its shard; end the cell with "
+            f"`{name} = {name}.full_tensor()` to bring the whole tensor back, or `del {name}`"
+        )
+    return (
+        f"{error}; keep `.full_tensor()` of each sharded tensor in `{name}` instead, "
+        f"or `del {name}` at the end of the cell"
+    )
 
 
 def _short(error: BaseException) -> str:
@@ -461,86 +516,104 @@ def _dump(
 
 
 _ATOMIC = (int, float, str, bytes, bool, type(None))
-_result_pickler: type | None = None
+_result_pickler: Any = None
 
 
-def _result_pickler_class() -> type:
-    global _result_pickler
-    if _result_pickler is not None:
-        return _result_pickler
-    import cloudpickle
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.nn.parallel import DistributedDataParallel
+class ShardedTensorError(pickle.PicklingError):
+    """A value holds a sharded DTensor: only its shard is on this rank, so it cannot go to the kernel whole."""
 
-    storage_types = (torch.storage.TypedStorage, torch.UntypedStorage)
 
-    class ResultPickler(cloudpickle.Pickler):
-        """cloudpickle that sends references to the kernel's own objects instead of copies."""
+class _ResultReferences(_PicklerBase):
+    """cloudpickle that sends references to the kernel's own objects instead of copies.
 
-        def __init__(self, file: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any], exempt: set[int]):
-            super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-            self.refs = refs
-            self.cell_globals = cell_globals
-            self.exempt = exempt
-            self.storages: list[Any] = []
-            self._storage_index: dict[tuple[str, int, int], int] = {}
+    A mixin: :func:`_result_pickler_class` puts it in front of ``cloudpickle.Pickler``
+    once torch and cloudpickle are imported, and names the torch classes it looks for.
+    """
 
-        def persistent_id(self, obj: Any) -> Any:
-            if type(obj) in _ATOMIC:
-                return None
-            if obj is self.cell_globals:
-                return (records.GLOBALS_TAG,)
-            if isinstance(obj, storage_types):
-                return self._storage_id(obj)
-            key = id(obj)
-            if key in self.exempt:
-                return None
-            ref = self.refs.get(key)
-            if ref is None:
-                original = prepare.original_of(obj)
-                if original is not obj and id(original) not in self.exempt:
-                    ref = self.refs.get(id(original))
-            return ref
+    # The torch classes, set by _result_pickler_class (Any: torch is not imported here).
+    typed_storage_type: Any = type(None)
+    storage_types: Any = ()
+    dtensor_type: Any = type(None)
+    ddp_type: Any = type(None)
 
-        def _storage_id(self, obj: Any) -> tuple[Any, ...]:
-            if isinstance(obj, torch.storage.TypedStorage):
-                untyped, dtype = obj._untyped_storage, obj.dtype
-            else:
-                untyped, dtype = obj, None
-            key = (str(untyped.device), untyped.data_ptr(), untyped.nbytes())
-            if key not in self._storage_index or untyped.nbytes() == 0:
-                self._storage_index[key] = len(self.storages)
-                self.storages.append(untyped)
-            return (records.STORAGE_TAG, self._storage_index[key], dtype)
+    def __init__(self, file: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any], exempt: set[int]):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.refs = refs
+        self.cell_globals = cell_globals
+        self.exempt = exempt
+        self.storages: list[Any] = []
+        self._storage_index: dict[tuple[str, int, int], int] = {}
 
-        def reducer_override(self, obj: Any) -> Any:
-            if isinstance(obj, DTensor):
-                raise pickle.PicklingError(
-                    "a sharded DTensor cannot travel to the kernel; send obj.full_tensor() instead"
-                )
-            if isinstance(obj, DistributedDataParallel):
-                return (records.same, (obj.module,))
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) in _ATOMIC:
+            return None
+        if obj is self.cell_globals:
+            return (records.GLOBALS_TAG,)
+        if isinstance(obj, self.storage_types):
+            return self._storage_id(obj)
+        key = id(obj)
+        if key in self.exempt:
+            return None
+        ref = self.refs.get(key)
+        if ref is None:
             original = prepare.original_of(obj)
-            if original is not obj:
-                return (records.same, (original,))
-            return super().reducer_override(obj)
+            if original is not obj and id(original) not in self.exempt:
+                ref = self.refs.get(id(original))
+        return ref
 
-        def _dynamic_function_reduce(self, func: Any) -> Any:
-            # A function defined in the cell gets the kernel's globals (not a copy of
-            # them), as if the cell had run in the kernel.
-            reduced = super()._dynamic_function_reduce(func)
-            if func.__globals__ is not self.cell_globals:
-                return reduced
-            try:
-                make, newargs, (state, slotstate), items, dict_items, setter = reduced
-            except (TypeError, ValueError):  # another cloudpickle layout: keep its copy of the globals
-                return reduced
-            slotstate = dict(slotstate, __globals__={})
-            return (make, (newargs[0], self.cell_globals, *newargs[2:]), (state, slotstate), items, dict_items, setter)
+    def _storage_id(self, obj: Any) -> tuple[Any, ...]:
+        if isinstance(obj, self.typed_storage_type):
+            untyped, dtype = obj._untyped_storage, obj.dtype
+        else:
+            untyped, dtype = obj, None
+        key = (str(untyped.device), untyped.data_ptr(), untyped.nbytes())
+        if key not in self._storage_index or untyped.nbytes() == 0:
+            self._storage_index[key] = len(self.storages)
+            self.storages.append(untyped)
+        return (records.STORAGE_TAG, self._storage_index[key], dtype)
 
-    _result_pickler = ResultPickler
-    return ResultPickler
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, self.dtensor_type):
+            raise ShardedTensorError("it holds a sharded DTensor, of which rank 0 has only its shard")
+        if isinstance(obj, self.ddp_type):
+            return (records.same, (obj.module,))
+        original = prepare.original_of(obj)
+        if original is not obj:
+            return (records.same, (original,))
+        return super().reducer_override(obj)
+
+    def _dynamic_function_reduce(self, func: Any) -> Any:
+        # A function defined in the cell gets the kernel's globals (not a copy of
+        # them), as if the cell had run in the kernel.
+        reduced = super()._dynamic_function_reduce(func)
+        if func.__globals__ is not self.cell_globals:
+            return reduced
+        try:
+            make, newargs, (state, slotstate), items, dict_items, setter = reduced
+        except (TypeError, ValueError):  # another cloudpickle layout: keep its copy of the globals
+            return reduced
+        slotstate = dict(slotstate, __globals__={})
+        return (make, (newargs[0], self.cell_globals, *newargs[2:]), (state, slotstate), items, dict_items, setter)
+
+
+def _result_pickler_class() -> type[_ResultReferences]:
+    """:class:`_ResultReferences` on cloudpickle's Pickler (built once: it imports torch and cloudpickle)."""
+    global _result_pickler
+    if _result_pickler is None:
+        import cloudpickle
+        import torch
+        from torch.distributed.tensor import DTensor
+        from torch.nn.parallel import DistributedDataParallel
+
+        class ResultPickler(_ResultReferences, cloudpickle.Pickler):
+            typed_storage_type = torch.storage.TypedStorage
+            storage_types = (torch.storage.TypedStorage, torch.UntypedStorage)
+            dtensor_type = DTensor
+            ddp_type = DistributedDataParallel
+
+        _result_pickler = ResultPickler
+    result_pickler: type[_ResultReferences] = _result_pickler
+    return result_pickler
 
 
 # -- change detection ----------------------------------------------------------------------

@@ -40,16 +40,29 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbtrain.rank import api
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel as _DDPBase
+    from torch.utils.data import DataLoader
+
+    _LoaderBase = DataLoader[Any]
+else:
+    # torch is imported when the first model or loader is prepared; the mixins below are
+    # put in front of its classes then (transparent_ddp_class, _prepared_loader_class).
+    _DDPBase = _LoaderBase = object
 
 # What ``prepare`` wraps a model in when the caller did not say: the magic sets it from
 # --strategy; nbtrain.launch passes it in the environment.
 WRAPPER_VARIABLE = "NBTRAIN_MODEL_WRAPPER"
-WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded", "fsdp", "none")
+WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded", "fsdp", "fsdp_offload", "dp", "none")
 # The second searches every step for unused parameters; the third shards optimizer state.
 DDP_WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded")
+# fsdp_offload keeps the shards (and the optimizer's step) in host memory: FSDP2's CPUOffloadPolicy.
+FSDP_WRAPPERS = ("fsdp", "fsdp_offload")
+DP_DEVICES_VARIABLE = "NBTRAIN_DP_DEVICES"  # dp: DataParallel's device_ids (nbtrain.config sets it)
 UNUSED_NAMES_SHOWN = 8
 
 class _Registry:
@@ -200,8 +213,10 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
     if wrapper in DDP_WRAPPERS and trainable:
         wrapper_options = {"find_unused_parameters": wrapper == "ddp_find_unused", **wrapper_options}
         prepared = _wrap_ddp(module, wrapper_options)
-    elif wrapper == "fsdp" and trainable:
-        prepared = _shard(module, wrapper_options)
+    elif wrapper in FSDP_WRAPPERS and trainable:
+        prepared = _shard(module, wrapper_options, offload=wrapper == "fsdp_offload")
+    elif wrapper == "dp" and trainable:
+        prepared = _wrap_dp(module, wrapper_options)
     else:
         prepared = module
     _registry.remember(module, prepared)
@@ -225,11 +240,11 @@ def _apply_precision_and_sync(module: Any, wrapper: str) -> None:
 
 
 def is_wrapped(module: Any) -> bool:
-    """True for DDP/FSDP1 wrappers and modules FSDP2 already sharded."""
+    """True for DDP, DataParallel and FSDP1 wrappers and modules FSDP2 already sharded."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-    if isinstance(module, (DistributedDataParallel, FSDPModule)):
+    if isinstance(module, (DistributedDataParallel, DataParallel, FSDPModule)):
         return True
     return type(module).__name__ == "FullyShardedDataParallel"
 
@@ -245,10 +260,10 @@ def original_of(obj: Any) -> Any:
         return entry[1]
     if "torch" not in sys.modules:
         return obj
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     seen = 0
-    while isinstance(obj, DistributedDataParallel) and seen < 8:
+    while isinstance(obj, (DistributedDataParallel, DataParallel)) and seen < 8:
         obj, seen = obj.module, seen + 1
     if type(obj).__name__ == "FullyShardedDataParallel" and hasattr(obj, "module"):
         obj = obj.module
@@ -269,74 +284,115 @@ def _wrap_ddp(module: Any, options: dict[str, Any]) -> Any:
     return transparent_ddp_class()(module, **kwargs)
 
 
+def _wrap_dp(module: Any, options: dict[str, Any]) -> Any:
+    """DataParallel over the launch's GPUs; this rank's own GPU (the first) holds the model and outputs."""
+    kwargs = dict(options)
+    if "device_ids" not in kwargs:
+        chosen = os.environ.get(DP_DEVICES_VARIABLE, "")
+        kwargs["device_ids"] = [int(index) for index in chosen.split(",") if index] or None
+    return transparent_dp_class()(module, **kwargs)
+
+
+class _ReadThrough:
+    """A wrapper (DDP, DataParallel) that reads through to the model it wraps.
+
+    ``wrapped.fc``, ``wrapped.num_classes`` and the model's own methods keep working (an
+    attribute the wrapper lacks falls back to ``self.module``), the wrapper's own methods
+    stay reachable, and ``state_dict``/``load_state_dict`` use the model's keys (no
+    ``module.`` prefix), so a state saved in a cell loads into the kernel's model.
+    Setting an attribute the model has and the wrapper lacks sets it on the model.
+    """
+
+    module: Any
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]  # a mixin: nn.Module, after it, has one
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if (
+            self.__dict__.get("_nbtrain_ready")
+            and inner is not None
+            and not name.startswith("_")
+            and name not in self.__dict__
+            and not hasattr(type(self), name)
+            and hasattr(inner, name)
+        ):
+            setattr(inner, name, value)
+            return
+        super().__setattr__(name, value)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+_transparent_dp: type | None = None
+
+
+def transparent_dp_class() -> type:
+    """A DataParallel subclass that reads through to the wrapped model (see :class:`_ReadThrough`)."""
+    global _transparent_dp
+    if _transparent_dp is None:
+        from torch.nn.parallel import DataParallel
+
+        class TransparentDP(_ReadThrough, DataParallel[Any]):
+            def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+                super().__init__(module, *args, **kwargs)
+                object.__setattr__(self, "_nbtrain_ready", True)
+
+        TransparentDP.__name__ = "DataParallel"
+        TransparentDP.__qualname__ = "DataParallel"
+        _transparent_dp = TransparentDP
+    return _transparent_dp
+
+
 _transparent_ddp: type | None = None
 
 
-def transparent_ddp_class() -> type:
-    """A DistributedDataParallel subclass that reads through to the wrapped model.
+class _ReadsThrough(_ReadThrough, _DDPBase):
+    """What :func:`transparent_ddp_class` adds to DistributedDataParallel (a mixin put in front of it):
+    reading through to the model (:class:`_ReadThrough`) and the check of the first backward."""
 
-    ``wrapped.fc``, ``wrapped.num_classes`` and the model's own methods keep working (an
-    attribute DDP lacks falls back to ``self.module``), DDP's own methods (``no_sync``,
-    ``join``) stay reachable, and ``state_dict``/``load_state_dict`` use the model's keys
-    (no ``module.`` prefix), so a state saved in a cell loads into the kernel's model.
-    Setting an attribute the model has and DDP lacks sets it on the model.
+    def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        # Without DDP's own search, the first backward that syncs checks every trainable
+        # parameter got a gradient (see _check_first_backward).
+        object.__setattr__(self, "_nbtrain_check_unused", not self.find_unused_parameters)
+        object.__setattr__(self, "_nbtrain_ready", True)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.__dict__["_nbtrain_check_unused"] and self.require_backward_grad_sync and _torch().is_grad_enabled():
+            object.__setattr__(self, "_nbtrain_check_unused", False)
+            _check_first_backward(self.module)
+        return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]  # DDP's is unannotated
+
+
+def transparent_ddp_class() -> type:
+    """A DistributedDataParallel subclass that reads through to the wrapped model (see :class:`_ReadThrough`).
+
+    DDP's own methods (``no_sync``, ``join``) stay reachable; the first backward that
+    syncs checks that every trainable parameter got a gradient.
     """
     global _transparent_ddp
-    if _transparent_ddp is not None:
-        return _transparent_ddp
-    from torch.nn.parallel import DistributedDataParallel
+    if _transparent_ddp is None:
+        from torch.nn.parallel import DistributedDataParallel
 
-    class TransparentDDP(DistributedDataParallel):
-        def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(module, *args, **kwargs)
-            # Without DDP's own search, the first backward that syncs checks every trainable
-            # parameter got a gradient (see _check_first_backward).
-            object.__setattr__(self, "_nbtrain_check_unused", not self.find_unused_parameters)
-            object.__setattr__(self, "_nbtrain_ready", True)
+        class TransparentDDP(_ReadsThrough, DistributedDataParallel):
+            pass
 
-        def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-            if (
-                self.__dict__["_nbtrain_check_unused"]
-                and self.require_backward_grad_sync
-                and _torch().is_grad_enabled()
-            ):
-                object.__setattr__(self, "_nbtrain_check_unused", False)
-                _check_first_backward(self.module)
-            return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]  # DDP's is unannotated
-
-        def __getattr__(self, name: str) -> Any:
-            try:
-                return super().__getattr__(name)
-            except AttributeError:
-                inner = self.__dict__.get("_modules", {}).get("module")
-                if inner is None:
-                    raise
-                return getattr(inner, name)
-
-        def __setattr__(self, name: str, value: Any) -> None:
-            inner = self.__dict__.get("_modules", {}).get("module")
-            if (
-                self.__dict__.get("_nbtrain_ready")
-                and inner is not None
-                and not name.startswith("_")
-                and name not in self.__dict__
-                and not hasattr(type(self), name)
-                and hasattr(inner, name)
-            ):
-                setattr(inner, name, value)
-                return
-            super().__setattr__(name, value)
-
-        def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-            return self.module.state_dict(*args, **kwargs)
-
-        def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    TransparentDDP.__name__ = "DistributedDataParallel"
-    TransparentDDP.__qualname__ = "DistributedDataParallel"
-    _transparent_ddp = TransparentDDP
-    return TransparentDDP
+        TransparentDDP.__name__ = "DistributedDataParallel"
+        TransparentDDP.__qualname__ = "DistributedDataParallel"
+        _transparent_ddp = TransparentDDP
+    return _transparent_ddp
 
 
 def _check_first_backward(module: Any) -> None:
@@ -371,15 +427,23 @@ def _check_first_backward(module: Any) -> None:
     handles.extend(p.register_post_accumulate_grad_hook(seen) for _, p in trainable)
 
 
-def _shard(module: Any, options: dict[str, Any]) -> Any:
-    """Shard ``module`` in place with FSDP2: each block of a ModuleList/Sequential, then the root."""
+def _shard(module: Any, options: dict[str, Any], offload: bool = False) -> Any:
+    """Shard ``module`` in place with FSDP2: each block of a ModuleList/Sequential, then the root.
+
+    ``offload`` keeps the shards in host memory (CPUOffloadPolicy): FSDP2 copies a block's
+    weights to the device for its forward and backward, and the optimizer steps on the CPU.
+    """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     device = api.device()
     before = dict(module.named_parameters())
     kwargs = dict(options)
     kwargs.setdefault("mesh", init_device_mesh(device.type, (api.world_size(),)))
+    if offload:
+        # Pinned host memory makes the copies to a GPU asynchronous; without a GPU torch
+        # cannot pin (it refuses), and there is nothing to copy to.
+        kwargs.setdefault("offload_policy", CPUOffloadPolicy(pin_memory=device.type == "cuda"))
     for block in _shard_blocks(module):
         fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
@@ -630,61 +694,65 @@ def _already_distributed(loader: Any) -> bool:
 _loader_class: type | None = None
 
 
+class _PassAware(_LoaderBase):
+    """A DataLoader on a DistributedSampler that tells training passes from evaluation passes.
+
+    Each ``iter()`` (a ``for`` loop's start) reads the thread's grad mode, one cheap
+    call: enabled, a training pass reads this rank's share (``set_epoch`` first, so
+    every training pass shuffles anew); disabled, an evaluation pass reads the rank's
+    copy of the user's own loader, whole and in its own order, unless the loader
+    was prepared with ``evaluation="shard"``. ``len()`` follows the same rule, so
+    ``len(loader)`` inside ``torch.no_grad()`` counts the batches that pass reads.
+    (A mixin: :func:`_prepared_loader_class` puts it in front of torch's DataLoader.)
+    """
+
+    _nbtrain_epoch: int  # training passes so far: the next one's set_epoch
+    _nbtrain_whole: Any  # what an evaluation pass reads: the rank's copy of the user's loader
+    _nbtrain_passes: dict[str, int]  # passes so far: "train", "whole", "shard"
+
+    # Not DataLoader's iterator type: a pass reads the user's own loader, or moves batches.
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        kind = self._nbtrain_pass_kind()
+        if not any(self._nbtrain_passes.values()):
+            _registry.first_iterated.append(self)  # the summary names loaders in this order
+        self._nbtrain_passes[kind] += 1
+        batches: Iterator[Any]
+        if kind == "whole":
+            batches = iter(self._nbtrain_whole)
+        else:
+            if kind == "train":
+                sampler: Any = self.sampler  # a DistributedSampler (_rebuild_loader)
+                sampler.set_epoch(self._nbtrain_epoch)
+                self._nbtrain_epoch += 1
+            batches = super().__iter__()
+        device = api.device()
+        if device.type == "cpu":
+            return batches
+        return (_to_device(batch, device) for batch in batches)
+
+    def __len__(self) -> int:
+        if self._nbtrain_pass_kind() == "whole":
+            return len(self._nbtrain_whole)
+        return super().__len__()
+
+    def _nbtrain_pass_kind(self) -> str:
+        if _torch().is_grad_enabled():
+            return "train"
+        return "shard" if evaluation_of(self) == "shard" else "whole"
+
+
 def _prepared_loader_class() -> type:
+    """:class:`_PassAware` on torch's DataLoader, named ``DataLoader`` (built once: it imports torch)."""
     global _loader_class
-    if _loader_class is not None:
-        return _loader_class
-    import torch
-    from torch.utils.data import DataLoader
+    if _loader_class is None:
+        from torch.utils.data import DataLoader
 
-    class PreparedDataLoader(DataLoader[Any]):
-        """A DataLoader on a DistributedSampler that tells training passes from evaluation passes.
+        class PreparedDataLoader(_PassAware, DataLoader[Any]):
+            pass
 
-        Each ``iter()`` (a ``for`` loop's start) reads the thread's grad mode, one cheap
-        call: enabled, a training pass reads this rank's share (``set_epoch`` first, so
-        every training pass shuffles anew); disabled, an evaluation pass reads the rank's
-        copy of the user's own loader, whole and in its own order, unless the loader
-        was prepared with ``evaluation="shard"``. ``len()`` follows the same rule, so
-        ``len(loader)`` inside ``torch.no_grad()`` counts the batches that pass reads.
-        """
-
-        _nbtrain_epoch: int  # training passes so far: the next one's set_epoch
-        _nbtrain_whole: Any  # what an evaluation pass reads: the rank's copy of the user's loader
-        _nbtrain_passes: dict[str, int]  # passes so far: "train", "whole", "shard"
-
-        # Not DataLoader's iterator type: a pass reads the user's own loader, or moves batches.
-        def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-            kind = self._nbtrain_pass_kind()
-            if not any(self._nbtrain_passes.values()):
-                _registry.first_iterated.append(self)  # the summary names loaders in this order
-            self._nbtrain_passes[kind] += 1
-            batches: Iterator[Any]
-            if kind == "whole":
-                batches = iter(self._nbtrain_whole)
-            else:
-                if kind == "train":
-                    sampler: Any = self.sampler  # a DistributedSampler (_rebuild_loader)
-                    sampler.set_epoch(self._nbtrain_epoch)
-                    self._nbtrain_epoch += 1
-                batches = super().__iter__()
-            device = api.device()
-            if device.type == "cpu":
-                return batches
-            return (_to_device(batch, device) for batch in batches)
-
-        def __len__(self) -> int:
-            if self._nbtrain_pass_kind() == "whole":
-                return len(self._nbtrain_whole)
-            return super().__len__()
-
-        def _nbtrain_pass_kind(self) -> str:
-            if torch.is_grad_enabled():
-                return "train"
-            return "shard" if evaluation_of(self) == "shard" else "whole"
-
-    PreparedDataLoader.__name__ = PreparedDataLoader.__qualname__ = "DataLoader"
-    _loader_class = PreparedDataLoader
-    return PreparedDataLoader
+        PreparedDataLoader.__name__ = PreparedDataLoader.__qualname__ = "DataLoader"
+        _loader_class = PreparedDataLoader
+    return _loader_class
 
 
 def _rebuild_loader(loader: Any, shuffle: bool) -> Any:

@@ -3,11 +3,17 @@
 Run on a GPU machine with ``.venv/bin/python -m pytest tests/gpu -m gpu``. What they show:
 the kernel may initialise CUDA and still launch CUDA ranks (they fork from the launcher,
 never from the kernel), nccl groups, mixed precision with the loss scaler, FSDP on one GPU,
-CUDA memory in the live view's samples, CUDA tensors coming back, and an out-of-memory
-error named as such.
+CUDA memory in the live view's samples, CUDA tensors coming back, an out-of-memory
+error named as such, free-GPU selection through the real NVML, DataParallel (``dp``) and
+FSDP with the shards offloaded to host memory (``fsdp_cpu_offload``).
 """
 
 from __future__ import annotations
+
+import ast
+import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -114,3 +120,82 @@ def test_cuda_out_of_memory_is_reported_as_such(launcher):
 
     with pytest.raises(RankError, match="(?i)out of memory"):
         finish(_start(fn))
+
+
+def test_free_gpu_selection_reads_the_real_nvml_without_a_cuda_context():
+    """find_usable_cuda_devices in a fresh process: real NVML, and no torch imported for it."""
+    code = "import sys, nbtrain\nprint(nbtrain.find_usable_cuda_devices(-1))\nprint('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    chosen, torch_imported = done.stdout.strip().splitlines()
+    assert torch_imported == "False"
+    assert all(0 <= index < torch.cuda.device_count() for index in ast.literal_eval(chosen))
+
+
+def test_a_gpu_this_process_holds_is_not_chosen():
+    from nbtrain import hardware
+
+    torch.cuda.init()
+    held = torch.empty(16 << 20, dtype=torch.uint8, device="cuda:0")  # this process now holds GPU 0
+    occupancy = {o.gpu.index: o for o in hardware.gpu_occupancy()}
+    if not occupancy[0].known:
+        pytest.skip("NVML cannot list the processes of this GPU")
+    assert not occupancy[0].free, occupancy[0]
+    del held
+
+
+def test_free_devices_run_a_cuda_rank(launcher):
+    assert finish(nbtrain.start(lambda: torch.cuda.current_device(), devices="free:1", timeout=RUN_TIMEOUT)) >= 0
+
+
+def test_dp_splits_a_batch_over_the_gpus_in_one_process(launcher):
+    count = torch.cuda.device_count()
+
+    def fn():
+        torch.manual_seed(0)
+        net = nbtrain.prepare(torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        x, y = torch.randn(64, 8), torch.randn(64, 1, device="cuda")
+        losses = []
+        for _ in range(10):
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+            losses.append(loss.item())
+        return type(net).__name__, list(net.device_ids), nbtrain.world_size(), losses
+
+    name, device_ids, world_size, losses = finish(
+        nbtrain.start(fn, devices=count, accelerator="cuda", strategy="dp", timeout=RUN_TIMEOUT)
+    )
+    assert name == "DataParallel" and device_ids == list(range(count)) and world_size == 1
+    assert losses[-1] < losses[0]
+
+
+def test_a_dp_cell_brings_the_weights_back():
+    with NotebookKernel() as kernel:
+        kernel.run_ok(
+            "%load_ext nbtrain\nimport nbtrain, torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(8, 1)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nx, y = torch.randn(64, 8), torch.randn(64, 1)\n"
+            "before = model.weight.detach().clone()\n"
+        )
+        out = kernel.run_ok(
+            "%%distributed --accelerator cuda --devices -1 --strategy dp\n"
+            "for _ in range(5):\n"
+            "    loss = torch.nn.functional.mse_loss(model(x), y.to(nbtrain.device()))\n"
+            "    opt.zero_grad(); loss.backward(); opt.step()\n"
+        )
+        assert "model (DataParallel)" in out.text, out.text
+        assert kernel.value("(model.weight - before).abs().sum().item()") > 0
+
+
+def test_fsdp_cpu_offload_keeps_the_shards_in_host_memory(launcher):
+    def fn():
+        net = nbtrain.prepare(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)))
+        opt = torch.optim.Adam(net.parameters(), lr=0.01)
+        x = torch.randn(32, 64, device="cuda")
+        for _ in range(3):
+            loss = net(x).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+        return [p.to_local().device.type for p in net.parameters()], loss.item()
+
+    devices, loss = finish(_start(fn, strategy="fsdp_cpu_offload"))
+    assert set(devices) == {"cpu"} and math.isfinite(loss)  # the shards stayed on the host
