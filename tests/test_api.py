@@ -112,8 +112,10 @@ def test_all_reduce_names_an_unknown_op_and_the_known_ones(op, message):
 
 @pytest.mark.parametrize("value", ["3", [1, 2], None, 1j])
 def test_all_reduce_of_what_is_not_a_number_or_a_tensor_says_what_to_pass(value):
-    expected = rf"all_reduce\(\) takes a number or a tensor, not {type(value).__name__}: .* torch.tensor\(values\)"
-    with pytest.raises(TypeError, match=expected):
+    with pytest.raises(
+        TypeError,
+        match=rf"all_reduce\(\) takes a number or a tensor, not {type(value).__name__}: .* torch.tensor\(values\)",
+    ):
         api.all_reduce(value)
 
 

@@ -102,8 +102,9 @@ def test_the_cell_starts_from_the_kernels_random_state():
     torch.manual_seed(1)
     state = records.rng_states()
     expected = (random.random(), torch.rand(1).item())
-    code = "values = (random.random(), torch.rand(1).item())\n"
-    _, outcome = run(code, {"random": random, "torch": torch}, rng=state)
+    _, outcome = run(
+        "values = (random.random(), torch.rand(1).item())\n", {"random": random, "torch": torch}, rng=state
+    )
     assert outcome["bound"]["values"] == expected
     assert outcome["rng"] is not None  # where the rank's generators ended, for the kernel to continue
 
@@ -122,8 +123,9 @@ def test_modules_and_optimizers_come_back_as_full_states():
 def test_a_module_and_optimizer_the_cell_only_reads_do_not_come_back():
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    code = "with torch.no_grad():\n    out = model(torch.ones(1, 2))\n"
-    _, outcome = run(code, {"model": model, "opt": opt, "torch": torch})
+    _, outcome = run(
+        "with torch.no_grad():\n    out = model(torch.ones(1, 2))\n", {"model": model, "opt": opt, "torch": torch}
+    )
     assert outcome["modules"] == {} and outcome["optimizers"] == {} and set(outcome["bound"]) == {"out"}
 
 
@@ -152,8 +154,13 @@ def test_a_rank_other_than_0_sends_nothing_back_but_its_last_metrics(rank_one):
 @pytest.mark.parametrize(
     ("value", "kind"),
     [
-        (1, "static"), ("s", "static"), (len, "static"), (nn.Linear(1, 1), "module"), (torch.zeros(1), "tensor"),
-        ([1], "plain"), ({}, "plain"),
+        (1, "static"),
+        ("s", "static"),
+        (len, "static"),
+        (nn.Linear(1, 1), "module"),
+        (torch.zeros(1), "tensor"),
+        ([1], "plain"),
+        ({}, "plain"),
     ],
 )
 def test_each_shipped_value_is_classified_by_how_it_comes_back(value, kind):

@@ -262,13 +262,19 @@ def test_a_start_message_carries_the_callers_state_and_the_config(monkeypatch, t
     monkeypatch.setenv("NBTRAIN_ROLE", "should not travel")
     message = client._StartMessage(CONFIG, b"payload", has_tensor_file=False, with_log=True)
     start = message(RUN)
-    sent = (start.run_id, start.payload, start.timeout, start.strategy, start.backend)
-    assert sent == (RUN, b"payload", 30.0, "ddp_notebook", "gloo")
+    assert (start.run_id, start.payload, start.timeout, start.strategy, start.backend) == (
+        RUN,
+        b"payload",
+        30.0,
+        "ddp_notebook",
+        "gloo",
+    )
     assert [(s.rank, s.world_size, s.device_type) for s in start.ranks] == [(0, 2, "cpu"), (1, 2, "cpu")]
     assert start.cwd == os.getcwd() and start.sys_path == tuple(sys.path)
     assert "NBTRAIN_ROLE" not in start.environ and start.environ["PATH"] == os.environ["PATH"]
-    assert start.log_path is not None and start.log_path.startswith(str(tmp_path))
-    assert message.log_path == start.log_path
+    assert (
+        start.log_path is not None and start.log_path.startswith(str(tmp_path)) and message.log_path == start.log_path
+    )
 
 
 def test_old_run_logs_are_pruned_to_the_last_ones(monkeypatch, tmp_path):
@@ -279,12 +285,17 @@ def test_old_run_logs_are_pruned_to_the_last_ones(monkeypatch, tmp_path):
     (tmp_path / "notes.txt").write_text("not a log")
     path = client._log_path(7)
     assert path is not None and path.endswith(f"-{os.getpid()}-7.log")
-    kept = ["notes.txt", "run-20260103-000000-1-1.log", "run-20260104-000000-1-1.log"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "notes.txt",
+        "run-20260103-000000-1-1.log",
+        "run-20260104-000000-1-1.log",
+    ]
 
 
 def test_a_function_that_cannot_travel_says_what_to_do():
     lock = threading.Lock()
-    expected = r"the function or its arguments cannot be sent to the ranks: .* create them inside the function"
-    with pytest.raises(SerializationError, match=expected):
+    with pytest.raises(
+        SerializationError,
+        match=r"the function or its arguments cannot be sent to the ranks: .* create them inside the function",
+    ):
         client._serialise(lambda: lock, (), None)

@@ -53,14 +53,27 @@ def test_reset_goes_back_to_the_built_in_defaults():
 def test_defaults_are_a_frozen_record():
     with pytest.raises(AttributeError):
         get_defaults().devices = "4"  # type: ignore[misc]
-    names = {"devices", "accelerator", "strategy", "timeout", "stall_warning", "cluster", "num_nodes"}
-    assert set(get_defaults().as_dict()) == names
+    assert set(get_defaults().as_dict()) == {
+        "devices",
+        "accelerator",
+        "strategy",
+        "timeout",
+        "stall_warning",
+        "cluster",
+        "num_nodes",
+    }
 
 
 @pytest.mark.parametrize(
     ("devices", "text"),
     [
-        (2, "2"), (-1, "-1"), ("auto", "auto"), (" 3 ", "3"), ([1], "1,"), ((0, 2), "0,2"), (range(2), "0,1"),
+        (2, "2"),
+        (-1, "-1"),
+        ("auto", "auto"),
+        (" 3 ", "3"),
+        ([1], "1,"),
+        ((0, 2), "0,2"),
+        (range(2), "0,1"),
         (None, "auto"),
     ],
 )
@@ -72,22 +85,24 @@ def test_devices_are_kept_as_the_flag_would_write_them(devices, text):
 def test_devices_of_no_valid_form_are_refused_with_the_forms_that_are(devices):
     with pytest.raises(ConfigurationError) as caught:
         set_defaults(devices=devices)
-    assert str(caught.value) == (
-        f"devices={devices!r} is not valid: pass a number of devices, -1, 'auto' or GPU indices."
+    assert (
+        str(caught.value) == f"devices={devices!r} is not valid: pass a number of devices, -1, 'auto' or GPU indices."
     )
 
 
 def test_too_many_cpu_processes_are_refused_with_how_many_fit():
     limit = 4 * hardware.cpu_count()
-    expected = rf"devices={limit + 1} is not valid: .* use at most {limit} .* oversubscribe=True"
-    with pytest.raises(ConfigurationError, match=expected):
+    with pytest.raises(
+        ConfigurationError, match=rf"devices={limit + 1} is not valid: .* use at most {limit} .* oversubscribe=True"
+    ):
         set_defaults(devices=limit + 1, accelerator="cpu")
 
 
 @pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")
 def test_gpu_indices_on_a_machine_without_gpu_explain_that_devices_is_a_count():
-    expected = r"devices='0,2' is not valid: it lists device indices, which select GPUs"
-    with pytest.raises(ConfigurationError, match=expected):
+    with pytest.raises(
+        ConfigurationError, match=r"devices='0,2' is not valid: it lists device indices, which select GPUs"
+    ):
         set_defaults(devices="0,2", accelerator="cpu")
 
 
@@ -99,15 +114,18 @@ def test_cuda_without_a_gpu_says_what_to_check_or_use_instead():
 
 def test_the_accelerator_is_normalised_and_an_unknown_one_lists_the_choices():
     assert set_defaults(accelerator=" CPU ").accelerator == "cpu"
-    expected = r"accelerator='tpu' is not supported; choose one of 'auto', 'cpu', 'cuda', 'gpu', 'mps'"
-    with pytest.raises(ConfigurationError, match=expected):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"accelerator='tpu' is not supported; choose one of 'auto', 'cpu', 'cuda', 'gpu', 'mps'",
+    ):
         set_defaults(accelerator="tpu")
 
 
 def test_a_strategy_is_normalised_and_an_unknown_one_lists_the_available_ones():
     assert set_defaults(strategy=" DDP_SPAWN ").strategy == "ddp_spawn"
-    expected = r"unknown strategy 'fsdp9'\. Available strategies: ddp_notebook, ddp_spawn, "
-    with pytest.raises(ConfigurationError, match=expected):
+    with pytest.raises(
+        ConfigurationError, match=r"unknown strategy 'fsdp9'\. Available strategies: ddp_notebook, ddp_spawn, "
+    ):
         set_defaults(strategy="fsdp9")
 
 
@@ -134,8 +152,9 @@ def test_the_stall_warning_is_seconds_or_none(seconds, kept):
 def test_a_bad_stall_warning_is_refused_with_what_to_give(seconds):
     with pytest.raises(ConfigurationError) as caught:
         set_defaults(stall_warning=seconds)
-    assert str(caught.value) == (
-        f"stall_warning={seconds!r} is not valid: give a positive number of seconds, or None for no warning."
+    assert (
+        str(caught.value)
+        == f"stall_warning={seconds!r} is not valid: give a positive number of seconds, or None for no warning."
     )
 
 
@@ -149,7 +168,9 @@ def test_a_cluster_is_local_ray_or_an_address(cluster, kept):
 
 @pytest.mark.parametrize("cluster", ["", "ray ://x", "a\tb"])
 def test_a_cluster_that_is_no_name_or_address_is_refused(cluster):
-    with pytest.raises(ConfigurationError, match=r"is not valid: pass 'local', 'ray', or a Ray address such as 'ray://host:10001'"):
+    with pytest.raises(
+        ConfigurationError, match=r"is not valid: pass 'local', 'ray', or a Ray address such as 'ray://host:10001'"
+    ):
         set_defaults(cluster=cluster)
 
 
@@ -168,5 +189,6 @@ def test_the_magic_line_asks_for_exactly_the_defaults():
     reset_defaults()
     line = set_defaults(stall_warning=None, cluster="ray://h:10001", num_nodes=3).magic_line()
     assert line.endswith("--stall-warning none --cluster ray://h:10001 --num-nodes 3")
-    line = set_defaults(stall_warning=12).magic_line()
-    assert line.endswith("--stall-warning 12 --cluster ray://h:10001 --num-nodes 3")
+    assert (
+        set_defaults(stall_warning=12).magic_line().endswith("--stall-warning 12 --cluster ray://h:10001 --num-nodes 3")
+    )

@@ -57,10 +57,13 @@ def launcher_pid() -> int | None:
 
 def test_the_examples_are_found_in_every_package():
     names = modules_with_examples()
-    expected = {
-        "nbtrain", "nbtrain.wire", "nbtrain.kernel.defaults", "nbtrain.rank.api", "nbtrain.launch_server.output"
-    }
-    assert expected <= set(names)
+    assert {
+        "nbtrain",
+        "nbtrain.wire",
+        "nbtrain.kernel.defaults",
+        "nbtrain.rank.api",
+        "nbtrain.launch_server.output",
+    } <= set(names)
     assert all(importlib.util.find_spec(name) is not None for name in names)
 
 

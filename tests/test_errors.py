@@ -72,15 +72,18 @@ def test_a_rank_error_names_the_rank_the_exception_and_carries_the_remote_traceb
     assert text.startswith(
         "rank 1 raised ValueError: bad batch\nThe other ranks were stopped. Traceback from rank 1:\n"
     )
-    assert 'File "<cell>", line 3' in text
-    assert text.endswith("ValueError: bad batch\nthe kernel's objects are unchanged")
+    assert 'File "<cell>", line 3' in text and text.endswith(
+        "ValueError: bad batch\nthe kernel's objects are unchanged"
+    )
     assert (err.rank, err.exc_type, err.exc_message, err.node) == (1, "ValueError", "bad batch", "")
 
 
 def test_a_rank_error_renders_in_ipython_as_the_remote_traceback_only():
     lines = RankError(2, "KeyError", "'x'", TRACEBACK, node="node 1 (10.0.0.7)")._render_traceback_()
     assert lines[:3] == [
-        "RankError: rank 2 on node 1 (10.0.0.7) raised KeyError: 'x'", "(the other ranks were stopped)", ""
+        "RankError: rank 2 on node 1 (10.0.0.7) raised KeyError: 'x'",
+        "(the other ranks were stopped)",
+        "",
     ]
     assert lines[3:] == TRACEBACK.rstrip().splitlines()  # no note: nothing after it
 
@@ -104,8 +107,9 @@ def test_a_rank_killed_by_a_signal_names_it_and_says_what_it_likely_means(signal
 
 
 def test_an_unknown_signal_number_is_still_described():
-    text = errors.describe_death(1, signal_number=200, exit_code=None)
-    assert text.startswith("rank 1 was killed by signal 200 (unknown signal).")
+    assert errors.describe_death(1, signal_number=200, exit_code=None).startswith(
+        "rank 1 was killed by signal 200 (unknown signal)."
+    )
 
 
 def test_a_rank_that_exited_early_says_with_which_code_and_the_likely_causes():
@@ -190,9 +194,7 @@ def test_errors_survive_pickling_with_their_message_and_fields(error):
 
 
 def test_the_module_imports_only_the_standard_library():
-    code = (
-        "import sys, nbtrain.errors; "
-        "print(sorted(m for m in ('torch', 'IPython', 'numpy', 'cloudpickle') if m in sys.modules))"
-    )
+    heavy = "('torch', 'IPython', 'numpy', 'cloudpickle')"
+    code = f"import sys, nbtrain.errors; print(sorted(m for m in {heavy} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"

@@ -99,8 +99,12 @@ def test_an_output_tag_names_the_rank_and_on_a_cluster_its_node():
 
 
 def test_the_run_states_are_the_words_the_live_view_shows():
-    states = (events.FINISHED, events.FAILED, events.STOPPED, events.TIMED_OUT)
-    assert states == ("finished", "failed", "stopped", "timed out")
+    assert (events.FINISHED, events.FAILED, events.STOPPED, events.TIMED_OUT) == (
+        "finished",
+        "failed",
+        "stopped",
+        "timed out",
+    )
 
 
 def test_defaults_describe_a_run_on_one_machine_that_has_not_failed():
@@ -113,9 +117,7 @@ def test_defaults_describe_a_run_on_one_machine_that_has_not_failed():
 
 def test_the_module_imports_only_the_standard_library():
     # The launcher relays these records without importing torch or the user's code.
-    code = (
-        "import sys, nbtrain.events; "
-        "print(sorted(m for m in ('torch', 'IPython', 'numpy', 'cloudpickle') if m in sys.modules))"
-    )
+    heavy = "('torch', 'IPython', 'numpy', 'cloudpickle')"
+    code = f"import sys, nbtrain.events; print(sorted(m for m in {heavy} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"

@@ -297,10 +297,8 @@ def test_gpu_usage_without_pynvml_is_empty(monkeypatch):
 
 def test_cpu_count_is_the_affinity_mask_not_the_machine():
     # A process pinned to one core (taskset, a cgroup's cpuset) may run one rank per core there.
-    code = (
-        "import os, nbtrain.hardware as h; "
-        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); print(h.cpu_count())"
-    )
+    pin = "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})"
+    code = f"import os, nbtrain.hardware as h; {pin}; print(h.cpu_count())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "1"
     assert hardware.cpu_count() == len(os.sched_getaffinity(0))

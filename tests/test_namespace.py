@@ -19,6 +19,12 @@ from nbtrain.errors import SerializationError
 from nbtrain.kernel import namespace as ns
 from nbtrain.rank import cell as rank_cell
 
+
+def notebook_cell(code: str, user_ns: dict) -> None:
+    """Run ``code`` as a notebook cell would, defining its functions in ``user_ns``."""
+    exec(code, user_ns)
+
+
 # -- which kernel globals a cell uses ---------------------------------------------------------
 
 
@@ -40,7 +46,7 @@ def test_used_names_include_nested_scopes_but_not_locals_or_parameters():
 
 def test_used_names_follow_notebook_functions_classes_and_closures():
     user_ns: dict = {"__name__": "__main__"}
-    exec(
+    notebook_cell(
         "import math\n"
         "LR = 0.1\n"
         "WIDTH = 3\n"
@@ -97,7 +103,7 @@ def test_cells_that_distribute_themselves_are_detected(code, expected):
 
 def test_prepare_called_inside_a_notebook_function_is_detected():
     user_ns: dict = {"__name__": "__main__", "nbtrain": nbtrain}
-    exec("def setup(m):\n    return nbtrain.prepare(m)\n", user_ns)
+    notebook_cell("def setup(m):\n    return nbtrain.prepare(m)\n", user_ns)
     assert ns.analyse_cell("model = setup(model)", user_ns).self_distributes == ("nbtrain.prepare",)
 
 
@@ -113,7 +119,9 @@ def test_logging_and_shell_use_and_the_shown_value_are_detected():
 
 def test_what_notebook_functions_refer_to_and_write_is_reported():
     user_ns: dict = {"__name__": "__main__", "epochs": 3}
-    exec("def setup():\n    global epochs\n    epochs = 5\ndef train_step(loss):\n    loss.backward()\n", user_ns)
+    notebook_cell(
+        "def setup():\n    global epochs\n    epochs = 5\ndef train_step(loss):\n    loss.backward()\n", user_ns
+    )
     analysis = ns.analyse_cell("setup()\nfor i in range(epochs):\n    train_step(model(x))\n", user_ns)
     assert analysis.function_writes == {"epochs"}
     assert "backward" in analysis.function_names
@@ -126,7 +134,7 @@ def test_what_notebook_functions_refer_to_and_write_is_reported():
 def test_unpicklable_variable_is_named_with_its_type_and_a_remedy():
     lock = threading.Lock()
     user_ns: dict = {"__name__": "__main__", "lock": lock}
-    exec("def helper():\n    return lock\n", user_ns)
+    notebook_cell("def helper():\n    return lock\n", user_ns)
     analysis = ns.analyse_cell("helper()", user_ns)
     error = ns.explain_unpicklable({n: user_ns[n] for n in analysis.names}, analysis.used_by)
     assert isinstance(error, SerializationError)
@@ -204,7 +212,7 @@ def test_unchanged_plain_objects_are_left_alone_and_unpicklable_values_skipped()
     config = {"lr": 0.1, "nested": [1, 2]}
     kernel_ns: dict = {"__name__": "__main__", "config": config}
     nested = config["nested"]
-    outcome, _report, result = _run_here(kernel_ns, "lr = config['lr']\nimport threading\nguard = threading.Lock()\n")
+    outcome, _, result = _run_here(kernel_ns, "lr = config['lr']\nimport threading\nguard = threading.Lock()\n")
     assert kernel_ns["config"] is config and config["nested"] is nested  # not even copied
     assert "config" not in outcome["changed"]
     assert kernel_ns["lr"] == 0.1
@@ -250,7 +258,7 @@ def test_names_the_kernel_does_not_have_and_ipython_history_do_not_travel():
 
 def test_a_function_using_a_global_is_named_as_its_user_even_two_calls_deep():
     user_ns: dict = {"__name__": "__main__", "table": {}}
-    exec("def low():\n    return table\ndef high():\n    return low()\n", user_ns)
+    notebook_cell("def low():\n    return table\ndef high():\n    return low()\n", user_ns)
     analysis = ns.analyse_cell("high()", user_ns)
     assert analysis.names == ("high", "low", "table")
     assert analysis.used_by == {"high": None, "low": "high", "table": "high"}  # named after what the cell calls
@@ -258,7 +266,7 @@ def test_a_function_using_a_global_is_named_as_its_user_even_two_calls_deep():
 
 def test_methods_properties_and_static_methods_of_notebook_classes_are_followed():
     user_ns: dict = {"__name__": "__main__", "SCALE": 2, "OFFSET": 1, "LIMIT": 3}
-    exec(
+    notebook_cell(
         "class Net:\n"
         "    @property\n"
         "    def scale(self):\n"
@@ -278,7 +286,7 @@ def test_methods_properties_and_static_methods_of_notebook_classes_are_followed(
 
 def test_what_a_function_writes_is_reported_for_global_and_delete():
     user_ns: dict = {"__name__": "__main__", "best": 0, "cache": 1}
-    exec("def track(v):\n    global best, cache\n    best = max(best, v)\n    del cache\n", user_ns)
+    notebook_cell("def track(v):\n    global best, cache\n    best = max(best, v)\n    del cache\n", user_ns)
     analysis = ns.analyse_cell("track(3)", user_ns)
     assert analysis.function_writes == frozenset({"best", "cache"})
     assert {"max", "best"} <= analysis.function_names
@@ -377,8 +385,9 @@ def test_a_module_state_that_cannot_be_loaded_is_skipped_and_said_why():
     kernel_ns: dict = {"model": model}
     outcome = {"modules": {"model": ({"weight": torch.ones(2, 2)}, [("", True)])}}  # no bias
     report = ns.apply_result(outcome, dict(kernel_ns), kernel_ns)
-    assert report.updated == []
-    assert [(n, t) for n, t, _ in report.skipped] == [("model", "torch.nn.modules.linear.Linear")]
+    assert report.updated == [] and [(n, t) for n, t, _ in report.skipped] == [
+        ("model", "torch.nn.modules.linear.Linear")
+    ]
     assert report.skipped[0][2].startswith("its weights could not be loaded (")
 
 
@@ -403,6 +412,6 @@ def test_load_module_state_keeps_the_kernels_tensors_devices_and_dtypes():
 
 def test_decoding_a_result_leaves_the_kernels_builtins_as_they_were():
     kernel_ns: dict = {"__name__": "__main__", "__builtins__": "ipython's", "k": 2}
-    _outcome, _, _ = _run_here(kernel_ns, "def times(v):\n    return v * k\n")
+    _run_here(kernel_ns, "def times(v):\n    return v * k\n")
     assert kernel_ns["__builtins__"] == "ipython's"
     assert kernel_ns["times"](3) == 6 and kernel_ns["times"].__globals__ is kernel_ns

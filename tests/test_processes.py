@@ -68,9 +68,7 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_children_lists_this_process_children_and_descendants_go_all_the_way_down(started):
-    parent = subprocess.Popen(
-        ["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, start_new_session=True
-    )
+    parent = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, start_new_session=True)
     started.append(parent)
     assert parent.stdout is not None
     grandchild = int(parent.stdout.readline())

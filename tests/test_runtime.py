@@ -67,20 +67,32 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
 def test_a_rank_on_one_machine_gets_torchruns_variables_on_loopback():
     variables = runtime._torchrun_variables(events.RankAssignment(START, SPEC, 29511, 100))
     assert {k: variables[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")} == {
-        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
     }
-    address = (variables["MASTER_ADDR"], variables["MASTER_PORT"], variables["NBTRAIN_ROLE"])
-    assert address == ("127.0.0.1", "29511", "rank")
+    assert (variables["MASTER_ADDR"], variables["MASTER_PORT"], variables["NBTRAIN_ROLE"]) == (
+        "127.0.0.1",
+        "29511",
+        "rank",
+    )
     assert variables["GLOO_SOCKET_IFNAME"] == variables["NCCL_SOCKET_IFNAME"] == runtime._loopback_interface()
 
 
 def test_a_rank_on_a_cluster_node_gets_the_nodes_place_and_no_interface():
     node = events.NodePlace(node_rank=1, num_nodes=2, local_world_size=2, master_addr="10.0.0.7", master_port=29500)
     spec = dataclasses.replace(SPEC, rank=3, world_size=4)
-    assignment = events.RankAssignment(dataclasses.replace(START, node=node), spec, 29500, 100)
-    variables = runtime._torchrun_variables(assignment)
-    ranks = (variables["RANK"], variables["WORLD_SIZE"], variables["LOCAL_WORLD_SIZE"], variables["GROUP_RANK"])
-    assert ranks == ("3", "4", "2", "1")
+    variables = runtime._torchrun_variables(
+        events.RankAssignment(dataclasses.replace(START, node=node), spec, 29500, 100)
+    )
+    assert (variables["RANK"], variables["WORLD_SIZE"], variables["LOCAL_WORLD_SIZE"], variables["GROUP_RANK"]) == (
+        "3",
+        "4",
+        "2",
+        "1",
+    )
     assert variables["MASTER_ADDR"] == "10.0.0.7" and "GLOO_SOCKET_IFNAME" not in variables  # the agent names it
 
 
@@ -147,8 +159,10 @@ def test_rank_0_sends_its_result_and_the_others_only_that_they_are_done(channel)
 
 def test_a_result_that_cannot_be_pickled_says_what_to_return(channel):
     rank_end, _ = channel
-    expected = r"rank 0's return value \(a generator\) cannot be sent back to the kernel: .* Return plain data"
-    with pytest.raises(TypeError, match=expected):
+    with pytest.raises(
+        TypeError,
+        match=r"rank 0's return value \(a generator\) cannot be sent back to the kernel: .* Return plain data",
+    ):
         runtime._send_done(rank_end, context(0, rank_end), (i for i in range(3)))
 
 

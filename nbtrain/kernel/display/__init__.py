@@ -17,7 +17,11 @@ Example (in a notebook cell):
     >>> def train():
     ...     for step in range(100):
     ...         nbtrain.log(loss=1.0 / (step + 1))
-    >>> display.watch(nbtrain.start(train, devices=2, accelerator="cpu"), total_steps=100)  # doctest: +SKIP
+    >>> display.watch(nbtrain.start(train, devices=2, accelerator="cpu"), total_steps=100)  # doctest: +ELLIPSIS
+    [nbtrain] starting ...
+    nbtrain · ddp_notebook · cpu · 2 ranks · finished ...
+    step 100/100 [####################] 100%
+    ...
 """
 
 from __future__ import annotations

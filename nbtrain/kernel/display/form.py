@@ -12,10 +12,15 @@ change of a control becomes the session's defaults at once (through
 ``%%distributed`` line, to copy into a cell or another notebook. A flag written on a cell
 still wins over the defaults.
 
-Example (in a notebook):
+Example (outside a notebook IPython prints the form's bundle; a notebook shows the form):
     >>> import nbtrain
-    >>> form = nbtrain.launcher()  # doctest: +SKIP
-    >>> form.devices.value = 3  # a cell without flags now runs on 3 CPU processes  # doctest: +SKIP
+    >>> form = nbtrain.launcher()  # doctest: +ELLIPSIS
+    {'text/plain': 'nbtrain launcher: ...', ...}
+    >>> form.accelerator.value = "cpu"
+    >>> form.devices.value = 3  # a cell without flags now runs on 3 CPU processes
+    >>> nbtrain.get_defaults().devices
+    '3'
+    >>> _ = nbtrain.reset_defaults()
 """
 
 from __future__ import annotations
@@ -237,10 +242,13 @@ def launcher(*, machine: Machine | None = None) -> Launcher:
 
     Example:
         >>> import nbtrain
-        >>> form = nbtrain.launcher()  # doctest: +SKIP
-        >>> form.devices.value = 4  # doctest: +SKIP
-        >>> nbtrain.get_defaults().magic_line()  # doctest: +SKIP
+        >>> form = nbtrain.launcher()  # doctest: +ELLIPSIS
+        {'text/plain': 'nbtrain launcher: ...', ...}
+        >>> form.accelerator.value = "cpu"
+        >>> form.devices.value = 4
+        >>> nbtrain.get_defaults().magic_line()
         '%%distributed --devices 4 --accelerator cpu --strategy ddp_notebook'
+        >>> _ = nbtrain.reset_defaults()
     """
     form = Launcher(machine)
     try:

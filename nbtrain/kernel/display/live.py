@@ -22,7 +22,11 @@ Example (in a notebook cell):
     >>> def train():
     ...     for step in range(100):
     ...         nbtrain.log(loss=1.0 / (step + 1))
-    >>> watch(nbtrain.start(train, devices=2, accelerator="cpu"), total_steps=100)  # doctest: +SKIP
+    >>> watch(nbtrain.start(train, devices=2, accelerator="cpu"), total_steps=100)  # doctest: +ELLIPSIS
+    [nbtrain] starting ...
+    nbtrain · ddp_notebook · cpu · 2 ranks · finished ...
+    step 100/100 [####################] 100%
+    ...
 """
 
 from __future__ import annotations
@@ -358,7 +362,10 @@ def watch(
         ...     for step in range(50):
         ...         nbtrain.log(loss=1.0 / (step + 1))
         ...     return "done"
-        >>> watch(nbtrain.start(train, devices=2, accelerator="cpu"), total_steps=50)  # doctest: +SKIP
+        >>> watch(nbtrain.start(train, devices=2, accelerator="cpu"), total_steps=50)  # doctest: +ELLIPSIS
+        [nbtrain] starting ...
+        step 50/50 [####################] 100%
+        ...
         'done'
     """
     view = LiveView(run.config, total_steps=total_steps, batch_size=batch_size, rich=rich, stall_warning=stall_warning)

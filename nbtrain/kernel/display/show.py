@@ -93,9 +93,10 @@ def show_widget(widget: Any, summary: str) -> Any:
     which ipywidgets fills with the Python repr (``VBox(children=(HTML(value=...``). Here
     that fallback is one line saying what was there.
 
-    Example (in a notebook cell):
+    Example (outside a notebook IPython prints the bundle; a notebook shows the button):
         >>> import ipywidgets
-        >>> show_widget(ipywidgets.Button(description="Stop"), "nbtrain: Stop button")  # doctest: +SKIP
+        >>> show_widget(ipywidgets.Button(description="Stop"), "nbtrain: Stop button")  # doctest: +ELLIPSIS
+        {'text/plain': 'nbtrain: Stop button', 'application/vnd.jupyter.widget-view+json': {...}, 'text/html': ...}
     """
     from IPython.display import display
 

@@ -1,0 +1,236 @@
+"""The warm launcher (nbtrain.launch_server.server), driven record by record over its channel.
+
+Each test talks to a launcher of its own, started as the kernel starts one, with the
+records the kernel sends, and reads what comes back: the protocol without the kernel's
+client in between. Rank functions are nested so that they travel by value.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cloudpickle
+import pytest
+
+from helpers import procs
+from nbtrain import config, events, processes, wire
+from nbtrain.devices import DevicePlan
+from nbtrain.kernel import client
+from nbtrain.launch_server import server
+
+READY_SECONDS = 120.0  # the launcher imports torch first
+RUN_SECONDS = 60.0
+GONE_SECONDS = 10.0
+
+
+class Channel:
+    """The kernel's end of one launcher's channel, and the ranks that launcher started."""
+
+    def __init__(self, launcher: processes.LauncherProcess) -> None:
+        self.launcher = launcher
+        self.rank_pids: list[int] = []
+        self.ready: events.LauncherReady | None = None
+
+    def send(self, message: Any) -> None:
+        wire.send(self.launcher.channel, message)
+
+    def receive(self, timeout: float) -> Any:
+        self.launcher.channel.settimeout(timeout)
+        message, fds = wire.receive(self.launcher.channel)
+        for fd in fds:
+            os.close(fd)
+        if isinstance(message, events.RankStarted):
+            self.rank_pids.append(message.pid)
+        elif isinstance(message, events.LauncherReady):
+            self.ready = message
+        return message
+
+    def until_ended(self, timeout: float = RUN_SECONDS) -> list[Any]:
+        """Every record up to the run's RunEnded (answering a ResultOffer as the kernel would)."""
+        deadline = time.monotonic() + timeout
+        seen: list[Any] = []
+        while not seen or not isinstance(seen[-1], events.RunEnded):
+            seen.append(self.receive(max(0.1, deadline - time.monotonic())))
+            if isinstance(seen[-1], events.ResultOffer):
+                self.send(events.ReleaseResult(seen[-1].run_id, send_file=True))
+        return seen
+
+
+def start_launcher() -> Channel:
+    channel = Channel(processes.start_launcher())
+    try:
+        ready = channel.receive(READY_SECONDS)
+    except BaseException:
+        close(channel)
+        raise
+    assert isinstance(ready, events.LauncherReady) and ready.pid == channel.launcher.pid
+    return channel
+
+
+def close(channel: Channel) -> None:
+    processes.stop_launcher(channel.launcher, grace=GONE_SECONDS)
+    left = procs.wait_gone(channel.rank_pids, GONE_SECONDS, reaped=False)
+    procs.kill_pids(left)
+    assert left == [], f"ranks outlived their launcher: {left}"
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Channel]:
+    """One launcher for the tests that each run their own runs on it (it takes seconds to start)."""
+    channel = start_launcher()
+    try:
+        yield channel
+    finally:
+        close(channel)
+
+
+@pytest.fixture
+def channel(shared: Channel) -> Iterator[Channel]:
+    yield shared
+    # Each test's runs ended, and their ranks with them: the next test starts from nothing.
+    assert procs.wait_gone(shared.rank_pids, GONE_SECONDS, reaped=False) == []
+    assert processes.children(shared.launcher.pid) == []
+
+
+_run_ids = iter(range(1, 1000))
+
+
+def start_run(run_id: int, fn: Callable[[], Any], devices: int = 2, timeout: float | None = None) -> events.StartRun:
+    cfg = config.make_config(DevicePlan("cpu", tuple(range(devices))), strategy="ddp_notebook", timeout=timeout)
+    payload = cloudpickle.dumps((fn, (), {}), protocol=pickle.HIGHEST_PROTOCOL)
+    return client._StartMessage(cfg, payload, has_tensor_file=False, with_log=False)(run_id)
+
+
+def of_type(seen: list[Any], kind: type) -> list[Any]:
+    return [m for m in seen if isinstance(m, kind)]
+
+
+def test_the_launcher_says_it_is_ready_with_torch_preloaded_and_no_threads(channel):
+    with open(f"/proc/{channel.launcher.pid}/status") as f:
+        threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    assert threads == 1  # it forks ranks: no other thread may hold a lock then
+    assert channel.ready is not None and {"torch", "torch.distributed", "nbtrain.rank.runtime"} <= set(
+        channel.ready.preloaded
+    )
+
+
+def test_a_run_starts_every_rank_and_ends_with_rank_0s_result(channel):
+    def work() -> Any:
+        import nbtrain
+
+        print(f"hello from {nbtrain.rank()}")
+        return ("done", nbtrain.world_size())
+
+    channel.send(start_run(next(_run_ids), work))
+    seen = channel.until_ended()
+    started = of_type(seen, events.RankStarted)
+    assert sorted(m.rank for m in started) == [0, 1] and all(m.run_id == 1 for m in seen if hasattr(m, "run_id"))
+    ended = seen[-1]
+    assert ended.state == events.FINISHED and ended.failure is None
+    assert pickle.loads(ended.result) == ("done", 2)
+    printed = {(m.rank, m.text) for m in of_type(seen, events.Output)}
+    assert printed == {(0, "hello from 0\n"), (1, "hello from 1\n")}
+
+
+def test_a_rank_that_raises_fails_the_run_and_names_the_cause(channel):
+    def fail_on_rank_1() -> None:
+        import time
+
+        import nbtrain
+
+        if nbtrain.rank() == 1:
+            raise ValueError("bad batch")
+        time.sleep(60)  # rank 0 is stopped when rank 1 fails
+
+    channel.send(start_run(next(_run_ids), fail_on_rank_1))
+    ended = channel.until_ended()[-1]
+    assert ended.state == events.FAILED and isinstance(ended.failure, events.RankFailed)
+    assert (ended.failure.rank, ended.failure.exc_type, ended.failure.message) == (1, "ValueError", "bad batch")
+    assert "raise ValueError" in ended.failure.traceback
+
+
+def test_a_rank_that_dies_fails_the_run_with_its_signal(channel):
+    def die_on_rank_0() -> None:
+        import os
+        import signal
+        import time
+
+        import nbtrain
+
+        if nbtrain.rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+
+    channel.send(start_run(next(_run_ids), die_on_rank_0))
+    ended = channel.until_ended()[-1]
+    assert ended.state == events.FAILED and isinstance(ended.failure, events.RankExited)
+    assert (ended.failure.rank, ended.failure.signal_number, ended.failure.reported) == (0, 9, False)
+
+
+def test_stop_run_stops_every_rank_and_says_where_each_was(channel):
+    def wait_forever() -> None:
+        import time
+
+        print("in the function", flush=True)
+        while True:
+            time.sleep(0.05)
+
+    start = start_run(next(_run_ids), wait_forever)
+    channel.send(start)
+    outputs = 0
+    while outputs < 2:  # both ranks are in the function, not still joining the process group
+        outputs += isinstance(channel.receive(RUN_SECONDS), events.Output)
+    channel.send(events.StopRun(start.run_id, "stopped with the Stop button"))
+    ended = channel.until_ended()[-1]
+    assert ended.state == events.STOPPED
+    assert sorted(rank for rank, _ in ended.stacks) == [0, 1]
+    assert all("wait_forever" in text for _, text in ended.stacks)  # each rank's stack at the stop
+    assert procs.wait_gone(channel.rank_pids, GONE_SECONDS, reaped=False) == []
+
+
+def test_a_run_past_its_timeout_is_stopped_as_timed_out(channel):
+    def too_slow() -> None:
+        import time
+
+        time.sleep(60)
+
+    channel.send(start_run(next(_run_ids), too_slow, devices=1, timeout=1))
+    ended = channel.until_ended()[-1]
+    assert ended.state == events.TIMED_OUT and ended.failure is None
+
+
+def test_runs_are_independent_and_identified_by_their_id(channel):
+    first, second = (
+        start_run(next(_run_ids), lambda: "first", devices=1),
+        start_run(next(_run_ids), lambda: "second", devices=1),
+    )
+    channel.send(first)
+    channel.send(second)
+    ended: dict[int, Any] = {}
+    deadline = time.monotonic() + RUN_SECONDS
+    while len(ended) < 2:
+        message = channel.receive(max(0.1, deadline - time.monotonic()))
+        if isinstance(message, events.RunEnded):
+            ended[message.run_id] = pickle.loads(message.result)
+    assert ended == {first.run_id: "first", second.run_id: "second"}
+
+
+# --- pieces -------------------------------------------------------------------------------
+
+
+def test_a_ranks_descriptors_are_opened_together_and_closed_together():
+    before = set(os.listdir("/proc/self/fd"))
+    ends = server._RankEnds.open()
+    assert len(set(os.listdir("/proc/self/fd")) - before) == 8  # a socket pair and three pipes
+    ends.close_child_side()
+    ends.close_all()  # tolerates what close_child_side already closed
+    assert set(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_rank_keeps_its_channel_listen_socket_tensors_and_stack_pipe():
+    fds = server.RankFds(channel=10, out=11, err=12, listen=None, tensor=13, stack=14)
+    assert fds.kept == [10, 13, 14]  # stdout and stderr become fds 1 and 2 instead
