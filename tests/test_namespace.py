@@ -303,7 +303,7 @@ def test_the_last_value_is_shown_unless_the_cell_ends_with_a_semicolon(raw_cell,
 def test_the_analysis_is_a_frozen_record():
     analysis = ns.analyse_cell("x", {"x": 1})
     with pytest.raises(AttributeError):
-        analysis.names = ()  # type: ignore[misc]
+        analysis.names = ()  # type: ignore[misc]  # frozen: what the test checks
 
 
 # -- what cannot travel, and files ------------------------------------------------------------
