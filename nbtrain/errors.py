@@ -42,6 +42,16 @@ class LauncherError(NbtrainError, RuntimeError):
     """The warm launcher process could not be started or stopped answering."""
 
 
+class RunNotEndedError(NbtrainError, RuntimeError):
+    """A run's result was asked for while the run was still going (``Run.result()``, a background handle's ``result``).
+
+    Example:
+        >>> error = RunNotEndedError("run 3 has not ended yet, so it has no result: call run.wait()")
+        >>> isinstance(error, RuntimeError)
+        True
+    """
+
+
 class RunFailedError(NbtrainError, RuntimeError):
     """A run ended without a result. ``rank`` names the rank that caused it (or None)."""
 

@@ -25,6 +25,7 @@ from nbtrain.errors import (
     RankDiedError,
     RankError,
     RankStartError,
+    RunNotEndedError,
     RunStoppedError,
     RunTimeoutError,
     SerializationError,
@@ -100,7 +101,7 @@ def test_events_yield_none_while_nothing_arrives_so_a_view_can_redraw():
 
 
 def test_the_result_before_the_end_says_to_wait():
-    with pytest.raises(RuntimeError, match=r"the run has not ended yet; call wait\(\) first"):
+    with pytest.raises(RunNotEndedError, match=r"run 9 has not ended yet, so it has no result .* Call run\.wait\(\)"):
         new_run(Launcher()).result()
 
 
@@ -169,6 +170,33 @@ def test_each_way_a_run_ends_raises_its_error(ended, error, text):
     with pytest.raises(error) as caught:
         new_run(launcher).wait()
     assert str(caught.value).startswith(text)
+
+
+def test_a_failure_without_a_cause_says_what_each_rank_did_and_where_the_log_is(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("[rank 1] loading\n")
+    launcher = Launcher()
+    launcher.file(
+        events.Output(RUN, 1, "stdout", "loading\nstep 1\nstep 2\nsaving\n"),
+        events.RankExited(RUN, 0, exit_code=None, signal_number=signal.SIGTERM, reported=False, stopped=True),
+        events.RankExited(RUN, 1, exit_code=0, signal_number=None, reported=True),
+        events.RunEnded(RUN, events.FAILED),
+    )
+    run = client.Run(launcher, RUN, launcher.inbox, CONFIG, str(log))
+    with pytest.raises(LauncherError) as caught:
+        run.wait()
+    assert str(caught.value).splitlines() == [
+        "the run failed, but no rank reported an error and nbtrain saw no cause.",
+        (
+            "Seen: rank 0 was killed by signal 15 (SIGTERM) when nbtrain stopped it; "
+            "rank 1 exited with code 0 after finishing its work."
+        ),
+        "Last output of rank 1: step 1 | step 2 | saving",
+        (
+            f"Every rank's full output is in {log}. Run it again; if it fails the same way, the launcher's own "
+            "messages are on the kernel's stderr (the terminal or log that runs Jupyter)."
+        ),
+    ]
 
 
 def test_a_launcher_gone_mid_run_fails_the_run_with_what_was_seen():

@@ -393,3 +393,44 @@ def test_unpicklable_return_value_gives_a_clear_error(launcher, leak_guard):
     assert "rank 0's return value (a lock) cannot be sent back" in str(error)
     assert "Return plain data, tensors or state_dicts" in str(error)
     assert_nothing_left(run, leak_guard)
+
+
+def test_asking_for_the_result_before_the_run_ended_says_how_to_get_it(launcher):
+    run = nbtrain.start(lambda: 6 * 7, devices=2)
+    # No event of the run was read yet, so it has not ended as far as the handle knows.
+    with pytest.raises(nbtrain.RunNotEndedError) as caught:
+        run.result()
+    assert isinstance(caught.value, RuntimeError)
+    assert str(caught.value) == (
+        f"run {run.run_id} has not ended yet, so it has no result (its state: running). Call run.wait(), "
+        "which waits for the end and returns the result, or read run.events() until it ends, then call run.result()."
+    )
+    assert finish(run) == 42
+
+
+def test_a_failure_no_rank_explains_says_what_was_seen_and_where_the_log_is(launcher, leak_guard):
+    """The message for a run that ends failed with no cause, made of what a real run showed.
+
+    Nothing a user does makes the launcher end a run that way (every failure it sees has a
+    cause: an exception, an exit, a failed fork), so the run below fails with a cause, and
+    its handle is then asked for the failure of an ending without one.
+    """
+
+    def fn():
+        print("step 9", flush=True)
+        print("saving", flush=True)
+        if nbtrain.rank() == 1:
+            os._exit(3)
+        return "done"
+
+    run = nbtrain.start(fn, devices=2)
+    result, error, _seen = collect(run)
+    assert isinstance(error, nbtrain.RankDiedError) and error.rank == 1, (result, error)
+    message = str(run._failure(events.RunEnded(run.run_id, events.FAILED)))
+    lines = message.splitlines()
+    assert lines[0] == "the run failed, but no rank reported an error and nbtrain saw no cause."
+    assert "rank 1 exited with code 3 before finishing its work" in lines[1], message
+    assert "Last output of rank 1: step 9 | saving" in lines, message
+    assert run.log_path and os.path.exists(run.log_path)
+    assert lines[-1].startswith(f"Every rank's full output is in {run.log_path}. Run it again;"), message
+    assert_nothing_left(run, leak_guard)

@@ -187,8 +187,11 @@ def test_unpicklable_globals_stop_the_launch_with_the_name(kernel):
         ("--timeout soon", "argument --timeout: invalid float value: 'soon'"),
         ("--timeout -3", "timeout must be positive"),
         ("--accelerator tpu", "tpu"),
-        ("--devices 2 --frobnicate", "unrecognized arguments: --frobnicate"),
-        ("--devices '2", "cannot read the flags"),
+        ("--devices 2 --frobnicate", "unrecognized arguments: --frobnicate. The flags are --devices, --accelerator,"),
+        ("--devicez 2", "unrecognized arguments: --devicez 2. Did you mean --devices?"),
+        ("--timeout soon", "'soon'. --timeout: Stop every rank after this many seconds; none: no limit."),
+        ("--num-nodes x", "argument --num-nodes: --num-nodes takes a whole number of nodes, not 'x'."),
+        ("--devices '2", "cannot read the flags \"--devices '2\": No closing quotation. Close the quote,"),
     ],
 )
 def test_bad_flags_give_one_clear_line(kernel, flags, expected):
@@ -197,6 +200,8 @@ def test_bad_flags_give_one_clear_line(kernel, flags, expected):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("UsageError: %%distributed: "), out.text
     assert expected in lines[0] and out.error is None and "ran" not in out.stdout
+    if "argument" in lines[0] or "cannot read the flags" in lines[0]:  # argparse's or shlex's: where to look
+        assert lines[0].endswith("%%distributed --help (or %distributed?) says what each flag takes."), lines[0]
 
 
 def test_help_documents_every_flag(kernel):

@@ -112,6 +112,15 @@ def test_only_the_shell_module_asks_ipython_for_the_shell():
     assert _calls("get_ipython") == {"nbtrain.kernel.shell"}
 
 
+def test_only_the_display_package_shows_anything_in_a_cell():
+    showing = {
+        _module_name(path)
+        for path in PACKAGE.rglob("*.py")
+        if any(name.startswith(("IPython.display", "ipywidgets")) for name in _imports(path))
+    }
+    assert showing == {"nbtrain.kernel.display.show", "nbtrain.kernel.display.live", "nbtrain.kernel.display.form"}
+
+
 def test_only_processes_installs_signal_handlers():
     assert _calls("signal") == {"nbtrain.processes"}
 

@@ -55,10 +55,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from nbtrain import charts, events
-from nbtrain.errors import RunFailedError, RunStoppedError
+from nbtrain.errors import RunFailedError, RunNotEndedError, RunStoppedError
 from nbtrain.kernel import display
 from nbtrain.kernel import shell as kernel_shell
 
@@ -85,6 +85,32 @@ class CellCallbacks:
     keep_metrics: Callable[[Any, Any], None]
     explain_failure: Callable[[RunFailedError, Any, str], BaseException]
     apply_result: Callable[[Any, Any, dict[str, Any], Any], Any]
+
+
+class CellFlags(Protocol):
+    """What a background cell reads of its flags: the magic's frozen ``CellOptions`` (typed
+    here by its shape, since this module never imports the magic)."""
+
+    @property
+    def output(self) -> str: ...
+
+    @property
+    def stall_warning(self) -> float | None: ...
+
+
+class PreparedCellLike(Protocol):
+    """What a background cell reads of the magic's ``PreparedCell``."""
+
+    shipped: dict[str, Any]  # emptied when the run is over: the handle keeps no old objects alive
+
+    @property
+    def record(self) -> Any: ...
+
+    @property
+    def total_steps(self) -> int | None: ...
+
+    @property
+    def unchanged(self) -> str: ...
 
 
 def runs() -> list[BackgroundRun]:
@@ -172,10 +198,10 @@ class BackgroundRun:
 
     @property
     def result(self) -> Any:
-        """What the run returned; raises its failure, or RuntimeError while it is still running."""
+        """What the run returned; raises its failure, or RunNotEndedError (a RuntimeError) while it is still running."""
         self._settle_here()
         if not self._done.is_set():
-            raise RuntimeError(
+            raise RunNotEndedError(
                 f"background run {self.id} is still running; handle.wait() waits for it, handle.stop() stops it."
             )
         if self.error is not None:
@@ -441,7 +467,9 @@ class BackgroundRun:
 class CellBackgroundRun(BackgroundRun):
     """A ``%%distributed --background`` cell: on success its results go into the kernel."""
 
-    def __init__(self, shell: Any, run: Any, prepared: Any, options: Any, callbacks: CellCallbacks) -> None:
+    def __init__(
+        self, shell: Any, run: Any, prepared: PreparedCellLike, options: CellFlags, callbacks: CellCallbacks
+    ) -> None:
         number = kernel_shell.current_cell_number(shell)
         super().__init__(
             run,
@@ -506,7 +534,9 @@ class CellBackgroundRun(BackgroundRun):
         return super()._end_note(state, error) + self._log_note()
 
 
-def follow_cell(shell: Any, run: Any, prepared: Any, options: Any, callbacks: CellCallbacks) -> CellBackgroundRun:
+def follow_cell(
+    shell: Any, run: Any, prepared: PreparedCellLike, options: CellFlags, callbacks: CellCallbacks
+) -> CellBackgroundRun:
     """Follow a started ``%%distributed --background`` cell; its handle, at once.
 
     ``prepared`` is the magic's prepared cell (``shipped``, ``record``, ``total_steps``,

@@ -1,6 +1,6 @@
 """The caller's side of a launch: ``nbtrain.launch`` / ``nbtrain.start`` and the run handle.
 
-The kernel keeps one warm launcher (started at ``import nbtrain``) and talks to it over a
+The kernel keeps one warm launcher (started by ``nbtrain.prewarm()`` or the first run) and talks to it over a
 private socket. A reader thread takes every message off that socket and files it under its
 run, so the thread that waits for a run (the cell's own thread, for a blocking launch)
 only ever reads a queue with a bounded timeout and can always be interrupted.
@@ -15,6 +15,7 @@ import itertools
 import linecache
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +33,7 @@ from nbtrain.errors import (
     RankError,
     RankStartError,
     RunFailedError,
+    RunNotEndedError,
     RunStoppedError,
     RunTimeoutError,
 )
@@ -332,6 +334,10 @@ class Run:
         self._ended: messages.RunEnded | None = None
         self._ended_fds: list[int] = []
         self._copied: CopiedResult | None = None
+        # What was seen of each rank, for a failure no rank explained: how it exited, and
+        # the last output it sent (the message's text, kept by reference: no copy per line).
+        self._exits: dict[int, messages.RankExited] = {}
+        self._last_output: dict[int, str] = {}
 
     def events(self, poll: float = POLL_SECONDS) -> Iterator[Any]:
         """Yield the run's events as they arrive, ending with its RunEnded.
@@ -363,8 +369,11 @@ class Run:
             return self._ended
         if isinstance(message, messages.Output):
             self.client.output_taken(self.run_id, len(message.text))
+            self._last_output[message.rank] = message.text
         elif isinstance(message, messages.RankStarted):
             self.pids[message.rank] = message.pid
+        elif isinstance(message, messages.RankExited):
+            self._exits[message.rank] = message
         if isinstance(message, messages.RunEnded):
             self._ended, self._ended_fds = message, fds
             self.state = message.state
@@ -437,10 +446,14 @@ class Run:
         raise KeyboardInterrupt(f"every rank was stopped.\n{where}" if where else "")
 
     def result(self) -> Any:
-        """Rank 0's return value (call after the run ended)."""
+        """Rank 0's return value (call after the run ended: after ``wait()``, or once ``events()`` is exhausted)."""
         ended = self._ended
         if ended is None:
-            raise RuntimeError("the run has not ended yet; call wait() first")
+            raise RunNotEndedError(
+                f"run {self.run_id} has not ended yet, so it has no result (its state: {self.state}). "
+                "Call run.wait(), which waits for the end and returns the result, or read run.events() "
+                "until it ends, then call run.result()."
+            )
         if ended.state == messages.FINISHED:
             return self._load_result(ended)
         raise self._failure(ended)
@@ -496,7 +509,58 @@ class Run:
             return RunStoppedError(
                 "the run was stopped before it finished; every rank is gone.", self.where_ranks_were()
             )
-        return LauncherError(ended.detail or "the run failed for an unknown reason")
+        return LauncherError(ended.detail or unexplained_failure(self._exits, self._last_output, self.log_path))
+
+
+def unexplained_failure(
+    exits: dict[int, messages.RankExited], last_output: dict[int, str], log_path: str | None
+) -> str:
+    """What a run that failed without a cause showed: each rank's exit, its last lines, where its log is.
+
+    >>> exits = {1: messages.RankExited(1, 1, exit_code=3, signal_number=None, reported=False)}
+    >>> print(unexplained_failure(exits, {1: "step 9\\nsaving\\n"}, None))  # doctest: +NORMALIZE_WHITESPACE
+    the run failed, but no rank reported an error and nbtrain saw no cause.
+    Seen: rank 1 exited with code 3 before finishing its work.
+    Last output of rank 1: step 9 | saving
+    This run has no log file (nbtrain could not write one). Run it again; if it fails the same way,
+    the launcher's own messages are on the kernel's stderr (the terminal or log that runs Jupyter).
+    """
+    lines = ["the run failed, but no rank reported an error and nbtrain saw no cause."]
+    seen = [_exit_words(exits[rank]) for rank in sorted(exits)]
+    lines.append("Seen: " + ("; ".join(seen) if seen else "no rank was seen to exit") + ".")
+    for rank in sorted(last_output)[:_RANKS_QUOTED]:
+        tail = last_output[rank].splitlines()[-_LINES_QUOTED:]
+        lines.append(f"Last output of rank {rank}: " + " | ".join(line.strip() for line in tail))
+    if log_path and os.path.exists(log_path):
+        where = f"Every rank's full output is in {log_path}."
+    elif log_path:
+        where = f"No rank printed anything (the log file {log_path} was never written)."
+    else:
+        where = "This run has no log file (nbtrain could not write one)."
+    lines.append(
+        f"{where} Run it again; if it fails the same way, the launcher's own messages are on the "
+        "kernel's stderr (the terminal or log that runs Jupyter)."
+    )
+    return "\n".join(lines)
+
+
+_RANKS_QUOTED = 4  # ranks whose last lines an unexplained failure quotes
+_LINES_QUOTED = 3  # lines quoted per rank
+
+
+def _exit_words(exited: messages.RankExited) -> str:
+    who = f"rank {exited.rank}" + (f" on {exited.node}" if exited.node else "")
+    if exited.signal_number is not None:
+        try:
+            name = f" ({signal.Signals(exited.signal_number).name})"
+        except ValueError:
+            name = ""
+        how = f"was killed by signal {exited.signal_number}{name}"
+    else:
+        how = f"exited with code {exited.exit_code}"
+    if exited.reported:
+        return f"{who} {how} after finishing its work"
+    return f"{who} {how}" + (" when nbtrain stopped it" if exited.stopped else " before finishing its work")
 
 
 def start(
@@ -533,12 +597,27 @@ def start(
             cluster, num_nodes, devices, accelerator, strategy, timeout, backend, oversubscribe, precision,
             sync_batchnorm,
         )
-    local = isinstance(client, LauncherClient)
+    return start_on(client, cfg, fn, args, kwargs)
+
+
+def start_on(
+    engine: Engine,
+    cfg: config_module.LaunchConfig,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+) -> Run:
+    """Start ``fn(*args, **kwargs)`` on an engine chosen with its plan already (the magic plans a cell's run once).
+
+    ``engine`` is this machine's launcher (:func:`get_client`) or a cluster's warm client
+    (:func:`nbtrain.cluster.engine.prepare`, which also gives ``cfg``).
+    """
+    local = isinstance(engine, LauncherClient)
     if local:  # a cluster's own checks list its nodes instead
         _admit(cfg, fn, args, kwargs)
     payload, tensor_fd = _serialise(fn, args, kwargs)
     try:
-        return _submit(client, _StartMessage(cfg, payload, tensor_fd is not None, with_log=local), tensor_fd)
+        return _submit(engine, _StartMessage(cfg, payload, tensor_fd is not None, with_log=local), tensor_fd)
     finally:
         if tensor_fd is not None:
             os.close(tensor_fd)

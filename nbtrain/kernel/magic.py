@@ -19,7 +19,9 @@ a rank is :mod:`nbtrain.rank.cell`.
 
 from __future__ import annotations
 
+import argparse
 import collections
+import difflib
 import os
 import re
 import sys
@@ -81,12 +83,13 @@ _SESSION: Any = _SessionDefault()
 
 
 def _num_nodes_flag(text: str) -> int:
+    # ArgumentTypeError: argparse shows its text (a ValueError's would become "invalid value").
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"--num-nodes takes a whole number of nodes, not {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--num-nodes takes a whole number of nodes, not {text!r}") from None
     if value < 1:
-        raise ValueError(f"--num-nodes takes a positive number of nodes, not {text!r}")
+        raise argparse.ArgumentTypeError(f"--num-nodes takes a positive number of nodes, not {text!r}")
     return value
 
 
@@ -288,10 +291,31 @@ def parse_flags(magic: Any, line: str) -> CellOptions:
     try:
         parsed = magic_arguments.parse_argstring(magic, line)
     except UsageError as error:
-        raise UsageError(f"%%distributed: {error}. See %%distributed --help.") from None
+        hint = _flag_hint(magic, str(error))
+        raise UsageError(f"%%distributed: {error}. {hint + ' ' if hint else ''}{_SEE_HELP}") from None
     except ValueError as error:  # unbalanced quotes
-        raise UsageError(f"%%distributed: cannot read the flags {line!r}: {error}.") from None
+        raise UsageError(
+            f"%%distributed: cannot read the flags {line!r}: {error}. Close the quote, or write the value "
+            f"without quotes (--devices 0,1). {_SEE_HELP}"
+        ) from None
     return fill_defaults(parsed)
+
+
+_SEE_HELP = "%%distributed --help (or %distributed?) says what each flag takes."
+
+
+def _flag_hint(magic: Any, error: str) -> str:
+    """What the flag named in argparse's ``error`` takes, or the flag a misspelt one may have meant."""
+    helps = {option: action.help or "" for action in magic.parser._actions for option in action.option_strings}
+    flags = [option for option in helps if option.startswith("--") and option != "--help"]
+    unknown = re.match(r"unrecognized arguments: (\S+)", error)
+    if unknown:
+        close = difflib.get_close_matches(unknown.group(1).split("=")[0], flags, n=1)
+        return f"Did you mean {close[0]}?" if close else f"The flags are {', '.join(flags)}."
+    named = re.match(r"argument (--[\w-]+)", error)
+    if named and "choose from" not in error:  # argparse already listed the choices
+        return f"{named.group(1)}: {helps.get(named.group(1), '')}".rstrip(": ")
+    return ""
 
 
 def fill_defaults(parsed: Any) -> CellOptions:
@@ -339,8 +363,11 @@ def help_text(magic: Any) -> str:
     return text.removeprefix("::\n\n  ")  # an RST code-block marker
 
 
-def check_flags(options: CellOptions) -> config.LaunchConfig:
-    """The launch configuration (built once per cell), or a UsageError naming the bad flag and what is possible."""
+def check_flags(options: CellOptions) -> tuple[Any, config.LaunchConfig]:
+    """The engine (None: this machine's launcher) and launch configuration, planned once per cell.
+
+    Raises a UsageError naming the bad flag and what is possible.
+    """
     from nbtrain import hardware
 
     try:
@@ -350,14 +377,14 @@ def check_flags(options: CellOptions) -> config.LaunchConfig:
             return engine.prepare(
                 options.cluster, options.num_nodes, options.devices, options.accelerator, options.strategy,
                 options.timeout, options.backend, options.precision, options.sync_batchnorm,
-            )[1]
+            )
         if options.num_nodes not in (None, 1):
             raise ConfigurationError(
                 f"--num-nodes {options.num_nodes} needs a cluster: without --cluster every rank runs on this "
                 "machine. Add --cluster ray to run across the nodes of a Ray cluster."
             )
         plan = hardware.probe_plan(options.devices, options.accelerator, options.allow_oversubscribe)
-        return config.make_config(
+        return None, config.make_config(
             plan,
             strategy=options.strategy,
             timeout=options.timeout,
@@ -387,6 +414,7 @@ class PreparedCell:
     used_by: dict[str, Any]
     record: CellRun
     total_steps: int | None = None  # the steps rank 0 will log, when the cell's code tells (the bar's total)
+    engine: Any = None  # a cluster's warm client, planned with cfg; None: this machine's launcher
 
     @property
     def unchanged(self) -> str:
@@ -399,7 +427,7 @@ def prepare_cell(shell: Any, line: str, cell: str, options: CellOptions) -> Prep
     from nbtrain.kernel import namespace as ns
     from nbtrain.rank import cell as rank_cell
 
-    cfg = check_flags(options)
+    engine, cfg = check_flags(options)
     body, blank_lines = _strip_leading_blank_lines(cell)
     if not body.strip():
         raise UsageError(
@@ -428,7 +456,7 @@ def prepare_cell(shell: Any, line: str, cell: str, options: CellOptions) -> Prep
     record = CellRun(
         world_size=cfg.world_size, strategy=cfg.strategy.name, accelerator=cfg.plan.accelerator, total_steps=total
     )
-    return PreparedCell(cfg, spec, shipped, dict(analysis.used_by), record, total)
+    return PreparedCell(cfg, spec, shipped, dict(analysis.used_by), record, total, engine)
 
 
 def infer_total_steps(
@@ -476,11 +504,11 @@ def infer_total_steps(
         return None
 
 
-def start_cell(shell: Any, prepared: PreparedCell, options: CellOptions) -> Any:
+def start_cell(shell: Any, prepared: PreparedCell) -> Any:
     """Launch a prepared cell; the :class:`nbtrain.kernel.client.Run`. Explains what cannot travel.
 
-    On this machine the launch config built from the flags is passed on (the hardware is
-    probed once); a cluster's engine plans its own placement from the flags.
+    The engine and launch config planned from the flags are passed on: the hardware (or
+    the cluster) is probed once per cell.
     """
     from nbtrain.kernel import client
     from nbtrain.kernel import namespace as ns
@@ -488,31 +516,16 @@ def start_cell(shell: Any, prepared: PreparedCell, options: CellOptions) -> Any:
 
     try:
         ns.refuse_open_files(prepared.shipped, prepared.used_by)
-        return client.start(
+        return client.start_on(
+            prepared.engine if prepared.engine is not None else client.get_client(),
+            prepared.cfg,
             rank_cell.run_cell,
             (prepared.spec, prepared.shipped, ns.anchor_function(kernel_shell.user_namespace(shell))),
-            **_launch_arguments(prepared, options),
         )
     except SerializationError as error:
         raise _plain(ns.explain_unpicklable(prepared.shipped, prepared.used_by) or error) from None
     except ConfigurationError as error:  # the run cannot fit in memory: refused before it started
         raise UsageError(f"%%distributed: {error}") from None
-
-
-def _launch_arguments(prepared: PreparedCell, options: CellOptions) -> dict[str, Any]:
-    if not _on_cluster(options):
-        return {"config": prepared.cfg}
-    return {
-        "devices": options.devices,
-        "accelerator": options.accelerator,
-        "strategy": options.strategy,
-        "timeout": options.timeout,
-        "backend": options.backend,
-        "precision": options.precision,
-        "sync_batchnorm": options.sync_batchnorm,
-        "cluster": options.cluster,
-        "num_nodes": options.num_nodes,
-    }
 
 
 def run_distributed_cell(shell: Any, line: str, cell: str, options: CellOptions) -> Any:
@@ -566,7 +579,7 @@ def _launch_and_follow(shell: Any, prepared: PreparedCell, options: CellOptions,
     record = last_run = prepared.record
     started = time.monotonic()
     try:
-        run = start_cell(shell, prepared, options)
+        run = start_cell(shell, prepared)
     except BaseException:
         record.state = events.FAILED  # refused before it started (what cannot travel, or fit)
         raise

@@ -40,6 +40,7 @@ CPU_PROCESSES_PER_CORE = 2  # the slider goes up to twice the cores
 DEFAULT_CPU_PROCESSES = 2
 MAX_TIMEOUT_SECONDS = 30 * 24 * 3600.0
 _ERROR_COLOUR = "#c62828"
+_STYLE = {"description_width": "90px"}  # the controls' labels line up
 
 
 @dataclass(frozen=True)
@@ -88,46 +89,9 @@ class Launcher:
 
         self.machine = machine or Machine.probe()
         current = defaults.get_defaults()
-        options = self.machine.accelerators()
-        available = [value for _, value in options]
-        accelerator = current.accelerator if current.accelerator in available else available[0]
-        style = {"description_width": "90px"}
-        wide = widgets.Layout(width="420px")
-
-        self.accelerator = widgets.Dropdown(
-            options=options, value=accelerator, description="accelerator", style=style, layout=wide
-        )
-        top = max(DEFAULT_CPU_PROCESSES, self.machine.cpus * CPU_PROCESSES_PER_CORE)
-        self.devices = widgets.IntSlider(
-            value=min(top, _cpu_count_of(current, accelerator) or DEFAULT_CPU_PROCESSES),
-            min=1,
-            max=top,
-            description="processes",
-            style=style,
-            layout=wide,
-        )
-        chosen = _gpus_of(current, self.machine.gpus)
-        self.gpus = [
-            widgets.Checkbox(value=gpu.index in chosen, description=f"GPU {gpu.describe()}", indent=False)
-            for gpu in self.machine.gpus
-        ]
-        self.devices_help = widgets.HTML()
-        self.devices_box = widgets.VBox()
-        strategy = current.strategy if current.strategy in config.STRATEGIES else "ddp_notebook"
-        self.strategy = widgets.Dropdown(
-            options=list(config.STRATEGIES), value=strategy, description="strategy", style=style, layout=wide
-        )
-        self.strategy_help = widgets.HTML()
-        self.timeout = widgets.BoundedFloatText(
-            value=current.timeout or 0.0,
-            min=0.0,
-            max=MAX_TIMEOUT_SECONDS,
-            step=60.0,
-            description="timeout (s)",
-            style=style,
-            layout=widgets.Layout(width="220px"),
-        )
-        self.timeout_help = widgets.HTML('<span style="color:#757575">0: no limit</span>')
+        wide = widgets.Layout(width="420px")  # one layout, shared by the full-width controls
+        self._add_device_controls(widgets, current, wide)
+        self._add_run_controls(widgets, current, wide)
         self.magic_line = widgets.HTML()
         self.status = widgets.HTML()
         title = widgets.HTML(
@@ -151,6 +115,49 @@ class Launcher:
         for control in (self.accelerator, self.devices, self.strategy, self.timeout, *self.gpus):
             control.observe(self._changed, names="value")
         self._changed()
+
+    def _add_device_controls(self, widgets: Any, current: defaults.Defaults, wide: Any) -> None:
+        """The accelerator, the CPU processes and the GPUs, set as ``current`` says where this machine allows."""
+        options = self.machine.accelerators()
+        available = [value for _, value in options]
+        accelerator = current.accelerator if current.accelerator in available else available[0]
+        self.accelerator = widgets.Dropdown(
+            options=options, value=accelerator, description="accelerator", style=_STYLE, layout=wide
+        )
+        top = max(DEFAULT_CPU_PROCESSES, self.machine.cpus * CPU_PROCESSES_PER_CORE)
+        self.devices = widgets.IntSlider(
+            value=min(top, _cpu_count_of(current, accelerator) or DEFAULT_CPU_PROCESSES),
+            min=1,
+            max=top,
+            description="processes",
+            style=_STYLE,
+            layout=wide,
+        )
+        chosen = _gpus_of(current, self.machine.gpus)
+        self.gpus = [
+            widgets.Checkbox(value=gpu.index in chosen, description=f"GPU {gpu.describe()}", indent=False)
+            for gpu in self.machine.gpus
+        ]
+        self.devices_help = widgets.HTML()
+        self.devices_box = widgets.VBox()
+
+    def _add_run_controls(self, widgets: Any, current: defaults.Defaults, wide: Any) -> None:
+        """The strategy and the timeout, set as ``current`` says."""
+        strategy = current.strategy if current.strategy in config.STRATEGIES else "ddp_notebook"
+        self.strategy = widgets.Dropdown(
+            options=list(config.STRATEGIES), value=strategy, description="strategy", style=_STYLE, layout=wide
+        )
+        self.strategy_help = widgets.HTML()
+        self.timeout = widgets.BoundedFloatText(
+            value=current.timeout or 0.0,
+            min=0.0,
+            max=MAX_TIMEOUT_SECONDS,
+            step=60.0,
+            description="timeout (s)",
+            style=_STYLE,
+            layout=widgets.Layout(width="220px"),
+        )
+        self.timeout_help = widgets.HTML('<span style="color:#757575">0: no limit</span>')
 
     # -- reacting to the controls ------------------------------------------------------
     def _changed(self, _change: Any = None) -> None:

@@ -1,0 +1,120 @@
+"""The IPython shell as the kernel side sees it (nbtrain.kernel.shell).
+
+A real IPython shell is made in a child interpreter (a shell is a process-wide singleton;
+this test process must stay without one), running cells as a kernel would.
+"""
+
+from __future__ import annotations
+
+import json
+import linecache
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from nbtrain import processes
+from nbtrain.kernel import shell
+
+CHILD_SECONDS = 120.0
+
+
+def in_a_shell(cells: list[str]) -> dict:
+    """Run ``cells`` one by one in a fresh IPython shell; the last cell prints a JSON report."""
+    code = textwrap.dedent(
+        f"""
+        from IPython.core.interactiveshell import InteractiveShell
+        ip = InteractiveShell.instance()
+        for cell in {cells!r}:
+            result = ip.run_cell(cell, store_history=True)
+            if not result.success:
+                raise SystemExit(f"cell failed: {{result.error_in_exec or result.error_before_exec}}")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_SECONDS, check=False
+    )
+    assert out.returncode == 0, out.stderr + out.stdout
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+ASK_THE_SHELL = """
+from nbtrain.kernel import shell as s
+me = s.get_shell()
+number = s.current_cell_number(me)
+name = s.register_source(me, 'y = 2\\n')
+"""
+REPORT = """
+import json, linecache
+print(json.dumps({
+    'number': number, 'names': s.cell_filenames(me).get(name), 'line': linecache.getline(name, 1),
+    'x': s.user_namespace(me)['x'], 'hidden': 'In' in s.hidden_names(me), 'notebook': s.is_notebook(me),
+    'loop': s.kernel_loop(me),
+}))
+"""
+
+
+def test_a_shell_gives_its_cell_number_namespace_and_the_cell_names_of_its_sources():
+    report = in_a_shell(["x = 1", ASK_THE_SHELL, REPORT])
+    assert report == {
+        "number": 2,
+        "names": 2,  # the source registered in cell 2 is named after it in tracebacks
+        "line": "y = 2\n",
+        "x": 1,
+        "hidden": True,
+        "notebook": False,  # a terminal shell: no HTML, no widgets
+        "loop": None,
+    }
+
+
+def test_without_a_shell_there_is_nothing_to_ask():
+    code = "from nbtrain.kernel import shell as s; import sys; "
+    code += "print(s.get_shell(), s.execution_count(), 'IPython' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_SECONDS, check=True
+    )
+    assert out.stdout == "None None False\n"  # and IPython was not imported to find out
+
+
+def test_source_registered_without_a_shell_is_in_linecache_under_a_name_of_its_own():
+    name = shell.register_source(None, "total = 0\ntotal += 1\n")
+    try:
+        assert name.startswith("<cell-") and linecache.getline(name, 2) == "total += 1\n"
+    finally:
+        linecache.cache.pop(name, None)
+
+
+def test_a_main_thread_callback_goes_to_the_kernels_loop():
+    class Loop:
+        def __init__(self) -> None:
+            self.callbacks: list[object] = []
+
+        def add_callback(self, callback: object) -> None:
+            self.callbacks.append(callback)
+
+    class Kernel:
+        io_loop = Loop()
+
+    class Shell:
+        kernel = Kernel()
+
+    loop = shell.kernel_loop(Shell())
+    assert loop is Kernel.io_loop
+    shell.call_on_main_thread(loop, print)
+    assert loop.callbacks == [print]
+
+
+def test_an_interrupt_during_a_deferred_block_comes_after_the_block():
+    done = []
+    with pytest.raises(KeyboardInterrupt), shell.interrupts_deferred():
+        signal.raise_signal(signal.SIGINT)
+        done.append("the whole update")
+    assert done == ["the whole update"]
+    with shell.interrupts_deferred():
+        pass  # no interrupt: nothing raised
+    # Inside a section that holds them, that section acts.
+    with processes.interrupts_held() as outer, shell.interrupts_deferred():
+        signal.raise_signal(signal.SIGINT)
+    assert outer.received
