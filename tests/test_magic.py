@@ -180,7 +180,7 @@ def test_unpicklable_globals_stop_the_launch_with_the_name(kernel):
             "--strategy zero",
             (
                 "unknown strategy 'zero'. Available strategies: ddp_notebook, ddp_spawn, "
-                "ddp_find_unused_parameters_true, ddp_sharded, fsdp, auto"
+                "ddp_find_unused_parameters_true, ddp_sharded, fsdp, fsdp_cpu_offload, dp, auto"
             ),
         ),
         ("--output loud", "argument --output: invalid choice: 'loud'"),
