@@ -35,14 +35,14 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from launch import (  # noqa: E402 - benchmarks/launch.py: one definition of each job
+# benchmarks/launch.py: one definition of each job
+from launch import (
     FIRST_STEP_BATCH,
     FIRST_STEP_MODEL,
     STEADY_BATCH,
     STEADY_MODEL,
     first_step_figures,
     first_step_job,
-    mlp,
     print_table,
     ratio,
     sig3,

@@ -28,8 +28,9 @@ import statistics
 import sys
 import time
 
-import nbtrain
 from live_view import paired_overhead  # benchmarks/live_view.py, beside this script
+
+import nbtrain
 
 MODEL = {"vocabulary": 500, "width": 64, "heads": 4, "feed_forward": 256, "layers": 6}
 BATCH, TOKENS = 4, 32

@@ -12,7 +12,8 @@ Every figure is measured in this one run, baselines included, on 2 CPU ranks wit
    the moment the *last* rank finished its first optimizer step (``time.time()`` in each
    rank; same clock). Job: MLP 784-256-10 under DDP, SGD, batch 32.
      - nbtrain cold: first ``nbtrain.launch`` in a fresh process, 5 s after ``import nbtrain;
-       nbtrain.prewarm()`` (what ``%load_ext nbtrain`` does; two variants: the caller imported only nbtrain / the caller also imported torch).
+       nbtrain.prewarm()`` (what ``%load_ext nbtrain`` does; two variants: the caller imported
+       only nbtrain / the caller also imported torch).
      - nbtrain warm: median of re-launches from this process.
      - fork floor: ``torch.multiprocessing.start_processes(start_method="fork")`` from this
        process, which has preloaded the same modules the nbtrain launcher preloads;
@@ -34,7 +35,9 @@ the cold nbtrain child must start with nothing but nbtrain imported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
+import itertools
 import json
 import math
 import os
@@ -76,10 +79,10 @@ SUBPROCESS_TIMEOUT_S = 180.0  # any cold child / torchrun
 # ---------------------------------------------------------------------------------------
 def mlp(sizes):
     """Linear layers of these widths with ReLU between them."""
-    import torch.nn as nn
+    from torch import nn
 
     layers = []
-    for width_in, width_out in zip(sizes, sizes[1:]):
+    for width_in, width_out in itertools.pairwise(sizes):
         layers += [nn.Linear(width_in, width_out), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
 
@@ -235,11 +238,14 @@ def free_port() -> int:
 
 def print_table(headers, rows):
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
-    line = "  ".join(str(h).ljust(w) if i == 0 else str(h).rjust(w) for i, (h, w) in enumerate(zip(headers, widths)))
+    line = "  ".join(
+        str(h).ljust(w) if i == 0 else str(h).rjust(w) for i, (h, w) in enumerate(zip(headers, widths, strict=False))
+    )
     print(line)
     print("-" * len(line))
     for r in rows:
-        print("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        cells = enumerate(zip(r, widths, strict=False))
+        print("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in cells))
 
 
 def progress(text: str) -> None:
@@ -288,7 +294,7 @@ def run_subprocess(argv, timeout=SUBPROCESS_TIMEOUT_S, env=None) -> str:
         out, err = popen.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_session(popen)
-        raise RuntimeError(f"{argv[:4]} ran past {timeout} s and was killed")
+        raise RuntimeError(f"{argv[:4]} ran past {timeout} s and was killed") from None
     finally:
         if popen in _live_popen:
             _live_popen.remove(popen)
@@ -304,10 +310,8 @@ def _kill_session(popen: subprocess.Popen) -> None:
         os.killpg(popen.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):  # a killed session ends within this
         popen.communicate(timeout=5)
-    except Exception:  # noqa: BLE001
-        pass
 
 
 class ForeignCpu:
@@ -431,7 +435,7 @@ def torch_mp_run(start_method: str, job: str, job_args: tuple, timeout=LAUNCH_TI
 def torch_mp_first_step(start_method: str) -> dict:
     t_call, records, t_end = torch_mp_run(start_method, "first_step", (FIRST_STEP_MODEL, FIRST_STEP_BATCH))
     per_rank = records[0]["result"]
-    for r, rec in zip(per_rank, records):
+    for r, rec in zip(per_rank, records, strict=False):
         r["pg"] = rec["pg"]
     return first_step_figures(t_call, per_rank, t_end, pg_key="pg")
 
@@ -458,7 +462,7 @@ def torchrun_first_step(tmp: str) -> dict:
         with open(os.path.join(outdir, f"rank{rank}.json")) as f:
             records.append(json.load(f))
     per_rank = records[0]["result"]
-    for r, rec in zip(per_rank, records):
+    for r, rec in zip(per_rank, records, strict=False):
         r["pg"] = rec["pg"]
     return first_step_figures(t_call, per_rank, t_end, pg_key="pg")
 
@@ -481,15 +485,15 @@ def child_main(kind: str, pre_import_torch: bool, wait: float) -> None:
 
         nbtrain.prewarm()  # what %load_ext nbtrain does: importing nbtrain alone starts nothing
         if pre_import_torch:
-            import torch  # noqa: F401  (a notebook's first cell usually has it)
+            import torch  # a notebook's first cell usually has it
         time.sleep(max(0.0, wait - (time.monotonic() - t_import)))
         figures = nbtrain_first_step(nbtrain)
     else:
         t_import = time.monotonic()
-        import torch  # noqa: F401
-        import torch.distributed  # noqa: F401
-        import torch.multiprocessing  # noqa: F401
-        from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+        import torch
+        import torch.distributed
+        import torch.multiprocessing  # noqa: F401 - imported as a torch user's caller would have
+        from torch.nn.parallel import DistributedDataParallel  # noqa: F401 - likewise
 
         time.sleep(max(0.0, wait - (time.monotonic() - t_import)))
         figures = torch_mp_first_step(kind)
@@ -501,10 +505,8 @@ def preload_like_launcher() -> None:
     from nbtrain.launch_server import server
 
     for module in server.PRELOAD:
-        try:
+        with contextlib.suppress(Exception):  # as the launcher does: a missing module only costs speed
             __import__(module)
-        except Exception:  # noqa: BLE001
-            pass
 
 
 # ---------------------------------------------------------------------------------------
@@ -565,10 +567,10 @@ def bench_steady(nbtrain, rounds: int, steps: int, budget: Budget) -> dict:
         for name, fn in order:
             gathered = fn()
             # DDP makes the ranks step in lock-step; a step's time is the slower rank's.
-            per_step = [max(ts) for ts in zip(*(g["times"] for g in gathered))]
+            per_step = [max(ts) for ts in zip(*(g["times"] for g in gathered), strict=False)]
             out[name].append(per_step)
             # CPU seconds per step, both ranks together: what other load cannot inflate much
-            out[name + "_cpu"].append([sum(cs) for cs in zip(*(g["cpu"] for g in gathered))])
+            out[name + "_cpu"].append([sum(cs) for cs in zip(*(g["cpu"] for g in gathered), strict=False)])
             out["threads"].update(g["threads"] for g in gathered)
     return out
 
@@ -665,7 +667,7 @@ def engine_fingerprint() -> str:
                     digest.update(f.read())
     try:
         head = subprocess.run(
-            ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True, timeout=10
         ).stdout.strip() or "?"
     except (OSError, subprocess.SubprocessError):
         head = "?"
@@ -741,7 +743,7 @@ def report(lat: dict, steady: dict, transfer: dict, load: dict, budget: Budget, 
           f"{len(steady['nbtrain'][0])} timed steps after 5 warm-up (seconds)")
     headers = ["round", "nbtrain median step", "fork floor median step", "nbtrain / fork"]
     rows, round_ratios = [], []
-    for i, (a, b) in enumerate(zip(steady["nbtrain"], steady["fork"])):
+    for i, (a, b) in enumerate(zip(steady["nbtrain"], steady["fork"], strict=False)):
         ma, mb = statistics.median(a), statistics.median(b)
         round_ratios.append(ma / mb)
         rows.append([str(i + 1), sig3(ma), sig3(mb), sig3(ma / mb) + "x"])
@@ -885,7 +887,7 @@ def main() -> None:
         transfer = bench_transfer(nbtrain, transfer_reps, budget)
         load["transfer"] = foreign.mark()
     finally:
-        for popen in list(_live_popen):
+        for popen in _live_popen:
             _kill_session(popen)
     report(lat, steady, transfer, load, budget, args, started)
 

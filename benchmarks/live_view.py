@@ -43,14 +43,15 @@ import random
 import statistics
 import sys
 import time
+from typing import Any
+
+from launch import mlp  # benchmarks/launch.py, beside this script
 
 import nbtrain
-from launch import mlp  # benchmarks/launch.py, beside this script
 from nbtrain import events
 from nbtrain.kernel import client
 from nbtrain.kernel.display.chart import ChartFigure
 from nbtrain.kernel.display.live import CHART_CPU_SHARE, SLOWEST_CHART_SECONDS, LiveView
-
 
 WORKLOADS = {
     # (layer widths, batch): steps of ~2.5 ms, a worst case for logging every step (2 ranks)
@@ -101,14 +102,16 @@ def train_in_blocks(blocks: int, steps_per_block: int, workload: str) -> dict:
     }
 
 
-def paired_overhead(with_log: list[float], without_log: list[float], resamples: int = 4000) -> tuple[float, float, float]:
+def paired_overhead(
+    with_log: list[float], without_log: list[float], resamples: int = 4000
+) -> tuple[float, float, float]:
     """Median of the with/without ratios of neighbouring blocks, minus 1, and its 95% interval.
 
     Each block is compared with its neighbour of the other kind, so drift on a busy machine
     cancels; the interval comes from resampling the pairs (bootstrap), so it says how far
     the machine's noise lets the figure move.
     """
-    ratios = [w / o for w, o in zip(with_log, without_log)]
+    ratios = [w / o for w, o in zip(with_log, without_log, strict=False)]
     generator = random.Random(0)
     medians = sorted(statistics.median(generator.choices(ratios, k=len(ratios))) for _ in range(resamples))
     low, high = medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
@@ -215,14 +218,14 @@ def kernel_side(args: argparse.Namespace) -> None:
         view.chart_png_base64(force=True)
         extra = [steps]
 
-        def redraw() -> None:  # new data each time, so the kept figure really redraws
+        def redraw(view: Any = view, extra: list[int] = extra) -> None:  # new data each time: a real redraw
             extra[0] += 1
             view.handle(events.Metrics(1, 0, ((extra[0], 0.0, {"loss": 0.1, "accuracy": 0.9}),)))
             view.chart_png_base64(force=True)
 
         kept = timed(redraw, args.repeats)
-        fresh = timed(lambda: ChartFigure(view.state).draw(view.state), max(3, args.repeats // 3))
-        unchanged = timed(lambda: view.mimebundle(), args.repeats)
+        fresh = timed(lambda view=view: ChartFigure(view.state).draw(view.state), max(3, args.repeats // 3))
+        unchanged = timed(view.mimebundle, args.repeats)
         size = len(json.dumps(view.mimebundle()))
         print(
             f"   {steps:>7,} steps: charts {kept * 1e3:6.1f} ms (first frame {fresh * 1e3:6.1f} ms), "

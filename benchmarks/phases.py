@@ -104,8 +104,8 @@ def mark(label: str) -> None:
 
 def first_step_job():
     import torch
-    import torch.nn as nn
     import torch.nn.functional as F
+    from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     mark("job: enter fn")
@@ -123,7 +123,6 @@ def first_step_job():
     mark("job: backward done")
     opt.step()
     mark("job: FIRST STEP DONE")
-    return None
 
 
 def transfer_job():
@@ -142,7 +141,7 @@ def install_caller_probes() -> None:
     from nbtrain.kernel import client
 
     probes: dict = {}
-    exec(PROBE, probes)  # the launcher's probe functions, here without its wrapping (not the launcher)
+    exec(PROBE, probes)  # noqa: S102 - the launcher's probe functions, unwrapped (this is not the launcher)
     wrap, record = probes["wrap"], probes["record"]
 
     wrap(hardware, "probe_plan", "caller: probe_plan (devices)")
@@ -210,7 +209,7 @@ def main() -> None:
     nbtrain.prewarm()  # as %load_ext nbtrain does: the launcher starts, with the probe on its path
 
     if args.caller == "torch":
-        import torch  # noqa: F401
+        import torch  # noqa: F401 - the caller variant that imported torch
     time.sleep(max(0.0, 5.0 - (time.monotonic() - t_import)))
 
     job = transfer_job if args.transfer else first_step_job

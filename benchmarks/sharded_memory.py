@@ -52,7 +52,8 @@ def main() -> None:
         per_rank = state_bytes_per_rank(strategy, args.devices, args.width)
         baseline = baseline or max(per_rank)
         shown = ", ".join(f"{b / 2**20:.1f} MiB" for b in per_rank)
-        print(f"{strategy:>13}: optimizer state per rank [{shown}]  max / ddp_notebook = {max(per_rank) / baseline:.3f}x")
+        ratio = max(per_rank) / baseline
+        print(f"{strategy:>13}: optimizer state per rank [{shown}]  max / ddp_notebook = {ratio:.3f}x")
 
 
 if __name__ == "__main__":

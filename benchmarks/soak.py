@@ -45,12 +45,12 @@ from dataclasses import dataclass, field
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # the tests' kernel driver
 
-from queue import Empty  # noqa: E402
+from queue import Empty
 
-import psutil  # noqa: E402
-from nbclient.util import run_sync  # noqa: E402
+import psutil
+from nbclient.util import run_sync
 
-from kernel_helpers import NotebookKernel  # noqa: E402
+from kernel_helpers import NotebookKernel
 
 KINDS = ("clean", "exception", "sigkill", "exit", "hang", "deadlock", "interrupt")
 STEPS = 12  # all_reduces per run; a fault strikes at one of them
@@ -96,7 +96,9 @@ while time.monotonic() < deadline:
     time.sleep(0.01)
     dist.all_reduce(t)
 """
-NEXT_CELL = "%%distributed --devices 2 --accelerator cpu\nimport torch.distributed as dist\nnext_ok = dist.get_world_size()"
+NEXT_CELL = (
+    "%%distributed --devices 2 --accelerator cpu\nimport torch.distributed as dist\nnext_ok = dist.get_world_size()"
+)
 ACCEPTED_INTERRUPT_ERRORS = ("RunInterrupted", "KeyboardInterrupt", "RunStoppedError")
 
 
@@ -331,7 +333,8 @@ def next_run_works(kernel: NotebookKernel, bound: float = PLAIN_BOUND) -> bool:
         reply, _ = kernel.wait_for_reply(kernel.start_cell(NEXT_CELL), timeout=bound)
         if reply["status"] != "ok":
             return False
-        reply, out = kernel.wait_for_reply(kernel.start_cell("print('next', next_ok); del next_ok"), timeout=PLAIN_BOUND)
+        cell = kernel.start_cell("print('next', next_ok); del next_ok")
+        reply, out = kernel.wait_for_reply(cell, timeout=PLAIN_BOUND)
     except AssertionError:
         return False
     return reply["status"] == "ok" and "next 2" in out.stdout
@@ -365,7 +368,8 @@ def soak(runs: int, seed: int, trace: str | None = None) -> bool:
             if trace:
                 write_trace(trace, index + 1, plan, resources(kernel.pid, pids_seen))
             status = "ok" if not problems else "FAILED"
-            progress(f"run {index + 1}/{runs} {plan.kind} world={plan.world} rank={plan.rank} step={plan.step}: {status}")
+            where = f"world={plan.world} rank={plan.rank} step={plan.step}"
+            progress(f"run {index + 1}/{runs} {plan.kind} {where}: {status}")
             for problem in problems:
                 failures.append(f"run {index + 1} (seed {seed}) {plan}: {problem}")
                 progress("  " + problem.splitlines()[0])
@@ -389,12 +393,15 @@ def write_trace(path: str, number: int, plan: Plan, now: dict[str, int]) -> None
 
 
 def print_fault_table(tallies: dict[str, Tally]) -> None:
-    header = ("fault", "runs", "cells over bound", "wrong blame", "kernel unusable", "next run failed", "median s", "max s")
+    header = (
+        "fault", "runs", "cells over bound", "wrong blame", "kernel unusable", "next run failed", "median s", "max s"
+    )
     rows = []
     for kind, t in tallies.items():
         rows.append((kind, t.runs, t.overran, t.wrong_blame, t.kernel_unusable, t.next_failed, *_times(t.seconds)))
     every = [s for t in tallies.values() for s in t.seconds]
-    sums = [sum(getattr(t, f) for t in tallies.values()) for f in ("runs", "overran", "wrong_blame", "kernel_unusable", "next_failed")]
+    counted = ("runs", "overran", "wrong_blame", "kernel_unusable", "next_failed")
+    sums = [sum(getattr(t, f) for t in tallies.values()) for f in counted]
     rows.append(("total", *sums, *_times(every)))
     print_table(header, rows)
 
@@ -408,13 +415,14 @@ def _times(seconds: list[float]) -> tuple[str, str]:
 def print_resource_table(before: dict[str, int], after: dict[str, int], keys: tuple[str, ...], allowed=None) -> bool:
     allowed = allowed or {}
     rows, ok = [], True
-    for key in before:
-        growth = after[key] - before[key]
+    for key, start in before.items():
+        growth = after[key] - start
         limit = allowed.get(key, 0)
         checked = key in keys
         bad = checked and growth > limit
         ok = ok and not bad
-        rows.append((key, before[key], after[key], f"{growth:+d}", f"<= {limit}" if checked else "(shown)", "GREW" if bad else ""))
+        shown = f"<= {limit}" if checked else "(shown)"
+        rows.append((key, start, after[key], f"{growth:+d}", shown, "GREW" if bad else ""))
     print()
     print_table(("resource of the kernel's tree", "at start", "at end", "growth", "allowed", ""), rows)
     return ok
@@ -473,9 +481,17 @@ def report_launches(times, first, last, control_first, control_last, baseline, e
     control = median(control_last) / median(control_first)
     drift = raw / control
     print(f"\nnbtrain launch series: {len(times)} runs of a trivial %%distributed cell (2 CPU ranks) in one kernel\n")
-    rows = [("first 10", first), ("last 10", last), ("all", times), ("control, beside the first 10", control_first), ("control, beside the last 10", control_last)]
-    print_table(("launches", "fastest s", "median s", "slowest s"), [(n, f"{min(t):.3f}", f"{median(t):.3f}", f"{max(t):.3f}") for n, t in rows])
-    print("\nmedian of each 10, in order: " + " ".join(f"{median(times[i:i + 10]):.3f}" for i in range(0, len(times), 10)))
+    rows = [
+        ("first 10", first),
+        ("last 10", last),
+        ("all", times),
+        ("control, beside the first 10", control_first),
+        ("control, beside the last 10", control_last),
+    ]
+    table = [(n, f"{min(t):.3f}", f"{median(t):.3f}", f"{max(t):.3f}") for n, t in rows]
+    print_table(("launches", "fastest s", "median s", "slowest s"), table)
+    tens = " ".join(f"{median(times[i:i + 10]):.3f}" for i in range(0, len(times), 10))
+    print("\nmedian of each 10, in order: " + tens)
     print(f"median of the last 10 / median of the first 10: {raw:.2f}; the fresh control kernel's: {control:.2f}")
     print(f"drift (the series' ratio / the control's): {drift:.2f}")
     # The control excuses a slowdown the machine's load caused; it must never condemn a series
@@ -487,9 +503,9 @@ def report_launches(times, first, last, control_first, control_last, baseline, e
 
 
 def print_table(header, rows) -> None:
-    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows, strict=False)]
     for row in (header, ["-" * w for w in widths], *rows):
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=False)).rstrip())
 
 
 def progress(text: str) -> None:

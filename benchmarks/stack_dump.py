@@ -23,10 +23,10 @@ import statistics
 import sys
 import time
 
+from launch import steady_job  # benchmarks/launch.py, beside this script
+
 import nbtrain
 from nbtrain import stacks
-
-from launch import steady_job  # benchmarks/launch.py, beside this script
 
 SIZES = (784, 512, 512, 10)
 BATCH = 32
@@ -64,8 +64,8 @@ def step_figures(dump_on: bool, steps: int) -> dict[str, float]:
     gathered, registered = nbtrain.launch(job, steps, devices=2, accelerator="cpu", timeout=600)
     if registered != dump_on:
         raise SystemExit(f"rank 0 registered={registered}, expected {dump_on}: the switch did not work")
-    slower = [max(pair) for pair in zip(*(rank["times"] for rank in gathered))]
-    cpu = [sum(pair) for pair in zip(*(rank["cpu"] for rank in gathered))]
+    slower = [max(pair) for pair in zip(*(rank["times"] for rank in gathered), strict=False)]
+    cpu = [sum(pair) for pair in zip(*(rank["cpu"] for rank in gathered), strict=False)]
     return {"median": statistics.median(slower), "fastest": min(slower), "cpu": statistics.median(cpu)}
 
 
@@ -91,15 +91,19 @@ def report(register: float, rounds: list, args: argparse.Namespace) -> None:
           f"{'-'.join(map(str, SIZES))}, batch {BATCH}, {args.steps} steps x {args.rounds} rounds)\n")
     print(f"registration, once per rank at start: {register * 1e6:.1f} us\n")
     rows = []
-    for key, label in (("median", "median step, wall"), ("fastest", "fastest step, wall"), ("cpu", "median step, CPU (both ranks)")):
+    figures = (
+        ("median", "median step, wall"), ("fastest", "fastest step, wall"), ("cpu", "median step, CPU (both ranks)")
+    )
+    for key, label in figures:
         on = statistics.median(r[True][key] for r in rounds)
         off = statistics.median(r[False][key] for r in rounds)
         ratios = [r[True][key] / r[False][key] for r in rounds]
-        rows.append((label, f"{on * 1e3:.3f}", f"{off * 1e3:.3f}", f"{statistics.median(ratios):.3f}", f"{min(ratios):.3f}-{max(ratios):.3f}"))
+        spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
+        rows.append((label, f"{on * 1e3:.3f}", f"{off * 1e3:.3f}", f"{statistics.median(ratios):.3f}", spread))
     header = ("figure", "with dump, ms", "without, ms", "ratio (median of rounds)", "ratio range (noise)")
-    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows, strict=False)]
     for row in (header, ["-" * w for w in widths], *rows):
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=False)).rstrip())
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ the warm launcher process in the background, so it has imported torch by the fir
 from __future__ import annotations
 
 import os as _os
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
 from nbtrain.errors import (
@@ -45,6 +46,9 @@ from nbtrain.kernel.client import Run, launch, start
 from nbtrain.kernel.defaults import get_defaults, reset_defaults, set_defaults
 from nbtrain.rank.api import all_reduce, device, is_rank_zero, local_rank, log, rank, world_size
 from nbtrain.rank.prepare import prepare
+
+if _TYPE_CHECKING:
+    from nbtrain.kernel.background import BackgroundRun
 
 __all__ = [
     "ConfigurationError",
@@ -82,7 +86,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def launcher(**kwargs: object) -> object:
+def launcher(**kwargs: _Any) -> object:
     """Show a form (ipywidgets) that sets the defaults of every ``%%distributed`` cell.
 
     Accelerator, devices (a checkbox per GPU, or a number of CPU processes), strategy,
@@ -97,7 +101,7 @@ def launcher(**kwargs: object) -> object:
     return _launcher(**kwargs)
 
 
-def runs() -> list:
+def runs() -> list[BackgroundRun]:
     """This kernel's background runs, oldest first (``%%distributed --background``, ``launch(background=True)``)."""
     from nbtrain.kernel.background import runs as _runs
 

@@ -184,14 +184,14 @@ class _Plan:
         if not isinstance(statement, ast.Expr):
             raise _Unknown("the counting call is part of a larger expression")
         blocks: list[ast.For | ast.With] = []  # from the innermost out
-        child: ast.AST = statement
+        child: ast.stmt = statement
         parent = self.parents[child]
         while not isinstance(parent, ast.Module):
             if not (isinstance(parent, (ast.For, ast.With)) and _in_body(parent, child)):
                 raise _Unknown(f"the counting call is inside {type(parent).__name__}")
             blocks.append(parent)
             child, parent = parent, self.parents[parent]
-        top_index = self.tree.body.index(child)  # type: ignore[arg-type]
+        top_index = self.tree.body.index(child)
         total = 1
         for i, loop in enumerate(blocks):
             if not isinstance(loop, ast.For):
@@ -213,15 +213,15 @@ class _Plan:
         return self.top_without_grad
 
     def _counting_calls(self) -> list[ast.Call]:
-        sites = []
+        sites: list[ast.Call] = []
         for node in ast.walk(self.tree):
-            called_here = isinstance(self.parents.get(node), ast.Call) and self.parents[node].func is node
-            if self._is_counter(node):
-                if not called_here:
-                    raise _Unknown("the step counter is referred to without being called (an alias?)")
-                call = self.parents[node]
-                if self._counts(call):  # type: ignore[arg-type]
-                    sites.append(call)
+            if not self._is_counter(node):
+                continue
+            call = self.parents.get(node)
+            if not (isinstance(call, ast.Call) and call.func is node):
+                raise _Unknown("the step counter is referred to without being called (an alias?)")
+            if self._counts(call):
+                sites.append(call)
         if not sites:
             raise _Unknown("nothing in the cell advances the step")
         return sites
@@ -239,7 +239,9 @@ class _Plan:
         if None in keywords or any(isinstance(a, ast.Starred) for a in call.args):
             raise _Unknown("** or * arguments")
         if self.counter.kind == BACKWARD:
-            owner = call.func.value  # type: ignore[attr-defined]
+            if not isinstance(call.func, ast.Attribute):  # _is_counter: always <owner>.backward
+                raise _Unknown("backward called by another name")
+            owner = call.func.value
             if _dotted(owner).rsplit(".", 1)[-1] == "autograd":
                 raise _Unknown("torch.autograd.backward logs nothing")
             if call.args or "gradient" in keywords:
@@ -328,14 +330,14 @@ class _Plan:
         if index >= before:
             raise _Unknown(f"{name} is bound after the loop starts")
         if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
-            target, value = statement.targets[0], statement.value
+            target, expression = statement.targets[0], statement.value
         elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
-            target, value = statement.target, statement.value
+            target, expression = statement.target, statement.value
         else:
             raise _Unknown(f"{name} is not bound by a plain assignment")
         if not (isinstance(target, ast.Name) and target.id == name):
             raise _Unknown(f"{name} is bound by unpacking")
-        return self._int(value, index, self.top_without_grad)  # a top-level statement
+        return self._int(expression, index, self.top_without_grad)  # a top-level statement
 
     def _is_builtin(self, func: ast.expr, name: str) -> bool:
         return (

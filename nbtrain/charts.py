@@ -103,7 +103,7 @@ class DownsampledSeries:
         self.max_points = max_points
         self.points_per_bucket = 1
         self.count = 0  # points appended, charted or not
-        self.last_step: int | None = None
+        self.last_step: float | None = None
         self.last_value: float | None = None
         self._buckets: list[_Bucket] = []
 
@@ -233,7 +233,8 @@ class MetricHistory:
         if not self._waiting:
             return
         if len(self.ranks) >= self.world_size:
-            every_rank_reached = min(series.last_step for series in self.ranks.values())
+            # A rank's series exists once it logged, so each has a last step.
+            every_rank_reached = min(s.last_step for s in self.ranks.values() if s.last_step is not None)
         else:
             every_rank_reached = -math.inf
         ordered = sorted(self._waiting)

@@ -46,6 +46,7 @@ import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import SupportsIndex
 
 from nbtrain.errors import ConfigurationError
 
@@ -294,6 +295,8 @@ def _as_index(item: object) -> int:
 
 def _as_int(value: object) -> int | None:
     # operator.index takes int-like types such as numpy.int64, but not floats or strings.
+    if not isinstance(value, SupportsIndex):
+        return None
     try:
         return operator.index(value)
     except TypeError:
@@ -302,7 +305,7 @@ def _as_int(value: object) -> int | None:
 
 def _choose_gpus(request: _DeviceRequest, gpus: Sequence[GpuInfo]) -> tuple[int, ...]:
     visible = tuple(gpu.index for gpu in gpus)
-    if request in (_AUTO, _ALL):
+    if isinstance(request, str):  # _AUTO or _ALL, the only strings a request holds
         return visible
     if isinstance(request, int):
         if request > len(visible):

@@ -77,6 +77,8 @@ class RankError(RunFailedError):
         (1, 'ValueError')
     """
 
+    rank: int  # always known here
+
     def __init__(
         self, rank: int, exc_type: str, exc_message: str, remote_traceback: str, note: str = "", node: str = ""
     ):

@@ -14,6 +14,7 @@ puts the fastest first; the two agree unless a machine mixes GPU models, and the
 
 from __future__ import annotations
 
+import importlib
 import os
 import platform
 import re
@@ -59,7 +60,7 @@ def _started_nvml() -> ModuleType | None:
     """pynvml, initialised; None without the package, the driver library or a GPU (each
     means "no usable GPU")."""
     try:
-        import pynvml
+        pynvml = importlib.import_module("pynvml")
     except ImportError:
         return None
     try:

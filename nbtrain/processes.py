@@ -55,7 +55,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 class LauncherProcess:
     """The kernel's handle on its launcher: the process and the kernel's end of the socket."""
 
-    popen: subprocess.Popen
+    popen: subprocess.Popen[bytes]
     channel: socket.socket
 
     @property

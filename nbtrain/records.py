@@ -64,7 +64,7 @@ class CellResult:
     """
 
     payload: bytes
-    storages: list
+    storages: list[Any]
     deleted: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, type, why)
     prepared: list[tuple[str, str]] = field(default_factory=list)  # (name, what auto mode did)

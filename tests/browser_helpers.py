@@ -17,9 +17,11 @@ Every wait has a deadline; nothing sleeps to let something happen.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,10 +29,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import psutil
+import pytest
 
 from helpers import procs
 
@@ -167,7 +172,7 @@ class JupyterLab:
         ]
         if os.geteuid() == 0:  # CI containers run as root; jupyter_server refuses that without this
             command.append("--allow-root")
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the server writes it until stop() closes it
         self.process = subprocess.Popen(
             command,
             cwd=self.root,
@@ -312,12 +317,12 @@ def chromium_problem() -> str | None:
     if not os.access(CHROMIUM, os.X_OK):
         return f"{CHROMIUM} is missing: run `bash .ci/browser-setup` (apt-get install -y chromium)"
     try:
-        import playwright.sync_api  # noqa: F401
+        import playwright.sync_api  # noqa: F401 - only whether it imports
     except ImportError:
         return "the playwright package is missing: run `bash .ci/browser-setup` (pip install -e '.[browser]')"
     try:
-        import jupyterlab  # noqa: F401
-        import notebook  # noqa: F401  (Notebook 7: the extension's test there)
+        import jupyterlab  # noqa: F401 - only whether it imports
+        import notebook  # noqa: F401 - Notebook 7, for the extension's test there
     except ImportError as error:
         return f"{error.name} is missing: run `bash .ci/browser-setup` (pip install -e '.[browser]')"
     return None
@@ -345,3 +350,159 @@ def open_browser(playwright: Any, base: Path, mark: str) -> Any:
         viewport={"width": 1280, "height": 1000},
         timeout=60_000,
     )
+
+
+# -- the session fixture of the browser tests (registered by tests/conftest.py) ----------
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "browser"
+UI_TIMEOUT_MS = 30_000  # any one click or element in the UI
+KERNEL_READY_MS = 60_000  # the kernel starts (and imports IPython) on a loaded 2-core machine
+RUN_MS = 90_000  # torch imports in the launcher, the ranks start, train and end
+
+
+def _requirements() -> None:
+    problem = chromium_problem()
+    if problem is None:
+        return
+    if os.environ.get("NBTRAIN_SKIP_BROWSER_TESTS") == "1":
+        pytest.skip(f"NBTRAIN_SKIP_BROWSER_TESTS=1 and {problem}")
+    pytest.fail(f"the browser test cannot run: {problem} (or set NBTRAIN_SKIP_BROWSER_TESTS=1 to skip it)")
+
+
+class Session:
+    """The running JupyterLab, the browser page, and where this test's artifacts go."""
+
+    def __init__(self, lab: JupyterLab, page: Any, artifacts: Path):
+        self.lab = lab
+        self.page = page
+        self.artifacts = artifacts
+
+    def open_notebook(self, name: str, sources: list[str]) -> Any:
+        """Write the notebook, open it, wait until its kernel is idle; the notebook panel."""
+        write_notebook(self.lab.root / name, sources)
+        self.page.goto(self.lab.url(f"lab/tree/{name}" if self.lab.app == "lab" else f"notebooks/{name}"))
+        notebook = self.page.locator(".jp-NotebookPanel", has=self.page.locator(".jp-Notebook .jp-Cell"))
+        notebook.wait_for(state="visible")
+        self.wait_idle(KERNEL_READY_MS)
+        return notebook
+
+    def wait_idle(self, timeout_ms: int) -> None:
+        """The kernel is idle (started, or done with the cells)."""
+        self.wait_kernel("Idle", timeout_ms)
+
+    def wait_kernel(self, state: str, timeout_ms: int = UI_TIMEOUT_MS) -> None:
+        """The kernel's state as the page shows it: JupyterLab's status bar names the kernel
+        and its state; Notebook 7 has no status bar, its toolbar's indicator carries it."""
+        if self.lab.app == "lab":
+            self.page.get_by_text(f"Python 3 (ipykernel) | {state}").wait_for(timeout=timeout_ms)
+        else:
+            self.lab.wait_kernel_connected(timeout_ms / 1000)
+            indicator = f'.jp-Notebook-ExecutionIndicator[data-status="{state.lower()}"]'
+            self.page.locator(indicator).wait_for(state="attached", timeout=timeout_ms)
+
+    def run_all(self) -> None:
+        """Run > Run All Cells, as a user would."""
+        self.page.get_by_role("menuitem", name="Run", exact=True).click()
+        self.page.locator("li[data-command='runmenu:run-all']").click()
+
+    def screenshot(self, name: str) -> Path:
+        path = self.artifacts / name
+        self.page.screenshot(path=str(path))
+        return path
+
+    def save_png(self, src: str | None, name: str) -> bytes:
+        """Decode an ``<img>``'s data URL, save it, return the PNG bytes."""
+        prefix = "data:image/png;base64,"
+        assert src and src.startswith(prefix), f"the chart is not an inline PNG: {(src or '')[:80]!r}"
+        data = base64.b64decode(src[len(prefix) :])
+        assert data.startswith(b"\x89PNG\r\n\x1a\n"), "the chart's data is not a PNG"
+        (self.artifacts / name).write_bytes(data)
+        return data
+
+    def ranks(self) -> list[int]:
+        """PIDs of nbtrain's ranks under this server's kernels (the launchers' children)."""
+        assert self.lab.process is not None
+        found = []
+        try:
+            tree = psutil.Process(self.lab.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        for process in tree:
+            try:
+                if "nbtrain.launch_server" in " ".join(process.cmdline()):
+                    found += [child.pid for child in process.children() if alive(child.pid)]
+            except psutil.Error:
+                continue
+        return sorted(set(found))
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Move this run's artifacts into place (the last run of the test wins, whole)."""
+    shutil.rmtree(final, ignore_errors=True)
+    try:
+        staging.rename(final)
+    except OSError:  # another run of the suite published at the same moment: keep ours aside
+        print(f"browser test artifacts left in {staging}", file=sys.stderr)
+
+
+@pytest.fixture
+def session(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Session]:
+    """JupyterLab (light theme, or the theme given as the fixture's parameter; "notebook":
+    Notebook 7 instead, light) and Chromium, started here and ended here, every process checked gone."""
+    _requirements()
+    from playwright.sync_api import sync_playwright
+
+    param = getattr(request, "param", "light")
+    app = "notebook" if param == "notebook" else "lab"
+    theme = "light" if app == "notebook" else param
+    name = request.node.originalname.removeprefix("test_")
+    final = ARTIFACTS / (name if param == "light" else f"{name}-{param}")
+    # Written aside, then moved into place: two runs of the suite at once do not mix files.
+    staging = ARTIFACTS / f".{final.name}.{os.getpid()}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    mark = uuid.uuid4().hex
+    ours_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    lab = JupyterLab(tmp_path, staging / "jupyterlab.log", mark, theme, app)
+    leftovers: list[str] = []
+    try:
+        lab.start()
+        with sync_playwright() as playwright:
+            context = open_browser(playwright, tmp_path, mark)
+            try:
+                context.set_default_timeout(UI_TIMEOUT_MS)
+                page = context.pages[0] if context.pages else context.new_page()
+                try:
+                    yield Session(lab, page, staging)
+                finally:
+                    lab.remember_tree()
+                    # What the page showed at the end (after a failure: where it stopped).
+                    try:
+                        page.screenshot(path=str(staging / "99-teardown.png"), timeout=UI_TIMEOUT_MS)
+                    except Exception as error:  # noqa: BLE001 - a crashed page: the cleanup goes on
+                        print(f"no teardown screenshot: {error}", file=sys.stderr)
+            finally:
+                context.close()
+    finally:
+        try:
+            leftovers += lab.stop()
+            # Anything of this test still alive: the mark is in the environment of the
+            # server, its kernels, nbtrain's launchers and ranks (inherited) and Chromium.
+            marked = wait_gone(marked_processes(mark), GONE_SECONDS)
+            leftovers += [describe(pid) for pid in marked]
+            kill_and_wait(marked)
+            # ...and the Playwright driver, a child of this process.
+            new = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in ours_before]
+            new = wait_gone(new, GONE_SECONDS)
+            leftovers += [describe(pid) for pid in new]
+            kill_and_wait(new)
+        finally:
+            _publish(staging, final)
+    assert not leftovers, f"processes of the browser test outlived it: {leftovers}"
+
+
+def check_kernel_python(cell: Any) -> None:
+    """The kernel is this venv's python, so it runs the nbtrain under test."""
+    output = cell.locator(".jp-OutputArea-output")
+    output.wait_for(timeout=KERNEL_READY_MS)
+    assert str(Path(sys.executable).parent) in output.inner_text()

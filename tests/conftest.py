@@ -17,14 +17,17 @@ import pytest
 # Jupyter runtime directory: a real JupyterLab's sidebar never lists test runs.
 os.environ.setdefault("NBTRAIN_RUNTIME_DIR", tempfile.mkdtemp(prefix="nbtrain-test-registry-"))
 
-import nbtrain  # noqa: F401, E402 - starts the warm launcher, as in a notebook
-from nbtrain.kernel import client as kernel_client  # noqa: E402
+import nbtrain  # noqa: F401 - starts the warm launcher, as in a notebook
+from nbtrain.kernel import client as kernel_client
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:  # for `helpers` (ranks get this sys.path too); pytest's prepend mode adds it
     sys.path.insert(0, _TESTS)
 
-from helpers import procs  # noqa: E402
+from helpers import procs
+
+# The browser tests' ``session`` fixture (JupyterLab and Chromium, every process checked gone).
+pytest_plugins = ["browser_helpers"]
 
 LAUNCHER_READY_SECONDS = 120.0  # importing torch on a loaded 2-core machine
 CHILDREN_GONE_SECONDS = 5.0

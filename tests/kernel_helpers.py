@@ -22,6 +22,7 @@ import nbformat
 import psutil
 from nbclient import NotebookClient
 from nbclient.util import run_sync
+from typing_extensions import Self  # typing.Self is 3.11+; torch requires typing_extensions
 
 from helpers import procs
 
@@ -175,10 +176,10 @@ class NotebookKernel:
         finally:
             procs.kill_and_wait(pids, GONE_SECONDS, reaped=False)
 
-    def __enter__(self) -> "NotebookKernel":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
 

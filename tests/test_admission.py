@@ -12,10 +12,10 @@ import sys
 
 import pytest
 import torch
-from helpers import procs
 from torch import nn
 
 import nbtrain
+from helpers import procs
 from nbtrain import admission, devices, hardware
 from nbtrain.errors import ConfigurationError
 

@@ -12,9 +12,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from helpers.procs import finish
 
 import nbtrain
+from helpers.procs import finish
 from nbtrain import events
 from nbtrain.rank import api
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from queue import Empty
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from nbclient.util import run_sync
@@ -372,7 +373,7 @@ def test_launch_in_the_background_returns_a_handle_and_its_value(session):
     assert cell.stdout.strip() == "function add"
     view = session.view_id(cell)
     assert session.value("nbtrain.runs()[-1].wait(timeout=30)") == 5
-    _, text, _ = session.wait_view(view, "finished — the result is in handle.result")
+    _, _text, _ = session.wait_view(view, "finished — the result is in handle.result")
     assert session.value("[r.state for r in nbtrain.runs()]")[-1] == "finished"
 
 
@@ -401,7 +402,7 @@ def test_exit_stops_a_background_run_of_a_plain_python_script(tmp_path):
 
     script = tmp_path / "exiting.py"
     script.write_text(EXITING_SCRIPT)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    out = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     pids = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("[") and "rank" not in line))
     assert len(pids) == 2

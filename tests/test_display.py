@@ -174,7 +174,7 @@ def test_a_distributed_cell_shows_its_total_and_eta_inferred_from_the_loops(prog
     progress = [frame["text/plain"].splitlines()[1] for frame in frames]
     running = [
         PROGRESS_LINE.match(line)
-        for frame, line in zip(frames, progress)
+        for frame, line in zip(frames, progress, strict=False)
         if "· running ·" in frame["text/plain"].splitlines()[0]
     ]
     under_way = [m for m in running if m and m.group(4) and 0 < int(m.group(1)) < EXPECTED_TOTAL]
@@ -277,7 +277,7 @@ def test_plain_python_gets_text_progress():
     code = TRAIN_SOURCE + (
         'print("result:", watch(nbtrain.start(train, (30,), devices=2, accelerator="cpu"), total_steps=30))'
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert out.startswith("[nbtrain] starting · ")
@@ -323,7 +323,9 @@ def test_plain_frontends_are_not_rich(argv, expected):
         "print(frontend_is_rich(), type(IPython.get_ipython()).__name__ if IPython.get_ipython() else None)"
     )
     env = {**os.environ, "NBTRAIN_PREWARM": "0"}
-    done = subprocess.run([sys.executable, *argv, code], capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run(
+        [sys.executable, *argv, code], check=False, capture_output=True, text=True, timeout=60, env=env
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == expected
 

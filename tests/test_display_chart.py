@@ -68,7 +68,7 @@ STATES = {
 }
 
 
-@functools.lru_cache(maxsize=None)  # drawn once per module: the tests only read the figure
+@functools.cache  # drawn once per module: the tests only read the figure
 def drawn(name: str) -> tuple[ChartFigure, bytes]:
     state = STATES[name]()
     figure = ChartFigure(state)
@@ -112,7 +112,7 @@ def test_tick_labels_are_at_least_10_css_pixels_and_no_axis_has_an_offset_label(
 def test_the_png_has_twice_the_pixels_of_its_css_size_and_a_transparent_background(name):
     figure, png = drawn(name)
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height, depth, colour_type = struct.unpack(">IIBB", png[16:26])
+    width, height, _depth, colour_type = struct.unpack(">IIBB", png[16:26])
     assert (width, height) == figure.pixel_size == tuple(charts.PIXEL_RATIO * n for n in figure.css_size)
     assert colour_type == 6, "RGBA: the page's background (light or dark) shows through"
     import numpy

@@ -12,6 +12,7 @@ import pytest
 from kernel_helpers import NotebookKernel
 
 import nbtrain
+from kernel_helpers import NotebookKernel
 from nbtrain import hardware
 from nbtrain.devices import GpuInfo
 from nbtrain.errors import ConfigurationError
@@ -62,7 +63,7 @@ def test_set_defaults_keeps_what_is_not_given_and_writes_the_magic_line():
     ],
 )
 def test_set_defaults_refuses_what_cannot_run_here_and_changes_nothing(settings, message, monkeypatch):
-    monkeypatch.setattr(hardware, "detect_gpus", lambda: [])
+    monkeypatch.setattr(hardware, "detect_gpus", list)
     nbtrain.set_defaults(devices=2, accelerator="cpu")
     with pytest.raises(ConfigurationError, match=message):
         nbtrain.set_defaults(**settings)
@@ -183,7 +184,7 @@ def test_the_widget_module_never_imports_torch_or_initialises_cuda():
 
     code = "import sys\nfrom nbtrain.kernel.display import form\nform.Launcher()\nprint('torch' in sys.modules)\n"
     env = {**os.environ, "NBTRAIN_PREWARM": "0"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 
@@ -230,8 +231,13 @@ def test_the_form_renders_in_a_kernel_and_its_values_become_the_cells_defaults()
         children = {cid: _state_of(notebook, cid) for cid in _child_ids(form)}
         kinds = [state["_model_name"] for state in children.values()]
         assert kinds == ["HTMLModel", "DropdownModel", "VBoxModel", "DropdownModel", "HTMLModel", "HBoxModel",
+<<<<<<< HEAD
                          "HBoxModel", "CheckboxModel", "HBoxModel", "HTMLModel", "HTMLModel"]
         _, accelerator, devices_box, strategy, strategy_help, timeout_row, *_, line, status = children.values()
+=======
+                         "HTMLModel", "HTMLModel"]
+        _title, accelerator, devices_box, strategy, strategy_help, timeout_row, line, status = children.values()
+>>>>>>> main
         cores = hardware.cpu_count()
         assert accelerator["_options_labels"] == [f"cpu: {cores} core" + ("s" if cores != 1 else "")]
         assert accelerator["description"] == "accelerator" and strategy["_options_labels"][0] == "ddp_notebook"

@@ -16,9 +16,9 @@ import types
 
 import psutil
 import pytest
-from helpers import procs
 
 import nbtrain
+from helpers import procs
 
 PACKAGE = pathlib.Path(nbtrain.__file__).parent
 PROCESS_GONE_SECONDS = 5.0

@@ -56,7 +56,8 @@ def train(model, train_loader, optimizer, epoch):
         loss.backward()
         optimizer.step()
         if batch_idx % 10 == 0:
-            print(f"Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_loader.dataset)}]  Loss: {loss.item():.6f}")
+            seen = f"{batch_idx * len(data)}/{len(train_loader.dataset)}"
+            print(f"Train Epoch: {epoch} [{seen}]  Loss: {loss.item():.6f}")
 
 def test(model, test_loader):
     model.eval()
@@ -110,7 +111,9 @@ SUMMARY = (
     "train_loader: sharded (DistributedSampler, 384 of 768 per rank; effective batch 64 = 32 per rank x 2 ranks); "
     "test_loader: evaluated whole on every rank (iterated without gradients)."
 )
-TEST_LINE = re.compile(r"^(?:\[rank (\d)\] )?Test set: Average loss: ([\d.]+), Accuracy: (\d+)/(\d+) \(\d+%\)$", re.MULTILINE)
+TEST_LINE = re.compile(
+    r"^(?:\[rank (\d)\] )?Test set: Average loss: ([\d.]+), Accuracy: (\d+)/(\d+) \(\d+%\)$", re.MULTILINE
+)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +130,8 @@ def kernel():
 def printed_tests(text: str) -> list[tuple[int | None, float, int, int]]:
     """(rank or None for the kernel, average loss, correct, total) of each "Test set" line."""
     return [
-        (None if r == "" else int(r), float(loss), int(correct), int(n)) for r, loss, correct, n in TEST_LINE.findall(text)
+        (None if r == "" else int(r), float(loss), int(correct), int(n))
+        for r, loss, correct, n in TEST_LINE.findall(text)
     ]
 
 
@@ -216,7 +220,8 @@ def test_one_loader_for_training_and_evaluation_in_one_cell(kernel):
     _, correct, n = kernel_evaluation(kernel, "train_loader")
     assert n == 768 and last[0][1:] == last[1][1:] == (correct, 768), out.stdout
     assert (
-        "train_loader: sharded for training (DistributedSampler, 384 of 768 per rank; effective batch 64 = 32 per rank x 2 ranks) and "
+        "train_loader: sharded for training (DistributedSampler, 384 of 768 per rank; "
+        "effective batch 64 = 32 per rank x 2 ranks) and "
         "evaluated whole on every rank (iterated without gradients)." in out.stdout
     )
     # the epochs of the training passes are as if nothing else had read the loader

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import nbtrain
-from nbtrain import events
-from nbtrain.kernel import client as kernel_client
 from helpers import procs
 from helpers.procs import collect, finish
+from nbtrain import events
+from nbtrain.kernel import client as kernel_client
 
 HELPERS = Path(__file__).parent / "helpers"
 STOP_BOUND = 3.0  # spec: 1 s
@@ -193,15 +193,15 @@ def _segfault() -> None:
 HARD_DEATHS = {
     "sigkill": (
         lambda: os.kill(os.getpid(), signal.SIGKILL),
-        dict(signal_number=signal.SIGKILL, exit_code=None),
+        {"signal_number": signal.SIGKILL, "exit_code": None},
         ("rank 1", "SIGKILL", "out of memory"),
     ),
     "segfault": (
         lambda: _segfault(),
-        dict(signal_number=signal.SIGSEGV, exit_code=None),
+        {"signal_number": signal.SIGSEGV, "exit_code": None},
         ("rank 1", "SIGSEGV", "segmentation fault"),
     ),
-    "os._exit(3)": (lambda: os._exit(3), dict(signal_number=None, exit_code=3), ("rank 1", "exited with code 3")),
+    "os._exit(3)": (lambda: os._exit(3), {"signal_number": None, "exit_code": 3}, ("rank 1", "exited with code 3")),
 }
 
 
@@ -363,7 +363,7 @@ def test_launcher_death_fails_the_run_and_the_next_launch_starts_a_new_one(launc
         wait_until_running(run)
         old_pid = launcher.process.pid
         os.kill(old_pid, signal.SIGKILL)
-        result, error, seen = collect(run, timeout=30)
+        result, error, _seen = collect(run, timeout=30)
         assert isinstance(error, nbtrain.LauncherError), (result, error)
         assert "launcher process has exited" in str(error)
         assert "(exit code -9)" in str(error)
@@ -387,7 +387,7 @@ def test_unpicklable_function_raises_serialization_error(launcher):
 
 def test_unpicklable_return_value_gives_a_clear_error(launcher, leak_guard):
     run = nbtrain.start(lambda: threading.Lock(), devices=2)
-    result, error, seen = collect(run)
+    result, error, _seen = collect(run)
     assert isinstance(error, nbtrain.RankError), (result, error)
     assert error.rank == 0 and error.exc_type == "TypeError"
     assert "rank 0's return value (a lock) cannot be sent back" in str(error)

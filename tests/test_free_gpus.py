@@ -14,9 +14,9 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers import procs
 from kernel_helpers import NotebookKernel
-
 from nbtrain import freegpus
 from nbtrain.devices import GpuInfo
 from nbtrain.errors import ConfigurationError

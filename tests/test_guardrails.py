@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
 from helpers import procs
 
 pytestmark = pytest.mark.timeout(300)

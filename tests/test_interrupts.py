@@ -30,9 +30,12 @@ def spin():
 # Each call runs until interrupted; the cell reports which handler saw the interrupt.
 CALLS = {
     "cell": 'get_ipython().run_cell_magic("distributed", "--devices 2 --accelerator cpu", '
-    '"import nbtrain, time\\nprint(\\"running\\", nbtrain.rank(), flush=True)\\nwhile True:\\n    time.sleep(0.01)\\n")',
+    '"import nbtrain, time\\nprint(\\"running\\", nbtrain.rank(), flush=True)\\n'
+    'while True:\\n    time.sleep(0.01)\\n")',
     "launch": 'nbtrain.launch(spin, devices=2, accelerator="cpu")',
-    "start-wait": 'nbtrain.start(spin, devices=2, accelerator="cpu").wait(on_event=nbtrain.kernel.display.print_output)',
+    "start-wait": (
+        'nbtrain.start(spin, devices=2, accelerator="cpu").wait(on_event=nbtrain.kernel.display.print_output)'
+    ),
 }
 EXPECTED = {"cell": "RunInterrupted", "launch": "KeyboardInterrupt", "start-wait": "KeyboardInterrupt"}
 

@@ -29,19 +29,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import browser_helpers as bh
 import psutil
 import pytest
-from helpers import procs
-from test_browser import (  # noqa: F401
-    KERNEL_READY_MS,
-    RUN_MS,
-    UI_TIMEOUT_MS,
-    Session,
-    _check_kernel_python,
-    session,
-)
 
+import browser_helpers as bh
+from browser_helpers import RUN_MS, UI_TIMEOUT_MS, Session, check_kernel_python
+from helpers import procs
 from nbtrain import processes
 
 LABEXTENSION = Path(__file__).resolve().parent.parent / "labextension"
@@ -138,7 +131,7 @@ def _open_sidebar(session: Session) -> Any:
 def _start(session: Session, name: str) -> tuple[Any, Any]:
     notebook = session.open_notebook(name, [SETUP_CELL, LONG_CELL, NEXT_CELL])
     session.run_all()
-    _check_kernel_python(notebook.locator(".jp-Cell").nth(0))
+    check_kernel_python(notebook.locator(".jp-Cell").nth(0))
     panel = _open_sidebar(session)
     row = panel.locator(f'.jp-nbtrain-run[data-state="running"]:has(.jp-nbtrain-title:text-is("{name}"))')
     row.wait_for(timeout=RUN_MS)

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import nbtrain
-from nbtrain import events
 from helpers import procs
 from helpers.procs import RUN_TIMEOUT, finish
+from nbtrain import events
 
 HELPERS = Path(__file__).parent / "helpers"
 CPU_COUNT = len(os.sched_getaffinity(0))

@@ -15,8 +15,8 @@ from typing import Any
 
 import cloudpickle
 import pytest
-from helpers import procs
 
+from helpers import procs
 from nbtrain import config, events, processes, wire
 from nbtrain.devices import DevicePlan
 from nbtrain.kernel import client

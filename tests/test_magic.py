@@ -61,7 +61,9 @@ def test_the_issue_cell_trains_and_updates_the_kernels_objects(kernel):
     assert kernel.value("len(history)") == 3
     assert kernel.value("len(opt.state_dict()['state'])") == 0  # plain SGD keeps no per-parameter state
     # the loss passed to backward() was logged, and it fell
-    losses = kernel.value("[row[2]['loss'] for row in __import__('nbtrain.kernel.magic').kernel.magic.last_run.metrics[0]]")
+    losses = kernel.value(
+        "[row[2]['loss'] for row in __import__('nbtrain.kernel.magic').kernel.magic.last_run.metrics[0]]"
+    )
     assert len(losses) == 3 * 256 // 2 // 16
     # ...and the live view counted towards that many steps, read from the cell's loops
     assert kernel.value("__import__('nbtrain.kernel.magic').kernel.magic.last_run.total_steps") == len(losses)
@@ -174,7 +176,13 @@ def test_unpicklable_globals_stop_the_launch_with_the_name(kernel):
     ("flags", "expected"),
     [
         ("--devices two", "devices='two' is not valid"),
-        ("--strategy zero", "unknown strategy 'zero'. Available strategies: ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, ddp_sharded, fsdp, fsdp_cpu_offload, dp, auto"),
+        (
+            "--strategy zero",
+            (
+                "unknown strategy 'zero'. Available strategies: ddp_notebook, ddp_spawn, "
+                "ddp_find_unused_parameters_true, ddp_sharded, fsdp, fsdp_cpu_offload, dp, auto"
+            ),
+        ),
         ("--output loud", "argument --output: invalid choice: 'loud'"),
         ("--timeout soon", "argument --timeout: invalid float value: 'soon'"),
         ("--timeout -3", "timeout must be positive"),

@@ -11,10 +11,10 @@ import threading
 
 import pytest
 import torch
-from helpers.procs import roundtrip
 from torch import nn
 
 import nbtrain
+from helpers.procs import roundtrip
 from nbtrain.errors import SerializationError
 from nbtrain.kernel import namespace as ns
 from nbtrain.rank import cell as rank_cell
@@ -22,7 +22,7 @@ from nbtrain.rank import cell as rank_cell
 
 def notebook_cell(code: str, user_ns: dict) -> None:
     """Run ``code`` as a notebook cell would, defining its functions in ``user_ns``."""
-    exec(code, user_ns)  # noqa: S102 - the notebook's own code, written by the test
+    exec(code, user_ns)
 
 
 # -- which kernel globals a cell uses ---------------------------------------------------------
@@ -303,7 +303,7 @@ def test_the_last_value_is_shown_unless_the_cell_ends_with_a_semicolon(raw_cell,
 def test_the_analysis_is_a_frozen_record():
     analysis = ns.analyse_cell("x", {"x": 1})
     with pytest.raises(AttributeError):
-        analysis.names = ()  # type: ignore[misc]
+        analysis.names = ()  # type: ignore[misc]  # frozen: what the test checks
 
 
 # -- what cannot travel, and files ------------------------------------------------------------

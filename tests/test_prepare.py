@@ -6,7 +6,6 @@ real ranks through nbtrain.start. Rank functions are nested so they travel by va
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
@@ -17,7 +16,6 @@ from helpers.procs import collect, finish, roundtrip
 from nbtrain import events
 from nbtrain.errors import RankError
 from nbtrain.rank import prepare as prep
-
 
 # -- prepare outside a run: a single process -------------------------------------------------
 
@@ -154,7 +152,9 @@ def test_auto_prepare_wraps_root_modules_only(launcher):
         return done, type(namespace["model"]).__name__, namespace["head"] is model[1]
 
     done, model_type, head_same = finish(nbtrain.start(fn, devices=2))
-    assert dict(done) == {"model": "DistributedDataParallel", "loss_fn": "moved", "opt": "bound", "loader": "DistributedSampler"}
+    assert dict(done) == {
+        "model": "DistributedDataParallel", "loss_fn": "moved", "opt": "bound", "loader": "DistributedSampler"
+    }
     assert model_type == "DistributedDataParallel" and head_same
 
 
@@ -207,7 +207,7 @@ def test_ddp_looks_for_no_unused_parameters_and_warns_nothing(launcher):
 
 
 def test_unused_parameters_fail_the_first_step_naming_them_and_the_fix(launcher):
-    result, failure, seen = collect(nbtrain.start(_train_three_steps, devices=2))
+    _result, failure, seen = collect(nbtrain.start(_train_three_steps, devices=2))
     assert isinstance(failure, RankError) and failure.exc_type == "UnusedParametersError", failure
     message = failure.exc_message
     assert "_TwoHeads has 2 of its 4 trainable parameters that got no gradient in the first step: " in message
@@ -218,7 +218,8 @@ def test_unused_parameters_fail_the_first_step_naming_them_and_the_fix(launcher)
 
 
 def test_ddp_find_unused_parameters_true_strategy_trains_such_a_model(launcher):
-    result, failure, seen = collect(nbtrain.start(_train_three_steps, devices=2, strategy="ddp_find_unused_parameters_true"))
+    run = nbtrain.start(_train_three_steps, devices=2, strategy="ddp_find_unused_parameters_true")
+    result, failure, seen = collect(run)
     assert failure is None and result is True, failure
     printed = "".join(e.text for e in seen if isinstance(e, events.Output))
     assert printed.count("stepped 2") == 2

@@ -17,8 +17,8 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from helpers import procs
 
+from helpers import procs
 from nbtrain import processes
 
 GONE_SECONDS = 10.0
@@ -173,7 +173,8 @@ def test_signal_ranks_signals_only_a_group_leader_whose_start_time_still_matches
     assert started_at is not None
     assert processes.signal_ranks([(rank.pid, started_at + 1)], signal.SIGTERM) == []  # a reused pid
     other_started = processes.start_time(not_a_leader.pid)
-    assert processes.signal_ranks([(not_a_leader.pid, other_started)], signal.SIGTERM) == []  # type: ignore[list-item]
+    assert other_started is not None
+    assert processes.signal_ranks([(not_a_leader.pid, other_started)], signal.SIGTERM) == []
     assert rank.poll() is None and not_a_leader.poll() is None
     assert processes.signal_ranks([(rank.pid, started_at)], signal.SIGTERM) == [rank.pid]
     assert rank.wait(GONE_SECONDS) == -signal.SIGTERM

@@ -8,13 +8,14 @@ signals the ranks itself) ends the run as stopped, exactly as the kernel's own s
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 import time
 
 import pytest
-from helpers import procs
 
+from helpers import procs
 from nbtrain import processes, registry
 from nbtrain.errors import RunStoppedError
 from nbtrain.kernel import client as kernel_client
@@ -85,7 +86,7 @@ def _rewrite_gaps(run_id: str, writes: int, timeout: float) -> list[float]:
             seen.append(current.updated)
         time.sleep(0.01)  # the poll interval, bounded by the deadline above
     assert len(seen) == writes, f"{len(seen)} writes of the record in {timeout} s while rank 0 logs every 20 ms"
-    return [later - earlier for earlier, later in zip(seen, seen[1:], strict=False)]
+    return [later - earlier for earlier, later in itertools.pairwise(seen)]
 
 
 def test_signal_ranks_refuses_a_pid_whose_start_time_differs() -> None:

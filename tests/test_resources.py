@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import nbtrain
-from nbtrain import events
-from nbtrain.kernel import client as kernel_client
 from helpers import procs
 from helpers.procs import collect, finish
+from nbtrain import events
+from nbtrain.kernel import client as kernel_client
 
 HELPERS = Path(__file__).parent / "helpers"
 GIB = 1 << 30
@@ -70,7 +70,9 @@ def test_a_300_mb_state_dict_comes_back_equal_without_dev_shm(launcher, leak_gua
     """Read out of rank 0's memory (the default), or sent in a memfd (where reading is forbidden)."""
     if transfer == "file":
         monkeypatch.setenv(kernel_client.RESULT_TRANSFER_VARIABLE, "file")
-    shapes = {"embed.weight": (50_000, 512), "proj.weight": (4096, 4096), "proj.bias": (4096,), "head.weight": (16_384, 2048)}
+    shapes = {
+        "embed.weight": (50_000, 512), "proj.weight": (4096, 4096), "proj.bias": (4096,), "head.weight": (16_384, 2048)
+    }
 
     def make():
         generator = torch.Generator().manual_seed(7)

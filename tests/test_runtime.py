@@ -134,7 +134,7 @@ def test_a_cells_source_lines_are_installed_for_tracebacks():
     try:
         assert linecache.getline(filename, 2) == "raise ValueError(x)\n"
         with pytest.raises(ValueError) as caught:
-            exec(compile("x = 1\nraise ValueError(x)\n", filename, "exec"), {})  # noqa: S102 - a cell's code
+            exec(compile("x = 1\nraise ValueError(x)\n", filename, "exec"), {})
         assert "raise ValueError(x)" in "".join(traceback.format_exception(caught.value))
     finally:
         linecache.cache.pop(filename, None)

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.timeout(240)
 CELLS = [
     "%load_ext nbtrain\nimport nbtrain\nnbtrain.set_defaults(devices=2, accelerator='cpu')",
     "nbtrain.launcher()",
-    "%%distributed --background\nimport time\nfor step in range(20):\n    nbtrain.log(loss=1 / (step + 1))\n"
-    "    time.sleep(0.05)\n",
+    ("%%distributed --background\nimport time\nfor step in range(20):\n    nbtrain.log(loss=1 / (step + 1))\n"
+    "    time.sleep(0.05)\n"),
     "print(nbtrain.runs()[-1].wait(timeout=120) is None)",
 ]
 

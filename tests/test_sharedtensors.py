@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from nbtrain import sharedtensors
 from helpers import procs
+from nbtrain import sharedtensors
 
 
 @pytest.fixture
@@ -126,7 +126,7 @@ def test_dtypes_and_shapes_round_trip(shm_unchanged, roundtrip, tensor):
 def test_storages_are_aligned_in_the_file(shm_unchanged, roundtrip):
     parts = [torch.ones(n, dtype=torch.uint8) for n in (1, 3, 65, 7)]
     out = roundtrip(parts)
-    for tensor, expected in zip(out, parts):
+    for tensor, expected in zip(out, parts, strict=False):
         assert tensor.data_ptr() % 64 == 0
         assert torch.equal(tensor, expected)
 

@@ -24,7 +24,9 @@ SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 
 
 def run_soak(*args: str, timeout: float) -> None:
-    proc = subprocess.Popen([sys.executable, str(SOAK), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SOAK), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

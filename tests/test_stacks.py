@@ -15,9 +15,9 @@ import time
 import pytest
 
 import nbtrain
+from helpers.procs import collect
 from nbtrain import events, stacks
 from nbtrain.errors import RunStoppedError, RunTimeoutError
-from helpers.procs import collect
 
 STOP_BOUND = 5.0  # a stop with stack collection: at most 1 s for the dumps, then the usual stop
 
@@ -59,14 +59,20 @@ def test_a_summary_names_the_collective_and_the_cell_line():
 
 
 def test_a_summary_names_the_call_on_the_cell_line_when_it_is_native_code():
-    frames = (stacks.Frame(f"{PKG}/rank/runtime.py", 62, "run_rank"), stacks.Frame("/tmp/ipykernel_7/123.py", 7, "<module>"))
-    source = lambda filename, line: "    time.sleep(600)  # stuck\n"  # noqa: E731
+    frames = (
+        stacks.Frame(f"{PKG}/rank/runtime.py", 62, "run_rank"), stacks.Frame("/tmp/ipykernel_7/123.py", 7, "<module>")
+    )
+    source = lambda filename, line: "    time.sleep(600)  # stuck\n"
     assert stacks.RankStack(1, frames).summary(cells, source) == "rank 1: in time.sleep, Cell In[5], line 7"
 
 
 def test_a_rank_that_finished_or_did_not_answer_says_so():
-    done = (stacks.Frame(f"{PKG}/rank/runtime.py", 62, "run_rank"), stacks.Frame(f"{PKG}/rank/runtime.py", 230, "_wait_for_release"))
-    assert stacks.RankStack(1, done).summary(cells, no_source) == "rank 1: finished its work, waiting for the other ranks"
+    done = (
+        stacks.Frame(f"{PKG}/rank/runtime.py", 62, "run_rank"),
+        stacks.Frame(f"{PKG}/rank/runtime.py", 230, "_wait_for_release"),
+    )
+    summary = stacks.RankStack(1, done).summary(cells, no_source)
+    assert summary == "rank 1: finished its work, waiting for the other ranks"
     assert stacks.RankStack(2, ()).summary(cells, no_source) == "rank 2: no stack (it did not answer in time)"
 
 
@@ -74,7 +80,10 @@ def test_describe_lists_every_rank_then_each_stack_without_nbtrain_frames():
     stack = stacks.RankStack(0, stacks.parse_dump(DUMP.format(site=SITE, pkg=PKG)))
     text = stacks.describe([stack, stacks.RankStack(1, ())], cells, no_source)
     first, *rest = text.splitlines()
-    assert first == "Where each rank was: rank 0: waiting in all_reduce, Cell In[5], line 12 · rank 1: no stack (it did not answer in time)"
+    assert first == (
+        "Where each rank was: rank 0: waiting in all_reduce, Cell In[5], line 12 · "
+        "rank 1: no stack (it did not answer in time)"
+    )
     assert rest[0] == "rank 0 (most recent call last):"
     assert rest[1] == "  Cell In[5], line 12, in <module>"
     assert not any("nbtrain" in line or "runpy" in line for line in rest)
@@ -145,7 +154,8 @@ def test_stopping_a_deadlocked_run_says_where_each_rank_was(launcher, strategy):
         run.result()
     here = inspect.getsourcefile(deadlocked)
     assert caught.value.where.splitlines()[0] == (
-        f'Where each rank was: rank 0: waiting in all_reduce, File "{here}", line {_line_of(deadlocked, "STUCK-ALLREDUCE")}'
+        "Where each rank was: rank 0: waiting in all_reduce, "
+        f'File "{here}", line {_line_of(deadlocked, "STUCK-ALLREDUCE")}'
         f' · rank 1: in time.sleep, File "{here}", line {_line_of(deadlocked, "STUCK-SLEEP")}'
     )
     assert "dist.all_reduce(torch.ones(4))" in str(caught.value)

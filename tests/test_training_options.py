@@ -10,10 +10,10 @@ import re
 
 import pytest
 import torch
-from helpers.procs import finish
-from kernel_helpers import NotebookKernel
 
 import nbtrain
+from helpers.procs import finish
+from kernel_helpers import NotebookKernel
 from nbtrain import config
 from nbtrain.devices import DevicePlan
 from nbtrain.errors import ConfigurationError

@@ -86,7 +86,7 @@ class NodeAgent:
         self.launcher = processes.start_launcher()
         self._ready = threading.Event()
         self._lock = threading.Condition()
-        self._inboxes: dict[int, collections.deque] = {}
+        self._inboxes: dict[int, collections.deque[Any]] = {}  # launcher records, per run
         self._stderr: collections.deque[str] = collections.deque(maxlen=40)
         self._alive = True
         context = ray.get_runtime_context()
@@ -215,8 +215,9 @@ class NodeAgent:
             os.close(fd)
         if hasattr(message, "node"):
             message = dataclasses.replace(message, node=self.label)
-        if isinstance(message, events.RunEnded) and hasattr(message.failure, "node"):
-            message = dataclasses.replace(message, failure=dataclasses.replace(message.failure, node=self.label))
+        failure = message.failure if isinstance(message, events.RunEnded) else None
+        if isinstance(failure, (events.RankFailed, events.RankExited, events.NodeLost)):  # the ones naming a node
+            message = dataclasses.replace(message, failure=dataclasses.replace(failure, node=self.label))
         return [message]
 
     def _take_result(self, offer: events.ResultOffer) -> list[Any]:

@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeAlias
 from urllib.parse import urlparse
 
 from nbtrain import config, events
@@ -45,6 +45,9 @@ AGENTS_READY_SECONDS = 240.0  # Ray workers start, and each launcher imports tor
 BEGIN_SECONDS = 60.0
 POLL_SECONDS = 0.25
 NODE_FATE_SECONDS = 120.0  # after a stop: how long Ray may take to say a silent node is gone
+# A run's records from its agents, each with file descriptors (none here), as the kernel
+# side's Run reads them (see nbtrain.kernel.client.Inbox).
+_Inbox: TypeAlias = "queue.Queue[tuple[Any, list[int]]]"
 
 _lock = threading.Lock()
 _client: ClusterClient | None = None
@@ -255,11 +258,11 @@ class ClusterClient:
         return [agents[i] for i in order], [infos[i] for i in order]
 
     # -- the engine seam (what Run and start() use) -------------------------------------
-    def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, queue.Queue]:
+    def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, _Inbox]:
         if not self.alive:
             raise ClusterError("the nbtrain agents of this cluster were ended; start the run again")
         run_id = next(self._run_ids)
-        inbox: queue.Queue = queue.Queue()
+        inbox: _Inbox = queue.Queue()
         template = start_run(run_id)
         relay = _Relay(self, template, _put_payload(template.payload, tensor_fd), inbox)
         self._relays[run_id] = relay
@@ -295,7 +298,8 @@ class ClusterClient:
     def node_processes(self) -> list[list[int]]:
         """Each node's nbtrain processes (agent, launcher, ranks), node 0 first: for checks."""
         ray = import_ray()
-        return ray.get([agent.processes.remote() for agent in self.agents], timeout=30)
+        pids: list[list[int]] = ray.get([agent.processes.remote() for agent in self.agents], timeout=30)
+        return pids
 
 
 def _put_payload(data: bytes, tensor_fd: int | None) -> Any:
@@ -321,7 +325,7 @@ def _put_payload(data: bytes, tensor_fd: int | None) -> Any:
 class _Relay:
     """One run across the nodes: start them, relay their records, combine their ends."""
 
-    def __init__(self, client: ClusterClient, template: events.StartRun, payload: Any, inbox: queue.Queue):
+    def __init__(self, client: ClusterClient, template: events.StartRun, payload: Any, inbox: _Inbox):
         self.client = client
         self.template = template
         self.payload = payload

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nbtrain import charts, events
-from nbtrain.errors import RunNotEndedError, RunStoppedError
+from nbtrain.errors import RunFailedError, RunNotEndedError, RunStoppedError
 from nbtrain.kernel import display
 from nbtrain.kernel import shell as kernel_shell
 
@@ -83,8 +83,8 @@ class CellCallbacks:
     """
 
     keep_metrics: Callable[[Any, Any], None]
-    explain_failure: Callable[[BaseException, Any, str], BaseException]
-    apply_result: Callable[[Any, Any, dict, Any], Any]
+    explain_failure: Callable[[RunFailedError, Any, str], BaseException]
+    apply_result: Callable[[Any, Any, dict[str, Any], Any], Any]
 
 
 class CellFlags(Protocol):
@@ -494,6 +494,8 @@ class CellBackgroundRun(BackgroundRun):
         self.record.seconds = self.seconds or 0.0
         if isinstance(error, RunStoppedError):
             error = RunStoppedError(f"background run {self.id} was stopped; every rank is gone.", error.where)
+        if not isinstance(error, RunFailedError):  # a result that cannot load says so itself
+            return error
         return self.callbacks.explain_failure(error, self.shell, self.prepared.unchanged)
 
     def _outcome(self, raw: Any) -> None:

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 from nbtrain import config as config_module
 from nbtrain import events as messages  # not `events`: Run.events() is a method here
@@ -38,6 +38,10 @@ from nbtrain.errors import (
     RunTimeoutError,
 )
 from nbtrain.records import CopiedResult
+
+# A run's messages from the launcher (or a cluster's agents), each with the file
+# descriptors that came with it.
+Inbox: TypeAlias = "queue.Queue[tuple[Any, list[int]]]"
 
 # "file": rank 0 sends its result's tensors in a shared-memory file instead of the kernel
 # reading them out of its memory (which is automatic where a sandbox forbids the read).
@@ -68,7 +72,7 @@ class LauncherClient:
         self.ready = threading.Event()
         self.alive = True
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
-        self._queues: dict[int, queue.Queue] = {}
+        self._queues: dict[int, Inbox] = {}
         self._stopping: set[int] = set()  # runs asked to stop: their results are not copied
         self._lock = threading.Lock()
         self._pending_output: dict[int, _PendingOutput] = {}
@@ -76,12 +80,12 @@ class LauncherClient:
         threading.Thread(target=self._read_events, name="nbtrain-events", daemon=True).start()
         threading.Thread(target=self._read_stderr, name="nbtrain-launcher-stderr", daemon=True).start()
 
-    def submit(self, start_run: Callable[[int], messages.StartRun], tensor_fd: int | None) -> tuple[int, queue.Queue]:
+    def submit(self, start_run: Callable[[int], messages.StartRun], tensor_fd: int | None) -> tuple[int, Inbox]:
         with self._lock:
             if not self.alive:
                 raise LauncherError(self.exit_detail())
             run_id = next(self._run_ids)
-            inbox: queue.Queue = queue.Queue()
+            inbox: Inbox = queue.Queue()
             self._queues[run_id] = inbox
             message = start_run(run_id)
             self._pending_output[run_id] = _PendingOutput(message.log_path)
@@ -155,7 +159,7 @@ class LauncherClient:
             for inbox in self._queues.values():
                 inbox.put((gone, []))
 
-    def _file(self, message: Any, fds: list[int], inbox: queue.Queue) -> None:
+    def _file(self, message: Any, fds: list[int], inbox: Inbox) -> None:
         pending = self._pending_output.get(message.run_id)
         if pending is not None and isinstance(message, (messages.Output, messages.RunEnded)):
             if isinstance(message, messages.Output) and not pending.admit(message):
@@ -164,7 +168,7 @@ class LauncherClient:
                 inbox.put((note, []))
         inbox.put((message, fds))
 
-    def _take_result(self, offer: messages.ResultOffer, inbox: queue.Queue | None) -> None:
+    def _take_result(self, offer: messages.ResultOffer, inbox: Inbox | None) -> None:
         copied = None
         # A run being stopped gives up its result (the launcher stops rank 0 too): no copy.
         wanted = inbox is not None and offer.run_id not in self._stopping
@@ -177,7 +181,7 @@ class LauncherClient:
                 copied = CopiedResult(
                     offer.result, sharedtensors.read_from_process(offer.pid, offer.regions, offer.total_bytes)
                 )
-        if copied is not None:
+        if copied is not None and inbox is not None:  # copied only when wanted, so for an inbox
             inbox.put((copied, []))
         answer = messages.ReleaseResult(offer.run_id, send_file=wanted and copied is None)
         with self._lock:
@@ -295,7 +299,7 @@ class Engine(Protocol):
 
     def submit(
         self, start_run: Callable[[int], messages.StartRun], tensor_fd: int | None
-    ) -> tuple[int, queue.Queue[Any]]: ...
+    ) -> tuple[int, Inbox]: ...
     def stop(self, run_id: int, reason: str) -> None: ...
     def forget(self, run_id: int) -> None: ...
     def output_taken(self, run_id: int, chars: int) -> None: ...
@@ -316,7 +320,7 @@ class Run:
         self,
         client: Engine,
         run_id: int,
-        inbox: queue.Queue,
+        inbox: Inbox,
         cfg: config_module.LaunchConfig,
         log_path: str | None = None,
     ):
@@ -487,7 +491,7 @@ class Run:
         parsed = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in self._ended.stacks]
         return stacks.describe(parsed, cell_namer(), _source_line)
 
-    def _failure(self, ended: messages.RunEnded) -> RunFailedError:
+    def _failure(self, ended: messages.RunEnded) -> RunFailedError | LauncherError:
         failure = ended.failure
         if isinstance(failure, messages.RankFailed):
             return RankError(failure.rank, failure.exc_type, failure.message, failure.traceback, node=failure.node)
@@ -561,8 +565,8 @@ def _exit_words(exited: messages.RankExited) -> str:
 
 def start(
     fn: Callable[..., Any],
-    args: tuple = (),
-    kwargs: dict | None = None,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
     *,
     devices: Any = "auto",
     accelerator: str = "auto",
@@ -600,8 +604,8 @@ def start_on(
     engine: Engine,
     cfg: config_module.LaunchConfig,
     fn: Callable[..., Any],
-    args: tuple = (),
-    kwargs: dict | None = None,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
 ) -> Run:
     """Start ``fn(*args, **kwargs)`` on an engine chosen with its plan already (the magic plans a cell's run once).
 
@@ -619,7 +623,9 @@ def start_on(
             os.close(tensor_fd)
 
 
-def _serialise(fn: Callable[..., Any], args: tuple, kwargs: dict | None) -> tuple[bytes, int | None]:
+def _serialise(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> tuple[bytes, int | None]:
     """The run's payload (and the memfd of its tensors), or a SerializationError saying what to do."""
     from nbtrain.errors import SerializationError
 
@@ -687,11 +693,13 @@ def _engine(
     sync_batchnorm: bool = False,
 ) -> tuple[Any, config_module.LaunchConfig]:
     """The engine that runs the ranks (this machine's launcher, or a cluster's agents) and the plan."""
-    settings = {"backend": backend, "precision": precision, "sync_batchnorm": sync_batchnorm}
     if cluster is not None and str(cluster).strip().lower() != "local":
         from nbtrain.cluster import engine
 
-        return engine.prepare(cluster, num_nodes, devices, accelerator, strategy, timeout, **settings)
+        return engine.prepare(
+            cluster, num_nodes, devices, accelerator, strategy, timeout,
+            backend=backend, precision=precision, sync_batchnorm=sync_batchnorm,
+        )
     if num_nodes not in (None, 1):
         from nbtrain.cluster import nodes
 
@@ -699,7 +707,10 @@ def _engine(
     from nbtrain import hardware
 
     plan = hardware.probe_plan(devices, accelerator, oversubscribe)
-    return get_client(), config_module.make_config(plan, strategy=strategy, timeout=timeout, **settings)
+    cfg = config_module.make_config(
+        plan, strategy=strategy, timeout=timeout, backend=backend, precision=precision, sync_batchnorm=sync_batchnorm
+    )
+    return get_client(), cfg
 
 
 def launch(
@@ -771,7 +782,9 @@ def launch(
         raise
 
 
-def _admit(cfg: config_module.LaunchConfig, fn: Callable[..., Any], args: tuple, kwargs: dict | None) -> None:
+def _admit(
+    cfg: config_module.LaunchConfig, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> None:
     """Refuse a run whose memory cannot fit (ConfigurationError); warn on stderr when it comes close."""
     from nbtrain import admission, hardware
 

@@ -26,6 +26,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +61,7 @@ class CellRun:
     seconds: float = 0.0
     total_steps: int | None = None  # what the live view counted towards (None: not known)
     # the last METRIC_ROWS rows each rank logged: (step, unix time, {name: value})
-    metrics: dict[int, collections.deque] = field(default_factory=dict)
+    metrics: dict[int, collections.deque[tuple[int, float, Mapping[str, float]]]] = field(default_factory=dict)
     prepared: list[tuple[str, str]] = field(default_factory=list)
     loaders: list[tuple[str, str]] = field(default_factory=list)  # (name, what its passes read)
     updated: list[str] = field(default_factory=list)
@@ -355,11 +356,12 @@ def _stall_warning(flag: Any, session: float | None) -> float | None:
             f"%%distributed: --stall-warning {flag:g} is not a positive number of seconds; "
             "give one, or none for no warning."
         )
-    return flag
+    seconds: float | None = flag
+    return seconds
 
 
 def help_text(magic: Any) -> str:
-    text = magic.parser.format_help().rstrip()
+    text: str = magic.parser.format_help().rstrip()
     return text.removeprefix("::\n\n  ")  # an RST code-block marker
 
 
@@ -371,7 +373,7 @@ def check_flags(options: CellOptions) -> tuple[Any, config.LaunchConfig]:
     from nbtrain import hardware
 
     try:
-        if _on_cluster(options):
+        if options.cluster is not None and _on_cluster(options):
             from nbtrain.cluster import engine
 
             return engine.prepare(
@@ -459,7 +461,9 @@ def prepare_cell(shell: Any, line: str, cell: str, options: CellOptions) -> Prep
     return PreparedCell(cfg, spec, shipped, dict(analysis.used_by), record, total, engine)
 
 
-def infer_total_steps(code: str, analysis: Any, spec: Any, cfg: config.LaunchConfig, user_ns: dict) -> int | None:
+def infer_total_steps(
+    code: str, analysis: Any, spec: Any, cfg: config.LaunchConfig, user_ns: dict[str, Any]
+) -> int | None:
     """How many steps rank 0 will log (the live view's total), or None when that is not certain.
 
     The cell's loops are read by :mod:`nbtrain.cellplan`. A step is a ``.backward()`` when
@@ -604,7 +608,7 @@ def _follow(
 ) -> Any:
     """Show the run until it ends, then bring its results back; every check of ``held`` is a safe point."""
     record = prepared.record
-    view = None
+    view: _CellView | None = None
     if not held.received:
         show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
         view = _CellView(run, prepared.total_steps, options.stall_warning)
@@ -614,7 +618,7 @@ def _follow(
             if event is not None:
                 show(event)
             view.show(event)
-    if held.received:
+    if held.received or view is None:  # view is None only when the interrupt came first
         run.abandon()  # stops the run and frees any result it brought back
         record.state = events.STOPPED
         if view is not None:
@@ -648,7 +652,7 @@ def _interrupted(prepared: PreparedCell, run: Any) -> RunInterrupted:
 class Applied:
     """What applying rank 0's results did: the cell's shown value and what to tell the user."""
 
-    value: tuple | None = None  # (the value of the cell's last expression,) or None
+    value: tuple[Any] | None = None  # (the value of the cell's last expression,) or None
     warnings: list[str] = field(default_factory=list)  # each shown as "nbtrain <warning>"
     loaded: bool = False  # False: nothing in the kernel changed
 
@@ -775,7 +779,7 @@ def _plain(error: BaseException) -> BaseException:
     """Make IPython show ``error`` as its one message, without our frames."""
     if not hasattr(error, "_render_traceback_"):
         message = f"{type(error).__name__}: {error}"
-        error._render_traceback_ = lambda: [message]  # type: ignore[attr-defined]
+        error._render_traceback_ = lambda: [message]  # type: ignore[attr-defined]  # IPython's hook, on any error
     return error
 
 
@@ -796,8 +800,7 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
         return RankError(error.rank, error.exc_type, error.exc_message, text, note, node=error.node)
     where = getattr(error, "where", "")
     message = f"{error.headline or error} {note}" + (f"\n{where}" if where else "")
-    error.args = (message,)
-    error._render_traceback_ = lambda: f"{type(error).__name__}: {message}".splitlines()  # type: ignore[attr-defined]
+    error.args = (message,)  # RunFailedError._render_traceback_ shows it
     return error
 
 
@@ -808,7 +811,7 @@ def cell_traceback(text: str, shell: Any) -> str:
     """Name notebook cells as IPython does: ``File "/tmp/ipykernel_1/23.py", line 4`` -> ``Cell In[7], line 4``."""
     names = kernel_shell.cell_filenames(shell)
 
-    def rename(match: re.Match) -> str:
+    def rename(match: re.Match[str]) -> str:
         number = names.get(match.group(1))
         return match.group(0) if number is None else f"Cell In[{number}], line {match.group(2)}"
 

@@ -204,6 +204,9 @@ def _notebook_code(value: Any, user_ns: Mapping[str, Any]) -> list[types.CodeTyp
     return codes
 
 
+# Typed Any: mypy takes a class's __reduce_ex__ for a bound method, object's for an unbound
+# one, and would call the identity check below always false.
+_DEFAULT_REDUCE_EX: Any = object.__reduce_ex__
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
 _GLOBAL_WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
 
@@ -267,7 +270,7 @@ def _shows_last_value(tree: ast.Module, raw_cell: str) -> bool:
     return bool(lines) and not lines[-1].rstrip().endswith(";")
 
 
-def anchor_function(user_ns: dict) -> types.FunctionType:
+def anchor_function(user_ns: dict[str, Any]) -> types.FunctionType:
     """A function whose globals are ``user_ns``: on a rank its ``__globals__`` is the cell's namespace.
 
     cloudpickle gives every function that shares a globals dict one shared dict on the
@@ -360,7 +363,7 @@ def _probe_pickler_class() -> type:
 
 
 class _ResultUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, storages: list, shipped: Mapping[str, Any], user_ns: dict):
+    def __init__(self, data: bytes, storages: list[Any], shipped: Mapping[str, Any], user_ns: dict[str, Any]):
         super().__init__(io.BytesIO(data))
         self._storages = storages
         self._shipped = shipped
@@ -390,14 +393,15 @@ class _ResultUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unknown persistent id {pid!r} in a rank's result")
 
 
-def decode_result(result: CellResult, shipped: Mapping[str, Any], user_ns: dict) -> dict[str, Any]:
+def decode_result(result: CellResult, shipped: Mapping[str, Any], user_ns: dict[str, Any]) -> dict[str, Any]:
     """Unpickle rank 0's outcome; the kernel's namespace is left exactly as it was."""
     # cloudpickle writes __builtins__ into the globals of each function it rebuilds; for a
     # function defined in the cell that is the kernel's namespace: put back IPython's.
     missing = object()
     saved = user_ns.get("__builtins__", missing)
     try:
-        return _ResultUnpickler(result.payload, result.storages, shipped, user_ns).load()
+        outcome: dict[str, Any] = _ResultUnpickler(result.payload, result.storages, shipped, user_ns).load()
+        return outcome
     finally:
         if saved is missing:
             user_ns.pop("__builtins__", None)
@@ -413,7 +417,7 @@ class ApplyReport:
 
 
 def apply_result(
-    outcome: Mapping[str, Any], shipped: Mapping[str, Any], user_ns: dict, deleted: Iterable[str] = ()
+    outcome: Mapping[str, Any], shipped: Mapping[str, Any], user_ns: dict[str, Any], deleted: Iterable[str] = ()
 ) -> ApplyReport:
     """Put rank 0's outcome into the kernel, as if the cell had run there.
 
@@ -437,7 +441,7 @@ def apply_result(
                 if kind == "optimizers" or target.state_dict() != state:
                     target.load_state_dict(state)
                     report.updated.append(name)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:  # noqa: BLE001 - one bad object must not stop the rest
                 report.skipped.append((name, type_name(target), f"its state could not be loaded ({error})"))
     for name, value in outcome.get("tensors", {}).items():
         _set_tensor(user_ns, name, shipped[name], value)
@@ -503,7 +507,7 @@ def update_in_place(target: Any, value: Any) -> bool:
     elif (
         hasattr(target, "__dict__")
         and not hasattr(type(target), "__slots__")
-        and type(target).__reduce_ex__ is object.__reduce_ex__
+        and type(target).__reduce_ex__ is _DEFAULT_REDUCE_EX
         and not hasattr(type(target), "__setstate__")
     ):
         target.__dict__.clear()
@@ -513,7 +517,7 @@ def update_in_place(target: Any, value: Any) -> bool:
     return True
 
 
-def _set_tensor(user_ns: dict, name: str, target: Any, value: Any) -> None:
+def _set_tensor(user_ns: dict[str, Any], name: str, target: Any, value: Any) -> None:
     import torch
 
     if isinstance(target, torch.Tensor) and target.shape == value.shape and target.dtype == value.dtype:

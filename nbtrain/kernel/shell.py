@@ -48,7 +48,8 @@ def current_cell_number(shell: Any) -> int | None:
     history = getattr(getattr(shell, "history_manager", None), "input_hist_parsed", None)
     if history:
         return len(history) - 1
-    return shell.execution_count
+    count: int | None = shell.execution_count
+    return count
 
 
 def execution_count() -> int | None:
@@ -59,12 +60,14 @@ def execution_count() -> int | None:
 
 def user_namespace(shell: Any) -> dict[str, Any]:
     """The user's globals: what a cell reads and what its results are written into."""
-    return shell.user_ns
+    names: dict[str, Any] = shell.user_ns
+    return names
 
 
 def hidden_names(shell: Any) -> dict[str, Any]:
     """Names IPython put in the user's namespace itself (not the user's variables)."""
-    return shell.user_ns_hidden
+    names: dict[str, Any] = shell.user_ns_hidden
+    return names
 
 
 def kernel_loop(shell: Any) -> Any:
@@ -95,7 +98,8 @@ def register_source(shell: Any, source: str) -> str:
         # A raw_code of our own gives a name of our own: the kernel's entry for the
         # cell (its transformed form) stays as it is.
         number = current_cell_number(shell)
-        return compiler.cache(source, number, raw_code=source + "\n# nbtrain %%distributed")
+        filename: str = compiler.cache(source, number, raw_code=source + "\n# nbtrain %%distributed")
+        return filename
     filename = f"<cell-{abs(hash(source))}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     return filename

@@ -99,7 +99,7 @@ class Run:
     end_state: str | None = None  # set once the run is finishing or being stopped
     stop_started: float | None = None
     killed: bool = False
-    failure: RankFailed | RankExited | None = None
+    failure: RankFailed | RankExited | RankNotStarted | None = None
     result: bytes | None = None
     result_fd: int | None = None
     offer: RankDone | None = None  # rank 0's result, tensors still in its memory
@@ -342,7 +342,7 @@ class Launcher:
         memory, which takes CPU the read needs on a small machine; afterwards all exits overlap.
         """
         offer = run.offer
-        if offer is None:
+        if offer is None or offer.result is None:  # rank 0 offers regions with its result only
             self._release(run)
             return
         run.result_pending = True

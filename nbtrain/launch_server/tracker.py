@@ -10,6 +10,7 @@ directory open to others) turns the registry off for this launcher and changes n
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import secrets
@@ -17,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from nbtrain import processes, registry
 from nbtrain.events import Metrics, StartRun
@@ -25,6 +26,7 @@ from nbtrain.events import Metrics, StartRun
 WRITE_SECONDS = 1.0  # the most often a running run's record is rewritten
 RATE_WINDOW_SECONDS = 5.0  # steps/s is measured over about this long
 KEEP_ENDED = 20  # records of ended runs a launcher keeps while its kernel lives
+_T = TypeVar("_T")
 _KERNEL_FILE = re.compile(rb"kernel-([0-9A-Za-z_-]+)\.json")
 
 
@@ -78,7 +80,7 @@ class RunTracker:
             losses = (losses + (float(loss),))[-registry.LOSS_POINTS :]
         self.update(step=step, loss=None if loss is None else float(loss), losses=losses, steps_per_second=rate)
 
-    def update(self, **changes: object) -> None:
+    def update(self, **changes: Any) -> None:
         self.record = replace(self.record, **changes)
         self.dirty = True
 
@@ -152,12 +154,12 @@ class Board:
         self.ended.append((tracker.record.id, tracker.folder))
         while len(self.ended) > KEEP_ENDED:
             old, folder = self.ended.pop(0)
-            self._safely(lambda old=old, folder=folder: registry.remove(old, folder), None)
+            self._safely(functools.partial(registry.remove, old, folder), None)
 
     def close(self) -> None:
         """The kernel is gone: forget the ended runs; runs still going stay (shown as orphaned)."""
         for record_id, folder in self.ended:
-            self._safely(lambda record_id=record_id, folder=folder: registry.remove(record_id, folder), None)
+            self._safely(functools.partial(registry.remove, record_id, folder), None)
 
     def _write(self, tracker: RunTracker) -> None:
         tracker.written = time.monotonic()
@@ -165,7 +167,7 @@ class Board:
         if self.enabled:
             self._safely(lambda: registry.write(replace(tracker.record, updated=time.time()), tracker.folder), None)
 
-    def _safely(self, action: Callable[[], Any], fallback: Any) -> Any:
+    def _safely(self, action: Callable[[], _T], fallback: _T) -> _T:
         try:
             return action()
         except OSError as error:  # RegistryError included: the registry goes, the runs stay

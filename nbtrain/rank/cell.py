@@ -111,7 +111,7 @@ def _rewrap_scheduled_optimizers(values: Iterable[Any]) -> None:
             return _func.__get__(opt, opt.__class__)(*args, **kwargs)
 
         functools.update_wrapper(wrapper, func)
-        wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # the mark torch's LRScheduler sets
         optimizer.step = wrapper
 
 
@@ -120,7 +120,8 @@ def _execute(spec: CellSpec, cell_globals: dict[str, Any]) -> tuple[Any] | None:
     tree = ast.parse(spec.code, spec.filename)
     last = None
     if spec.display_last and tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+        last = ast.Expression(tree.body[-1].value)
+        tree.body.pop()
     exec(compile(tree, spec.filename, "exec"), cell_globals)  # noqa: S102 - running the user's cell is the point
     if last is not None:
         return (eval(compile(last, spec.filename, "eval"), cell_globals),)
@@ -195,7 +196,7 @@ class _Before:
         special = {id(v) for n, v in self.objects.items() if self.kinds[n] in tracked_apart}
         self.special = special  # by reference in fingerprints: their changes are tracked apart
         self.refs = _kernel_refs(self.objects)
-        self.keep: list = []  # tensors the fingerprints name by id (see _fingerprint)
+        self.keep: list[Any] = []  # tensors the fingerprints name by id (see _fingerprint)
         self.fingerprints = {
             name: _fingerprint(value, special, self.keep)
             for name, value in self.objects.items()
@@ -213,9 +214,9 @@ class _Before:
         }
 
 
-def _kernel_refs(objects: Mapping[str, Any]) -> dict[int, tuple]:
+def _kernel_refs(objects: Mapping[str, Any]) -> dict[int, tuple[Any, ...]]:
     """id -> persistent id, for every shipped object and the parts of shipped modules."""
-    refs: dict[int, tuple] = {}
+    refs: dict[int, tuple[Any, ...]] = {}
     for name in sorted(objects):
         value = objects[name]
         refs.setdefault(id(value), (records.KERNEL_TAG, name))
@@ -224,7 +225,7 @@ def _kernel_refs(objects: Mapping[str, Any]) -> dict[int, tuple]:
     return refs
 
 
-def _add_module_parts(refs: dict[int, tuple], name: str, module: Any) -> None:
+def _add_module_parts(refs: dict[int, tuple[Any, ...]], name: str, module: Any) -> None:
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(module, torch.nn.Module):
         return
@@ -244,7 +245,7 @@ def _state_marks(obj: Any) -> Any:
     return obj.state_dict()
 
 
-def _signature(module: Any) -> tuple:
+def _signature(module: Any) -> tuple[Any, ...]:
     # Under a -true precision the rank cast the model itself: its dtype changing is ours,
     # not the cell's, and the kernel's model keeps its own dtype (loaded by state).
     from nbtrain.rank import precision
@@ -333,7 +334,7 @@ def _optimizer_states(
     for name, optimizer in _unique(namespace, torch.optim.Optimizer):
         owner = _sharded_owner(optimizer, [m for _, m in modules])
         zero = prepare.prepared_for(optimizer)
-        if type(zero).__name__ == "ZeroRedundancyOptimizer":  # ddp_sharded: each rank holds a part
+        if zero is not None and type(zero).__name__ == "ZeroRedundancyOptimizer":  # ddp_sharded: each rank holds a part
             zero.consolidate_state_dict(to=0)  # every rank, always: it is a collective
             if before is not None:
                 states[name] = zero.state_dict()
@@ -434,7 +435,8 @@ def _full_optimizer_state(module: Any, optimizer: Any) -> dict[str, Any]:
     """The unsharded optimizer state, keyed by parameter index as ``Optimizer.state_dict`` keys it."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    by_name = get_optimizer_state_dict(module, optimizer, options=_full_options())
+    # Any: torch's type is a union over every key, and "state" / "param_groups" hold known shapes.
+    by_name: Any = get_optimizer_state_dict(module, optimizer, options=_full_options())
     if not by_name:
         return {}
     names = {id(p): n for n, p in module.named_parameters()}
@@ -454,11 +456,11 @@ def _full_optimizer_state(module: Any, optimizer: Any) -> dict[str, Any]:
 
 def _dump_outcome(
     outcome: dict[str, Any],
-    refs: dict[int, tuple],
+    refs: dict[int, tuple[Any, ...]],
     cell_globals: dict[str, Any],
     exempt: set[int],
     skipped: list[tuple[str, str, str]],
-) -> tuple[bytes, list]:
+) -> tuple[bytes, list[Any]]:
     """Pickle the outcome; a value that cannot travel is left out and named in ``skipped``."""
     with contextlib.suppress(Exception):  # find the culprits below
         return _dump(outcome, refs, cell_globals, exempt)
@@ -467,13 +469,13 @@ def _dump_outcome(
             value = outcome[section][name]
             try:
                 _dump(value, refs, cell_globals, exempt)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:  # noqa: BLE001 - whatever stops it, it is named in skipped
                 del outcome[section][name]
                 skipped.append((name, records.type_name(value), _why_not_sent(name, value, error)))
     if outcome["display"] is not None:
         try:
             _dump(outcome["display"], refs, cell_globals, exempt)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:  # noqa: BLE001 - whatever stops it, it is named in skipped
             value = outcome["display"][0]
             skipped.append(("the cell's value", records.type_name(value), _why_not_sent("", value, error)))
             outcome["display"] = None
@@ -502,7 +504,9 @@ def _short(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
-def _dump(obj: Any, refs: dict[int, tuple], cell_globals: dict[str, Any], exempt: set[int]) -> tuple[bytes, list]:
+def _dump(
+    obj: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any], exempt: set[int]
+) -> tuple[bytes, list[Any]]:
     import io
 
     buffer = io.BytesIO()
@@ -532,13 +536,13 @@ class _ResultReferences(_PicklerBase):
     dtensor_type: Any = type(None)
     ddp_type: Any = type(None)
 
-    def __init__(self, file: Any, refs: dict[int, tuple], cell_globals: dict, exempt: set[int]):
+    def __init__(self, file: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any], exempt: set[int]):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.refs = refs
         self.cell_globals = cell_globals
         self.exempt = exempt
-        self.storages: list = []
-        self._storage_index: dict[tuple, int] = {}
+        self.storages: list[Any] = []
+        self._storage_index: dict[tuple[str, int, int], int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) in _ATOMIC:
@@ -557,7 +561,7 @@ class _ResultReferences(_PicklerBase):
                 ref = self.refs.get(id(original))
         return ref
 
-    def _storage_id(self, obj: Any) -> tuple:
+    def _storage_id(self, obj: Any) -> tuple[Any, ...]:
         if isinstance(obj, self.typed_storage_type):
             untyped, dtype = obj._untyped_storage, obj.dtype
         else:
@@ -614,10 +618,10 @@ def _result_pickler_class() -> type[_ResultReferences]:
 
 # -- change detection ----------------------------------------------------------------------
 
-_fingerprint_pickler: Any = None
+_fingerprint_pickler: type | None = None
 
 
-def _fingerprint(value: Any, special: set[int], keep: list | None = None) -> bytes | None:
+def _fingerprint(value: Any, special: set[int], keep: list[Any] | None = None) -> bytes | None:
     """A digest of ``value``'s pickle; tensors count by identity and version, not by data.
 
     ``keep`` collects the tensors seen: holding them keeps their ids from being reused by
@@ -629,7 +633,7 @@ def _fingerprint(value: Any, special: set[int], keep: list | None = None) -> byt
         import cloudpickle
 
         class FingerprintPickler(cloudpickle.Pickler):
-            def __init__(self, file: Any, special: set[int], keep: list | None):
+            def __init__(self, file: Any, special: set[int], keep: list[Any] | None):
                 super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
                 self.special = special
                 self.keep = keep

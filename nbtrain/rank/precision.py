@@ -21,7 +21,11 @@ Example (on a rank, or anywhere outside a run):
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    import torch
 
 PRECISION_VARIABLE = "NBTRAIN_PRECISION"
 _DTYPES = {"16": "float16", "bf16": "bfloat16", "64": "float64", "32": "float32"}
@@ -138,7 +142,7 @@ class LossScaling:
         """Scale ``loss.backward()`` for the rest of this rank's life (a rank runs one cell)."""
         import torch
 
-        plain_backward = torch.Tensor.backward
+        plain_backward: Callable[..., Any] = torch.Tensor.backward  # torch leaves it unannotated
         scale = self.scale
 
         def backward(tensor: Any, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -147,7 +151,7 @@ class LossScaling:
             return plain_backward(tensor, gradient, *args, **kwargs)
 
         backward.__doc__ = plain_backward.__doc__
-        torch.Tensor.backward = backward
+        torch.Tensor.backward = backward  # type: ignore[method-assign,assignment]  # loss scaling, by design
 
     def wrap_optimizer(self, optimizer: Any) -> None:
         """Make ``optimizer.step()`` unscale, skip on overflow, and update the scale."""
@@ -158,7 +162,8 @@ class LossScaling:
         scaler = self.scaler
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            result = scaler.step(_Unwrapped(optimizer, plain_step), *args, **kwargs)
+            # GradScaler takes any object with the optimizer's attributes (_Unwrapped has them).
+            result = scaler.step(cast("torch.optim.Optimizer", _Unwrapped(optimizer, plain_step)), *args, **kwargs)
             scaler.update()
             return result
 

@@ -46,7 +46,9 @@ from nbtrain.rank import api
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel as _DDPBase
-    from torch.utils.data import DataLoader as _LoaderBase
+    from torch.utils.data import DataLoader
+
+    _LoaderBase = DataLoader[Any]
 else:
     # torch is imported when the first model or loader is prepared; the mixins below are
     # put in front of its classes then (transparent_ddp_class, _prepared_loader_class).
@@ -72,7 +74,7 @@ class _Registry:
         self.originals: dict[int, tuple[Any, Any]] = {}  # id(prepared) -> (prepared, original)
         self.param_swaps: dict[int, tuple[Any, Any]] = {}  # id(old param) -> (old, new DTensor param)
         self.param_owner: dict[int, Any] = {}  # id(new parameter) -> the sharded root module
-        self.optimizers: weakref.WeakSet = weakref.WeakSet()
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self.notes: list[str] = []
         self.loader_names: dict[str, Any] = {}  # auto mode's loaders: kernel name -> prepared loader
         self.first_iterated: list[Any] = []  # prepared loaders, in the order of their first pass
@@ -305,7 +307,7 @@ class _ReadThrough:
 
     def __getattr__(self, name: str) -> Any:
         try:
-            return super().__getattr__(name)  # type: ignore[misc]
+            return super().__getattr__(name)  # type: ignore[misc]  # a mixin: nn.Module, after it, has one
         except AttributeError:
             inner = self.__dict__.get("_modules", {}).get("module")
             if inner is None:
@@ -342,7 +344,7 @@ def transparent_dp_class() -> type:
     if _transparent_dp is None:
         from torch.nn.parallel import DataParallel
 
-        class TransparentDP(_ReadThrough, DataParallel):  # type: ignore[type-arg]
+        class TransparentDP(_ReadThrough, DataParallel[Any]):
             def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
                 super().__init__(module, *args, **kwargs)
                 object.__setattr__(self, "_nbtrain_ready", True)
@@ -353,7 +355,7 @@ def transparent_dp_class() -> type:
     return _transparent_dp
 
 
-_transparent_ddp: Any = None
+_transparent_ddp: type | None = None
 
 
 class _ReadsThrough(_ReadThrough, _DDPBase):
@@ -371,7 +373,7 @@ class _ReadsThrough(_ReadThrough, _DDPBase):
         if self.__dict__["_nbtrain_check_unused"] and self.require_backward_grad_sync and _torch().is_grad_enabled():
             object.__setattr__(self, "_nbtrain_check_unused", False)
             _check_first_backward(self.module)
-        return super().forward(*inputs, **kwargs)
+        return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]  # DDP's is unannotated
 
 
 def transparent_ddp_class() -> type:
@@ -465,7 +467,7 @@ def _shard_blocks(module: Any) -> list[Any]:
     """
     import torch
 
-    blocks = []
+    blocks: list[Any] = []
     for sub in module.modules():
         if isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential)):
             blocks.extend(child for child in sub.children() if any(True for _ in child.parameters()))
@@ -541,7 +543,7 @@ def _rebind_optimizer(optimizer: Any) -> None:
         _load_full_optimizer_state(owner, optimizer, full)
 
 
-def _load_full_optimizer_state(module: Any, optimizer: Any, full: dict) -> None:
+def _load_full_optimizer_state(module: Any, optimizer: Any, full: dict[str, Any]) -> None:
     """Shard a full (index-keyed) optimizer state onto FSDP2 parameters."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -552,7 +554,7 @@ def _load_full_optimizer_state(module: Any, optimizer: Any, full: dict) -> None:
             f"the state of {type(optimizer).__name__} was reset: it trains parameters of more than one sharded model."
         )
         return
-    by_name = {
+    by_name: dict[str, Any] = {
         "state": {order[i]: value for i, value in full["state"].items()},
         "param_groups": [
             {**{k: v for k, v in g.items() if k != "params"}, "params": [order[i] for i in g["params"]]}
@@ -655,7 +657,7 @@ def batches_per_rank(loader: Any, world_size: int, wrapper: str, *, evaluation: 
             return unchanged  # the rank iterates its copy of this very loader
         if evaluation and evaluation_of(loader) == "whole":
             return unchanged
-        share = DistributedSampler(
+        share: DistributedSampler[Any] = DistributedSampler(
             loader.dataset, num_replicas=world_size, rank=0, shuffle=False, drop_last=loader.drop_last
         )
         if loader.batch_size is None:
@@ -689,7 +691,7 @@ def _already_distributed(loader: Any) -> bool:
     )
 
 
-_loader_class: Any = None
+_loader_class: type | None = None
 
 
 class _PassAware(_LoaderBase):
@@ -708,16 +710,19 @@ class _PassAware(_LoaderBase):
     _nbtrain_whole: Any  # what an evaluation pass reads: the rank's copy of the user's loader
     _nbtrain_passes: dict[str, int]  # passes so far: "train", "whole", "shard"
 
-    def __iter__(self) -> Iterator[Any]:
+    # Not DataLoader's iterator type: a pass reads the user's own loader, or moves batches.
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         kind = self._nbtrain_pass_kind()
         if not any(self._nbtrain_passes.values()):
             _registry.first_iterated.append(self)  # the summary names loaders in this order
         self._nbtrain_passes[kind] += 1
+        batches: Iterator[Any]
         if kind == "whole":
             batches = iter(self._nbtrain_whole)
         else:
             if kind == "train":
-                self.sampler.set_epoch(self._nbtrain_epoch)
+                sampler: Any = self.sampler  # a DistributedSampler (_rebuild_loader)
+                sampler.set_epoch(self._nbtrain_epoch)
                 self._nbtrain_epoch += 1
             batches = super().__iter__()
         device = api.device()
@@ -742,7 +747,7 @@ def _prepared_loader_class() -> type:
     if _loader_class is None:
         from torch.utils.data import DataLoader
 
-        class PreparedDataLoader(_PassAware, DataLoader):
+        class PreparedDataLoader(_PassAware, DataLoader[Any]):
             pass
 
         PreparedDataLoader.__name__ = PreparedDataLoader.__qualname__ = "DataLoader"
@@ -758,7 +763,7 @@ def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
         seed = int(loader.generator.initial_seed())
     else:  # every rank draws the same seed: they start from the kernel's RNG state
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
-    sampler = DistributedSampler(
+    sampler: DistributedSampler[Any] = DistributedSampler(
         loader.dataset,
         num_replicas=api.world_size(),
         rank=api.rank(),
@@ -784,7 +789,7 @@ def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     cls = _prepared_loader_class()
-    accepted = inspect.signature(cls.__init__).parameters
+    accepted = inspect.signature(cls).parameters
     new = cls(loader.dataset, **{k: v for k, v in kwargs.items() if k in accepted})
     new._nbtrain_epoch = 0
     new._nbtrain_whole = loader
@@ -858,7 +863,7 @@ def auto_prepare(namespace: dict[str, Any], names: Iterable[str]) -> list[tuple[
 
     names = sorted(n for n in names if n in namespace)
     modules = {id(namespace[n]): namespace[n] for n in names if isinstance(namespace[n], torch.nn.Module)}
-    inside = set()
+    inside: set[int] = set()
     for module in modules.values():
         inside.update(id(sub) for sub in module.modules() if sub is not module)
     done: list[tuple[str, str]] = []
@@ -924,7 +929,7 @@ def loss_logging() -> Iterator[None]:
             busy.on = False
 
     backward.__doc__ = original.__doc__
-    backward.__wrapped__ = original  # type: ignore[attr-defined]
+    backward.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps would set it
     torch.Tensor.backward = backward
     try:
         yield

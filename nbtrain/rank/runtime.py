@@ -198,7 +198,7 @@ def _join_process_group(assignment: RankAssignment, listen_fd: int | None) -> No
 
     spec = assignment.spec
     if listen_fd is not None:
-        _hosted_store = dist.TCPStore(
+        _hosted_store = dist.TCPStore(  # type: ignore[attr-defined]  # re-exported by torch.distributed, not marked public
             _master_address(assignment),
             assignment.master_port,
             spec.world_size,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 SYNC_VARIABLE = "NBTRAIN_SYNC_BATCHNORM"
-_sync_class: Any = None
+_sync_class: type | None = None
 
 
 def convert(module: Any, device_type: str) -> Any:

@@ -11,16 +11,17 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
 
 ray = pytest.importorskip("ray", reason="the cluster tests need Ray: pip install 'nbtrain[ray]'")
-from ray.cluster_utils import Cluster  # noqa: E402
+from ray.cluster_utils import Cluster
 
-from helpers import procs  # noqa: E402
-from nbtrain.cluster import engine  # noqa: E402
+from helpers import procs
+from nbtrain.cluster import engine
 
 OBJECT_STORE_BYTES = 80 * 2**20
 WORKER_CPUS = 2
@@ -112,7 +113,7 @@ def _retried(start: Any, attempts: int = 3) -> Any:
         before = {child.pid for child in psutil.Process().children()}
         try:
             return start()
-        except Exception:  # noqa: BLE001 - "timed out during startup": clean up, try again, then give up
+        except Exception:
             started = [child.pid for child in psutil.Process().children() if child.pid not in before]
             procs.kill_pids(started)
             procs.wait_gone(started, GONE_SECONDS)

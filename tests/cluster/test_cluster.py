@@ -148,7 +148,9 @@ def _footprint(client: Any) -> tuple[Any, ...]:
     while True:
         counts = tuple(len(pids) for pids in client.node_processes())
         # A lambda travels by value: the agents cannot import this test module.
-        count = lambda _agent: len(__import__("ray")._private.worker.global_worker.core_worker.get_all_reference_counts())  # noqa: E731
+        count = lambda _agent: len(
+            __import__("ray")._private.worker.global_worker.core_worker.get_all_reference_counts()
+        )
         held = tuple(ray.get([a.__ray_call__.remote(count) for a in client.agents], timeout=30))
         actors = sum(1 for a in ray._private.state.actors().values() if a["State"] == "ALIVE")
         kernel = count(None)
@@ -330,11 +332,13 @@ def test_without_ray_the_error_names_the_extra() -> None:
         "except nbtrain.NbtrainError as error:\n    print(error)\n"
     )
     env = {**os.environ, "NBTRAIN_PREWARM": "0"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, env=env
+    )
     assert "pip install 'nbtrain[ray]'" in done.stdout, done.stdout + done.stderr
 
 
 def test_the_local_engine_never_imports_ray() -> None:
     code = "import nbtrain, sys\nprint(nbtrain.launch(lambda: 7, devices=1), 'ray' in sys.modules)\n"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["7", "False"], done.stdout + done.stderr

@@ -11,7 +11,8 @@ import os
 import re
 import signal
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -70,7 +71,7 @@ def kernel(ray_cluster: Any) -> Iterator[NotebookKernel]:
 
 def test_a_cell_trains_on_two_nodes_and_its_state_comes_back(kernel: NotebookKernel) -> None:
     msg_id = kernel.start_cell(TRAIN)
-    reply, out = kernel.wait_for_reply(msg_id, CELL_SECONDS)
+    _reply, out = kernel.wait_for_reply(msg_id, CELL_SECONDS)
     assert out.error is None, out.text
     assert re.search(r"\[rank 0, node 0 \([0-9.]+\)\] training on node 0", out.stdout), out.stdout
     assert re.search(r"\[rank 1, node 1 \([0-9.]+\)\] training on node 1", out.stdout), out.stdout

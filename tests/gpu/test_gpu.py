@@ -17,10 +17,10 @@ import sys
 
 import pytest
 import torch
-from helpers.procs import RUN_TIMEOUT, finish
-from kernel_helpers import NotebookKernel
 
 import nbtrain
+from helpers.procs import RUN_TIMEOUT, finish
+from kernel_helpers import NotebookKernel
 from nbtrain import events
 from nbtrain.errors import RankError
 

@@ -30,7 +30,7 @@ def make_adder(n):
     return add
 
 
-square = lambda value: value * value  # noqa: E731 - the point is a lambda
+square = lambda value: value * value
 
 
 def fn(adder, scaler):
@@ -46,5 +46,6 @@ if __name__ == "__main__":
     print(json.dumps({"caller": os.getpid(), "launcher": get_client().process.pid}), flush=True)
     result = nbtrain.launch(fn, make_adder(100), Scaler(3), devices=2, timeout=120)
     assert type(result["back"]) is Scaler, type(result["back"])  # the caller's own class again
-    print("RESULT " + " ".join(f"{k}={result[k]}" for k in ("rank", "world", "square", "add", "scaled", "label", "back")))
+    keys = ("rank", "world", "square", "add", "scaled", "label", "back")
+    print("RESULT " + " ".join(f"{k}={result[k]}" for k in keys))
     sys.stdout.flush()

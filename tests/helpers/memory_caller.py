@@ -42,7 +42,8 @@ def main(release_file: str) -> int:
         if isinstance(event, events.Output) and "ready" in event.text:
             ready.add(event.rank)
             if ready == {0, 1, 2, 3}:
-                print(json.dumps({"caller": os.getpid(), "launcher": get_client().process.pid, "ranks": sorted(run.pids.values())}), flush=True)
+                pids = {"caller": os.getpid(), "launcher": get_client().process.pid, "ranks": sorted(run.pids.values())}
+                print(json.dumps(pids), flush=True)
 
     total = run.wait(on_event=on_event)
     print(f"SUM {total:.1f}", flush=True)

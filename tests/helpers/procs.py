@@ -13,8 +13,9 @@ import selectors
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import psutil
 

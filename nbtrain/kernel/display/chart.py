@@ -57,7 +57,7 @@ class ChartFigure:
         self.pixel_size = (width * pixel_ratio, height * pixel_ratio)
         self.dpi = charts.CSS_DPI * pixel_ratio
         self.figure = Figure(figsize=(width / charts.CSS_DPI, height / charts.CSS_DPI), dpi=self.dpi, facecolor="none")
-        FigureCanvasAgg(self.figure)
+        self.canvas = FigureCanvasAgg(self.figure)  # becomes the figure's canvas
         self.panels: list[_Panel] = []
         for index, panel in enumerate(self.layout):
             row, column = divmod(index, columns)
@@ -75,8 +75,8 @@ class ChartFigure:
         ranks = {rank for panel in self.layout for rank in panel.ranks}
         return len(ranks) > 1 or any(panel.kind == "memory" and panel.name == "cuda" for panel in self.layout)
 
-    def _rect(self, panel: charts.Panel, row: int, column: int) -> list[float]:
-        """The axes' [left, bottom, width, height] in figure fractions, from CSS-pixel margins."""
+    def _rect(self, panel: charts.Panel, row: int, column: int) -> tuple[float, float, float, float]:
+        """The axes' (left, bottom, width, height) in figure fractions, from CSS-pixel margins."""
         width, height = self.css_size
         cell_w, cell_h = charts.PANEL_CSS
         margin = charts.MARGIN_CSS
@@ -85,7 +85,7 @@ class ChartFigure:
         top_px = self.key_row + row * cell_h + margin["top"]
         axes_w = cell_w - margin["left"] - right
         axes_h = cell_h - margin["top"] - margin["bottom"]
-        return [left_px / width, 1 - (top_px + axes_h) / height, axes_w / width, axes_h / height]
+        return (left_px / width, 1 - (top_px + axes_h) / height, axes_w / width, axes_h / height)
 
     def _draw_key(self) -> None:
         """One row above the charts naming the ranks' colours, the mean's line and GPU reserved's."""
@@ -127,7 +127,7 @@ class ChartFigure:
         Tick labels count only for ticks inside the axis' view (matplotlib keeps labels of
         ticks outside it, undrawn). For layout checks: nothing overlaps, nothing is cut off.
         """
-        renderer = self.figure.canvas.get_renderer()
+        renderer = self.canvas.get_renderer()
         tick_labels: set[int] = set()
         shown = []
         for panel in self.panels:
@@ -170,7 +170,8 @@ def _text_css_width(text: Any) -> float:
     """How wide ``text`` is drawn, in CSS pixels (measured, so the key's entries never overlap)."""
     figure = text.get_figure()
     extent = text.get_window_extent(figure.canvas.get_renderer())
-    return extent.width * charts.CSS_DPI / figure.dpi
+    width: float = extent.width * charts.CSS_DPI / figure.dpi
+    return width
 
 
 def _points(css_pixels: float) -> float:
@@ -373,7 +374,7 @@ def _compact_formatter_class() -> type:
     return CompactFormatter
 
 
-_formatter_class: Any = None
+_formatter_class: type | None = None
 
 
 def _CompactFormatter() -> Any:

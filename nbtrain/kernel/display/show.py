@@ -58,7 +58,7 @@ def enable_colab_widgets() -> None:
     if "google.colab" not in sys.modules:
         return
     with contextlib.suppress(Exception):  # an older Colab: its own manager may still show core widgets
-        from google.colab import output  # type: ignore[import-not-found]  # only exists in Colab
+        from google.colab import output  # only exists in Colab
 
         output.enable_custom_widget_manager()
 
