@@ -9,7 +9,6 @@ what the form shows, and that changing a control changes what the next cell runs
 from __future__ import annotations
 
 import pytest
-from kernel_helpers import NotebookKernel
 
 import nbtrain
 from kernel_helpers import NotebookKernel
@@ -231,13 +230,8 @@ def test_the_form_renders_in_a_kernel_and_its_values_become_the_cells_defaults()
         children = {cid: _state_of(notebook, cid) for cid in _child_ids(form)}
         kinds = [state["_model_name"] for state in children.values()]
         assert kinds == ["HTMLModel", "DropdownModel", "VBoxModel", "DropdownModel", "HTMLModel", "HBoxModel",
-<<<<<<< HEAD
                          "HBoxModel", "CheckboxModel", "HBoxModel", "HTMLModel", "HTMLModel"]
         _, accelerator, devices_box, strategy, strategy_help, timeout_row, *_, line, status = children.values()
-=======
-                         "HTMLModel", "HTMLModel"]
-        _title, accelerator, devices_box, strategy, strategy_help, timeout_row, line, status = children.values()
->>>>>>> main
         cores = hardware.cpu_count()
         assert accelerator["_options_labels"] == [f"cpu: {cores} core" + ("s" if cores != 1 else "")]
         assert accelerator["description"] == "accelerator" and strategy["_options_labels"][0] == "ddp_notebook"
