@@ -1,7 +1,9 @@
-"""Per-rank memory of Adam's optimizer state under ddp_notebook, ddp_sharded and fsdp.
+"""Per-rank memory of Adam's optimizer state under ddp_notebook, ddp_sharded, fsdp and fsdp_cpu_offload.
 
 Each rank counts the bytes of the optimizer-state tensors it holds after one step (for
 FSDP the local shards of its DTensors); the baseline is ddp_notebook in the same run.
+On CPU ranks fsdp_cpu_offload holds what fsdp holds (host memory is all there is); on
+GPUs it moves those bytes from the GPU to the host.
 
     .venv/bin/python benchmarks/sharded_memory.py [--devices 2] [--width 1024]
 """
@@ -48,12 +50,12 @@ def main() -> None:
     params = 4 * (args.width * args.width + args.width)
     print(f"model: 4 x Linear({args.width}, {args.width}), {params:,} parameters; Adam; {args.devices} CPU ranks")
     baseline = None
-    for strategy in ("ddp_notebook", "ddp_sharded", "fsdp"):
+    for strategy in ("ddp_notebook", "ddp_sharded", "fsdp", "fsdp_cpu_offload"):
         per_rank = state_bytes_per_rank(strategy, args.devices, args.width)
         baseline = baseline or max(per_rank)
         shown = ", ".join(f"{b / 2**20:.1f} MiB" for b in per_rank)
         ratio = max(per_rank) / baseline
-        print(f"{strategy:>13}: optimizer state per rank [{shown}]  max / ddp_notebook = {ratio:.3f}x")
+        print(f"{strategy:>16}: optimizer state per rank [{shown}]  max / ddp_notebook = {ratio:.3f}x")
 
 
 if __name__ == "__main__":
