@@ -254,6 +254,10 @@ def test_the_form_renders_in_a_kernel_and_its_values_become_the_cells_defaults()
         assert "[rank 1] bf16-mixed 1" in told.stdout, told.text
         plain = kernel.run_ok("%%distributed --precision 32-true\nimport os\nprint(os.environ['NBTRAIN_PRECISION'])\n")
         assert "[rank 0] 32-true" in plain.stdout  # a flag wins
+        unsynced = kernel.run_ok(
+            "%%distributed --no-sync-batchnorm\nimport os\nprint('sync', os.environ['NBTRAIN_SYNC_BATCHNORM'])\n"
+        )
+        assert "[rank 0] sync 0" in unsynced.stdout
         kernel.run_ok("w.precision.value = '32-true'\nw.sync_batchnorm.value = False")
 
         # The flags' help says where defaults come from; --timeout none beats a session timeout.

@@ -162,9 +162,17 @@ class DistributedMagics(Magics):
     @magic_arguments.argument(
         "--sync-batchnorm",
         action="store_true",
+        default=None,
         help="Compute BatchNorm statistics over every rank's batch (SyncBatchNorm on the ranks; "
         "the kernel's model keeps plain BatchNorm and gets the synced running statistics). "
-        "Also on when the session default says so.",
+        "Default: the session default (off).",
+    )
+    @magic_arguments.argument(
+        "--no-sync-batchnorm",
+        dest="sync_batchnorm",
+        action="store_false",
+        default=None,
+        help="Plain BatchNorm on each rank, over a session default of --sync-batchnorm.",
     )
     @magic_arguments.argument(
         "--backend",
@@ -338,7 +346,7 @@ def fill_defaults(parsed: Any) -> CellOptions:
         output=parsed.output,
         auto=parsed.auto,
         precision=session.precision if parsed.precision is None else parsed.precision,
-        sync_batchnorm=parsed.sync_batchnorm or session.sync_batchnorm,
+        sync_batchnorm=session.sync_batchnorm if parsed.sync_batchnorm is None else parsed.sync_batchnorm,
         backend=session.backend if parsed.backend is None else parsed.backend,
         allow_oversubscribe=parsed.allow_oversubscribe,
         background=parsed.background,
