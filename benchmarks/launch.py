@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
-import itertools
 import json
 import math
 import os
@@ -79,6 +78,8 @@ SUBPROCESS_TIMEOUT_S = 180.0  # any cold child / torchrun
 # ---------------------------------------------------------------------------------------
 def mlp(sizes):
     """Linear layers of these widths with ReLU between them."""
+    import itertools  # here, not at the top: torchrun's script is this function's source
+
     from torch import nn
 
     layers = []

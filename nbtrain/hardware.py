@@ -141,8 +141,9 @@ def probe_plan(devices: object = "auto", accelerator: str | None = "auto", overs
 def find_usable_cuda_devices(num_devices: int = -1) -> list[int]:
     """The indices of ``num_devices`` GPUs that no other process uses (-1: every such GPU).
 
-    A GPU is free when NVML lists no compute process on it; of the free ones, those with
-    the most free memory are chosen, and their indices (as torch numbers them, after
+    A GPU is free when NVML lists no compute process on it other than this one (a kernel
+    that moved a model to a GPU still gets that GPU for its ranks); of the free ones, those
+    with the most free memory are chosen, and their indices (as torch numbers them, after
     ``CUDA_VISIBLE_DEVICES``) come back in ascending order. NVML reads the driver: no CUDA
     context is created in this process, so the kernel can still fork healthy CUDA ranks.
     Too few free GPUs raises :class:`~nbtrain.errors.ConfigurationError` naming each busy
@@ -213,8 +214,12 @@ def _occupancy(nvml: ModuleType, logical: int, handle: Any, device: _NvmlDevice)
     held = _ask(nvml, nvml.nvmlDeviceGetComputeRunningProcesses, handle, default=None)
     if held is None:  # the driver will not say: the GPU cannot be called free
         return freegpus.GpuOccupancy(gpu, known=False)
+    # This process (the kernel, which may have moved a model to the GPU) does not make a GPU
+    # busy: its ranks are meant to share it, and "busy" means some other program holds it.
     processes = tuple(
-        freegpus.GpuProcess(int(p.pid), _process_name(nvml, int(p.pid)), _used_bytes(p)) for p in held
+        freegpus.GpuProcess(int(p.pid), _process_name(nvml, int(p.pid)), _used_bytes(p))
+        for p in held
+        if int(p.pid) != os.getpid()
     )
     return freegpus.GpuOccupancy(gpu, processes)
 

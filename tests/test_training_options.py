@@ -67,22 +67,46 @@ def test_mixed_precision_runs_forward_under_autocast_and_keeps_weights():
     assert not torch.is_autocast_enabled("cpu")  # left after the forward
 
 
-def test_loss_scaling_scales_backward_and_steps_through_the_scaler():
-    """The 16-mixed mechanism, on CPU's GradScaler: same update as unscaled SGD."""
-    torch.manual_seed(0)
-    model, reference = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
-    reference.load_state_dict(model.state_dict())
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
-    scaling = precision.LossScaling("cpu")
-    scaling.wrap_optimizer(opt)
-    x = torch.randn(8, 3)
-    scaled = scaling.scale(model(x).pow(2).mean())
-    assert scaled._nbtrain_unscaled.item() * scaling.scaler.get_scale() == pytest.approx(scaled.item(), rel=1e-5)
-    scaled.backward()
-    opt.step()
-    reference(x).pow(2).mean().backward()
-    ref_opt.step()
-    assert torch.allclose(model.weight, reference.weight, atol=1e-6)
+def test_loss_scaling_unscales_every_optimizer_and_skips_an_overflowed_step(launcher):
+    """The 16-mixed mechanism on CPU's GradScaler, on real ranks (it patches the rank's torch).
+
+    The optimizers are built after the scaling is installed and never handed to it (as in
+    a cell that builds its optimizer after ``prepare``); one is a ZeroRedundancyOptimizer,
+    whose own step runs an inner optimizer's. Each matches an unscaled reference; a step
+    with an infinite loss leaves the weights as they were and halves the scale.
+    """
+
+    def fn():
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        from nbtrain.rank import precision as rank_precision
+
+        torch.manual_seed(0)
+        x, models = torch.randn(8, 3), [torch.nn.Linear(3, 1) for _ in range(3)]
+        for copy in models[1:]:
+            copy.load_state_dict(models[0].state_dict())
+
+        def train(model, opt):
+            for _ in range(3):
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+
+        train(models[2], torch.optim.Adam(models[2].parameters(), lr=0.1))  # the reference, before scaling
+        scaling = rank_precision.LossScaling("cpu")
+        scaling.install()
+        adam = torch.optim.Adam(models[0].parameters(), lr=0.1)
+        train(models[0], adam)
+        train(models[1], ZeroRedundancyOptimizer(models[1].parameters(), optimizer_class=torch.optim.Adam, lr=0.1))
+        matches = [torch.allclose(m.weight, models[2].weight, atol=1e-6) for m in models[:2]]
+        before, scale = models[0].weight.detach().clone(), scaling.scaler.get_scale()
+        adam.zero_grad()
+        (models[0](x).pow(2).mean() * float("inf")).backward()
+        adam.step()
+        return matches, torch.equal(before, models[0].weight), scaling.skipped_steps, scaling.scaler.get_scale() / scale
+
+    matches, unchanged, skipped, scale_ratio = finish(nbtrain.start(fn, devices=2, accelerator="cpu"))
+    assert matches == [True, True] and unchanged and skipped == 1 and scale_ratio == 0.5
 
 
 def test_sync_batchnorm_keeps_parameters_and_state_keys():

@@ -805,11 +805,33 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
     """The run's failure as the notebook shows it: rank tracebacks name cells, plus ``note``."""
     if isinstance(error, RankError):
         text = cell_traceback(error.remote_traceback, shell)
+        note = " ".join(part for part in (device_hint(error.exc_message), note) if part)
         return RankError(error.rank, error.exc_type, error.exc_message, text, note, node=error.node)
     where = getattr(error, "where", "")
     message = f"{error.headline or error} {note}" + (f"\n{where}" if where else "")
     error.args = (message,)  # RunFailedError._render_traceback_ shows it
     return error
+
+
+_DEVICE_MISMATCH = ("Expected all tensors to be on the same device", "found at least two devices")
+
+
+def device_hint(message: str) -> str:
+    """What to do when a rank mixed devices: the commonest first error of a CUDA cell.
+
+    >>> device_hint("Expected all tensors to be on the same device, but found at least two devices")[:40]
+    'Each rank computes on its own device (nb'
+    >>> device_hint("bad batch")
+    ''
+    """
+    if not any(marker in message for marker in _DEVICE_MISMATCH):
+        return ""
+    return (
+        "Each rank computes on its own device (nbtrain.device()): auto mode moved the model there, and "
+        "what is passed to it, but other tensors made in the kernel (a target, say) stay where they were "
+        "made. Move them with `.to(nbtrain.device())`, or iterate a DataLoader, whose batches auto mode "
+        "moves for you."
+    )
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')

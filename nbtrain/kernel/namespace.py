@@ -474,7 +474,7 @@ def module_differs(module: Any, state: Mapping[str, Any], modes: Iterable[tuple[
     return any(
         not isinstance(own[k], torch.Tensor)
         or own[k].shape != state[k].shape
-        or not torch.equal(own[k], state[k].to(own[k].dtype))
+        or not torch.equal(own[k], state[k].to(device=own[k].device, dtype=own[k].dtype))
         for k in own
     )
 

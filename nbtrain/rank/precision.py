@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 PRECISION_VARIABLE = "NBTRAIN_PRECISION"
 _DTYPES = {"16": "float16", "bf16": "bfloat16", "64": "float64", "32": "float32"}
@@ -114,17 +111,23 @@ def _cast_floating(data: Any, dtype: Any) -> Any:
 
 
 class LossScaling:
-    """``16-mixed`` on CUDA: scale each scalar loss's backward, step optimizers through a scaler.
+    """``16-mixed`` on CUDA: scale each scalar loss's backward, unscale before every optimizer step.
 
-    Installed by ``prepare`` for the cell (or ``launch``'s function); ``optimizer.step()``
-    and ``loss.backward()`` in the user's code are unchanged.
+    Installed by ``prepare`` for the rest of the rank's life (a rank runs one cell), for
+    every optimizer, also one the cell builds after ``prepare`` and never hands it:
+    ``optimizer.step()`` and ``loss.backward()`` in the user's code are unchanged. Before a
+    step the gradients are unscaled; a step whose gradients overflowed changes nothing
+    (every torch optimizer skips a parameter without a gradient) and lowers the scale, as
+    ``GradScaler.step`` does.
     """
 
     def __init__(self, device_type: str) -> None:
         import torch
 
         self.scaler = torch.amp.GradScaler(device_type)
-        self._stepped: set[int] = set()
+        self.skipped_steps = 0
+        self._depth = 0  # an optimizer's step inside another's (ZeroRedundancyOptimizer's) is left alone
+        self._unscaled = False  # GradScaler.update() refuses to run when nothing was unscaled
 
     def scale(self, loss: Any) -> Any:
         """The loss to call backward on: scaled when it is a scalar that needs gradients.
@@ -139,43 +142,44 @@ class LossScaling:
         return loss
 
     def install(self) -> None:
-        """Scale ``loss.backward()`` for the rest of this rank's life (a rank runs one cell)."""
+        """Scale ``loss.backward()`` and hook every optimizer step of this rank."""
         import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         plain_backward: Callable[..., Any] = torch.Tensor.backward  # torch leaves it unannotated
         scale = self.scale
 
         def backward(tensor: Any, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
+            self._depth = 0  # no step is under way at a backward; a step that raised left it counted
             if gradient is None and not hasattr(tensor, "_nbtrain_unscaled"):
                 tensor = scale(tensor)
             return plain_backward(tensor, gradient, *args, **kwargs)
 
         backward.__doc__ = plain_backward.__doc__
         torch.Tensor.backward = backward  # type: ignore[method-assign,assignment]  # loss scaling, by design
+        register_optimizer_step_pre_hook(self.before_step)
+        register_optimizer_step_post_hook(self.after_step)
 
-    def wrap_optimizer(self, optimizer: Any) -> None:
-        """Make ``optimizer.step()`` unscale, skip on overflow, and update the scale."""
-        if id(optimizer) in self._stepped:
+    def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Unscale the gradients; drop them all when one overflowed (the step then skips)."""
+        self._depth += 1
+        if self._depth > 1:
             return
-        self._stepped.add(id(optimizer))
-        plain_step = optimizer.step
-        scaler = self.scaler
+        import torch
 
-        def step(*args: Any, **kwargs: Any) -> Any:
-            # GradScaler takes any object with the optimizer's attributes (_Unwrapped has them).
-            result = scaler.step(cast("torch.optim.Optimizer", _Unwrapped(optimizer, plain_step)), *args, **kwargs)
-            scaler.update()
-            return result
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self._unscaled = bool(grads)
+        if not grads:
+            return
+        self.scaler.unscale_(optimizer)
+        if not bool(torch.stack([g.isfinite().all() for g in grads]).all()):
+            self.skipped_steps += 1
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    parameter.grad = None
 
-        optimizer.step = step
-
-
-class _Unwrapped:
-    """The optimizer as GradScaler sees it: its own ``step``, not our wrapper (no recursion)."""
-
-    def __init__(self, optimizer: Any, step: Any) -> None:
-        self._optimizer = optimizer
-        self.step = step
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._optimizer, name)
+    def after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Update the scale once per outermost step (lower after an overflow, grow when stable)."""
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and self._unscaled:
+            self.scaler.update()

@@ -235,8 +235,6 @@ def _apply_precision_and_sync(module: Any, wrapper: str) -> None:
     if chosen == "16-mixed" and device.type == "cuda" and _registry.loss_scaling is None:
         _registry.loss_scaling = precision.LossScaling("cuda")
         _registry.loss_scaling.install()
-        for optimizer in list(_registry.optimizers):
-            _registry.loss_scaling.wrap_optimizer(optimizer)
 
 
 def is_wrapped(module: Any) -> bool:
@@ -492,8 +490,6 @@ def prepare_optimizer(optimizer: Any) -> Any:
     if model_wrapper() == "ddp_sharded" and _in_process_group() and not _is_zero(optimizer):
         return _shard_optimizer_state(optimizer)
     _registry.optimizers.add(optimizer)
-    if _registry.loss_scaling is not None:
-        _registry.loss_scaling.wrap_optimizer(optimizer)
     _rebind_optimizer(optimizer)
     _move_optimizer_state(optimizer)
     _registry.remember(optimizer, optimizer)
@@ -522,8 +518,6 @@ def _shard_optimizer_state(optimizer: Any) -> Any:
         sharded.add_param_group(dict(group))
     if optimizer.state:  # state made in the kernel (a second cell): every rank keeps its part
         sharded.load_state_dict(optimizer.state_dict())
-    if _registry.loss_scaling is not None:
-        _registry.loss_scaling.wrap_optimizer(sharded)
     _registry.remember(optimizer, sharded)
     return sharded
 

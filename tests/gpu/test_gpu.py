@@ -1,6 +1,7 @@
 """The CUDA paths on a real GPU: skipped where no CUDA device exists (CI has none).
 
-Run on a GPU machine with ``.venv/bin/python -m pytest tests/gpu -m gpu``. What they show:
+Run on a GPU machine with ``.venv/bin/python -m pytest tests/gpu -m gpu``, or ``bash .ci/gpu``
+(with the machine's own CUDA torch; it also runs benchmarks/launch.py). What they show:
 the kernel may initialise CUDA and still launch CUDA ranks (they fork from the launcher,
 never from the kernel), nccl groups, mixed precision with the loss scaler, FSDP on one GPU,
 CUDA memory in the live view's samples, CUDA tensors coming back, an out-of-memory
@@ -53,6 +54,15 @@ def test_a_kernel_that_touched_cuda_trains_a_cuda_cell_and_gets_its_weights_back
         assert moved > 0 and device.startswith("cuda")
 
 
+def test_kernel_tensors_on_the_cpu_in_a_cuda_cell_get_a_hint_to_move_them():
+    with NotebookKernel() as kernel:
+        kernel.run_ok("%load_ext nbtrain\nimport torch\nmodel = torch.nn.Linear(8, 1)\n")
+        kernel.run_ok("x, y = torch.randn(4, 8), torch.randn(4, 1)")
+        # the prepared model moves its inputs to the rank's device; the target stays on the CPU
+        out = kernel.run("%%distributed --accelerator cuda --devices 1\ntorch.nn.functional.mse_loss(model(x), y)\n")
+        assert out.error is not None and "`.to(nbtrain.device())`" in out.text, out.text
+
+
 def test_cuda_ranks_join_an_nccl_group(launcher):
     assert finish(_start(lambda: torch.distributed.get_backend())) == "nccl"
 
@@ -78,6 +88,45 @@ def test_mixed_precision_on_cuda_trains(launcher, precision, dtype):
     assert losses[-1] < 0.9 * losses[0]
 
 
+def test_16_mixed_skips_an_overflowed_step_and_lowers_the_scale(launcher):
+    """The optimizer is built after prepare and never handed to it; the scaling still holds."""
+
+    def fn():
+        net = nbtrain.prepare(torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        x = torch.randn(16, 8, device="cuda")
+        opt.zero_grad(); net(x).float().pow(2).mean().backward(); opt.step()
+        before = next(net.parameters()).detach().clone()
+        opt.zero_grad(); (net(x).float().pow(2).mean() * float("inf")).backward(); opt.step()
+        return torch.equal(before, next(net.parameters()))
+
+    assert finish(_start(fn, precision="16-mixed"))
+
+
+def test_bf16_true_casts_the_model_on_the_rank_and_the_kernels_copy_stays_float32(launcher):
+    model = torch.nn.Linear(8, 1)
+
+    def fn(model):
+        net = nbtrain.prepare(model)
+        out = net(torch.randn(4, 8, device="cuda"))
+        return str(next(net.parameters()).dtype), str(out.dtype), net.state_dict()
+
+    weight_dtype, out_dtype, state = finish(_start(fn, model, precision="bf16-true"))
+    assert weight_dtype == "torch.bfloat16" and out_dtype == "torch.float32"
+    model.load_state_dict(state)
+    assert model.weight.dtype == torch.float32
+
+
+def test_sync_batchnorm_on_cuda_is_torchs_own(launcher):
+    def fn():
+        net = nbtrain.prepare(torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2)))
+        net(torch.randn(4, 1, 8, 8, device="cuda")).sum().backward()
+        kinds = {f"{type(m).__module__}.{type(m).__name__}" for m in net.modules()}
+        return sorted(kind for kind in kinds if "BatchNorm" in kind)
+
+    assert finish(_start(fn, sync_batchnorm=True)) == ["torch.nn.modules.batchnorm.SyncBatchNorm"]
+
+
 def test_fsdp_on_one_gpu_brings_full_weights_back(launcher):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
 
@@ -95,11 +144,11 @@ def test_fsdp_on_one_gpu_brings_full_weights_back(launcher):
 def test_cuda_memory_reaches_the_live_view(launcher):
     def fn():
         keep = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-        for step in range(20):
-            nbtrain.log(step=step)
-            torch.cuda.synchronize()
-            import time
+        import time
 
+        for step in range(20):
+            nbtrain.log(step=step, seconds=time.time())  # memory samples travel with the logged values
+            torch.cuda.synchronize()
             time.sleep(0.05)  # the rank's own pace: the samples are taken while it runs
         return keep.numel()
 
@@ -132,15 +181,24 @@ def test_free_gpu_selection_reads_the_real_nvml_without_a_cuda_context():
     assert all(0 <= index < torch.cuda.device_count() for index in ast.literal_eval(chosen))
 
 
-def test_a_gpu_this_process_holds_is_not_chosen():
+def test_a_gpu_another_process_holds_is_busy_and_one_this_kernel_holds_is_free():
     from nbtrain import hardware
 
     torch.cuda.init()
-    held = torch.empty(16 << 20, dtype=torch.uint8, device="cuda:0")  # this process now holds GPU 0
-    occupancy = {o.gpu.index: o for o in hardware.gpu_occupancy()}
-    if not occupancy[0].known:
+    held = torch.empty(16 << 20, dtype=torch.uint8, device="cuda:0")  # this process (the kernel) holds GPU 0
+    mine = {o.gpu.index: o for o in hardware.gpu_occupancy()}
+    if not mine[0].known:
         pytest.skip("NVML cannot list the processes of this GPU")
-    assert not occupancy[0].free, occupancy[0]
+    code = "import sys, torch\nx = torch.empty(1 << 24, device='cuda')\nprint('holding', flush=True)\nsys.stdin.read()"
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "holding"
+        theirs = {o.gpu.index: o for o in hardware.gpu_occupancy()}
+    finally:
+        other.stdin.close()
+        other.wait(timeout=60)
+    assert mine[0].free, mine[0]
+    assert not theirs[0].free and f"pid {other.pid}" in theirs[0].describe_busy(), theirs[0]
     del held
 
 
