@@ -60,7 +60,7 @@ def test_a_cell_result_is_a_frozen_record_with_empty_reports_by_default():
     result = records.CellResult(b"payload", [])
     assert (result.deleted, result.skipped, result.prepared, result.notes, result.loaders) == ([], [], [], [], [])
     with pytest.raises(dataclasses.FrozenInstanceError):
-        result.payload = b""  # type: ignore[misc]
+        result.payload = b""  # type: ignore[misc]  # the assignment a frozen record refuses
 
 
 def test_the_self_distributing_names_are_those_of_ddp_fsdp_and_their_sampler():
