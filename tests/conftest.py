@@ -1,6 +1,6 @@
 """Fixtures for the engine's tests: a warm launcher, and a guard that fails a test on leaks.
 
-Every test runs real processes: the launcher is the one ``import nbtrain`` starts, ranks
+Every test runs real processes: the launcher is this process's own (``get_client()``), ranks
 are real forks, and the failure tests start real caller processes (tests/helpers).
 """
 
@@ -17,7 +17,7 @@ import pytest
 # Jupyter runtime directory: a real JupyterLab's sidebar never lists test runs.
 os.environ.setdefault("NBTRAIN_RUNTIME_DIR", tempfile.mkdtemp(prefix="nbtrain-test-registry-"))
 
-import nbtrain  # noqa: F401 - starts the warm launcher, as in a notebook
+import nbtrain  # noqa: F401 - the package as a notebook imports it (importing starts nothing)
 from nbtrain.kernel import client as kernel_client
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -102,6 +102,10 @@ def _world() -> tuple[int, int, str, str]:
     return dist.get_rank(), dist.get_world_size(), os.environ["GROUP_RANK"], os.environ["LOCAL_WORLD_SIZE"]
 
 
+def _echo(tensor: torch.Tensor) -> tuple[tuple[int, int, str, str], torch.Tensor]:
+    return _world(), tensor * 1
+
+
 # -- results ------------------------------------------------------------------------------
 @pytest.mark.parametrize("per_node", [1, 2])
 def test_ddp_across_two_nodes_equals_one_process_with_the_full_batch(ray_cluster: Any, per_node: int) -> None:
@@ -130,19 +134,24 @@ def test_ranks_are_placed_as_torchrun_places_them(ray_cluster: Any) -> None:
 def test_warm_agents_are_reused_and_nothing_grows_over_20_runs(ray_cluster: Any) -> None:
     procs.finish(start(_world), RUN_SECONDS)  # warm
     client = engine._client
+    weights = torch.ones(1 << 18)  # 1 MB each way: over Ray's inline limit, so it goes through the object stores
+    seen = ray.put(weights)
+    assert sum(_object_store_bytes()) >= weights.numel() * 4, "the object-store measure misses a 1 MB object"
+    del seen
     before = _footprint(client)
     for _ in range(20):
-        assert procs.finish(start(_world), 60.0)[1] == 4
+        back = procs.finish(start(_echo, weights), 60.0)
+        assert back[0][1] == 4 and torch.equal(back[1], weights)
     assert engine._client is client, "the warm agents were replaced"
     after = _footprint(client)
     assert after == before, f"grew over 20 runs: {before} -> {after}"
 
 
 def _footprint(client: Any) -> tuple[Any, ...]:
-    """Per node: nbtrain processes and object references held; actors alive; the kernel's references.
+    """Per node: nbtrain processes, object references, object-store bytes; actors alive; the kernel's references.
 
-    An object stays in a node's object store only while some process holds a reference
-    to it, so no references left means nothing left in any object store.
+    The bytes are each raylet's own count of its object store's use (what `ray memory`
+    reports); the references say why an object would still be there.
     """
     deadline = time.monotonic() + 10.0
     while True:
@@ -154,9 +163,19 @@ def _footprint(client: Any) -> tuple[Any, ...]:
         held = tuple(ray.get([a.__ray_call__.remote(count) for a in client.agents], timeout=30))
         actors = sum(1 for a in ray._private.state.actors().values() if a["State"] == "ALIVE")
         kernel = count(None)
-        if (counts, held, kernel) == ((2, 2), (0, 0), 0) or time.monotonic() > deadline:
-            return counts, held, actors, kernel
+        store = _object_store_bytes()
+        if (counts, held, kernel, sum(store)) == ((2, 2), (0, 0), 0, 0) or time.monotonic() > deadline:
+            return counts, held, store, actors, kernel
         time.sleep(0.1)
+
+
+def _object_store_bytes() -> tuple[int, ...]:
+    """Bytes in use in each live node's object store, as its raylet counts them."""
+    from ray._private.internal_api import node_stats
+
+    nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeID"])
+    replies = [node_stats(n["NodeManagerAddress"], n["NodeManagerPort"], include_memory_info=False) for n in nodes]
+    return tuple(int(reply.store_stats.object_store_bytes_used) for reply in replies)
 
 
 # -- failures -----------------------------------------------------------------------------
