@@ -38,10 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
 import torch
 
-from nbtrain import processes
+from nbtrain import codepickle, processes
 
 _TAG = "nbtrain-storage"
 _ALIGNMENT = 64
@@ -53,7 +52,7 @@ _READ_PIECE_BYTES = 32 << 20
 _MAX_THREADS = 8
 
 
-class _StoragePickler(cloudpickle.Pickler):
+class _StoragePickler(codepickle.Pickler):
     """cloudpickle, except that tensor storages become references into one storage layout."""
 
     def __init__(self, file: io.BytesIO):

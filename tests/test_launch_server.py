@@ -13,11 +13,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import cloudpickle
 import pytest
 
 from helpers import procs
-from nbtrain import config, events, processes, wire
+from nbtrain import codepickle, config, events, processes, wire
 from nbtrain.devices import DevicePlan
 from nbtrain.kernel import client
 from nbtrain.launch_server import server
@@ -101,7 +100,7 @@ _run_ids = iter(range(1, 1000))
 
 def start_run(run_id: int, fn: Callable[[], Any], devices: int = 2, timeout: float | None = None) -> events.StartRun:
     cfg = config.make_config(DevicePlan("cpu", tuple(range(devices))), strategy="ddp_notebook", timeout=timeout)
-    payload = cloudpickle.dumps((fn, (), {}), protocol=pickle.HIGHEST_PROTOCOL)
+    payload = codepickle.dumps((fn, (), {}))  # as the kernel pickles it
     return client._StartMessage(cfg, payload, has_tensor_file=False, with_log=False)(run_id)
 
 

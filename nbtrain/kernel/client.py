@@ -369,7 +369,9 @@ class Run:
             return self._ended
         if isinstance(message, messages.Output):
             self.client.output_taken(self.run_id, len(message.text))
-            self._last_output[message.rank] = message.text
+            # Keep the last lines across events: one print can arrive in several pieces.
+            kept = self._last_output.get(message.rank, "") + message.text
+            self._last_output[message.rank] = "".join(kept.splitlines(keepends=True)[-_LINES_QUOTED:])
         elif isinstance(message, messages.RankStarted):
             self.pids[message.rank] = message.pid
         elif isinstance(message, messages.RankExited):
@@ -840,11 +842,9 @@ def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:
     spares its first launch the ~1 s import of torch.
     """
     if "torch" not in sys.modules:
-        import pickle
+        from nbtrain import codepickle
 
-        import cloudpickle
-
-        return cloudpickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), None
+        return codepickle.dumps(payload), None
     from nbtrain import sharedtensors
 
     return sharedtensors.dumps(payload)

@@ -600,12 +600,13 @@ def _result_pickler_class() -> type[_ResultReferences]:
     """:class:`_ResultReferences` on cloudpickle's Pickler (built once: it imports torch and cloudpickle)."""
     global _result_pickler
     if _result_pickler is None:
-        import cloudpickle
         import torch
         from torch.distributed.tensor import DTensor
         from torch.nn.parallel import DistributedDataParallel
 
-        class ResultPickler(_ResultReferences, cloudpickle.Pickler):
+        from nbtrain import codepickle
+
+        class ResultPickler(_ResultReferences, codepickle.Pickler):
             typed_storage_type = torch.storage.TypedStorage
             storage_types = (torch.storage.TypedStorage, torch.UntypedStorage)
             dtensor_type = DTensor
