@@ -152,6 +152,9 @@ class JupyterLab:
         )
         env.pop("JUPYTER_PATH", None)
         env.pop("JUPYTERLAB_SETTINGS_DIR", None)  # the theme written above is the one that counts
+        # The server and its kernels keep their run registry under their own runtime dir, as
+        # a user's do: the sidebar lists this session's runs, not those of the test process.
+        env.pop("NBTRAIN_RUNTIME_DIR", None)
         self.port = free_port()
         subcommand, app_class, app_options = APPS[self.app]
         command = [
