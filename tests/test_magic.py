@@ -71,6 +71,18 @@ def test_the_issue_cell_trains_and_updates_the_kernels_objects(kernel):
     assert kernel.value("history[-1] < history[0]")
 
 
+def test_a_cell_holds_the_collector_while_its_ranks_start_and_gives_it_back(kernel):
+    """Held from planning until the run is sent and its ranks start (nbtrain.kernel.gcpause)."""
+    out = kernel.run_ok(
+        "%%distributed --devices 2 --accelerator cpu\n"
+        "import gc, nbtrain\n"
+        "print('rank', nbtrain.rank(), 'done')\n"
+    )
+    assert "rank 0 done" in out.stdout
+    assert kernel.value("__import__('gc').isenabled()")
+    assert kernel.value("__import__('nbtrain.kernel.gcpause').kernel.gcpause._holders") == 0
+
+
 def test_kernel_model_equals_rank_zero_weights_and_optimizer_state_comes_back(kernel):
     kernel.run_ok(SETUP + "opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)")
     kernel.run_ok(

@@ -37,6 +37,7 @@ from nbtrain.errors import (
     RunStoppedError,
     RunTimeoutError,
 )
+from nbtrain.kernel import gcpause
 from nbtrain.records import CopiedResult
 
 # A run's messages from the launcher (or a cluster's agents), each with the file
@@ -264,12 +265,25 @@ def _register_hooks() -> None:
 def prewarm() -> None:
     """Start the launcher now so it has imported torch by the time the first run comes.
 
-    ``%load_ext nbtrain`` calls it; importing nbtrain does not. Safe to call again.
+    ``%load_ext nbtrain`` calls it; importing nbtrain does not. Safe to call again. It also
+    imports what the first launch needs in this process (the pickler, the admission check,
+    the displays: ~70 ms), so the first run's ranks do not wait for those imports.
     """
     try:
         get_client()
     except OSError:
         pass  # the first launch will report it
+    _import_launch_modules()
+
+
+def _import_launch_modules() -> None:
+    import importlib
+
+    names = ["nbtrain.admission", "nbtrain.codepickle", "nbtrain.kernel.display"]
+    if "torch" in sys.modules:  # never imported here on the caller's behalf: it may not need it
+        names.append("nbtrain.sharedtensors")
+    for name in names:
+        importlib.import_module(name)
 
 
 def _close_client() -> None:
@@ -338,6 +352,12 @@ class Run:
         # the last output it sent (the message's text, kept by reference: no copy per line).
         self._exits: dict[int, messages.RankExited] = {}
         self._last_output: dict[int, str] = {}
+        self._gc_hold: gcpause.Hold | None = None
+
+    def hold_collections_until_started(self, hold: gcpause.Hold) -> None:
+        """Keep ``hold`` on the collector while the ranks start; the run's end releases it early."""
+        self._gc_hold = hold
+        hold.release_later()
 
     def events(self, poll: float = POLL_SECONDS) -> Iterator[Any]:
         """Yield the run's events as they arrive, ending with its RunEnded.
@@ -361,6 +381,8 @@ class Run:
         if isinstance(message, CopiedResult):
             self._copied = message
             return None
+        if isinstance(message, (_LauncherGone, messages.RunEnded)) and self._gc_hold is not None:
+            self._gc_hold.release()
         if isinstance(message, _LauncherGone):
             self.state = messages.FAILED
             self._copied = None
@@ -592,14 +614,15 @@ def start(
     ``cluster="ray"`` (or a Ray address) runs on ``num_nodes`` nodes of a Ray cluster with
     ``devices`` ranks on each (:mod:`nbtrain.cluster`); the default runs on this machine.
     """
-    if config is not None and (cluster is None or str(cluster).strip().lower() == "local"):
-        client, cfg = get_client(), config
-    else:
-        client, cfg = _engine(
-            cluster, num_nodes, devices, accelerator, strategy, timeout, backend, oversubscribe, precision,
-            sync_batchnorm,
-        )
-    return start_on(client, cfg, fn, args, kwargs)
+    with gcpause.held():  # planning too: a collection here would delay every rank the same
+        if config is not None and (cluster is None or str(cluster).strip().lower() == "local"):
+            client, cfg = get_client(), config
+        else:
+            client, cfg = _engine(
+                cluster, num_nodes, devices, accelerator, strategy, timeout, backend, oversubscribe, precision,
+                sync_batchnorm,
+            )
+        return start_on(client, cfg, fn, args, kwargs)
 
 
 def start_on(
@@ -617,12 +640,19 @@ def start_on(
     local = isinstance(engine, LauncherClient)
     if local:  # a cluster's own checks list its nodes instead
         _admit(cfg, fn, args, kwargs)
-    payload, tensor_fd = _serialise(fn, args, kwargs)
+    hold = gcpause.hold_collections()  # no full collection between the call and the ranks' start
     try:
-        return _submit(engine, _StartMessage(cfg, payload, tensor_fd is not None, with_log=local), tensor_fd)
-    finally:
-        if tensor_fd is not None:
-            os.close(tensor_fd)
+        payload, tensor_fd = _serialise(fn, args, kwargs)
+        try:
+            run = _submit(engine, _StartMessage(cfg, payload, tensor_fd is not None, with_log=local), tensor_fd)
+        finally:
+            if tensor_fd is not None:
+                os.close(tensor_fd)
+    except BaseException:
+        hold.release()
+        raise
+    run.hold_collections_until_started(hold)
+    return run
 
 
 def _serialise(

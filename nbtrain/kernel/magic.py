@@ -44,6 +44,7 @@ from nbtrain.errors import (
     RunInterrupted,
     SerializationError,
 )
+from nbtrain.kernel import gcpause
 from nbtrain.kernel import shell as kernel_shell
 
 OUTPUT_MODES = ("all", "rank0", "none")
@@ -569,10 +570,14 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: CellOptions)
 
 
 def _run_cell(shell: Any, line: str, cell: str, options: CellOptions, stage: list[str]) -> Any:
-    prepared = prepare_cell(shell, line, cell, options)  # an interrupt here: nothing has started
-    with processes.interrupts_held() as held:
-        value = _launch_and_follow(shell, prepared, options, held)
-        stage.append("finished")
+    planning = gcpause.hold_collections()  # until the run is sent (see gcpause); its own hold goes on
+    try:
+        prepared = prepare_cell(shell, line, cell, options)  # an interrupt here: nothing has started
+        with processes.interrupts_held() as held:
+            value = _launch_and_follow(shell, prepared, options, held, planning)
+            stage.append("finished")
+    finally:
+        planning.release()
     if held.received:  # it came after the last look
         if options.background:
             value.stop("interrupted")
@@ -584,7 +589,9 @@ def _run_cell(shell: Any, line: str, cell: str, options: CellOptions, stage: lis
 _LATE = "the cell was interrupted after its run had finished; its results are in the kernel."
 
 
-def _launch_and_follow(shell: Any, prepared: PreparedCell, options: CellOptions, held: processes.HeldInterrupts) -> Any:
+def _launch_and_follow(
+    shell: Any, prepared: PreparedCell, options: CellOptions, held: processes.HeldInterrupts, planning: gcpause.Hold
+) -> Any:
     global last_run
     record = last_run = prepared.record
     started = time.monotonic()
@@ -593,6 +600,8 @@ def _launch_and_follow(shell: Any, prepared: PreparedCell, options: CellOptions,
     except BaseException:
         record.state = events.FAILED  # refused before it started (what cannot travel, or fit)
         raise
+    finally:
+        planning.release()
     if options.background:
         from nbtrain.kernel import background
 

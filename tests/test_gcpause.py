@@ -1,0 +1,72 @@
+"""The collector's hold around a launch: nesting, the caller's own choice, the timer, a real run."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+
+import nbtrain
+from helpers.procs import finish
+from nbtrain.kernel import gcpause
+
+
+@pytest.fixture(autouse=True)
+def collector_on():
+    """Each test starts with the collector on and leaves it on."""
+    assert gc.isenabled()
+    yield
+    gc.enable()
+
+
+def test_holds_nest_and_the_last_release_turns_the_collector_back_on():
+    first, second = gcpause.hold_collections(), gcpause.hold_collections()
+    first.release()
+    assert not gc.isenabled()
+    second.release()
+    assert gc.isenabled()
+
+
+def test_a_caller_that_turned_the_collector_off_keeps_it_off():
+    gc.disable()
+    hold = gcpause.hold_collections()
+    hold.release_later(0.0)
+    hold.release()
+    assert not gc.isenabled()
+
+
+def test_the_timer_releases_a_hold_nobody_released():
+    hold = gcpause.hold_collections()
+    hold.release_later(0.01)
+    timer = hold._timer
+    assert timer is not None
+    timer.join(timeout=5.0)
+    assert not timer.is_alive()
+    assert gc.isenabled()
+
+
+def test_releasing_first_cancels_the_timer():
+    hold = gcpause.hold_collections()
+    hold.release_later(60.0)
+    timer = hold._timer
+    hold.release()
+    assert gc.isenabled()
+    assert timer is not None
+    timer.join(timeout=5.0)  # cancelled: it ends at once, not after 60 s
+    assert not timer.is_alive()
+
+
+def test_a_run_holds_the_collector_while_its_ranks_start_and_its_end_gives_it_back(launcher):
+    run = nbtrain.start(lambda: 7, devices=2, accelerator="cpu")
+    held_while_starting = not gc.isenabled()
+    assert finish(run) == 7
+    assert held_while_starting
+    assert gc.isenabled()  # the run ended before the hold's timer: its end released it
+
+
+def test_a_launch_that_fails_to_serialise_gives_the_collector_back(launcher):
+    lock = threading.Lock()
+    with pytest.raises(nbtrain.SerializationError):
+        nbtrain.launch(lambda: lock.locked(), devices=2, accelerator="cpu")
+    assert gc.isenabled()
