@@ -34,6 +34,7 @@ from nbtrain import events, processes, wire
 
 READY_SECONDS = 180.0  # the launcher imports torch: seconds on a loaded small machine
 MAX_POLL_SECONDS = 1.0
+GATHER_SECONDS = 0.05
 PARENT_CHECK_SECONDS = 0.2
 
 
@@ -142,6 +143,11 @@ class NodeAgent:
                 return [events.RunEnded(run_id, events.FAILED, detail=f"{self.label} knows no run {run_id}")]
             while not inbox and self._alive and time.monotonic() < deadline:
                 self._lock.wait(max(0.0, deadline - time.monotonic()))
+            # Records come in bursts (every rank's memory sample, a log per step): one call
+            # for the burst, not one per record. Events reach the kernel at most this late.
+            gather = min(deadline, time.monotonic() + GATHER_SECONDS)
+            while inbox and self._alive and not _ends(inbox) and time.monotonic() < gather:
+                self._lock.wait(max(0.0, gather - time.monotonic()))
             batch = list(inbox)
             inbox.clear()
             if not self._alive and not any(isinstance(m, events.RunEnded) for m in batch):
@@ -255,6 +261,10 @@ class NodeAgent:
     def _launcher_gone(self) -> str:
         tail = "".join(self._stderr).strip()
         return f"the nbtrain launcher on {self.label} exited" + (f"; its last output:\n{tail}" if tail else "")
+
+
+def _ends(inbox: collections.deque[Any]) -> bool:
+    return isinstance(inbox[-1], events.RunEnded)
 
 
 def _leave_with_parent(parent: int) -> None:

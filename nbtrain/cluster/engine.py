@@ -43,7 +43,9 @@ PROBE_SECONDS = 5.0
 PLACEMENT_SECONDS = 30.0  # the cluster has the resources, but they may be busy
 AGENTS_READY_SECONDS = 240.0  # Ray workers start, and each launcher imports torch
 BEGIN_SECONDS = 60.0
-POLL_SECONDS = 0.25
+# An agent answers a poll as soon as it has records (after a short gathering window), else
+# after this long: an idle run costs each node one Ray call a second, not four.
+POLL_SECONDS = 1.0
 NODE_FATE_SECONDS = 120.0  # after a stop: how long Ray may take to say a silent node is gone
 # A run's records from its agents, each with file descriptors (none here), as the kernel
 # side's Run reads them (see nbtrain.kernel.client.Inbox).
