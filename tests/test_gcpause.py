@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import pytest
@@ -55,6 +56,26 @@ def test_releasing_first_cancels_the_timer():
     assert timer is not None
     timer.join(timeout=5.0)  # cancelled: it ends at once, not after 60 s
     assert not timer.is_alive()
+
+
+def test_a_process_forked_during_a_hold_collects_again():
+    hold = gcpause.hold_collections()
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report whether its collector is on, and leave at once
+            os.write(write, b"1" if gc.isenabled() else b"0")
+            os._exit(0)
+        os.close(write)
+        try:
+            assert os.read(read, 1) == b"1"
+        finally:
+            os.close(read)
+            os.waitpid(pid, 0)
+        assert not gc.isenabled()  # the parent still holds it
+    finally:
+        hold.release()
+    assert gc.isenabled()
 
 
 def test_a_run_holds_the_collector_while_its_ranks_start_and_its_end_gives_it_back(launcher):

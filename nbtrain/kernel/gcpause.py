@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
@@ -32,6 +33,7 @@ HOLD_SECONDS = 1.0  # a cold launch's ranks take their first step in ~0.06 s her
 
 _lock = threading.Lock()
 _holders = 0
+_fork_hook = False
 
 
 class Hold:
@@ -68,8 +70,11 @@ class Hold:
 
 def hold_collections() -> Hold:
     """Turn the collector off until the returned hold is released (see the module's doc)."""
-    global _holders
+    global _holders, _fork_hook
     with _lock:
+        if not _fork_hook:  # registered on first use: importing this module changes nothing
+            os.register_at_fork(after_in_child=_forget_holds_in_child)
+            _fork_hook = True
         if _holders == 0 and not gc.isenabled():
             return Hold(owns=False)
         _holders += 1
@@ -85,3 +90,12 @@ def held() -> Iterator[None]:
         yield
     finally:
         hold.release()
+
+
+def _forget_holds_in_child() -> None:
+    """A process forked meanwhile (a DataLoader worker) has no timer to release its holds."""
+    global _holders, _lock
+    _lock = threading.Lock()  # the parent's may have been held by another thread at the fork
+    if _holders:
+        _holders = 0
+        gc.enable()
