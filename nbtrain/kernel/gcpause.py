@@ -63,7 +63,7 @@ class Hold:
             _holders -= 1
             if _holders == 0:
                 gc.enable()
-            timer, self._timer = self._timer, None
+            timer = self._timer
         if timer is not None and timer is not threading.current_thread():
             timer.cancel()
 
