@@ -71,11 +71,11 @@ def test_the_issue_cell_trains_and_updates_the_kernels_objects(kernel):
     assert kernel.value("history[-1] < history[0]")
 
 
-def test_a_cell_holds_the_collector_while_its_ranks_start_and_gives_it_back(kernel):
-    """Held from planning until the run is sent and its ranks start (nbtrain.kernel.gcpause)."""
+def test_a_cell_gives_the_collector_back_once_its_run_ended(kernel):
+    """Held from planning until the run is sent and its ranks start (nbtrain.kernel.gcpause), then given back."""
     out = kernel.run_ok(
         "%%distributed --devices 2 --accelerator cpu\n"
-        "import gc, nbtrain\n"
+        "import nbtrain\n"
         "print('rank', nbtrain.rank(), 'done')\n"
     )
     assert "rank 0 done" in out.stdout

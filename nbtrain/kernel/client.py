@@ -267,7 +267,7 @@ def prewarm() -> None:
 
     ``%load_ext nbtrain`` calls it; importing nbtrain does not. Safe to call again. It also
     imports what the first launch needs in this process (the pickler, the admission check,
-    the displays: ~70 ms), so the first run's ranks do not wait for those imports.
+    the displays: ~20 ms here), so the first run's ranks do not wait for those imports.
     """
     try:
         get_client()
