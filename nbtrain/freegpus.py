@@ -6,8 +6,9 @@ asks NVML for them, never CUDA), so every rule here is tested without a GPU.
 A GPU is free when NVML lists no compute process on it (the caller's own process is left
 out of the list: the kernel holding a GPU does not make it busy for its ranks). Of the
 free GPUs, those with the most free memory are chosen; the chosen indices come back in
-ascending order, so rank 0 runs on the lowest of them, as with ``--devices 0,2``. Too few free GPUs is an error
-that names each busy GPU and what holds it (pid, process name, memory).
+ascending order, so rank 0 runs on the lowest of them, as with ``--devices 0,2``. Too few
+free GPUs is an error that names each busy GPU and what holds it (pid, process name,
+memory).
 
 Example:
     >>> from nbtrain.devices import GpuInfo
