@@ -165,18 +165,31 @@ class LossScaling:
         self._depth += 1
         if self._depth > 1:
             return
-        import torch
-
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         self._unscaled = bool(grads)
         if not grads:
             return
         self.scaler.unscale_(optimizer)
-        if not bool(torch.stack([g.isfinite().all() for g in grads]).all()):
+        if self._overflowed(optimizer, grads):
             self.skipped_steps += 1
             for group in optimizer.param_groups:
                 for parameter in group["params"]:
                     parameter.grad = None
+
+    def _overflowed(self, optimizer: Any, grads: list[Any]) -> bool:
+        """Whether the unscaled gradients hold an infinity or a NaN.
+
+        ``unscale_`` already found out, per device, in the same pass that unscaled them;
+        reading its verdict (as ``GradScaler.step`` does) spares a second pass over every
+        gradient. A torch that keeps it elsewhere gets the second pass.
+        """
+        import torch
+
+        state = getattr(self.scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+        found = state.get("found_inf_per_device")
+        if found:
+            return bool(sum(float(v.item()) for v in found.values()))
+        return not bool(torch.stack([g.isfinite().all() for g in grads]).all())
 
     def after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Update the scale once per outermost step (lower after an overflow, grow when stable)."""

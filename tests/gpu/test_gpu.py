@@ -92,15 +92,24 @@ def test_16_mixed_skips_an_overflowed_step_and_lowers_the_scale(launcher):
     """The optimizer is built after prepare and never handed to it; the scaling still holds."""
 
     def fn():
+        from nbtrain.rank import prepare
+
         net = nbtrain.prepare(torch.nn.Linear(8, 1))
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         x = torch.randn(16, 8, device="cuda")
         opt.zero_grad(); net(x).float().pow(2).mean().backward(); opt.step()
         before = next(net.parameters()).detach().clone()
+        scaling = prepare._registry.loss_scaling
+        scale = scaling.scaler.get_scale()
         opt.zero_grad(); (net(x).float().pow(2).mean() * float("inf")).backward(); opt.step()
-        return torch.equal(before, next(net.parameters()))
+        unchanged = torch.equal(before, next(net.parameters()))
+        after_overflow = (unchanged, scaling.skipped_steps, scaling.scaler.get_scale() / scale)
+        opt.zero_grad(); net(x).float().pow(2).mean().backward(); opt.step()
+        return after_overflow, torch.equal(before, next(net.parameters())), scaling.skipped_steps
 
-    assert finish(_start(fn, precision="16-mixed"))
+    (unchanged, skipped, ratio), later_unchanged, skipped_in_all = finish(_start(fn, precision="16-mixed"))
+    assert unchanged and skipped == 1 and ratio == 0.5
+    assert not later_unchanged and skipped_in_all == 1  # the next good step steps
 
 
 def test_bf16_true_casts_the_model_on_the_rank_and_the_kernels_copy_stays_float32(launcher):
