@@ -230,13 +230,25 @@ def read_from_process(pid: int, regions: tuple[tuple[int, int, int], ...], total
     return mapping
 
 
-def private_copy(view: memoryview) -> mmap.mmap:
-    """A copy of a layout that arrived in someone else's buffer (the cluster engine's object
-    store), in this process's own memory: what :func:`loads_mapped` reads."""
-    mapping = _new_private_memory(len(view))
-    if len(view):
-        mapping[: len(view)] = view
-    return mapping
+def read_span_from_process(
+    pid: int, regions: tuple[tuple[int, int, int], ...], start: int, length: int, into: int
+) -> None:
+    """Copy bytes ``[start, start + length)`` of the layout left in process ``pid`` to address ``into``.
+
+    The cluster agent reads rank 0's result piece by piece into one small buffer. Bytes no
+    storage covers (alignment padding) are left as they were. Raises OSError like
+    :func:`read_from_process`.
+    """
+    end = start + length
+    for address, nbytes, offset in regions:
+        low, high = max(offset, start), min(offset + nbytes, end)
+        if low < high:
+            processes.read_memory(pid, into + low - start, address + low - offset, high - low)
+
+
+def private_memory(nbytes: int) -> mmap.mmap:
+    """Fresh memory of this process for a layout arriving in pieces: what :func:`loads_mapped` reads."""
+    return _new_private_memory(nbytes)
 
 
 def _thread_count(pieces: int) -> int:

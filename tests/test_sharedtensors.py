@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -143,6 +144,22 @@ def test_a_large_layout_is_read_in_pieces_by_several_threads(shm_unchanged):
     big = {"a": torch.arange(40 << 20, dtype=torch.int32), "b": torch.arange(3.0), "c": torch.ones(9 << 20)}
     out = procs.roundtrip(big, "read")
     for name, tensor in big.items():
+        assert torch.equal(out[name], tensor), name
+
+
+@pytest.mark.parametrize("piece", [1000, 64, 1 << 20])
+def test_a_layout_read_in_spans_that_split_storages_loads_whole(shm_unchanged, piece):
+    """The cluster agent's way: pieces of any size, cutting storages and padding anywhere."""
+    obj = {"a": torch.arange(1000, dtype=torch.int32), "b": torch.arange(3.0), "c": torch.ones(77, dtype=torch.uint8)}
+    pickled = sharedtensors.dumps_in_place(obj)
+    mapping = sharedtensors.private_memory(pickled.total_bytes)
+    buffer = ctypes.create_string_buffer(piece)
+    for start in range(0, pickled.total_bytes, piece):
+        length = min(piece, pickled.total_bytes - start)
+        sharedtensors.read_span_from_process(os.getpid(), pickled.regions, start, length, ctypes.addressof(buffer))
+        mapping[start : start + length] = buffer.raw[:length]
+    out = sharedtensors.loads_mapped(pickled.data, mapping)
+    for name, tensor in obj.items():
         assert torch.equal(out[name], tensor), name
 
 

@@ -35,6 +35,9 @@ from nbtrain import events, processes, wire
 READY_SECONDS = 180.0  # the launcher imports torch: seconds on a loaded small machine
 MAX_POLL_SECONDS = 1.0
 GATHER_SECONDS = 0.05
+# Rank 0's result crosses the object store in pieces of this size, so the kernel copies
+# one piece while Ray still moves the next, and the agent needs one piece of memory.
+PIECE_BYTES = 32 << 20
 PARENT_CHECK_SECONDS = 0.2
 
 
@@ -74,7 +77,8 @@ class NodeResult:
 
     run_id: int
     data: bytes
-    tensors: Any  # a Ray ObjectRef to a uint8 array holding every storage, or None
+    pieces: tuple[tuple[int, Any], ...]  # (offset in the layout, Ray ObjectRef to a uint8 array)
+    total_bytes: int
 
 
 class NodeAgent:
@@ -144,9 +148,10 @@ class NodeAgent:
             while not inbox and self._alive and time.monotonic() < deadline:
                 self._lock.wait(max(0.0, deadline - time.monotonic()))
             # Records come in bursts (every rank's memory sample, a log per step): one call
-            # for the burst, not one per record. Events reach the kernel at most this late.
+            # for the burst, not one per record. Events reach the kernel at most this late;
+            # what the kernel waits on to finish the run goes at once.
             gather = min(deadline, time.monotonic() + GATHER_SECONDS)
-            while inbox and self._alive and not _ends(inbox) and time.monotonic() < gather:
+            while inbox and self._alive and not _awaited(inbox) and time.monotonic() < gather:
                 self._lock.wait(max(0.0, gather - time.monotonic()))
             batch = list(inbox)
             inbox.clear()
@@ -212,7 +217,7 @@ class NodeAgent:
             return self._take_result(message)
         if isinstance(message, events.RunEnded) and fds:  # rank 0's result came as a file
             try:
-                result = NodeResult(message.run_id, message.result or b"", _put_file(fds[0]))
+                result = NodeResult(message.run_id, message.result or b"", *_put_file(fds[0]))
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -228,19 +233,13 @@ class NodeAgent:
 
     def _take_result(self, offer: events.ResultOffer) -> list[Any]:
         """Copy rank 0's tensors out of its memory into the object store, then release it."""
-        from nbtrain import sharedtensors
-
         try:
-            mapping = sharedtensors.read_from_process(offer.pid, offer.regions, offer.total_bytes)
-        except Exception:  # noqa: BLE001 - forbidden here: rank 0 sends a file instead
+            pieces = _put_from_process(offer)
+        except OSError:  # reading rank 0 is forbidden here: it sends a file instead
             self._send(events.ReleaseResult(offer.run_id, send_file=True))
             return []
-        try:
-            ref = _put_buffer(mapping, offer.total_bytes)
-        finally:
-            mapping.close()
         self._send(events.ReleaseResult(offer.run_id))
-        return [NodeResult(offer.run_id, offer.result, ref)]
+        return [NodeResult(offer.run_id, offer.result, pieces, offer.total_bytes)]
 
     def _file(self, record: Any) -> None:
         with self._lock:
@@ -263,8 +262,9 @@ class NodeAgent:
         return f"the nbtrain launcher on {self.label} exited" + (f"; its last output:\n{tail}" if tail else "")
 
 
-def _ends(inbox: collections.deque[Any]) -> bool:
-    return isinstance(inbox[-1], events.RunEnded)
+def _awaited(inbox: collections.deque[Any]) -> bool:
+    """Whether the inbox holds what ends a run: rank 0's result, the node's ranks done, the end."""
+    return any(isinstance(record, (NodeResult, events.RanksDone, events.RunEnded)) for record in inbox)
 
 
 def _leave_with_parent(parent: int) -> None:
@@ -360,23 +360,35 @@ def _memfd_holding(tensors: Any) -> int:
     return fd
 
 
-def _put_buffer(mapping: mmap.mmap, nbytes: int) -> Any:
+def _put_from_process(offer: events.ResultOffer) -> tuple[tuple[int, Any], ...]:
+    """Rank 0's layout into the object store piece by piece, through one reused buffer."""
     import numpy
     import ray
 
-    array = numpy.frombuffer(mapping, dtype=numpy.uint8, count=nbytes)
-    try:
-        return ray.put(array)
-    finally:
-        del array  # the mapping can close only once no array refers to it
+    from nbtrain import sharedtensors
+
+    buffer = numpy.zeros(min(PIECE_BYTES, offer.total_bytes), dtype=numpy.uint8)
+    pieces = []
+    for start in range(0, offer.total_bytes, PIECE_BYTES):
+        length = min(PIECE_BYTES, offer.total_bytes - start)
+        sharedtensors.read_span_from_process(offer.pid, offer.regions, start, length, buffer.ctypes.data)
+        pieces.append((start, ray.put(buffer[:length])))  # put copies: the buffer is free again
+    return tuple(pieces)
 
 
-def _put_file(fd: int) -> Any:
+def _put_file(fd: int) -> tuple[tuple[tuple[int, Any], ...], int]:
+    """A layout rank 0 wrote to a file, into the object store piece by piece; and its size."""
+    import numpy
+    import ray
+
     size = os.fstat(fd).st_size
     mapping = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    array = numpy.frombuffer(mapping, dtype=numpy.uint8, count=size)
     try:
-        return _put_buffer(mapping, size)
+        pieces = tuple((start, ray.put(array[start : start + PIECE_BYTES])) for start in range(0, size, PIECE_BYTES))
+        return pieces, size
     finally:
+        del array  # the mapping can close only once no array refers to it
         mapping.close()
 
 

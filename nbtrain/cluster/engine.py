@@ -439,8 +439,6 @@ class _Relay:
                 self.failure_order.setdefault((record.node, record.rank), len(self.failure_order))
             if type(record).__name__ == "NodeResult":
                 record = _copied_result(record)
-                if record is None:
-                    continue
             self.inbox.put((record, []))
         return False
 
@@ -474,15 +472,21 @@ class _Relay:
 
 
 def _copied_result(record: Any) -> Any:
-    """Rank 0's result out of the object store into the kernel's own memory (one copy)."""
+    """Rank 0's result out of the object store into the kernel's own memory (one copy).
+
+    Each piece is copied as soon as it has arrived, while Ray still moves the others.
+    """
+    from nbtrain import sharedtensors
     from nbtrain.records import CopiedResult
 
-    if record.tensors is None:
-        return None
     ray = import_ray()
-    from nbtrain import sharedtensors
-
-    array = ray.get(record.tensors)
-    mapping = sharedtensors.private_copy(memoryview(array).cast("B"))
-    del array
+    mapping = sharedtensors.private_memory(record.total_bytes)
+    offsets = {ref: start for start, ref in record.pieces}
+    pending = [ref for _, ref in record.pieces]
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        for ref in ready:
+            piece = memoryview(ray.get(ref)).cast("B")
+            mapping[offsets[ref] : offsets[ref] + len(piece)] = piece
+            del piece  # a view pins its object in the store: the store frees each once the run is done
     return CopiedResult(record.data, mapping)

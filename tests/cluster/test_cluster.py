@@ -147,6 +147,56 @@ def test_warm_agents_are_reused_and_nothing_grows_over_20_runs(ray_cluster: Any)
     assert after == before, f"grew over 20 runs: {before} -> {after}"
 
 
+def _large(numel: int) -> dict[str, torch.Tensor]:
+    return {"big": torch.arange(numel, dtype=torch.int32), "small": torch.arange(5.0), "odd": torch.ones(3).byte()}
+
+
+def _assert_large(back: dict[str, torch.Tensor], numel: int) -> None:
+    assert torch.equal(back["big"], torch.arange(numel, dtype=torch.int32))
+    assert torch.equal(back["small"], torch.arange(5.0)) and torch.equal(back["odd"], torch.ones(3).byte())
+
+
+def _forbid_reading_ranks(forbid: bool) -> Any:
+    """Inside an agent: reading rank 0's memory fails (as in a sandbox), or works again."""
+
+    def inside(_agent: Any) -> None:
+        from nbtrain import sharedtensors
+
+        original = getattr(sharedtensors, "_allowed_read", sharedtensors.read_span_from_process)
+        sharedtensors._allowed_read = original
+
+        def refused(*args: Any) -> None:
+            raise PermissionError("process_vm_readv: operation not permitted")
+
+        sharedtensors.read_span_from_process = refused if forbid else original
+
+    return inside
+
+
+def test_a_result_of_several_pieces_comes_back_whole_and_leaves_no_object_behind(ray_cluster: Any) -> None:
+    from nbtrain.cluster import agent
+
+    procs.finish(start(_world), RUN_SECONDS)
+    client = engine._client
+    before = _footprint(client)
+    numel = agent.PIECE_BYTES // 4 + 1_234_567  # two pieces; the second starts inside the storage
+    _assert_large(procs.finish(start(_large, numel), 60.0), numel)
+    assert _footprint(client) == before
+
+
+def test_where_rank_0_cannot_be_read_its_result_comes_back_through_a_file(ray_cluster: Any) -> None:
+    from nbtrain.cluster import agent
+
+    procs.finish(start(_world), RUN_SECONDS)
+    client = engine._client
+    ray.get([a.__ray_call__.remote(_forbid_reading_ranks(True)) for a in client.agents], timeout=30)
+    try:
+        numel = agent.PIECE_BYTES // 4 + 1_234_567
+        _assert_large(procs.finish(start(_large, numel), 60.0), numel)
+    finally:
+        ray.get([a.__ray_call__.remote(_forbid_reading_ranks(False)) for a in client.agents], timeout=30)
+
+
 def _footprint(client: Any) -> tuple[Any, ...]:
     """Per node: nbtrain processes, object references, object-store bytes; actors alive; the kernel's references.
 
