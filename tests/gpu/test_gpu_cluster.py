@@ -9,6 +9,7 @@ where there is no CUDA device or no Ray (``bash .ci/gpu`` says how to bring Ray 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
@@ -56,7 +57,8 @@ def gpu_cluster() -> Iterator[Any]:
         engine._connected_to = None
         cluster.shutdown()
         for pid in wait_gone(pids, GONE_SECONDS, reaped=False):
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
