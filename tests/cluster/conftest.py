@@ -20,8 +20,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the cluster tests need Ray: pip install 'nbtrain[ray]'")
 from ray.cluster_utils import Cluster
 
-from helpers import procs
-from nbtrain.cluster import engine
+from helpers import procs, raycluster
 
 OBJECT_STORE_BYTES = 80 * 2**20
 WORKER_CPUS = 2
@@ -40,9 +39,8 @@ class TestCluster:
     )
 
     def __init__(self) -> None:
-        saved = os.environ.get("NBTRAIN_PREWARM")
-        os.environ["NBTRAIN_PREWARM"] = "0"  # raylets pass it on: agents never prewarm a launcher of their own
-        try:
+        # raylets pass it on: agents never prewarm a launcher of their own
+        with raycluster.environment(NBTRAIN_PREWARM="0"):
             self.cluster = _retried(
                 lambda: Cluster(
                     initialize_head=True,
@@ -55,11 +53,6 @@ class TestCluster:
                 )
             )
             self.workers = [self.add_worker() for _ in range(2)]
-        finally:
-            if saved is None:
-                os.environ.pop("NBTRAIN_PREWARM", None)
-            else:
-                os.environ["NBTRAIN_PREWARM"] = saved
         self.address = self.cluster.address
 
     def add_worker(self) -> Any:
@@ -126,18 +119,10 @@ def _retried(start: Any, attempts: int = 3) -> Any:
 def ray_cluster() -> Iterator[TestCluster]:
     started = time.monotonic()
     cluster = TestCluster()
-    saved = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = cluster.address
     print(f"ray cluster up in {time.monotonic() - started:.1f} s at {cluster.address}")
-    try:
-        yield cluster
-    finally:
-        engine.close()
-        if ray.is_initialized():
-            ray.shutdown()
-        engine._connected_to = None
-        cluster.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_ADDRESS", None)
-        else:
-            os.environ["RAY_ADDRESS"] = saved
+    with raycluster.environment(RAY_ADDRESS=cluster.address):
+        try:
+            yield cluster
+        finally:
+            raycluster.disconnect()
+            cluster.shutdown()

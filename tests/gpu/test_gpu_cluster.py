@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import nbtrain
+from helpers import raycluster
 from helpers.procs import finish, wait_gone
 from kernel_helpers import NotebookKernel
 from nbtrain.errors import ConfigurationError
@@ -38,32 +39,21 @@ def gpu_cluster() -> Iterator[Any]:
     """A head node holding this machine's first GPU and two CPUs; ended by PID afterwards."""
     from ray.cluster_utils import Cluster
 
-    from nbtrain.cluster import engine
-
-    saved = {name: os.environ.get(name) for name in ("NBTRAIN_PREWARM", "RAY_ADDRESS")}
-    os.environ["NBTRAIN_PREWARM"] = "0"  # the agent starts its own launcher
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "num_gpus": 1, "object_store_memory": 200 << 20, "include_dashboard": False},
-    )
-    os.environ["RAY_ADDRESS"] = cluster.address
-    pids = [info.process.pid for infos in cluster.head_node.all_processes.values() for info in infos]
-    try:
-        yield cluster
-    finally:
-        engine.close()
-        if ray.is_initialized():
-            ray.shutdown()
-        engine._connected_to = None
-        cluster.shutdown()
-        for pid in wait_gone(pids, GONE_SECONDS, reaped=False):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with raycluster.environment(NBTRAIN_PREWARM="0"):  # the agent starts its own launcher
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 2, "num_gpus": 1, "object_store_memory": 200 << 20, "include_dashboard": False},
+        )
+        pids = [info.process.pid for infos in cluster.head_node.all_processes.values() for info in infos]
+        with raycluster.environment(RAY_ADDRESS=cluster.address):
+            try:
+                yield cluster
+            finally:
+                raycluster.disconnect()
+                cluster.shutdown()
+                for pid in wait_gone(pids, GONE_SECONDS, reaped=False):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
 
 
 def _train(model: torch.nn.Module) -> dict[str, Any]:
