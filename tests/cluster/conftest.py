@@ -120,9 +120,5 @@ def ray_cluster() -> Iterator[TestCluster]:
     started = time.monotonic()
     cluster = TestCluster()
     print(f"ray cluster up in {time.monotonic() - started:.1f} s at {cluster.address}")
-    with raycluster.environment(RAY_ADDRESS=cluster.address):
-        try:
-            yield cluster
-        finally:
-            raycluster.disconnect()
-            cluster.shutdown()
+    with raycluster.connected_to(cluster):
+        yield cluster

@@ -39,21 +39,19 @@ def gpu_cluster() -> Iterator[Any]:
     """A head node holding this machine's first GPU and two CPUs; ended by PID afterwards."""
     from ray.cluster_utils import Cluster
 
-    with raycluster.environment(NBTRAIN_PREWARM="0"):  # the agent starts its own launcher
+    with raycluster.environment(NBTRAIN_PREWARM="0"):  # raylets pass it on: the agent starts its own launcher
         cluster = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": 2, "num_gpus": 1, "object_store_memory": 200 << 20, "include_dashboard": False},
         )
-        pids = [info.process.pid for infos in cluster.head_node.all_processes.values() for info in infos]
-        with raycluster.environment(RAY_ADDRESS=cluster.address):
-            try:
-                yield cluster
-            finally:
-                raycluster.disconnect()
-                cluster.shutdown()
-                for pid in wait_gone(pids, GONE_SECONDS, reaped=False):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+    pids = [info.process.pid for infos in cluster.head_node.all_processes.values() for info in infos]
+    try:
+        with raycluster.connected_to(cluster):
+            yield cluster
+    finally:
+        for pid in wait_gone(pids, GONE_SECONDS, reaped=False):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _train(model: torch.nn.Module) -> dict[str, Any]:

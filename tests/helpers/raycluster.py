@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -22,13 +23,23 @@ def environment(**values: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def disconnect() -> None:
-    """End this process's warm agents and its Ray connection, so a next cluster starts afresh."""
+@contextlib.contextmanager
+def connected_to(cluster: Any) -> Iterator[Any]:
+    """``cluster`` (a ``ray.cluster_utils.Cluster``) as the one runs use for the block.
+
+    Afterwards this process's warm agents and Ray connection end, then the cluster itself,
+    so a next cluster starts afresh.
+    """
     import ray
 
     from nbtrain.cluster import engine
 
-    engine.close()
-    if ray.is_initialized():
-        ray.shutdown()
-    engine._connected_to = None
+    with environment(RAY_ADDRESS=cluster.address):
+        try:
+            yield cluster
+        finally:
+            engine.close()
+            if ray.is_initialized():
+                ray.shutdown()
+            engine._connected_to = None
+            cluster.shutdown()
