@@ -12,8 +12,9 @@ agent when the kernel (its driver) goes, when the kernel kills it, or with its n
 
 Data: the run's payload arrives from Ray's object store and goes to the launcher in a
 memfd, as on one machine. Rank 0's result is read out of rank 0's memory here (this
-process is its ancestor) and put into the object store once; the kernel reads it from
-there. Every other record goes back as plain frozen dataclasses through :meth:`poll`.
+process is its ancestor) and put into the object store in pieces of ``PIECE_BYTES``; the
+kernel copies each piece from there as it arrives. Every other record goes back as plain
+frozen dataclasses through :meth:`poll`.
 
 This module runs only inside a Ray worker; the kernel imports it only to name the class.
 """
