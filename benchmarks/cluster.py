@@ -14,8 +14,9 @@ local engine's 2 ranks on this machine. Every figure comes from this one run:
 1. launch to every rank's first step (the jobs of ``benchmarks/launch.py``: a DDP MLP
    784-256-10, one SGD step): *cold* is the first cluster run (placing the agents, their
    launchers importing torch); *warm* is the median of re-launches.
-2. steady step: MLP 784-2048-2048-10, batch 64, one thread per rank, median step over 30
-   steps after 5 warm-up, cluster and local engine alternated over rounds.
+2. steady step: MLP 784-2048-2048-10, batch 64, one thread per rank on both engines
+   (``OMP_NUM_THREADS=1``), median step over 30 steps after 5 warm-up, cluster and local
+   engine alternated over rounds.
 3. weights back: rank 0 returns 256 MB (one float32 tensor of 64 Mi elements); time from
    rank 0 returning to the caller holding it (after one untimed transfer: the first through
    fresh object stores costs seconds more), against one in-memory ``clone()`` of it and
@@ -36,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -67,14 +69,15 @@ def progress(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def start_cluster():
+def start_cluster(system_config: dict | None = None):
+    """Head (0 CPUs) and two worker nodes (1 CPU each); ``system_config``: Ray's own settings."""
     from ray.cluster_utils import Cluster
 
     os.environ["NBTRAIN_PREWARM"] = "0"  # the nodes' agents start their launchers themselves
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False},
-    )
+    head = {"num_cpus": 0, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False}
+    if system_config:
+        head["_system_config"] = system_config
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(2):
         cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE_BYTES)
     cluster.wait_for_nodes()
@@ -211,9 +214,12 @@ def main() -> None:
         local = {"devices": 2, "accelerator": "cpu", "timeout": 300.0}
         nbtrain.launch(first_step_job, FIRST_STEP_MODEL, FIRST_STEP_BATCH, **local)  # warm the local launcher
         on_cluster, on_local = [], []
-        for _ in range(args.rounds):
-            on_cluster.append(steady(nbtrain, **CLUSTER))
-            on_local.append(steady(nbtrain, **local))
+        # One thread per rank on both engines: a cluster rank's bundle holds one CPU, while
+        # the local engine gives each rank cores / ranks (8 threads each on 16 cores).
+        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
+            for _ in range(args.rounds):
+                on_cluster.append(steady(nbtrain, **CLUSTER))
+                on_local.append(steady(nbtrain, **local))
         progress("256 MB of weights back")
         back, copy = weights_back(nbtrain, 3)
         floor = ray_floor(3)

@@ -206,6 +206,18 @@ def validate_timeout(timeout: float | None) -> float | None:
     return float(timeout)
 
 
+def user_thread_count(environ: Mapping[str, str]) -> int | None:
+    """The intra-op threads the user asked for with OMP_NUM_THREADS, if they did.
+
+    >>> user_thread_count({"OMP_NUM_THREADS": "3"}), user_thread_count({"OMP_NUM_THREADS": "x"}), user_thread_count({})
+    (3, None, None)
+    """
+    try:
+        return max(1, int(environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return None
+
+
 def threads_per_rank(cpu_count: int, world_size: int, environ: Mapping[str, str]) -> int | None:
     """Intra-op threads for each rank: cores / ranks (at least 1), as torchrun does.
 

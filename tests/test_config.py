@@ -7,7 +7,14 @@ import math
 import pytest
 
 from nbtrain import config
-from nbtrain.config import backend_for, make_config, resolve_strategy, threads_per_rank, validate_timeout
+from nbtrain.config import (
+    backend_for,
+    make_config,
+    resolve_strategy,
+    threads_per_rank,
+    user_thread_count,
+    validate_timeout,
+)
 from nbtrain.devices import DevicePlan
 from nbtrain.errors import ConfigurationError
 from nbtrain.events import RankSpec
@@ -121,3 +128,8 @@ def test_make_config_checks_every_setting():
     with pytest.raises(ConfigurationError):
         make_config(plan, strategy="ddp_notebook", timeout=None, backend="nccl")
     assert make_config(plan, strategy="auto", timeout=None, backend="gloo").strategy.name == "ddp_notebook"
+
+
+@pytest.mark.parametrize(("value", "threads"), [("4", 4), ("0", 1), ("", None), ("many", None)])
+def test_the_users_omp_num_threads_is_read_leniently(value, threads):
+    assert user_thread_count({"OMP_NUM_THREADS": value}) == threads

@@ -106,11 +106,6 @@ def test_the_loopback_interface_is_the_one_flagged_loopback(tmp_path):
     assert runtime._loopback_interface(str(tmp_path)) == "lo"  # none flagged: the usual name
 
 
-@pytest.mark.parametrize(("value", "threads"), [("4", 4), ("0", 1), ("", None), ("many", None)])
-def test_the_users_omp_num_threads_is_read_leniently(value, threads):
-    assert runtime._user_thread_count({"OMP_NUM_THREADS": value}) == threads
-
-
 def test_a_rank_adopts_the_callers_environment_directory_path_and_threads(tmp_path):
     result = run_python(
         f"""

@@ -398,7 +398,7 @@ class _Relay:
             start_method=template.start_method, backend=template.backend, environ=dict(template.environ),
             cwd=template.cwd, sys_path=template.sys_path, source_lines=dict(template.source_lines),
             timeout=template.timeout,
-            threads_per_rank=nodes.threads_per_rank(info.cpus, plan.per_node, template.threads_per_rank),
+            threads_per_rank=nodes.threads_per_rank(info.cpus, plan.per_node, template.environ),
         )
 
     # -- following -----------------------------------------------------------------------

@@ -12,12 +12,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nbtrain import config, events
 from nbtrain import devices as _devices
-from nbtrain import events
 from nbtrain.errors import ConfigurationError
 
 EXTRA = "pip install 'nbtrain[ray]'"
@@ -146,17 +146,17 @@ def node_label(node_rank: int, address: str) -> str:
     return f"node {node_rank} ({address})"
 
 
-def threads_per_rank(bundle_cpus: int, per_node: int, kernel_choice: int | None) -> int | None:
+def threads_per_rank(bundle_cpus: int, per_node: int, kernel_environ: Mapping[str, str]) -> int:
     """Intra-op threads per rank on a node: its bundle's CPUs shared by its ranks.
 
-    None stays None: the user set OMP_NUM_THREADS, and their choice wins.
+    OMP_NUM_THREADS in the kernel's environment wins, as on one machine: the count is sent
+    explicitly because Ray sets its own (one thread) in the agent's environment, which the
+    ranks inherit.
 
-    >>> threads_per_rank(4, 2, 8), threads_per_rank(1, 2, 8), threads_per_rank(4, 2, None)
-    (2, 1, None)
+    >>> threads_per_rank(4, 2, {}), threads_per_rank(1, 2, {}), threads_per_rank(4, 2, {"OMP_NUM_THREADS": "3"})
+    (2, 1, 3)
     """
-    if kernel_choice is None:
-        return None
-    return max(1, bundle_cpus // max(1, per_node))
+    return config.user_thread_count(kernel_environ) or max(1, bundle_cpus // max(1, per_node))
 
 
 def combine(

@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from nbtrain import processes, sharedtensors, stacks, wire
+from nbtrain import config, processes, sharedtensors, stacks, wire
 from nbtrain.events import RankAssignment, RankDone, RankFailed, Release, SendResultFile
 from nbtrain.rank import api
 
@@ -102,7 +102,7 @@ def _adopt_caller_state(assignment: RankAssignment) -> None:
     os.environ.update(environ)
     os.chdir(start.cwd)
     sys.path[:] = list(start.sys_path)
-    threads = start.threads_per_rank or _user_thread_count(environ)
+    threads = start.threads_per_rank or config.user_thread_count(environ)
     if threads is not None:
         import torch
 
@@ -110,13 +110,6 @@ def _adopt_caller_state(assignment: RankAssignment) -> None:
         # environment existed: the count has to be set explicitly.
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
-
-
-def _user_thread_count(environ: Mapping[str, str]) -> int | None:
-    try:
-        return max(1, int(environ.get("OMP_NUM_THREADS", "")))
-    except ValueError:
-        return None
 
 
 def _torchrun_variables(assignment: RankAssignment) -> Mapping[str, str]:

@@ -131,6 +131,28 @@ def test_ranks_are_placed_as_torchrun_places_them(ray_cluster: Any) -> None:
     assert client is not None and len({info.node_id for info in client.infos}) == 2
 
 
+def _threads() -> list[tuple[int, str]]:
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]))
+    return gathered
+
+
+@pytest.mark.parametrize(("omp", "threads"), [(None, 1), ("3", 3)])
+def test_ranks_run_their_bundles_cpus_as_threads_unless_the_kernel_sets_omp_num_threads(
+    ray_cluster: Any, monkeypatch: pytest.MonkeyPatch, omp: str | None, threads: int
+) -> None:
+    # 2 ranks per node hold a bundle of 2 CPUs: one thread each. Ray sets OMP_NUM_THREADS=1
+    # in its actors' environment; the kernel's own setting has to win over it.
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    result = procs.finish(start(_threads), RUN_SECONDS)
+    assert result == [(threads, str(threads))] * 4
+
+
 def test_warm_agents_are_reused_and_nothing_grows_over_20_runs(ray_cluster: Any) -> None:
     procs.finish(start(_world), RUN_SECONDS)  # warm
     client = engine._client
