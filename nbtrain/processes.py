@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -49,6 +49,25 @@ CONTROL_FD_VARIABLE = "NBTRAIN_CONTROL_FD"
 ROLE_VARIABLE = "NBTRAIN_ROLE"
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+
+
+def rank_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What of a process's environment its ranks get: not nbtrain's own wiring, nor Ray's hook.
+
+    Ray sets ``PYTHONBREAKPOINT`` to its remote debugger in its workers and, once connected,
+    in its driver (the kernel); outside a Ray worker that hook raises, so ``breakpoint()`` in
+    a rank would fail instead of stopping as pdb does.
+
+    >>> rank_environment({"A": "1", ROLE_VARIABLE: "launcher", "PYTHONBREAKPOINT": "ray.util.rpdb.set_trace"})
+    {'A': '1'}
+    """
+    return {
+        key: value
+        for key, value in environ.items()
+        if key not in (CONTROL_FD_VARIABLE, ROLE_VARIABLE)
+        and not (key == "PYTHONBREAKPOINT" and value.startswith("ray."))
+    }
+
 
 
 @dataclass

@@ -40,6 +40,11 @@ GATHER_SECONDS = 0.05
 # one piece while Ray still moves the next, and the agent needs one piece of memory.
 PIECE_BYTES = 32 << 20
 PARENT_CHECK_SECONDS = 0.2
+# Set by Ray in its worker processes only (OMP_NUM_THREADS: one thread; the ranks' count is
+# sent with the run instead).
+RAY_WORKER_VARIABLES = frozenset(
+    {"OMP_NUM_THREADS", "RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_LD_PRELOAD_ON_WORKERS", "SPT_NOENV"}
+)
 
 
 @dataclass(frozen=True)
@@ -313,14 +318,16 @@ def node_environment(kernel: dict[str, str], node: dict[str, str]) -> dict[str, 
     """The ranks' environment on a node: the node's own, plus what only the kernel has.
 
     The node's values win: its PATH, home and the CUDA_VISIBLE_DEVICES Ray gave this
-    agent are right here; the kernel's may not even exist on this host.
+    agent are right here; the kernel's may not even exist on this host. What Ray sets in
+    its own workers (this agent is one) is not the node's: the ranks are not Ray workers.
 
-    >>> node_environment({"A": "kernel", "B": "kernel"}, {"A": "node"})
+    >>> node_environment({"A": "kernel", "B": "kernel"}, {"A": "node", "RAY_JOB_ID": "01000000"})
     {'A': 'node', 'B': 'kernel'}
+    >>> node_environment({"PYTHONBREAKPOINT": "ray.util.rpdb._driver_set_trace"}, {})
+    {}
     """
-    drop = (processes.CONTROL_FD_VARIABLE, processes.ROLE_VARIABLE)
-    merged = {**kernel, **node}
-    return {key: value for key, value in merged.items() if key not in drop}
+    own = {key: value for key, value in node.items() if key not in RAY_WORKER_VARIABLES}
+    return processes.rank_environment({**kernel, **own})
 
 
 def node_sys_path(kernel: tuple[str, ...], node: tuple[str, ...]) -> tuple[str, ...]:

@@ -881,11 +881,7 @@ def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:
 
 
 def _caller_environment() -> dict[str, str]:
-    return {
-        key: value
-        for key, value in os.environ.items()
-        if key not in (processes.CONTROL_FD_VARIABLE, processes.ROLE_VARIABLE)
-    }
+    return processes.rank_environment(os.environ)
 
 
 def cell_namer() -> Callable[[str], str | None]:

@@ -153,6 +153,26 @@ def test_ranks_run_their_bundles_cpus_as_threads_unless_the_kernel_sets_omp_num_
     assert result == [(threads, str(threads))] * 4
 
 
+def _at_a_breakpoint() -> None:
+    breakpoint()  # noqa: T100 - what a rank's breakpoint does is the test
+
+
+@pytest.mark.parametrize("where", ["cluster", "this machine"])
+def test_a_breakpoint_in_a_rank_stops_as_pdb_does(ray_cluster: Any, where: str) -> None:
+    # Without a terminal, pdb reads end-of-input and quits: BdbQuit names the rank. Ray puts
+    # its own breakpoint hook in its workers' environment and, once connected, in the
+    # kernel's; outside a Ray worker that hook raises from Ray's debugger instead.
+    procs.finish(start(_world), RUN_SECONDS)  # the kernel is Ray's driver from its first cluster run
+    assert os.environ.get("PYTHONBREAKPOINT", "").startswith("ray.")
+    if where == "cluster":
+        run = start(_at_a_breakpoint)
+    else:
+        run = nbtrain.start(_at_a_breakpoint, devices=2, accelerator="cpu")
+    _, error, seen = procs.collect(run, RUN_SECONDS)
+    assert isinstance(error, RankError) and "BdbQuit" in str(error), error
+    assert any("(Pdb)" in e.text for e in seen if isinstance(e, events.Output))
+
+
 def test_warm_agents_are_reused_and_nothing_grows_over_20_runs(ray_cluster: Any) -> None:
     procs.finish(start(_world), RUN_SECONDS)  # warm
     client = engine._client
