@@ -69,7 +69,6 @@ def rank_environment(environ: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-
 @dataclass
 class LauncherProcess:
     """The kernel's handle on its launcher: the process and the kernel's end of the socket."""
