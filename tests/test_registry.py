@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import stat
 import time
 
 import pytest
 
 from helpers import procs
-from nbtrain import processes, registry
+from nbtrain import events, processes, registry
 from nbtrain.errors import RunStoppedError
 from nbtrain.kernel import client as kernel_client
 from nbtrain.server import runs
@@ -72,6 +73,39 @@ def test_a_run_is_recorded_and_a_stop_from_outside_ends_it_as_stopped(launcher) 
     ended = registry.read(record.id)
     assert ended is not None and ended.state == "stopped" and ended.ended is not None
     assert not registry.stop_requested(record.id), "the launcher removes the stop request once the run ended"
+
+
+def _train_ignoring_sigterm() -> None:
+    import signal
+    import time
+
+    import nbtrain
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # user code that will not stop politely
+    for step in range(100_000):
+        nbtrain.log(loss=1.0 / (step + 1))
+        time.sleep(0.02)
+
+
+def test_ranks_the_server_kills_after_its_stop_count_as_stopped_not_as_deaths(launcher) -> None:
+    since = time.time()
+    run = kernel_client.start(_train_ignoring_sigterm, devices=2, accelerator="cpu")
+    try:
+        record = procs.wait_for(
+            lambda: (r := _newest_record(since)) is not None and r.step is not None and r,
+            RECORD_SECONDS,
+            "the run's record with rank 0's step",
+        )
+        runs.stop(record.id)  # SIGTERM, which these ranks ignore
+        runs.kill_rest(record.id)  # what the server extension sends after its grace period
+        _, error, seen = procs.collect(run, ENDED_SECONDS)
+    finally:
+        run.stop()
+    assert isinstance(error, RunStoppedError), error
+    exits = [e for e in seen if isinstance(e, events.RankExited)]
+    assert sorted(e.rank for e in exits) == [0, 1], exits
+    assert all(e.signal_number == signal.SIGKILL and e.stopped for e in exits), exits
+    assert procs.wait_gone(record.pids, 10.0, reaped=False) == []
 
 
 def _rewrite_gaps(run_id: str, writes: int, timeout: float) -> list[float]:

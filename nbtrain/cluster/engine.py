@@ -336,6 +336,7 @@ class _Relay:
         count = client.plan.num_nodes
         self.ended: list[events.RunEnded | None] = [None] * count
         self.failure_order: dict[tuple[str, int], int] = {}
+        self.deaths: list[events.RankExited] = []  # ranks that died unreported, as they were reaped
         self.done_nodes: set[int] = set()
         self.stopping = False
         self.stopped_by_caller = False
@@ -355,7 +356,7 @@ class _Relay:
         finally:
             self.payload = None  # frees the object store's copy
         final = nodes.combine(self.run_id, [e for e in self.ended if e is not None], self.failure_order,
-                              self.stopped_by_caller)
+                              self.stopped_by_caller, self.deaths)
         if any(isinstance(e.failure, events.NodeLost) for e in self.ended if e is not None):
             self.client.alive = False  # the next run places new agents
         self.inbox.put((final, []))
@@ -437,6 +438,10 @@ class _Relay:
                 continue
             if isinstance(record, (events.RankFailed, events.RankExited)):
                 self.failure_order.setdefault((record.node, record.rank), len(self.failure_order))
+            if isinstance(record, events.RankExited) and not record.reported:
+                # Its node may end as stopped, not failed: another node's error, a consequence
+                # of this death, can reach the kernel first and stop it before it reaps this.
+                self.deaths.append(record)
             if type(record).__name__ == "NodeResult":
                 record = _copied_result(record)
             self.inbox.put((record, []))

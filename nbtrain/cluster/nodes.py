@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -164,19 +165,30 @@ def combine(
     ended: Sequence[events.RunEnded],
     failure_order: dict[tuple[str, int], int],
     stopped_by_caller: bool = False,
+    deaths: Sequence[events.RankExited] = (),
 ) -> events.RunEnded:
     """One RunEnded for the run from each node's (node 0's first).
 
-    The root cause wins over its consequences: a lost node; a rank that died on its own;
-    the run's timeout or the caller's stop (the other nodes' ranks then see broken
-    connections and raise); and only then the first exception raised (``failure_order``:
-    when each rank's failure reached the kernel).
+    The root cause wins over its consequences: a lost node; a rank that died on its own
+    (a node's failure, or one of ``deaths``: the exits of ranks that had not reported,
+    in the order they reached the kernel); the run's timeout or the caller's stop (the
+    other nodes' ranks then see broken connections and raise); and only then the first
+    exception raised (``failure_order``: when each rank's failure reached the kernel).
+
+    >>> boom = events.RankFailed(1, 1, "RuntimeError", "Connection closed by peer", "", node="node 0")
+    >>> killed = events.RankExited(1, 2, None, 9, reported=False, node="node 1")
+    >>> ended = [events.RunEnded(1, events.FAILED, failure=boom), events.RunEnded(1, events.STOPPED)]
+    >>> combine(1, ended, {("node 0", 1): 0, ("node 1", 2): 1}, deaths=[killed]).failure.rank
+    2
     """
     if all(e.state == events.FINISHED for e in ended):
         return ended[0]
     failures = [e.failure for e in ended if e.failure is not None]
     lost = [f for f in failures if isinstance(f, events.NodeLost)]
-    died = [f for f in failures if isinstance(f, events.RankExited) and not f.stopped and f.signal_number != 15]
+    died = [
+        f for f in (*failures, *deaths)
+        if isinstance(f, events.RankExited) and not f.stopped and f.signal_number != signal.SIGTERM
+    ]
     if lost or died:
         return events.RunEnded(run_id, events.FAILED, failure=(lost or died)[0])
     states = {e.state for e in ended}

@@ -99,6 +99,7 @@ class Run:
     end_state: str | None = None  # set once the run is finishing or being stopped
     stop_started: float | None = None
     killed: bool = False
+    stopped_outside: bool = False  # by the server extension, which SIGKILLs after its own grace
     failure: RankFailed | RankExited | RankNotStarted | None = None
     result: bytes | None = None
     result_fd: int | None = None
@@ -404,9 +405,12 @@ class Launcher:
             self._stopped_from_outside(run)
         if rank.spec.rank == 0:
             run.result_pending = False
+        ours = _our_signal(run, signal_number)
         exited = RankExited(
             run.run_id, rank.spec.rank, exit_code, signal_number, reported,
-            stopped=run.stop_started is not None or run.stacks_until is not None,
+            # A signal we did not send (an OOM kill, a segfault) is the rank's own death even
+            # when it is reaped after the stop began: its peers' errors race ahead of it.
+            stopped=(run.stop_started is not None or run.stacks_until is not None) and (signal_number is None or ours),
         )
         self._send(exited)
         if not reported and run.end_state in (None, events.FINISHED):
@@ -414,14 +418,12 @@ class Launcher:
                 run.failure = exited
             run.end_state = None  # a rank died after the others finished: still a failure
             self._stop(run, events.FAILED)
-        elif not reported and run.end_state == events.FAILED and isinstance(run.failure, RankFailed):
+        elif not reported and not ours and run.end_state == events.FAILED and isinstance(run.failure, RankFailed):
             # A rank that dies hard (OOM kill, segfault, os._exit) closes its sockets before
             # its pidfd fires, so a peer blocked in a collective can report the broken
             # connection first. Unless this death is our own stop signal, it is the cause
             # and the peer's error its consequence.
-            ours = signal_number == signal.SIGTERM or (run.killed and signal_number == signal.SIGKILL)
-            if not ours:
-                run.failure = exited
+            run.failure = exited
         if all(r.exited for r in run.ranks):
             run.all_exited_at = time.monotonic()
 
@@ -447,6 +449,7 @@ class Launcher:
         if run.stop_started is not None or run.stacks_until is not None:
             return
         run.end_state = events.STOPPED
+        run.stopped_outside = True
         self._stop_now(run)
 
     def _stop(self, run: Run, state: str) -> None:
@@ -653,6 +656,14 @@ class _RankEnds:
                 pass  # closed already (close_child_side ran)
         self.launcher_end.close()
         self.rank_end.close()
+
+
+def _our_signal(run: Run, signal_number: int | None) -> bool:
+    """Whether a rank died of nbtrain's own stop: SIGTERM, or SIGKILL once the launcher (or,
+    for a stop asked in the browser, the server extension) sends it."""
+    return signal_number == signal.SIGTERM or (
+        signal_number == signal.SIGKILL and (run.killed or run.stopped_outside)
+    )
 
 
 def _readable_now(sock: socket.socket) -> bool:

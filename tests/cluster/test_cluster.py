@@ -301,6 +301,7 @@ def test_a_rank_killed_on_node_1_is_the_cause(ray_cluster: Any) -> None:
     ended = time.time()
     assert isinstance(error, RankDiedError), error
     assert error.rank == 2 and "rank 2 on node 1" in str(error) and "signal 9 (SIGKILL)" in str(error)
+    assert "when nbtrain stopped it" not in str(error)  # reaped after the stop began, still the cause
     assert ended - _fault_time(seen) < FAULT_SECONDS
     _assert_all_gone(rank_processes(seen))
     assert procs.finish(start(_world), 60.0)[1] == 4
