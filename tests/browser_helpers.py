@@ -215,11 +215,23 @@ class JupyterLab:
         with urllib.request.urlopen(self.url(path), timeout=10) as response:
             return json.loads(response.read())
 
+    def kernels(self) -> list[dict[str, Any]] | None:
+        """The server's kernels, or None while one is starting: jupyter_server (2.21) lists a
+        kernel before it sets the kernel's ``last_activity`` and answers GET /api/kernels with
+        500 in that window (a TraitError in its log), which is no failure of the page."""
+        try:
+            kernels: list[dict[str, Any]] = self.api("api/kernels")
+        except urllib.error.HTTPError as error:
+            if error.code != 500 or "TraitError: The 'last_activity' trait" not in self.log_tail(20000):
+                raise
+            return None
+        return kernels
+
     def wait_kernel_connected(self, timeout: float) -> None:
         """Until a page holds a connection to a kernel: before that the page's session has no
         kernel, and a cell run then is dropped (Notebook 7 shows "idle" while it connects)."""
         procs.wait_for(
-            lambda: any(kernel.get("connections") for kernel in self.api("api/kernels")),
+            lambda: any(kernel.get("connections") for kernel in self.kernels() or []),
             timeout,
             f"no page connected to a kernel of the server on port {self.port}",
         )
