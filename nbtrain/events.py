@@ -201,7 +201,7 @@ class RankExited:
     exit_code: int | None
     signal_number: int | None
     reported: bool  # the rank said it was done (or failed) before it exited
-    stopped: bool = False  # exited during a stop, not by a signal nbtrain did not send: not a cause
+    stopped: bool = False  # exited during a stop, of no signal or of nbtrain's own: not a cause
     node: str = ""  # the node's label on a cluster; empty on one machine
 
 
