@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import functools
 import io
 import linecache
 import os
@@ -61,6 +62,7 @@ def run_rank(
         _adopt_caller_state(assignment)
         _install_source_lines(start.source_lines)
         _select_device(spec.device_type, spec.device_index)
+        _tolerate_torchrun_style_calls(_distributed())  # before the payload: its names resolve to ours
         fn, args, kwargs = sharedtensors.loads(start.payload, tensor_fd, map_location=spec.device_type)
         if tensor_fd is not None:
             os.close(tensor_fd)
@@ -201,7 +203,12 @@ def _join_process_group(assignment: RankAssignment, listen_fd: int | None) -> No
             master_listen_fd=listen_fd,
         )
     dist.init_process_group(assignment.start.backend, rank=spec.rank, world_size=spec.world_size)
-    _tolerate_torchrun_style_calls(dist)
+
+
+def _distributed() -> Any:
+    import torch.distributed as dist
+
+    return dist
 
 
 def _tolerate_torchrun_style_calls(dist: Any) -> None:
@@ -209,20 +216,41 @@ def _tolerate_torchrun_style_calls(dist: Any) -> None:
 
     Destroying the group is skipped because a gloo group destroyed while DDP still holds
     it can hang in its destructor; the rank exits without teardown anyway.
+
+    The replacements take the originals' module and name, and are set in the module that
+    defines them too (``torch.distributed.distributed_c10d``). So a name the notebook bound
+    in the kernel (``from torch.distributed import init_process_group as setup``), which
+    travels as a reference to that module's attribute, arrives as the replacement; and the
+    replacement travels back to the kernel as torch's own function.
     """
     original_init = dist.init_process_group
     original_destroy = dist.destroy_process_group
+    if getattr(original_init, _HARMLESS, False):
+        return  # installed already
 
+    @functools.wraps(original_init)
     def init_process_group(*args: Any, **kwargs: Any) -> None:
         if not dist.is_initialized():
             original_init(*args, **kwargs)
 
+    @functools.wraps(original_destroy)
     def destroy_process_group(group: Any = None) -> None:
         if group is not None:
             original_destroy(group)
 
-    dist.init_process_group = init_process_group
-    dist.destroy_process_group = destroy_process_group
+    pairs = (
+        ("init_process_group", original_init, init_process_group),
+        ("destroy_process_group", original_destroy, destroy_process_group),
+    )
+    for name, original, replacement in pairs:
+        setattr(replacement, _HARMLESS, True)
+        setattr(dist, name, replacement)
+        home = sys.modules.get(getattr(original, "__module__", None) or "")
+        if home is not None and getattr(home, name, None) is original:
+            setattr(home, name, replacement)
+
+
+_HARMLESS = "_nbtrain_harmless"
 
 
 def _send_done(channel: socket.socket, context: api.RankContext, result: Any) -> sharedtensors.InPlace | None:
