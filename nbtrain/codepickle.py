@@ -8,6 +8,7 @@ back; with an older cloudpickle, which kept it, it changes nothing.
 
 Example:
     >>> import pickle
+import sys
     >>> def where(): return 1
     >>> pickle.loads(dumps(where)).__code__.co_filename == where.__code__.co_filename
     True
@@ -15,9 +16,11 @@ Example:
 
 from __future__ import annotations
 
+import copyreg
 import importlib
 import io
 import pickle
+import sys
 import types
 from collections import ChainMap
 from collections.abc import MutableMapping
@@ -43,9 +46,60 @@ def _dispatch_table() -> Any:
 
 
 class Pickler(cloudpickle.Pickler):
-    """``cloudpickle.Pickler`` whose functions keep their ``co_filename``."""
+    """``cloudpickle.Pickler`` whose functions keep their ``co_filename``, and optimizers their attributes."""
 
     dispatch_table = _dispatch_table()
+
+    def reducer_override(self, obj: Any) -> Any:
+        reduced = optimizer_reduce(obj)
+        if reduced is not None:
+            return reduced
+        return super().reducer_override(obj)
+
+
+# What torch's Optimizer.__setstate__ makes anew, or an LR scheduler sets on the optimizer
+# (its step wrapper; nbtrain.rank.cell puts that back): never sent.
+_REMADE = frozenset({"step", "_opt_called", "_zero_grad_profile_name", "_warned_capturable_if_run_uncaptured"})
+
+
+def optimizer_reduce(obj: Any) -> Any:
+    """A torch optimizer's reduction that keeps its plain attributes, or None for anything else.
+
+    ``Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``: an
+    optimizer that keeps more (``LBFGS._params``, ``_numel_cache``; third-party optimizers'
+    own settings) would arrive without it and fail at its first ``step``. The attributes
+    added here are those of plain data (numbers, strings, tensors, lists, tuples and dicts
+    of them), so nothing that cannot travel is added; the pickle's memo keeps
+    ``LBFGS._params`` the very list in ``param_groups[0]``.
+    """
+    home = sys.modules.get("torch.optim.optimizer")
+    if home is None or not isinstance(obj, home.Optimizer):
+        return None
+    state = obj.__getstate__()
+    extra = {
+        key: value
+        for key, value in vars(obj).items()
+        if key not in state and key not in _REMADE and not key.startswith("_optimizer_") and _plain_data(value)
+    }
+    if not extra or not isinstance(state, dict):
+        return None
+    # copyreg.__newobj__ is what pickle itself uses for a class instance (typeshed lacks it).
+    return copyreg.__newobj__, (type(obj),), {**state, **extra}  # type: ignore[attr-defined]
+
+
+def _plain_data(value: Any, depth: int = 0) -> bool:
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return True
+    if depth >= 3:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_plain_data(item, depth + 1) for item in value)
+    if isinstance(value, dict):
+        return all(_plain_data(k, depth + 1) and _plain_data(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def dumps(obj: Any) -> bytes:

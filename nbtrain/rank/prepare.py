@@ -530,8 +530,8 @@ def _rebind_optimizer(optimizer: Any) -> None:
     owner = next((_registry.param_owner[id(swaps[id(p)])] for p in params if id(p) in swaps), None)
     had_state = bool(optimizer.state)
     full = optimizer.state_dict() if had_state else None
-    for group in optimizer.param_groups:
-        group["params"] = [swaps.get(id(p), p) for p in group["params"]]
+    for group in optimizer.param_groups:  # in place: LBFGS._params is the first group's list
+        group["params"][:] = [swaps.get(id(p), p) for p in group["params"]]
     optimizer.state.clear()
     if full is not None and owner is not None:
         _load_full_optimizer_state(owner, optimizer, full)
