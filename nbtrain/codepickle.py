@@ -8,7 +8,6 @@ back; with an older cloudpickle, which kept it, it changes nothing.
 
 Example:
     >>> import pickle
-import sys
     >>> def where(): return 1
     >>> pickle.loads(dumps(where)).__code__.co_filename == where.__code__.co_filename
     True
