@@ -123,3 +123,79 @@ def test_every_torch_optimizer_round_trips_to_the_ranks_and_back(kernel, name):
     kernel.run_ok("fresh.step(closure_for(fresh)); opt.step(closure_for(opt))")
     if name == "LBFGS":
         assert kernel.value("fresh._params is fresh.param_groups[0]['params'] and opt._params[0] is net.weight")
+
+
+TRAINER = """
+class Trainer:  # a trainer object holding model, optimizer and loader, as public demos do
+    def __init__(self, model, optimizer, loader):
+        self.model, self.optimizer, self.loader = model, optimizer, loader
+        self.steps = 0
+    def run(self, epochs):
+        for _ in range(epochs):
+            for x, y in self.loader:
+                loss = loss_fn(self.model(x), y)
+                self.optimizer.zero_grad(); loss.backward(); self.optimizer.step()
+                self.steps += 1
+torch.manual_seed(1)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), loader)
+w0 = [p.detach().clone() for p in model.parameters()]
+ids = id(trainer), id(trainer.optimizer), id(trainer.loader)
+"""
+
+
+def test_a_model_held_by_a_trainer_object_is_prepared_and_comes_back_into_the_same_objects(kernel):
+    kernel.run_ok(TRAINER)
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "trainer.run(2)\n"
+        "import torch.distributed as dist\n"
+        "kind = type(trainer.model).__name__\n"
+        "sums = [None, None]\n"
+        "dist.all_gather_object(sums, [float(p.sum()) for p in trainer.model.parameters()])\n"
+        "rank0_weights = [p.detach().clone() for p in trainer.model.parameters()]\n"
+    )
+    assert kernel.value("kind") == "DistributedDataParallel"
+    sums = kernel.value("sums")
+    assert sums[0] == sums[1]  # the gradients were averaged: both ranks hold the same weights
+    assert kernel.value("trainer.steps") == 2 * 256 // 2 // 16  # each rank read its share
+    assert kernel.value("(id(trainer), id(trainer.optimizer), id(trainer.loader)) == ids")
+    assert kernel.value("trainer.model is model and type(model).__name__ == 'Sequential'")
+    assert kernel.value("all(torch.equal(p, q) for p, q in zip(model.parameters(), rank0_weights))")
+    assert kernel.value("all(not torch.equal(p, q) for p, q in zip(model.parameters(), w0))")
+    assert kernel.value("len(trainer.optimizer.state) == 4")  # Adam's state came back into the same optimizer
+    assert "trainer.model (DistributedDataParallel)" in out.stdout
+    assert "trainer.loader: sharded" in out.stdout
+
+
+def test_models_in_dicts_dataclasses_and_tuples_are_prepared_or_named_with_why_not(kernel):
+    kernel.run_ok(
+        "from dataclasses import dataclass\n"
+        "torch.manual_seed(2)\n"
+        "models = {'g': nn.Linear(8, 8), 'd': nn.Linear(8, 1)}\n"
+        "@dataclass\n"
+        "class Setup:\n"
+        "    net: nn.Module\n"
+        "    opt: torch.optim.Optimizer\n"
+        "head = nn.Linear(8, 1)\n"
+        "setup = Setup(head, torch.optim.SGD(head.parameters(), lr=0.1))\n"
+        "frozen = (nn.Linear(8, 1),)\n"
+        "g0 = models['g'].weight.detach().clone()\n"
+    )
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "kinds = [type(models['g']).__name__, type(setup.net).__name__, type(frozen[0]).__name__]\n"
+        "for x, y in loader:\n"
+        "    loss = loss_fn(models['d'](models['g'](x)), y) + loss_fn(setup.net(x), y) + loss_fn(frozen[0](x), y)\n"
+        "    setup.opt.zero_grad(); loss.backward(); setup.opt.step()\n"
+        "    with torch.no_grad():\n"
+        "        for m in models.values():\n"
+        "            for p in m.parameters():\n"
+        "                p -= 0.01 * p.grad\n"
+        "g_rank0 = models['g'].weight.detach().clone()\n"
+    )
+    assert kernel.value("kinds") == ["DistributedDataParallel", "DistributedDataParallel", "Linear"]
+    assert kernel.value("torch.equal(models['g'].weight, g_rank0) and not torch.equal(g0, g_rank0)")
+    assert kernel.value("setup.net is head and type(models['g']).__name__ == 'Linear'")
+    assert "models['g'] (DistributedDataParallel)" in out.stdout
+    assert "frozen[0]: not prepared (a tuple cannot hold another object; each rank trains its own copy" in out.stdout

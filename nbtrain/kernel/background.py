@@ -102,6 +102,10 @@ class PreparedCellLike(Protocol):
     """What a background cell reads of the magic's ``PreparedCell``."""
 
     shipped: dict[str, Any]  # emptied when the run is over: the handle keeps no old objects alive
+    held: dict[str, Any]  # the torch objects held inside them (trainer.model); emptied with them
+
+    @property
+    def targets(self) -> dict[str, Any]: ...
 
     @property
     def record(self) -> Any: ...
@@ -503,7 +507,7 @@ class CellBackgroundRun(BackgroundRun):
         self._schedule(lambda: self._apply(raw))
 
     def _apply(self, raw: Any) -> None:
-        applied = self.callbacks.apply_result(self.shell, raw, self.prepared.shipped, self.record)
+        applied = self.callbacks.apply_result(self.shell, raw, self.prepared.targets, self.record)
         self.record.state = events.FINISHED
         self.updated = list(self.record.updated)
         self._value = applied.shown
@@ -522,6 +526,7 @@ class CellBackgroundRun(BackgroundRun):
         self.record.log_path = log if log and os.path.exists(log) else None
         super()._end(state, error, note)
         self.prepared.shipped = {}  # the handle stays in nbtrain.runs(): keep no old objects alive
+        self.prepared.held = {}
 
     def _log_note(self) -> str:
         """" Full output: <path>", as a blocking cell's summary ends, when a rank printed anything."""

@@ -34,7 +34,7 @@ from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 
-from nbtrain import charts, config, events, processes, records
+from nbtrain import charts, config, events, processes, reach, records
 from nbtrain.errors import (
     ClusterError,
     ConfigurationError,
@@ -426,6 +426,12 @@ class PreparedCell:
     record: CellRun
     total_steps: int | None = None  # the steps rank 0 will log, when the cell's code tells (the bar's total)
     engine: Any = None  # a cluster's warm client, planned with cfg; None: this machine's launcher
+    held: dict[str, Any] = field(default_factory=dict)  # label ("trainer.model") -> the kernel's object
+
+    @property
+    def targets(self) -> dict[str, Any]:
+        """What rank 0's result may name: the shipped globals and the torch objects held inside them."""
+        return {**self.shipped, **self.held}
 
     @property
     def unchanged(self) -> str:
@@ -451,6 +457,7 @@ def prepare_cell(shell: Any, line: str, cell: str, options: CellOptions) -> Prep
     user_ns = kernel_shell.user_namespace(shell)
     analysis = ns.analyse_cell(code, user_ns, kernel_shell.hidden_names(shell), raw_cell=body)
     shipped = {name: user_ns[name] for name in analysis.names}
+    held = reach.find_held(shipped)
     auto = options.auto and not analysis.self_distributes
     spec = rank_cell.CellSpec(
         code=code,
@@ -462,12 +469,15 @@ def prepare_cell(shell: Any, line: str, cell: str, options: CellOptions) -> Prep
         needs_shell=analysis.needs_shell,
         display_last=analysis.display_last,
         rng=records.rng_states(),
+        held=tuple(h for h, _ in held),
     )
     total = infer_total_steps(code, analysis, spec, cfg, user_ns)
     record = CellRun(
         world_size=cfg.world_size, strategy=cfg.strategy.name, accelerator=cfg.plan.accelerator, total_steps=total
     )
-    return PreparedCell(cfg, spec, shipped, dict(analysis.used_by), record, total, engine)
+    prepared = PreparedCell(cfg, spec, shipped, dict(analysis.used_by), record, total, engine)
+    prepared.held = {h.label: obj for h, obj in held}
+    return prepared
 
 
 def infer_total_steps(
@@ -651,7 +661,7 @@ def _follow(
     record.seconds = time.monotonic() - started  # the summary _bring_back prints states it
     record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None  # and names it
     view.finish(events.FINISHED)
-    value = _bring_back(shell, result, prepared.shipped, record, options.output)
+    value = _bring_back(shell, result, prepared.targets, record, options.output)
     if held.received:  # it came while the results went in: they are in, all of them
         raise RunInterrupted(_LATE)
     return value
@@ -720,11 +730,16 @@ def _summary(record: CellRun) -> str:
     ranks = f"{record.world_size} rank{'s' if record.world_size != 1 else ''}"
     text = f"nbtrain: {ranks} ({record.accelerator}, {record.strategy}) finished in {record.seconds:.1f} s."
     loaders = dict(record.loaders)
+    left = [(name, how) for name, how in record.prepared if how.startswith("not prepared")]
     wrapped = [
-        f"{name} ({how})" for name, how in record.prepared if how not in ("moved", "bound") and name not in loaders
+        f"{name} ({how})"
+        for name, how in record.prepared
+        if how not in ("moved", "bound") and name not in loaders and (name, how) not in left
     ]
     if wrapped:
         text += f" Auto-prepared: {', '.join(wrapped)}."
+    if left:  # e.g. "trainer.models[0]: not prepared (a tuple cannot hold another object; ...)"
+        text += " " + "; ".join(f"{name}: {how}" for name, how in left) + "."
     if loaders:  # e.g. "test_loader: evaluated whole on every rank (iterated without gradients)"
         text += " " + "; ".join(f"{name}: {how}" for name, how in loaders.items()) + "."
     if record.updated:

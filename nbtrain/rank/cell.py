@@ -52,6 +52,7 @@ class CellSpec:
     needs_shell: bool = False
     display_last: bool = False
     rng: Mapping[str, Any] | None = None
+    held: tuple[Any, ...] = ()  # nbtrain.reach.Held: torch objects inside the shipped globals
 
 
 def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> records.CellResult | None:
@@ -68,20 +69,27 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     cell_globals.setdefault("__builtins__", builtins)
     cell_globals.setdefault("__name__", "__main__")
     records.set_rng_states(spec.rng)
-    _rewrap_scheduled_optimizers(namespace.values())
+    # The torch objects held inside globals (trainer.model) are tracked like globals, by label.
+    tracked = {**namespace, **{h.label: obj for h, obj in prepare.resolved(namespace, spec.held)}}
+    _rewrap_scheduled_optimizers(tracked.values())
     rank0 = api.rank() == 0
-    before = _Before(cell_globals, namespace) if rank0 else None
+    before = _Before(cell_globals, tracked) if rank0 else None
     hidden = _install_shell(cell_globals) if spec.needs_shell else set()
     prepare.configure(spec.model_wrapper)
-    prepare.know_optimizers(namespace.values())
+    prepare.know_optimizers(tracked.values())
     prepared = prepare.auto_prepare(cell_globals, spec.names) if spec.auto else []
+    placed: list[tuple[Any, Any, Any]] = []
+    if spec.auto:
+        more, placed = prepare.auto_prepare_held(namespace, spec.held)
+        prepared += more
     logging = prepare.loss_logging() if spec.log_loss else contextlib.nullcontext()
     with logging:
         display = _execute(spec, cell_globals)
+    prepare.put_back(namespace, placed)  # so trainer.model is the kernel's model again on the way back
     context = api.current_context()
     if context is not None:
         context.flush()  # the cell's last metrics go out before the (slower) namespace-out
-    return _collect(spec, cell_globals, namespace, before, display, prepared, hidden)
+    return _collect(spec, cell_globals, tracked, before, display, prepared, hidden)
 
 
 def _rewrap_scheduled_optimizers(values: Iterable[Any]) -> None:
@@ -293,7 +301,8 @@ def _collect(
     }
     for name in outcome["bound"]:  # bound anew: it travels as a binding, not as a change
         outcome["changed"].pop(name, None)
-    deleted = sorted(n for n in before.objects if n not in cell_globals)
+    # Held objects' labels (trainer.model) are no names: never deleted.
+    deleted = sorted(n for n in before.objects if n.isidentifier() and n not in cell_globals)
     # A changed kernel object travels by value, not as a reference to itself.
     exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
     skipped: list[tuple[str, str, str]] = []

@@ -875,6 +875,79 @@ def auto_prepare(namespace: dict[str, Any], names: Iterable[str]) -> list[tuple[
     return done
 
 
+def auto_prepare_held(
+    namespace: Mapping[str, Any], held: Iterable[Any]
+) -> tuple[list[tuple[str, str]], list[tuple[Any, Any, Any]]]:
+    """Prepare the torch objects held inside the cell's globals (``trainer.model``), in their places.
+
+    ``held`` is :func:`nbtrain.reach.find_held`'s list, made in the kernel. Each prepared
+    object replaces the original where it is held, so the cell's ``trainer.run()`` trains
+    the wrapped model. Returns (label, what was done) for the summary, a place that could
+    not take the prepared object saying ``not prepared (why)``, and (held, original,
+    prepared) for each place changed: the cell puts the originals back after it ran.
+    """
+    from nbtrain import reach
+
+    torch = _torch()
+    found = list(resolved(namespace, held))
+    roots = [v for v in namespace.values() if isinstance(v, torch.nn.Module)]
+    roots += [obj for h, obj in found if h.kind == "module"]
+    inside = {id(sub) for root in roots for sub in root.modules() if sub is not root}
+    done: list[tuple[str, str]] = []
+    placed: list[tuple[Any, Any, Any]] = []
+    for kind in ("module", "optimizer", "loader"):
+        for h, obj in found:
+            if h.kind != kind or (kind == "module" and id(obj) in inside):
+                continue
+            if h.fixed and kind == "module":
+                done.append((h.label, _not_prepared(h.fixed, kind)))
+                continue
+            prepared = prepare(obj)
+            if prepared is not obj:
+                try:
+                    reach.put(namespace, h, prepared)
+                except Exception as error:  # noqa: BLE001 - whatever the holder raises, the summary says it
+                    done.append((h.label, _not_prepared(h.fixed or f"its holder refused it: {error}", kind)))
+                    continue
+                placed.append((h, obj, prepared))
+            done.append((h.label, _describe(obj, prepared)))
+            if kind == "loader" and prepared is not obj:
+                _registry.loader_names[h.label] = prepared
+    return done, placed
+
+
+def resolved(namespace: Mapping[str, Any], held: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
+    """(held, this rank's object) for each place that still holds an object of its kind."""
+    from nbtrain import reach
+
+    for h in held:
+        try:
+            obj = reach.resolve(namespace, h)
+        except (LookupError, AttributeError, TypeError):
+            continue
+        if reach.torch_kind(obj) == h.kind:
+            yield h, obj
+
+
+def _not_prepared(why: str, kind: str) -> str:
+    consequence = {
+        "module": "each rank trains its own copy, gradients not averaged",
+        "loader": "each rank reads all of it",
+    }.get(kind, "it stays as it was")
+    fix = "hold it in a list or attribute, or call nbtrain.prepare on it in the cell"
+    return f"not prepared ({why}; {consequence}): {fix}"
+
+
+def put_back(namespace: Mapping[str, Any], placed: Iterable[tuple[Any, Any, Any]]) -> None:
+    """Put the originals back where :func:`auto_prepare_held` put prepared objects (unless the cell replaced them)."""
+    from nbtrain import reach
+
+    for h, original, prepared in placed:
+        with contextlib.suppress(Exception):
+            if reach.resolve(namespace, h) is prepared:
+                reach.put(namespace, h, original)
+
+
 def _describe(original: Any, prepared: Any) -> str:
     from torch.utils.data import DataLoader
 
