@@ -44,7 +44,7 @@ class Held:
 
 
 def torch_kind(obj: Any) -> str | None:
-    """"module", "optimizer", "scheduler" or "loader" for a torch object of that kind, else None."""
+    """The kind of a torch object: "module", "optimizer", "scheduler", "loader"; None for anything else."""
     if "torch" not in sys.modules:
         return None
     nn = sys.modules.get("torch.nn.modules.module")

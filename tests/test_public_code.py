@@ -199,3 +199,65 @@ def test_models_in_dicts_dataclasses_and_tuples_are_prepared_or_named_with_why_n
     assert kernel.value("setup.net is head and type(models['g']).__name__ == 'Linear'")
     assert "models['g'] (DistributedDataParallel)" in out.stdout
     assert "frozen[0]: not prepared (a tuple cannot hold another object; each rank trains its own copy" in out.stdout
+
+
+SCHEDULES = """
+def linear_warmup_schedule(optimizer, num_warmup_steps, num_training_steps):
+    # A schedule builder in the style of the public ones: a closure holding num_training_steps.
+    def factor(step):
+        if step < num_warmup_steps:
+            return step / max(1, num_warmup_steps)
+        return max(0.0, (num_training_steps - step) / max(1, num_training_steps - num_warmup_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+epochs = 2
+train_loader = DataLoader(dataset, batch_size=16, shuffle=True)
+num_training_steps = epochs * len(train_loader)
+model4 = nn.Linear(8, 1)
+opt4 = torch.optim.AdamW(model4.parameters(), lr=0.01)
+lr_scheduler = linear_warmup_schedule(opt4, num_warmup_steps=2, num_training_steps=num_training_steps)
+side = torch.optim.SGD(nn.Linear(8, 1).parameters(), lr=0.1)
+one_cycle = torch.optim.lr_scheduler.OneCycleLR(side, max_lr=0.1, epochs=epochs, steps_per_epoch=len(train_loader))
+"""
+
+SCHEDULED_CELL = """%%distributed --devices 2
+steps_done = 0
+for epoch in range(epochs):
+    for x, y in train_loader:
+        loss = loss_fn(model4(x), y)
+        loss.backward()
+        opt4.step(); lr_scheduler.step(); opt4.zero_grad()
+        side.step(); one_cycle.step()
+        steps_done += 1
+print(f'{steps_done}/{num_training_steps} steps')
+"""
+
+
+def test_schedules_sized_from_len_loader_before_the_cell_are_named_with_what_each_rank_runs(kernel):
+    kernel.run_ok(SCHEDULES)
+    out = kernel.run_ok(SCHEDULED_CELL)
+    assert (
+        "lr_scheduler expects 32 steps; each rank runs 16 (2 x len(train_loader): 16 batches in the kernel, "
+        "8 on each rank): create lr_scheduler inside the %%distributed cell, where len(train_loader) is each rank's."
+    ) in out.stdout
+    assert "one_cycle expects 32 steps; each rank runs 16" in out.stdout
+    assert "num_training_steps is 32 steps; each rank runs 16" in out.stdout
+    assert "[rank 0] 16/32 steps" in out.stdout  # what the sentences say, as the cell sees it
+    assert kernel.value("lr_scheduler.last_epoch") == 16 and kernel.value("opt4.param_groups[0]['lr']") > 0
+    # The fix the sentence names: built inside the cell, the schedule ends where the ranks end.
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "lr_scheduler = linear_warmup_schedule(opt4, num_warmup_steps=2,\n"
+        "                                      num_training_steps=epochs * len(train_loader))\n"
+        + SCHEDULED_CELL.split("\n", 1)[1]
+    )
+    assert "lr_scheduler expects" not in out.stdout
+    assert kernel.value("lr_scheduler.last_epoch") == 16 and kernel.value("opt4.param_groups[0]['lr']") == 0.0
+    assert kernel.value("lr_scheduler.optimizer is opt4")
+
+
+def test_a_progress_bars_total_is_a_step_count_too():
+    tqdm = pytest.importorskip("tqdm")
+    from nbtrain.kernel import lengths
+
+    bar = tqdm.tqdm(total=240, disable=True)
+    assert lengths.expected_steps(bar) == 240

@@ -68,6 +68,8 @@ class CellRun:
     updated: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
     log_path: str | None = None  # every rank's full output (None: no rank printed anything)
+    # Step counts the notebook sized from a loader auto mode shards (nbtrain.kernel.lengths).
+    derived: list[str] = field(default_factory=list)
 
 
 last_run: CellRun | None = None
@@ -477,7 +479,22 @@ def prepare_cell(shell: Any, line: str, cell: str, options: CellOptions) -> Prep
     )
     prepared = PreparedCell(cfg, spec, shipped, dict(analysis.used_by), record, total, engine)
     prepared.held = {h.label: obj for h, obj in held}
+    record.derived = _derived_lengths(prepared, code)
     return prepared
+
+
+def _derived_lengths(prepared: PreparedCell, code: str) -> list[str]:
+    """What the notebook sized from a loader's length that each rank will not reach (see lengths.py)."""
+    if not prepared.spec.auto or "torch.utils.data" not in sys.modules:
+        return []
+    from nbtrain.kernel import lengths
+
+    try:
+        wrapper = prepared.cfg.strategy.model_wrapper
+        rebound = lengths.rebound_names(code)
+        return lengths.derived_lengths(prepared.targets, prepared.cfg.world_size, wrapper, rebound)
+    except Exception:  # noqa: BLE001 - a hint must never stop a cell
+        return []
 
 
 def infer_total_steps(
@@ -744,6 +761,8 @@ def _summary(record: CellRun) -> str:
         text += " " + "; ".join(f"{name}: {how}" for name, how in loaders.items()) + "."
     if record.updated:
         text += f" Updated in the kernel: {', '.join(record.updated)}."
+    for sentence in record.derived:  # "lr_scheduler expects 240 steps; each rank runs 120 (...): ..."
+        text += f" {sentence}."
     if record.log_path:
         text += f" Full output: {record.log_path}"
     return text

@@ -1,0 +1,134 @@
+"""Numbers the notebook derived from ``len(loader)`` before a ``%%distributed`` cell.
+
+Single-device code sizes things from its loader's length in an earlier cell: a
+OneCycleLR's ``total_steps``, a warmup schedule's ``num_training_steps`` (a LambdaLR whose
+function is a ``functools.partial`` or a closure that holds it, as schedule builders make
+them), a progress bar's ``total``. Once auto mode shards the loader, each rank runs fewer
+steps than that number, and the schedule never reaches its end. :func:`derived_lengths`
+finds those numbers among the objects a cell uses, before it runs, and says for each what
+is left and the fix; the summary prints it.
+
+Example:
+    >>> import functools, torch
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> train = DataLoader(TensorDataset(torch.zeros(64, 1)), batch_size=8, shuffle=True)
+    >>> def warmup(step, num_training_steps): return 1 - step / num_training_steps
+    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(warmup, num_training_steps=3 * len(train)))
+    >>> print(derived_lengths({"sched": sched, "train": train}, 2, "ddp")[0])  # doctest: +NORMALIZE_WHITESPACE
+    sched expects 24 steps; each rank runs 12 (3 x len(train): 8 batches in the kernel, 4 on each rank):
+    create sched inside the %%distributed cell, where len(train) is each rank's
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import symtable
+from collections.abc import Mapping
+from typing import Any
+
+from nbtrain import reach
+
+# The names schedule builders give the length they were sized with.
+_LENGTH_NAMES = ("num_training_steps", "total_steps", "num_steps", "max_steps")
+
+
+def rebound_names(code: str) -> set[str]:
+    """The names ``code`` binds at its top level: what it builds itself, not what it was sized with before.
+
+    >>> sorted(rebound_names("sched = make(opt, 2 * len(train))\nfor x in train: sched.step()"))
+    ['sched', 'x']
+    """
+    table = symtable.symtable(code, "<cell>", "exec")
+    return {symbol.get_name() for symbol in table.get_symbols() if symbol.is_assigned() or symbol.is_imported()}
+
+
+def derived_lengths(
+    objects: Mapping[str, Any], world_size: int, wrapper: str, rebound: frozenset[str] | set[str] = frozenset()
+) -> list[str]:
+    """One sentence per object among ``objects`` whose step count was sized from a loader auto mode shards.
+
+    ``rebound``: names the cell binds itself (:func:`rebound_names`); objects under them are left out.
+    """
+    from nbtrain.rank import prepare
+
+    sharded: list[tuple[str, int, int]] = []  # (loader's name, its length, each rank's)
+    for name, obj in objects.items():
+        if reach.torch_kind(obj) == "loader":
+            share = prepare.batches_per_rank(obj, world_size, wrapper)
+            whole = prepare.batches_per_rank(obj, world_size, "none")
+            if share is not None and whole and share != whole:
+                sharded.append((name, whole, share))
+    if not sharded:
+        return []
+    found = []
+    for name in sorted(objects):
+        if re.split(r"[.\[]", name, maxsplit=1)[0] in rebound:
+            continue
+        value = objects[name]
+        counted = type(value) is int and (name in _LENGTH_NAMES or name.endswith("_steps"))
+        expected = value if counted else expected_steps(value)
+        match = next(((loader, n, s) for loader, n, s in sharded if expected and expected % n == 0), None)
+        if expected and match is not None:
+            found.append(_sentence(name, expected, *match, number=counted))
+    return found
+
+
+def _sentence(name: str, expected: int, loader: str, whole: int, share: int, *, number: bool = False) -> str:
+    epochs = expected // whole
+    times = f"{epochs} x " if epochs > 1 else ""
+    verb, act = ("is", "compute") if number else ("expects", "create")
+    return (
+        f"{name} {verb} {expected} steps; each rank runs {epochs * share} ({times}len({loader}): {whole} batches "
+        f"in the kernel, {share} on each rank): {act} {name} inside the %%distributed cell, "
+        f"where len({loader}) is each rank's"
+    )
+
+
+def expected_steps(obj: Any) -> int | None:
+    """The step count ``obj`` was built for: a OneCycleLR's, a schedule function's, a progress bar's total."""
+    if reach.torch_kind(obj) == "scheduler":
+        total = getattr(obj, "total_steps", None)  # OneCycleLR
+        if isinstance(total, int):
+            return total
+        for function in getattr(obj, "lr_lambdas", ()) or ():  # LambdaLR, MultiplicativeLR
+            steps = _function_length(function)
+            if steps is not None:
+                return steps
+        return None
+    if type(obj).__module__.split(".")[0] == "tqdm":  # a progress bar: tqdm(total=...) or tqdm(range(n))
+        total = getattr(obj, "total", None)
+        return total if isinstance(total, int) else None
+    return None
+
+
+def _function_length(function: Any) -> int | None:
+    """``num_training_steps`` (or a like name) that a schedule function holds: partial, closure or default."""
+    if isinstance(function, functools.partial):
+        held = {k: v for k, v in function.keywords.items() if k in _LENGTH_NAMES}
+        if held:
+            return _first_int(held.values())
+        return _function_length(function.func)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return None
+    cells = dict(zip(code.co_freevars, function.__closure__ or (), strict=False))
+    values = []
+    for name in _LENGTH_NAMES:
+        if name in cells:
+            try:
+                values.append(cells[name].cell_contents)
+            except ValueError:  # an empty cell
+                continue
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        parameters = {}  # type: ignore[assignment]  # no signature: only the closure tells
+    values += [p.default for n, p in parameters.items() if n in _LENGTH_NAMES and p.default is not p.empty]
+    return _first_int(values)
+
+
+def _first_int(values: Any) -> int | None:
+    return next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
