@@ -261,3 +261,23 @@ def test_a_progress_bars_total_is_a_step_count_too():
 
     bar = tqdm.tqdm(total=240, disable=True)
     assert lengths.expected_steps(bar) == 240
+
+
+def test_auto_mode_steps_aside_for_a_cell_that_wraps_the_trainers_model_itself(kernel):
+    kernel.run_ok(TRAINER + "from torch.distributed import init_process_group, destroy_process_group\n")
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "init_process_group('gloo')\n"
+        "trainer.model = DDP(trainer.model)\n"
+        "kind = type(trainer.model).__name__\n"
+        "trainer.run(1)\n"
+        "trainer.model = trainer.model.module\n"
+        "rank0_weights = [p.detach().clone() for p in trainer.model.parameters()]\n"
+        "destroy_process_group()\n"
+    )
+    assert "Auto-prepared" not in out.stdout and "not prepared" not in out.stdout
+    assert kernel.value("kind") == "DistributedDataParallel"  # the cell's own wrapper, around the unprepared model
+    assert kernel.value("trainer.steps") == 256 // 16  # its loader was not sharded: the cell did not ask
+    assert kernel.value("trainer.model is model and id(trainer) == ids[0]")
+    assert kernel.value("all(torch.equal(p, q) for p, q in zip(model.parameters(), rank0_weights))")
