@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 import types
 from collections.abc import Iterator, Mapping
@@ -101,12 +102,12 @@ def _inside(
 
 def _children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
     if isinstance(value, dict):
-        items = [(k, v) for k, v in list(value.items())[:ITEMS] if isinstance(k, (str, int))]
+        items = [(k, v) for k, v in itertools.islice(value.items(), ITEMS) if isinstance(k, (str, int))]
         return [(("key", k), v) for k, v in items]
     if isinstance(value, (list, tuple)):
-        return [(("index", i), v) for i, v in enumerate(value[:ITEMS])]
+        return [(("index", i), v) for i, v in enumerate(itertools.islice(value, ITEMS))]
     if _is_holder(value):
-        return [(("attr", k), v) for k, v in list(vars(value).items())[:ITEMS] if not k.startswith("__")]
+        return [(("attr", k), v) for k, v in itertools.islice(vars(value).items(), ITEMS) if not k.startswith("__")]
     return []
 
 
