@@ -67,37 +67,54 @@ def optimizer_reduce(obj: Any) -> Any:
     ``Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``: an
     optimizer that keeps more (``LBFGS._params``, ``_numel_cache``; third-party optimizers'
     own settings) would arrive without it and fail at its first ``step``. The attributes
-    added here are those of plain data (numbers, strings, tensors, lists, tuples and dicts
-    of them), so nothing that cannot travel is added; the pickle's memo keeps
+    added here are those of plain data (numbers, strings, tensors, optimizers, lists,
+    tuples and dicts of them), so nothing that cannot travel is added; the pickle's memo keeps
     ``LBFGS._params`` the very list in ``param_groups[0]``.
     """
     home = sys.modules.get("torch.optim.optimizer")
     if home is None or not isinstance(obj, home.Optimizer):
         return None
     state = obj.__getstate__()
-    extra = {
-        key: value
-        for key, value in vars(obj).items()
-        if key not in state and key not in _REMADE and not key.startswith("_optimizer_") and _plain_data(value)
-    }
+    extra = own_attributes(obj)
     if not extra or not isinstance(state, dict):
         return None
     # copyreg.__newobj__ is what pickle itself uses for a class instance (typeshed lacks it).
     return copyreg.__newobj__, (type(obj),), {**state, **extra}  # type: ignore[attr-defined]
 
 
-def _plain_data(value: Any, depth: int = 0) -> bool:
+def own_attributes(optimizer: Any, *, optimizers: bool = True) -> dict[str, Any]:
+    """The plain attributes ``optimizer`` keeps beside what ``Optimizer.__getstate__`` returns.
+
+    ``optimizers=False`` leaves out those that hold an optimizer (one it wraps).
+    """
+    state = optimizer.__getstate__()
+    return {
+        key: value
+        for key, value in vars(optimizer).items()
+        if key not in state
+        and key not in _REMADE
+        and not key.startswith("_optimizer_")
+        and _plain_data(value, optimizers=optimizers)
+    }
+
+
+def _plain_data(value: Any, depth: int = 0, *, optimizers: bool = True) -> bool:
     if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
         return True
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         return True
+    if torch is not None and isinstance(value, torch.optim.Optimizer):
+        return optimizers  # one another wraps (a lookahead's inner optimizer) is reduced the same way
     if depth >= 3:
         return False
     if isinstance(value, (list, tuple)):
-        return all(_plain_data(item, depth + 1) for item in value)
+        return all(_plain_data(item, depth + 1, optimizers=optimizers) for item in value)
     if isinstance(value, dict):
-        return all(_plain_data(k, depth + 1) and _plain_data(v, depth + 1) for k, v in value.items())
+        return all(
+            _plain_data(k, depth + 1, optimizers=optimizers) and _plain_data(v, depth + 1, optimizers=optimizers)
+            for k, v in value.items()
+        )
     return False
 
 

@@ -281,3 +281,42 @@ def test_auto_mode_steps_aside_for_a_cell_that_wraps_the_trainers_model_itself(k
     assert kernel.value("trainer.steps") == 256 // 16  # its loader was not sharded: the cell did not ask
     assert kernel.value("trainer.model is model and id(trainer) == ids[0]")
     assert kernel.value("all(torch.equal(p, q) for p, q in zip(model.parameters(), rank0_weights))")
+
+
+def test_an_optimizer_that_keeps_its_own_attributes_and_wraps_another_round_trips(kernel):
+    """Third-party optimizers keep settings and a wrapped optimizer as plain attributes."""
+    kernel.run_ok(
+        "class Lookahead(torch.optim.Optimizer):\n"
+        "    def __init__(self, inner, k=3, alpha=0.5):\n"
+        "        self.inner, self.k, self.alpha, self.calls = inner, k, alpha, 0\n"
+        "        self.slow = [p.detach().clone() for g in inner.param_groups for p in g['params']]\n"
+        "        self.param_groups, self.defaults, self.state = inner.param_groups, inner.defaults, inner.state\n"
+        "        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}\n"
+        "    def step(self, closure=None):\n"
+        "        loss = self.inner.step(closure)\n"
+        "        self.calls += 1\n"
+        "        if self.calls % self.k == 0:\n"
+        "            fast = [p for g in self.param_groups for p in g['params']]\n"
+        "            with torch.no_grad():\n"
+        "                for s, p in zip(self.slow, fast):\n"
+        "                    s += self.alpha * (p - s); p.copy_(s)\n"
+        "        return loss\n"
+        "torch.manual_seed(3)\n"
+        "net5 = nn.Linear(8, 1)\n"
+        "look = Lookahead(torch.optim.SGD(net5.parameters(), lr=0.05, momentum=0.9))\n"
+        "slow_before = look.slow\n"
+    )
+    kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "for x, y in loader:\n"
+        "    loss = loss_fn(net5(x), y)\n"
+        "    look.zero_grad(); loss.backward(); look.step()\n"
+        "rank0_slow = [s.clone() for s in look.slow]\n"
+        "calls_on_rank0 = look.calls\n"
+    )
+    assert kernel.value("calls_on_rank0") == 8
+    # Its own attributes came back too: the counter, and the slow weights into the same tensors.
+    assert kernel.value("look.calls") == 8
+    assert kernel.value("look.slow is slow_before and all(map(torch.equal, look.slow, rank0_slow))")
+    assert kernel.value("look.k == 3 and look.inner.param_groups[0]['params'][0] is net5.weight")
+    kernel.run_ok("look.zero_grad(); loss_fn(net5(X), Y).backward(); look.step()")  # still steps in the kernel

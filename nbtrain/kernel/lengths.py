@@ -38,7 +38,7 @@ _LENGTH_NAMES = ("num_training_steps", "total_steps", "num_steps", "max_steps")
 def rebound_names(code: str) -> set[str]:
     """The names ``code`` binds at its top level: what it builds itself, not what it was sized with before.
 
-    >>> sorted(rebound_names("sched = make(opt, 2 * len(train))\nfor x in train: sched.step()"))
+    >>> sorted(rebound_names("sched = make(opt, 2 * len(train))\\nfor x in train: sched.step()"))
     ['sched', 'x']
     """
     table = symtable.symtable(code, "<cell>", "exec")

@@ -443,6 +443,9 @@ def apply_result(
                     report.updated.append(name)
             except Exception as error:  # noqa: BLE001 - one bad object must not stop the rest
                 report.skipped.append((name, type_name(target), f"its state could not be loaded ({error})"))
+    for name, attributes in outcome.get("optimizer_attributes", {}).items():
+        for key, value in attributes.items():
+            set_attribute(shipped[name], key, value)
     for name, value in outcome.get("tensors", {}).items():
         _set_tensor(user_ns, name, shipped[name], value)
         report.updated.append(name)
@@ -515,6 +518,38 @@ def update_in_place(target: Any, value: Any) -> bool:
     else:
         return False
     return True
+
+
+def set_attribute(target: Any, key: str, value: Any) -> None:
+    """Set ``target.key`` to ``value``, copying into its tensors where they fit (so what shares them still does).
+
+    >>> class Box: pass
+    >>> box = Box(); box.items = [1]; same = box.items
+    >>> set_attribute(box, "items", [1]); box.items is same
+    True
+    """
+    current = getattr(target, key, None)
+    if not _copy_into(current, value, check=True):
+        setattr(target, key, value)
+    else:
+        _copy_into(current, value, check=False)
+
+
+def _copy_into(current: Any, value: Any, *, check: bool) -> bool:
+    """Whether ``value`` fits into ``current`` (same-shape tensors, same-length lists); copies it unless ``check``."""
+    torch = sys.modules.get("torch")
+    if current is value:
+        return True
+    if torch is not None and isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+        if current.shape != value.shape or current.dtype != value.dtype:
+            return False
+        if not check:
+            with torch.no_grad():
+                current.copy_(value)
+        return True
+    if isinstance(current, list) and isinstance(value, list) and len(current) == len(value):
+        return all(_copy_into(c, v, check=check) for c, v in zip(current, value, strict=True))
+    return current == value if type(current) is type(value) and isinstance(value, (int, float, str)) else False
 
 
 def _set_tensor(user_ns: dict[str, Any], name: str, target: Any, value: Any) -> None:

@@ -290,6 +290,7 @@ def _collect(
     outcome: dict[str, Any] = {
         "modules": module_states,
         "optimizers": optimizer_states,
+        "optimizer_attributes": _optimizer_attributes(optimizer_states, namespace),
         "schedulers": {n: s.state_dict() for n, s in _unique(namespace, _is_scheduler)},
         "tensors": {
             n: v for n, v in before.objects.items() if before.kinds[n] == "tensor" and v._version != before.versions[n]
@@ -354,6 +355,18 @@ def _optimizer_states(
         elif before is not None and _fingerprint(_state_marks(optimizer), before.special) != before.states[name]:
             states[name] = optimizer.state_dict()
     return states
+
+
+def _optimizer_attributes(optimizers: Mapping[str, Any], namespace: Mapping[str, Any]) -> dict[str, Any]:
+    """The plain attributes (a counter, slow weights) of each optimizer whose state goes back."""
+    from nbtrain import codepickle
+
+    attributes = {}
+    for name in optimizers:
+        own = codepickle.own_attributes(namespace[name], optimizers=False)
+        if own:
+            attributes[name] = own
+    return attributes
 
 
 def _bound(cell_globals: dict[str, Any], before: _Before, hidden: set[str]) -> dict[str, Any]:
