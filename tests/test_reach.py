@@ -1,0 +1,103 @@
+"""nbtrain.reach and nbtrain.kernel.lengths on real torch objects: what is held where, what was sized from a loader."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from nbtrain import reach
+from nbtrain.kernel import lengths
+
+
+class Holder:  # a class of the test module: only notebook classes, dataclasses and namespaces are looked into
+    pass
+
+
+Holder.__module__ = "__main__"
+
+
+@dataclasses.dataclass
+class Pair:
+    first: object
+    second: object
+
+
+def test_objects_one_and_two_steps_inside_are_found_with_the_expression_that_reaches_them():
+    model, other = nn.Linear(2, 1), nn.Linear(2, 1)
+    trainer = Holder()
+    trainer.model = model
+    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer.parts = {"g": other, "deep": {"too": nn.Linear(1, 1)}}
+    found = {h.label: (h.kind, obj) for h, obj in reach.find_held({"trainer": trainer})}
+    assert set(found) == {"trainer.model", "trainer.optimizer", "trainer.parts['g']"}  # three steps is too deep
+    assert found["trainer.model"] == ("module", model) and found["trainer.optimizer"][0] == "optimizer"
+
+
+def test_a_global_itself_or_a_second_path_to_the_same_object_is_not_listed_again():
+    model = nn.Linear(2, 1)
+    box = types.SimpleNamespace(model=model, again=[model])
+    assert reach.find_held({"box": box, "model": model}) == []
+    assert [h.label for h, _ in reach.find_held({"box": box})] == ["box.model"]
+
+
+def test_a_tuple_item_is_found_but_its_place_is_fixed_and_a_cycle_ends():
+    pair = Pair((nn.Linear(1, 1),), None)
+    pair.second = pair  # a cycle
+    (held, _), = reach.find_held({"pair": pair})
+    assert held.label == "pair.first[0]" and held.fixed == "a tuple cannot hold another object"
+
+
+def test_resolve_and_put_follow_the_steps():
+    model, wrapped = nn.Linear(2, 1), nn.Sequential(nn.Linear(2, 1))
+    models = {"g": [model]}
+    (held, obj), = reach.find_held({"models": models})
+    assert obj is model and reach.resolve({"models": models}, held) is model
+    reach.put({"models": models}, held, wrapped)
+    assert models["g"][0] is wrapped
+
+
+def test_library_objects_and_tensors_are_not_looked_into():
+    loader = DataLoader(TensorDataset(torch.zeros(4, 1)), batch_size=2)
+    assert reach.find_held({"loader": loader, "data": [torch.zeros(1)] * 3, "f": functools.partial(print)}) == []
+
+
+def _loader(batches: int) -> DataLoader:
+    return DataLoader(TensorDataset(torch.zeros(batches * 8, 1)), batch_size=8, shuffle=True)
+
+
+def test_a_closure_a_partial_a_default_and_onecycle_give_their_step_counts():
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+    def builder(num_training_steps):
+        def factor(step):
+            return 1 - step / num_training_steps
+
+        return factor
+
+    def with_default(step, num_training_steps=40):
+        return 1.0
+
+    closure = torch.optim.lr_scheduler.LambdaLR(opt, builder(20))
+    assert lengths.expected_steps(closure) == 20
+    partial = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(with_default, num_training_steps=30))
+    assert lengths.expected_steps(partial) == 30
+    assert lengths.expected_steps(torch.optim.lr_scheduler.LambdaLR(opt, with_default)) == 40
+    cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, epochs=3, steps_per_epoch=10)
+    assert lengths.expected_steps(cycle) == 30
+    assert lengths.expected_steps(torch.optim.lr_scheduler.StepLR(opt, 5)) is None
+
+
+def test_only_counts_that_are_multiples_of_a_sharded_loaders_length_are_named():
+    loader = _loader(10)
+    objects = {"train": loader, "num_training_steps": 30, "batch_size": 10, "warmup_steps": 7}
+    assert lengths.derived_lengths(objects, 2, "ddp") == [
+        "num_training_steps is 30 steps; each rank runs 15 (3 x len(train): 10 batches in the kernel, 5 on each "
+        "rank): compute num_training_steps inside the %%distributed cell, where len(train) is each rank's"
+    ]
+    assert lengths.derived_lengths(objects, 2, "none") == []  # not sharded: nothing is left over
+    assert lengths.derived_lengths(objects, 2, "ddp", {"num_training_steps"}) == []  # the cell computes it itself
