@@ -48,14 +48,14 @@ def test_a_global_itself_or_a_second_path_to_the_same_object_is_not_listed_again
 def test_a_tuple_item_is_found_but_its_place_is_fixed_and_a_cycle_ends():
     pair = Pair((nn.Linear(1, 1),), None)
     pair.second = pair  # a cycle
-    (held, _), = reach.find_held({"pair": pair})
+    ((held, _),) = reach.find_held({"pair": pair})
     assert held.label == "pair.first[0]" and held.fixed == "a tuple cannot hold another object"
 
 
 def test_resolve_and_put_follow_the_steps():
     model, wrapped = nn.Linear(2, 1), nn.Sequential(nn.Linear(2, 1))
     models = {"g": [model]}
-    (held, obj), = reach.find_held({"models": models})
+    ((held, obj),) = reach.find_held({"models": models})
     assert obj is model and reach.resolve({"models": models}, held) is model
     reach.put({"models": models}, held, wrapped)
     assert models["g"][0] is wrapped
@@ -95,9 +95,10 @@ def test_a_closure_a_partial_a_default_and_onecycle_give_their_step_counts():
 def test_only_counts_that_are_multiples_of_a_sharded_loaders_length_are_named():
     loader = _loader(10)
     objects = {"train": loader, "num_training_steps": 30, "batch_size": 10, "warmup_steps": 7}
-    assert lengths.derived_lengths(objects, 2, "ddp") == [
+    expected = (
         "num_training_steps is 30 steps; each rank runs 15 (3 x len(train): 10 batches in the kernel, 5 on each "
         "rank): compute num_training_steps inside the %%distributed cell, where len(train) is each rank's"
-    ]
+    )
+    assert lengths.derived_lengths(objects, 2, "ddp") == [expected]
     assert lengths.derived_lengths(objects, 2, "none") == []  # not sharded: nothing is left over
     assert lengths.derived_lengths(objects, 2, "ddp", {"num_training_steps"}) == []  # the cell computes it itself
