@@ -519,6 +519,8 @@ class CellBackgroundRun(BackgroundRun):
             note = "finished — nothing in the kernel needed updating"
         for warning in applied.warnings:
             note += f"\nnbtrain {warning}"
+        for sentence in getattr(self.record, "derived", ()):  # what the notebook sized from len(loader)
+            note += f"\nnbtrain note: {sentence}."
         self._end(events.FINISHED, note=note + self._log_note())
 
     def _end(self, state: str, error: BaseException | None = None, note: str | None = None) -> None:
