@@ -69,6 +69,8 @@ def find_held(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:
     An object reached along several paths, or also a global itself, is listed once (its
     first place); globals are visited in sorted order, so both sides of a run agree.
     """
+    if "torch" not in sys.modules:
+        return []  # no torch object can exist
     tops = {id(value) for value in namespace.values()}
     seen: set[int] = set()
     found: list[tuple[Held, Any]] = []
