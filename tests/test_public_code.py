@@ -320,3 +320,25 @@ def test_an_optimizer_that_keeps_its_own_attributes_and_wraps_another_round_trip
     assert kernel.value("look.slow is slow_before and all(map(torch.equal, look.slow, rank0_slow))")
     assert kernel.value("look.k == 3 and look.inner.param_groups[0]['params'][0] is net5.weight")
     kernel.run_ok("look.zero_grad(); loss_fn(net5(X), Y).backward(); look.step()")  # still steps in the kernel
+
+
+def test_lbfgs_steps_on_the_ranks_without_auto_mode_too(kernel):
+    kernel.run_ok(
+        OPTIMIZER_SETUP + "net, inputs = make_run('LBFGS')\nopt = torch.optim.LBFGS(net.parameters(), lr=0.1)\n"
+    )
+    kernel.run_ok("%%distributed --devices 2 --no-auto\nloss = opt.step(closure_for(opt))\n")
+    assert kernel.value("opt.state_dict()['state'][0]['n_iter']") > 0
+    assert kernel.value("opt._params[0] is net.weight")
+
+
+def test_a_holder_that_refuses_the_prepared_model_is_named_with_why(kernel):
+    kernel.run_ok(
+        "from dataclasses import dataclass\n"
+        "@dataclass(frozen=True)\n"
+        "class Frozen:\n"
+        "    net: nn.Module\n"
+        "fixed = Frozen(nn.Linear(8, 1))\n"
+    )
+    out = kernel.run_ok("%%distributed --devices 2\nfor x, y in loader:\n    loss_fn(fixed.net(x), y).backward()\n")
+    expected = "fixed.net: not prepared (its holder refused it: cannot assign to field 'net'; each rank trains"
+    assert expected in out.stdout
