@@ -103,6 +103,13 @@ def _inside(
 
 
 def _children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
+    try:
+        return _listed_children(value)
+    except Exception:  # noqa: BLE001 - an object that cannot be looked into holds nothing we prepare
+        return []
+
+
+def _listed_children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
     if isinstance(value, dict):
         items = [(k, v) for k, v in itertools.islice(value.items(), ITEMS) if isinstance(k, (str, int))]
         return [(("key", k), v) for k, v in items]
