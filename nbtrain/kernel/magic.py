@@ -32,7 +32,7 @@ from typing import Any
 
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nbtrain import charts, config, events, processes, records
 from nbtrain.errors import (
@@ -262,6 +262,14 @@ class DistributedMagics(Magics):
             return None
         return run_distributed_cell(self.shell, line, cell, options)
 
+    @line_magic
+    def nbtrain_debug(self, line: str) -> None:
+        """Open pdb in the frames of the rank kept after the last failed run (see README, "Debugging a rank").
+
+        Commands are typed in the input box, as for %debug; q or c ends it and releases the rank.
+        """
+        nbtrain_debug()
+
 
 # magic_arguments names every magic "%name" (its usage prefix adds one "%"); this one is a
 # cell magic.
@@ -269,6 +277,16 @@ DistributedMagics.distributed.parser.prog = "%distributed"
 DistributedMagics.distributed.__doc__ = DistributedMagics.distributed.__doc__.replace(
     "%distributed [", "%%distributed [", 1
 )
+
+
+def nbtrain_debug() -> None:
+    """``%nbtrain_debug`` and ``nbtrain.debug()``: the post-mortem of the held rank, in this cell."""
+    from nbtrain.kernel import client, debugger
+
+    try:
+        debugger.post_mortem(client.current_client())
+    except debugger.NoRankHeldError as error:
+        raise UsageError(f"%nbtrain_debug: {error}") from None
 
 
 def load_ipython_extension(ip: Any) -> None:
@@ -515,7 +533,7 @@ def infer_total_steps(
         return None
 
 
-def start_cell(shell: Any, prepared: PreparedCell) -> Any:
+def start_cell(shell: Any, prepared: PreparedCell, interactive: bool = True) -> Any:
     """Launch a prepared cell; the :class:`nbtrain.kernel.client.Run`. Explains what cannot travel.
 
     The engine and launch config planned from the flags are passed on: the hardware (or
@@ -532,6 +550,7 @@ def start_cell(shell: Any, prepared: PreparedCell) -> Any:
             prepared.cfg,
             rank_cell.run_cell,
             (prepared.spec, prepared.shipped, ns.anchor_function(kernel_shell.user_namespace(shell))),
+            interactive=interactive,
         )
     except SerializationError as error:
         raise _plain(ns.explain_unpicklable(prepared.shipped, prepared.used_by) or error) from None
@@ -596,7 +615,7 @@ def _launch_and_follow(
     record = last_run = prepared.record
     started = time.monotonic()
     try:
-        run = start_cell(shell, prepared)
+        run = start_cell(shell, prepared, interactive=not options.background)
     except BaseException:
         record.state = events.FAILED  # refused before it started (what cannot travel, or fit)
         raise
@@ -629,12 +648,14 @@ def _follow(
     if not held.received:
         show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
         view = _CellView(run, prepared.total_steps, options.stall_warning)
+        relay = _debugger_relay(run, held)
         for event in run.events(poll=view.poll_seconds):  # wakes at least every poll
             if held.received:
                 break
             if event is not None:
                 show(event)
             view.show(event)
+            relay.handle(event)  # a rank's pdb: its output, and its prompt in the input box
     if held.received or view is None:  # view is None only when the interrupt came first
         run.abandon()  # stops the run and frees any result it brought back
         record.state = events.STOPPED
@@ -655,6 +676,13 @@ def _follow(
     if held.received:  # it came while the results went in: they are in, all of them
         raise RunInterrupted(_LATE)
     return value
+
+
+def _debugger_relay(run: Any, held: processes.HeldInterrupts) -> Any:
+    from nbtrain.kernel import debugger
+
+    run.prompts_answered = True
+    return debugger.CellRelay(run, held)
 
 
 def _interrupted(prepared: PreparedCell, run: Any) -> RunInterrupted:
@@ -755,7 +783,8 @@ class _CellView:
     def show(self, event: Any) -> None:
         if self.view.rich or not isinstance(event, events.Output):
             self.view.handle(event)
-        self.view.refresh()
+        # A prompt blocks the cell's thread: "rank 1 in the debugger" must be drawn first.
+        self.view.refresh(force=isinstance(event, (events.DebugPrompt, events.DebugEnded)))
 
     def finish(self, state: str) -> None:
         self.view.finish(state)
@@ -815,6 +844,7 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
     if isinstance(error, RankError):
         text = cell_traceback(error.remote_traceback, shell)
         note = " ".join(part for part in (device_hint(error.exc_message), note) if part)
+        note += f"\n{error.note}" if error.note else ""  # the held rank's %nbtrain_debug
         return RankError(error.rank, error.exc_type, error.exc_message, text, note, node=error.node)
     where = getattr(error, "where", "")
     message = f"{error.headline or error} {note}" + (f"\n{where}" if where else "")
