@@ -77,6 +77,12 @@ def ask(prompt: events.DebugPrompt) -> str | None:
 
 
 def show(text: str) -> None:
+    """pdb's output in the cell, its notebook cells named as IPython names them (``Cell In[7]``)."""
+    from nbtrain.kernel import shell as kernel_shell
+
+    for filename, number in kernel_shell.cell_filenames(kernel_shell.get_shell()).items():
+        if filename in text:
+            text = text.replace(filename, f"Cell In[{number}]")
     sys.stdout.write(text)
     sys.stdout.flush()
 

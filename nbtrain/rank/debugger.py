@@ -205,7 +205,9 @@ class RankPdb(pdb.Pdb):
         self.relay.end()
 
 
-def hold_for_post_mortem(channel: socket.socket, run_id: int, rank: int, traceback: TracebackType | None) -> None:
+def hold_for_post_mortem(
+    channel: socket.socket, run_id: int, rank: int, traceback: TracebackType | None, header: str = ""
+) -> None:
     """Wait, paused in ``traceback``'s frames, for pdb's post-mortem or the launcher's release.
 
     Returns when the post-mortem ends or the rank is released (or the launcher is gone);
@@ -224,6 +226,8 @@ def hold_for_post_mortem(channel: socket.socket, run_id: int, rank: int, traceba
             relay = RelayFile(channel, run_id, rank, post_mortem=True)
             debugger = RankPdb(relay)
             debugger.reset()
+            if header:
+                debugger.message(header.rstrip())  # the exception, as the cell's error showed it
             try:
                 debugger.interaction(None, traceback)
             except bdb.BdbQuit:

@@ -76,8 +76,9 @@ def run_rank(
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we leave
         traceback_ = _report_failure(channel, start.run_id, spec.rank, error)
         if start.debug_hold is not None and not isinstance(error, bdb.BdbQuit):
+            header = "".join(traceback.format_exception_only(type(error), error))
             del error  # the traceback holds its frames; nothing else is kept
-            debugger.hold_for_post_mortem(channel, start.run_id, spec.rank, traceback_)
+            debugger.hold_for_post_mortem(channel, start.run_id, spec.rank, traceback_, header)
         processes.exit_now(1)
     processes.exit_now(0)
 
