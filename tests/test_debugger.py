@@ -302,3 +302,36 @@ def test_a_killed_kernel_takes_the_held_rank_with_it() -> None:
         assert wait_gone(everything, GONE_SECONDS) == [], "processes outlived the killed kernel"
     finally:
         kernel.shutdown()
+
+
+def test_ipython_debug_after_a_rank_error_opens_the_rank(kernel: NotebookKernel) -> None:
+    _text, pid = _fail_and_hold(kernel)
+    cell = Prompting(kernel, "%debug")
+    assert cell.prompt() == "(Pdb) [rank 1] "  # the rank's frames, not the kernel's
+    cell.expect("NameError")
+    cell.send("q")
+    assert cell.finish()["status"] == "ok", cell.output
+    assert wait_gone([pid], GONE_SECONDS) == []
+
+
+def test_a_rank_at_a_prompt_is_named_and_not_stalled() -> None:
+    from nbtrain import charts, events
+
+    state = charts.RunState("ddp_notebook", "cpu", 2, stall_seconds=30)
+    state.apply(events.RankStarted(1, 0, 10), now=0.0)
+    state.apply(events.RankStarted(1, 1, 11), now=0.0)
+    state.apply(events.Metrics(1, 0, ((5, 0.0, {"loss": 1.0}),)), now=0.0)
+    state.apply(events.DebugPrompt(1, 0, "(Pdb) "), now=1.0)
+    assert "rank 0 in the debugger" in charts.status_line(state, now=100.0)
+    assert state.stall(now=100.0) is None  # a minute and a half at the prompt is no stall
+    state.apply(events.DebugEnded(1, 0), now=101.0)
+    assert "rank 0 in the debugger" not in charts.status_line(state, now=102.0)
+    assert state.stall(now=110.0) is None  # the clock waited while the prompt was open
+    assert state.stall(now=140.0) == "no step from any rank for 40 s"
+
+
+def test_set_trace_names_the_ranks_it_takes() -> None:
+    from nbtrain.rank import debugger
+
+    with pytest.raises(ValueError, match=r"set_trace\(rank='first'\): pass a rank number, a list of them, or 'all'"):
+        debugger.selected(0, rank="first")

@@ -290,8 +290,29 @@ def nbtrain_debug() -> None:
 
 
 def load_ipython_extension(ip: Any) -> None:
-    """``%load_ext nbtrain``: register ``%%distributed``."""
+    """``%load_ext nbtrain``: register ``%%distributed`` (and ``%debug`` after a rank's error)."""
     ip.register_magics(DistributedMagics)
+    original = ip.magics_manager.magics["line"].get("debug")
+    if original is not None and not getattr(original, "nbtrain_wrapped", False):
+        ip.register_magic_function(_debug_rank_first(original), "line", "debug")
+
+
+def _debug_rank_first(original: Any) -> Any:
+    """IPython's ``%debug`` right after a RankError whose rank is held: the rank's frames, not the kernel's."""
+
+    def debug(line: str = "", local_ns: Any = None) -> Any:
+        from nbtrain.kernel import client
+
+        error = getattr(sys, "last_value", None)
+        held = getattr(client.current_client(), "held", None)
+        if not line.strip() and isinstance(error, RankError) and held is not None and held.rank == error.rank:
+            return nbtrain_debug()
+        return original(line, local_ns=local_ns)
+
+    debug.needs_local_scope = True  # type: ignore[attr-defined]  # IPython's flag, as on its own %debug
+    debug.nbtrain_wrapped = True  # type: ignore[attr-defined]  # a second %load_ext does not wrap twice
+    debug.__doc__ = original.__doc__
+    return debug
 
 
 @dataclass(frozen=True)
