@@ -335,3 +335,15 @@ def test_set_trace_names_the_ranks_it_takes() -> None:
 
     with pytest.raises(ValueError, match=r"set_trace\(rank='first'\): pass a rank number, a list of them, or 'all'"):
         debugger.selected(0, rank="first")
+
+
+def test_a_breakpoint_in_a_launched_function(kernel: NotebookKernel) -> None:
+    kernel.run_ok("def halves(v):\n    w = v / 2\n    breakpoint()\n    return w + nbtrain.rank()\n")
+    cell = Prompting(kernel, 'launched = nbtrain.launch(halves, 8, devices=2, accelerator="cpu")')
+    assert cell.prompt() == "(Pdb) [rank 0] "
+    cell.send("p w")
+    cell.prompt()
+    cell.expect("4.0")
+    cell.send("c")
+    assert cell.finish()["status"] == "ok", cell.output
+    assert kernel.value("launched") == 4.0

@@ -905,12 +905,26 @@ def launch(
             from nbtrain.kernel import background as _background
 
             return _background.follow_function(run, fn)
-        from nbtrain.kernel import display
-
-        return run.wait(on_event=display.print_output)
+        return run.wait(on_event=_printer_with_debugger(run))
     except KeyboardInterrupt:
         run.abandon()  # wait() did already; not so an interrupt before it, or in follow_function
         raise
+
+
+def _printer_with_debugger(run: Run) -> Callable[[Any], None]:
+    """Print the ranks' output, and answer their pdb prompts in the input box (an interrupt there stops the run)."""
+    from nbtrain.kernel import debugger, display
+
+    relay = debugger.CellRelay(run, processes.HeldInterrupts())
+    run.prompts_answered = True
+
+    def on_event(event: Any) -> None:
+        if not relay.handle(event):
+            display.print_output(event)
+        if relay.held.received:
+            raise KeyboardInterrupt
+
+    return on_event
 
 
 def _admit(
