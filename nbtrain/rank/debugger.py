@@ -25,6 +25,7 @@ import os
 import pdb  # noqa: T100 - relaying pdb is this module's purpose
 import socket
 import sys
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType, TracebackType
@@ -43,7 +44,7 @@ class _Place:
     run_id: int
     rank: int
     pid: int  # a process forked by the rank (a DataLoader worker) must not use its channel
-    interactive: bool  # False: a background run, which nobody can answer
+    interactive: bool  # False: a background or cluster run, whose prompts nobody could answer
 
 
 _place: _Place | None = None
@@ -100,8 +101,8 @@ def stop_at(frame: FrameType | None, rank: Ranks, header: str | None = None) -> 
     if not place.interactive:
         where = "" if frame is None else f" at line {frame.f_lineno} of {frame.f_code.co_filename}"
         sys.stderr.write(
-            f"nbtrain: a breakpoint on rank {place.rank}{where} was passed: a background run cannot prompt. "
-            "Run the cell without --background to stop there.\n"
+            f"nbtrain: a breakpoint on rank {place.rank}{where} was passed: this run cannot prompt "
+            "(a background run, or a cluster's). Run it as a %%distributed cell on this machine to stop there.\n"
         )
         return
     debugger = RankPdb(RelayFile(place.channel, place.run_id, place.rank))
@@ -203,6 +204,47 @@ class RankPdb(pdb.Pdb):
     def set_quit(self) -> None:
         super().set_quit()
         self.relay.end()
+
+
+LOCALS_SHOWN = 20  # names a locals summary lists
+REPR_CHARS = 120  # of each value's repr
+
+
+def locals_summary(traceback: TracebackType | None) -> str:
+    """The failing frame's local variables, one ``name = repr`` a line (where no debugger can go).
+
+    >>> def fail(batch):
+    ...     shifted = [b - 1 for b in batch]
+    ...     raise ValueError("bad")
+    >>> try:
+    ...     fail([1, 2])
+    ... except ValueError as error:
+    ...     print(locals_summary(error.__traceback__), end="")
+    Locals of the failing frame (fail):
+      batch = [1, 2]
+      shifted = [0, 1]
+    """
+    if traceback is None:
+        return ""
+    while traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    frame = traceback.tb_frame
+    lines = [f"Locals of the failing frame ({frame.f_code.co_name}):"]
+    shown = [  # a cell's frame is its module's: its imports, functions and classes are not the clue
+        (name, value)
+        for name, value in sorted(frame.f_locals.items())
+        if not name.startswith("__") and not isinstance(value, (types.ModuleType, types.FunctionType, type))
+    ]
+    for name, value in shown[:LOCALS_SHOWN]:
+        try:
+            text = repr(value)
+        except Exception as error:  # noqa: BLE001 - a broken __repr__ must not hide the failure
+            text = f"<repr failed: {type(error).__name__}>"
+        text = text if len(text) <= REPR_CHARS else text[: REPR_CHARS - 3] + "..."
+        lines.append(f"  {name} = " + text.replace("\n", " "))
+    if len(shown) > LOCALS_SHOWN:
+        lines.append(f"  ... and {len(shown) - LOCALS_SHOWN} more")
+    return "\n".join(lines) + "\n"
 
 
 def hold_for_post_mortem(

@@ -74,7 +74,8 @@ def run_rank(
         del result  # the sent pickle holds what the kernel still has to read
         _wait_for_release(channel, sent)
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we leave
-        traceback_ = _report_failure(channel, start.run_id, spec.rank, error)
+        # No debugger reaches a cluster's rank (README): its traceback names the failing frame's locals.
+        traceback_ = _report_failure(channel, start.run_id, spec.rank, error, with_locals=start.node is not None)
         if start.debug_hold is not None and not isinstance(error, bdb.BdbQuit):
             header = "".join(traceback.format_exception_only(type(error), error))
             del error  # the traceback holds its frames; nothing else is kept
@@ -249,7 +250,9 @@ def _send_done(channel: socket.socket, context: api.RankContext, result: Any) ->
     return pickled
 
 
-def _report_failure(channel: socket.socket, run_id: int, rank: int, error: BaseException) -> Any:
+def _report_failure(
+    channel: socket.socket, run_id: int, rank: int, error: BaseException, with_locals: bool = False
+) -> Any:
     """Tell the launcher how this rank failed (``q`` in pdb: a stop); the user's part of the traceback."""
     if isinstance(error, bdb.BdbQuit):
         with contextlib.suppress(OSError):
@@ -264,6 +267,8 @@ def _report_failure(channel: socket.socket, run_id: int, rank: int, error: BaseE
     ):
         tb = tb.tb_next
     text = "".join(traceback.format_exception(type(error), error, tb))
+    if with_locals:
+        text += debugger.locals_summary(tb)
     try:
         wire.send(channel, RankFailed(run_id, rank, type(error).__name__, str(error), text))
     except OSError:
