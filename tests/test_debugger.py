@@ -349,3 +349,18 @@ def test_a_breakpoint_in_a_launched_function(kernel: NotebookKernel) -> None:
     cell.send("c")
     assert cell.finish()["status"] == "ok", cell.output
     assert kernel.value("launched") == 4.0
+
+
+def test_interact_and_back(kernel: NotebookKernel) -> None:
+    cell = Prompting(kernel, BREAK_CELL.replace("total = ", "interact_total = "))
+    cell.prompt()
+    cell.send("interact")
+    assert cell.prompt() == ">>> [rank 0] "
+    cell.send("x.sum()")
+    assert cell.prompt() == ">>> [rank 0] "
+    cell.expect("tensor(12.)")
+    cell.send("^D")  # what an input box can send for end-of-input
+    assert cell.prompt() == "(Pdb) [rank 0] "
+    cell.send("c")
+    assert cell.finish()["status"] == "ok", cell.output
+    assert kernel.value("interact_total") == 36

@@ -36,6 +36,7 @@ from nbtrain.events import AttachHeld, DebugEnded, DebugInput, DebugOutput, Debu
 
 HOOK = "nbtrain.rank.debugger.breakpointhook"  # PYTHONBREAKPOINT in a rank
 Ranks = int | str | Iterable[int]
+END_OF_INPUT = ("^D", "\x04")  # typed at a prompt: end of input (leaves `interact`)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,8 @@ class RelayFile(io.TextIOBase):
         self.active = True
         self._send(DebugPrompt(self.run_id, self.rank, prompt, self.post_mortem))
         answer = self._answer()
-        return "" if answer.eof else answer.line + "\n"
+        # An input box cannot send end-of-input, which is how `interact` returns to pdb: ^D typed as text does.
+        return "" if answer.eof or answer.line.strip() in END_OF_INPUT else answer.line + "\n"
 
     def end(self) -> None:
         """The session is over (``c``, ``q``, the end of a post-mortem): tell the kernel."""
