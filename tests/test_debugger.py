@@ -16,7 +16,9 @@ import psutil
 import pytest
 from nbclient.util import run_sync
 
+from helpers import procs
 from kernel_helpers import NotebookKernel, strip_ansi, wait_gone
+from nbtrain import registry
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -244,11 +246,21 @@ def test_post_mortem_in_the_failed_rank(kernel: NotebookKernel) -> None:
     assert _released(kernel)
 
 
+def _held_in_registry(pid: int) -> list[str | None]:
+    """What the run registry (the sidebar's runs listing) says each record with ``pid`` holds."""
+    return [record.held for record in registry.read_all() if pid in record.pids]
+
+
 def test_the_next_launch_releases_the_held_rank(kernel: NotebookKernel) -> None:
     _text, pid = _fail_and_hold(kernel)
+    listed = _held_in_registry(pid)
+    assert len(listed) == 1 and listed[0] is not None, listed
+    assert listed[0].startswith(f"rank 1 (pid {pid}) kept for %nbtrain_debug, holding "), listed
+    assert "MiB of host memory" in listed[0], listed
     out = kernel.run_ok(f"%%distributed {FLAGS}\nafter = nbtrain.rank()")
     assert "held for %nbtrain_debug, is released: this launch needs its devices" in out.text, out.text
     assert wait_gone([pid], 5.0) == []
+    procs.wait_for(lambda: _held_in_registry(pid) == [None], 5.0, "the registry to list the rank as released")
     missing = kernel.run("%nbtrain_debug")
     assert "UsageError: %nbtrain_debug: no rank is held for a post-mortem" in missing.text, missing.text
 

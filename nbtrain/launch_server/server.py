@@ -128,6 +128,7 @@ class Run:
     debugging: set[int] = field(default_factory=set)  # ranks at a pdb prompt: the timeout waits
     paused_at: float = 0.0  # when the first of them stopped
     detail: str = ""  # how a stop came, for RunEnded
+    held_text: str | None = None  # its held rank, as the sidebar lists it
 
 
 class Launcher:
@@ -617,7 +618,7 @@ class Launcher:
         if run.log is not None:
             run.log.close()
         state = run.end_state or events.FAILED
-        self.board.end(run.run_id, state)
+        self.board.end(run.run_id, state, run.held_text)
         if state == events.FINISHED and run.failure is None:
             fds = () if run.result_fd is None else (run.result_fd,)
             self._send(RunEnded(run.run_id, state, run.result, run.result_fd is not None), fds)
@@ -684,6 +685,10 @@ class Launcher:
         device = spec.device_type if spec.device_index is None else f"{spec.device_type}:{spec.device_index}"
         rss = processes.resident_bytes(rank.pid)
         self._send(RankHeld(run.run_id, spec.rank, rank.pid, rss, rank.cuda_bytes, hold, device))
+        memory = f"{(rss or 0) >> 20} MiB of host memory" + (
+            f" and {rank.cuda_bytes >> 20} MiB on {device}" if rank.cuda_bytes else ""
+        )
+        run.held_text = f"rank {spec.rank} (pid {rank.pid}) kept for %nbtrain_debug, holding {memory}"
 
     def _release_held(self, reason: str, run_id: int | None = None) -> None:
         """End held ranks (all, or ``run_id``'s): their pidfd then reports them gone."""
@@ -713,6 +718,7 @@ class Launcher:
         rank.channel.close()
         processes.remove_torch_shared_memory({rank.pid, *rank.members})
         self.held.pop(run.run_id, None)
+        self.board.released(run.run_id)
         self._send(HeldReleased(run.run_id, rank.spec.rank, rank.release_reason))
 
     def _tick_held(self, now: float) -> None:
