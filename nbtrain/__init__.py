@@ -156,6 +156,14 @@ def set_trace(*, rank: _Any = 0) -> None:
     ``rank=0`` (the default, as ``breakpoint()``) stops rank 0 and the other ranks pass (they
     wait for it in their next collective); ``rank=1`` stops rank 1, ``rank=[0, 1]`` or
     ``rank="all"`` those ranks, one prompt after another. Outside a rank it is pdb's own.
+
+    Example (a rank not chosen passes at once, as rank 1 does here):
+        >>> import nbtrain
+        >>> def train():
+        ...     nbtrain.set_trace(rank=5)  # no rank 5 in a run of two: nobody stops
+        ...     return nbtrain.rank()
+        >>> nbtrain.launch(train, devices=2, accelerator="cpu")
+        0
     """
     import sys as _sys
 
@@ -169,6 +177,13 @@ def debug() -> None:
 
     Commands go in the notebook's input box; ``q`` or ``c`` ends it and releases the rank.
     With no rank held it says why (README, "Debugging a rank").
+
+    Example:
+        >>> import nbtrain
+        >>> nbtrain.debug()  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        IPython.core.error.UsageError: %nbtrain_debug: no rank is held for a post-mortem: ...
     """
     from nbtrain.kernel.magic import nbtrain_debug as _debug
 
