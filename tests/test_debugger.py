@@ -376,3 +376,11 @@ def test_interact_and_back(kernel: NotebookKernel) -> None:
     cell.send("c")
     assert cell.finish()["status"] == "ok", cell.output
     assert kernel.value("interact_total") == 36
+
+
+def test_a_background_run_passes_its_breakpoint_and_says_so(kernel: NotebookKernel) -> None:
+    kernel.run_ok(f"%%distributed {FLAGS} --background\nbreakpoint()\nbackground_value = nbtrain.rank() + 1\n")
+    kernel.run_ok("_handle = nbtrain.runs()[-1]\n_handle.wait()")
+    assert kernel.value("background_value") == 1  # it ran on past the breakpoint
+    log = kernel.value("open(_handle.run.log_path).read()")
+    assert "nbtrain: a breakpoint on rank 0" in log and "was passed: this run cannot prompt" in log, log
