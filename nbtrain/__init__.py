@@ -64,6 +64,7 @@ __all__ = [
     "RunTimeoutError",
     "SerializationError",
     "all_reduce",
+    "debug",
     "device",
     "find_usable_cuda_devices",
     "get_defaults",
@@ -79,6 +80,7 @@ __all__ = [
     "reset_defaults",
     "runs",
     "set_defaults",
+    "set_trace",
     "start",
     "watch",
     "world_size",
@@ -146,6 +148,46 @@ def watch(run: Run, **options: _Any) -> _Any:
     from nbtrain.kernel.display import watch as _watch
 
     return _watch(run, **options)
+
+
+def set_trace(*, rank: _Any = 0) -> None:
+    """Stop here in pdb, prompting in the notebook cell: ``breakpoint()`` that chooses its ranks.
+
+    ``rank=0`` (the default, as ``breakpoint()``) stops rank 0 and the other ranks pass (they
+    wait for it in their next collective); ``rank=1`` stops rank 1, ``rank=[0, 1]`` or
+    ``rank="all"`` those ranks, one prompt after another. Outside a rank it is pdb's own.
+
+    Example (a rank not chosen passes at once, as rank 1 does here):
+        >>> import nbtrain
+        >>> def train():
+        ...     nbtrain.set_trace(rank=5)  # no rank 5 in a run of two: nobody stops
+        ...     return nbtrain.rank()
+        >>> nbtrain.launch(train, devices=2, accelerator="cpu")
+        0
+    """
+    import sys as _sys
+
+    from nbtrain.rank.debugger import stop_at as _stop_at
+
+    _stop_at(_sys._getframe().f_back, rank)
+
+
+def debug() -> None:
+    """Open pdb in the frames of the rank kept alive after the last failed run: ``%nbtrain_debug``.
+
+    Commands go in the notebook's input box; ``q`` or ``c`` ends it and releases the rank.
+    With no rank held it says why (README, "Debugging a rank").
+
+    Example:
+        >>> import nbtrain
+        >>> nbtrain.debug()  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        IPython.core.error.UsageError: %nbtrain_debug: no rank is held for a post-mortem: ...
+    """
+    from nbtrain.kernel.magic import nbtrain_debug as _debug
+
+    _debug()
 
 
 def prewarm() -> None:

@@ -438,6 +438,7 @@ class RunState:
         self.latest_step: dict[int, int] = {}
         self.stall_seconds = stall_seconds
         self.last_step_at: dict[int, float] = {}  # when each rank's step last moved (kernel clock)
+        self.in_debugger: dict[int, float] = {}  # rank -> since when it waits at a pdb prompt
         self.rate = StepRate()
         self._rate_rank: int | None = None
         self.throughput = DownsampledSeries(max_points)  # (seconds into the run, steps/s)
@@ -464,6 +465,8 @@ class RunState:
         elif isinstance(event, events.OutputSkipped):
             self.logs.setdefault(event.rank, LogTail()).skip(event.counted, event.latest)
             self._changed()
+        elif isinstance(event, (events.DebugPrompt, events.DebugEnded)):
+            self._apply_debugger(event, now)
         elif isinstance(event, events.RankStarted):
             self.started_ranks.add(event.rank)
             if len(self.started_ranks) >= self.world_size:
@@ -486,6 +489,25 @@ class RunState:
             elif event.state != events.FINISHED and self.failure is None and event.detail:
                 self.failure = event.detail
             self.finish(event.state, now)
+
+    def _apply_debugger(self, event: events.DebugPrompt | events.DebugEnded, now: float) -> None:
+        """A rank at a pdb prompt is not stalled: its stall clock (and everyone's) waits meanwhile."""
+        if isinstance(event, events.DebugPrompt):
+            self.in_debugger.setdefault(event.rank, now)
+        elif event.rank in self.in_debugger:
+            paused = now - self.in_debugger.pop(event.rank)
+            if not self.in_debugger:
+                self.last_step_at = {rank: at + paused for rank, at in self.last_step_at.items()}
+        self._changed()
+
+    @property
+    def debugger_text(self) -> str | None:
+        """``rank 1 in the debugger`` while a rank waits at a pdb prompt."""
+        if not self.in_debugger:
+            return None
+        ranks = sorted(self.in_debugger)
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        return f"{who} in the debugger"
 
     def _apply_metrics(self, event: events.Metrics, now: float) -> None:
         if not event.rows:
@@ -564,7 +586,7 @@ class RunState:
         >>> s.stall(now=10.0), s.stall(now=42.0)
         (None, 'no step from rank 1 for 42 s (at step 4; the others are at step 5)')
         """
-        if self.stall_seconds is None or self.state in (events.FINISHED, events.FAILED):
+        if self.stall_seconds is None or self.state in (events.FINISHED, events.FAILED) or self.in_debugger:
             return None
         if self.ended_at is not None:  # timed out or stopped: the last frame keeps the clue
             now = self.ended_at
@@ -715,7 +737,7 @@ def status_line(state: RunState, now: float) -> str:
         state.strategy or "?",
         state.accelerator or "?",
         f"{state.world_size} rank" + ("" if state.world_size == 1 else "s"),
-        state.state,
+        state.debugger_text if state.debugger_text and state.ended_at is None else state.state,
         format_duration(state.elapsed(now)),
     ]
     if state.steps_per_second is not None:

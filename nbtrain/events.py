@@ -80,6 +80,9 @@ class StartRun:
     strategy: str = ""  # its name, for the run registry only
     log_path: str | None = None  # where the launcher writes every rank's full output
     node: NodePlace | None = None  # None: every rank is on this machine (the local engine)
+    # Seconds a failed run's root-cause rank is held for a post-mortem; None: not held.
+    debug_hold: float | None = None
+    interactive: bool = True  # False (a background run): a breakpoint cannot prompt and is passed
 
 
 @dataclass(frozen=True)
@@ -307,3 +310,92 @@ class LauncherReady:
 
 
 RunEvent = Any  # any of the event records above; kept loose for the relay code
+
+
+# -- the debugger relay (nbtrain.rank.debugger <-> nbtrain.kernel.debugger) ----------------
+# Rank -> launcher -> kernel: pdb's output, and its prompt when it waits for a command;
+# kernel -> launcher -> that rank: the command. Every hop is one of the run's own channels.
+
+
+@dataclass(frozen=True)
+class DebugOutput:
+    """What pdb wrote in a rank (a listing, a value, a stack), for the cell to show."""
+
+    run_id: int
+    rank: int
+    text: str
+
+
+@dataclass(frozen=True)
+class DebugPrompt:
+    """A rank's pdb waits for a command; ``prompt`` is pdb's (``(Pdb) ``)."""
+
+    run_id: int
+    rank: int
+    prompt: str
+    post_mortem: bool = False  # in a held rank's frames, after the run ended
+
+
+@dataclass(frozen=True)
+class DebugInput:
+    """Kernel -> launcher -> rank: the line typed at a :class:`DebugPrompt` (``eof``: none will come)."""
+
+    run_id: int
+    rank: int
+    line: str
+    eof: bool = False
+
+
+@dataclass(frozen=True)
+class DebugEnded:
+    """A rank left the debugger: ``c`` (it runs on), or a post-mortem's end (it exits next)."""
+
+    run_id: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class DebugQuit:
+    """Rank -> launcher: ``q`` in pdb ended this rank's code; the run ends as stopped."""
+
+    run_id: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class RankHeld:
+    """Launcher -> kernel, before a failed run's RunEnded: its root-cause rank is kept alive,
+    paused in its exception's frames, for a post-mortem (``%nbtrain_debug``)."""
+
+    run_id: int
+    rank: int
+    pid: int
+    rss_bytes: int | None
+    cuda_bytes: int | None
+    hold_seconds: float
+    device: str  # "cpu", "cuda:1": what it holds
+
+
+@dataclass(frozen=True)
+class AttachHeld:
+    """Kernel -> launcher -> the held rank: open pdb's post-mortem in its frames."""
+
+    run_id: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class ReleaseHeld:
+    """Kernel -> launcher: end the held rank (a new launch, the kernel's own request)."""
+
+    run_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class HeldReleased:
+    """Launcher -> kernel: the held rank is gone; ``reason`` says why (its words end a sentence)."""
+
+    run_id: int
+    rank: int
+    reason: str

@@ -449,6 +449,23 @@ def interrupts_held() -> Iterator[HeldInterrupts]:
         _holding = None
 
 
+@contextlib.contextmanager
+def interrupts_raised() -> Iterator[None]:
+    """Inside :func:`interrupts_held`, let SIGINT raise KeyboardInterrupt again for a while.
+
+    For a wait on the user (a debugger prompt), which an interrupt must be able to cut
+    short; the caller turns the KeyboardInterrupt into its held flag. Elsewhere a no-op.
+    """
+    if _holding is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def ignore_interrupts() -> None:
     """The launcher hears about interrupts only through the kernel's StopRun requests.
 

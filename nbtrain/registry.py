@@ -69,6 +69,8 @@ class RunRecord:
     started: float = 0.0
     updated: float = 0.0
     ended: float | None = None
+    # A failed run's rank kept alive for a post-mortem, and what it holds; None once released.
+    held: str | None = None
 
     @property
     def pids(self) -> tuple[int, ...]:

@@ -64,7 +64,20 @@ def test_defaults_are_a_frozen_record():
         "precision",
         "sync_batchnorm",
         "backend",
+        "debug_hold",
     }
+
+
+def test_debug_hold_takes_seconds_or_none():
+    previous = get_defaults()
+    try:
+        assert set_defaults(debug_hold=120).debug_hold == 120.0
+        assert set_defaults(debug_hold="none").debug_hold is None
+        assert set_defaults(debug_hold=None).debug_hold is None
+        with pytest.raises(ConfigurationError, match=r"debug_hold=-5 is not valid: give a positive number of seconds"):
+            set_defaults(debug_hold=-5)
+    finally:
+        set_defaults(**previous.as_dict())
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,15 @@ EXAMPLES: list[object] = [
     events.RankAssignment(START, SPEC, 29500, 4000),
     events.Release(3),
     events.LauncherReady(4000, ("torch",)),
+    events.DebugOutput(3, 1, "> Cell In[5](3)<module>()\n"),
+    events.DebugPrompt(3, 1, "(Pdb) ", post_mortem=True),
+    events.DebugInput(3, 1, "p x.shape"),
+    events.DebugEnded(3, 1),
+    events.DebugQuit(3, 0),
+    events.RankHeld(3, 1, 4242, 300 << 20, None, 600.0, "cpu"),
+    events.AttachHeld(3, 1),
+    events.ReleaseHeld(3, "the next launch needs its devices"),
+    events.HeldReleased(3, 1, "its debugger ended"),
 ]
 
 

@@ -78,6 +78,10 @@ class LauncherClient:
         self._lock = threading.Lock()
         self._pending_output: dict[int, _PendingOutput] = {}
         self._run_ids = itertools.count(1)
+        # The rank of a failed run kept for a post-mortem, and what it and its debugger send
+        # once its run is over (nbtrain.kernel.debugger).
+        self.held: messages.RankHeld | None = None
+        self.debug_messages: queue.Queue[Any] = queue.Queue()
         threading.Thread(target=self._read_events, name="nbtrain-events", daemon=True).start()
         threading.Thread(target=self._read_stderr, name="nbtrain-launcher-stderr", daemon=True).start()
 
@@ -106,6 +110,23 @@ class LauncherClient:
                 wire.send(self.process.channel, messages.StopRun(run_id, reason))
             except OSError:
                 pass  # a dead launcher's ranks die with it (PDEATHSIG)
+
+    def send_debug(self, message: Any) -> None:
+        """A line for a rank's pdb, an attach to the held rank or its release: to the launcher."""
+        with self._lock:
+            try:
+                wire.send(self.process.channel, message)
+            except OSError:
+                pass  # the launcher is gone, its ranks with it; the waiting side hears of it
+
+    def take_debug_messages(self) -> list[Any]:
+        """What is waiting from an ended run's rank (a previous post-mortem's end, say)."""
+        taken = []
+        while True:
+            try:
+                taken.append(self.debug_messages.get_nowait())
+            except queue.Empty:
+                return taken
 
     def forget(self, run_id: int) -> None:
         with self._lock:
@@ -143,7 +164,10 @@ class LauncherClient:
                 self.ready.set()
                 continue
             inbox = self._queues.get(getattr(message, "run_id", -1))
-            if isinstance(message, messages.ResultOffer):
+            self._note_held(message)
+            if inbox is None and isinstance(message, _AFTER_THE_RUN):
+                self.debug_messages.put(message)
+            elif isinstance(message, messages.ResultOffer):
                 # Taken here, not by whoever waits for the run: rank 0 (and its memory,
                 # GPU included) is held until this answer, even if nobody ever waits.
                 self._take_result(message, inbox)
@@ -159,6 +183,14 @@ class LauncherClient:
             gone = _LauncherGone(self.exit_detail())
             for inbox in self._queues.values():
                 inbox.put((gone, []))
+            self.held = None  # its ranks died with it
+            self.debug_messages.put(gone)
+
+    def _note_held(self, message: Any) -> None:
+        if isinstance(message, messages.RankHeld):
+            self.held = message
+        elif isinstance(message, messages.HeldReleased) and getattr(self.held, "run_id", None) == message.run_id:
+            self.held = None
 
     def _file(self, message: Any, fds: list[int], inbox: Inbox) -> None:
         pending = self._pending_output.get(message.run_id)
@@ -197,6 +229,12 @@ class LauncherClient:
             return
         for line in iter(stream.readline, b""):
             self.stderr_tail.append(line.decode(errors="replace"))
+
+
+# What a held rank sends after its run ended: the post-mortem's relay reads it.
+_AFTER_THE_RUN = (
+    messages.DebugOutput, messages.DebugPrompt, messages.DebugEnded, messages.HeldReleased, messages.RankHeld,
+)
 
 
 class _PendingOutput:
@@ -251,6 +289,12 @@ def get_client() -> LauncherClient:
             _register_hooks()
             _client = LauncherClient()
         return _client
+
+
+def current_client() -> LauncherClient | None:
+    """This process's launcher, if one runs; never starts one."""
+    client = _client
+    return client if client is not None and client.alive else None
 
 
 def _register_hooks() -> None:
@@ -353,6 +397,16 @@ class Run:
         self._exits: dict[int, messages.RankExited] = {}
         self._last_output: dict[int, str] = {}
         self._gc_hold: gcpause.Hold | None = None
+        self.held: messages.RankHeld | None = None  # its failed rank, kept for %nbtrain_debug
+        # Set by a caller that answers pdb's prompts (kernel.debugger.CellRelay); otherwise a
+        # rank's breakpoint is answered "continue" and a note says why.
+        self.prompts_answered = False
+
+    def debug_input(self, rank: int, line: str) -> None:
+        """Send the line typed at rank ``rank``'s pdb prompt."""
+        send = getattr(self.client, "send_debug", None)
+        if send is not None:
+            send(messages.DebugInput(self.run_id, rank, line))
 
     def hold_collections_until_started(self, hold: gcpause.Hold) -> None:
         """Keep ``hold`` on the collector while the ranks start; the run's end releases it early."""
@@ -398,6 +452,10 @@ class Run:
             self.pids[message.rank] = message.pid
         elif isinstance(message, messages.RankExited):
             self._exits[message.rank] = message
+        elif isinstance(message, messages.RankHeld):
+            self.held = message
+        elif isinstance(message, messages.DebugPrompt) and not self.prompts_answered:
+            return self._cannot_prompt(message)
         if isinstance(message, messages.RunEnded):
             self._ended, self._ended_fds = message, fds
             self.state = message.state
@@ -405,6 +463,15 @@ class Run:
             if message.state != messages.FINISHED:
                 self._copied = None  # a failed or stopped run has no result: free its memory now
         return message
+
+    def _cannot_prompt(self, prompt: messages.DebugPrompt) -> messages.Output:
+        self.debug_input(prompt.rank, "c")
+        return messages.Output(
+            self.run_id, prompt.rank, "stderr",
+            f"nbtrain: rank {prompt.rank} stopped at a breakpoint, but nothing here answers its prompt "
+            "(a background run, run.wait(), watch()); it continues. Run it as a %%distributed cell or "
+            "with nbtrain.launch() to debug there.\n",
+        )
 
     def stop(self, reason: str = "stopped") -> None:
         """Stop every rank and wait (bounded) until they are gone."""
@@ -518,7 +585,12 @@ class Run:
     def _failure(self, ended: messages.RunEnded) -> RunFailedError | LauncherError:
         failure = ended.failure
         if isinstance(failure, messages.RankFailed):
-            return RankError(failure.rank, failure.exc_type, failure.message, failure.traceback, node=failure.node)
+            from nbtrain.kernel import debugger
+
+            note = debugger.held_note(self.held) if self.held is not None else ""
+            return RankError(
+                failure.rank, failure.exc_type, failure.message, failure.traceback, note, node=failure.node
+            )
         if isinstance(failure, messages.RankNotStarted):
             return RankStartError(failure.rank, failure.world_size, failure.error_name, failure.reason)
         if isinstance(failure, messages.RankExited):
@@ -531,7 +603,7 @@ class Run:
             return RunTimeoutError(self.config.timeout or 0.0, self.where_ranks_were())
         if ended.state == messages.STOPPED:
             return RunStoppedError(
-                "the run was stopped before it finished; every rank is gone.", self.where_ranks_were()
+                ended.detail or "the run was stopped before it finished; every rank is gone.", self.where_ranks_were()
             )
         return LauncherError(ended.detail or unexplained_failure(self._exits, self._last_output, self.log_path))
 
@@ -631,20 +703,24 @@ def start_on(
     fn: Callable[..., Any],
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
+    interactive: bool = True,
 ) -> Run:
     """Start ``fn(*args, **kwargs)`` on an engine chosen with its plan already (the magic plans a cell's run once).
 
     ``engine`` is this machine's launcher (:func:`get_client`) or a cluster's warm client
-    (:func:`nbtrain.cluster.engine.prepare`, which also gives ``cfg``).
+    (:func:`nbtrain.cluster.engine.prepare`, which also gives ``cfg``). ``interactive``
+    False (a background run): a breakpoint in a rank is passed, and a failed rank not held.
     """
     local = isinstance(engine, LauncherClient)
-    if local:  # a cluster's own checks list its nodes instead
+    if isinstance(engine, LauncherClient):  # a cluster's own checks list its nodes instead
         _admit(cfg, fn, args, kwargs)
+        _say_held_released(engine)
     hold = gcpause.hold_collections()  # no full collection between the call and the ranks' start
     try:
         payload, tensor_fd = _serialise(fn, args, kwargs)
         try:
-            run = _submit(engine, _StartMessage(cfg, payload, tensor_fd is not None, with_log=local), tensor_fd)
+            start_message = _StartMessage(cfg, payload, tensor_fd is not None, with_log=local, interactive=interactive)
+            run = _submit(engine, start_message, tensor_fd)
         finally:
             if tensor_fd is not None:
                 os.close(tensor_fd)
@@ -653,6 +729,18 @@ def start_on(
         raise
     run.hold_collections_until_started(hold)
     return run
+
+
+def _say_held_released(client: LauncherClient) -> None:
+    """The launcher releases a rank held for a post-mortem when a run starts: say so here."""
+    held = client.held
+    if held is not None:
+        client.held = None
+        sys.stderr.write(
+            f"nbtrain: rank {held.rank} of the failed run before, held for %nbtrain_debug, is released: "
+            "this launch needs its devices and memory.\n"
+        )
+        sys.stderr.flush()
 
 
 def _serialise(
@@ -674,8 +762,19 @@ def _serialise(
 class _StartMessage:
     """Builds a run's ``StartRun`` once the engine has given it an id, and keeps the log file it named."""
 
-    def __init__(self, cfg: config_module.LaunchConfig, payload: bytes, has_tensor_file: bool, with_log: bool) -> None:
+    def __init__(
+        self, cfg: config_module.LaunchConfig, payload: bytes, has_tensor_file: bool, with_log: bool,
+        interactive: bool = True,
+    ) -> None:
         from nbtrain import hardware
+        from nbtrain.kernel import defaults
+        from nbtrain.kernel import shell as kernel_shell
+
+        self.interactive = interactive and with_log  # a cluster's agents relay no prompt (README)
+        # A cluster's ranks cannot be held (README, cluster limits); a background run's failure
+        # is read later, and a script (no IPython) has no %nbtrain_debug: they hold none.
+        held = self.interactive and kernel_shell.get_shell() is not None
+        self.debug_hold = defaults.get_defaults().debug_hold if held else None
 
         self.cfg = cfg
         self.payload = payload
@@ -703,6 +802,8 @@ class _StartMessage:
             has_tensor_file=self.has_tensor_file,
             strategy=cfg.strategy.name,
             log_path=self.log_path,
+            debug_hold=self.debug_hold,
+            interactive=self.interactive,
         )
 
 
@@ -806,12 +907,26 @@ def launch(
             from nbtrain.kernel import background as _background
 
             return _background.follow_function(run, fn)
-        from nbtrain.kernel import display
-
-        return run.wait(on_event=display.print_output)
+        return run.wait(on_event=_printer_with_debugger(run))
     except KeyboardInterrupt:
         run.abandon()  # wait() did already; not so an interrupt before it, or in follow_function
         raise
+
+
+def _printer_with_debugger(run: Run) -> Callable[[Any], None]:
+    """Print the ranks' output, and answer their pdb prompts in the input box (an interrupt there stops the run)."""
+    from nbtrain.kernel import debugger, display
+
+    relay = debugger.CellRelay(run, processes.HeldInterrupts())
+    run.prompts_answered = True
+
+    def on_event(event: Any) -> None:
+        if not relay.handle(event):
+            display.print_output(event)
+        if relay.held.received:
+            raise KeyboardInterrupt
+
+    return on_event
 
 
 def _admit(

@@ -27,6 +27,8 @@ from nbtrain import devices as devices_module
 from nbtrain.charts import STALL_SECONDS
 from nbtrain.errors import ConfigurationError
 
+DEBUG_HOLD_SECONDS = 600.0  # how long a failed run's root-cause rank waits, idle, for %nbtrain_debug
+
 
 @dataclass(frozen=True)
 class Defaults:
@@ -46,6 +48,7 @@ class Defaults:
     precision: str = "32-true"  # Lightning's name (nbtrain.config.PRECISIONS)
     sync_batchnorm: bool = False
     backend: str | None = None  # None: gloo on CPU, nccl on CUDA
+    debug_hold: float | None = DEBUG_HOLD_SECONDS  # a failed rank kept for %nbtrain_debug; None: not kept
 
     def magic_line(self) -> str:
         """The ``%%distributed`` line that asks for exactly these settings, to copy into a cell."""
@@ -91,6 +94,7 @@ def set_defaults(
     precision: Any = _UNSET,
     sync_batchnorm: Any = _UNSET,
     backend: Any = _UNSET,
+    debug_hold: Any = _UNSET,
 ) -> Defaults:
     """Set the defaults of every later ``%%distributed`` cell that does not give the flag.
 
@@ -102,7 +106,9 @@ def set_defaults(
     address and ``num_nodes`` the nodes a cluster run spans (see README "On a cluster"),
     ``precision`` one of Lightning's names (``"bf16-mixed"``, ``"16"``, ...), ``sync_batchnorm``
     True or False, ``backend`` one of gloo, nccl, mpi, cpu:gloo,cuda:nccl or None (gloo on
-    CPU, nccl on CUDA). The combination is checked against this machine (its GPUs through NVML: CUDA is never
+    CPU, nccl on CUDA), ``debug_hold`` the seconds a failed run's root-cause rank is kept,
+    idle, for ``%nbtrain_debug`` (None or "none": not kept; 600 built in).
+    The combination is checked against this machine (its GPUs through NVML: CUDA is never
     initialised here) and a ConfigurationError says what is wrong; nothing changes then. Returns the new defaults.
 
     Example:
@@ -111,7 +117,7 @@ def set_defaults(
         >>> nbtrain.set_defaults(devices=2, accelerator="cpu", timeout=600)  # doctest: +NORMALIZE_WHITESPACE
         Defaults(devices='2', accelerator='cpu', strategy='ddp_notebook', timeout=600.0,
                  stall_warning=30.0, cluster='local', num_nodes=1, precision='32-true',
-                 sync_batchnorm=False, backend=None)
+                 sync_batchnorm=False, backend=None, debug_hold=600.0)
         >>> _ = nbtrain.set_defaults(**previous.as_dict())
     """
     global _current
@@ -128,6 +134,7 @@ def set_defaults(
             precision=old.precision if precision is _UNSET else _precision_text(precision),
             sync_batchnorm=old.sync_batchnorm if sync_batchnorm is _UNSET else _flag(sync_batchnorm),
             backend=old.backend if backend is _UNSET else _backend_text(backend),
+            debug_hold=old.debug_hold if debug_hold is _UNSET else _hold_seconds(debug_hold),
         )
         # Checked with the value as given, so a message names it as the user wrote it.
         check(new, devices=new.devices if devices is _UNSET else devices)
@@ -202,6 +209,21 @@ def _stall_seconds(seconds: Any) -> float | None:
     if isinstance(seconds, bool) or not value > 0 or value == float("inf"):
         raise ConfigurationError(
             f"stall_warning={seconds!r} is not valid: give a positive number of seconds, or None for no warning."
+        )
+    return value
+
+
+def _hold_seconds(seconds: Any) -> float | None:
+    if seconds is None or (isinstance(seconds, str) and seconds.strip().lower() == "none"):
+        return None
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        value = -1.0
+    if isinstance(seconds, bool) or not value > 0 or value == float("inf"):
+        raise ConfigurationError(
+            f"debug_hold={seconds!r} is not valid: give a positive number of seconds a failed rank is kept "
+            "for %nbtrain_debug, or None (or 'none') to keep none."
         )
     return value
 

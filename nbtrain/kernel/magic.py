@@ -32,7 +32,7 @@ from typing import Any
 
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nbtrain import charts, config, events, processes, reach, records
 from nbtrain.errors import (
@@ -264,6 +264,14 @@ class DistributedMagics(Magics):
             return None
         return run_distributed_cell(self.shell, line, cell, options)
 
+    @line_magic
+    def nbtrain_debug(self, line: str) -> None:
+        """Open pdb in the frames of the rank kept after the last failed run (see README, "Debugging a rank").
+
+        Commands are typed in the input box, as for %debug; q or c ends it and releases the rank.
+        """
+        nbtrain_debug()
+
 
 # magic_arguments names every magic "%name" (its usage prefix adds one "%"); this one is a
 # cell magic.
@@ -273,9 +281,40 @@ DistributedMagics.distributed.__doc__ = DistributedMagics.distributed.__doc__.re
 )
 
 
+def nbtrain_debug() -> None:
+    """``%nbtrain_debug`` and ``nbtrain.debug()``: the post-mortem of the held rank, in this cell."""
+    from nbtrain.kernel import client, debugger
+
+    try:
+        debugger.post_mortem(client.current_client())
+    except debugger.NoRankHeldError as error:
+        raise UsageError(f"%nbtrain_debug: {error}") from None
+
+
 def load_ipython_extension(ip: Any) -> None:
-    """``%load_ext nbtrain``: register ``%%distributed``."""
+    """``%load_ext nbtrain``: register ``%%distributed`` (and ``%debug`` after a rank's error)."""
     ip.register_magics(DistributedMagics)
+    original = ip.magics_manager.magics["line"].get("debug")
+    if original is not None and not getattr(original, "nbtrain_wrapped", False):
+        ip.register_magic_function(_debug_rank_first(original), "line", "debug")
+
+
+def _debug_rank_first(original: Any) -> Any:
+    """IPython's ``%debug`` right after a RankError whose rank is held: the rank's frames, not the kernel's."""
+
+    def debug(line: str = "", local_ns: Any = None) -> Any:
+        from nbtrain.kernel import client
+
+        error = getattr(sys, "last_value", None)
+        held = getattr(client.current_client(), "held", None)
+        if not line.strip() and isinstance(error, RankError) and held is not None and held.rank == error.rank:
+            return nbtrain_debug()
+        return original(line, local_ns=local_ns)
+
+    debug.needs_local_scope = True  # type: ignore[attr-defined]  # IPython's flag, as on its own %debug
+    debug.nbtrain_wrapped = True  # type: ignore[attr-defined]  # a second %load_ext does not wrap twice
+    debug.__doc__ = original.__doc__
+    return debug
 
 
 @dataclass(frozen=True)
@@ -542,7 +581,7 @@ def infer_total_steps(
         return None
 
 
-def start_cell(shell: Any, prepared: PreparedCell) -> Any:
+def start_cell(shell: Any, prepared: PreparedCell, interactive: bool = True) -> Any:
     """Launch a prepared cell; the :class:`nbtrain.kernel.client.Run`. Explains what cannot travel.
 
     The engine and launch config planned from the flags are passed on: the hardware (or
@@ -559,6 +598,7 @@ def start_cell(shell: Any, prepared: PreparedCell) -> Any:
             prepared.cfg,
             rank_cell.run_cell,
             (prepared.spec, prepared.shipped, ns.anchor_function(kernel_shell.user_namespace(shell))),
+            interactive=interactive,
         )
     except SerializationError as error:
         raise _plain(ns.explain_unpicklable(prepared.shipped, prepared.used_by) or error) from None
@@ -623,7 +663,7 @@ def _launch_and_follow(
     record = last_run = prepared.record
     started = time.monotonic()
     try:
-        run = start_cell(shell, prepared)
+        run = start_cell(shell, prepared, interactive=not options.background)
     except BaseException:
         record.state = events.FAILED  # refused before it started (what cannot travel, or fit)
         raise
@@ -656,12 +696,14 @@ def _follow(
     if not held.received:
         show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
         view = _CellView(run, prepared.total_steps, options.stall_warning)
+        relay = _debugger_relay(run, held)
         for event in run.events(poll=view.poll_seconds):  # wakes at least every poll
             if held.received:
                 break
             if event is not None:
                 show(event)
             view.show(event)
+            relay.handle(event)  # a rank's pdb: its output, and its prompt in the input box
     if held.received or view is None:  # view is None only when the interrupt came first
         run.abandon()  # stops the run and frees any result it brought back
         record.state = events.STOPPED
@@ -682,6 +724,13 @@ def _follow(
     if held.received:  # it came while the results went in: they are in, all of them
         raise RunInterrupted(_LATE)
     return value
+
+
+def _debugger_relay(run: Any, held: processes.HeldInterrupts) -> Any:
+    from nbtrain.kernel import debugger
+
+    run.prompts_answered = True
+    return debugger.CellRelay(run, held)
 
 
 def _interrupted(prepared: PreparedCell, run: Any) -> RunInterrupted:
@@ -789,7 +838,8 @@ class _CellView:
     def show(self, event: Any) -> None:
         if self.view.rich or not isinstance(event, events.Output):
             self.view.handle(event)
-        self.view.refresh()
+        # A prompt blocks the cell's thread: "rank 1 in the debugger" must be drawn first.
+        self.view.refresh(force=isinstance(event, (events.DebugPrompt, events.DebugEnded)))
 
     def finish(self, state: str) -> None:
         self.view.finish(state)
@@ -849,6 +899,7 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
     if isinstance(error, RankError):
         text = cell_traceback(error.remote_traceback, shell)
         note = " ".join(part for part in (device_hint(error.exc_message), note) if part)
+        note += f"\n{error.note}" if error.note else ""  # the held rank's %nbtrain_debug
         return RankError(error.rank, error.exc_type, error.exc_message, text, note, node=error.node)
     where = getattr(error, "where", "")
     message = f"{error.headline or error} {note}" + (f"\n{where}" if where else "")

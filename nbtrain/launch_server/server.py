@@ -22,6 +22,13 @@ from typing import Any
 
 from nbtrain import events, processes, wire
 from nbtrain.events import (
+    AttachHeld,
+    DebugEnded,
+    DebugInput,
+    DebugOutput,
+    DebugPrompt,
+    DebugQuit,
+    HeldReleased,
     MemorySample,
     Metrics,
     Output,
@@ -30,10 +37,12 @@ from nbtrain.events import (
     RankDone,
     RankExited,
     RankFailed,
+    RankHeld,
     RankNotStarted,
     RanksDone,
     RankStarted,
     Release,
+    ReleaseHeld,
     ReleaseRanks,
     ReleaseResult,
     ResultOffer,
@@ -89,6 +98,10 @@ class RankProcess:
     stack: bytes = b""
     stack_asked: bool = False
     stack_seen_at: float = 0.0  # when the last bytes of its dump arrived
+    held: bool = False  # the failed run's root cause, kept alive for a post-mortem
+    held_until: float | None = None  # released then, unless a post-mortem is open
+    cuda_bytes: int | None = None  # what it last reported holding on its GPU
+    release_reason: str = "its debugger ended"  # what HeldReleased says when it is gone
 
 
 @dataclass
@@ -111,6 +124,11 @@ class Run:
     stacks_until: float | None = None  # collecting stack dumps before the stop, until then
     log: RunLog | None = None  # every rank's full output
     last_skipped_report: float = 0.0
+    debug_hold: float | None = None  # seconds a failed run's root-cause rank is held
+    debugging: set[int] = field(default_factory=set)  # ranks at a pdb prompt: the timeout waits
+    paused_at: float = 0.0  # when the first of them stopped
+    detail: str = ""  # how a stop came, for RunEnded
+    held_text: str | None = None  # its held rank, as the sidebar lists it
 
 
 class Launcher:
@@ -120,12 +138,13 @@ class Launcher:
         self.selector = selectors.DefaultSelector()
         self.selector.register(control, selectors.EVENT_READ, ("control", None, None))
         self.runs: dict[int, Run] = {}
+        self.held: dict[int, tuple[Run, RankProcess]] = {}  # run id -> its rank held for a post-mortem
         self.board = tracker.Board(tracker.find_owner(parent_pid))
 
     # -- main loop ---------------------------------------------------------------------
     def serve(self) -> None:
         while True:
-            timeout = TICK_SECONDS if self.runs else 1.0
+            timeout = TICK_SECONDS if self.runs else 0.5 if self.held else 1.0
             for key, _ in self.selector.select(timeout):
                 kind, run, rank = key.data
                 if kind == "control":
@@ -135,6 +154,8 @@ class Launcher:
                     self._on_rank_event(run, rank)
                 elif kind == "pipe":
                     self._on_output(run, rank, key.fd)
+                elif kind == "pidfd" and rank.held and run.run_id not in self.runs:
+                    self._on_held_exit(run, rank)
                 elif kind == "pidfd":
                     self._on_exit(run, rank)
                 elif kind == "stack":
@@ -144,10 +165,12 @@ class Launcher:
             # Before _tick ends a run: what a rank left behind must not hold its pipes open.
             processes.kill_strays(self._live_ranks())
             self._tick(time.monotonic())
+            self._tick_held(time.monotonic())
 
     def _live_ranks(self) -> set[int]:
         """The pids of ranks not yet reaped: the launcher's only legitimate children."""
-        return {rank.pid for run in self.runs.values() for rank in run.ranks if not rank.exited}
+        live = {rank.pid for run in self.runs.values() for rank in run.ranks if not rank.exited}
+        return live | {rank.pid for _run, rank in self.held.values()}
 
     def _on_control(self) -> bool:
         try:
@@ -174,6 +197,8 @@ class Launcher:
                     _send_quietly(rank_zero.channel, SendResultFile(run.run_id))
                 else:
                     self._release(run)
+        elif isinstance(message, (DebugInput, AttachHeld, ReleaseHeld)):
+            self._on_debug_request(message)
         elif isinstance(message, ReleaseRanks):
             run = self.runs.get(message.run_id)
             if run is not None and run.hold:
@@ -191,6 +216,8 @@ class Launcher:
     def _start(self, start: StartRun, tensor_fd: int | None) -> None:
         run = Run(start.run_id, [], None if start.timeout is None else time.monotonic() + start.timeout)
         run.hold = start.node is not None
+        run.debug_hold = start.debug_hold
+        self._release_held(f"the next launch (run {start.run_id}) needs its devices")
         run.log = RunLog(start.log_path) if start.log_path else None
         self.runs[start.run_id] = run
         store_socket = None
@@ -310,7 +337,11 @@ class Launcher:
         except (wire.ChannelClosed, OSError):
             self.selector.unregister(rank.channel)
             return
-        if isinstance(message, (Metrics, MemorySample)):
+        if isinstance(message, (DebugOutput, DebugPrompt, DebugEnded, DebugQuit)):
+            self._on_debug_event(run, rank, message)
+        elif isinstance(message, (Metrics, MemorySample)):
+            if isinstance(message, MemorySample) and message.cuda_allocated_bytes is not None:
+                rank.cuda_bytes = message.cuda_reserved_bytes or message.cuda_allocated_bytes
             self._send(message)
             entry = self.board.get(run.run_id)
             if entry is not None and isinstance(message, Metrics):
@@ -322,6 +353,8 @@ class Launcher:
             self._send(message)
             if run.failure is None:
                 run.failure = message
+                # The root cause stays alive, paused in its frames, for a post-mortem.
+                rank.held = run.debug_hold is not None and run.stop_started is None
             self._stop(run, events.FAILED)
         elif isinstance(message, RankDone):
             rank.done = True
@@ -424,7 +457,8 @@ class Launcher:
             # connection first. Unless this death is our own stop signal, it is the cause
             # and the peer's error its consequence.
             run.failure = exited
-        if all(r.exited for r in run.ranks):
+            self._unhold(run)
+        if all(r.exited or r.held for r in run.ranks):
             run.all_exited_at = time.monotonic()
 
     def _registered(self, fileobj: Any) -> bool:
@@ -466,7 +500,7 @@ class Launcher:
         entry = self.board.get(run.run_id)
         if entry is not None:
             entry.update(state="stopping")
-        self._signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGTERM)
+        self._signal_groups([rank for rank in run.ranks if not rank.exited and not rank.held], signal.SIGTERM)
 
     def _ask_for_stacks(self, run: Run) -> bool:
         """Signal every live rank for its stack dump; False when none can answer."""
@@ -520,18 +554,18 @@ class Launcher:
             if run is not None and run.end_state is None:
                 self._stop_asked_outside(run)
         for run in list(self.runs.values()):
-            if run.deadline is not None and now > run.deadline and run.end_state is None:
+            if run.deadline is not None and now > run.deadline and run.end_state is None and not run.debugging:
                 self._stop(run, events.TIMED_OUT)
             if run.stacks_until is not None and (now > run.stacks_until or self._stacks_in(run, now)):
                 self._stop_now(run)
             if run.stop_started is not None and not run.killed and now - run.stop_started > STOP_GRACE_SECONDS:
                 run.killed = True
-                self._signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGKILL)
+                self._signal_groups([rank for rank in run.ranks if not rank.exited and not rank.held], signal.SIGKILL)
             if (
                 run.all_exited_at is None
                 and run.end_state is not None
                 and run.stacks_until is None
-                and all(r.exited for r in run.ranks)
+                and all(r.exited or r.held for r in run.ranks)
             ):
                 run.all_exited_at = now  # also covers a run whose ranks could not all start
             self._sample_memory(run, now)
@@ -540,7 +574,7 @@ class Launcher:
                     self._send_output(run, rank, rank.output.flush(stream))
             self._report_skipped(run, now)
             if run.all_exited_at is not None:
-                drained = not any(rank.pipes for rank in run.ranks)
+                drained = not any(rank.pipes for rank in run.ranks if not rank.held)
                 if drained or now - run.all_exited_at > DRAIN_SECONDS:
                     self._finish(run)
 
@@ -566,6 +600,9 @@ class Launcher:
 
     def _finish(self, run: Run) -> None:
         for rank in run.ranks:
+            if rank.held and not rank.exited:
+                self._keep_held(run, rank)
+                continue
             for fd in list(rank.pipes):
                 self._close_pipe(rank, fd)
             self._send_output(run, rank, rank.output.finish())  # the note, and the last lines held back
@@ -581,17 +618,121 @@ class Launcher:
         if run.log is not None:
             run.log.close()
         state = run.end_state or events.FAILED
-        self.board.end(run.run_id, state)
+        self.board.end(run.run_id, state, run.held_text)
         if state == events.FINISHED and run.failure is None:
             fds = () if run.result_fd is None else (run.result_fd,)
             self._send(RunEnded(run.run_id, state, run.result, run.result_fd is not None), fds)
         else:
-            self._send(RunEnded(run.run_id, state, failure=run.failure, stacks=_stacks(run)))
+            self._send(RunEnded(run.run_id, state, failure=run.failure, detail=run.detail, stacks=_stacks(run)))
         if run.result_fd is not None:
             os.close(run.result_fd)
 
+    # -- the debugger relay and the held rank (nbtrain.rank.debugger) ----------------------
+    def _on_debug_event(self, run: Run, rank: RankProcess, message: Any) -> None:
+        """pdb's output and prompts go to the kernel; while a rank sits at a prompt the
+        run's timeout waits (the user is reading, not the rank hanging)."""
+        now = time.monotonic()
+        if isinstance(message, DebugQuit):  # `q`: the user ended the run
+            if run.end_state is None:
+                run.end_state = events.STOPPED
+                run.detail = f"the run was stopped by `q` in rank {message.rank}'s debugger; every rank is gone."
+                self._stop_now(run)
+            return
+        if isinstance(message, DebugPrompt) and rank.held:
+            rank.held_until = None  # a post-mortem is open: no idle clock while it lasts
+        elif isinstance(message, DebugPrompt):
+            if not run.debugging:
+                run.paused_at = now
+            run.debugging.add(rank.spec.rank)
+        elif isinstance(message, DebugEnded) and rank.spec.rank in run.debugging:
+            run.debugging.discard(rank.spec.rank)
+            if not run.debugging and run.deadline is not None:
+                run.deadline += now - run.paused_at
+        self._send(message)
+
+    def _on_debug_request(self, message: DebugInput | AttachHeld | ReleaseHeld) -> None:
+        """The kernel's side of the relay: only to a rank of one of its runs, by run and rank."""
+        if isinstance(message, ReleaseHeld):
+            self._release_held(message.reason, message.run_id)
+            return
+        target = self._debug_target(message.run_id, message.rank)
+        if target is None:
+            if isinstance(message, AttachHeld):
+                self._send(HeldReleased(message.run_id, message.rank, "it was no longer held"))
+            return
+        if isinstance(message, AttachHeld):
+            target.held_until = None
+        _send_quietly(target.channel, message)
+
+    def _debug_target(self, run_id: int, rank_number: int) -> RankProcess | None:
+        held = self.held.get(run_id)
+        if held is not None and held[1].spec.rank == rank_number:
+            return held[1]
+        run = self.runs.get(run_id)
+        ranks = [] if run is None else [r for r in run.ranks if r.spec.rank == rank_number and not r.exited]
+        return ranks[0] if ranks else None
+
+    def _keep_held(self, run: Run, rank: RankProcess) -> None:
+        """The run ends; its root-cause rank lives on, paused in its frames, until released."""
+        for fd in list(rank.pipes):  # what it prints from now on (in pdb, its relay) is not the run's
+            self._close_pipe(rank, fd)
+        self._send_output(run, rank, rank.output.finish())
+        self._close_stack(rank)
+        hold = run.debug_hold or 0.0
+        rank.held_until = time.monotonic() + hold
+        self.held[run.run_id] = (run, rank)
+        spec = rank.spec
+        device = spec.device_type if spec.device_index is None else f"{spec.device_type}:{spec.device_index}"
+        rss = processes.resident_bytes(rank.pid)
+        self._send(RankHeld(run.run_id, spec.rank, rank.pid, rss, rank.cuda_bytes, hold, device))
+        memory = f"{(rss or 0) >> 20} MiB of host memory" + (
+            f" and {rank.cuda_bytes >> 20} MiB on {device}" if rank.cuda_bytes else ""
+        )
+        run.held_text = f"rank {spec.rank} (pid {rank.pid}) kept for %nbtrain_debug, holding {memory}"
+
+    def _release_held(self, reason: str, run_id: int | None = None) -> None:
+        """End held ranks (all, or ``run_id``'s): their pidfd then reports them gone."""
+        for held_id, (_run, rank) in list(self.held.items()):
+            if run_id is None or held_id == run_id:
+                rank.held_until = None
+                rank.release_reason = reason
+                self._signal_groups([rank], signal.SIGKILL)
+
+    def _unhold(self, run: Run) -> None:
+        """A hard death turned out to be the cause: the rank held for it is stopped as the rest."""
+        for rank in run.ranks:
+            if rank.held and not rank.exited:
+                rank.held = False
+                if run.stop_started is not None:
+                    self._signal_groups([rank], signal.SIGTERM)
+
+    def _on_held_exit(self, run: Run, rank: RankProcess) -> None:
+        self._signal_groups([rank], signal.SIGKILL)  # what it started goes with it
+        if processes.reap(rank.pid) is None:
+            return
+        self.selector.unregister(rank.pidfd)
+        os.close(rank.pidfd)
+        rank.exited = True
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(rank.channel)
+        rank.channel.close()
+        processes.remove_torch_shared_memory({rank.pid, *rank.members})
+        self.held.pop(run.run_id, None)
+        self.board.released(run.run_id)
+        self._send(HeldReleased(run.run_id, rank.spec.rank, rank.release_reason))
+
+    def _tick_held(self, now: float) -> None:
+        for _run, rank in list(self.held.values()):
+            if rank.held_until is not None and now > rank.held_until:
+                rank.held_until = None
+                rank.release_reason = "it was held idle for its whole hold time"
+                self._signal_groups([rank], signal.SIGKILL)
+
     def _shutdown(self) -> None:
         self.board.close()
+        held = [rank for _run, rank in self.held.values()]
+        self.held.clear()
+        self._signal_groups(held, signal.SIGKILL)
         for run in self.runs.values():
             self._signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGKILL)
         deadline = time.monotonic() + 2.0
@@ -600,6 +741,9 @@ class Launcher:
                 while not rank.exited and processes.reap(rank.pid) is None and time.monotonic() < deadline:
                     time.sleep(0.01)
                 processes.remove_torch_shared_memory({rank.pid, *rank.members})
+        for rank in held:
+            while processes.reap(rank.pid) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
         # What the ranks left behind is ours now; once the launcher is gone it would be init's.
         while processes.kill_strays(self._live_ranks()) and time.monotonic() < deadline:
             time.sleep(0.01)

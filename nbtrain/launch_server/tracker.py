@@ -93,6 +93,7 @@ class Board:
         self.prefix = secrets.token_hex(3)
         self.trackers: dict[int, RunTracker] = {}
         self.ended: list[tuple[str, str]] = []  # (record id, its folder)
+        self.holding: dict[int, RunTracker] = {}  # ended runs whose failed rank is held: rewritten at its release
         self.enabled = True
 
     def start(self, start: StartRun, pids: list[tuple[int, int]]) -> None:
@@ -144,17 +145,26 @@ class Board:
                 asked.append(run_id)
         return asked
 
-    def end(self, run_id: int, state: str) -> None:
+    def end(self, run_id: int, state: str, held: str | None = None) -> None:
         tracker = self.trackers.pop(run_id, None)
         if tracker is None:
             return
-        tracker.update(state=state, ended=time.time())
+        tracker.update(state=state, ended=time.time(), held=held)
+        if held is not None:
+            self.holding[run_id] = tracker
         self._write(tracker)
         self._safely(lambda: registry.withdraw_stop(tracker.record.id, tracker.folder), None)
         self.ended.append((tracker.record.id, tracker.folder))
         while len(self.ended) > KEEP_ENDED:
             old, folder = self.ended.pop(0)
             self._safely(functools.partial(registry.remove, old, folder), None)
+
+    def released(self, run_id: int) -> None:
+        """The run's held rank is gone: its record says so."""
+        tracker = self.holding.pop(run_id, None)
+        if tracker is not None:
+            tracker.update(held=None)
+            self._write(tracker)
 
     def close(self) -> None:
         """The kernel is gone: forget the ended runs; runs still going stay (shown as orphaned)."""

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import bdb
+import contextlib
 import datetime
 import faulthandler
 import functools
@@ -27,8 +29,8 @@ from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from nbtrain import config, processes, sharedtensors, stacks, wire
-from nbtrain.events import RankAssignment, RankDone, RankFailed, Release, SendResultFile
-from nbtrain.rank import api
+from nbtrain.events import DebugQuit, RankAssignment, RankDone, RankFailed, Release, SendResultFile
+from nbtrain.rank import api, debugger
 
 STORE_TIMEOUT = datetime.timedelta(minutes=5)
 _hosted_store: Any = None  # rank 0's TCPStore server; must live as long as the rank
@@ -61,6 +63,7 @@ def run_rank(
     try:
         _adopt_caller_state(assignment)
         _install_source_lines(start.source_lines)
+        debugger.install(channel, start.run_id, spec.rank, start.interactive)
         _select_device(spec.device_type, spec.device_index)
         _tolerate_torchrun_style_calls(_distributed())  # before the payload: its names resolve to ours
         fn, args, kwargs = sharedtensors.loads(start.payload, tensor_fd, map_location=spec.device_type)
@@ -73,7 +76,12 @@ def run_rank(
         del result  # the sent pickle holds what the kernel still has to read
         _wait_for_release(channel, sent)
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we leave
-        _report_failure(channel, start.run_id, spec.rank, error)
+        # No debugger reaches a cluster's rank (README): its traceback names the failing frame's locals.
+        traceback_ = _report_failure(channel, start.run_id, spec.rank, error, with_locals=start.node is not None)
+        if start.debug_hold is not None and not isinstance(error, bdb.BdbQuit):
+            header = "".join(traceback.format_exception_only(type(error), error))
+            del error  # the traceback holds its frames; nothing else is kept
+            debugger.hold_for_post_mortem(channel, start.run_id, spec.rank, traceback_, header)
         processes.exit_now(1)
     processes.exit_now(0)
 
@@ -270,7 +278,14 @@ def _send_done(channel: socket.socket, context: api.RankContext, result: Any) ->
     return pickled
 
 
-def _report_failure(channel: socket.socket, run_id: int, rank: int, error: BaseException) -> None:
+def _report_failure(
+    channel: socket.socket, run_id: int, rank: int, error: BaseException, with_locals: bool = False
+) -> Any:
+    """Tell the launcher how this rank failed (``q`` in pdb: a stop); the user's part of the traceback."""
+    if isinstance(error, bdb.BdbQuit):
+        with contextlib.suppress(OSError):
+            wire.send(channel, DebugQuit(run_id, rank))
+        return None
     tb = error.__traceback__
     # Drop the runtime's own frames, and those of nbtrain functions that set
     # __tracebackhide__ (pytest's and IPython's convention): the user's traceback starts
@@ -280,10 +295,13 @@ def _report_failure(channel: socket.socket, run_id: int, rank: int, error: BaseE
     ):
         tb = tb.tb_next
     text = "".join(traceback.format_exception(type(error), error, tb))
+    if with_locals:
+        text += debugger.locals_summary(tb)
     try:
         wire.send(channel, RankFailed(run_id, rank, type(error).__name__, str(error), text))
     except OSError:
         pass  # the launcher is gone: nobody is left to tell
+    return tb
 
 
 def _wait_for_release(channel: socket.socket, sent: sharedtensors.InPlace | None) -> None:

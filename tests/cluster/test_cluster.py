@@ -158,10 +158,11 @@ def _at_a_breakpoint() -> None:
 
 
 @pytest.mark.parametrize("where", ["cluster", "this machine"])
-def test_a_breakpoint_in_a_rank_stops_as_pdb_does(ray_cluster: Any, where: str) -> None:
-    # Without a terminal, pdb reads end-of-input and quits: BdbQuit names the rank. Ray puts
-    # its own breakpoint hook in its workers' environment and, once connected, in the
-    # kernel's; outside a Ray worker that hook raises from Ray's debugger instead.
+def test_a_breakpoint_in_a_rank_is_passed_with_a_note_where_nothing_prompts(ray_cluster: Any, where: str) -> None:
+    # Ray puts its own breakpoint hook in its workers' environment and, once connected, in
+    # the kernel's; outside a Ray worker that hook raises. The ranks use nbtrain's relay
+    # instead; a cluster's agents relay no prompt, and run.wait() answers none: the
+    # breakpoint is passed and the rank's output says so.
     procs.finish(start(_world), RUN_SECONDS)  # the kernel is Ray's driver from its first cluster run
     assert os.environ.get("PYTHONBREAKPOINT", "").startswith("ray.")
     if where == "cluster":
@@ -169,8 +170,9 @@ def test_a_breakpoint_in_a_rank_stops_as_pdb_does(ray_cluster: Any, where: str) 
     else:
         run = nbtrain.start(_at_a_breakpoint, devices=2, accelerator="cpu")
     _, error, seen = procs.collect(run, RUN_SECONDS)
-    assert isinstance(error, RankError) and "BdbQuit" in str(error), error
-    assert any("(Pdb)" in e.text for e in seen if isinstance(e, events.Output))
+    assert error is None, error
+    note = "cannot prompt" if where == "cluster" else "nothing here answers its prompt"
+    assert any(note in e.text for e in seen if isinstance(e, events.Output)), seen
 
 
 def test_warm_agents_are_reused_and_nothing_grows_over_20_runs(ray_cluster: Any) -> None:
