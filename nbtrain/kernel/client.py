@@ -78,6 +78,8 @@ class LauncherClient:
         self._lock = threading.Lock()
         self._pending_output: dict[int, _PendingOutput] = {}
         self._run_ids = itertools.count(1)
+        self.standby: messages.StandbyChanged | None = None  # the launcher's last word on them
+        self._released: queue.Queue[tuple[int, ...]] = queue.Queue()  # its answers to ReleaseStandby
         threading.Thread(target=self._read_events, name="nbtrain-events", daemon=True).start()
         threading.Thread(target=self._read_stderr, name="nbtrain-launcher-stderr", daemon=True).start()
 
@@ -106,6 +108,18 @@ class LauncherClient:
                 wire.send(self.process.channel, messages.StopRun(run_id, reason))
             except OSError:
                 pass  # a dead launcher's ranks die with it (PDEATHSIG)
+
+    def release_standby(self, timeout: float = 5.0) -> list[int]:
+        """End the standby ranks (nbtrain.launch_server.standby); the pids the launcher ended."""
+        with self._lock:
+            try:
+                wire.send(self.process.channel, messages.ReleaseStandby())
+            except OSError:
+                return []  # a dead launcher's ranks die with it
+        try:
+            return list(self._released.get(timeout=timeout))
+        except queue.Empty:
+            return []  # a launcher that does not answer: its ranks die with it when it is replaced
 
     def forget(self, run_id: int) -> None:
         with self._lock:
@@ -141,6 +155,11 @@ class LauncherClient:
                 break
             if isinstance(message, messages.LauncherReady):
                 self.ready.set()
+                continue
+            if isinstance(message, messages.StandbyChanged):
+                self.standby = message
+                if message.released is not None:
+                    self._released.put(message.released)
                 continue
             inbox = self._queues.get(getattr(message, "run_id", -1))
             if isinstance(message, messages.ResultOffer):
@@ -703,7 +722,20 @@ class _StartMessage:
             has_tensor_file=self.has_tensor_file,
             strategy=cfg.strategy.name,
             log_path=self.log_path,
+            standby_seconds=_standby_seconds(),
         )
+
+
+def _standby_seconds() -> float | None:
+    from nbtrain.kernel import defaults
+
+    return defaults.get_defaults().standby_idle or None
+
+
+def standby_pids() -> set[int]:
+    """The pids of this kernel's standby ranks (a GPU only they hold counts as free)."""
+    standby = _client.standby if _client is not None else None
+    return {pid for _, pid in standby.ranks} if standby is not None else set()
 
 
 def _submit(client: Engine, start_message: _StartMessage, tensor_fd: int | None) -> Run:

@@ -27,6 +27,8 @@ from nbtrain import devices as devices_module
 from nbtrain.charts import STALL_SECONDS
 from nbtrain.errors import ConfigurationError
 
+STANDBY_IDLE_SECONDS = 600.0
+
 
 @dataclass(frozen=True)
 class Defaults:
@@ -46,6 +48,8 @@ class Defaults:
     precision: str = "32-true"  # Lightning's name (nbtrain.config.PRECISIONS)
     sync_batchnorm: bool = False
     backend: str | None = None  # None: gloo on CPU, nccl on CUDA
+    # Standby ranks (the next run's, waiting after a run) end after this many idle seconds; None: none kept.
+    standby_idle: float | None = STANDBY_IDLE_SECONDS
 
     def magic_line(self) -> str:
         """The ``%%distributed`` line that asks for exactly these settings, to copy into a cell."""
@@ -91,6 +95,7 @@ def set_defaults(
     precision: Any = _UNSET,
     sync_batchnorm: Any = _UNSET,
     backend: Any = _UNSET,
+    standby_idle: Any = _UNSET,
 ) -> Defaults:
     """Set the defaults of every later ``%%distributed`` cell that does not give the flag.
 
@@ -102,7 +107,9 @@ def set_defaults(
     address and ``num_nodes`` the nodes a cluster run spans (see README "On a cluster"),
     ``precision`` one of Lightning's names (``"bf16-mixed"``, ``"16"``, ...), ``sync_batchnorm``
     True or False, ``backend`` one of gloo, nccl, mpi, cpu:gloo,cuda:nccl or None (gloo on
-    CPU, nccl on CUDA). The combination is checked against this machine (its GPUs through NVML: CUDA is never
+    CPU, nccl on CUDA), ``standby_idle`` the seconds standby ranks wait for the next run
+    before they end (None or 0: no standby ranks; 600 built in). The combination is checked
+    against this machine (its GPUs through NVML: CUDA is never
     initialised here) and a ConfigurationError says what is wrong; nothing changes then. Returns the new defaults.
 
     Example:
@@ -111,7 +118,7 @@ def set_defaults(
         >>> nbtrain.set_defaults(devices=2, accelerator="cpu", timeout=600)  # doctest: +NORMALIZE_WHITESPACE
         Defaults(devices='2', accelerator='cpu', strategy='ddp_notebook', timeout=600.0,
                  stall_warning=30.0, cluster='local', num_nodes=1, precision='32-true',
-                 sync_batchnorm=False, backend=None)
+                 sync_batchnorm=False, backend=None, standby_idle=600.0)
         >>> _ = nbtrain.set_defaults(**previous.as_dict())
     """
     global _current
@@ -128,6 +135,7 @@ def set_defaults(
             precision=old.precision if precision is _UNSET else _precision_text(precision),
             sync_batchnorm=old.sync_batchnorm if sync_batchnorm is _UNSET else _flag(sync_batchnorm),
             backend=old.backend if backend is _UNSET else _backend_text(backend),
+            standby_idle=old.standby_idle if standby_idle is _UNSET else _standby_idle(standby_idle),
         )
         # Checked with the value as given, so a message names it as the user wrote it.
         check(new, devices=new.devices if devices is _UNSET else devices)
@@ -202,6 +210,21 @@ def _stall_seconds(seconds: Any) -> float | None:
     if isinstance(seconds, bool) or not value > 0 or value == float("inf"):
         raise ConfigurationError(
             f"stall_warning={seconds!r} is not valid: give a positive number of seconds, or None for no warning."
+        )
+    return value
+
+
+def _standby_idle(seconds: Any) -> float | None:
+    if seconds is None or seconds == 0:
+        return None
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        value = -1.0
+    if isinstance(seconds, bool) or not value > 0 or value == float("inf"):
+        raise ConfigurationError(
+            f"standby_idle={seconds!r} is not valid: give the seconds standby ranks may wait (600 built in), "
+            "or None for no standby ranks."
         )
     return value
 
