@@ -276,6 +276,9 @@ def _register_hooks() -> None:
     """Close the launcher at exit, and forget it in forked children: once, with the first launcher."""
     global _hooks_registered
     if not _hooks_registered:
+        from nbtrain import hardware
+
+        hardware.standby_pids = standby_pids
         atexit.register(_close_client)
         os.register_at_fork(after_in_child=_forget_client_in_child)
         _hooks_registered = True

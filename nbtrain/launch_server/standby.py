@@ -180,6 +180,8 @@ class Pool:
         if generation is None:
             return
         for rank in generation.ranks:
+            if rank.exited:
+                continue  # reaped already (the one whose death discards its generation)
             processes.signal_group(rank.pid, signal.SIGKILL)
             self.selector.unregister(rank.pidfd)
             self.selector.register(rank.pidfd, selectors.EVENT_READ, ("standby-exit", None, rank))
