@@ -54,6 +54,9 @@ EXAMPLES: list[object] = [
     events.RankAssignment(START, SPEC, 29500, 4000),
     events.Release(3),
     events.LauncherReady(4000, ("torch",)),
+    events.StandbyReady(1),
+    events.StandbyChanged(((0, 4001), (1, 4002)), "2 cuda ranks, nccl", (0, 1), ready=True),
+    events.ReleaseStandby(),
 ]
 
 
