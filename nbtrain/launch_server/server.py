@@ -343,6 +343,7 @@ class Launcher:
                 _send_quietly(rank.channel, start, fds)
                 self._send(RankStarted(run.run_id, rank.spec.rank, rank.pid))
         finally:
+            self.standby.changed()  # they wait no more
             self.board.start(start, [(rank.spec.rank, rank.pid) for rank in run.ranks])
             if tensor_fd is not None:
                 os.close(tensor_fd)

@@ -130,7 +130,11 @@ class Pool:
         self._fork(Generation(key, plan_of(start), [], until))
 
     def take(self, start: StartRun) -> list[Any] | None:
-        """The ranks waiting for this run's plan, now the run's; None (and any discarded) otherwise."""
+        """The ranks waiting for this run's plan, now the run's; None (and any discarded) otherwise.
+
+        The caller calls :meth:`changed` once it has handed them the run: the kernel and the
+        registry hear of it after the ranks, off the run's critical path.
+        """
         waiting = self.waiting
         if waiting is None:
             return None
@@ -142,7 +146,6 @@ class Pool:
             self.selector.unregister(rank.pidfd)
             if self._registered(rank.channel):
                 self.selector.unregister(rank.channel)
-        self._changed()
         return waiting.ranks
 
     def on_message(self, generation: Generation, rank: Any) -> None:
@@ -221,6 +224,10 @@ class Pool:
         processes.remove_torch_shared_memory({rank.pid})
         if rank in self.dying:
             self.dying.remove(rank)
+
+    def changed(self) -> None:
+        """Tell the kernel (StandbyChanged) and the registry which standby ranks wait now."""
+        self._changed()
 
     def _changed(self) -> None:
         generation = self.waiting
