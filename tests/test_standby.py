@@ -151,6 +151,21 @@ def test_a_cell_never_sees_what_an_earlier_cell_left(kernel):
     assert seen[5] in waiting  # the cell ran on ranks that were waiting
 
 
+def test_a_failure_and_a_timeout_on_standby_ranks_end_as_on_fresh_ones(kernel):
+    run_two(kernel)
+    waiting = standby(kernel)
+    out = kernel.run(TWO_RANKS + "import nbtrain\nif nbtrain.rank() == 1:\n    raise ValueError('rank 1 fails')\n")
+    assert out.error is not None and "rank 1 raised ValueError: rank 1 fails" in out.text, out.text
+    assert wait_gone(list(waiting), GONE_SECONDS) == []
+    waiting = standby(kernel)  # a failed run is followed by standby ranks too: the fix is re-run next
+    out = kernel.run("%%distributed --devices 2 --accelerator cpu --timeout 2\nimport time\ntime.sleep(60)\n")
+    assert out.error is not None and "RunTimeoutError" in out.text, out.text
+    assert "time.sleep(60)" in out.text  # where each rank was: its stack, asked for before the stop
+    assert wait_gone(list(waiting), GONE_SECONDS) == []
+    assert kernel.value("[r.state for r in nbtrain.runs()]") == []  # none after a timeout
+    assert len(run_two(kernel)) == 2
+
+
 # --- from this process: the soak ------------------------------------------------------------------
 
 

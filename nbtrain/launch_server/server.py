@@ -673,7 +673,8 @@ class Launcher:
             self._send(RunEnded(run.run_id, state, failure=run.failure, stacks=_stacks(run)))
         if run.result_fd is not None:
             os.close(run.result_fd)
-        if run.plan is not None:
+        # After a stop or a timeout the user wants things to stop: no new processes until a run asks.
+        if run.plan is not None and state in (events.FINISHED, events.FAILED):
             self.standby.after_run(run.plan)
 
     def _shutdown(self) -> None:
