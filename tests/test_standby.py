@@ -166,6 +166,33 @@ def test_a_failure_and_a_timeout_on_standby_ranks_end_as_on_fresh_ones(kernel):
     assert len(run_two(kernel)) == 2
 
 
+def test_the_sidebar_lists_them_with_their_memory_and_dismiss_ends_them(launcher, tmp_path, monkeypatch):
+    from nbtrain import registry
+    from nbtrain.server import devices, runs
+
+    monkeypatch.setenv("NBTRAIN_RUNTIME_DIR", str(tmp_path))  # the run's environment names it
+    nbtrain.launch(lambda: None, devices=2, accelerator="cpu")
+    waiting = _waiting()
+    deadline = time.monotonic() + STANDBY_SECONDS
+    while not (shown := [r for r in runs.list_runs() if r["state"] == "standby"]):
+        assert time.monotonic() < deadline, registry.read_all()
+        time.sleep(0.02)
+    assert sorted(shown[0]["live_pids"]) == sorted(waiting) and shown[0]["world_size"] == 2
+    memory = {rank["pid"]: rank["rss"] for rank in devices.snapshot(devices.HostSampler())["ranks"]}
+    assert all(memory.get(pid, 0) > 0 for pid in waiting), memory
+    runs.clean(shown[0]["id"])  # the sidebar's Dismiss
+    assert procs.wait_gone(waiting, GONE_SECONDS, reaped=False) == []
+    deadline = time.monotonic() + GONE_SECONDS
+    while (state := client.get_client().standby) is not None and state.ranks:  # the launcher saw them die
+        assert time.monotonic() < deadline, state
+        time.sleep(0.02)
+    replaced_by = time.monotonic() + 1.0  # a replacement would be forked at once: look for one for 1 s
+    while time.monotonic() < replaced_by:
+        state = client.get_client().standby
+        assert (state is None or not state.ranks) and not procs.launcher_children(), state
+        time.sleep(0.05)
+
+
 # --- from this process: the soak ------------------------------------------------------------------
 
 

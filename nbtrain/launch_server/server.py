@@ -123,7 +123,9 @@ class Launcher:
         self.selector.register(control, selectors.EVENT_READ, ("control", None, None))
         self.runs: dict[int, Run] = {}
         self.board = tracker.Board(tracker.find_owner(parent_pid))
-        self.standby = standby.Pool(self.selector, self._fork_standby, self._send, self.board.show_standby)
+        self.standby = standby.Pool(
+            self.selector, self._fork_standby, self._send, self.board.show_standby, self.board.standby_dismissed
+        )
 
     # -- main loop ---------------------------------------------------------------------
     def serve(self) -> None:

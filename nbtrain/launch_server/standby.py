@@ -103,11 +103,13 @@ class Pool:
         fork: Callable[[StartRun, Generation], list[Any]],
         tell: Callable[[StandbyChanged], None],
         show: Callable[[Generation | None], None],
+        dismissed: Callable[[], bool] = lambda: False,
     ):
         self.selector = selector
         self.fork = fork
         self.tell = tell
         self.show = show
+        self.dismissed = dismissed  # their registry record was removed: ended from the sidebar
         self.waiting: Generation | None = None
         self.dying: list[Any] = []  # discarded ranks not reaped yet
 
@@ -169,8 +171,11 @@ class Pool:
             return
         self._forget(rank)
         if generation is not None and generation is self.waiting:
+            dismissed = self.dismissed()
             self.discard()
-            if generation.all_ready:  # it had worked: a death while waiting is not the plan's fault
+            # It had worked: a death while waiting is not the plan's fault. Ended from the
+            # sidebar (Dismiss removes the record, then kills them): the user wants them gone.
+            if generation.all_ready and not dismissed:
                 self._fork(Generation(generation.key, generation.plan, [], generation.until))
 
     def tick(self, now: float) -> None:

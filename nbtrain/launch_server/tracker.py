@@ -141,6 +141,14 @@ class Board:
         if tracker is not None:
             self.standby_shown = (tracker.record.id, tracker.folder)
 
+    def standby_dismissed(self) -> bool:
+        """Whether the standby ranks' record was removed from outside (the sidebar's Dismiss)."""
+        shown = self.standby_shown
+        if shown is None or not self.enabled:
+            return False
+        record_id, folder = shown
+        return not os.path.exists(os.path.join(folder, f"{record_id}.json"))
+
     def get(self, run_id: int) -> RunTracker | None:
         return self.trackers.get(run_id)
 
