@@ -862,6 +862,12 @@ def _admit(
     gpu_free = None
     if cfg.plan.accelerator == "cuda":
         gpu_free = {gpu.index: gpu.free_bytes for gpu in hardware.detect_gpus() if gpu.index in cfg.plan.device_ids}
+        # The run takes the standby ranks or ends them first: their memory is the run's. (gpu_usage
+        # numbers GPUs as NVML does, which is torch's numbering only without CUDA_VISIBLE_DEVICES.)
+        standby = standby_pids() if "CUDA_VISIBLE_DEVICES" not in os.environ else set()
+        for usage in hardware.gpu_usage() if standby else ():
+            if usage.index in gpu_free:
+                gpu_free[usage.index] += sum(used for pid, used in usage.process_bytes.items() if pid in standby)
     warning = admission.check_memory(
         need,
         world_size=cfg.world_size,

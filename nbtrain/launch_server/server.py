@@ -675,8 +675,9 @@ class Launcher:
             self._send(RunEnded(run.run_id, state, failure=run.failure, stacks=_stacks(run)))
         if run.result_fd is not None:
             os.close(run.result_fd)
-        # After a stop or a timeout the user wants things to stop: no new processes until a run asks.
-        if run.plan is not None and state in (events.FINISHED, events.FAILED):
+        # After a stop or a timeout the user wants things to stop: no new processes until a run
+        # asks. While other runs go on, none either: forking would take CPU from them.
+        if run.plan is not None and state in (events.FINISHED, events.FAILED) and not self.runs:
             self.standby.after_run(run.plan)
 
     def _shutdown(self) -> None:
