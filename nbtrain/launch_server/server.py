@@ -185,8 +185,7 @@ class Launcher:
                 else:
                     self._release(run)
         elif isinstance(message, ReleaseStandby):
-            ended = self.standby.pids()
-            self.standby.discard()
+            ended = self.standby.release(time.monotonic() + 2.0)
             self._send(events.StandbyChanged(released=tuple(sorted(ended))))
         elif isinstance(message, ReleaseRanks):
             run = self.runs.get(message.run_id)

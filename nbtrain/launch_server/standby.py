@@ -198,12 +198,20 @@ class Pool:
             self.dying.append(rank)
         self._changed()
 
-    def shutdown(self, deadline: float) -> None:
+    def release(self, deadline: float) -> list[int]:
+        """End them now and reap them (bounded), so that once the caller hears back they are gone
+        and the launcher holds nothing of theirs; the pids ended."""
         self.discard()
+        ended = []
         for rank in list(self.dying):
             while processes.reap(rank.pid) is None and time.monotonic() < deadline:
-                time.sleep(0.01)
+                time.sleep(0.005)  # SIGKILLed a moment ago: gone within milliseconds
+            ended.append(rank.pid)
             self._forget(rank)
+        return ended
+
+    def shutdown(self, deadline: float) -> None:
+        self.release(deadline)
 
     def _fork(self, generation: Generation) -> None:
         try:
@@ -236,6 +244,7 @@ class Pool:
 
     def _changed(self) -> None:
         generation = self.waiting
+        self.show(generation)  # first: once the kernel hears of them, the registry is written
         if generation is None:
             self.tell(StandbyChanged())
         else:
@@ -245,7 +254,6 @@ class Pool:
                 and rank.spec.device_index is not None
             )
             self.tell(StandbyChanged(ranks, describe(generation.plan), devices, generation.all_ready))
-        self.show(generation)
 
     def _registered(self, fileobj: Any) -> bool:
         try:
