@@ -189,8 +189,9 @@ def test_the_sidebar_lists_them_with_their_memory_and_dismiss_ends_them(launcher
     replaced_by = time.monotonic() + 1.0  # a replacement would be forked at once: look for one for 1 s
     while time.monotonic() < replaced_by:
         state = client.get_client().standby
-        assert (state is None or not state.ranks) and not procs.launcher_children(), state
+        assert state is None or not state.ranks, state
         time.sleep(0.05)
+    assert procs.wait_gone([p.pid for p in procs.launcher_children()], GONE_SECONDS, reaped=False) == []
 
 
 # --- from this process: the soak ------------------------------------------------------------------
