@@ -72,6 +72,7 @@ STACK_QUIET_SECONDS = 0.05
 DRAIN_SECONDS = 1.0  # how long to wait for output pipes to close once every rank exited
 MEMORY_SAMPLE_SECONDS = 0.5
 TICK_SECONDS = 0.1
+HAND_OVER_SECONDS = 10.0  # a standby rank reads its run within this, or it is killed
 
 
 @dataclass
@@ -185,7 +186,7 @@ class Launcher:
                 else:
                     self._release(run)
         elif isinstance(message, ReleaseStandby):
-            ended = self.standby.release(time.monotonic() + 2.0)
+            ended = self.standby.release(time.monotonic() + standby.RELEASE_SECONDS)
             self._send(events.StandbyChanged(released=tuple(sorted(ended))))
         elif isinstance(message, ReleaseRanks):
             run = self.runs.get(message.run_id)
@@ -340,8 +341,7 @@ class Launcher:
                 rank.output.log = run.log
                 run.ranks.append(rank)
                 self._watch(run, rank)
-                # A rank that died just now fails to read it; its pidfd reports it as the run's.
-                _send_quietly(rank.channel, start, fds)
+                _hand_run(rank, start, fds)
                 self._send(RankStarted(run.run_id, rank.spec.rank, rank.pid))
         finally:
             self.standby.changed()  # they wait no more
@@ -759,6 +759,18 @@ def _our_signal(run: Run, signal_number: int | None) -> bool:
 def _readable_now(sock: socket.socket) -> bool:
     readable, _, _ = select.select([sock], [], [], 0)
     return bool(readable)
+
+
+def _hand_run(rank: RankProcess, start: StartRun, fds: tuple[int, ...]) -> None:
+    """Send a standby rank its run. One that died just now, or cannot read it (stuck before its
+    wait), is killed: its exit fails the run as any rank's would, and nothing waits forever."""
+    try:
+        rank.channel.settimeout(HAND_OVER_SECONDS)
+        wire.send(rank.channel, start, fds)
+    except OSError:
+        processes.signal_group(rank.pid, signal.SIGKILL)
+    finally:
+        rank.channel.settimeout(None)
 
 
 def _send_quietly(channel: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:

@@ -35,6 +35,7 @@ from nbtrain import processes, wire
 from nbtrain.events import StandbyChanged, StandbyReady, StartRun
 
 Key = tuple[Any, ...]
+RELEASE_SECONDS = 2.0  # the longest the launcher waits for SIGKILLed standby ranks to be reaped
 
 
 def plan_key(start: StartRun) -> Key | None:
@@ -141,7 +142,9 @@ class Pool:
         if waiting is None:
             return None
         if waiting.key != plan_key(start) or not all(_alive(rank) for rank in waiting.ranks):
-            self.discard()  # another plan (this run needs the memory), or one died just now
+            # Another plan, or one died just now. Reaped before the run forks its own ranks: the
+            # memory they held (a GPU's too) is free again by then.
+            self.release(time.monotonic() + RELEASE_SECONDS)
             return None
         self.waiting = None
         for rank in waiting.ranks:
