@@ -49,6 +49,7 @@ from nbtrain.rank.prepare import prepare
 
 if _TYPE_CHECKING:
     from nbtrain.kernel.background import BackgroundRun
+    from nbtrain.kernel.standby import StandbyRanks
 
 __all__ = [
     "ConfigurationError",
@@ -77,6 +78,7 @@ __all__ = [
     "prepare",
     "prewarm",
     "rank",
+    "release",
     "reset_defaults",
     "runs",
     "set_defaults",
@@ -103,11 +105,41 @@ def launcher(**kwargs: _Any) -> object:
     return _launcher(**kwargs)
 
 
-def runs() -> list[BackgroundRun]:
-    """This kernel's background runs, oldest first (``%%distributed --background``, ``launch(background=True)``)."""
+def runs() -> list[BackgroundRun | StandbyRanks]:
+    """This kernel's background runs, oldest first (``%%distributed --background``, ``launch(background=True)``).
+
+    Standby ranks waiting for the next run (:class:`nbtrain.kernel.standby.StandbyRanks`,
+    state ``"standby"``, with the memory each holds) come first, when there are any.
+    """
+    from nbtrain.kernel import client as _client_module
+    from nbtrain.kernel import standby as _standby
     from nbtrain.kernel.background import runs as _runs
 
-    return _runs()
+    client = _client_module._client
+    return [*_standby.listed(client.standby if client is not None else None), *_runs()]
+
+
+def release() -> int:
+    """End this kernel's standby ranks now, freeing their memory (GPU memory too); the number ended.
+
+    After a run, the launcher keeps the next run's ranks waiting (a process group joined, a
+    CUDA context on a GPU), so a re-run starts at once; they end by themselves after 10
+    idle minutes (``set_defaults(standby_idle=...)``). The next run forks new ones.
+
+    Example:
+        >>> import nbtrain
+        >>> nbtrain.release() >= 0
+        True
+    """
+    from nbtrain.kernel import client as _client_module
+    from nbtrain.kernel import standby as _standby
+
+    client = _client_module._client
+    if client is None or not client.alive:
+        return 0
+    pids = client.release_standby()
+    _standby.wait_gone(pids)
+    return len(pids)
 
 
 def last_run() -> _Any:

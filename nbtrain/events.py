@@ -83,6 +83,9 @@ class StartRun:
     # Seconds a failed run's root-cause rank is held for a post-mortem; None: not held.
     debug_hold: float | None = None
     interactive: bool = True  # False (a background run): a breakpoint cannot prompt and is passed
+    # After this run, keep the next run's ranks waiting this many idle seconds (standby
+    # ranks, nbtrain.launch_server.standby); None: none.
+    standby_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -307,6 +310,33 @@ class LauncherReady:
 
     pid: int
     preloaded: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class StandbyReady:
+    """Standby rank -> launcher: it joined its process group and waits for a run."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class StandbyChanged:
+    """Launcher -> kernel: the standby ranks now waiting, (rank, pid) each; () when none.
+
+    ``plan`` says what they are for (``2 cpu ranks, gloo``); the kernel lists them in
+    ``nbtrain.runs()`` and counts GPUs only they hold as free for ``--devices free:k``.
+    """
+
+    ranks: tuple[tuple[int, int], ...] = ()
+    plan: str = ""
+    devices: tuple[int, ...] = ()  # the GPUs they hold (CUDA ranks)
+    ready: bool = False  # every one of them joined its process group
+    released: tuple[int, ...] | None = None  # the answer to ReleaseStandby: the pids it ended
+
+
+@dataclass(frozen=True)
+class ReleaseStandby:
+    """Kernel -> launcher: end the standby ranks now (``nbtrain.release()``, or a run needs the memory)."""
 
 
 RunEvent = Any  # any of the event records above; kept loose for the relay code

@@ -19,7 +19,7 @@ import os
 import platform
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -209,6 +209,11 @@ def gpu_occupancy(asked: str = "free-GPU selection") -> list[freegpus.GpuOccupan
         _shutdown(pynvml)
 
 
+# The pids of this kernel's standby ranks (nbtrain.kernel.client sets it with its first
+# launcher): a GPU only they hold is free, since a run that needs it ends them first.
+standby_pids: Callable[[], Collection[int]] = frozenset
+
+
 def _occupancy(nvml: ModuleType, logical: int, handle: Any, device: _NvmlDevice) -> freegpus.GpuOccupancy:
     gpu = GpuInfo(logical, device.name, device.total_bytes, device.free_bytes)
     held = _ask(nvml, nvml.nvmlDeviceGetComputeRunningProcesses, handle, default=None)
@@ -216,10 +221,11 @@ def _occupancy(nvml: ModuleType, logical: int, handle: Any, device: _NvmlDevice)
         return freegpus.GpuOccupancy(gpu, known=False)
     # This process (the kernel, which may have moved a model to the GPU) does not make a GPU
     # busy: its ranks are meant to share it, and "busy" means some other program holds it.
+    ours = {os.getpid(), *standby_pids()}
     processes = tuple(
         freegpus.GpuProcess(int(p.pid), _process_name(nvml, int(p.pid)), _used_bytes(p))
         for p in held
-        if int(p.pid) != os.getpid()
+        if int(p.pid) not in ours
     )
     return freegpus.GpuOccupancy(gpu, processes)
 

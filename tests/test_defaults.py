@@ -63,6 +63,7 @@ def test_defaults_are_a_frozen_record():
         "num_nodes",
         "precision",
         "sync_batchnorm",
+        "standby_idle",
         "backend",
         "debug_hold",
     }

@@ -63,6 +63,9 @@ EXAMPLES: list[object] = [
     events.AttachHeld(3, 1),
     events.ReleaseHeld(3, "the next launch needs its devices"),
     events.HeldReleased(3, 1, "its debugger ended"),
+    events.StandbyReady(1),
+    events.StandbyChanged(((0, 4001), (1, 4002)), "2 cuda ranks, nccl", (0, 1), ready=True),
+    events.ReleaseStandby(),
 ]
 
 

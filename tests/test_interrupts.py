@@ -54,7 +54,11 @@ except KeyboardInterrupt as error:
 def kernel():
     k = NotebookKernel()
     try:
-        k.run_ok("%load_ext nbtrain\nimport torch, nbtrain.kernel.client\n" + SPIN)
+        # Standby ranks off: these tests count a run's own ranks among the launcher's children
+        # (tests/test_standby.py stops and fails runs on standby ranks).
+        k.run_ok(
+            "%load_ext nbtrain\nimport torch, nbtrain.kernel.client\nnbtrain.set_defaults(standby_idle=None)\n" + SPIN
+        )
         k.run_ok("%%distributed --devices 2 --accelerator cpu\nwarm = 1")  # the launcher is warm
         yield k
     finally:

@@ -7,6 +7,7 @@ client in between. Rank functions are nested so that they travel by value.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import time
@@ -98,10 +99,15 @@ def channel(shared: Channel) -> Iterator[Channel]:
 _run_ids = iter(range(1, 1000))
 
 
-def start_run(run_id: int, fn: Callable[[], Any], devices: int = 2, timeout: float | None = None) -> events.StartRun:
+def start_run(
+    run_id: int, fn: Callable[[], Any], devices: int = 2, timeout: float | None = None, standby: float | None = None
+) -> events.StartRun:
+    """As the kernel would send it; ``standby``: seconds standby ranks wait after it (None: none, so that
+    each test here ends with no launcher child; tests/test_standby.py tests them)."""
     cfg = config.make_config(DevicePlan("cpu", tuple(range(devices))), strategy="ddp_notebook", timeout=timeout)
     payload = codepickle.dumps((fn, (), {}))  # as the kernel pickles it
-    return client._StartMessage(cfg, payload, has_tensor_file=False, with_log=False)(run_id)
+    start = client._StartMessage(cfg, payload, has_tensor_file=False, with_log=False)(run_id)
+    return dataclasses.replace(start, standby_seconds=standby)
 
 
 def of_type(seen: list[Any], kind: type) -> list[Any]:

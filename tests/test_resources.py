@@ -48,6 +48,7 @@ def test_twenty_launches_in_a_row_leak_nothing(launcher):
         # The launcher finishes a run's bookkeeping just after sending RunEnded; a last run
         # without a result makes sure that happened before we count.
         assert finish(nbtrain.start(lambda: None, devices=2)) is None
+        nbtrain.release()  # the next run's standby ranks, shown and held on purpose: ended and reaped
         gc.collect()  # objects of earlier tests (a Popen's pipes, say) close their fds now, not mid-count
         return procs.snapshot()
 

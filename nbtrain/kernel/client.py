@@ -82,6 +82,8 @@ class LauncherClient:
         # once its run is over (nbtrain.kernel.debugger).
         self.held: messages.RankHeld | None = None
         self.debug_messages: queue.Queue[Any] = queue.Queue()
+        self.standby: messages.StandbyChanged | None = None  # the launcher's last word on them
+        self._released: queue.Queue[tuple[int, ...]] = queue.Queue()  # its answers to ReleaseStandby
         threading.Thread(target=self._read_events, name="nbtrain-events", daemon=True).start()
         threading.Thread(target=self._read_stderr, name="nbtrain-launcher-stderr", daemon=True).start()
 
@@ -128,6 +130,18 @@ class LauncherClient:
             except queue.Empty:
                 return taken
 
+    def release_standby(self, timeout: float = 5.0) -> list[int]:
+        """End the standby ranks (nbtrain.launch_server.standby); the pids the launcher ended."""
+        with self._lock:
+            try:
+                wire.send(self.process.channel, messages.ReleaseStandby())
+            except OSError:
+                return []  # a dead launcher's ranks die with it
+        try:
+            return list(self._released.get(timeout=timeout))
+        except queue.Empty:
+            return []  # a launcher that does not answer: its ranks die with it when it is replaced
+
     def forget(self, run_id: int) -> None:
         with self._lock:
             self._queues.pop(run_id, None)
@@ -162,6 +176,11 @@ class LauncherClient:
                 break
             if isinstance(message, messages.LauncherReady):
                 self.ready.set()
+                continue
+            if isinstance(message, messages.StandbyChanged):
+                self.standby = message
+                if message.released is not None:
+                    self._released.put(message.released)
                 continue
             inbox = self._queues.get(getattr(message, "run_id", -1))
             self._note_held(message)
@@ -301,6 +320,9 @@ def _register_hooks() -> None:
     """Close the launcher at exit, and forget it in forked children: once, with the first launcher."""
     global _hooks_registered
     if not _hooks_registered:
+        from nbtrain import hardware
+
+        hardware.standby_pids = standby_pids
         atexit.register(_close_client)
         os.register_at_fork(after_in_child=_forget_client_in_child)
         _hooks_registered = True
@@ -804,7 +826,20 @@ class _StartMessage:
             log_path=self.log_path,
             debug_hold=self.debug_hold,
             interactive=self.interactive,
+            standby_seconds=_standby_seconds(),
         )
+
+
+def _standby_seconds() -> float | None:
+    from nbtrain.kernel import defaults
+
+    return defaults.get_defaults().standby_idle or None
+
+
+def standby_pids() -> set[int]:
+    """The pids of this kernel's standby ranks (a GPU only they hold counts as free)."""
+    standby = _client.standby if _client is not None else None
+    return {pid for _, pid in standby.ranks} if standby is not None else set()
 
 
 def _submit(client: Engine, start_message: _StartMessage, tensor_fd: int | None) -> Run:
@@ -942,6 +977,12 @@ def _admit(
     gpu_free = None
     if cfg.plan.accelerator == "cuda":
         gpu_free = {gpu.index: gpu.free_bytes for gpu in hardware.detect_gpus() if gpu.index in cfg.plan.device_ids}
+        # The run takes the standby ranks or ends them first: their memory is the run's. (gpu_usage
+        # numbers GPUs as NVML does, which is torch's numbering only without CUDA_VISIBLE_DEVICES.)
+        standby = standby_pids() if "CUDA_VISIBLE_DEVICES" not in os.environ else set()
+        for usage in hardware.gpu_usage() if standby else ():
+            if usage.index in gpu_free:
+                gpu_free[usage.index] += sum(used for pid, used in usage.process_bytes.items() if pid in standby)
     warning = admission.check_memory(
         need,
         world_size=cfg.world_size,

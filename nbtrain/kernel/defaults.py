@@ -28,6 +28,7 @@ from nbtrain.charts import STALL_SECONDS
 from nbtrain.errors import ConfigurationError
 
 DEBUG_HOLD_SECONDS = 600.0  # how long a failed run's root-cause rank waits, idle, for %nbtrain_debug
+STANDBY_IDLE_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class Defaults:
     sync_batchnorm: bool = False
     backend: str | None = None  # None: gloo on CPU, nccl on CUDA
     debug_hold: float | None = DEBUG_HOLD_SECONDS  # a failed rank kept for %nbtrain_debug; None: not kept
+    # Standby ranks (the next run's, waiting after a run) end after this many idle seconds; None: none kept.
+    standby_idle: float | None = STANDBY_IDLE_SECONDS
 
     def magic_line(self) -> str:
         """The ``%%distributed`` line that asks for exactly these settings, to copy into a cell."""
@@ -95,6 +98,7 @@ def set_defaults(
     sync_batchnorm: Any = _UNSET,
     backend: Any = _UNSET,
     debug_hold: Any = _UNSET,
+    standby_idle: Any = _UNSET,
 ) -> Defaults:
     """Set the defaults of every later ``%%distributed`` cell that does not give the flag.
 
@@ -107,8 +111,9 @@ def set_defaults(
     ``precision`` one of Lightning's names (``"bf16-mixed"``, ``"16"``, ...), ``sync_batchnorm``
     True or False, ``backend`` one of gloo, nccl, mpi, cpu:gloo,cuda:nccl or None (gloo on
     CPU, nccl on CUDA), ``debug_hold`` the seconds a failed run's root-cause rank is kept,
-    idle, for ``%nbtrain_debug`` (None or "none": not kept; 600 built in).
-    The combination is checked against this machine (its GPUs through NVML: CUDA is never
+    idle, for ``%nbtrain_debug`` (None or "none": not kept; 600 built in), ``standby_idle``
+    the seconds standby ranks wait for the next run before they end (None or 0: no standby
+    ranks; 600 built in). The combination is checked against this machine (its GPUs through NVML: CUDA is never
     initialised here) and a ConfigurationError says what is wrong; nothing changes then. Returns the new defaults.
 
     Example:
@@ -117,7 +122,7 @@ def set_defaults(
         >>> nbtrain.set_defaults(devices=2, accelerator="cpu", timeout=600)  # doctest: +NORMALIZE_WHITESPACE
         Defaults(devices='2', accelerator='cpu', strategy='ddp_notebook', timeout=600.0,
                  stall_warning=30.0, cluster='local', num_nodes=1, precision='32-true',
-                 sync_batchnorm=False, backend=None, debug_hold=600.0)
+                 sync_batchnorm=False, backend=None, debug_hold=600.0, standby_idle=600.0)
         >>> _ = nbtrain.set_defaults(**previous.as_dict())
     """
     global _current
@@ -135,6 +140,7 @@ def set_defaults(
             sync_batchnorm=old.sync_batchnorm if sync_batchnorm is _UNSET else _flag(sync_batchnorm),
             backend=old.backend if backend is _UNSET else _backend_text(backend),
             debug_hold=old.debug_hold if debug_hold is _UNSET else _hold_seconds(debug_hold),
+            standby_idle=old.standby_idle if standby_idle is _UNSET else _standby_idle(standby_idle),
         )
         # Checked with the value as given, so a message names it as the user wrote it.
         check(new, devices=new.devices if devices is _UNSET else devices)
@@ -214,6 +220,19 @@ def _stall_seconds(seconds: Any) -> float | None:
 
 
 def _hold_seconds(seconds: Any) -> float | None:
+    wanted = "a positive number of seconds a failed rank is kept for %nbtrain_debug, or None (or 'none') to keep none"
+    return _optional_seconds("debug_hold", seconds, wanted)
+
+
+def _standby_idle(seconds: Any) -> float | None:
+    if seconds == 0 and not isinstance(seconds, bool):
+        return None
+    wanted = "the seconds standby ranks may wait (600 built in), or None for no standby ranks"
+    return _optional_seconds("standby_idle", seconds, wanted)
+
+
+def _optional_seconds(name: str, seconds: Any, wanted: str) -> float | None:
+    """A positive number of seconds, or None for none (also written ``"none"``)."""
     if seconds is None or (isinstance(seconds, str) and seconds.strip().lower() == "none"):
         return None
     try:
@@ -221,10 +240,7 @@ def _hold_seconds(seconds: Any) -> float | None:
     except (TypeError, ValueError):
         value = -1.0
     if isinstance(seconds, bool) or not value > 0 or value == float("inf"):
-        raise ConfigurationError(
-            f"debug_hold={seconds!r} is not valid: give a positive number of seconds a failed rank is kept "
-            "for %nbtrain_debug, or None (or 'none') to keep none."
-        )
+        raise ConfigurationError(f"{name}={seconds!r} is not valid: give {wanted}.")
     return value
 
 

@@ -45,6 +45,7 @@ from nbtrain.events import (
     ReleaseHeld,
     ReleaseRanks,
     ReleaseResult,
+    ReleaseStandby,
     ResultOffer,
     RunEnded,
     SendResultFile,
@@ -52,7 +53,7 @@ from nbtrain.events import (
     StopRun,
     StoreListening,
 )
-from nbtrain.launch_server import tracker
+from nbtrain.launch_server import standby, tracker
 from nbtrain.launch_server.output import STREAMS, RankOutput, RunLog
 
 # Imported once here so that no rank pays for it: DistributedDataParallel's constructor
@@ -80,6 +81,7 @@ STACK_QUIET_SECONDS = 0.05
 DRAIN_SECONDS = 1.0  # how long to wait for output pipes to close once every rank exited
 MEMORY_SAMPLE_SECONDS = 0.5
 TICK_SECONDS = 0.1
+HAND_OVER_SECONDS = 10.0  # a standby rank reads its run within this, or it is killed
 
 
 @dataclass
@@ -129,6 +131,7 @@ class Run:
     paused_at: float = 0.0  # when the first of them stopped
     detail: str = ""  # how a stop came, for RunEnded
     held_text: str | None = None  # its held rank, as the sidebar lists it
+    plan: StartRun | None = None  # what standby ranks for the next run are forked for
 
 
 class Launcher:
@@ -140,6 +143,9 @@ class Launcher:
         self.runs: dict[int, Run] = {}
         self.held: dict[int, tuple[Run, RankProcess]] = {}  # run id -> its rank held for a post-mortem
         self.board = tracker.Board(tracker.find_owner(parent_pid))
+        self.standby = standby.Pool(
+            self.selector, self._fork_standby, self._send, self.board.show_standby, self.board.standby_dismissed
+        )
 
     # -- main loop ---------------------------------------------------------------------
     def serve(self) -> None:
@@ -160,6 +166,10 @@ class Launcher:
                     self._on_exit(run, rank)
                 elif kind == "stack":
                     self._on_stack(rank)
+                elif kind == "standby-events":
+                    self.standby.on_message(run, rank)
+                elif kind == "standby-exit":
+                    self.standby.on_exit(run, rank)
             if os.getppid() != self.parent_pid:  # the kernel died and its socket is held elsewhere
                 return self._shutdown()
             # Before _tick ends a run: what a rank left behind must not hold its pipes open.
@@ -170,7 +180,7 @@ class Launcher:
     def _live_ranks(self) -> set[int]:
         """The pids of ranks not yet reaped: the launcher's only legitimate children."""
         live = {rank.pid for run in self.runs.values() for rank in run.ranks if not rank.exited}
-        return live | {rank.pid for _run, rank in self.held.values()}
+        return live | {rank.pid for _run, rank in self.held.values()} | self.standby.pids()
 
     def _on_control(self) -> bool:
         try:
@@ -199,6 +209,9 @@ class Launcher:
                     self._release(run)
         elif isinstance(message, (DebugInput, AttachHeld, ReleaseHeld)):
             self._on_debug_request(message)
+        elif isinstance(message, ReleaseStandby):
+            ended = self.standby.release(time.monotonic() + standby.RELEASE_SECONDS)
+            self._send(events.StandbyChanged(released=tuple(sorted(ended))))
         elif isinstance(message, ReleaseRanks):
             run = self.runs.get(message.run_id)
             if run is not None and run.hold:
@@ -219,7 +232,12 @@ class Launcher:
         run.debug_hold = start.debug_hold
         self._release_held(f"the next launch (run {start.run_id}) needs its devices")
         run.log = RunLog(start.log_path) if start.log_path else None
+        run.plan = standby.plan_of(start)
         self.runs[start.run_id] = run
+        taken = self.standby.take(start)
+        if taken is not None:
+            self._start_taken(run, start, taken, tensor_fd)
+            return
         store_socket = None
         try:
             store_socket, port = self._store_socket(start)
@@ -264,9 +282,25 @@ class Launcher:
     def _start_rank(
         self, run: Run, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None
     ) -> RankProcess:
+        rank = self._fork_rank(assignment, listen_fd, tensor_fd, run.log)
+        self._watch(run, rank)
+        if assignment.start.start_method == "spawn":
+            _send_quietly(rank.channel, assignment)  # a fresh interpreter has nothing in memory
+        self._send(RankStarted(run.run_id, assignment.spec.rank, rank.pid))
+        return rank
+
+    def _fork_rank(
+        self,
+        assignment: RankAssignment,
+        listen_fd: int | None,
+        tensor_fd: int | None,
+        log: RunLog | None,
+        waits: bool = False,
+    ) -> RankProcess:
+        """A new rank process and the launcher's ends of its channel and pipes; ``waits``: a standby rank."""
         ends = _RankEnds.open()
         try:
-            pid = self._create(assignment, ends, listen_fd, tensor_fd)
+            pid = self._create(assignment, ends, listen_fd, tensor_fd, waits)
         except BaseException:
             ends.close_all()  # the fork failed: nothing holds the other ends
             raise
@@ -279,27 +313,76 @@ class Launcher:
             ends.close_all()
             raise
         pipes = {ends.out_read: "stdout", ends.err_read: "stderr"}
-        output = RankOutput(assignment.spec.rank, run.log)
+        output = RankOutput(assignment.spec.rank, log)
         rank = RankProcess(assignment.spec, pid, pidfd, ends.launcher_end, pipes, output)
         rank.stack_fd = ends.stack_read
-        os.set_blocking(ends.stack_read, False)
-        self.selector.register(ends.stack_read, selectors.EVENT_READ, ("stack", run, rank))
-        self.selector.register(ends.launcher_end, selectors.EVENT_READ, ("events", run, rank))
+        return rank
+
+    def _watch(self, run: Run, rank: RankProcess) -> None:
+        """Make the loop read the rank's channel, pipes and stack dumps, and see its exit, as ``run``'s."""
+        assert rank.stack_fd is not None
+        os.set_blocking(rank.stack_fd, False)
+        self.selector.register(rank.stack_fd, selectors.EVENT_READ, ("stack", run, rank))
+        self.selector.register(rank.channel, selectors.EVENT_READ, ("events", run, rank))
         for fd in rank.pipes:
             os.set_blocking(fd, False)
             self.selector.register(fd, selectors.EVENT_READ, ("pipe", run, rank))
         self.selector.register(rank.pidfd, selectors.EVENT_READ, ("pidfd", run, rank))
-        if assignment.start.start_method == "spawn":
-            _send_quietly(ends.launcher_end, assignment)  # a fresh interpreter has nothing in memory
-        self._send(RankStarted(run.run_id, assignment.spec.rank, pid))
-        return rank
 
-    def _create(self, assignment: RankAssignment, ends: _RankEnds, listen_fd: int | None, tensor_fd: int | None) -> int:
+    # -- standby ranks (nbtrain.launch_server.standby) ---------------------------------
+    def _fork_standby(self, plan: StartRun, generation: standby.Generation) -> list[RankProcess]:
+        """Fork ``plan``'s ranks to wait for a run; only their exit and channel are watched meanwhile
+        (their output waits in their pipes for the run that takes them)."""
+        store_socket, port = self._store_socket(plan)
+        ranks: list[RankProcess] = []
+        try:
+            for spec in plan.ranks:
+                listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
+                assignment = RankAssignment(plan, spec, port, os.getpid())
+                rank = self._fork_rank(assignment, listen_fd, None, None, waits=True)
+                ranks.append(rank)
+                self.selector.register(rank.pidfd, selectors.EVENT_READ, ("standby-exit", generation, rank))
+                self.selector.register(rank.channel, selectors.EVENT_READ, ("standby-events", generation, rank))
+        except OSError:
+            for rank in ranks:  # a generation is whole or none
+                processes.signal_group(rank.pid, signal.SIGKILL)
+                processes.reap_now(rank.pid)
+                self.selector.unregister(rank.pidfd)
+                self.selector.unregister(rank.channel)
+                rank.channel.close()
+                for fd in (rank.pidfd, rank.stack_fd, *rank.pipes):
+                    if fd is not None:
+                        os.close(fd)
+            raise
+        finally:
+            if store_socket is not None:
+                store_socket.close()
+        return ranks
+
+    def _start_taken(self, run: Run, start: StartRun, ranks: list[RankProcess], tensor_fd: int | None) -> None:
+        """Hand the run to standby ranks: its StartRun and payload memfd to each, over its channel."""
+        fds = () if tensor_fd is None else (tensor_fd,)
+        try:
+            for rank in ranks:
+                rank.output.log = run.log
+                run.ranks.append(rank)
+                self._watch(run, rank)
+                _hand_run(rank, start, fds)
+                self._send(RankStarted(run.run_id, rank.spec.rank, rank.pid))
+        finally:
+            self.standby.changed()  # they wait no more
+            self.board.start(start, [(rank.spec.rank, rank.pid) for rank in run.ranks])
+            if tensor_fd is not None:
+                os.close(tensor_fd)
+
+    def _create(
+        self, assignment: RankAssignment, ends: _RankEnds, listen_fd: int | None, tensor_fd: int | None, waits: bool
+    ) -> int:
         fds = RankFds(ends.rank_end.fileno(), ends.out_write, ends.err_write, listen_fd, tensor_fd, ends.stack_write)
         if assignment.start.start_method == "spawn":
             return self._spawn(assignment, fds)
         rank_end = ends.rank_end
-        return processes.fork_rank(lambda: _rank_main(assignment, rank_end, fds))
+        return processes.fork_rank(lambda: _rank_main(assignment, rank_end, fds, waits))
 
     def _spawn(self, assignment: RankAssignment, fds: RankFds) -> int:
         env = dict(assignment.start.environ)
@@ -549,6 +632,7 @@ class Launcher:
             processes.signal_group(rank.pid, number)
 
     def _tick(self, now: float) -> None:
+        self.standby.tick(now)
         for run_id in self.board.tick(now):  # stop requests, looked for about once a second
             run = self.runs.get(run_id)
             if run is not None and run.end_state is None:
@@ -626,6 +710,10 @@ class Launcher:
             self._send(RunEnded(run.run_id, state, failure=run.failure, detail=run.detail, stacks=_stacks(run)))
         if run.result_fd is not None:
             os.close(run.result_fd)
+        # After a stop or a timeout the user wants things to stop: no new processes until a run
+        # asks. While other runs go on, none either: forking would take CPU from them.
+        if run.plan is not None and state in (events.FINISHED, events.FAILED) and not self.runs:
+            self.standby.after_run(run.plan)
 
     # -- the debugger relay and the held rank (nbtrain.rank.debugger) ----------------------
     def _on_debug_event(self, run: Run, rank: RankProcess, message: Any) -> None:
@@ -729,6 +817,7 @@ class Launcher:
                 self._signal_groups([rank], signal.SIGKILL)
 
     def _shutdown(self) -> None:
+        self.standby.shutdown(time.monotonic() + 2.0)
         self.board.close()
         held = [rank for _run, rank in self.held.values()]
         self.held.clear()
@@ -815,9 +904,21 @@ def _readable_now(sock: socket.socket) -> bool:
     return bool(readable)
 
 
-def _send_quietly(channel: socket.socket, message: Any) -> None:
+def _hand_run(rank: RankProcess, start: StartRun, fds: tuple[int, ...]) -> None:
+    """Send a standby rank its run. One that died just now, or cannot read it (stuck before its
+    wait), is killed: its exit fails the run as any rank's would, and nothing waits forever."""
     try:
-        wire.send(channel, message)
+        rank.channel.settimeout(HAND_OVER_SECONDS)
+        wire.send(rank.channel, start, fds)
+    except OSError:
+        processes.signal_group(rank.pid, signal.SIGKILL)
+    finally:
+        rank.channel.settimeout(None)
+
+
+def _send_quietly(channel: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:
+    try:
+        wire.send(channel, message, fds)
     except OSError:
         pass  # the rank is already gone; its exit is handled by its pidfd
 
@@ -839,8 +940,9 @@ class RankFds:
         return [fd for fd in (self.channel, self.listen, self.tensor, self.stack) if fd is not None]
 
 
-def _rank_main(assignment: RankAssignment, channel: socket.socket, fds: RankFds) -> None:
-    """In the forked child: wire up stdio, drop the launcher's descriptors, run the rank."""
+def _rank_main(assignment: RankAssignment, channel: socket.socket, fds: RankFds, waits: bool = False) -> None:
+    """In the forked child: wire up stdio, drop the launcher's descriptors, run the rank
+    (``waits``: prepare, then wait for a run's payload, nbtrain.launch_server.standby)."""
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(fds.out, 1)
@@ -848,6 +950,8 @@ def _rank_main(assignment: RankAssignment, channel: socket.socket, fds: RankFds)
     _close_all_but({0, 1, 2, *fds.kept})
     from nbtrain.rank import runtime
 
+    if waits:
+        runtime.run_standby(assignment, channel, fds.listen, fds.stack)
     runtime.run_rank(assignment, channel, fds.listen, fds.tensor, fds.stack)
 
 

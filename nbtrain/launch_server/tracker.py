@@ -95,15 +95,19 @@ class Board:
         self.ended: list[tuple[str, str]] = []  # (record id, its folder)
         self.holding: dict[int, RunTracker] = {}  # ended runs whose failed rank is held: rewritten at its release
         self.enabled = True
+        self.standby_shown: tuple[str, str] | None = None  # (record id, folder) of the standby ranks
+        self.standby_count = 0
 
-    def start(self, start: StartRun, pids: list[tuple[int, int]]) -> None:
+    def start(
+        self, start: StartRun, pids: list[tuple[int, int]], record_id: str | None = None, state: str = "running"
+    ) -> None:
         """A run's ranks are forked: write its first record at once (pids and their start times)."""
         ranks = tuple((rank, pid, processes.start_time(pid) or 0) for rank, pid in pids)
         wrapper = start.environ.get("NBTRAIN_MODEL_WRAPPER", "")
         record = registry.RunRecord(
-            id=f"{self.prefix}-{start.run_id}",
+            id=record_id or f"{self.prefix}-{start.run_id}",
             world_size=len(start.ranks),
-            state="running",
+            state=state,
             ranks=ranks,
             kernel_id=self.owner.kernel_id,
             kernel_pid=self.owner.kernel_pid,
@@ -120,6 +124,31 @@ class Board:
             return
         tracker = self.trackers[start.run_id] = RunTracker(record, folder)
         self._write(tracker)
+
+    def show_standby(self, generation: Any) -> None:
+        """Keep one record (state ``standby``) for the standby ranks now waiting, none when none
+        wait: the sidebar lists them and their memory (``nbtrain.launch_server.standby``)."""
+        shown = self.standby_shown
+        if shown is not None:
+            self.standby_shown = None
+            self._safely(functools.partial(registry.remove, *shown), None)
+        if generation is None or not self.enabled:
+            return
+        self.standby_count += 1
+        plan: StartRun = generation.plan
+        ranks = [(rank.spec.rank, rank.pid) for rank in generation.ranks]
+        self.start(replace(plan, run_id=0), ranks, f"{self.prefix}-standby-{self.standby_count}", "standby")
+        tracker = self.trackers.pop(0, None)  # its record stays as written: nothing updates it
+        if tracker is not None:
+            self.standby_shown = (tracker.record.id, tracker.folder)
+
+    def standby_dismissed(self) -> bool:
+        """Whether the standby ranks' record was removed from outside (the sidebar's Dismiss)."""
+        shown = self.standby_shown
+        if shown is None or not self.enabled:
+            return False
+        record_id, folder = shown
+        return not os.path.exists(os.path.join(folder, f"{record_id}.json"))
 
     def get(self, run_id: int) -> RunTracker | None:
         return self.trackers.get(run_id)
@@ -168,6 +197,7 @@ class Board:
 
     def close(self) -> None:
         """The kernel is gone: forget the ended runs; runs still going stay (shown as orphaned)."""
+        self.show_standby(None)
         for record_id, folder in self.ended:
             self._safely(functools.partial(registry.remove, record_id, folder), None)
 

@@ -29,7 +29,16 @@ from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from nbtrain import config, processes, sharedtensors, stacks, wire
-from nbtrain.events import DebugQuit, RankAssignment, RankDone, RankFailed, Release, SendResultFile
+from nbtrain.events import (
+    DebugQuit,
+    RankAssignment,
+    RankDone,
+    RankFailed,
+    Release,
+    SendResultFile,
+    StandbyReady,
+    StartRun,
+)
 from nbtrain.rank import api, debugger
 
 STORE_TIMEOUT = datetime.timedelta(minutes=5)
@@ -44,12 +53,48 @@ def run_rank(
     stack_fd: int | None = None,
 ) -> NoReturn:
     """Run one rank to completion and exit the process. Never returns."""
-    start, spec = assignment.start, assignment.spec
-    register_stack_dump(stack_fd, start.environ)
+    _begin(assignment, stack_fd)
+    _run(assignment, channel, tensor_fd, listen_fd, prepared=False)
+
+
+def run_standby(plan: RankAssignment, channel: socket.socket, listen_fd: int | None, stack_fd: int) -> NoReturn:
+    """A rank forked ahead of its run (nbtrain.launch_server.standby). Never returns.
+
+    It does now what does not depend on the cell: the plan's environment, cwd, sys.path and
+    threads, its device (a CUDA context, cuDNN and cuBLAS loaded), its process group. Then it
+    waits for the run's ``StartRun`` and the payload's memfd on its channel, and runs it as
+    a fresh rank would. Anything failing before that ends it quietly: the launcher replaces
+    it, and a run never sees the failure (a freshly forked rank would report it instead).
+    """
+    _begin(plan, stack_fd)
+    try:
+        _adopt_caller_state(plan)
+        _select_device(plan.spec.device_type, plan.spec.device_index)
+        _warm_device(plan.spec.device_type)
+        _join_process_group(plan, listen_fd, eager=True)
+        wire.send(channel, StandbyReady(plan.spec.rank))
+        message, fds = wire.receive(channel)
+    except BaseException:  # noqa: BLE001 - the launcher sees the exit and replaces this rank
+        processes.exit_now(1)
+    if not isinstance(message, StartRun):
+        processes.exit_now(0)
+    assignment = RankAssignment(message, plan.spec, plan.master_port, plan.launcher_pid)
+    _run(assignment, channel, fds[0] if fds else None, None, prepared=True)
+
+
+def _begin(assignment: RankAssignment, stack_fd: int | None) -> None:
+    register_stack_dump(stack_fd, assignment.start.environ)
     # Orphans of this rank's subtree (a double fork, say) become its children, and the
     # launcher's once it exits: so nothing it started outlives the run (nbtrain.processes).
     processes.become_subreaper()
     _line_buffered_stdio()
+
+
+def _run(
+    assignment: RankAssignment, channel: socket.socket, tensor_fd: int | None, listen_fd: int | None, prepared: bool
+) -> NoReturn:
+    """Load the payload, run it, report; a standby rank ``prepared`` its state and group already."""
+    start, spec = assignment.start, assignment.spec
     context = api.RankContext(
         start.run_id,
         spec.rank,
@@ -61,15 +106,18 @@ def run_rank(
     )
     api._set_context(context)
     try:
-        _adopt_caller_state(assignment)
+        if not prepared:
+            _adopt_caller_state(assignment)
         _install_source_lines(start.source_lines)
         debugger.install(channel, start.run_id, spec.rank, start.interactive)
-        _select_device(spec.device_type, spec.device_index)
+        if not prepared:
+            _select_device(spec.device_type, spec.device_index)
         _tolerate_torchrun_style_calls(_distributed())  # before the payload: its names resolve to ours
         fn, args, kwargs = sharedtensors.loads(start.payload, tensor_fd, map_location=spec.device_type)
         if tensor_fd is not None:
             os.close(tensor_fd)
-        _join_process_group(assignment, listen_fd)
+        if not prepared:
+            _join_process_group(assignment, listen_fd)
         result = fn(*args, **kwargs)
         context.flush()
         sent = _send_done(channel, context, result if spec.rank == 0 else None)
@@ -195,8 +243,24 @@ def _select_device(device_type: str, device_index: int | None) -> None:
         torch.cuda.set_device(device_index)
 
 
-def _join_process_group(assignment: RankAssignment, listen_fd: int | None) -> None:
+def _warm_device(device_type: str) -> None:
+    """On CUDA, pay now what a cell's first step would: the context, cuDNN's and cuBLAS's loading."""
+    if device_type != "cuda":
+        return
+    import torch
+
+    image = torch.zeros(1, 1, 8, 8, device="cuda")
+    torch.nn.functional.conv2d(image, torch.zeros(1, 1, 3, 3, device="cuda"))
+    torch.zeros(8, 8, device="cuda") @ torch.zeros(8, 8, device="cuda")
+    torch.cuda.synchronize()
+    del image
+    torch.cuda.empty_cache()  # the cache holds no tensor of ours: only the context stays
+
+
+def _join_process_group(assignment: RankAssignment, listen_fd: int | None, eager: bool = False) -> None:
+    """Join the run's group; ``eager`` (a standby rank) builds NCCL's communicator now, not at the first collective."""
     global _hosted_store
+    import torch
     import torch.distributed as dist
 
     spec = assignment.spec
@@ -210,7 +274,10 @@ def _join_process_group(assignment: RankAssignment, listen_fd: int | None) -> No
             wait_for_workers=False,
             master_listen_fd=listen_fd,
         )
-    dist.init_process_group(assignment.start.backend, rank=spec.rank, world_size=spec.world_size)
+    device = None
+    if eager and spec.device_type == "cuda" and "nccl" in assignment.start.backend:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(assignment.start.backend, rank=spec.rank, world_size=spec.world_size, device_id=device)
 
 
 def _distributed() -> Any:

@@ -139,6 +139,8 @@ def clean(run_id: str) -> StopOutcome:
             f"run {run_id} is still {record.state} and its kernel lives: "
             "stop it first (POST .../stop), then clean it up."
         )
+    if record.state == "standby":  # record first: its launcher, seeing it gone, does not replace them
+        registry.remove(run_id)
     outcome = _signal(record, signal.SIGKILL)
     registry.remove(run_id)
     return outcome

@@ -1,0 +1,82 @@
+"""Standby ranks on a real GPU: skipped where no CUDA device exists (CI has none).
+
+A CUDA run's standby ranks hold a CUDA context (cuDNN and cuBLAS loaded, NCCL's
+communicator built) and nothing of any cell; GPUs only they hold count as free for
+``--devices free:k``, and a run taking that GPU takes or ends them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import nbtrain
+from helpers.procs import RUN_TIMEOUT, finish
+from nbtrain import hardware
+from nbtrain.kernel import client
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"),
+]
+
+CONTEXT_AT_MOST = 2 << 30  # a context with cuDNN/cuBLAS loaded is several hundred MB, not GBs
+
+
+def _waiting(timeout: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        standby = client.get_client().standby
+        if standby is not None and standby.ready:
+            return [pid for _, pid in standby.ranks]
+        time.sleep(0.02)
+    raise AssertionError(f"no standby ranks within {timeout} s")
+
+
+def _gpu_bytes(pid: int) -> int:
+    return sum(gpu.process_bytes.get(pid, 0) for gpu in hardware.gpu_usage())
+
+
+def test_standby_ranks_hold_a_cuda_context_and_nothing_else(launcher):
+    finish(nbtrain.start(lambda: None, devices=1, accelerator="cuda", timeout=RUN_TIMEOUT))
+    (pid,) = _waiting()
+    held = _gpu_bytes(pid)
+    assert 0 < held < CONTEXT_AT_MOST, held
+    listed = nbtrain.runs()[0]
+    assert listed.state == "standby" and (listed.ranks[0].gpu_bytes or 0) > 0
+
+    def first_line():
+        import os
+
+        return os.getpid(), torch.cuda.is_initialized(), torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+    ran_on, initialised, allocated, reserved = finish(
+        nbtrain.start(first_line, devices=1, accelerator="cuda", timeout=RUN_TIMEOUT)
+    )
+    assert ran_on == pid and initialised and allocated == 0 and reserved == 0
+    assert nbtrain.release() == 1
+    assert _gpu_bytes(pid) == 0
+
+
+def test_a_gpu_held_only_by_standby_ranks_counts_as_free(launcher):
+    finish(nbtrain.start(lambda: None, devices=[0], accelerator="cuda", timeout=RUN_TIMEOUT))
+    (pid,) = _waiting()
+    assert _gpu_bytes(pid) > 0
+    occupancy = {o.gpu.index: o for o in hardware.gpu_occupancy()}
+    assert occupancy[0].free, occupancy[0].describe_busy()
+    assert 0 in nbtrain.find_usable_cuda_devices(-1)
+
+    def where():
+        import os
+
+        return os.getpid(), torch.cuda.current_device()
+
+    count = torch.cuda.device_count()
+    ran_on, device = finish(nbtrain.start(where, devices=f"free:{count}", accelerator="cuda", timeout=RUN_TIMEOUT))
+    assert device == 0
+    if count == 1:  # the same plan as the standby ranks': they ran it
+        assert ran_on == pid
+    nbtrain.release()

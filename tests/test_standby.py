@@ -1,0 +1,242 @@
+"""Standby ranks (nbtrain.launch_server.standby): the next run's ranks, waiting after a run.
+
+Cells run in a real kernel: a matching cell takes the waiting ranks (their pids, started
+before the cell was sent), a changed plan, environment variable or sys.path discards them,
+``nbtrain.release()`` and the idle limit end them, one killed while waiting is replaced
+without the next cell noticing, and no cell sees what an earlier one left in its ranks.
+The re-run soak launches from this process, where its descriptors and memory can be read.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import pytest
+
+import nbtrain
+from helpers import procs
+from kernel_helpers import NotebookKernel, wait_gone
+from nbtrain.kernel import client
+
+GONE_SECONDS = 10.0
+STANDBY_SECONDS = 60.0  # a loaded 2-core machine: the ranks fork and join their group after the run
+
+# In the kernel: wait (bounded) until standby ranks are waiting, all joined, none of ``old``;
+# their [pid, start time] pairs.
+WAIT_FOR_STANDBY = """
+import time as _time, psutil as _psutil, nbtrain as _nbtrain
+
+def _standby(old=(), timeout=60.0):
+    deadline = _time.monotonic() + timeout
+    while _time.monotonic() < deadline:
+        waiting = [r for r in _nbtrain.runs() if r.state == "standby" and r.ready]
+        if waiting and not {r.pid for r in waiting[0].ranks} & set(old):
+            return [[r.pid, _psutil.Process(r.pid).create_time()] for r in waiting[0].ranks]
+        _time.sleep(0.02)
+    raise AssertionError(f"no standby ranks within {timeout} s: {_nbtrain.runs()}")
+"""
+
+TWO_RANKS = "%%distributed --devices 2 --accelerator cpu\n"
+GATHER_PIDS = (
+    "import os\nimport torch.distributed as dist\n"
+    "pids = [None] * dist.get_world_size()\ndist.all_gather_object(pids, os.getpid())\n"
+)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[NotebookKernel]:
+    with NotebookKernel() as k:
+        k.run_ok("%load_ext nbtrain\nimport nbtrain")
+        k.run_ok(WAIT_FOR_STANDBY)
+        yield k
+
+
+def standby(kernel: NotebookKernel, old: list[int] = ()) -> dict[int, float]:  # type: ignore[assignment]
+    """The waiting ranks' pid -> start time, once they are all in their group."""
+    return {pid: started for pid, started in kernel.value(f"_standby({list(old)!r}, {STANDBY_SECONDS})")}
+
+
+def run_two(kernel: NotebookKernel) -> list[int]:
+    kernel.run_ok(TWO_RANKS + GATHER_PIDS)
+    return list(kernel.value("pids"))
+
+
+def test_a_matching_cell_takes_the_ranks_started_before_it_was_sent(kernel):
+    run_two(kernel)
+    waiting = standby(kernel)
+    sent = time.time()
+    pids = run_two(kernel)
+    assert sorted(pids) == sorted(waiting)
+    assert all(started < sent for started in waiting.values()), (waiting, sent)
+
+
+@pytest.mark.parametrize(
+    ("change", "undo", "line"),
+    [
+        ("import os; os.environ['NBTRAIN_TEST_CHANGED'] = '1'", "del os.environ['NBTRAIN_TEST_CHANGED']", TWO_RANKS),
+        ("import sys; sys.path.append('/nbtrain-test-changed')", "sys.path.remove('/nbtrain-test-changed')", TWO_RANKS),
+        ("", "", "%%distributed --devices 1 --accelerator cpu\n"),
+    ],
+    ids=["environment variable", "sys.path", "plan"],
+)
+def test_a_changed_environment_sys_path_or_plan_discards_them(kernel, change, undo, line):
+    run_two(kernel)
+    waiting = list(standby(kernel))
+    kernel.run_ok(change)
+    try:
+        kernel.run_ok(line + GATHER_PIDS)
+        pids = kernel.value("pids")
+    finally:
+        kernel.run_ok(undo)
+    assert not set(pids) & set(waiting)  # fresh ranks, forked for this cell
+    assert wait_gone(waiting, GONE_SECONDS) == []
+
+
+def test_release_ends_them_and_the_next_run_starts_fresh_ones(kernel):
+    run_two(kernel)
+    waiting = list(standby(kernel))
+    assert kernel.value("nbtrain.release()") == 2
+    assert wait_gone(waiting, GONE_SECONDS) == []
+    assert kernel.value("[r.state for r in nbtrain.runs()]") == []
+    pids = run_two(kernel)
+    assert not set(pids) & set(waiting)
+    assert len(standby(kernel)) == 2  # after that run, new ones wait again
+
+
+def test_they_end_after_the_idle_limit(kernel):
+    kernel.run_ok("nbtrain.set_defaults(standby_idle=5)")
+    try:
+        run_two(kernel)
+        waiting = list(standby(kernel))
+        assert wait_gone(waiting, GONE_SECONDS + 5) == []
+        assert kernel.value("[r.state for r in nbtrain.runs()]") == []
+    finally:
+        kernel.run_ok("nbtrain.reset_defaults()")
+
+
+def test_one_killed_while_waiting_is_replaced_and_the_next_cell_never_hears_of_it(kernel):
+    run_two(kernel)
+    waiting = list(standby(kernel))
+    os.kill(waiting[1], signal.SIGKILL)
+    replaced = standby(kernel, waiting)
+    out = kernel.run_ok(TWO_RANKS + GATHER_PIDS)
+    assert sorted(kernel.value("pids")) == sorted(replaced)
+    assert "exited" not in out.text and "killed" not in out.text.lower()
+    assert wait_gone(waiting, GONE_SECONDS) == []
+
+
+def test_a_cell_never_sees_what_an_earlier_cell_left(kernel):
+    kernel.run_ok(
+        TWO_RANKS + "import builtins, json, sys, types, torch\n"
+        "json.nbtrain_leftover = 1\n"
+        "builtins.nbtrain_leftover = 1\n"
+        "sys.modules['nbtrain_leftover'] = types.ModuleType('nbtrain_leftover')\n"
+        "torch.set_default_dtype(torch.float64)\n"
+    )
+    waiting = standby(kernel)
+    kernel.run_ok(
+        TWO_RANKS + "import builtins, json, os, sys, torch\n"
+        "seen = [hasattr(json, 'nbtrain_leftover'), hasattr(builtins, 'nbtrain_leftover'),\n"
+        "        'nbtrain_leftover' in sys.modules, torch.cuda.is_initialized(),\n"
+        "        torch.get_default_dtype() == torch.float64,\n"
+        "        os.getpid()]\n"
+    )
+    seen = kernel.value("seen")
+    assert seen[:5] == [False] * 5
+    assert seen[5] in waiting  # the cell ran on ranks that were waiting
+
+
+def test_a_failure_and_a_timeout_on_standby_ranks_end_as_on_fresh_ones(kernel):
+    run_two(kernel)
+    waiting = standby(kernel)
+    out = kernel.run(TWO_RANKS + "import nbtrain\nif nbtrain.rank() == 1:\n    raise ValueError('rank 1 fails')\n")
+    assert out.error is not None and "rank 1 raised ValueError: rank 1 fails" in out.text, out.text
+    assert wait_gone(list(waiting), GONE_SECONDS) == []
+    waiting = standby(kernel)  # a failed run is followed by standby ranks too: the fix is re-run next
+    out = kernel.run("%%distributed --devices 2 --accelerator cpu --timeout 2\nimport time\ntime.sleep(60)\n")
+    assert out.error is not None and "RunTimeoutError" in out.text, out.text
+    assert "time.sleep(60)" in out.text  # where each rank was: its stack, asked for before the stop
+    assert wait_gone(list(waiting), GONE_SECONDS) == []
+    assert kernel.value("[r.state for r in nbtrain.runs()]") == []  # none after a timeout
+    assert len(run_two(kernel)) == 2
+
+
+def test_the_sidebar_lists_them_with_their_memory_and_dismiss_ends_them(launcher, tmp_path, monkeypatch):
+    from nbtrain import registry
+    from nbtrain.server import devices, runs
+
+    monkeypatch.setenv("NBTRAIN_RUNTIME_DIR", str(tmp_path))  # the run's environment names it
+    nbtrain.launch(lambda: None, devices=2, accelerator="cpu")
+    waiting = _waiting()
+    deadline = time.monotonic() + STANDBY_SECONDS
+    while not (shown := [r for r in runs.list_runs() if r["state"] == "standby"]):
+        assert time.monotonic() < deadline, registry.read_all()
+        time.sleep(0.02)
+    assert sorted(shown[0]["live_pids"]) == sorted(waiting) and shown[0]["world_size"] == 2
+    memory = {rank["pid"]: rank["rss"] for rank in devices.snapshot(devices.HostSampler())["ranks"]}
+    assert all(memory.get(pid, 0) > 0 for pid in waiting), memory
+    runs.clean(shown[0]["id"])  # the sidebar's Dismiss
+    assert procs.wait_gone(waiting, GONE_SECONDS, reaped=False) == []
+    deadline = time.monotonic() + GONE_SECONDS
+    while (state := client.get_client().standby) is not None and state.ranks:  # the launcher saw them die
+        assert time.monotonic() < deadline, state
+        time.sleep(0.02)
+    replaced_by = time.monotonic() + 1.0  # a replacement would be forked at once: look for one for 1 s
+    while time.monotonic() < replaced_by:
+        state = client.get_client().standby
+        assert state is None or not state.ranks, state
+        time.sleep(0.05)
+    assert procs.wait_gone([p.pid for p in procs.launcher_children()], GONE_SECONDS, reaped=False) == []
+
+
+# --- from this process: the soak ------------------------------------------------------------------
+
+
+def _waiting(timeout: float = STANDBY_SECONDS) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = client.get_client().standby
+        if state is not None and state.ready:
+            return [pid for _, pid in state.ranks]
+        time.sleep(0.02)
+    raise AssertionError(f"no standby ranks within {timeout} s")
+
+
+def _launcher_rss() -> int:
+    launcher = procs.current_launcher()
+    assert launcher is not None
+    return int(launcher.memory_info().rss)
+
+
+@pytest.mark.slow
+def test_a_hundred_re_runs_leave_no_growth_in_processes_descriptors_or_memory(launcher):
+    def job() -> Any:
+        import os
+
+        return os.getpid()
+
+    for _ in range(5):  # warm: the launcher's and this process's first-run allocations
+        nbtrain.launch(job, devices=2, accelerator="cpu")
+    _waiting()
+    before, rss = procs.snapshot(), _launcher_rss()
+    taken = 0
+    for _ in range(100):
+        waiting = _waiting()
+        taken += nbtrain.launch(job, devices=2, accelerator="cpu") in waiting
+    _waiting()
+    after = procs.snapshot()
+    assert taken == 100  # every re-run ran on the ranks waiting for it
+    assert (after.fds, after.launcher_fds, after.launcher_children, after.threads) == (
+        before.fds,
+        before.launcher_fds,
+        before.launcher_children,
+        before.threads,
+    )
+    assert after.shm == before.shm
+    assert _launcher_rss() - rss < 8 << 20, "the launcher grew by more than 8 MiB over 100 runs"
+    assert psutil.Process().num_fds() == before.fds
