@@ -720,8 +720,10 @@ def _summary(record: CellRun) -> str:
     ranks = f"{record.world_size} rank{'s' if record.world_size != 1 else ''}"
     text = f"nbtrain: {ranks} ({record.accelerator}, {record.strategy}) finished in {record.seconds:.1f} s."
     loaders = dict(record.loaders)
-    wrapped = [
-        f"{name} ({how})" for name, how in record.prepared if how not in ("moved", "bound") and name not in loaders
+    wrapped = [  # "model (DistributedDataParallel)", or "model: on cuda:0, not wrapped (one rank)"
+        f"{name}: {how}" if how.startswith("on ") else f"{name} ({how})"
+        for name, how in record.prepared
+        if how not in ("moved", "bound") and name not in loaders
     ]
     if wrapped:
         text += f" Auto-prepared: {', '.join(wrapped)}."
