@@ -37,7 +37,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # the tests' kernel driver
 
-from kernel_helpers import NotebookKernel  # noqa: E402
+from kernel_helpers import NotebookKernel
 
 STEPS = 300
 WARMUP = 30
@@ -135,13 +135,17 @@ def main() -> None:
     two = steps["2 ranks, auto mode"] / steps["2 ranks, DDP by hand"]
     one = steps["1 rank, auto mode"] / steps["1 rank, by hand"]
     kern = steps["1 rank, auto mode"] / steps["kernel"]
-    print(f"  2 ranks: auto / by hand      {two:.3f}x  (target <= {TARGET_AUTO_RATIO}x: {verdict(two, TARGET_AUTO_RATIO)})")
-    print(f"  1 rank:  auto / by hand      {one:.3f}x  (target <= {TARGET_AUTO_RATIO}x: {verdict(one, TARGET_AUTO_RATIO)})")
-    print(f"  1 rank:  auto / kernel loop  {kern:.3f}x  (target <= {TARGET_KERNEL_RATIO}x: {verdict(kern, TARGET_KERNEL_RATIO)})")
+    for label, ratio, target in (
+        ("2 ranks: auto / by hand", two, TARGET_AUTO_RATIO),
+        ("1 rank:  auto / by hand", one, TARGET_AUTO_RATIO),
+        ("1 rank:  auto / kernel loop", kern, TARGET_KERNEL_RATIO),
+    ):
+        print(f"  {label:<28} {ratio:.3f}x  (target <= {target}x: {verdict(ratio, target)})")
     median = statistics.median(latencies)
     shown = ", ".join(f"{value * 1000:.1f}" for value in latencies)
     print(f"\nRe-run cell sent -> every rank running its first line (2 CPU ranks): median {median * 1000:.1f} ms")
-    print(f"  re-runs: {shown} ms  (target <= {TARGET_FIRST_LINE_S * 1000:.0f} ms: {verdict(median, TARGET_FIRST_LINE_S)})")
+    target = f"target <= {TARGET_FIRST_LINE_S * 1000:.0f} ms: {verdict(median, TARGET_FIRST_LINE_S)}"
+    print(f"  re-runs: {shown} ms  ({target})")
 
 
 if __name__ == "__main__":

@@ -31,9 +31,9 @@ GPU indices count from 0 among the GPUs this process can see, that is after
 single device, so only requests for one device (or ``"auto"``/``-1``) are accepted.
 
 Rejected, each with a message naming the value and listing what is available: zero,
-negative numbers other than -1, more GPUs than are visible, indices out of range, floats, booleans, and strings that are not a count, ``"-1"``, ``"auto"`` or a
-comma list (``"two"``, ``"1.5"``, ``""``, ``"[1,2]"``; for the last, pass the list
-itself or ``"1,2"``).
+negative numbers other than -1, more GPUs than are visible, indices out of range,
+floats, booleans, and strings that are not a count, ``"-1"``, ``"auto"`` or a comma list
+(``"two"``, ``"1.5"``, ``""``, ``"[1,2]"``; for the last, pass the list itself or ``"1,2"``).
 
 CPU processes are bounded before anything starts: more than ``OVERSUBSCRIBE_FACTOR``
 processes per usable core (a typo such as ``10000`` for ``100``) is refused unless the

@@ -65,7 +65,7 @@ def test_prepare_on_one_rank_leaves_the_model_optimizer_and_loader_as_they_are(l
         opt = torch.optim.Adam(model.parameters())
         loader = DataLoader(TensorDataset(torch.zeros(8, 4)), batch_size=2, shuffle=True)
         prepared = nbtrain.prepare(model, opt, loader)
-        return [a is b for a, b in zip(prepared, (model, opt, loader))], type(model.weight).__name__
+        return [a is b for a, b in zip(prepared, (model, opt, loader), strict=True)], type(model.weight).__name__
 
     same, weight_type = finish(nbtrain.start(fn, devices=1, accelerator="cpu", strategy=strategy))
     assert same == [True, True, True] and weight_type == "Parameter"

@@ -259,7 +259,7 @@ def _pending_value(value: Any, context: RankContext) -> Any:
         return None
 
 
-def _rows_as_floats(pending: list[tuple[int, float, dict[str, Any]]]) -> tuple[tuple[int, float, dict[str, float]], ...]:
+def _rows_as_floats(pending: list[tuple[int, float, dict[str, Any]]]) -> tuple[tuple[int, float, dict[str, Any]], ...]:
     """The pending rows with every device scalar made a float: one copy to the host for them all.
 
     A copy per value would be a device sync per logged step; stacking the scalars first

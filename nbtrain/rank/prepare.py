@@ -923,7 +923,8 @@ def _describe(original: Any, prepared: Any) -> str:
     if prepared is original:
         if type(original).__name__.startswith("FSDP"):
             return "sharded with fully_shard"
-        if one_rank() and isinstance(original, _torch().nn.Module) and any(p.requires_grad for p in original.parameters()):
+        trains = isinstance(original, _torch().nn.Module) and any(p.requires_grad for p in original.parameters())
+        if trains and one_rank():
             return f"on {api.device()}, not wrapped (one rank)"
         return "moved" if not _is_optimizer(original) else "bound"
     if isinstance(prepared, DataLoader):
