@@ -212,11 +212,11 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
     _move_module(module, api.device())
     wrapper = model_wrapper() if _in_process_group() else "none"
     trainable = any(p.requires_grad for p in module.parameters())
+    _apply_precision_and_sync(module, wrapper)  # --sync-batchnorm as asked: over one rank, a plain BatchNorm's cost
     if one_rank():
         wrapper = "none"
         if trainable and api.device().type != "cpu":
             module.register_forward_pre_hook(_inputs_to_device, with_kwargs=True)
-    _apply_precision_and_sync(module, wrapper)
     if wrapper in DDP_WRAPPERS and trainable:
         wrapper_options = {"find_unused_parameters": wrapper == "ddp_find_unused", **wrapper_options}
         prepared = _wrap_ddp(module, wrapper_options)
