@@ -5,7 +5,9 @@ On a rank, ``prepare`` does what a torchrun script does by hand:
 - a ``Module`` moves to the rank's device and is wrapped for the strategy: a
   :class:`~torch.nn.parallel.DistributedDataParallel` (``ddp_*``) that still reads through
   to the model's own attributes and methods, or sharded in place with FSDP2's
-  ``fully_shard`` (``fsdp``). A module with no trainable parameters is moved, not wrapped.
+  ``fully_shard`` (``fsdp``). A module with no trainable parameters is moved, not wrapped,
+  and so is every module of a run with one rank (nothing to average): the model trains as
+  it is, its loader keeps its own order, and on a GPU its inputs and batches move there.
 - an ``Optimizer`` is bound to the prepared parameters (with FSDP2 the parameters become
   DTensors, so its param_groups are rebuilt in the same order, state included).
 - a ``DataLoader`` is rebuilt on a ``DistributedSampler`` that keeps its batch size,
