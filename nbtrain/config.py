@@ -248,11 +248,26 @@ def make_config(
     return LaunchConfig(
         plan=plan,
         strategy=chosen,
-        backend=backend_for(plan.accelerator, backend),
+        backend=_backend_for_plan(plan, backend),
         timeout=validate_timeout(timeout),
         precision=resolve_precision(precision, plan.accelerator),
         sync_batchnorm=bool(sync_batchnorm),
     )
+
+
+def _backend_for_plan(plan: DevicePlan, requested: str | None) -> str:
+    """:func:`backend_for`, except that ranks sharing a GPU get gloo, and nccl is refused for them."""
+    shared = plan.shared_gpus
+    if not shared:
+        return backend_for(plan.accelerator, requested)
+    if requested is not None and "nccl" in requested:
+        listed = ",".join(str(index) for index in plan.device_ids)
+        raise ConfigurationError(
+            f"devices '{listed}' puts more than one rank on GPU {shared[0]}, and backend {requested!r} cannot run "
+            "that: nccl refuses a GPU that two ranks of its group share. Use backend='gloo' (--backend gloo), "
+            "which can (slower; meant for testing multi-rank code on one GPU), or give each rank its own GPU."
+        )
+    return backend_for(plan.accelerator, requested or "gloo")
 
 
 def check_strategy_fits(strategy: Strategy, plan: DevicePlan, sync_batchnorm: bool = False) -> None:

@@ -19,6 +19,7 @@ without a GPU and keeps torch (and CUDA) out of the Jupyter kernel.
 ``[1, 3]``             GPUs 1 and 3                           error: not a count
 ``"1,3"``              GPUs 1 and 3                           error: not a count
 ``"1,"``               GPU 1 (a trailing comma makes a list)  error: not a count
+``"0,0"``              two ranks sharing GPU 0 (gloo; tests)  error: not a count
 ``"free:2"``           two GPUs no other process uses         error: needs GPUs
 =====================  =====================================  ==========================
 
@@ -30,10 +31,9 @@ GPU indices count from 0 among the GPUs this process can see, that is after
 single device, so only requests for one device (or ``"auto"``/``-1``) are accepted.
 
 Rejected, each with a message naming the value and listing what is available: zero,
-negative numbers other than -1, more GPUs than are visible, indices out of range or
-repeated, floats, booleans, and strings that are not a count, ``"-1"``, ``"auto"`` or a
-comma list (``"two"``, ``"1.5"``, ``""``, ``"[1,2]"``; for the last, pass the list
-itself or ``"1,2"``).
+negative numbers other than -1, more GPUs than are visible, indices out of range,
+floats, booleans, and strings that are not a count, ``"-1"``, ``"auto"`` or a comma list
+(``"two"``, ``"1.5"``, ``""``, ``"[1,2]"``; for the last, pass the list itself or ``"1,2"``).
 
 CPU processes are bounded before anything starts: more than ``OVERSUBSCRIBE_FACTOR``
 processes per usable core (a typo such as ``10000`` for ``100``) is refused unless the
@@ -103,6 +103,18 @@ class DevicePlan:
     @property
     def world_size(self) -> int:
         return len(self.device_ids)
+
+    @property
+    def shared_gpus(self) -> tuple[int, ...]:
+        """GPUs that hold more than one rank (listed more than once), in order.
+
+        >>> DevicePlan("cuda", (0, 0)).shared_gpus, DevicePlan("cuda", (0, 1)).shared_gpus
+        ((0,), ())
+        """
+        if self.accelerator != "cuda":
+            return ()
+        ids = self.device_ids
+        return tuple(sorted({index for position, index in enumerate(ids) if index in ids[:position]}))
 
 
 # What a ``devices`` value asks for, before looking at the machine: "auto", "all"
@@ -280,9 +292,8 @@ def _parse_index_list(indices: list[int]) -> tuple[int, ...]:
     negative = [index for index in indices if index < 0]
     if negative:
         raise _InvalidDevices(f"device indices count from 0, but it holds {negative[0]}")
-    repeated = [index for position, index in enumerate(indices) if index in indices[:position]]
-    if repeated:
-        raise _InvalidDevices(f"index {repeated[0]} appears more than once; each rank needs its own GPU")
+    # A GPU listed twice holds two ranks: a way to run multi-rank CUDA code on one GPU, for
+    # testing (gloo only: nbtrain.config refuses nccl, which cannot share a GPU between ranks).
     return tuple(indices)
 
 

@@ -145,3 +145,15 @@ def test_all_reduce_combines_numbers_and_tensors_over_real_ranks(launcher):
     result = finish(nbtrain.start(reduce_on_each_rank, devices=2, accelerator="cpu"))
     assert result == {"sum": 3, "mean": 1.5, "min": 0.5, "max": [1.0, 10.0], "own unchanged": True}
     assert type(result["sum"]) is int
+
+
+def test_device_scalars_of_a_batch_become_floats_together_in_their_rows():
+    """The rows a flush sends: each scalar kept as a tensor made a float, in its row, mixed dtypes too."""
+    pending = [
+        (1, 10.0, {"loss": torch.tensor(1.5, dtype=torch.bfloat16), "acc": 0.5}),
+        (2, 11.0, {"loss": torch.tensor([2.25]), "hist": torch.zeros(3), "n": torch.tensor(7)}),
+    ]
+    assert api._rows_as_floats(pending) == (
+        (1, 10.0, {"loss": 1.5, "acc": 0.5}),
+        (2, 11.0, {"loss": 2.25, "n": 7.0}),  # not a scalar: nothing to draw, dropped
+    )

@@ -133,3 +133,20 @@ def test_make_config_checks_every_setting():
 @pytest.mark.parametrize(("value", "threads"), [("4", 4), ("0", 1), ("", None), ("many", None)])
 def test_the_users_omp_num_threads_is_read_leniently(value, threads):
     assert user_thread_count({"OMP_NUM_THREADS": value}) == threads
+
+
+def test_ranks_sharing_a_gpu_get_gloo_and_nccl_is_refused_with_what_to_do():
+    from nbtrain.config import make_config
+    from nbtrain.devices import DevicePlan
+    from nbtrain.errors import ConfigurationError
+
+    shared = DevicePlan("cuda", (0, 0))
+    assert make_config(shared, strategy="ddp_notebook", timeout=None).backend == "gloo"
+    assert make_config(DevicePlan("cuda", (0, 1)), strategy="ddp_notebook", timeout=None).backend == "nccl"
+    with pytest.raises(ConfigurationError) as refused:
+        make_config(shared, strategy="ddp_notebook", timeout=None, backend="nccl")
+    assert str(refused.value) == (
+        "devices '0,0' puts more than one rank on GPU 0, and backend 'nccl' cannot run that: nccl refuses a GPU "
+        "that two ranks of its group share. Use backend='gloo' (--backend gloo), which can (slower; meant for "
+        "testing multi-rank code on one GPU), or give each rank its own GPU."
+    )

@@ -797,8 +797,8 @@ def _summary(record: CellRun) -> str:
     text = f"nbtrain: {ranks} ({record.accelerator}, {record.strategy}) finished in {record.seconds:.1f} s."
     loaders = dict(record.loaders)
     left = [(name, how) for name, how in record.prepared if how.startswith("not prepared")]
-    wrapped = [
-        f"{name} ({how})"
+    wrapped = [  # "model (DistributedDataParallel)", or "model: on cuda:0, not wrapped (one rank)"
+        f"{name}: {how}" if how.startswith("on ") else f"{name} ({how})"
         for name, how in record.prepared
         if how not in ("moved", "bound") and name not in loaders and (name, how) not in left
     ]

@@ -5,7 +5,9 @@ On a rank, ``prepare`` does what a torchrun script does by hand:
 - a ``Module`` moves to the rank's device and is wrapped for the strategy: a
   :class:`~torch.nn.parallel.DistributedDataParallel` (``ddp_*``) that still reads through
   to the model's own attributes and methods, or sharded in place with FSDP2's
-  ``fully_shard`` (``fsdp``). A module with no trainable parameters is moved, not wrapped.
+  ``fully_shard`` (``fsdp``). A module with no trainable parameters is moved, not wrapped,
+  and so is every module of a run with one rank (nothing to average): the model trains as
+  it is, its loader keeps its own order, and on a GPU its inputs and batches move there.
 - an ``Optimizer`` is bound to the prepared parameters (with FSDP2 the parameters become
   DTensors, so its param_groups are rebuilt in the same order, state included).
 - a ``DataLoader`` is rebuilt on a ``DistributedSampler`` that keeps its batch size,
@@ -62,6 +64,9 @@ WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded", "fsdp", "fsdp_offload", "dp
 DDP_WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded")
 # fsdp_offload keeps the shards (and the optimizer's step) in host memory: FSDP2's CPUOffloadPolicy.
 FSDP_WRAPPERS = ("fsdp", "fsdp_offload")
+# With one rank there is nothing to average: these train the model as it is (no wrapper,
+# no all-reduce, the same gradients). fsdp_offload stays sharded: its point is host memory.
+ONE_RANK_UNWRAPPED = (*DDP_WRAPPERS, "fsdp")
 DP_DEVICES_VARIABLE = "NBTRAIN_DP_DEVICES"  # dp: DataParallel's device_ids (nbtrain.config sets it)
 UNUSED_NAMES_SHOWN = 8
 
@@ -208,8 +213,12 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
         return module
     _move_module(module, api.device())
     wrapper = model_wrapper() if _in_process_group() else "none"
-    _apply_precision_and_sync(module, wrapper)
     trainable = any(p.requires_grad for p in module.parameters())
+    _apply_precision_and_sync(module, wrapper)  # --sync-batchnorm as asked: over one rank, a plain BatchNorm's cost
+    if one_rank():
+        wrapper = "none"
+        if trainable and api.device().type != "cpu":
+            module.register_forward_pre_hook(_inputs_to_device, with_kwargs=True)
     if wrapper in DDP_WRAPPERS and trainable:
         wrapper_options = {"find_unused_parameters": wrapper == "ddp_find_unused", **wrapper_options}
         prepared = _wrap_ddp(module, wrapper_options)
@@ -221,6 +230,22 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
         prepared = module
     _registry.remember(module, prepared)
     return prepared
+
+
+def one_rank() -> bool:
+    """True on the only rank of a DDP-family (or fsdp) run: the model trains as it is, unwrapped."""
+    return _in_process_group() and api.world_size() == 1 and model_wrapper() in ONE_RANK_UNWRAPPED
+
+
+def _inputs_to_device(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What DDP did for a one-rank run's model too: inputs made on the CPU move to the rank's GPU.
+
+    A forward pre-hook; inputs already there cost one device comparison each.
+    """
+    device = api.device()
+    if all(getattr(a, "device", device) == device for a in args) and not kwargs:
+        return None
+    return _to_device(args, device), _to_device(kwargs, device)
 
 
 def _apply_precision_and_sync(module: Any, wrapper: str) -> None:
@@ -487,7 +512,7 @@ def prepare_optimizer(optimizer: Any) -> Any:
     Under ``ddp_sharded`` it is a ``ZeroRedundancyOptimizer`` of the same class and
     settings, holding this rank's partition of the state only.
     """
-    if model_wrapper() == "ddp_sharded" and _in_process_group() and not _is_zero(optimizer):
+    if model_wrapper() == "ddp_sharded" and _in_process_group() and api.world_size() > 1 and not _is_zero(optimizer):
         return _shard_optimizer_state(optimizer)
     _registry.optimizers.add(optimizer)
     _rebind_optimizer(optimizer)
@@ -587,6 +612,8 @@ def prepare_loader(loader: Any, evaluation: str | None = None) -> Any:
         setattr(loader, EVALUATION_MARK, evaluation)
     if not _in_process_group() or model_wrapper() == "none":
         return loader
+    if one_rank():  # the loader's own order; on a GPU its batches move there
+        return loader if api.device().type == "cpu" else _one_rank_loader(loader)
     if _already_distributed(loader):
         return loader
     reason, shuffle = _shardable(loader)
@@ -703,6 +730,7 @@ class _PassAware(_LoaderBase):
     _nbtrain_epoch: int  # training passes so far: the next one's set_epoch
     _nbtrain_whole: Any  # what an evaluation pass reads: the rank's copy of the user's loader
     _nbtrain_passes: dict[str, int]  # passes so far: "train", "whole", "shard"
+    _nbtrain_one_rank = False  # every pass reads the user's loader, moved to the device
 
     # Not DataLoader's iterator type: a pass reads the user's own loader, or moves batches.
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -711,7 +739,7 @@ class _PassAware(_LoaderBase):
             _registry.first_iterated.append(self)  # the summary names loaders in this order
         self._nbtrain_passes[kind] += 1
         batches: Iterator[Any]
-        if kind == "whole":
+        if kind == "whole" or self._nbtrain_one_rank:
             batches = iter(self._nbtrain_whole)
         else:
             if kind == "train":
@@ -725,7 +753,7 @@ class _PassAware(_LoaderBase):
         return (_to_device(batch, device) for batch in batches)
 
     def __len__(self) -> int:
-        if self._nbtrain_pass_kind() == "whole":
+        if self._nbtrain_one_rank or self._nbtrain_pass_kind() == "whole":
             return len(self._nbtrain_whole)
         return super().__len__()
 
@@ -792,6 +820,20 @@ def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
     return new
 
 
+def _one_rank_loader(loader: Any) -> Any:
+    """The only rank's loader on a GPU: the user's own loader (its sampler, order and RNG draws)
+    whose batches move to the rank's device, as a sharded loader's do."""
+    cls = _prepared_loader_class()
+    new = cls(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last)
+    new._nbtrain_one_rank = True
+    new._nbtrain_epoch = 0
+    new._nbtrain_whole = loader
+    new._nbtrain_passes = {"train": 0, "whole": 0, "shard": 0}
+    setattr(new, EVALUATION_MARK, evaluation_of(loader))
+    _registry.remember(loader, new)
+    return new
+
+
 def loader_report() -> list[tuple[str, str]]:
     """(name, what its passes read) for each loader auto mode prepared, for the run's summary.
 
@@ -804,6 +846,8 @@ def loader_report() -> list[tuple[str, str]]:
 
 def describe_passes(loader: Any) -> str:
     """What a prepared loader's passes so far read, in words."""
+    if loader._nbtrain_one_rank:
+        return f"its own order, batches moved to {api.device()} (one rank: not sharded)"
     share = f"DistributedSampler, {loader.sampler.num_samples} of {len(loader.dataset)} per rank"
     passes = loader._nbtrain_passes
     parts = []
@@ -954,6 +998,9 @@ def _describe(original: Any, prepared: Any) -> str:
     if prepared is original:
         if type(original).__name__.startswith("FSDP"):
             return "sharded with fully_shard"
+        trains = isinstance(original, _torch().nn.Module) and any(p.requires_grad for p in original.parameters())
+        if trains and one_rank():
+            return f"on {api.device()}, not wrapped (one rank)"
         return "moved" if not _is_optimizer(original) else "bound"
     if isinstance(prepared, DataLoader):
         return "DistributedSampler"

@@ -1,7 +1,7 @@
 """The CUDA paths on a real GPU: skipped where no CUDA device exists (CI has none).
 
 Run on a GPU machine with ``.venv/bin/python -m pytest tests/gpu -m gpu``, or ``bash .ci/gpu``
-(with the machine's own CUDA torch; it also runs benchmarks/launch.py). What they show:
+(with the machine's own CUDA torch; it also runs benchmarks/gpu.py). What they show:
 the kernel may initialise CUDA and still launch CUDA ranks (they fork from the launcher,
 never from the kernel), nccl groups, mixed precision with the loss scaler, FSDP on one GPU,
 CUDA memory in the live view's samples, CUDA tensors coming back, an out-of-memory

@@ -1,0 +1,156 @@
+"""One GPU, one rank and two: the paths a one-GPU machine can show. Skipped without CUDA.
+
+- One rank trains the model as it is (no DDP): the summary says so, the weights come back,
+  and the rank's training equals the kernel's own loop on the same GPU.
+- Two ranks sharing GPU 0 (``--devices 0,0``; gloo, since nccl refuses a GPU twice) run the
+  multi-rank CUDA paths: DDP with device_ids equals one process on the whole batch, the
+  kernel's CUDA model gets rank 0's weights back, a DistributedSampler's shares reach each
+  rank on CUDA, and each rank's CUDA memory reaches the live view.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nbtrain
+from helpers.procs import RUN_TIMEOUT, finish
+from kernel_helpers import NotebookKernel
+from nbtrain import events
+from nbtrain.errors import ConfigurationError
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"),
+]
+
+SHARED = "0,0"  # two ranks on GPU 0
+
+
+def _train(world: int, steps: int = 5) -> tuple[str, dict[str, torch.Tensor]]:
+    """On a rank: the same MLP and data everywhere; each of ``world`` ranks takes its slice of the batch."""
+    torch.manual_seed(0)
+    model = nbtrain.prepare(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(64, 16, device="cuda"), torch.randn(64, 1, device="cuda")
+    share = slice(nbtrain.rank() * 64 // world, (nbtrain.rank() + 1) * 64 // world)
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x[share]), y[share])
+        opt.zero_grad(); loss.backward(); opt.step()
+    return type(model).__name__, {name: value.detach().cpu() for name, value in model.state_dict().items()}
+
+
+def test_two_ranks_on_one_gpu_train_as_one_process_does(launcher):
+    kind1, one = finish(nbtrain.start(_train, (1,), devices=1, accelerator="cuda", timeout=RUN_TIMEOUT))
+    kind2, two = finish(nbtrain.start(_train, (2,), devices=SHARED, accelerator="cuda", timeout=RUN_TIMEOUT))
+    assert (kind1, kind2) == ("Sequential", "DistributedDataParallel")  # one rank unwrapped, two under DDP
+    diff = max((one[name] - two[name]).abs().max().item() for name in one)
+    assert diff < 1e-5, diff
+
+
+def test_two_ranks_on_one_gpu_use_gloo_and_nccl_is_refused_with_what_to_do(launcher):
+    assert finish(nbtrain.start(lambda: torch.distributed.get_backend(), devices=SHARED, accelerator="cuda")) == "gloo"
+    with pytest.raises(ConfigurationError, match="nccl refuses a GPU that two ranks of its group share"):
+        nbtrain.start(lambda: None, devices=SHARED, accelerator="cuda", backend="nccl")
+
+
+def test_a_sampler_shares_the_loader_between_two_ranks_on_cuda(launcher):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.arange(40.0)), batch_size=4, shuffle=True)
+
+    def fn(loader):
+        loader = nbtrain.prepare(loader)
+        seen, devices = [], set()
+        for (batch,) in loader:
+            devices.add(batch.device.type)
+            seen += batch.long().tolist()
+        everyone: list = [None, None]
+        torch.distributed.all_gather_object(everyone, (seen, sorted(devices), type(loader.sampler).__name__))
+        return everyone
+
+    (first, devices0, sampler), (second, devices1, _) = finish(
+        nbtrain.start(fn, (loader,), devices=SHARED, accelerator="cuda", timeout=RUN_TIMEOUT)
+    )
+    assert sampler == "DistributedSampler" and devices0 == devices1 == ["cuda"]
+    assert len(first) == len(second) == 20 and sorted(first + second) == list(range(40))
+
+
+def test_each_ranks_cuda_memory_reaches_the_live_view(launcher):
+    def fn():
+        import time
+
+        keep = torch.empty((32 << 20) * (nbtrain.rank() + 1), dtype=torch.uint8, device="cuda")
+        for step in range(12):
+            nbtrain.log(step=step, seconds=time.time())
+            time.sleep(0.05)  # the rank's own pace: the samples are taken while it runs
+        return keep.numel()
+
+    samples: list[events.MemorySample] = []
+
+    def keep(event):
+        if isinstance(event, events.MemorySample):
+            samples.append(event)
+
+    finish(nbtrain.start(fn, devices=SHARED, accelerator="cuda", timeout=RUN_TIMEOUT), on_event=keep)
+    most = {rank: max((s.cuda_allocated_bytes or 0) for s in samples if s.rank == rank) for rank in (0, 1)}
+    assert most[0] >= 32 << 20 and most[1] >= 64 << 20, most
+
+
+KERNEL_SETUP = (
+    "%load_ext nbtrain\nimport torch\ntorch.manual_seed(0)\n"
+    "model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).cuda()\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+    "x, y = torch.randn(64, 16, device='cuda'), torch.randn(64, 1, device='cuda')\n"
+    "start = ({k: v.clone() for k, v in model.state_dict().items()}, torch.cuda.get_rng_state())\n"
+)
+KERNEL_LOOP = (
+    "for _ in range(5):\n"
+    "    loss = torch.nn.functional.mse_loss(model(x), y)\n"
+    "    opt.zero_grad(); loss.backward(); opt.step()\n"
+)
+
+
+def test_one_rank_on_the_gpu_is_not_wrapped_and_trains_as_the_kernels_loop_does():
+    with NotebookKernel() as kernel:
+        kernel.run_ok(KERNEL_SETUP)
+        kernel.run_ok(KERNEL_LOOP)
+        kernel.run_ok("in_kernel = {k: v.clone() for k, v in model.state_dict().items()}")
+        kernel.run_ok("model.load_state_dict(start[0])")
+        out = kernel.run_ok("%%distributed --devices 1 --accelerator cuda\n" + KERNEL_LOOP)
+        assert "model: on cuda:0, not wrapped (one rank)" in out.stdout, out.stdout
+        diff = kernel.value("max((v - in_kernel[k]).abs().max().item() for k, v in model.state_dict().items())")
+        moved = kernel.value("max((v - start[0][k]).abs().max().item() for k, v in model.state_dict().items())")
+        assert diff < 1e-6 and moved > 0, (diff, moved)
+
+
+def test_two_ranks_sharing_a_gpu_bring_the_cuda_weights_back_to_the_kernel():
+    with NotebookKernel() as kernel:
+        kernel.run_ok(KERNEL_SETUP)
+        out = kernel.run_ok(
+            "%%distributed --devices 0,0 --accelerator cuda\n" + KERNEL_LOOP
+        )
+        assert "2 ranks (cuda, ddp_notebook)" in out.stdout, out.stdout
+        assert "model (DistributedDataParallel)" in out.stdout, out.stdout
+        moved = kernel.value("max((v - start[0][k]).abs().max().item() for k, v in model.state_dict().items())")
+        assert moved > 0 and kernel.value("str(next(model.parameters()).device)") == "cuda:0"
+
+
+def test_a_resnet_cell_on_one_gpu_brings_its_weights_back():
+    pytest.importorskip("torchvision", reason="the ResNet cell needs torchvision")
+    with NotebookKernel() as kernel:
+        kernel.run_ok(
+            "%load_ext nbtrain\nimport torch, torchvision\ntorch.manual_seed(0)\n"
+            "model = torchvision.models.resnet18(num_classes=10).cuda()\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)\n"
+            "x, y = torch.randn(32, 3, 64, 64, device='cuda'), torch.randint(0, 10, (32,), device='cuda')\n"
+            "before = model.conv1.weight.detach().clone()\n"
+        )
+        kernel.run_ok(
+            "%%distributed --devices 1 --accelerator cuda\n"
+            "for _ in range(3):\n"
+            "    loss = torch.nn.functional.cross_entropy(model(x), y)\n"
+            "    opt.zero_grad(); loss.backward(); opt.step()\n"
+        )
+        assert kernel.value("(model.conv1.weight - before).abs().sum().item() > 0 and model.conv1.weight.is_cuda")
