@@ -627,4 +627,7 @@ class ForkedLauncher:
         if self.pid <= 0 or self._pidfd is None:
             return False
         readable, _, _ = select.select([self._pidfd], [], [], timeout)
+        if readable:  # gone for good: the descriptor is not needed any more
+            os.close(self._pidfd)
+            self._pidfd = None
         return not readable
