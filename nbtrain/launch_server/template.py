@@ -176,6 +176,7 @@ def main() -> None:
     listener = _listen(path)
     if listener is None:
         processes.exit_now(0)
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # numpy's pool would make forking unsafe
     loaded = server.preload()
     # Objects that exist now are never collected: a collection in a launcher would touch
     # (and so copy) every page the template shares with it.
