@@ -137,7 +137,7 @@ def test_killing_the_template_mid_run_changes_nothing_and_the_next_kernel_starts
         assert procs.wait_gone([template], GONE_SECONDS, reaped=False) == []
         with open(marker, "w"):
             pass
-        reply, out = kernel.wait_for_reply(msg_id, 120.0)
+        _reply, out = kernel.wait_for_reply(msg_id, 120.0)
         assert out.error is None, out.text
         assert kernel.value("found") is True
         assert psutil.pid_exists(launcher)
@@ -188,7 +188,7 @@ def other_user() -> pwd.struct_passwd | None:
         return pwd.getpwnam(name)
     except KeyError:
         pass
-    if subprocess.run(["useradd", "--no-create-home", name], capture_output=True).returncode != 0:
+    if subprocess.run(["useradd", "--no-create-home", name], check=False, capture_output=True).returncode != 0:
         return None
     return pwd.getpwnam(name)
 
@@ -222,12 +222,12 @@ def test_another_users_process_is_refused(template_env, tmp_path):
         assert launcher.popen.pid > 0
     ask = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "/usr/bin/python3", "-c"]
     # The runtime directory is the user's own (0700): another user cannot reach the socket.
-    answer = subprocess.run([*ask, ASK_AS_OTHER, path], capture_output=True, text=True, timeout=60)
+    answer = subprocess.run([*ask, ASK_AS_OTHER, path], check=False, capture_output=True, text=True, timeout=60)
     assert answer.stdout.strip() == "no access", answer.stderr
     # Even where it can (the directory opened up), the template closes on them unanswered.
     os.chmod(folder, 0o755)
     os.chmod(path, 0o666)
-    answer = subprocess.run([*ask, ASK_AS_OTHER, path], capture_output=True, text=True, timeout=60)
+    answer = subprocess.run([*ask, ASK_AS_OTHER, path], check=False, capture_output=True, text=True, timeout=60)
     assert answer.stdout.strip() == "refused", answer.stdout + answer.stderr
     os.chmod(folder, 0o700)
     assert naming.directory({naming.DIRECTORY_VARIABLE: str(tmp_path / "x")}) is not None
