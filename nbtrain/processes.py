@@ -6,6 +6,9 @@ The topology (docs/architecture.md draws it):
                               ├── fork ──> rank 0 (own process group)
                               └── fork ──> rank 1 ...
 
+    (or: template ──fork──> launcher, the template imported torch once for all the user's
+    kernels; see nbtrain.template)
+
 Why each rule:
 - The launcher is started from a fresh interpreter in its own session. Ranks fork from it,
   never from the kernel: the kernel may hold a CUDA context, OpenMP pools or threads, and
