@@ -588,36 +588,48 @@ def fork_launcher(child_main: Callable[[], None]) -> int:
 class ForkedLauncher:
     """A kernel's launcher forked by the template: watched through a pidfd, not waitpid.
 
-    ``resolve`` answers the launcher's pid (the template's reply, read on first need; None
-    if no launcher was made). Its exit status is the template's to reap, so it reads as
-    :data:`UNKNOWN_EXIT`.
+    ``resolve(timeout)`` answers the template's reply: (answered, the launcher's pid or None
+    if it made none); it is asked on first need, and a wait is never longer than asked for.
+    The launcher's exit status is the template's to reap, so it reads as :data:`UNKNOWN_EXIT`.
     """
 
-    def __init__(self, resolve: Callable[[], int | None], stderr: IO[bytes]):
-        self._resolve: Callable[[], int | None] | None = resolve
+    REPLY_SECONDS = 60.0  # the template answers once it has imported torch
+
+    def __init__(self, resolve: Callable[[float], tuple[bool, int | None]], stderr: IO[bytes]):
+        self._resolve = resolve
+        self._answered = False
         self._pid: int | None = None
         self._pidfd: int | None = None
         self.stderr: IO[bytes] | None = stderr
 
     @property
     def pid(self) -> int:
-        if self._resolve is not None:
-            resolve, self._resolve = self._resolve, None
-            self._pid = resolve()
-            with contextlib.suppress(OSError):
-                self._pidfd = None if self._pid is None else os.pidfd_open(self._pid)
+        self._answer(self.REPLY_SECONDS)
         return -1 if self._pid is None else self._pid
 
+    def _answer(self, timeout: float) -> bool:
+        if not self._answered:
+            self._answered, self._pid = self._resolve(timeout)
+            if self._pid is not None:
+                with contextlib.suppress(OSError):
+                    self._pidfd = os.pidfd_open(self._pid)
+        return self._answered
+
     def poll(self) -> int | None:
+        if not self._answer(0.0):
+            return None  # not forked yet: the template is still importing
         return None if self._alive(0.0) else UNKNOWN_EXIT
 
     def wait(self, timeout: float | None = None) -> int:
-        if self._alive(timeout):
+        started = time.monotonic()
+        answered = self._answer(self.REPLY_SECONDS if timeout is None else timeout)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+        if not answered or self._alive(left):
             raise subprocess.TimeoutExpired("nbtrain launcher", timeout or 0.0)
         return UNKNOWN_EXIT
 
     def kill(self) -> None:
-        if self.pid > 0 and self._pidfd is not None:
+        if self._answer(0.0) and self._pidfd is not None:
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
@@ -627,7 +639,7 @@ class ForkedLauncher:
                 os.close(self._pidfd)
 
     def _alive(self, timeout: float | None) -> bool:
-        if self.pid <= 0 or self._pidfd is None:
+        if self._pidfd is None:
             return False
         readable, _, _ = select.select([self._pidfd], [], [], timeout)
         if readable:  # gone for good: the descriptor is not needed any more

@@ -21,7 +21,6 @@ from nbtrain import processes, wire
 from nbtrain import template as naming
 
 CONNECT_SECONDS = 10.0  # a template just started binds its socket within this
-REPLY_SECONDS = 60.0  # a template still importing torch answers once it has
 
 
 def launcher() -> processes.LauncherProcess | None:
@@ -34,6 +33,8 @@ def launcher() -> processes.LauncherProcess | None:
     me = naming.identity()
     path = naming.socket_path(folder, me)
     try:
+        # Held only to connect: once connected, our request is in the template's backlog,
+        # which it looks at (under this lock) before it retires.
         with _locked(naming.lock_path(path)):
             connection = _connect(path)
             started = connection is None
@@ -42,9 +43,9 @@ def launcher() -> processes.LauncherProcess | None:
                     os.unlink(path)  # a dead template's name (we hold the lock)
                 processes.start_template(path)
                 connection = _connect_when_listening(path)
-            if connection is None:
-                return None
-            return _ask(connection, me, wait=not started)
+        if connection is None:
+            return None
+        return _ask(connection, me, wait=not started)
     except Exception:  # noqa: BLE001 - anything here means: start our own launcher, as before
         return None
 
@@ -123,18 +124,20 @@ def _ask(connection: socket.socket, me: naming.Identity, wait: bool) -> processe
 
 
 class _Answer:
-    """The template's reply: the launcher's pid, read once (bounded), the connection closed."""
+    """The template's reply: the launcher's pid, read once, within the time asked for."""
 
     def __init__(self, connection: socket.socket):
         self.connection = connection
 
-    def __call__(self) -> int | None:
-        with self.connection:
-            self.connection.settimeout(REPLY_SECONDS)
-            try:
-                reply, fds = wire.receive(self.connection)
-            except (OSError, wire.ChannelClosed):
-                return None
+    def __call__(self, timeout: float) -> tuple[bool, int | None]:
+        self.connection.settimeout(timeout)
+        try:
+            reply, fds = wire.receive(self.connection)
+        except (TimeoutError, BlockingIOError):  # BlockingIOError: a timeout of 0
+            return False, None  # asked again later (a partial frame cannot happen: it is tiny)
+        except (OSError, wire.ChannelClosed):
+            reply, fds = None, []
+        self.connection.close()
         for fd in fds:
             os.close(fd)
-        return reply.launcher_pid if isinstance(reply, naming.Reply) else None
+        return True, reply.launcher_pid if isinstance(reply, naming.Reply) else None
