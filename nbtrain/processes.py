@@ -532,6 +532,13 @@ def _prctl(option: int, argument: int) -> None:
         pass
 
 
+def return_free_memory() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim), so that the warm
+    template holds only what its launchers share."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def allow_result_reader(kernel_pid: int) -> None:
     """Ranks forked from now on let ``kernel_pid`` read their memory (rank 0's result)."""
     global _result_reader

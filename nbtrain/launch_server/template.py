@@ -171,6 +171,7 @@ def _listen(path: str) -> socket.socket | None:
 def main() -> None:
     path = sys.argv[1]
     processes.detach()
+    os.chdir("/")  # hold no kernel's directory for the template's lifetime
     processes.ignore_interrupts()
     processes.become_subreaper()
     listener = _listen(path)
@@ -179,9 +180,10 @@ def main() -> None:
     os.environ["OPENBLAS_NUM_THREADS"] = "1"  # numpy's pool would make forking unsafe
     loaded = server.preload()
     # Objects that exist now are never collected: a collection in a launcher would touch
-    # (and so copy) every page the template shares with it.
-    gc.collect()
+    # (and so copy) every page the template shares with it. No collection first: on torch's
+    # heap it costs the first kernel's first run time, and frees next to nothing.
     gc.freeze()
+    processes.return_free_memory()
     if processes.thread_count() != 1:
         _unlink_own(path, os.stat(path).st_ino)
         processes.exit_now(1)  # forking would be unsafe; kernels then start their own launchers
