@@ -59,13 +59,7 @@ def template_env() -> Iterator[dict[str, str]]:
 
 
 def templates(folder: str) -> list[int]:
-    """The pids of the templates serving a socket in ``folder``."""
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = process.info["cmdline"] or []
-        if processes.TEMPLATE_MODULE in cmdline and any(arg.startswith(folder) for arg in cmdline):
-            found.append(process.pid)
-    return found
+    return procs.template_pids(folder)
 
 
 def parent_of(pid: int) -> int:
