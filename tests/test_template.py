@@ -39,6 +39,15 @@ import os, torch
 total = torch.ones(1).sum().item() + 1
 """
 
+WAIT_FOR_FILE = """%%distributed --devices 2 --accelerator cpu
+import os, time
+print("waiting", flush=True)
+deadline = time.monotonic() + 120
+while not os.path.exists({marker!r}) and time.monotonic() < deadline:
+    time.sleep(0.05)
+found = os.path.exists({marker!r})
+"""
+
 LAUNCHER_PID = "__import__('nbtrain.kernel.client', fromlist=['x']).get_client().process.pid"
 WAIT_READY = "__import__('nbtrain.kernel.client', fromlist=['x']).get_client().ready.wait(180)"
 
@@ -83,7 +92,7 @@ def timed_first_run(kernel: NotebookKernel) -> float:
 
 
 def test_a_second_kernels_launcher_is_forked_from_the_template_and_a_killed_kernel_leaves_only_it(
-    template_env, record_property
+    template_env, record_property, tmp_path
 ):
     first, first_launcher = loaded_kernel(template_env)
     with first:
@@ -99,8 +108,13 @@ def test_a_second_kernels_launcher_is_forked_from_the_template_and_a_killed_kern
             assert parent_of(second_launcher) == template, "the second kernel's launcher is not the template's child"
             # The launcher has the kernel's working directory and environment, not the template's.
             assert psutil.Process(second_launcher).cwd() == os.getcwd()
+            # The first kernel dies in the middle of a run: its launcher and ranks go with it.
+            msg_id = first.start_cell(WAIT_FOR_FILE.format(marker=str(tmp_path / "never")))
+            first.wait_for_stream(msg_id, ["waiting"])
+            ranks = [child.pid for child in psutil.Process(first_launcher).children()]
+            assert len(ranks) == 2
             os.kill(first.pid, signal.SIGKILL)
-            assert procs.wait_gone([first.pid, first_launcher], GONE_SECONDS, reaped=False) == []
+            assert procs.wait_gone([first.pid, first_launcher, *ranks], GONE_SECONDS, reaped=False) == []
             assert psutil.pid_exists(template)
             assert psutil.Process(template).children() == [psutil.Process(second_launcher)]
         assert procs.wait_gone([second_launcher], GONE_SECONDS, reaped=False) == []
@@ -110,14 +124,6 @@ def test_a_second_kernels_launcher_is_forked_from_the_template_and_a_killed_kern
     assert [name for name in os.listdir(folder) if name.endswith(".sock")] == []
 
 
-WAIT_FOR_FILE = """%%distributed --devices 2 --accelerator cpu
-import os, time
-print("waiting", flush=True)
-deadline = time.monotonic() + 120
-while not os.path.exists({marker!r}) and time.monotonic() < deadline:
-    time.sleep(0.05)
-found = os.path.exists({marker!r})
-"""
 
 
 def test_killing_the_template_mid_run_changes_nothing_and_the_next_kernel_starts_a_new_one(template_env, tmp_path):
