@@ -180,17 +180,24 @@ def start_template(path: str, env: dict[str, str]) -> None:
         time.sleep(0.01)
 
 
-def other_user() -> pwd.struct_passwd | None:
-    if os.getuid() != 0 or shutil.which("useradd") is None:
-        return None
+@pytest.fixture
+def other_user() -> Iterator[pwd.struct_passwd]:
+    """A second user of this machine, made for the test (root, useradd and setpriv needed) and removed after."""
+    if os.getuid() != 0 or shutil.which("useradd") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs root, useradd and setpriv to act as a second user")
     name = "nbtrainother"
+    made = False
     try:
-        return pwd.getpwnam(name)
+        pwd.getpwnam(name)
     except KeyError:
-        pass
-    if subprocess.run(["useradd", "--no-create-home", name], check=False, capture_output=True).returncode != 0:
-        return None
-    return pwd.getpwnam(name)
+        if subprocess.run(["useradd", "--no-create-home", name], check=False, capture_output=True).returncode != 0:
+            pytest.skip("useradd could not make a second user here")
+        made = True
+    try:
+        yield pwd.getpwnam(name)
+    finally:
+        if made:
+            subprocess.run(["userdel", name], check=False, capture_output=True)
 
 
 # Standard library only: the other user need not be able to read this checkout.
@@ -212,10 +219,8 @@ except (BrokenPipeError, ConnectionResetError):  # closed on us before we finish
 """
 
 
-def test_another_users_process_is_refused(template_env, tmp_path):
-    user = other_user()
-    if user is None:
-        pytest.skip("needs root and useradd to make a second user")
+def test_another_users_process_is_refused(template_env, tmp_path, other_user):
+    user = other_user
     folder = template_env[naming.DIRECTORY_VARIABLE]
     path = naming.socket_path(folder, naming.identity())
     with warm_launcher({**template_env, naming.IDLE_VARIABLE: "600"}) as launcher:
