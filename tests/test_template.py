@@ -8,6 +8,7 @@ tests count each kernel's launcher among the kernel's descendants.
 
 from __future__ import annotations
 
+import gc
 import os
 import pwd
 import shutil
@@ -275,6 +276,7 @@ def test_a_hundred_launcher_starts_and_stops_leave_no_growth(template_env):
     the template's and this process's descriptors, children and memory stay as they were."""
     with warm_launcher(template_env) as first:
         template = parent_of(first.popen.pid)
+    gc.collect()  # earlier tests' kernel clients may still hold descriptors that a collection frees
     before = (open_fds(template), open_fds(os.getpid()), psutil.Process(template).memory_info().rss)
     pids = set()
     for _ in range(100):
@@ -283,8 +285,10 @@ def test_a_hundred_launcher_starts_and_stops_leave_no_growth(template_env):
             assert parent_of(launcher.popen.pid) == template
     assert len(pids) == 100
     assert procs.wait_gone(sorted(pids), GONE_SECONDS, reaped=False) == []
+    gc.collect()
     after = (open_fds(template), open_fds(os.getpid()), psutil.Process(template).memory_info().rss)
-    assert after[:2] == before[:2]
+    assert after[0] == before[0], f"the template's descriptors went from {before[0]} to {after[0]}"
+    assert after[1] <= before[1], f"this process's descriptors went from {before[1]} to {after[1]}"
     assert psutil.Process(template).children() == []
     assert after[2] - before[2] < 16 << 20, f"the template grew by {(after[2] - before[2]) >> 20} MiB"
 
