@@ -285,6 +285,10 @@ def test_a_hundred_launcher_starts_and_stops_leave_no_growth(template_env):
             assert parent_of(launcher.popen.pid) == template
     assert len(pids) == 100
     assert procs.wait_gone(sorted(pids), GONE_SECONDS, reaped=False) == []
+    # The template reaps each launcher (and closes its pidfd) as its loop sees it exit.
+    deadline = time.monotonic() + GONE_SECONDS
+    while (open_fds(template) != before[0] or psutil.Process(template).children()) and time.monotonic() < deadline:
+        time.sleep(0.02)
     gc.collect()
     after = (open_fds(template), open_fds(os.getpid()), psutil.Process(template).memory_info().rss)
     assert after[0] == before[0], f"the template's descriptors went from {before[0]} to {after[0]}"
