@@ -6,6 +6,9 @@ The topology (docs/architecture.md draws it):
                               ├── fork ──> rank 0 (own process group)
                               └── fork ──> rank 1 ...
 
+    (or: template ──fork──> launcher, the template imported torch once for all the user's
+    kernels; see nbtrain.template)
+
 Why each rule:
 - The launcher is started from a fresh interpreter in its own session. Ranks fork from it,
   never from the kernel: the kernel may hold a CUDA context, OpenMP pools or threads, and
@@ -32,6 +35,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -40,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import IO, NoReturn, Protocol
 
 from nbtrain import stacks
 
@@ -49,6 +53,12 @@ CONTROL_FD_VARIABLE = "NBTRAIN_CONTROL_FD"
 ROLE_VARIABLE = "NBTRAIN_ROLE"
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PTRACER = 0x59616D61
+TEMPLATE_MODULE = "nbtrain.launch_server.template"
+UNKNOWN_EXIT = -255  # a launcher forked by the template: not our child, its status unknown
+# A launcher forked by the warm template is not a descendant of its kernel; its ranks let
+# the kernel read their memory (Yama's ptrace rule) by naming it their tracer.
+_result_reader: int | None = None
 
 
 def rank_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -69,11 +79,27 @@ def rank_environment(environ: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+class LauncherHandle(Protocol):
+    """What the kernel asks of its launcher's process: a Popen, or a :class:`ForkedLauncher`."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stderr(self) -> IO[bytes] | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass
 class LauncherProcess:
     """The kernel's handle on its launcher: the process and the kernel's end of the socket."""
 
-    popen: subprocess.Popen[bytes]
+    popen: LauncherHandle
     channel: socket.socket
 
     @property
@@ -123,7 +149,8 @@ def stop_launcher(launcher: LauncherProcess, grace: float = 2.0) -> None:
         launcher.popen.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         launcher.popen.kill()
-        launcher.popen.wait(timeout=grace)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILLed: it is going
+            launcher.popen.wait(timeout=grace)
     if launcher.popen.stderr is not None:
         launcher.popen.stderr.close()
 
@@ -166,6 +193,8 @@ def spawn_rank(argv: Sequence[str], env: dict[str, str], inherit_fds: Sequence[i
 def _become_rank(launcher_pid: int) -> None:
     os.setpgid(0, 0)
     die_with_parent(launcher_pid)
+    if _result_reader is not None:
+        _prctl(_PR_SET_PTRACER, _result_reader)
     # The launcher ignores SIGINT and SIGTERM's default is what a rank needs.
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(number, signal.SIG_DFL)
@@ -511,3 +540,133 @@ def exit_now(code: int = 0) -> NoReturn:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def _prctl(option: int, argument: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, argument, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+def return_free_memory() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim), so that the warm
+    template holds only what its launchers share."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def allow_result_reader(kernel_pid: int) -> None:
+    """Ranks forked from now on let ``kernel_pid`` read their memory (rank 0's result)."""
+    global _result_reader
+    _result_reader = kernel_pid
+
+
+def start_template(path: str) -> None:
+    """Start the warm template for the socket ``path``; it detaches, so it is nobody's child.
+
+    The process started here forks the template and exits at once (we reap it now), so the
+    template outlives this kernel without ever being its zombie.
+    """
+    env = dict(os.environ)
+    env[ROLE_VARIABLE] = "template"
+    env["OPENBLAS_NUM_THREADS"] = "1"  # forked launchers must stay thread-free
+    starter = subprocess.Popen(
+        [sys.executable, "-m", TEMPLATE_MODULE, path],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        close_fds=True,
+    )
+    starter.wait(timeout=30.0)
+
+
+def detach() -> None:
+    """The template's first act: fork, let the starter exit, lead a session of its own."""
+    if os.fork() != 0:
+        os._exit(0)
+    os.setsid()
+
+
+def fork_launcher(child_main: Callable[[], None]) -> int:
+    """Fork a kernel's private launcher from the (thread-free) template, in its own session.
+
+    It does not die with the template (no PDEATHSIG): it lives as long as its kernel.
+    """
+    pid = os.fork()
+    if pid == 0:
+        code = 70
+        try:
+            os.setsid()
+            child_main()
+            code = 0
+        except BaseException:  # noqa: BLE001  # pragma: no cover - never unwind into the template
+            code = 71
+        finally:
+            os._exit(code)
+    return pid
+
+
+class ForkedLauncher:
+    """A kernel's launcher forked by the template: watched through a pidfd, not waitpid.
+
+    ``resolve(timeout)`` answers the template's reply: (answered, the launcher's pid or None
+    if it made none); it is asked on first need, and a wait is never longer than asked for.
+    The launcher's exit status is the template's to reap, so it reads as :data:`UNKNOWN_EXIT`.
+    """
+
+    REPLY_SECONDS = 60.0  # the template answers once it has imported torch
+
+    def __init__(self, resolve: Callable[[float], tuple[bool, int | None]], stderr: IO[bytes]):
+        self._resolve = resolve
+        self._answered = False
+        self._pid: int | None = None
+        self._pidfd: int | None = None
+        self.stderr: IO[bytes] | None = stderr
+
+    @property
+    def pid(self) -> int:
+        self._answer(self.REPLY_SECONDS)
+        return -1 if self._pid is None else self._pid
+
+    def _answer(self, timeout: float) -> bool:
+        if not self._answered:
+            self._answered, self._pid = self._resolve(timeout)
+            if self._pid is not None:
+                with contextlib.suppress(OSError):
+                    self._pidfd = os.pidfd_open(self._pid)
+        return self._answered
+
+    def poll(self) -> int | None:
+        if not self._answer(0.0):
+            return None  # not forked yet: the template is still importing
+        return None if self._alive(0.0) else UNKNOWN_EXIT
+
+    def wait(self, timeout: float | None = None) -> int:
+        started = time.monotonic()
+        answered = self._answer(self.REPLY_SECONDS if timeout is None else timeout)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+        if not answered or self._alive(left):
+            raise subprocess.TimeoutExpired("nbtrain launcher", timeout or 0.0)
+        return UNKNOWN_EXIT
+
+    def kill(self) -> None:
+        if self._answer(0.0) and self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def __del__(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+
+    def _alive(self, timeout: float | None) -> bool:
+        if self._pidfd is None:
+            return False
+        readable, _, _ = select.select([self._pidfd], [], [], timeout)
+        if readable:  # gone for good: the descriptor is not needed any more
+            os.close(self._pidfd)
+            self._pidfd = None
+        return not readable

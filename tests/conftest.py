@@ -16,6 +16,11 @@ import pytest
 # starts, which inherit the environment) keeps its run registry here, not in the user's
 # Jupyter runtime directory: a real JupyterLab's sidebar never lists test runs.
 os.environ.setdefault("NBTRAIN_RUNTIME_DIR", tempfile.mkdtemp(prefix="nbtrain-test-registry-"))
+# The tests count each kernel's own launcher among its descendants, so their kernels start
+# their own (as where no template can be used); tests/test_template.py switches it on, in a
+# directory of its own per test, and removes every template it starts.
+os.environ.setdefault("NBTRAIN_TEMPLATE", "0")
+os.environ.setdefault("NBTRAIN_TEMPLATE_DIR", tempfile.mkdtemp(prefix="nbtrain-test-template-"))
 
 import nbtrain  # noqa: F401 - the package as a notebook imports it (importing starts nothing)
 from nbtrain.kernel import client as kernel_client

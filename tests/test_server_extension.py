@@ -23,6 +23,7 @@ if importlib.util.find_spec("pytest_jupyter") is None:  # pragma: no cover - the
 
 from tornado.httpclient import HTTPClientError
 
+from helpers import procs
 from nbtrain import processes, registry
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
@@ -200,3 +201,24 @@ async def test_devices_reports_host_and_each_live_ranks_memory(jp_fetch, stand_i
     shown = {(r["run"], r["rank"], r["pid"]) for r in devices["ranks"]}
     assert shown == {("aa-7", 0, ranks[0].pid), ("aa-7", 1, ranks[1].pid)}
     assert all(r["rss"] > 0 for r in devices["ranks"])
+
+
+@pytest.fixture
+def template_on(tmp_path, monkeypatch):
+    """The warm template switched on, in a directory of this test's; its templates killed after."""
+    folder = tmp_path / "template"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setenv("NBTRAIN_TEMPLATE", "1")
+    monkeypatch.setenv("NBTRAIN_TEMPLATE_DIR", str(folder))
+    yield str(folder)
+    found = procs.template_pids(str(folder))
+    procs.kill_pids(found)
+    assert procs.wait_gone(found, GONE_SECONDS, reaped=False) == []
+
+
+async def test_the_server_starts_the_warm_template_as_it_starts(template_on, jp_serverapp):
+    deadline = asyncio.get_running_loop().time() + 60
+    while not [name for name in os.listdir(template_on) if name.endswith(".sock")]:
+        assert asyncio.get_running_loop().time() < deadline, "the server started no template"
+        await asyncio.sleep(0.05)
+    assert len(procs.template_pids(template_on)) == 1

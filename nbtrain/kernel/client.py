@@ -37,7 +37,7 @@ from nbtrain.errors import (
     RunStoppedError,
     RunTimeoutError,
 )
-from nbtrain.kernel import gcpause
+from nbtrain.kernel import gcpause, warm
 from nbtrain.records import CopiedResult
 
 # A run's messages from the launcher (or a cluster's agents), each with the file
@@ -69,7 +69,8 @@ class LauncherClient:
     """The kernel's connection to its warm launcher."""
 
     def __init__(self) -> None:
-        self.process = processes.start_launcher()
+        # Forked from the user's warm template where one can be used; else our own, as before.
+        self.process = warm.launcher() or processes.start_launcher()
         self.ready = threading.Event()
         self.alive = True
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
@@ -163,7 +164,7 @@ class LauncherClient:
         text = (
             "the nbtrain launcher process has exited" if code is not None else "the nbtrain launcher stopped answering"
         )
-        if code is not None:
+        if code is not None and code != processes.UNKNOWN_EXIT:
             text += f" (exit code {code})"
         return text + (f"; its last output:\n{tail}" if tail else ". The next launch starts a new one.")
 

@@ -135,11 +135,16 @@ class Run:
 
 
 class Launcher:
-    def __init__(self, control: socket.socket, parent_pid: int):
+    def __init__(self, control: socket.socket, parent_pid: int, kernel_pidfd: int | None = None):
+        """``kernel_pidfd``: a launcher forked by the warm template watches its kernel through
+        it (its parent is the template, whose death must not end it)."""
         self.control = control
         self.parent_pid = parent_pid
+        self.watch_parent = kernel_pidfd is None
         self.selector = selectors.DefaultSelector()
         self.selector.register(control, selectors.EVENT_READ, ("control", None, None))
+        if kernel_pidfd is not None:
+            self.selector.register(kernel_pidfd, selectors.EVENT_READ, ("kernel", None, None))
         self.runs: dict[int, Run] = {}
         self.held: dict[int, tuple[Run, RankProcess]] = {}  # run id -> its rank held for a post-mortem
         self.board = tracker.Board(tracker.find_owner(parent_pid))
@@ -156,6 +161,8 @@ class Launcher:
                 if kind == "control":
                     if not self._on_control():
                         return self._shutdown()
+                elif kind == "kernel":  # the kernel died
+                    return self._shutdown()
                 elif kind == "events":
                     self._on_rank_event(run, rank)
                 elif kind == "pipe":
@@ -170,7 +177,8 @@ class Launcher:
                     self.standby.on_message(run, rank)
                 elif kind == "standby-exit":
                     self.standby.on_exit(run, rank)
-            if os.getppid() != self.parent_pid:  # the kernel died and its socket is held elsewhere
+            # the kernel died and its socket is held elsewhere
+            if self.watch_parent and os.getppid() != self.parent_pid:
                 return self._shutdown()
             # Before _tick ends a run: what a rank left behind must not hold its pipes open.
             processes.kill_strays(self._live_ranks())

@@ -12,6 +12,9 @@ one behind Jupyter's authentication (token or cookie, and XSRF for POST):
 - ``POST {base_url}nbtrain/api/runs/<id>/stop``: stop a run by signalling its ranks directly;
 - ``POST {base_url}nbtrain/api/runs/<id>/clean``: forget an ended or orphaned run, killing what is left of it.
 
+It also starts the user's warm template (``nbtrain.template``) as the server starts, so a
+kernel's launcher is forked from a process that has imported torch already.
+
 Example (from a shell, with the server's token)::
 
     curl -H "Authorization: token $TOKEN" http://127.0.0.1:8888/nbtrain/api/runs
@@ -31,3 +34,14 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
 
     handlers.setup(serverapp.web_app)
     serverapp.log.info("nbtrain: run and device API at %snbtrain/api/", serverapp.web_app.settings["base_url"])
+    _start_template()
+
+
+def _start_template() -> None:
+    """Start the warm template now (in the background), so the first kernel's first run finds
+    torch imported; kernels of the server's Python environment use it (nbtrain.template)."""
+    import threading
+
+    from nbtrain.kernel import warm
+
+    threading.Thread(target=warm.ensure_template, name="nbtrain-template", daemon=True).start()

@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from nbtrain import events
+from nbtrain import events, processes
 from nbtrain.kernel import client as kernel_client
 
 RUN_TIMEOUT = 60.0  # a run that takes longer than this is a hang, not a slow machine
@@ -275,3 +275,13 @@ def snapshot() -> Snapshot:
 
 def rank_exits(seen: list[Any]) -> dict[int, events.RankExited]:
     return {e.rank: e for e in seen if isinstance(e, events.RankExited)}
+
+
+def template_pids(folder: str) -> list[int]:
+    """The warm templates serving a socket in ``folder`` (found by their command line)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if processes.TEMPLATE_MODULE in cmdline and any(arg.startswith(folder) for arg in cmdline):
+            found.append(process.pid)
+    return found

@@ -1,0 +1,143 @@
+"""A private launcher forked from the user's warm template (``nbtrain.template``).
+
+The kernel connects to the template's socket (starting the template if there is none),
+sends it the launcher's end of a fresh socketpair and a stderr pipe (SCM_RIGHTS), and gets
+back a launcher that has torch imported already. Wherever that cannot be (the template is
+switched off, the runtime directory is not private or not writable, no Unix sockets, the
+template refuses or does not answer), :func:`launcher` returns None and the kernel starts
+its own launcher as before, silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+from nbtrain import processes, wire
+from nbtrain import template as naming
+
+CONNECT_SECONDS = 10.0  # a template just started binds its socket within this
+
+
+def launcher() -> processes.LauncherProcess | None:
+    """This kernel's private launcher, forked by the template; None where there is none."""
+    if not naming.enabled():
+        return None
+    folder = naming.directory()
+    if folder is None:
+        return None
+    me = naming.identity()
+    path = naming.socket_path(folder, me)
+    try:
+        # Held only to connect: once connected, our request is in the template's backlog,
+        # which it looks at (under this lock) before it retires.
+        with _locked(naming.lock_path(path)):
+            connection = _connect(path)
+            started = connection is None
+            if connection is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # a dead template's name (we hold the lock)
+                processes.start_template(path)
+                connection = _connect_when_listening(path)
+        if connection is None:
+            return None
+        return _ask(connection, me, wait=not started)
+    except Exception:  # noqa: BLE001 - anything here means: start our own launcher, as before
+        return None
+
+
+def ensure_template() -> None:
+    """Start the template now if none runs (the Jupyter server does, as it starts)."""
+    if not naming.enabled():
+        return
+    folder = naming.directory()
+    if folder is None:
+        return
+    path = naming.socket_path(folder, naming.identity())
+    with contextlib.suppress(Exception), _locked(naming.lock_path(path)):
+        connection = _connect(path)
+        if connection is not None:
+            connection.close()
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        processes.start_template(path)
+        connection = _connect_when_listening(path)  # so no kernel takes its name for a dead one's
+        if connection is not None:
+            connection.close()
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _connect(path: str) -> socket.socket | None:
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        connection.close()
+        return None
+    return connection
+
+
+def _connect_when_listening(path: str) -> socket.socket | None:
+    deadline = time.monotonic() + CONNECT_SECONDS
+    while time.monotonic() < deadline:
+        connection = _connect(path)
+        if connection is not None:
+            return connection
+        time.sleep(0.005)  # polling a socket name that appears in tens of milliseconds
+    return None
+
+
+def _ask(connection: socket.socket, me: naming.Identity, wait: bool) -> processes.LauncherProcess | None:
+    """Send the request; ``wait``: read the answer now (a template we did not start may refuse)."""
+    kernel_end, launcher_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    read_end, write_end = os.pipe()
+    try:
+        request = naming.Request(me, dict(os.environ), os.getcwd())
+        wire.send(connection, request, (launcher_end.fileno(), write_end))
+    except OSError:
+        for end in (kernel_end, connection):
+            end.close()
+        os.close(read_end)
+        return None
+    finally:
+        launcher_end.close()
+        os.close(write_end)
+    stderr = os.fdopen(read_end, "rb")
+    answer = _Answer(connection)
+    handle = processes.ForkedLauncher(answer, stderr)
+    if wait and handle.pid < 0:
+        kernel_end.close()
+        stderr.close()
+        return None
+    return processes.LauncherProcess(handle, kernel_end)
+
+
+class _Answer:
+    """The template's reply: the launcher's pid, read once, within the time asked for."""
+
+    def __init__(self, connection: socket.socket):
+        self.connection = connection
+
+    def __call__(self, timeout: float) -> tuple[bool, int | None]:
+        self.connection.settimeout(timeout)
+        try:
+            reply, fds = wire.receive(self.connection)
+        except (TimeoutError, BlockingIOError):  # BlockingIOError: a timeout of 0
+            return False, None  # asked again later (a partial frame cannot happen: it is tiny)
+        except (OSError, wire.ChannelClosed):
+            reply, fds = None, []
+        self.connection.close()
+        for fd in fds:
+            os.close(fd)
+        return True, reply.launcher_pid if isinstance(reply, naming.Reply) else None

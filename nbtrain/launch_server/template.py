@@ -1,0 +1,195 @@
+"""The warm template: ``python -m nbtrain.launch_server.template <socket>``, started by a kernel.
+
+One per user, machine and environment (``nbtrain.template`` names it). It imports what a
+launcher imports, then only forks: each kernel that asks gets a private launcher, forked
+in milliseconds and sharing the template's memory copy-on-write. The template never runs
+user code and never forks a rank. Its launchers do not die with it: each watches its own
+kernel (its socket, and a pidfd on the kernel), so killing the template changes nothing
+for a running run. It leaves once no launcher of its own has lived for
+``$NBTRAIN_TEMPLATE_IDLE_SECONDS`` (10 minutes), and its orphaned descendants (a killed
+launcher's leftovers, which it adopts as a subreaper) are killed at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import os
+import selectors
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+from nbtrain import events, processes, wire
+from nbtrain import template as naming
+from nbtrain.launch_server import server
+
+HANDSHAKE_SECONDS = 5.0  # a connected kernel that says nothing for this long is dropped
+
+
+class Template:
+    def __init__(self, listener: socket.socket, path: str, loaded: tuple[str, ...]):
+        self.listener = listener
+        self.path = path
+        self.loaded = loaded
+        self.identity = naming.identity()
+        self.idle = naming.idle_seconds()
+        self.launchers: dict[int, int] = {}  # pidfd -> launcher pid
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ, None)
+        self.last_used = time.monotonic()
+        self.inode = os.stat(path).st_ino
+
+    def serve(self) -> None:
+        while True:
+            for key, _ in self.selector.select(1.0):
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._reap(key.fd)
+            processes.kill_strays(set(self.launchers.values()))
+            if self.launchers:
+                self.last_used = time.monotonic()
+            elif time.monotonic() - self.last_used >= self.idle and self._retire():
+                return
+
+    def _accept(self) -> None:
+        try:
+            connection, _ = self.listener.accept()
+        except OSError:
+            return
+        with connection:
+            connection.settimeout(HANDSHAKE_SECONDS)
+            with contextlib.suppress(OSError, wire.ChannelClosed, EOFError):
+                self._answer(connection)
+        self.last_used = time.monotonic()
+
+    def _answer(self, connection: socket.socket) -> None:
+        if naming.peer_uid(connection) != os.getuid():
+            return  # another user's process: not a word, not a byte unpickled
+        request, fds = wire.receive(connection)
+        try:
+            refused = naming.refusal(connection, self.identity, request)
+            if refused or len(fds) != 2:
+                wire.send(connection, naming.Reply(None, refused or "expected two descriptors"))
+                return
+            kernel_pid = naming.peer_credentials(connection)[0]
+            pid = self._fork(request, kernel_pid, fds[0], fds[1])
+            wire.send(connection, naming.Reply(pid))
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _fork(self, request: naming.Request, kernel_pid: int, control_fd: int, stderr_fd: int) -> int | None:
+        try:
+            kernel_pidfd = os.pidfd_open(kernel_pid)
+        except OSError:
+            return None  # the kernel is gone already
+        try:
+            child = _Child(request, kernel_pid, kernel_pidfd, control_fd, stderr_fd, self.loaded)
+            pid = processes.fork_launcher(child.main)
+        finally:
+            os.close(kernel_pidfd)
+        pidfd = os.pidfd_open(pid)
+        self.launchers[pidfd] = pid
+        self.selector.register(pidfd, selectors.EVENT_READ, pid)
+        return pid
+
+    def _reap(self, pidfd: int) -> None:
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        processes.reap_now(self.launchers.pop(pidfd))
+
+    def _retire(self) -> bool:
+        """Leave, unless a kernel is connecting right now (its kernel holds the start lock)."""
+        with open(naming.lock_path(self.path), "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False
+            if self.selector.select(0):
+                return False  # a request waits: serve it first
+            _unlink_own(self.path, self.inode)
+            return True
+
+
+def _unlink_own(path: str, inode: int) -> None:
+    """Remove our socket's name, not that of a template which replaced us meanwhile."""
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+
+
+@dataclass(frozen=True)
+class _Child:
+    """What a private launcher starts from: its kernel's request and the descriptors sent."""
+
+    request: naming.Request
+    kernel_pid: int
+    kernel_pidfd: int
+    control_fd: int
+    stderr_fd: int
+    loaded: tuple[str, ...]
+
+    def main(self) -> None:
+        """The private launcher, just forked: the kernel's environment, cwd and stderr; then serve."""
+        server._close_all_but({0, 1, 2, self.control_fd, self.stderr_fd, self.kernel_pidfd})
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.dup2(self.stderr_fd, 2)
+        for fd in (null, self.stderr_fd):
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(self.request.environ)
+        os.environ[processes.ROLE_VARIABLE] = "launcher"
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"
+        with contextlib.suppress(OSError):
+            os.chdir(self.request.cwd)
+        processes.become_subreaper()
+        processes.allow_result_reader(self.kernel_pid)
+        control = socket.socket(fileno=self.control_fd)
+        wire.send(control, events.LauncherReady(os.getpid(), self.loaded))
+        server.Launcher(control, self.kernel_pid, self.kernel_pidfd).serve()
+        processes.exit_now(0)
+
+
+def _listen(path: str) -> socket.socket | None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+    except OSError:
+        listener.close()
+        return None  # another template took the name first
+    os.chmod(path, 0o600)
+    listener.listen(64)
+    return listener
+
+
+def main() -> None:
+    path = sys.argv[1]
+    processes.detach()
+    os.chdir("/")  # hold no kernel's directory for the template's lifetime
+    processes.ignore_interrupts()
+    processes.become_subreaper()
+    listener = _listen(path)
+    if listener is None:
+        processes.exit_now(0)
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # numpy's pool would make forking unsafe
+    loaded = server.preload()
+    # Objects that exist now are never collected: a collection in a launcher would touch
+    # (and so copy) every page the template shares with it. No collection first: on torch's
+    # heap it costs the first kernel's first run time, and frees next to nothing.
+    gc.freeze()
+    processes.return_free_memory()
+    if processes.thread_count() != 1:
+        _unlink_own(path, os.stat(path).st_ino)
+        processes.exit_now(1)  # forking would be unsafe; kernels then start their own launchers
+    Template(listener, path, loaded).serve()
+    processes.exit_now(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""The warm template: kernels' launchers forked from one process that imported torch once.
+
+Real kernels (``NotebookKernel``) and real templates, each test in a runtime directory of
+its own (``$NBTRAIN_TEMPLATE_DIR``), every template it started killed by PID at the end.
+The rest of the suite runs with the template switched off (tests/conftest.py), since its
+tests count each kernel's launcher among the kernel's descendants.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from helpers import procs
+from kernel_helpers import NotebookKernel
+from nbtrain import processes, wire
+from nbtrain import template as naming
+from nbtrain.kernel import warm
+
+GONE_SECONDS = 30.0
+READY_SECONDS = 180.0  # the template imports torch: slow on a loaded 2-core machine
+IDLE_SECONDS = "3"
+
+pytestmark = pytest.mark.slow
+
+FIRST_RUN = """%%distributed --devices 2 --accelerator cpu
+import os, torch
+total = torch.ones(1).sum().item() + 1
+"""
+
+WAIT_FOR_FILE = """%%distributed --devices 2 --accelerator cpu
+import os, time
+print("waiting", flush=True)
+deadline = time.monotonic() + 120
+while not os.path.exists({marker!r}) and time.monotonic() < deadline:
+    time.sleep(0.05)
+found = os.path.exists({marker!r})
+"""
+
+LAUNCHER_PID = "__import__('nbtrain.kernel.client', fromlist=['x']).get_client().process.pid"
+WAIT_READY = "__import__('nbtrain.kernel.client', fromlist=['x']).get_client().ready.wait(180)"
+
+
+@pytest.fixture
+def template_env() -> Iterator[dict[str, str]]:
+    """The template switched on, in a private directory of this test's; its templates killed after."""
+    folder = tempfile.mkdtemp(prefix="nbtrain-template-test-")
+    os.chmod(folder, 0o700)
+    env = {naming.ENABLED_VARIABLE: "1", naming.DIRECTORY_VARIABLE: folder, naming.IDLE_VARIABLE: IDLE_SECONDS}
+    try:
+        yield env
+    finally:
+        found = templates(folder)
+        procs.kill_pids(found)
+        procs.wait_gone(found, GONE_SECONDS, reaped=False)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def templates(folder: str) -> list[int]:
+    return procs.template_pids(folder)
+
+
+def parent_of(pid: int) -> int:
+    return psutil.Process(pid).ppid()
+
+
+def loaded_kernel(env: dict[str, str]) -> tuple[NotebookKernel, int]:
+    """A kernel with nbtrain loaded and its launcher ready; (kernel, launcher pid)."""
+    kernel = NotebookKernel(env=env)
+    kernel.run_ok("%load_ext nbtrain")
+    assert kernel.value(WAIT_READY) is True
+    return kernel, kernel.value(LAUNCHER_PID)
+
+
+def timed_first_run(kernel: NotebookKernel) -> float:
+    started = time.monotonic()
+    kernel.run_ok(FIRST_RUN)
+    elapsed = time.monotonic() - started
+    assert kernel.value("total") == 2.0
+    return elapsed
+
+
+def test_a_second_kernels_launcher_is_forked_from_the_template_and_a_killed_kernel_leaves_only_it(
+    template_env, record_property, tmp_path
+):
+    first, first_launcher = loaded_kernel(template_env)
+    with first:
+        template = parent_of(first_launcher)
+        assert template in templates(template_env[naming.DIRECTORY_VARIABLE])
+        second = NotebookKernel(env=template_env)
+        with second:
+            second.run_ok("%load_ext nbtrain")
+            elapsed = timed_first_run(second)
+            record_property("second_kernel_first_run_seconds", round(elapsed, 3))
+            second_launcher = second.value(LAUNCHER_PID)
+            assert second_launcher != first_launcher
+            assert parent_of(second_launcher) == template, "the second kernel's launcher is not the template's child"
+            # The launcher has the kernel's working directory and environment, not the template's.
+            assert psutil.Process(second_launcher).cwd() == os.getcwd()
+            # The first kernel dies in the middle of a run: its launcher and ranks go with it.
+            msg_id = first.start_cell(WAIT_FOR_FILE.format(marker=str(tmp_path / "never")))
+            first.wait_for_stream(msg_id, ["waiting"])
+            ranks = [child.pid for child in psutil.Process(first_launcher).children()]
+            assert len(ranks) == 2
+            os.kill(first.pid, signal.SIGKILL)
+            assert procs.wait_gone([first.pid, first_launcher, *ranks], GONE_SECONDS, reaped=False) == []
+            assert psutil.pid_exists(template)
+            assert psutil.Process(template).children() == [psutil.Process(second_launcher)]
+        assert procs.wait_gone([second_launcher], GONE_SECONDS, reaped=False) == []
+    # No kernel left: the template goes by itself after its idle time (3 s here).
+    assert procs.wait_gone([template], GONE_SECONDS, reaped=False) == []
+    folder = template_env[naming.DIRECTORY_VARIABLE]
+    assert [name for name in os.listdir(folder) if name.endswith(".sock")] == []
+
+
+
+
+def test_killing_the_template_mid_run_changes_nothing_and_the_next_kernel_starts_a_new_one(template_env, tmp_path):
+    marker = str(tmp_path / "go")
+    kernel, launcher = loaded_kernel(template_env)
+    with kernel:
+        template = parent_of(launcher)
+        msg_id = kernel.start_cell(WAIT_FOR_FILE.format(marker=marker))
+        kernel.wait_for_stream(msg_id, ["waiting"])
+        os.kill(template, signal.SIGKILL)
+        assert procs.wait_gone([template], GONE_SECONDS, reaped=False) == []
+        with open(marker, "w"):
+            pass
+        _reply, out = kernel.wait_for_reply(msg_id, 120.0)
+        assert out.error is None, out.text
+        assert kernel.value("found") is True
+        assert psutil.pid_exists(launcher)
+        timed_first_run(kernel)  # the same launcher goes on serving runs
+        assert kernel.value(LAUNCHER_PID) == launcher
+        other, other_launcher = loaded_kernel(template_env)
+        with other:
+            new_template = parent_of(other_launcher)
+            assert new_template != template
+            assert new_template in templates(template_env[naming.DIRECTORY_VARIABLE])
+
+
+def test_a_template_of_another_environment_or_version_is_never_used(template_env):
+    folder = template_env[naming.DIRECTORY_VARIABLE]
+    # A template of another nbtrain version, at the very name this environment's kernels use:
+    # the handshake refuses it, and the kernel starts its own launcher, silently.
+    path = naming.socket_path(folder, naming.identity(environ={}))
+    stranger_env = {**os.environ, **template_env, naming.TAG_VARIABLE: "an older nbtrain", naming.IDLE_VARIABLE: "600"}
+    start_template(path, stranger_env)
+    stranger = templates(folder)
+    assert len(stranger) == 1
+    kernel, launcher = loaded_kernel(template_env)
+    with kernel:
+        assert parent_of(launcher) == kernel.pid
+        timed_first_run(kernel)
+        assert psutil.Process(stranger[0]).children() == []
+    # Another environment (its identity differs) asks for a socket of another name: its own template.
+    other_env = {**template_env, naming.TAG_VARIABLE: "another environment"}
+    kernel, launcher = loaded_kernel(other_env)
+    with kernel:
+        assert parent_of(launcher) not in (kernel.pid, stranger[0])
+        assert parent_of(launcher) in templates(folder)
+
+
+def start_template(path: str, env: dict[str, str]) -> None:
+    subprocess.run([sys.executable, "-m", processes.TEMPLATE_MODULE, path], env=env, check=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"no template socket at {path}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def other_user() -> Iterator[pwd.struct_passwd]:
+    """A second user of this machine, made for the test (root, useradd and setpriv needed) and removed after."""
+    if os.getuid() != 0 or shutil.which("useradd") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs root, useradd and setpriv to act as a second user")
+    name = "nbtrainother"
+    made = False
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        if subprocess.run(["useradd", "--no-create-home", name], check=False, capture_output=True).returncode != 0:
+            pytest.skip("useradd could not make a second user here")
+        made = True
+    try:
+        yield pwd.getpwnam(name)
+    finally:
+        if made:
+            subprocess.run(["userdel", name], check=False, capture_output=True)
+
+
+# Standard library only: the other user need not be able to read this checkout.
+ASK_AS_OTHER = """
+import pickle, socket, struct, sys
+sock = socket.socket(socket.AF_UNIX)
+try:
+    sock.connect(sys.argv[1])
+except PermissionError:
+    print("no access"); sys.exit(0)
+sock.settimeout(30)
+body = pickle.dumps({"a request": True})
+try:
+    socket.send_fds(sock, [struct.pack("!Q", len(body))], [0, 1])
+    sock.sendall(body)
+    print("refused" if sock.recv(1) == b"" else "answered")
+except (BrokenPipeError, ConnectionResetError):  # closed on us before we finished asking
+    print("refused")
+"""
+
+
+def test_another_users_process_is_refused(template_env, tmp_path, other_user):
+    user = other_user
+    folder = template_env[naming.DIRECTORY_VARIABLE]
+    path = naming.socket_path(folder, naming.identity())
+    with warm_launcher({**template_env, naming.IDLE_VARIABLE: "600"}) as launcher:
+        assert launcher.popen.pid > 0
+    ask = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "/usr/bin/python3", "-c"]
+    # The runtime directory is the user's own (0700): another user cannot reach the socket.
+    answer = subprocess.run([*ask, ASK_AS_OTHER, path], check=False, capture_output=True, text=True, timeout=60)
+    assert answer.stdout.strip() == "no access", answer.stderr
+    # Even where it can (the directory opened up), the template closes on them unanswered.
+    os.chmod(folder, 0o755)
+    os.chmod(path, 0o666)
+    answer = subprocess.run([*ask, ASK_AS_OTHER, path], check=False, capture_output=True, text=True, timeout=60)
+    assert answer.stdout.strip() == "refused", answer.stdout + answer.stderr
+    os.chmod(folder, 0o700)
+    assert naming.directory({naming.DIRECTORY_VARIABLE: str(tmp_path / "x")}) is not None
+    os.chmod(tmp_path / "x", 0o755)
+    assert naming.directory({naming.DIRECTORY_VARIABLE: str(tmp_path / "x")}) is None  # not private: no template
+
+
+class warm_launcher:
+    """A private launcher from the template, for the test process itself; stopped on exit."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+
+    def __enter__(self) -> processes.LauncherProcess:
+        self.saved = {key: os.environ.get(key) for key in self.env}
+        os.environ.update(self.env)
+        launcher = warm.launcher()
+        assert launcher is not None
+        launcher.channel.settimeout(READY_SECONDS)
+        ready, _ = wire.receive(launcher.channel)
+        assert type(ready).__name__ == "LauncherReady"
+        self.launcher = launcher
+        return launcher
+
+    def __exit__(self, *exc: object) -> None:
+        processes.stop_launcher(self.launcher)
+        for key, value in self.saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_hundred_launcher_starts_and_stops_leave_no_growth(template_env):
+    """100 kernels' worth of private launchers (the kernel's side of it, from this process):
+    the template's and this process's descriptors, children and memory stay as they were."""
+    with warm_launcher(template_env) as first:
+        template = parent_of(first.popen.pid)
+    gc.collect()  # earlier tests' kernel clients may still hold descriptors that a collection frees
+    before = (open_fds(template), open_fds(os.getpid()), psutil.Process(template).memory_info().rss)
+    pids = set()
+    for _ in range(100):
+        with warm_launcher(template_env) as launcher:
+            pids.add(launcher.popen.pid)
+            assert parent_of(launcher.popen.pid) == template
+    assert len(pids) == 100
+    assert procs.wait_gone(sorted(pids), GONE_SECONDS, reaped=False) == []
+    # The template reaps each launcher (and closes its pidfd) as its loop sees it exit.
+    deadline = time.monotonic() + GONE_SECONDS
+    while (open_fds(template) != before[0] or psutil.Process(template).children()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    gc.collect()
+    after = (open_fds(template), open_fds(os.getpid()), psutil.Process(template).memory_info().rss)
+    assert after[0] == before[0], f"the template's descriptors went from {before[0]} to {after[0]}"
+    assert after[1] <= before[1], f"this process's descriptors went from {before[1]} to {after[1]}"
+    assert psutil.Process(template).children() == []
+    assert after[2] - before[2] < 16 << 20, f"the template grew by {(after[2] - before[2]) >> 20} MiB"
+
+
+def test_where_no_template_can_be_used_the_kernel_starts_its_own_launcher(tmp_path, monkeypatch):
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    monkeypatch.setenv(naming.ENABLED_VARIABLE, "1")
+    monkeypatch.setenv(naming.DIRECTORY_VARIABLE, str(folder / "runtime"))
+    if os.getuid() == 0:  # root writes anywhere: a directory not private to the user stands in
+        folder.chmod(0o755)
+        monkeypatch.setenv(naming.DIRECTORY_VARIABLE, str(folder))
+    assert warm.launcher() is None
+    monkeypatch.setenv(naming.ENABLED_VARIABLE, "0")
+    assert warm.launcher() is None
+
+
+def test_the_identity_names_the_environment_and_version():
+    mine = naming.identity()
+    assert mine.prefix == sys.prefix and mine.uid == os.getuid() and mine.torch
+    assert naming.identity(tag="x").key() != mine.key()
+    connection, other = socket.socketpair()
+    with connection, other:
+        assert naming.refusal(connection, mine, naming.Request(mine, {}, "/")) == ""
+        assert naming.refusal(connection, mine, naming.Request(naming.identity(tag="x"), {}, "/")).startswith(
+            "the template was started for"
+        )
+        assert naming.refusal(connection, mine, "hello") == "not an nbtrain template request"
