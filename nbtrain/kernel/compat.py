@@ -11,7 +11,9 @@ The rest of nbtrain calls the functions below and never asks which version it ru
   itself and ipywidgets 8 only after ``enable_custom_widget_manager()``;
 - the cells' file names for tracebacks (:func:`cache_source`, :func:`cell_filenames`):
   IPython 8 remembers which file name each cell was compiled under; IPython 7 keeps no such
-  record, so it is rebuilt from the shell's history and the compiler's own naming.
+  record, so it is rebuilt from the shell's history and the compiler's own naming;
+- which of linecache's entries are cells, whose lines travel to the ranks for their
+  tracebacks (:func:`only_in_memory`).
 
 Everything else nbtrain uses of these packages (display ids, ``magic_arguments``, the
 kernel's SIGINT interrupts, the history of cell inputs) behaves the same on both
@@ -28,6 +30,8 @@ generations; ``tests/`` runs on both (``.ci/test``, the Colab environment of ``.
 
 from __future__ import annotations
 
+import linecache
+import sys
 from typing import Any
 
 WIDGET_VIEW_MIMETYPE = "application/vnd.jupyter.widget-view+json"
@@ -59,11 +63,9 @@ def widget_shown(widget: Any) -> None:
 
 def needs_colab_widget_manager() -> bool:
     """True where Colab can show nbtrain's widgets only after ``enable_custom_widget_manager()`` (ipywidgets 8)."""
-    try:
-        import ipywidgets
-    except ImportError:
-        return False
-    return callable(getattr(ipywidgets.Widget, "_repr_mimebundle_", None))
+    ipywidgets = sys.modules.get("ipywidgets")  # imported by whoever made the widget to show
+    widget = getattr(ipywidgets, "Widget", None)
+    return callable(getattr(widget, "_repr_mimebundle_", None))
 
 
 def cache_source(shell: Any, source: str, number: int | None, raw_code: str) -> str | None:
@@ -89,6 +91,15 @@ def cell_filenames(shell: Any) -> dict[str, int]:
     if known is not None:  # IPython 8 and later
         return known
     return {**_history_filenames(shell, compiler), **_registered_cells}
+
+
+def only_in_memory(filename: str, entry: tuple[Any, ...]) -> bool:
+    """Whether ``linecache``'s ``entry`` for ``filename`` is code that exists only in this process (a cell).
+
+    IPython 8 caches cells without a modification time; IPython 7 gives them one and keeps
+    them in a cache of its own beside linecache's (``linecache._ipython_cache``).
+    """
+    return entry[1] is None or filename in getattr(linecache, "_ipython_cache", {})
 
 
 def _history_filenames(shell: Any, compiler: Any) -> dict[str, int]:
