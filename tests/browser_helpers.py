@@ -58,6 +58,8 @@ THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 APPS = {
     "lab": ("lab", "LabApp", ["--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]),
     "notebook": ("notebook", "JupyterNotebookApp", []),
+    # Classic Notebook 6.5 (Colab's pin, in .venv-colab): its own server, not jupyter_server.
+    "classic": ("notebook", "NotebookApp", []),
 }
 
 
@@ -166,12 +168,8 @@ class JupyterLab:
             "--ip=127.0.0.1",
             f"--port={self.port}",
             "--port-retries=0",
-            f"--IdentityProvider.token={self.token}",
-            f"--ServerApp.root_dir={self.root}",
-            f"--{app_class}.workspaces_dir={dirs['workspaces']}",
+            *self._server_options(app_class, dirs),
             *app_options,
-            "--ServerApp.allow_remote_access=False",
-            "--ServerApp.terminals_enabled=False",
         ]
         if os.geteuid() == 0:  # CI containers run as root; jupyter_server refuses that without this
             command.append("--allow-root")
@@ -187,6 +185,19 @@ class JupyterLab:
         )
         self.seen.add(self.process.pid)
         self._wait_ready()
+
+    def _server_options(self, app_class: str, dirs: dict[str, Path]) -> list[str]:
+        if self.app == "classic":  # Notebook 6's server takes them all on NotebookApp; it has no workspaces
+            server = "NotebookApp"
+            options = [f"--NotebookApp.token={self.token}", f"--NotebookApp.notebook_dir={self.root}"]
+        else:
+            server = "ServerApp"
+            options = [
+                f"--IdentityProvider.token={self.token}",
+                f"--ServerApp.root_dir={self.root}",
+                f"--{app_class}.workspaces_dir={dirs['workspaces']}",
+            ]
+        return [*options, f"--{server}.allow_remote_access=False", f"--{server}.terminals_enabled=False"]
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + SERVER_READY_SECONDS
@@ -327,14 +338,16 @@ def marked_processes(mark: str) -> list[int]:
     return found
 
 
-def chromium_problem() -> str | None:
-    """Why the browser test cannot run here, or None."""
+def chromium_problem(app: str = "lab") -> str | None:
+    """Why the browser test of ``app`` cannot run here, or None."""
     if not os.access(CHROMIUM, os.X_OK):
         return f"{CHROMIUM} is missing: run `bash .ci/browser-setup` (apt-get install -y chromium)"
     try:
         import playwright.sync_api  # noqa: F401 - only whether it imports
     except ImportError:
         return "the playwright package is missing: run `bash .ci/browser-setup` (pip install -e '.[browser]')"
+    if app == "classic":
+        return None  # the classic test checks Notebook 6 itself (it runs in .venv-colab only)
     try:
         import jupyterlab  # noqa: F401 - only whether it imports
         import notebook  # noqa: F401 - Notebook 7, for the extension's test there
@@ -375,8 +388,8 @@ KERNEL_READY_MS = 60_000  # the kernel starts (and imports IPython) on a loaded 
 RUN_MS = 90_000  # torch imports in the launcher, the ranks start, train and end
 
 
-def _requirements() -> None:
-    problem = chromium_problem()
+def _requirements(app: str) -> None:
+    problem = chromium_problem(app)
     if problem is None:
         return
     if os.environ.get("NBTRAIN_SKIP_BROWSER_TESTS") == "1":
@@ -396,7 +409,10 @@ class Session:
         """Write the notebook, open it, wait until its kernel is idle; the notebook panel."""
         write_notebook(self.lab.root / name, sources)
         self.page.goto(self.lab.url(f"lab/tree/{name}" if self.lab.app == "lab" else f"notebooks/{name}"))
-        notebook = self.page.locator(".jp-NotebookPanel", has=self.page.locator(".jp-Notebook .jp-Cell"))
+        if self.lab.app == "classic":
+            notebook = self.page.locator("#notebook-container", has=self.page.locator(".cell"))
+        else:
+            notebook = self.page.locator(".jp-NotebookPanel", has=self.page.locator(".jp-Notebook .jp-Cell"))
         notebook.wait_for(state="visible")
         self.wait_idle(KERNEL_READY_MS)
         return notebook
@@ -410,6 +426,10 @@ class Session:
         and its state; Notebook 7 has no status bar, its toolbar's indicator carries it."""
         if self.lab.app == "lab":
             self.page.get_by_text(f"Python 3 (ipykernel) | {state}").wait_for(timeout=timeout_ms)
+        elif self.lab.app == "classic":  # Notebook 6: the icon in the menu bar's corner
+            self.lab.wait_kernel_connected(timeout_ms / 1000)
+            icon = f"#kernel_indicator_icon.kernel_{state.lower()}_icon"
+            self.page.locator(icon).wait_for(state="attached", timeout=timeout_ms)
         else:
             self.lab.wait_kernel_connected(timeout_ms / 1000)
             indicator = f'.jp-Notebook-ExecutionIndicator[data-status="{state.lower()}"]'
@@ -463,13 +483,14 @@ def _publish(staging: Path, final: Path) -> None:
 @pytest.fixture
 def session(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Session]:
     """JupyterLab (light theme, or the theme given as the fixture's parameter; "notebook":
-    Notebook 7 instead, light) and Chromium, started here and ended here, every process checked gone."""
-    _requirements()
+    Notebook 7 instead, light; "classic": Notebook 6, in .venv-colab)
+    and Chromium, started here and ended here, every process checked gone."""
+    param = getattr(request, "param", "light")
+    app = param if param in ("notebook", "classic") else "lab"
+    _requirements(app)
     from playwright.sync_api import sync_playwright
 
-    param = getattr(request, "param", "light")
-    app = "notebook" if param == "notebook" else "lab"
-    theme = "light" if app == "notebook" else param
+    theme = "light" if app != "lab" else param
     name = request.node.originalname.removeprefix("test_")
     final = ARTIFACTS / (name if param == "light" else f"{name}-{param}")
     # Written aside, then moved into place: two runs of the suite at once do not mix files.

@@ -65,7 +65,7 @@ class NotebookKernel:
         self.notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
         self.client = NotebookClient(
             self.notebook,
-            timeout=CELL_SECONDS,
+            timeout=int(CELL_SECONDS),  # an Integer trait in nbclient under traitlets 5.7 (Colab's)
             startup_timeout=int(STARTUP_SECONDS),
             kernel_name="python3",
             allow_errors=True,

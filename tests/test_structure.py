@@ -154,3 +154,18 @@ def test_importing_nbtrain_starts_nothing():
     )
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == {"children": [], "atexit": 0, "launcher": False, "torch": False}, done.stderr
+
+
+def test_only_the_compat_module_knows_which_jupyter_stack_it_runs_on():
+    # IPython 7 vs 8/9, ipykernel 6 vs 7, ipywidgets 7 vs 8: nbtrain.kernel.compat owns each
+    # difference; nothing else reads a version or reaches for a generation's private API.
+    markers = (
+        "version_info", "importlib.metadata", ".__version__",
+        "._repr_mimebundle_", "_handle_displayed", "_model_id", "_filename_map",
+    )
+    offenders = {
+        _module_name(path): [marker for marker in markers if marker in path.read_text()]
+        for path in PACKAGE.rglob("*.py")
+        if _module_name(path) != "nbtrain.kernel.compat"
+    }
+    assert {name: found for name, found in offenders.items() if found} == {}

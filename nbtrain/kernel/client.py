@@ -37,7 +37,7 @@ from nbtrain.errors import (
     RunStoppedError,
     RunTimeoutError,
 )
-from nbtrain.kernel import gcpause, warm
+from nbtrain.kernel import compat, gcpause, warm
 from nbtrain.records import CopiedResult
 
 # A run's messages from the launcher (or a cluster's agents), each with the file
@@ -1058,7 +1058,7 @@ def _notebook_source_lines() -> dict[str, tuple[str, ...]]:
     lines: dict[str, tuple[str, ...]] = {}
     size = 0
     for filename, entry in list(linecache.cache.items()):
-        if len(entry) == 4 and entry[1] is None and size < _SOURCE_LINES_LIMIT:
+        if len(entry) == 4 and compat.only_in_memory(filename, entry) and size < _SOURCE_LINES_LIMIT:
             lines[filename] = tuple(entry[2])
             size += entry[0]
     return lines

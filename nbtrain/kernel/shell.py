@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nbtrain import processes
+from nbtrain.kernel import compat
 
 
 def get_shell() -> Any:
@@ -84,7 +85,7 @@ def call_on_main_thread(loop: Any, callback: Callable[[], None]) -> None:
 
 def cell_filenames(shell: Any) -> dict[str, int]:
     """{compiled file name: cell number} of the cells the shell ran, for naming them in tracebacks."""
-    return getattr(getattr(shell, "compile", None), "_filename_map", {}) or {}
+    return compat.cell_filenames(shell)
 
 
 def register_source(shell: Any, source: str) -> str:
@@ -93,13 +94,11 @@ def register_source(shell: Any, source: str) -> str:
     IPython's compiler also remembers the running cell's number for that name, which
     :func:`cell_filenames` gives back.
     """
-    compiler = getattr(shell, "compile", None)
-    if compiler is not None and hasattr(compiler, "cache"):
-        # A raw_code of our own gives a name of our own: the kernel's entry for the
-        # cell (its transformed form) stays as it is.
-        number = current_cell_number(shell)
-        filename: str = compiler.cache(source, number, raw_code=source + "\n# nbtrain %%distributed")
-        return filename
+    # A raw_code of our own gives a name of our own: the kernel's entry for the
+    # cell (its transformed form) stays as it is.
+    cached = compat.cache_source(shell, source, current_cell_number(shell), source + "\n# nbtrain %%distributed")
+    if cached is not None:
+        return cached
     filename = f"<cell-{abs(hash(source))}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     return filename

@@ -2,7 +2,7 @@
 
 Core ipywidgets only (Dropdown, Combobox, IntSlider, Checkbox, BoundedFloatText,
 BoundedIntText, HTML, VBox, HBox), so it renders wherever Jupyter widgets do: JupyterLab, Notebook 7, VS Code,
-Kaggle (which loads no third-party widget JavaScript) and Colab (after
+Kaggle (which loads no third-party widget JavaScript) and Colab (ipywidgets 7 as it is; 8 after
 ``google.colab.output.enable_custom_widget_manager()``).
 
 What the machine offers is found without touching CUDA (GPUs through NVML, see

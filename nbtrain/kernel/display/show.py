@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from nbtrain import events
+from nbtrain.kernel import compat
 from nbtrain.kernel import shell as kernel_shell
 
 
@@ -54,8 +55,8 @@ def update_text(shown: Any, text: str) -> None:
 
 
 def enable_colab_widgets() -> None:
-    """In Colab, turn on the widget manager that ipywidgets 8 needs there (elsewhere: nothing)."""
-    if "google.colab" not in sys.modules:
+    """In Colab, turn on the widget manager that ipywidgets 8 needs there (elsewhere, and for ipywidgets 7: nothing)."""
+    if "google.colab" not in sys.modules or not compat.needs_colab_widget_manager():
         return
     with contextlib.suppress(Exception):  # an older Colab: its own manager may still show core widgets
         from google.colab import output  # only exists in Colab
@@ -100,10 +101,12 @@ def show_widget(widget: Any, summary: str) -> Any:
     """
     from IPython.display import display
 
-    bundle = dict(widget._repr_mimebundle_() or {})
+    bundle = compat.widget_bundle(widget)
     bundle["text/plain"] = summary
     bundle["text/html"] = (
         '<div class="nbtrain-static" style="font-family:var(--jp-code-font-family,monospace);font-size:12px">'
         f"{html.escape(summary)}</div>"
     )
-    return display(bundle, raw=True)
+    shown = display(bundle, raw=True)
+    compat.widget_shown(widget)
+    return shown
