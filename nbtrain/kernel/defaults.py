@@ -46,6 +46,8 @@ class Defaults:
     precision: str = "32-true"  # Lightning's name (nbtrain.config.PRECISIONS)
     sync_batchnorm: bool = False
     backend: str | None = None  # None: gloo on CPU, nccl on CUDA
+    on_stop: str = "keep"  # what a stop or a timeout does to the state: "keep" (at a step) or "discard"
+    stop_grace: float = 2.0  # seconds every rank gets to reach the stop step, at least (3 x the median step)
 
     def magic_line(self) -> str:
         """The ``%%distributed`` line that asks for exactly these settings, to copy into a cell."""
@@ -63,6 +65,8 @@ class Defaults:
             parts.append("--sync-batchnorm")
         if self.backend is not None:
             parts += ["--backend", self.backend]
+        if self.on_stop != "keep":
+            parts += ["--on-stop", self.on_stop]
         return " ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -91,6 +95,8 @@ def set_defaults(
     precision: Any = _UNSET,
     sync_batchnorm: Any = _UNSET,
     backend: Any = _UNSET,
+    on_stop: Any = _UNSET,
+    stop_grace: Any = _UNSET,
 ) -> Defaults:
     """Set the defaults of every later ``%%distributed`` cell that does not give the flag.
 
@@ -102,7 +108,10 @@ def set_defaults(
     address and ``num_nodes`` the nodes a cluster run spans (see README "On a cluster"),
     ``precision`` one of Lightning's names (``"bf16-mixed"``, ``"16"``, ...), ``sync_batchnorm``
     True or False, ``backend`` one of gloo, nccl, mpi, cpu:gloo,cuda:nccl or None (gloo on
-    CPU, nccl on CUDA). The combination is checked against this machine (its GPUs through NVML: CUDA is never
+    CPU, nccl on CUDA), ``on_stop`` "keep" (an interrupt, Stop or timeout brings back the state at
+    the last optimizer step every rank reached) or "discard" (the kernel keeps what it had), and
+    ``stop_grace`` the least seconds ranks get to reach that step (3 x the median step when longer).
+    The combination is checked against this machine (its GPUs through NVML: CUDA is never
     initialised here) and a ConfigurationError says what is wrong; nothing changes then. Returns the new defaults.
 
     Example:
@@ -111,7 +120,7 @@ def set_defaults(
         >>> nbtrain.set_defaults(devices=2, accelerator="cpu", timeout=600)  # doctest: +NORMALIZE_WHITESPACE
         Defaults(devices='2', accelerator='cpu', strategy='ddp_notebook', timeout=600.0,
                  stall_warning=30.0, cluster='local', num_nodes=1, precision='32-true',
-                 sync_batchnorm=False, backend=None)
+                 sync_batchnorm=False, backend=None, on_stop='keep', stop_grace=2.0)
         >>> _ = nbtrain.set_defaults(**previous.as_dict())
     """
     global _current
@@ -128,6 +137,8 @@ def set_defaults(
             precision=old.precision if precision is _UNSET else _precision_text(precision),
             sync_batchnorm=old.sync_batchnorm if sync_batchnorm is _UNSET else _flag(sync_batchnorm),
             backend=old.backend if backend is _UNSET else _backend_text(backend),
+            on_stop=old.on_stop if on_stop is _UNSET else on_stop_text(on_stop),
+            stop_grace=old.stop_grace if stop_grace is _UNSET else _grace_seconds(stop_grace),
         )
         # Checked with the value as given, so a message names it as the user wrote it.
         check(new, devices=new.devices if devices is _UNSET else devices)
@@ -203,6 +214,34 @@ def _stall_seconds(seconds: Any) -> float | None:
         raise ConfigurationError(
             f"stall_warning={seconds!r} is not valid: give a positive number of seconds, or None for no warning."
         )
+    return value
+
+
+ON_STOP = ("keep", "discard")
+
+
+def on_stop_text(value: Any) -> str:
+    """``on_stop`` checked: "keep" or "discard".
+
+    >>> on_stop_text(" Discard ")
+    'discard'
+    """
+    text = str(value).strip().lower()
+    if text not in ON_STOP:
+        raise ConfigurationError(
+            f"on_stop={value!r} is not valid: pass 'keep' (a stop brings back the state at the last optimizer "
+            "step every rank reached) or 'discard' (a stop changes nothing in the kernel)."
+        )
+    return text
+
+
+def _grace_seconds(seconds: Any) -> float:
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        value = -1.0
+    if isinstance(seconds, bool) or not 0 < value < float("inf"):
+        raise ConfigurationError(f"stop_grace={seconds!r} is not valid: give a positive number of seconds (2 built in)")
     return value
 
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain import events, processes, wire
+from nbtrain import events, processes, stopboard, wire
 from nbtrain.events import (
     MemorySample,
     Metrics,
@@ -41,9 +41,10 @@ from nbtrain.events import (
     SendResultFile,
     StartRun,
     StopRun,
+    StopStep,
     StoreListening,
 )
-from nbtrain.launch_server import tracker
+from nbtrain.launch_server import graceful, tracker
 from nbtrain.launch_server.output import STREAMS, RankOutput, RunLog
 
 # Imported once here so that no rank pays for it: DistributedDataParallel's constructor
@@ -111,6 +112,11 @@ class Run:
     stacks_until: float | None = None  # collecting stack dumps before the stop, until then
     log: RunLog | None = None  # every rank's full output
     last_skipped_report: float = 0.0
+    board: stopboard.StepBoard | None = None  # the ranks' optimizer steps (forked ranks only)
+    on_stop: str = "keep"
+    stop_grace: float = 2.0
+    graceful: graceful.GracefulStop | None = None
+    stop_note: str = ""  # why a stop could not keep the state (sent with RunEnded)
 
 
 class Launcher:
@@ -158,14 +164,8 @@ class Launcher:
             self._start(message, fds[0] if fds else None)
         elif isinstance(message, StopRun):
             run = self.runs.get(message.run_id)
-            # The reason is the caller's words, not a state: the run ends STOPPED (which the
-            # kernel turns into RunStoppedError). A run whose result the kernel has taken
-            # keeps it, and one already failing keeps its failure; a result not taken yet
-            # is given up (the kernel does not copy it), and rank 0 is stopped with the rest.
-            if run is not None and (run.end_state is None or run.result_pending):
-                run.result_pending = False
-                run.end_state = None
-                self._stop(run, events.STOPPED)
+            if run is not None:
+                self._on_stop_request(run, message.graceful)
         elif isinstance(message, ReleaseResult):
             run = self.runs.get(message.run_id)
             if run is not None and run.result_pending:
@@ -181,6 +181,57 @@ class Launcher:
                 self._release(run)
         return True
 
+    def _on_stop_request(self, run: Run, gracefully: bool) -> None:
+        # The reason is the caller's words, not a state: the run ends STOPPED (which the
+        # kernel turns into RunStoppedError). A run whose result the kernel has taken
+        # keeps it, and one already failing keeps its failure; a result not taken yet
+        # is given up (the kernel does not copy it), and rank 0 is stopped with the rest.
+        if gracefully and self._stop_gracefully(run, events.STOPPED):
+            return
+        if run.graceful is not None and run.end_state is None:  # asked again while stopping at a step
+            run.graceful.gave_up = True
+            run.stop_note = "stopped hard at once (asked to stop a second time)"
+            run.end_state = events.STOPPED
+            self._stop_now(run)  # no stack dumps: a second stop means now
+            return
+        if run.end_state is None or run.result_pending:
+            run.result_pending = False
+            run.end_state = None
+            self._stop(run, events.STOPPED)
+
+    def _stop_gracefully(self, run: Run, state: str) -> bool:
+        """Begin a stop at a step boundary (nbtrain.launch_server.graceful); False when the run cannot have one."""
+        if run.end_state is not None or run.graceful is not None or run.stop_started or run.stacks_until:
+            return False
+        run.stop_note = graceful.why_none(run.board, run.on_stop)
+        if run.board is None or run.on_stop != "keep" or run.stop_note:
+            return False
+        run.board.request_stop()
+        run.graceful = graceful.GracefulStop(state, time.monotonic())
+        entry = self.board.get(run.run_id)
+        if entry is not None:
+            entry.update(state="stopping")
+        return True
+
+    def _follow_graceful(self, run: Run, now: float) -> None:
+        """Choose the stop step when it is time; stop hard once the grace is over."""
+        stop = run.graceful
+        if stop is None or run.board is None or run.end_state is not None:
+            return
+        if stop.choose(run.board, run.stop_grace, now):
+            if not stop.step:  # every rank's count went back to none meanwhile: nothing to keep
+                stop.gave_up = True
+                run.stop_note = graceful.why_none(run.board, run.on_stop)
+                self._stop(run, stop.state)
+                return
+            self._send(StopStep(run.run_id, stop.step, stop.grace))
+        elif stop.overdue(now):
+            stop.gave_up = True
+            not_done = [rank.spec.rank for rank in run.ranks if not rank.done]
+            slots = {rank.spec.rank: index for index, rank in enumerate(run.ranks)}
+            run.stop_note = graceful.laggards_note(stop, run.board, not_done, slots)
+            self._stop(run, stop.state)
+
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
         try:
             wire.send(self.control, message, fds)
@@ -192,14 +243,19 @@ class Launcher:
         run = Run(start.run_id, [], None if start.timeout is None else time.monotonic() + start.timeout)
         run.hold = start.node is not None
         run.log = RunLog(start.log_path) if start.log_path else None
+        run.on_stop, run.stop_grace = start.on_stop, start.stop_grace
+        # A spawned rank starts from nothing: it cannot share the board. A cluster's nodes would each
+        # choose a step of their own: their stops stay hard.
+        if start.start_method == "fork" and start.node is None:
+            run.board = stopboard.StepBoard.create(len(start.ranks))
         self.runs[start.run_id] = run
         store_socket = None
         try:
             store_socket, port = self._store_socket(start)
-            for spec in start.ranks:
+            for slot, spec in enumerate(start.ranks):
                 assignment = RankAssignment(start, spec, port, os.getpid())
                 listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
-                run.ranks.append(self._start_rank(run, assignment, listen_fd, tensor_fd))
+                run.ranks.append(self._start_rank(run, assignment, listen_fd, tensor_fd, slot))
         except OSError as error:
             # On a cluster a node's first rank is not rank 0: name the global rank.
             first = start.ranks[len(run.ranks)].rank if len(run.ranks) < len(start.ranks) else len(run.ranks)
@@ -235,11 +291,11 @@ class Launcher:
         return store_socket, port
 
     def _start_rank(
-        self, run: Run, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None
+        self, run: Run, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None, slot: int = 0
     ) -> RankProcess:
         ends = _RankEnds.open()
         try:
-            pid = self._create(assignment, ends, listen_fd, tensor_fd)
+            pid = self._create(assignment, ends, listen_fd, tensor_fd, (run.board, slot))
         except BaseException:
             ends.close_all()  # the fork failed: nothing holds the other ends
             raise
@@ -267,12 +323,19 @@ class Launcher:
         self._send(RankStarted(run.run_id, assignment.spec.rank, pid))
         return rank
 
-    def _create(self, assignment: RankAssignment, ends: _RankEnds, listen_fd: int | None, tensor_fd: int | None) -> int:
+    def _create(
+        self,
+        assignment: RankAssignment,
+        ends: _RankEnds,
+        listen_fd: int | None,
+        tensor_fd: int | None,
+        steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
+    ) -> int:
         fds = RankFds(ends.rank_end.fileno(), ends.out_write, ends.err_write, listen_fd, tensor_fd, ends.stack_write)
         if assignment.start.start_method == "spawn":
             return self._spawn(assignment, fds)
         rank_end = ends.rank_end
-        return processes.fork_rank(lambda: _rank_main(assignment, rank_end, fds))
+        return processes.fork_rank(lambda: _rank_main(assignment, rank_end, fds, steps))
 
     def _spawn(self, assignment: RankAssignment, fds: RankFds) -> int:
         env = dict(assignment.start.environ)
@@ -333,7 +396,9 @@ class Launcher:
                 if run.result_pending:  # the file the kernel asked for: the result is safe
                     self._release(run)
             if all(r.done for r in run.ranks) and run.end_state is None:
-                run.end_state = events.FINISHED
+                # Every rank ended its cell at the stop step: the run keeps its result, and says it stopped.
+                stopped = run.graceful is not None and not run.graceful.gave_up
+                run.end_state = run.graceful.state if stopped and run.graceful else events.FINISHED
                 self._hand_over(run)
 
     def _hand_over(self, run: Run) -> None:
@@ -520,8 +585,10 @@ class Launcher:
             if run is not None and run.end_state is None:
                 self._stop_asked_outside(run)
         for run in list(self.runs.values()):
-            if run.deadline is not None and now > run.deadline and run.end_state is None:
+            timed_out = run.deadline is not None and now > run.deadline and run.graceful is None
+            if timed_out and run.end_state is None and not self._stop_gracefully(run, events.TIMED_OUT):
                 self._stop(run, events.TIMED_OUT)
+            self._follow_graceful(run, now)
             if run.stacks_until is not None and (now > run.stacks_until or self._stacks_in(run, now)):
                 self._stop_now(run)
             if run.stop_started is not None and not run.killed and now - run.stop_started > STOP_GRACE_SECONDS:
@@ -580,13 +647,16 @@ class Launcher:
         del self.runs[run.run_id]
         if run.log is not None:
             run.log.close()
+        if run.board is not None:
+            run.board.close()
         state = run.end_state or events.FAILED
         self.board.end(run.run_id, state)
-        if state == events.FINISHED and run.failure is None:
+        kept = _kept_step(run)
+        if (state == events.FINISHED or kept is not None) and run.failure is None:
             fds = () if run.result_fd is None else (run.result_fd,)
-            self._send(RunEnded(run.run_id, state, run.result, run.result_fd is not None), fds)
+            self._send(RunEnded(run.run_id, state, run.result, run.result_fd is not None, stopped_at=kept), fds)
         else:
-            self._send(RunEnded(run.run_id, state, failure=run.failure, stacks=_stacks(run)))
+            self._send(RunEnded(run.run_id, state, failure=run.failure, stacks=_stacks(run), stop_note=run.stop_note))
         if run.result_fd is not None:
             os.close(run.result_fd)
 
@@ -603,6 +673,14 @@ class Launcher:
         # What the ranks left behind is ours now; once the launcher is gone it would be init's.
         while processes.kill_strays(self._live_ranks()) and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def _kept_step(run: Run) -> int | None:
+    """The step a graceful stop kept (every rank ended its cell there), or None."""
+    stop = run.graceful
+    if stop is None or stop.gave_up or run.end_state == events.FINISHED or not all(r.done for r in run.ranks):
+        return None
+    return stop.step
 
 
 def _stacks(run: Run) -> tuple[tuple[int, str], ...]:
@@ -695,14 +773,21 @@ class RankFds:
         return [fd for fd in (self.channel, self.listen, self.tensor, self.stack) if fd is not None]
 
 
-def _rank_main(assignment: RankAssignment, channel: socket.socket, fds: RankFds) -> None:
+def _rank_main(
+    assignment: RankAssignment,
+    channel: socket.socket,
+    fds: RankFds,
+    steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
+) -> None:
     """In the forked child: wire up stdio, drop the launcher's descriptors, run the rank."""
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(fds.out, 1)
     os.dup2(fds.err, 2)
     _close_all_but({0, 1, 2, *fds.kept})
-    from nbtrain.rank import runtime
+    from nbtrain.rank import runtime, stopping
+
+    stopping.attach(*steps)
 
     runtime.run_rank(assignment, channel, fds.listen, fds.tensor, fds.stack)
 
