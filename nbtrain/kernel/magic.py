@@ -628,7 +628,8 @@ def _launch_and_follow(
         from nbtrain.kernel import background
 
         callbacks = background.CellCallbacks(
-            keep_metrics=keep_metrics, explain_failure=explain_failure, apply_result=apply_cell_result
+            keep_metrics=keep_metrics, explain_failure=explain_failure, apply_result=apply_cell_result,
+            kept_error=kept_error,
         )
         handle = background.follow_cell(shell, run, prepared, options, callbacks)
         if held.received:  # the cell that starts it was interrupted: the run does not go on
@@ -714,9 +715,15 @@ def _kept(
     record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
     view.finish(run.state)
     _bring_back(shell, result, prepared.shipped, record, options.output)
-    message = kept_message(run.stopped_at, record.updated, prepared.shipped)
     if interrupted:
+        message = kept_message(run.stopped_at, record.updated, prepared.shipped)
         return RunInterrupted(f"the cell was interrupted and {message} The kernel is ready.")
+    return kept_error(run, record.updated, prepared.shipped)
+
+
+def kept_error(run: Any, updated: list[str], shipped: dict[str, Any]) -> BaseException:
+    """What a run stopped at a step raises once its state is in (RunTimeoutError, RunStoppedError), naming the step."""
+    message = kept_message(run.stopped_at, updated, shipped)
     if run.state == events.TIMED_OUT:
         error = RunTimeoutError(run.config.timeout or 0.0)
         error._set_message(f"the run exceeded timeout={run.config.timeout or 0:g} s and was {message}", "")

@@ -61,10 +61,17 @@ def why_none(board: stopboard.StepBoard | None, on_stop: str) -> str:
     return ""
 
 
-def laggards_note(stop: GracefulStop, board: stopboard.StepBoard, not_done: list[int], slots: dict[int, int]) -> str:
+def laggards_note(
+    stop: GracefulStop,
+    board: stopboard.StepBoard,
+    not_done: list[int],
+    slots: dict[int, int],
+    waiting: frozenset[int] = frozenset(),
+) -> str:
     """"stopped hard (rank 1 did not reach step 412 within 2.0 s)": who kept the run from stopping at its step.
 
-    ``not_done`` are the ranks that had not ended their cell; ``slots`` maps a rank to its slot on the board.
+    ``not_done`` are the ranks that had not ended their cell; ``slots`` maps a rank to its slot on the
+    board; ``waiting`` are ranks whose stack showed them waiting for the others (not the cause).
 
     >>> board = stopboard.StepBoard.create(2)
     >>> _ = [board.begin_step(0) for _ in range(3)] + [board.begin_step(1)]
@@ -73,9 +80,9 @@ def laggards_note(stop: GracefulStop, board: stopboard.StepBoard, not_done: list
     'stopped hard (rank 1 did not reach step 3 within 2.0 s)'
     """
     behind = [rank for rank in not_done if board.count(slots[rank]) < (stop.step or 0)]
-    # Every late rank had begun the step: it is stuck after it (a collective, a sleep), not behind.
-    named = behind or not_done
+    # Every late rank had begun the step: one is stuck after it (a sleep, a loop) and the others wait for it.
+    named = behind or [rank for rank in not_done if rank not in waiting] or not_done
     names = ", ".join(str(rank) for rank in named)
     who = f"rank {names}" if len(named) == 1 else f"ranks {names}"
-    what = "reach" if behind else "stop at"
-    return f"stopped hard ({who} did not {what} step {stop.step} within {stop.grace:.1f} s)"
+    # "Reach" the step: get to where the cell ends for it (the next optimizer step's start).
+    return f"stopped hard ({who} did not reach step {stop.step} within {stop.grace:.1f} s)"

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain import events, processes, stopboard, wire
+from nbtrain import events, processes, stacks, stopboard, wire
 from nbtrain.events import (
     MemorySample,
     Metrics,
@@ -117,6 +117,7 @@ class Run:
     stop_grace: float = 2.0
     graceful: graceful.GracefulStop | None = None
     stop_note: str = ""  # why a stop could not keep the state (sent with RunEnded)
+    late: list[int] = field(default_factory=list)  # the ranks a graceful stop gave up on
 
 
 class Launcher:
@@ -227,10 +228,17 @@ class Launcher:
             self._send(StopStep(run.run_id, stop.step, stop.grace))
         elif stop.overdue(now):
             stop.gave_up = True
-            not_done = [rank.spec.rank for rank in run.ranks if not rank.done]
-            slots = {rank.spec.rank: index for index, rank in enumerate(run.ranks)}
-            run.stop_note = graceful.laggards_note(stop, run.board, not_done, slots)
-            self._stop(run, stop.state)
+            run.late = [rank.spec.rank for rank in run.ranks if not rank.done]
+            run.stop_note = self._laggards(run)
+            self._stop(run, stop.state)  # its stack dumps then say who waited for whom (_finish)
+
+    def _laggards(self, run: Run) -> str:
+        """The note naming the ranks that kept a graceful stop from its step (after the dumps: not those waiting)."""
+        if run.graceful is None or run.board is None:
+            return run.stop_note
+        slots = {rank.spec.rank: index for index, rank in enumerate(run.ranks)}
+        waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.waits_on_peers(_frames(r)))
+        return graceful.laggards_note(run.graceful, run.board, run.late, slots, waiting)
 
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
         try:
@@ -647,6 +655,8 @@ class Launcher:
         del self.runs[run.run_id]
         if run.log is not None:
             run.log.close()
+        if run.late:
+            run.stop_note = self._laggards(run)
         if run.board is not None:
             run.board.close()
         state = run.end_state or events.FAILED
@@ -673,6 +683,10 @@ class Launcher:
         # What the ranks left behind is ours now; once the launcher is gone it would be init's.
         while processes.kill_strays(self._live_ranks()) and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def _frames(rank: RankProcess) -> tuple[stacks.Frame, ...]:
+    return stacks.parse_dump(rank.stack.decode("utf-8", "replace"))
 
 
 def _kept_step(run: Run) -> int | None:
