@@ -69,6 +69,10 @@ class RunRecord:
     started: float = 0.0
     updated: float = 0.0
     ended: float | None = None
+    # Its launcher answers a stop request itself: every rank ends at one optimizer step, or the launcher
+    # stops them hard once the grace is over (by stop_deadline, unix time, once it chose the step).
+    stop_at_step: bool = False
+    stop_deadline: float | None = None
 
     @property
     def pids(self) -> tuple[int, ...]:

@@ -64,7 +64,19 @@ def test_defaults_are_a_frozen_record():
         "precision",
         "sync_batchnorm",
         "backend",
+        "on_stop",
+        "stop_grace",
     }
+
+
+def test_on_stop_and_its_grace_are_session_defaults_checked_when_set():
+    assert set_defaults(on_stop="Discard", stop_grace=5).on_stop == "discard"
+    assert get_defaults().magic_line().endswith("--on-stop discard") and get_defaults().stop_grace == 5.0
+    with pytest.raises(ConfigurationError, match="on_stop='later' is not valid: pass 'keep'"):
+        set_defaults(on_stop="later")
+    with pytest.raises(ConfigurationError, match="stop_grace=0 is not valid"):
+        set_defaults(stop_grace=0)
+    reset_defaults()
 
 
 @pytest.mark.parametrize(

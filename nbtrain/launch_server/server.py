@@ -226,6 +226,9 @@ class Launcher:
                 self._stop(run, stop.state)
                 return
             self._send(StopStep(run.run_id, stop.step, stop.grace))
+            entry = self.board.get(run.run_id)
+            if entry is not None:  # the server extension signals the ranks itself after this
+                entry.update(stop_deadline=time.time() + stop.grace)
         elif stop.overdue(now):
             stop.gave_up = True
             run.late = [rank.spec.rank for rank in run.ranks if not rank.done]
@@ -510,8 +513,9 @@ class Launcher:
     # -- stopping and finishing --------------------------------------------------------
     def _stopped_from_outside(self, run: Run) -> bool:
         """Whether the run was stopped from the browser (the server extension signals the
-        ranks itself after leaving a stop request): it then ends as stopped, not failed."""
-        if run.stop_started is None and self.board.stop_requested(run.run_id):
+        ranks itself after leaving a stop request): it then ends as stopped, not failed.
+        While the ranks go to a stop step nobody signals them: a rank that fails then fails."""
+        if run.stop_started is None and run.graceful is None and self.board.stop_requested(run.run_id):
             self._stop_asked_outside(run)
         return run.end_state == events.STOPPED
 
@@ -519,8 +523,10 @@ class Launcher:
         """Stop a run asked to stop through the registry, without asking for stack dumps: the
         server signals every rank itself as it asks, so a rank still alive is already dying
         and would only be reported as one that "did not answer in time"."""
-        if run.stop_started is not None or run.stacks_until is not None:
+        if run.stop_started is not None or run.stacks_until is not None or run.graceful is not None:
             return
+        if self._stop_gracefully(run, events.STOPPED):
+            return  # the record says so (stop_at_step): the server leaves the ranks to this launcher
         run.end_state = events.STOPPED
         run.stopped_outside = True
         self._stop_now(run)
