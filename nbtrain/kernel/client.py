@@ -434,7 +434,10 @@ class Run:
             return
         if graceful and self._stop_asked is None:
             self._stop_asked = time.monotonic()
-        self.client.stop(self.run_id, reason, graceful)
+        if graceful:
+            self.client.stop(self.run_id, reason, graceful=True)
+        else:
+            self.client.stop(self.run_id, reason)
 
     def stop_deadline(self) -> float | None:
         """When waiting for a graceful stop has gone on too long (its grace, then the usual bound), or None."""

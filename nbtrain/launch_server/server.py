@@ -214,6 +214,14 @@ class Launcher:
             entry.update(state="stopping")
         return True
 
+    def _note_steps(self, run: Run) -> None:
+        """Once a rank has begun an optimizer step, the run's record says a stop request can keep its state."""
+        entry = self.board.get(run.run_id)
+        if entry is None or entry.record.stop_at_step or run.end_state is not None:
+            return
+        if run.board is not None and run.on_stop == "keep" and any(run.board.counts()):
+            entry.update(stop_at_step=True)
+
     def _follow_graceful(self, run: Run, now: float) -> None:
         """Choose the stop step when it is time; stop hard once the grace is over."""
         stop = run.graceful
@@ -603,6 +611,7 @@ class Launcher:
             if timed_out and run.end_state is None and not self._stop_gracefully(run, events.TIMED_OUT):
                 self._stop(run, events.TIMED_OUT)
             self._follow_graceful(run, now)
+            self._note_steps(run)
             if run.stacks_until is not None and (now > run.stacks_until or self._stacks_in(run, now)):
                 self._stop_now(run)
             if run.stop_started is not None and not run.killed and now - run.stop_started > STOP_GRACE_SECONDS:

@@ -113,8 +113,6 @@ class Board:
             strategy=start.strategy or ("fsdp" if wrapper == "fsdp" else f"ddp_{start.start_method}"),
             accelerator=start.ranks[0].device_type if start.ranks else "",
             started=time.time(),
-            # As the launcher decides it (server.py): forked ranks on this machine, state kept on a stop.
-            stop_at_step=start.start_method == "fork" and start.node is None and start.on_stop == "keep",
         )
         folder = self._safely(lambda: registry.directory(environ=start.environ), None)
         if folder is None:
