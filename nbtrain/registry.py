@@ -73,6 +73,7 @@ class RunRecord:
     # stops them hard once the grace is over (by stop_deadline, unix time, once it chose the step).
     stop_at_step: bool = False
     stop_deadline: float | None = None
+    stopped_at: int | None = None  # the step a stop kept (the sidebar says "stopped at step N")
 
     @property
     def pids(self) -> tuple[int, ...]:

@@ -444,6 +444,8 @@ class BackgroundRun:
             return
         with contextlib.suppress(Exception):  # the frontend is gone; the handle still knows
             self.view.note = note
+            # The stop consumed the run's last events itself: the frame says the step it kept.
+            self.view.state.stopped_at = getattr(self.run, "stopped_at", None)
             self.view.finish(state)
 
     # -- showing it ---------------------------------------------------------------------
@@ -460,10 +462,15 @@ class BackgroundRun:
             f"stop: the button below or nbtrain.runs()[{index}].stop()"
         )
         if self.kind == "cell":
-            self.view.note += "\nthe kernel's objects keep their values until the run finishes"
+            self.view.note += "\nthe kernel's objects keep their values until the run finishes or is stopped"
         self.view.refresh(force=True)
+        what = (
+            "every rank ends at its next optimizer step, and the kernel's objects get that step's state"
+            if self._stops_at_a_step()
+            else "every rank ends, the kernel's objects keep their values"
+        )
         self.stop_button = display.stop_button(
-            f"Stop background run {self.id}: every rank ends, the kernel's objects keep their values.",
+            f"Stop background run {self.id}: {what}.",
             f"nbtrain: the Stop button of background run {self.id} (live only while the run goes on;"
             " the view above says how it ended)",
             lambda: self.stop("stopped with the Stop button"),

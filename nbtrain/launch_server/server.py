@@ -675,8 +675,11 @@ class Launcher:
         if run.board is not None:
             run.board.close()
         state = run.end_state or events.FAILED
-        self.board.end(run.run_id, state)
         kept = _kept_step(run)
+        entry = self.board.get(run.run_id)
+        if entry is not None and kept is not None:
+            entry.update(stopped_at=kept)
+        self.board.end(run.run_id, state)
         if (state == events.FINISHED or kept is not None) and run.failure is None:
             fds = () if run.result_fd is None else (run.result_fd,)
             self._send(RunEnded(run.run_id, state, run.result, run.result_fd is not None, stopped_at=kept), fds)
