@@ -583,13 +583,19 @@ class Run:
         if ended.state == messages.TIMED_OUT:
             timed_out = RunTimeoutError(self.config.timeout or 0.0, self.where_ranks_were())
             if ended.stop_note:  # a stop at a step was tried and could not keep the state: why
-                timed_out._set_message(f"{ended.stop_note}; {timed_out.headline}", timed_out.where)
+                timed_out._set_message(_with_note(timed_out.headline, ended.stop_note), timed_out.where)
             return timed_out
         if ended.state == messages.STOPPED:
-            how = f": {ended.stop_note};" if ended.stop_note else ";"
-            message = f"the run was stopped before it finished{how} every rank is gone."
+            message = _with_note("the run was stopped before it finished; every rank is gone.", ended.stop_note)
             return RunStoppedError(message, self.where_ranks_were())
         return LauncherError(ended.detail or unexplained_failure(self._exits, self._last_output, self.log_path))
+
+
+def _with_note(message: str, note: str) -> str:
+    """A stop's message with why it could not keep the state: "stopped hard (...)" leads, a sentence follows."""
+    if note.startswith("stopped hard"):
+        return f"{note}; {message}"
+    return f"{message} {note}" if note else message
 
 
 def unexplained_failure(

@@ -683,18 +683,19 @@ def _follow(
     record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None  # and names it
     view.finish(events.FINISHED)
     value = _bring_back(shell, result, prepared.shipped, record, options.output)
-    if held.received:  # it came while the results went in: they are in, all of them
+    if held.received or asked:  # it came while the results went in, or as the run finished: they are in, all of them
         raise RunInterrupted(_LATE)
     return value
 
 
 def _interrupted(prepared: PreparedCell, run: Any, how: str = "") -> RunInterrupted:
     where = run.where_ranks_were()  # each rank's stack when it was stopped, if the launcher got one
-    if how:  # "stopped hard (rank 1 did not reach step 412 within 2.0 s); nothing in the kernel was changed"
+    if how.startswith("stopped hard"):  # "stopped hard (rank 1 did not reach step 412 within 2.0 s); nothing ..."
         unchanged = prepared.unchanged
         text = f"the cell was interrupted and {how}; {unchanged[0].lower()}{unchanged[1:]} The kernel is ready."
-    else:
+    else:  # as an interrupt always said; then why no step was kept, if one was asked for
         text = f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
+        text += f" {how}" if how else ""
     return RunInterrupted(text + (f"\n{where}" if where else ""))
 
 

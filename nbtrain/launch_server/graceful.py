@@ -50,13 +50,13 @@ def why_none(board: stopboard.StepBoard | None, on_stop: str) -> str:
         return ""  # asked for the stop it gets: nothing to explain
     if board is None:
         return (
-            "stopped hard (nbtrain cannot follow the steps of spawned ranks (ddp_spawn) or of a cluster's "
-            "nodes; --on-stop keep needs ranks forked on this machine)"
+            "It could not stop at an optimizer step: nbtrain cannot follow the steps of spawned ranks "
+            "(ddp_spawn) or of a cluster's nodes."
         )
     if max(board.counts(), default=0) == 0:
         return (
-            "stopped hard (no optimizer step had run yet: nbtrain stops at an optimizer.step() boundary, "
-            "and a loop without one, or one that steps outside torch.optim, cannot keep its state)"
+            "It could not stop at an optimizer step: none had run (a loop without optimizer.step(), or an "
+            "optimizer outside torch.optim, which nbtrain does not see)."
         )
     return ""
 
