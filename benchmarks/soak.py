@@ -443,9 +443,9 @@ def soak(runs: int, seed: int, trace: str | None = None) -> bool:
             if not next_run_works(kernel, WARM_UP_BOUND):
                 print("the warm-up run failed", file=sys.stderr)
                 return False
-        # A large result once: the kernel's first copy of one starts its reader threads (kept for the next).
-        kernel.run_ok("smodel, sopt, ssched = soak_make()")
-        kernel.run_ok(TRAIN_CELL.format(world=2, steps=1, tail=BIG_RESULT))
+        # One interrupted training run with a large result: its first time starts what the kernel keeps
+        # for the next (the copy's reader threads, a ZMQ context of the kernel's own): the resting level.
+        run_one(kernel, Plan("interrupt-result", 2, 0, 0, 1.0), Tally(), pids_seen)
         baseline = settled(kernel.pid, resources(kernel.pid, pids_seen), pids_seen, GROWTH_KEYS)
         started = time.monotonic()
         for index, plan in enumerate(plans):
