@@ -187,8 +187,8 @@ class Launcher:
         # kernel turns into RunStoppedError). A run whose result the kernel has taken
         # keeps it, and one already failing keeps its failure; a result not taken yet
         # is given up (the kernel does not copy it), and rank 0 is stopped with the rest.
-        if gracefully and self._stop_gracefully(run, events.STOPPED):
-            return
+        if gracefully and (run.end_state == events.FINISHED or self._stop_gracefully(run, events.STOPPED)):
+            return  # (every rank is done: the result on its way is what a stop at a step would keep)
         if run.graceful is not None and run.end_state is None:  # asked again while stopping at a step
             run.graceful.gave_up = True
             run.stop_note = "stopped hard at once (asked to stop a second time)"
