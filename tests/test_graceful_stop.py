@@ -64,6 +64,7 @@ for i in range(2000):
     time.sleep(0.003)
 """
 
+SLEEPS_AT_40 = "    time.sleep(3600 if r == 1 and i == 40 else 0.003)"  # rank 1 stops stepping after step 41
 STOP_BOUND = 20.0  # from the stop to the cell's reply, on a loaded 2-core machine
 
 
@@ -145,7 +146,7 @@ def test_a_background_stop_brings_back_the_state_at_its_step(kernel):
 
 def test_a_rank_that_never_reaches_the_step_makes_it_a_hard_stop_that_names_it(kernel):
     _fresh(kernel)
-    stuck = LOOP.format(flags="").replace("    time.sleep(0.003)", "    time.sleep(3600 if r == 1 and i == 40 else 0.003)")
+    stuck = LOOP.format(flags="").replace("    time.sleep(0.003)", SLEEPS_AT_40)
     msg_id = kernel.start_cell(stuck)
     kernel.wait_for_stream(msg_id, ["training 0", "training 1"], timeout=120)
     time.sleep(1.0)  # rank 1 is asleep by now
@@ -154,7 +155,8 @@ def test_a_rank_that_never_reaches_the_step_makes_it_a_hard_stop_that_names_it(k
     reply, out = kernel.wait_for_reply(msg_id, timeout=60)
     seconds = time.monotonic() - asked
     assert reply["ename"] == "RunInterrupted", out.text
-    assert "stopped hard (rank 1 did not reach step" in out.text and "within 2.0 s)" in out.text, out.text
+    # Rank 1 sleeps after its step 41: the others wait for it in step 42's backward (not named).
+    assert "stopped hard (rank 1 did not reach" in out.text and "within 2.0 s)" in out.text, out.text
     assert "nothing in the kernel was changed" in out.text, out.text
     assert seconds < 2.0 + 1.0 + 4.0, seconds  # the grace, the stop, and a loaded machine's slack
     assert kernel.value("compare(0)")["weights"] == 0.0
@@ -163,7 +165,7 @@ def test_a_rank_that_never_reaches_the_step_makes_it_a_hard_stop_that_names_it(k
 
 def test_a_second_interrupt_during_the_grace_stops_hard_at_once(kernel):
     _fresh(kernel)
-    stuck = LOOP.format(flags="").replace("    time.sleep(0.003)", "    time.sleep(3600 if r == 1 and i == 40 else 0.003)")
+    stuck = LOOP.format(flags="").replace("    time.sleep(0.003)", SLEEPS_AT_40)
     msg_id = kernel.start_cell(stuck)
     kernel.wait_for_stream(msg_id, ["training 0", "training 1"], timeout=120)
     time.sleep(1.0)

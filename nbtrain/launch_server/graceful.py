@@ -78,11 +78,16 @@ def laggards_note(
     >>> stop = GracefulStop("stopped", 0.0, step=3, grace=2.0)
     >>> laggards_note(stop, board, [1], {0: 0, 1: 1})
     'stopped hard (rank 1 did not reach step 3 within 2.0 s)'
+    >>> early = GracefulStop("stopped", 0.0, step=1, grace=2.0)  # both began it; rank 1 waits for rank 0
+    >>> laggards_note(early, board, [0, 1], {0: 0, 1: 1}, waiting=frozenset({1}))
+    'stopped hard (rank 0 did not reach the optimizer step after step 1 within 2.0 s)'
     """
     behind = [rank for rank in not_done if board.count(slots[rank]) < (stop.step or 0)]
     # Every late rank had begun the step: one is stuck after it (a sleep, a loop) and the others wait for it.
     named = behind or [rank for rank in not_done if rank not in waiting] or not_done
     names = ", ".join(str(rank) for rank in named)
     who = f"rank {names}" if len(named) == 1 else f"ranks {names}"
-    # "Reach" the step: get to where the cell ends for it (the next optimizer step's start).
-    return f"stopped hard ({who} did not reach step {stop.step} within {stop.grace:.1f} s)"
+    if behind:
+        return f"stopped hard ({who} did not reach step {stop.step} within {stop.grace:.1f} s)"
+    # They had begun the step: the cell ends for it where the next optimizer step starts, which never came.
+    return f"stopped hard ({who} did not reach the optimizer step after step {stop.step} within {stop.grace:.1f} s)"
