@@ -11,11 +11,18 @@ rank and the step the fault strikes at) that ends one of seven ways:
     deadlock   the rank skips one all_reduce; --timeout -> RunTimeoutError: the other ranks
                "waiting in all_reduce" at the collective's line, the rank "finished its work"
     interrupt  the kernel is interrupted at a random moment -> the run stops
+    interrupt-step    a training loop (optimizer, StepLR) is interrupted at a random moment, mid-step
+               as often as not -> every rank stops at one step and the kernel's model, optimizer
+               and scheduler hold it (or, stopped hard, hold what they held before)
+    interrupt-result  the same loop ends with a large result, and the interrupt lands around its end,
+               often while the kernel copies rank 0's result -> the state is whole: the finished
+               run's, the stop step's, or the old one; never a mix
 
 After each run it checks that the cell ended within its bound, that the error names the
-right rank and kind, that the kernel still runs a plain cell, and that the next clean
-``%%distributed`` run works. Across the soak it checks that the kernel's process tree
-(the kernel, its launcher, their descendants) did not grow: processes, open fds, threads,
+right rank and kind, that a stopped training loop left the kernel's objects at exactly one
+step (against a reference trained in the kernel for that many steps), that the kernel runs a
+plain cell, and that the next clean ``%%distributed`` run works. Across the soak it checks that
+the kernel's process tree (the kernel, its launcher, their descendants) did not grow: processes, open fds, threads,
 memfds, listening TCP ports, and the /dev/shm entries named after its processes.
 
 ``--launches N`` instead re-runs one trivial ``%%distributed`` cell N times and checks that
@@ -52,7 +59,8 @@ from nbclient.util import run_sync
 
 from kernel_helpers import NotebookKernel
 
-KINDS = ("clean", "exception", "sigkill", "exit", "hang", "deadlock", "interrupt")
+KINDS = ("clean", "exception", "sigkill", "exit", "hang", "deadlock", "interrupt", "interrupt-step", "interrupt-result")
+STATE_KINDS = ("interrupt-step", "interrupt-result")  # runs whose kernel state is checked after the stop
 STEPS = 12  # all_reduces per run; a fault strikes at one of them
 # Bounds are ceilings for a loaded 2-core machine, not measurements (those are in the table).
 FAULT_BOUND = 30.0  # a failing rank's run: launch + steps + stop
@@ -100,6 +108,42 @@ NEXT_CELL = (
     "%%distributed --devices 2 --accelerator cpu\nimport torch.distributed as dist\nnext_ok = dist.get_world_size()"
 )
 ACCEPTED_INTERRUPT_ERRORS = ("RunInterrupted", "KeyboardInterrupt", "RunStoppedError")
+TRAIN_STEPS = 300  # interrupt-step: the interrupt (0-3 s in) lands in the loop
+RESULT_STEPS = 40  # interrupt-result: about as long as the wait before the interrupt, so it lands around the end
+# Defined once in the soak's kernel: data, a fresh model, and the reference a stopped run is compared with.
+TRAIN_SETUP = """
+import torch, nbtrain
+torch.manual_seed(0)
+SX = torch.randn(4096, 8, dtype=torch.float64)
+SY = SX @ torch.randn(8, 1, dtype=torch.float64)
+
+def soak_make():
+    torch.manual_seed(1)
+    model = torch.nn.Linear(8, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=25, gamma=0.9)
+
+def soak_state_gap(steps, world):
+    ref, ref_opt, ref_sched = soak_make()
+    for i in range(steps):
+        idx = (torch.arange(64 * world) + i * 64 * world) % 4096
+        loss = torch.nn.functional.mse_loss(ref(SX[idx]), SY[idx])
+        ref_opt.zero_grad(); loss.backward(); ref_opt.step(); ref_sched.step()
+    gap = max((a - b).abs().max().item() for a, b in zip(smodel.parameters(), ref.parameters()))
+    return gap if ssched.last_epoch == ref_sched.last_epoch == steps else float("inf")
+"""
+TRAIN_CELL = """\
+%%distributed --devices {world} --accelerator cpu
+import time
+r, w = nbtrain.rank(), nbtrain.world_size()
+for i in range({steps}):
+    idx = (torch.arange(64) + (i * w + r) * 64) % 4096
+    loss = torch.nn.functional.mse_loss(smodel(SX[idx]), SY[idx])
+    sopt.zero_grad(); loss.backward(); sopt.step(); ssched.step()
+    time.sleep(0.002)
+{tail}"""
+BIG_RESULT = "blob = torch.ones(32 << 20, dtype=torch.float64)  # 256 MiB for the kernel to copy\n"
+STATE_GAP = 1e-6
 
 
 @dataclass
@@ -109,6 +153,7 @@ class Tally:
     wrong_blame: int = 0
     kernel_unusable: int = 0
     next_failed: int = 0
+    wrong_state: int = 0
     seconds: list[float] = field(default_factory=list)
 
 
@@ -228,6 +273,9 @@ def line_of(source: str, marker: str) -> int:
 def cell_for(plan: Plan) -> str:
     if plan.kind == "interrupt":
         return INTERRUPT_CELL.format(world=plan.world)
+    if plan.kind in STATE_KINDS:
+        tail = BIG_RESULT if plan.kind == "interrupt-result" else ""
+        return TRAIN_CELL.format(world=plan.world, steps=train_steps(plan), tail=tail)
     timeout = f" --timeout {TIMEOUT_SECONDS:g}" if plan.kind in ("hang", "deadlock") else ""
     return CELL.format(
         world=plan.world, timeout=timeout, steps=STEPS, rank=plan.rank, step=plan.step, fault=FAULTS[plan.kind]
@@ -237,7 +285,7 @@ def cell_for(plan: Plan) -> str:
 def bound_for(plan: Plan) -> float:
     if plan.kind in ("hang", "deadlock"):
         return TIMEOUT_SECONDS + TIMEOUT_SLACK
-    if plan.kind == "interrupt":
+    if plan.kind in ("interrupt", *STATE_KINDS):
         return plan.interrupt_after + INTERRUPT_BOUND
     return FAULT_BOUND
 
@@ -267,6 +315,9 @@ def blame_problem(plan: Plan, source: str, number: int, reply: dict, text: str) 
     if plan.kind == "interrupt":
         ok = ename in ACCEPTED_INTERRUPT_ERRORS or "interrupted" in text
         return None if ok else f"an interrupt gave {ename}"
+    if plan.kind in STATE_KINDS:  # it may also have finished before the interrupt landed
+        ok = reply["status"] == "ok" or ename in ACCEPTED_INTERRUPT_ERRORS
+        return None if ok else f"an interrupt gave {ename}"
     name, needles = expected_error(plan, source, number)
     missing = [n for n in needles if n not in text]
     if ename != name or missing:
@@ -278,9 +329,11 @@ def run_one(kernel: NotebookKernel, plan: Plan, tally: Tally, pids_seen: set[int
     """Run one planned fault and the checks after it; the problems found."""
     problems = []
     source = cell_for(plan)
+    if plan.kind in STATE_KINDS:
+        kernel.run_ok("smodel, sopt, ssched = soak_make()")
     started = time.monotonic()
     msg_id = kernel.start_cell(source)
-    if plan.kind == "interrupt":
+    if plan.kind in ("interrupt", *STATE_KINDS):
         wait_until_executing(kernel, msg_id)
         time.sleep(plan.interrupt_after)  # the random moment of the interrupt is the point
         kernel.interrupt()
@@ -299,6 +352,11 @@ def run_one(kernel: NotebookKernel, plan: Plan, tally: Tally, pids_seen: set[int
     if problem:
         tally.wrong_blame += 1
         problems.append(problem + "\n" + textwrap.indent(text[-3000:], "    | "))
+    if plan.kind in STATE_KINDS:
+        state_problem = wrong_state(kernel, plan, reply, text)
+        if state_problem:
+            tally.wrong_state += 1
+            problems.append(state_problem)
     if not plain_cell_works(kernel):
         tally.kernel_unusable += 1
         problems.append("the kernel did not run a plain cell afterwards")
@@ -306,6 +364,32 @@ def run_one(kernel: NotebookKernel, plan: Plan, tally: Tally, pids_seen: set[int
         tally.next_failed += 1
         problems.append("the next clean %%distributed run failed")
     return problems
+
+
+def train_steps(plan: Plan) -> int:
+    return RESULT_STEPS if plan.kind == "interrupt-result" else TRAIN_STEPS
+
+
+def wrong_state(kernel: NotebookKernel, plan: Plan, reply: dict, text: str) -> str | None:
+    """What is wrong with the kernel's model after a stopped training run, or None when it holds one whole step.
+
+    The step it must hold: the stop's (``stopped at step N``), all of them for a run that finished
+    (or was interrupted after its results were in), none for a hard stop (nothing changed).
+    """
+    kept = re.search(r"stopped at step (\d+) on every rank", text)
+    if kept:
+        steps = int(kept.group(1))
+    elif reply["status"] == "ok" or "its results are in the kernel" in text:
+        steps = train_steps(plan)
+    else:
+        steps = 0
+    try:
+        gap = kernel.value(f"soak_state_gap({steps}, {plan.world})")
+    except AssertionError as error:
+        return f"the kernel's state could not be compared: {error}"
+    if not gap < STATE_GAP:
+        return f"the kernel's model, optimizer or scheduler is not at step {steps} (gap {gap}):\n{text[-1500:]}"
+    return None
 
 
 def wait_until_executing(kernel: NotebookKernel, msg_id: str, timeout: float = PLAIN_BOUND) -> None:
@@ -353,11 +437,15 @@ def soak(runs: int, seed: int, trace: str | None = None) -> bool:
     pids_seen: set[int] = set()
     with NotebookKernel() as kernel:
         kernel.run_ok("%load_ext nbtrain")
+        kernel.run_ok(TRAIN_SETUP)
         progress("nbtrain in the kernel: " + kernel.value("__import__('nbtrain').__file__"))
         for _ in range(2):  # the launcher warm, every lazy import done: the resting level
             if not next_run_works(kernel, WARM_UP_BOUND):
                 print("the warm-up run failed", file=sys.stderr)
                 return False
+        # One interrupted training run with a large result: its first time starts what the kernel keeps
+        # for the next (the copy's reader threads, a ZMQ context of the kernel's own): the resting level.
+        run_one(kernel, Plan("interrupt-result", 2, 0, 0, 1.0), Tally(), pids_seen)
         baseline = settled(kernel.pid, resources(kernel.pid, pids_seen), pids_seen, GROWTH_KEYS)
         started = time.monotonic()
         for index, plan in enumerate(plans):
@@ -394,13 +482,15 @@ def write_trace(path: str, number: int, plan: Plan, now: dict[str, int]) -> None
 
 def print_fault_table(tallies: dict[str, Tally]) -> None:
     header = (
-        "fault", "runs", "cells over bound", "wrong blame", "kernel unusable", "next run failed", "median s", "max s"
+        "fault", "runs", "cells over bound", "wrong blame", "wrong state", "kernel unusable", "next run failed",
+        "median s", "max s",
     )
     rows = []
     for kind, t in tallies.items():
-        rows.append((kind, t.runs, t.overran, t.wrong_blame, t.kernel_unusable, t.next_failed, *_times(t.seconds)))
+        counts = (t.runs, t.overran, t.wrong_blame, t.wrong_state, t.kernel_unusable, t.next_failed)
+        rows.append((kind, *counts, *_times(t.seconds)))
     every = [s for t in tallies.values() for s in t.seconds]
-    counted = ("runs", "overran", "wrong_blame", "kernel_unusable", "next_failed")
+    counted = ("runs", "overran", "wrong_blame", "wrong_state", "kernel_unusable", "next_failed")
     sums = [sum(getattr(t, f) for t in tallies.values()) for f in counted]
     rows.append(("total", *sums, *_times(every)))
     print_table(header, rows)

@@ -431,6 +431,8 @@ class RunState:
         self.max_points = max_points
         self.state = STARTING
         self.failure: str | None = None
+        self.stop_step: int | None = None  # a graceful stop's step: "stopping at step N", then "stopped at step N"
+        self.stopped_at: int | None = None
         self.metrics: dict[str, MetricHistory] = {}
         self.memory: dict[int, RankMemory] = {}
         self.logs: dict[int, LogTail] = {}
@@ -480,7 +482,13 @@ class RunState:
             if self.failure is None and not event.reported and not event.stopped:
                 self.failure = _describe_exit(event)
                 self._changed()
+        elif isinstance(event, events.StopStep):
+            self.stop_step = event.step
+            self._changed()
         elif isinstance(event, events.RunEnded):
+            self.stopped_at = event.stopped_at
+            if event.stop_note and self.failure is None:
+                self.failure = event.stop_note
             # The launcher's verdict names the root cause; what was shown before was a guess.
             if isinstance(event.failure, events.RankFailed):
                 self.failure = f"rank {event.failure.rank} raised {event.failure.exc_type}: {event.failure.message}"
@@ -561,6 +569,15 @@ class RunState:
     @property
     def ended(self) -> bool:
         return self.state in END_STATES
+
+    @property
+    def state_text(self) -> str:
+        """The state as the view says it: ``running``, ``stopping at step 412``, ``stopped at step 412``."""
+        if self.stopped_at is not None:
+            return f"{self.state} at step {self.stopped_at:,}"
+        if self.stop_step is not None and not self.ended:
+            return f"stopping at step {self.stop_step:,}"
+        return self.state
 
     @property
     def progress_rank(self) -> int | None:
@@ -737,7 +754,7 @@ def status_line(state: RunState, now: float) -> str:
         state.strategy or "?",
         state.accelerator or "?",
         f"{state.world_size} rank" + ("" if state.world_size == 1 else "s"),
-        state.debugger_text if state.debugger_text and state.ended_at is None else state.state,
+        state.debugger_text if state.debugger_text and state.ended_at is None else state.state_text,
         format_duration(state.elapsed(now)),
     ]
     if state.steps_per_second is not None:
@@ -817,7 +834,7 @@ def summary_text(state: RunState, now: float, max_metrics: int = MAX_METRIC_CHAR
 
 def one_line_progress(state: RunState, now: float) -> str:
     """A single line for a terminal: state, time, step, rate and the first metric's mean."""
-    parts = [f"[nbtrain] {state.state}", format_duration(state.elapsed(now)), progress_text(state)]
+    parts = [f"[nbtrain] {state.state_text}", format_duration(state.elapsed(now)), progress_text(state)]
     stall = state.stall(now)
     if stall:
         parts.append(stall)

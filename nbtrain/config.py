@@ -113,6 +113,8 @@ class LaunchConfig:
     timeout: float | None
     precision: str = "32-true"
     sync_batchnorm: bool = False
+    on_stop: str = "keep"  # a stop or timeout: "keep" the state at one optimizer step, or "discard" it
+    stop_grace: float = 2.0  # the least time ranks get to reach that step (3 x the median step if longer)
 
     @property
     def world_size(self) -> int:

@@ -86,6 +86,10 @@ class StartRun:
     # After this run, keep the next run's ranks waiting this many idle seconds (standby
     # ranks, nbtrain.launch_server.standby); None: none.
     standby_seconds: float | None = None
+    # A stop or a timeout: "keep" ends every rank at one optimizer step and brings its state back
+    # (nbtrain.stopboard); "discard" stops them where they are. The grace is at least stop_grace s.
+    on_stop: str = "keep"
+    stop_grace: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,16 @@ class StopRun:
 
     run_id: int
     reason: str = "stopped"
+    graceful: bool = False  # end every rank at one optimizer step and keep its state, if the run can
+
+
+@dataclass(frozen=True)
+class StopStep:
+    """Launcher -> kernel: a graceful stop chose ``step``; every rank has ``grace`` seconds to reach it."""
+
+    run_id: int
+    step: int
+    grace: float
 
 
 @dataclass(frozen=True)
@@ -244,6 +258,10 @@ class RunEnded:
     # A run that timed out or was stopped: each rank's faulthandler dump at that moment,
     # (rank, text); "" for a rank that did not answer. Parsed by nbtrain.stacks.
     stacks: tuple[tuple[int, str], ...] = ()
+    # A graceful stop: the step every rank stopped at (``result`` then holds rank 0's state there),
+    # or, for one that could not keep the state, why (``stop_note``).
+    stopped_at: int | None = None
+    stop_note: str = ""
 
 
 # Rank -> launcher only (not forwarded): the rank's work is done and its result is safe.

@@ -71,6 +71,11 @@ class RunRecord:
     ended: float | None = None
     # A failed run's rank kept alive for a post-mortem, and what it holds; None once released.
     held: str | None = None
+    # Its launcher answers a stop request itself: every rank ends at one optimizer step, or the launcher
+    # stops them hard once the grace is over (by stop_deadline, unix time, once it chose the step).
+    stop_at_step: bool = False
+    stop_deadline: float | None = None
+    stopped_at: int | None = None  # the step a stop kept (the sidebar says "stopped at step N")
 
     @property
     def pids(self) -> tuple[int, ...]:

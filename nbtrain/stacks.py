@@ -138,6 +138,22 @@ def parse_dump(text: str) -> tuple[Frame, ...]:
     return tuple(frames[entry:])
 
 
+def waits_on_peers(frames: tuple[Frame, ...]) -> bool:
+    """Whether a rank's stack shows it blocked on the other ranks: in a collective, or in a backward pass
+    (where DDP all-reduces the gradients). A rank asleep or computing on its own is not.
+
+    >>> waits_on_peers((Frame("/x/site-packages/torch/autograd/graph.py", 1, "_engine_run_backward"),))
+    True
+    >>> waits_on_peers((Frame("/home/me/train.py", 3, "<module>"),))
+    False
+    """
+    return any(
+        frame.function == "_engine_run_backward" or f"{os.sep}distributed{os.sep}" in frame.filename
+        for frame in frames
+        if frame.in_library
+    )
+
+
 def _is_entry(frame: Frame) -> bool:
     return frame.function == "run_rank" and frame.in_nbtrain
 

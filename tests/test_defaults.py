@@ -66,6 +66,8 @@ def test_defaults_are_a_frozen_record():
         "standby_idle",
         "backend",
         "debug_hold",
+        "on_stop",
+        "stop_grace",
     }
 
 
@@ -79,6 +81,16 @@ def test_debug_hold_takes_seconds_or_none():
             set_defaults(debug_hold=-5)
     finally:
         set_defaults(**previous.as_dict())
+
+
+def test_on_stop_and_its_grace_are_session_defaults_checked_when_set():
+    assert set_defaults(on_stop="Discard", stop_grace=5).on_stop == "discard"
+    assert get_defaults().magic_line().endswith("--on-stop discard") and get_defaults().stop_grace == 5.0
+    with pytest.raises(ConfigurationError, match="on_stop='later' is not valid: pass 'keep'"):
+        set_defaults(on_stop="later")
+    with pytest.raises(ConfigurationError, match="stop_grace=0 is not valid"):
+        set_defaults(stop_grace=0)
+    reset_defaults()
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,8 @@ export interface RunInfo {
   losses?: number[];
   steps_per_second?: number | null;
   elapsed?: number;
+  /** The optimizer step a stop kept: every rank ended there and the kernel holds its state. */
+  stopped_at?: number | null;
 }
 
 export interface GpuInfo {
@@ -45,6 +47,11 @@ export const ACTIVE_STATES = ['starting', 'running', 'stopping'];
 
 export function isActive(run: Pick<RunInfo, 'state'>): boolean {
   return ACTIVE_STATES.indexOf(run.state) >= 0;
+}
+
+/** The state as the sidebar says it: "stopped at step 412" for a stop that kept its step. */
+export function stateText(run: Pick<RunInfo, 'state' | 'stopped_at'>): string {
+  return run.stopped_at !== null && run.stopped_at !== undefined ? `${run.state} at step ${run.stopped_at}` : run.state;
 }
 
 /** The status-bar text: "nbtrain: 1 run · 2 ranks" (active runs only); "" with none. */

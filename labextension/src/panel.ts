@@ -16,7 +16,8 @@ import {
   isActive,
   plural,
   runTitle,
-  sparklinePoints
+  sparklinePoints,
+  stateText
 } from './model';
 import { RunsModel } from './runsmodel';
 
@@ -139,7 +140,7 @@ export class NbtrainPanel extends Widget {
       [
         h('div', 'jp-nbtrain-run-head', [
           title,
-          h('span', `jp-nbtrain-state jp-nbtrain-state-${run.state.replace(/\s+/g, '-')}`, [run.state])
+          h('span', `jp-nbtrain-state jp-nbtrain-state-${run.state.replace(/\s+/g, '-')}`, [stateText(run)])
         ]),
         h('div', 'jp-nbtrain-facts', [facts.join(' · ')]),
         h('div', 'jp-nbtrain-run-foot', [spark, h('span', 'jp-nbtrain-buttons', [open, this.actionButton(run)])])

@@ -9,8 +9,16 @@ import {
   parsePythonString,
   runTitle,
   sparklinePoints,
+  stateText,
   statusText
 } from '../src/model';
+
+test('a stop that kept its step says which', () => {
+  assert.equal(stateText({ state: 'stopped', stopped_at: 412 }), 'stopped at step 412');
+  assert.equal(stateText({ state: 'timed out', stopped_at: 3 }), 'timed out at step 3');
+  assert.equal(stateText({ state: 'stopped', stopped_at: null }), 'stopped');
+  assert.equal(stateText({ state: 'running' }), 'running');
+});
 
 test('status text counts active runs and their ranks', () => {
   assert.equal(statusText([{ state: 'running', world_size: 2 }]), 'nbtrain: 1 run · 2 ranks');

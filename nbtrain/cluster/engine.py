@@ -271,7 +271,8 @@ class ClusterClient:
         threading.Thread(target=relay.run, name=f"nbtrain-cluster-run-{run_id}", daemon=True).start()
         return run_id, inbox
 
-    def stop(self, run_id: int, reason: str) -> None:
+    def stop(self, run_id: int, reason: str, graceful: bool = False) -> None:
+        """Stop the run on every node; a cluster run's stop is always the hard one (``graceful`` is not followed)."""
         relay = self._relays.get(run_id)
         if relay is not None:
             relay.stop(reason, by_caller=True)

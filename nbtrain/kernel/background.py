@@ -85,6 +85,8 @@ class CellCallbacks:
     keep_metrics: Callable[[Any, Any], None]
     explain_failure: Callable[[RunFailedError, Any, str], BaseException]
     apply_result: Callable[[Any, Any, dict[str, Any], Any], Any]
+    # (run, updated names, shipped) -> what a run stopped at a step raises once its state is in
+    kept_error: Callable[[Any, list[str], dict[str, Any]], BaseException] | None = None
 
 
 class CellFlags(Protocol):
@@ -315,7 +317,7 @@ class BackgroundRun:
         try:
             for event in run.events(poll=_POLL_SECONDS):
                 if self._stop_reason is not None and run.state == RUNNING:
-                    run.stop(self._stop_reason)
+                    run.stop(self._stop_reason, graceful=self._stops_at_a_step())
                 if event is not None:
                     self._observe(event)
                 self._show(event)
@@ -327,6 +329,10 @@ class BackgroundRun:
 
     def _observe(self, event: Any) -> None:
         """Hook for what a kind of run keeps from its events (a cell keeps its metrics)."""
+
+    def _stops_at_a_step(self) -> bool:
+        """Whether a stop ends every rank at an optimizer step and keeps the state (a cell's, by default)."""
+        return False
 
     def _show(self, event: Any) -> None:
         if self.view is None:
@@ -442,6 +448,8 @@ class BackgroundRun:
             return
         with contextlib.suppress(Exception):  # the frontend is gone; the handle still knows
             self.view.note = note
+            # The stop consumed the run's last events itself: the frame says the step it kept.
+            self.view.state.stopped_at = getattr(self.run, "stopped_at", None)
             self.view.finish(state)
 
     # -- showing it ---------------------------------------------------------------------
@@ -458,10 +466,15 @@ class BackgroundRun:
             f"stop: the button below or nbtrain.runs()[{index}].stop()"
         )
         if self.kind == "cell":
-            self.view.note += "\nthe kernel's objects keep their values until the run finishes"
+            self.view.note += "\nthe kernel's objects keep their values until the run finishes or is stopped"
         self.view.refresh(force=True)
+        what = (
+            "every rank ends at its next optimizer step, and the kernel's objects get that step's state"
+            if self._stops_at_a_step()
+            else "every rank ends, the kernel's objects keep their values"
+        )
         self.stop_button = display.stop_button(
-            f"Stop background run {self.id}: every rank ends, the kernel's objects keep their values.",
+            f"Stop background run {self.id}: {what}.",
             f"nbtrain: the Stop button of background run {self.id} (live only while the run goes on;"
             " the view above says how it ended)",
             lambda: self.stop("stopped with the Stop button"),
@@ -493,6 +506,9 @@ class CellBackgroundRun(BackgroundRun):
         if isinstance(event, events.Metrics):
             self.callbacks.keep_metrics(self.record, event)
 
+    def _stops_at_a_step(self) -> bool:
+        return bool(getattr(self.run.config, "on_stop", "keep") == "keep")
+
     def _explain(self, error: Exception) -> BaseException:
         self.record.state = self.run.state
         self.record.seconds = self.seconds or 0.0
@@ -511,6 +527,9 @@ class CellBackgroundRun(BackgroundRun):
         self.record.state = events.FINISHED
         self.updated = list(self.record.updated)
         self._value = applied.shown
+        if self.run.stopped_at is not None and self.callbacks.kept_error is not None:
+            self._end_kept(self.callbacks.kept_error(self.run, self.updated, self.prepared.shipped))
+            return
         if not applied.loaded:
             note = "finished — nothing in the kernel changed"
         elif self.updated:
@@ -522,6 +541,13 @@ class CellBackgroundRun(BackgroundRun):
         for sentence in getattr(self.record, "derived", ()):  # what the notebook sized from len(loader)
             note += f"\nnbtrain note: {sentence}."
         self._end(events.FINISHED, note=note + self._log_note())
+
+    def _end_kept(self, error: BaseException) -> None:
+        """A stop kept the state at a step: it is in the kernel; wait() raises the stop, saying which step."""
+        record, step = self.record, self.run.stopped_at
+        record.state, record.stopped_at, record.stopped = self.run.state, step, "at a step"
+        note = f"{self.run.state} at step {step} — kernel updated: {', '.join(self.updated) or 'nothing'}"
+        self._end(self.run.state, error=error, note=note + self._log_note())
 
     def _end(self, state: str, error: BaseException | None = None, note: str | None = None) -> None:
         log = self.run.log_path

@@ -54,6 +54,7 @@ LOGS_KEPT = 50  # older run logs in that directory are removed when a run starts
 # sends at most a few thousand lines per rank, so only a stalled reader gets here.
 PENDING_OUTPUT_CHARS = 8_000_000
 INTERRUPT_GRACE_SECONDS = 5.0  # how long a stop may take before the launcher is replaced
+GRACEFUL_CHOICE_SECONDS = 2.0  # a graceful stop's step is chosen within a launcher tick; this is the bound
 POLL_SECONDS = 0.25
 _SOURCE_LINES_LIMIT = 4 << 20  # bytes of notebook source sent for tracebacks
 
@@ -106,11 +107,12 @@ class LauncherClient:
                 raise LauncherError(f"could not reach the nbtrain launcher: {error}. {self.exit_detail()}") from error
         return run_id, inbox
 
-    def stop(self, run_id: int, reason: str) -> None:
+    def stop(self, run_id: int, reason: str, graceful: bool = False) -> None:
         with self._lock:
-            self._stopping.add(run_id)
+            if not graceful:  # a graceful stop wants rank 0's result at the stop step
+                self._stopping.add(run_id)
             try:
-                wire.send(self.process.channel, messages.StopRun(run_id, reason))
+                wire.send(self.process.channel, messages.StopRun(run_id, reason, graceful))
             except OSError:
                 pass  # a dead launcher's ranks die with it (PDEATHSIG)
 
@@ -381,7 +383,7 @@ class Engine(Protocol):
     def submit(
         self, start_run: Callable[[int], messages.StartRun], tensor_fd: int | None
     ) -> tuple[int, Inbox]: ...
-    def stop(self, run_id: int, reason: str) -> None: ...
+    def stop(self, run_id: int, reason: str, graceful: bool = False) -> None: ...
     def forget(self, run_id: int) -> None: ...
     def output_taken(self, run_id: int, chars: int) -> None: ...
     def close(self) -> None: ...
@@ -424,6 +426,9 @@ class Run:
         # Set by a caller that answers pdb's prompts (kernel.debugger.CellRelay); otherwise a
         # rank's breakpoint is answered "continue" and a note says why.
         self.prompts_answered = False
+        self.stop_step: messages.StopStep | None = None  # the step a graceful stop chose, once chosen
+        self._stop_asked: float | None = None  # when a graceful stop was asked (monotonic)
+        self._step_seen_at = 0.0
 
     def debug_input(self, rank: int, line: str) -> None:
         """Send the line typed at rank ``rank``'s pdb prompt."""
@@ -479,11 +484,14 @@ class Run:
             self.held = message
         elif isinstance(message, messages.DebugPrompt) and not self.prompts_answered:
             return self._cannot_prompt(message)
+        elif isinstance(message, messages.StopStep):
+            self.stop_step = message
+            self._step_seen_at = time.monotonic()
         if isinstance(message, messages.RunEnded):
             self._ended, self._ended_fds = message, fds
             self.state = message.state
             self.client.forget(self.run_id)
-            if message.state != messages.FINISHED:
+            if message.state != messages.FINISHED and message.stopped_at is None:
                 self._copied = None  # a failed or stopped run has no result: free its memory now
         return message
 
@@ -496,20 +504,65 @@ class Run:
             "with nbtrain.launch() to debug there.\n",
         )
 
-    def stop(self, reason: str = "stopped") -> None:
-        """Stop every rank and wait (bounded) until they are gone."""
+    @property
+    def stopped_at(self) -> int | None:
+        """The step every rank stopped at, when a stop kept the state there (None otherwise)."""
+        return None if self._ended is None else self._ended.stopped_at
+
+    @property
+    def stop_note(self) -> str:
+        """Why a stop could not keep the state ("stopped hard (rank 1 did not reach step 412 ...)"), or ""."""
+        return "" if self._ended is None else self._ended.stop_note
+
+    def ask_to_stop(self, reason: str = "stopped", graceful: bool = True) -> None:
+        """Ask the run to stop and return at once; its events go on until its RunEnded.
+
+        ``graceful``: every rank ends at one optimizer step and rank 0's state there comes back
+        (:mod:`nbtrain.stopboard`); a run that cannot (no optimizer step yet) stops at once.
+        """
         if self._ended is not None:
             return
-        self.client.stop(self.run_id, reason)
-        deadline = time.monotonic() + INTERRUPT_GRACE_SECONDS
+        if graceful and self._stop_asked is None:
+            self._stop_asked = time.monotonic()
+        if graceful:
+            self.client.stop(self.run_id, reason, graceful=True)
+        else:
+            self.client.stop(self.run_id, reason)
+
+    def stop_deadline(self) -> float | None:
+        """When waiting for a graceful stop has gone on too long (its grace, then the usual bound), or None."""
+        if self._stop_asked is None:
+            return None
+        if self.stop_step is None:
+            return self._stop_asked + GRACEFUL_CHOICE_SECONDS + INTERRUPT_GRACE_SECONDS
+        return self._step_seen_at + self.stop_step.grace + INTERRUPT_GRACE_SECONDS
+
+    def stop(self, reason: str = "stopped", graceful: bool = False) -> None:
+        """Stop every rank and wait (bounded) until they are gone.
+
+        ``graceful``: every rank first ends at one optimizer step (within the grace period),
+        and :meth:`result` then gives rank 0's state there; a second stop, or an interrupt
+        while waiting, stops hard at once.
+        """
+        if self._ended is not None:
+            return
+        self.ask_to_stop(reason, graceful)
+        deadline = self.stop_deadline() if graceful else None
+        deadline = deadline or time.monotonic() + INTERRUPT_GRACE_SECONDS
         while self._ended is None and time.monotonic() < deadline:
             try:
                 message, fds = self._inbox.get(timeout=min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
                 continue
             except KeyboardInterrupt:
-                continue  # a second interrupt while stopping: finish stopping first
+                if graceful:  # a second interrupt while stopping at a step: stop hard, now
+                    graceful = False
+                    self.ask_to_stop(reason, graceful=False)
+                    deadline = time.monotonic() + INTERRUPT_GRACE_SECONDS
+                continue  # a second interrupt while stopping hard: finish stopping first
             self._take(message, fds)
+            if graceful and isinstance(message, messages.StopStep):
+                deadline = self.stop_deadline() or deadline
         if self._ended is None:  # the launcher did not answer in time: replace it
             self.client.close()
             self._ended = messages.RunEnded(self.run_id, messages.STOPPED)
@@ -568,8 +621,8 @@ class Run:
                 "Call run.wait(), which waits for the end and returns the result, or read run.events() "
                 "until it ends, then call run.result()."
             )
-        if ended.state == messages.FINISHED:
-            return self._load_result(ended)
+        if ended.state == messages.FINISHED or ended.stopped_at is not None:
+            return self._load_result(ended)  # a graceful stop's result: the state at the stop step
         raise self._failure(ended)
 
     def _load_result(self, ended: messages.RunEnded) -> Any:
@@ -623,12 +676,23 @@ class Run:
         if isinstance(failure, messages.NodeLost):
             return NodeLostError(failure.node, failure.detail)
         if ended.state == messages.TIMED_OUT:
-            return RunTimeoutError(self.config.timeout or 0.0, self.where_ranks_were())
+            timed_out = RunTimeoutError(self.config.timeout or 0.0, self.where_ranks_were())
+            if ended.stop_note:  # a stop at a step was tried and could not keep the state: why
+                timed_out._set_message(_with_note(timed_out.headline, ended.stop_note), timed_out.where)
+            return timed_out
         if ended.state == messages.STOPPED:
-            return RunStoppedError(
-                ended.detail or "the run was stopped before it finished; every rank is gone.", self.where_ranks_were()
+            message = _with_note(
+                ended.detail or "the run was stopped before it finished; every rank is gone.", ended.stop_note
             )
+            return RunStoppedError(message, self.where_ranks_were())
         return LauncherError(ended.detail or unexplained_failure(self._exits, self._last_output, self.log_path))
+
+
+def _with_note(message: str, note: str) -> str:
+    """A stop's message with why it could not keep the state: "stopped hard (...)" leads, a sentence follows."""
+    if note.startswith("stopped hard"):
+        return f"{note}; {message}"
+    return f"{message} {note}" if note else message
 
 
 def unexplained_failure(
@@ -828,6 +892,8 @@ class _StartMessage:
             debug_hold=self.debug_hold,
             interactive=self.interactive,
             standby_seconds=_standby_seconds(),
+            on_stop=cfg.on_stop,
+            stop_grace=cfg.stop_grace,
         )
 
 

@@ -52,6 +52,8 @@ class Defaults:
     debug_hold: float | None = DEBUG_HOLD_SECONDS  # a failed rank kept for %nbtrain_debug; None: not kept
     # Standby ranks (the next run's, waiting after a run) end after this many idle seconds; None: none kept.
     standby_idle: float | None = STANDBY_IDLE_SECONDS
+    on_stop: str = "keep"  # what a stop or a timeout does to the state: "keep" (at a step) or "discard"
+    stop_grace: float = 2.0  # seconds every rank gets to reach the stop step, at least (3 x the median step)
 
     def magic_line(self) -> str:
         """The ``%%distributed`` line that asks for exactly these settings, to copy into a cell."""
@@ -69,6 +71,8 @@ class Defaults:
             parts.append("--sync-batchnorm")
         if self.backend is not None:
             parts += ["--backend", self.backend]
+        if self.on_stop != "keep":
+            parts += ["--on-stop", self.on_stop]
         return " ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -99,6 +103,8 @@ def set_defaults(
     backend: Any = _UNSET,
     debug_hold: Any = _UNSET,
     standby_idle: Any = _UNSET,
+    on_stop: Any = _UNSET,
+    stop_grace: Any = _UNSET,
 ) -> Defaults:
     """Set the defaults of every later ``%%distributed`` cell that does not give the flag.
 
@@ -113,7 +119,10 @@ def set_defaults(
     CPU, nccl on CUDA), ``debug_hold`` the seconds a failed run's root-cause rank is kept,
     idle, for ``%nbtrain_debug`` (None or "none": not kept; 600 built in), ``standby_idle``
     the seconds standby ranks wait for the next run before they end (None or 0: no standby
-    ranks; 600 built in). The combination is checked against this machine (its GPUs through NVML: CUDA is never
+    ranks; 600 built in), ``on_stop`` "keep" (an interrupt, Stop or timeout brings back the state at
+    the last optimizer step every rank reached) or "discard" (the kernel keeps what it had), and
+    ``stop_grace`` the least seconds ranks get to reach that step (3 x the median step when longer).
+    The combination is checked against this machine (its GPUs through NVML: CUDA is never
     initialised here) and a ConfigurationError says what is wrong; nothing changes then. Returns the new defaults.
 
     Example:
@@ -122,7 +131,8 @@ def set_defaults(
         >>> nbtrain.set_defaults(devices=2, accelerator="cpu", timeout=600)  # doctest: +NORMALIZE_WHITESPACE
         Defaults(devices='2', accelerator='cpu', strategy='ddp_notebook', timeout=600.0,
                  stall_warning=30.0, cluster='local', num_nodes=1, precision='32-true',
-                 sync_batchnorm=False, backend=None, debug_hold=600.0, standby_idle=600.0)
+                 sync_batchnorm=False, backend=None, debug_hold=600.0, standby_idle=600.0,
+                 on_stop='keep', stop_grace=2.0)
         >>> _ = nbtrain.set_defaults(**previous.as_dict())
     """
     global _current
@@ -141,6 +151,8 @@ def set_defaults(
             backend=old.backend if backend is _UNSET else _backend_text(backend),
             debug_hold=old.debug_hold if debug_hold is _UNSET else _hold_seconds(debug_hold),
             standby_idle=old.standby_idle if standby_idle is _UNSET else _standby_idle(standby_idle),
+            on_stop=old.on_stop if on_stop is _UNSET else on_stop_text(on_stop),
+            stop_grace=old.stop_grace if stop_grace is _UNSET else _grace_seconds(stop_grace),
         )
         # Checked with the value as given, so a message names it as the user wrote it.
         check(new, devices=new.devices if devices is _UNSET else devices)
@@ -235,6 +247,32 @@ def _optional_seconds(name: str, seconds: Any, wanted: str) -> float | None:
     """A positive number of seconds, or None for none (also written ``"none"``)."""
     if seconds is None or (isinstance(seconds, str) and seconds.strip().lower() == "none"):
         return None
+    return _positive_seconds(name, seconds, wanted)
+
+
+ON_STOP = ("keep", "discard")
+
+
+def on_stop_text(value: Any) -> str:
+    """``on_stop`` checked: "keep" or "discard".
+
+    >>> on_stop_text(" Discard ")
+    'discard'
+    """
+    text = str(value).strip().lower()
+    if text not in ON_STOP:
+        raise ConfigurationError(
+            f"on_stop={value!r} is not valid: pass 'keep' (a stop brings back the state at the last optimizer "
+            "step every rank reached) or 'discard' (a stop changes nothing in the kernel)."
+        )
+    return text
+
+
+def _grace_seconds(seconds: Any) -> float:
+    return _positive_seconds("stop_grace", seconds, "a positive number of seconds (2 built in)")
+
+
+def _positive_seconds(name: str, seconds: Any, wanted: str) -> float:
     try:
         value = float(seconds)
     except (TypeError, ValueError):

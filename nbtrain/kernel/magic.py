@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import difflib
 import os
 import re
@@ -42,6 +43,8 @@ from nbtrain.errors import (
     RankError,
     RunFailedError,
     RunInterrupted,
+    RunStoppedError,
+    RunTimeoutError,
     SerializationError,
 )
 from nbtrain.kernel import gcpause
@@ -70,6 +73,8 @@ class CellRun:
     log_path: str | None = None  # every rank's full output (None: no rank printed anything)
     # Step counts the notebook sized from a loader auto mode shards (nbtrain.kernel.lengths).
     derived: list[str] = field(default_factory=list)
+    stopped_at: int | None = None  # the optimizer step a stop kept: the kernel's objects hold it
+    stopped: str = ""  # how a stop (interrupt, Stop, timeout) ended the run: "at a step", "hard"; "": not stopped
 
 
 last_run: CellRun | None = None
@@ -135,6 +140,14 @@ class DistributedMagics(Magics):
         type=_timeout_flag,
         default=_SESSION,
         help="Stop every rank after this many seconds; none: no limit. Default: the session default (no limit).",
+    )
+    @magic_arguments.argument(
+        "--on-stop",
+        default=None,
+        choices=("keep", "discard"),
+        help="What an interrupt, a Stop or --timeout does: keep (every rank ends at the last optimizer step "
+        "they all reach, and the kernel's objects hold that step) or discard (every rank stops at once; the "
+        "kernel keeps what it had). Default: the session default (keep).",
     )
     @magic_arguments.argument(
         "--stall-warning",
@@ -336,6 +349,8 @@ class CellOptions:
     allow_oversubscribe: bool = False
     background: bool = False
     help: bool = False
+    on_stop: str = "keep"  # "keep" the state at a step when stopped, or "discard" it
+    stop_grace: float = 2.0  # the session's least grace for reaching the stop step
 
 
 def parse_flags(magic: Any, line: str) -> CellOptions:
@@ -395,6 +410,8 @@ def fill_defaults(parsed: Any) -> CellOptions:
         help=parsed.help,
         cluster=cluster,
         num_nodes=num_nodes,
+        on_stop=session.on_stop if parsed.on_stop is None else parsed.on_stop,
+        stop_grace=session.stop_grace,
     )
 
 
@@ -420,6 +437,11 @@ def check_flags(options: CellOptions) -> tuple[Any, config.LaunchConfig]:
 
     Raises a UsageError naming the bad flag and what is possible.
     """
+    engine, cfg = _plan(options)
+    return engine, dataclasses.replace(cfg, on_stop=options.on_stop, stop_grace=options.stop_grace)
+
+
+def _plan(options: CellOptions) -> tuple[Any, config.LaunchConfig]:
     from nbtrain import hardware
 
     try:
@@ -673,7 +695,8 @@ def _launch_and_follow(
         from nbtrain.kernel import background
 
         callbacks = background.CellCallbacks(
-            keep_metrics=keep_metrics, explain_failure=explain_failure, apply_result=apply_cell_result
+            keep_metrics=keep_metrics, explain_failure=explain_failure, apply_result=apply_cell_result,
+            kept_error=kept_error,
         )
         handle = background.follow_cell(shell, run, prepared, options, callbacks)
         if held.received:  # the cell that starts it was interrupted: the run does not go on
@@ -693,35 +716,43 @@ def _follow(
     """Show the run until it ends, then bring its results back; every check of ``held`` is a safe point."""
     record = prepared.record
     view: _CellView | None = None
+    asked = False  # a first interrupt asked every rank to stop at a step
     if not held.received:
         show = _OutputPrinter(options.output, prepared.cfg.world_size, record)
         view = _CellView(run, prepared.total_steps, options.stall_warning)
         relay = _debugger_relay(run, held)
         for event in run.events(poll=view.poll_seconds):  # wakes at least every poll
-            if held.received:
-                break
+            if held.received and not asked and options.on_stop == "keep":
+                run.ask_to_stop("interrupted", graceful=True)  # the launcher stops hard if it cannot
+                asked, held.received = True, False
+            if held.received or (asked and time.monotonic() > (run.stop_deadline() or 0.0)):
+                break  # a second interrupt, or a launcher that did not answer: stop hard, now
             if event is not None:
                 show(event)
             view.show(event)
             relay.handle(event)  # a rank's pdb: its output, and its prompt in the input box
-    if held.received or view is None:  # view is None only when the interrupt came first
+    if held.received or view is None or run.state == "running":  # view is None only when the interrupt came first
         run.abandon()  # stops the run and frees any result it brought back
-        record.state = events.STOPPED
-        if view is not None:
-            view.finish(events.STOPPED)
-        raise _interrupted(prepared, run)
+        _stopped_hard(record, view)
+        raise _interrupted(prepared, run, "stopped hard at once (a second interrupt)" if asked else "")
+    if run.stopped_at is not None:
+        record.seconds = time.monotonic() - started  # the summary states it
+        raise _kept(shell, run, prepared, options, view, asked)
     try:
         result = run.result()
     except RunFailedError as error:
         record.state = run.state
         view.finish(run.state)
+        if asked:  # the interrupt's stop could not keep the state: the launcher said why
+            _stopped_hard(record, None)
+            raise _interrupted(prepared, run, run.stop_note) from None
         raise explain_failure(error, shell, prepared.unchanged) from None
     record.state = events.FINISHED
     record.seconds = time.monotonic() - started  # the summary _bring_back prints states it
     record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None  # and names it
     view.finish(events.FINISHED)
     value = _bring_back(shell, result, prepared.targets, record, options.output)
-    if held.received:  # it came while the results went in: they are in, all of them
+    if held.received or asked:  # it came while the results went in, or as the run finished: they are in, all of them
         raise RunInterrupted(_LATE)
     return value
 
@@ -733,12 +764,66 @@ def _debugger_relay(run: Any, held: processes.HeldInterrupts) -> Any:
     return debugger.CellRelay(run, held)
 
 
-def _interrupted(prepared: PreparedCell, run: Any) -> RunInterrupted:
+def _interrupted(prepared: PreparedCell, run: Any, how: str = "") -> RunInterrupted:
     where = run.where_ranks_were()  # each rank's stack when it was stopped, if the launcher got one
-    return RunInterrupted(
-        f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
-        + (f"\n{where}" if where else "")
-    )
+    if how.startswith("stopped hard"):  # "stopped hard (rank 1 did not reach step 412 within 2.0 s); nothing ..."
+        unchanged = prepared.unchanged
+        text = f"the cell was interrupted and {how}; {unchanged[0].lower()}{unchanged[1:]} The kernel is ready."
+    else:  # as an interrupt always said; then why no step was kept, if one was asked for
+        text = f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
+        text += f" {how}" if how else ""
+    return RunInterrupted(text + (f"\n{where}" if where else ""))
+
+
+def _stopped_hard(record: CellRun, view: _CellView | None) -> None:
+    record.state = events.STOPPED
+    record.stopped = "hard"
+    if view is not None:
+        view.finish(events.STOPPED)
+
+
+def _kept(
+    shell: Any, run: Any, prepared: PreparedCell, options: CellOptions, view: _CellView, interrupted: bool
+) -> BaseException:
+    """A stop kept the state at a step: bring it back as after a finished run; the error the cell raises."""
+    record = prepared.record
+    result = run.result()
+    record.state, record.stopped_at, record.stopped = run.state, run.stopped_at, "at a step"
+    record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
+    view.finish(run.state)
+    _bring_back(shell, result, prepared.targets, record, options.output)
+    if interrupted:
+        message = kept_message(run.stopped_at, record.updated, prepared.targets)
+        return RunInterrupted(f"the cell was interrupted and {message} The kernel is ready.")
+    return kept_error(run, record.updated, prepared.targets)
+
+
+def kept_error(run: Any, updated: list[str], shipped: dict[str, Any]) -> BaseException:
+    """What a run stopped at a step raises once its state is in (RunTimeoutError, RunStoppedError), naming the step."""
+    message = kept_message(run.stopped_at, updated, shipped)
+    if run.state == events.TIMED_OUT:
+        error = RunTimeoutError(run.config.timeout or 0.0)
+        error._set_message(f"the run exceeded timeout={run.config.timeout or 0:g} s and was {message}", "")
+        return error
+    return RunStoppedError(f"the run was {message}")
+
+
+def kept_message(step: int, updated: list[str], shipped: dict[str, Any]) -> str:
+    """What a stop that kept the state says: which of the kernel's objects hold which step.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> shipped = {"model": model, "opt": opt, "scheduler": torch.optim.lr_scheduler.StepLR(opt, 10), "i": 3}
+    >>> kept_message(412, ["model", "opt", "losses", "i", "scheduler"], shipped)
+    'stopped at step 412 on every rank; model, opt and scheduler hold step 412.'
+    """
+    held = [name for name in updated if hasattr(shipped.get(name), "state_dict")]
+    if not held:
+        return f"stopped at step {step} on every rank; the cell's results at that step are in the kernel."
+    names = held[0] if len(held) == 1 else ", ".join(held[:-1]) + " and " + held[-1]
+    verb = "holds" if len(held) == 1 else "hold"
+    return f"stopped at step {step} on every rank; {names} {verb} step {step}."
 
 
 @dataclass
@@ -794,7 +879,8 @@ def _bring_back(shell: Any, result: Any, shipped: dict[str, Any], record: CellRu
 
 def _summary(record: CellRun) -> str:
     ranks = f"{record.world_size} rank{'s' if record.world_size != 1 else ''}"
-    text = f"nbtrain: {ranks} ({record.accelerator}, {record.strategy}) finished in {record.seconds:.1f} s."
+    ended = "finished" if record.stopped_at is None else f"{record.state} at step {record.stopped_at}"
+    text = f"nbtrain: {ranks} ({record.accelerator}, {record.strategy}) {ended} in {record.seconds:.1f} s."
     loaders = dict(record.loaders)
     left = [(name, how) for name, how in record.prepared if how.startswith("not prepared")]
     wrapped = [  # "model (DistributedDataParallel)", or "model: on cuda:0, not wrapped (one rank)"

@@ -9,6 +9,7 @@ imports the user's modules and a launch always runs the code the kernel has now.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import select
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain import events, processes, wire
+from nbtrain import events, processes, stacks, stopboard, wire
 from nbtrain.events import (
     AttachHeld,
     DebugEnded,
@@ -51,9 +52,10 @@ from nbtrain.events import (
     SendResultFile,
     StartRun,
     StopRun,
+    StopStep,
     StoreListening,
 )
-from nbtrain.launch_server import standby, tracker
+from nbtrain.launch_server import graceful, standby, tracker
 from nbtrain.launch_server.output import STREAMS, RankOutput, RunLog
 
 # Imported once here so that no rank pays for it: DistributedDataParallel's constructor
@@ -104,6 +106,7 @@ class RankProcess:
     held_until: float | None = None  # released then, unless a post-mortem is open
     cuda_bytes: int | None = None  # what it last reported holding on its GPU
     release_reason: str = "its debugger ended"  # what HeldReleased says when it is gone
+    step_board: stopboard.StepBoard | None = None  # a standby rank's: the run that takes it stops on it
 
 
 @dataclass
@@ -132,6 +135,12 @@ class Run:
     detail: str = ""  # how a stop came, for RunEnded
     held_text: str | None = None  # its held rank, as the sidebar lists it
     plan: StartRun | None = None  # what standby ranks for the next run are forked for
+    board: stopboard.StepBoard | None = None  # the ranks' optimizer steps (forked ranks only)
+    on_stop: str = "keep"
+    stop_grace: float = 2.0
+    graceful: graceful.GracefulStop | None = None
+    stop_note: str = ""  # why a stop could not keep the state (sent with RunEnded)
+    late: list[int] = field(default_factory=list)  # the ranks a graceful stop gave up on
 
 
 class Launcher:
@@ -199,14 +208,8 @@ class Launcher:
             self._start(message, fds[0] if fds else None)
         elif isinstance(message, StopRun):
             run = self.runs.get(message.run_id)
-            # The reason is the caller's words, not a state: the run ends STOPPED (which the
-            # kernel turns into RunStoppedError). A run whose result the kernel has taken
-            # keeps it, and one already failing keeps its failure; a result not taken yet
-            # is given up (the kernel does not copy it), and rank 0 is stopped with the rest.
-            if run is not None and (run.end_state is None or run.result_pending):
-                run.result_pending = False
-                run.end_state = None
-                self._stop(run, events.STOPPED)
+            if run is not None:
+                self._on_stop_request(run, message.graceful)
         elif isinstance(message, ReleaseResult):
             run = self.runs.get(message.run_id)
             if run is not None and run.result_pending:
@@ -227,6 +230,75 @@ class Launcher:
                 self._release(run)
         return True
 
+    def _on_stop_request(self, run: Run, gracefully: bool) -> None:
+        # The reason is the caller's words, not a state: the run ends STOPPED (which the
+        # kernel turns into RunStoppedError). A run whose result the kernel has taken
+        # keeps it, and one already failing keeps its failure; a result not taken yet
+        # is given up (the kernel does not copy it), and rank 0 is stopped with the rest.
+        if gracefully and (run.end_state == events.FINISHED or self._stop_gracefully(run, events.STOPPED)):
+            return  # (every rank is done: the result on its way is what a stop at a step would keep)
+        if run.graceful is not None and run.end_state is None:  # asked again while stopping at a step
+            run.graceful.gave_up = True
+            run.stop_note = "stopped hard at once (asked to stop a second time)"
+            run.end_state = events.STOPPED
+            self._stop_now(run)  # no stack dumps: a second stop means now
+            return
+        if run.end_state is None or run.result_pending:
+            run.result_pending = False
+            run.end_state = None
+            self._stop(run, events.STOPPED)
+
+    def _stop_gracefully(self, run: Run, state: str) -> bool:
+        """Begin a stop at a step boundary (nbtrain.launch_server.graceful); False when the run cannot have one."""
+        if run.end_state is not None or run.graceful is not None or run.stop_started or run.stacks_until:
+            return False
+        run.stop_note = graceful.why_none(run.board, run.on_stop)
+        if run.board is None or run.on_stop != "keep" or run.stop_note:
+            return False
+        run.board.request_stop()
+        run.graceful = graceful.GracefulStop(state, time.monotonic())
+        entry = self.board.get(run.run_id)
+        if entry is not None:
+            entry.update(state="stopping")
+        return True
+
+    def _note_steps(self, run: Run) -> None:
+        """Once a rank has begun an optimizer step, the run's record says a stop request can keep its state."""
+        entry = self.board.get(run.run_id)
+        if entry is None or entry.record.stop_at_step or run.end_state is not None:
+            return
+        if run.board is not None and run.on_stop == "keep" and any(run.board.counts()):
+            entry.update(stop_at_step=True)
+
+    def _follow_graceful(self, run: Run, now: float) -> None:
+        """Choose the stop step when it is time; stop hard once the grace is over."""
+        stop = run.graceful
+        if stop is None or run.board is None or run.end_state is not None:
+            return
+        if stop.choose(run.board, run.stop_grace, now):
+            if not stop.step:  # every rank's count went back to none meanwhile: nothing to keep
+                stop.gave_up = True
+                run.stop_note = graceful.why_none(run.board, run.on_stop)
+                self._stop(run, stop.state)
+                return
+            self._send(StopStep(run.run_id, stop.step, stop.grace))
+            entry = self.board.get(run.run_id)
+            if entry is not None:  # the server extension signals the ranks itself after this
+                entry.update(stop_deadline=time.time() + stop.grace)
+        elif stop.overdue(now):
+            stop.gave_up = True
+            run.late = [rank.spec.rank for rank in run.ranks if not rank.done]
+            run.stop_note = self._laggards(run)
+            self._stop(run, stop.state)  # its stack dumps then say who waited for whom (_finish)
+
+    def _laggards(self, run: Run) -> str:
+        """The note naming the ranks that kept a graceful stop from its step (after the dumps: not those waiting)."""
+        if run.graceful is None or run.board is None:
+            return run.stop_note
+        slots = {rank.spec.rank: index for index, rank in enumerate(run.ranks)}
+        waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.waits_on_peers(_frames(r)))
+        return graceful.laggards_note(run.graceful, run.board, run.late, slots, waiting)
+
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
         try:
             wire.send(self.control, message, fds)
@@ -241,6 +313,8 @@ class Launcher:
         self._release_held(f"the next launch (run {start.run_id}) needs its devices")
         run.log = RunLog(start.log_path) if start.log_path else None
         run.plan = standby.plan_of(start)
+        run.on_stop, run.stop_grace = start.on_stop, start.stop_grace
+        run.board = _step_board(start)
         self.runs[start.run_id] = run
         taken = self.standby.take(start)
         if taken is not None:
@@ -249,10 +323,10 @@ class Launcher:
         store_socket = None
         try:
             store_socket, port = self._store_socket(start)
-            for spec in start.ranks:
+            for slot, spec in enumerate(start.ranks):
                 assignment = RankAssignment(start, spec, port, os.getpid())
                 listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
-                run.ranks.append(self._start_rank(run, assignment, listen_fd, tensor_fd))
+                run.ranks.append(self._start_rank(run, assignment, listen_fd, tensor_fd, slot))
         except OSError as error:
             # On a cluster a node's first rank is not rank 0: name the global rank.
             first = start.ranks[len(run.ranks)].rank if len(run.ranks) < len(start.ranks) else len(run.ranks)
@@ -288,9 +362,9 @@ class Launcher:
         return store_socket, port
 
     def _start_rank(
-        self, run: Run, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None
+        self, run: Run, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None, slot: int = 0
     ) -> RankProcess:
-        rank = self._fork_rank(assignment, listen_fd, tensor_fd, run.log)
+        rank = self._fork_rank(assignment, listen_fd, tensor_fd, run.log, steps=(run.board, slot))
         self._watch(run, rank)
         if assignment.start.start_method == "spawn":
             _send_quietly(rank.channel, assignment)  # a fresh interpreter has nothing in memory
@@ -304,11 +378,13 @@ class Launcher:
         tensor_fd: int | None,
         log: RunLog | None,
         waits: bool = False,
+        steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
     ) -> RankProcess:
-        """A new rank process and the launcher's ends of its channel and pipes; ``waits``: a standby rank."""
+        """A new rank process and the launcher's ends of its channel and pipes; ``waits``: a standby rank,
+        ``steps``: the step board its optimizer steps are counted on, and its slot there."""
         ends = _RankEnds.open()
         try:
-            pid = self._create(assignment, ends, listen_fd, tensor_fd, waits)
+            pid = self._create(assignment, ends, listen_fd, tensor_fd, waits, steps)
         except BaseException:
             ends.close_all()  # the fork failed: nothing holds the other ends
             raise
@@ -342,12 +418,14 @@ class Launcher:
         """Fork ``plan``'s ranks to wait for a run; only their exit and channel are watched meanwhile
         (their output waits in their pipes for the run that takes them)."""
         store_socket, port = self._store_socket(plan)
+        board = _step_board(plan)  # the run that takes them stops on it
         ranks: list[RankProcess] = []
         try:
-            for spec in plan.ranks:
+            for slot, spec in enumerate(plan.ranks):
                 listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
                 assignment = RankAssignment(plan, spec, port, os.getpid())
-                rank = self._fork_rank(assignment, listen_fd, None, None, waits=True)
+                rank = self._fork_rank(assignment, listen_fd, None, None, True, (board, slot))
+                rank.step_board = board
                 ranks.append(rank)
                 self.selector.register(rank.pidfd, selectors.EVENT_READ, ("standby-exit", generation, rank))
                 self.selector.register(rank.channel, selectors.EVENT_READ, ("standby-events", generation, rank))
@@ -370,6 +448,9 @@ class Launcher:
     def _start_taken(self, run: Run, start: StartRun, ranks: list[RankProcess], tensor_fd: int | None) -> None:
         """Hand the run to standby ranks: its StartRun and payload memfd to each, over its channel."""
         fds = () if tensor_fd is None else (tensor_fd,)
+        if run.board is not None:  # the board the ranks were forked with is the run's
+            run.board.close()
+        run.board = ranks[0].step_board if ranks else None
         try:
             for rank in ranks:
                 rank.output.log = run.log
@@ -384,13 +465,19 @@ class Launcher:
                 os.close(tensor_fd)
 
     def _create(
-        self, assignment: RankAssignment, ends: _RankEnds, listen_fd: int | None, tensor_fd: int | None, waits: bool
+        self,
+        assignment: RankAssignment,
+        ends: _RankEnds,
+        listen_fd: int | None,
+        tensor_fd: int | None,
+        waits: bool = False,
+        steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
     ) -> int:
         fds = RankFds(ends.rank_end.fileno(), ends.out_write, ends.err_write, listen_fd, tensor_fd, ends.stack_write)
         if assignment.start.start_method == "spawn":
             return self._spawn(assignment, fds)
         rank_end = ends.rank_end
-        return processes.fork_rank(lambda: _rank_main(assignment, rank_end, fds, waits))
+        return processes.fork_rank(lambda: _rank_main(assignment, rank_end, fds, waits, steps))
 
     def _spawn(self, assignment: RankAssignment, fds: RankFds) -> int:
         env = dict(assignment.start.environ)
@@ -457,7 +544,9 @@ class Launcher:
                 if run.result_pending:  # the file the kernel asked for: the result is safe
                     self._release(run)
             if all(r.done for r in run.ranks) and run.end_state is None:
-                run.end_state = events.FINISHED
+                # Every rank ended its cell at the stop step: the run keeps its result, and says it stopped.
+                stopped = run.graceful is not None and not run.graceful.gave_up
+                run.end_state = run.graceful.state if stopped and run.graceful else events.FINISHED
                 self._hand_over(run)
 
     def _hand_over(self, run: Run) -> None:
@@ -562,8 +651,9 @@ class Launcher:
     # -- stopping and finishing --------------------------------------------------------
     def _stopped_from_outside(self, run: Run) -> bool:
         """Whether the run was stopped from the browser (the server extension signals the
-        ranks itself after leaving a stop request): it then ends as stopped, not failed."""
-        if run.stop_started is None and self.board.stop_requested(run.run_id):
+        ranks itself after leaving a stop request): it then ends as stopped, not failed.
+        While the ranks go to a stop step nobody signals them: a rank that fails then fails."""
+        if run.stop_started is None and run.graceful is None and self.board.stop_requested(run.run_id):
             self._stop_asked_outside(run)
         return run.end_state == events.STOPPED
 
@@ -571,8 +661,10 @@ class Launcher:
         """Stop a run asked to stop through the registry, without asking for stack dumps: the
         server signals every rank itself as it asks, so a rank still alive is already dying
         and would only be reported as one that "did not answer in time"."""
-        if run.stop_started is not None or run.stacks_until is not None:
+        if run.stop_started is not None or run.stacks_until is not None or run.graceful is not None:
             return
+        if self._stop_gracefully(run, events.STOPPED):
+            return  # the record says so (stop_at_step): the server leaves the ranks to this launcher
         run.end_state = events.STOPPED
         run.stopped_outside = True
         self._stop_now(run)
@@ -646,8 +738,12 @@ class Launcher:
             if run is not None and run.end_state is None:
                 self._stop_asked_outside(run)
         for run in list(self.runs.values()):
-            if run.deadline is not None and now > run.deadline and run.end_state is None and not run.debugging:
+            timed_out = run.deadline is not None and now > run.deadline and run.graceful is None
+            timed_out = timed_out and not run.debugging  # a rank at a pdb prompt: the clock waits
+            if timed_out and run.end_state is None and not self._stop_gracefully(run, events.TIMED_OUT):
                 self._stop(run, events.TIMED_OUT)
+            self._follow_graceful(run, now)
+            self._note_steps(run)
             if run.stacks_until is not None and (now > run.stacks_until or self._stacks_in(run, now)):
                 self._stop_now(run)
             if run.stop_started is not None and not run.killed and now - run.stop_started > STOP_GRACE_SECONDS:
@@ -709,13 +805,22 @@ class Launcher:
         del self.runs[run.run_id]
         if run.log is not None:
             run.log.close()
+        if run.late:
+            run.stop_note = self._laggards(run)
+        if run.board is not None:
+            run.board.close()
         state = run.end_state or events.FAILED
+        kept = _kept_step(run)
+        entry = self.board.get(run.run_id)
+        if entry is not None and kept is not None:
+            entry.update(stopped_at=kept)
         self.board.end(run.run_id, state, run.held_text)
-        if state == events.FINISHED and run.failure is None:
+        if (state == events.FINISHED or kept is not None) and run.failure is None:
             fds = () if run.result_fd is None else (run.result_fd,)
-            self._send(RunEnded(run.run_id, state, run.result, run.result_fd is not None), fds)
+            self._send(RunEnded(run.run_id, state, run.result, run.result_fd is not None, stopped_at=kept), fds)
         else:
-            self._send(RunEnded(run.run_id, state, failure=run.failure, detail=run.detail, stacks=_stacks(run)))
+            failed = RunEnded(run.run_id, state, failure=run.failure, detail=run.detail, stacks=_stacks(run))
+            self._send(dataclasses.replace(failed, stop_note=run.stop_note))
         if run.result_fd is not None:
             os.close(run.result_fd)
         # After a stop or a timeout the user wants things to stop: no new processes until a run
@@ -846,6 +951,18 @@ class Launcher:
             time.sleep(0.01)
 
 
+def _frames(rank: RankProcess) -> tuple[stacks.Frame, ...]:
+    return stacks.parse_dump(rank.stack.decode("utf-8", "replace"))
+
+
+def _kept_step(run: Run) -> int | None:
+    """The step a graceful stop kept (every rank ended its cell there), or None."""
+    stop = run.graceful
+    if stop is None or stop.gave_up or run.end_state == events.FINISHED or not all(r.done for r in run.ranks):
+        return None
+    return stop.step
+
+
 def _stacks(run: Run) -> tuple[tuple[int, str], ...]:
     """What each rank's dump said, for a run that ended by a timeout or a stop."""
     if run.end_state not in (events.STOPPED, events.TIMED_OUT):
@@ -948,7 +1065,22 @@ class RankFds:
         return [fd for fd in (self.channel, self.listen, self.tensor, self.stack) if fd is not None]
 
 
-def _rank_main(assignment: RankAssignment, channel: socket.socket, fds: RankFds, waits: bool = False) -> None:
+def _step_board(start: StartRun) -> stopboard.StepBoard | None:
+    """The board a run's ranks count their optimizer steps on, for a stop at a step. A spawned
+    rank starts from nothing: it cannot share it. A cluster's nodes would each choose a step of
+    their own: their stops stay hard."""
+    if start.start_method == "fork" and start.node is None:
+        return stopboard.StepBoard.create(len(start.ranks))
+    return None
+
+
+def _rank_main(
+    assignment: RankAssignment,
+    channel: socket.socket,
+    fds: RankFds,
+    waits: bool = False,
+    steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
+) -> None:
     """In the forked child: wire up stdio, drop the launcher's descriptors, run the rank
     (``waits``: prepare, then wait for a run's payload, nbtrain.launch_server.standby)."""
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -956,7 +1088,9 @@ def _rank_main(assignment: RankAssignment, channel: socket.socket, fds: RankFds,
     os.dup2(fds.out, 1)
     os.dup2(fds.err, 2)
     _close_all_but({0, 1, 2, *fds.kept})
-    from nbtrain.rank import runtime
+    from nbtrain.rank import runtime, stopping
+
+    stopping.attach(*steps)
 
     if waits:
         runtime.run_standby(assignment, channel, fds.listen, fds.stack)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nbtrain import records
-from nbtrain.rank import api, prepare
+from nbtrain.rank import api, prepare, stopping
 
 if TYPE_CHECKING:
     from cloudpickle import Pickler as _PicklerBase
@@ -83,8 +83,12 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
         more, placed = prepare.auto_prepare_held(namespace, spec.held)
         prepared += more
     logging = prepare.loss_logging() if spec.log_loss else contextlib.nullcontext()
+    stopping.install()  # a graceful stop ends the cell at an optimizer step's boundary
     with logging:
-        display = _execute(spec, cell_globals)
+        try:
+            display = _execute(spec, cell_globals)
+        except stopping.StopAtStep:
+            display = None  # stopped at the step every rank reached: what it holds goes back as at the end
     prepare.put_back(namespace, placed)  # so trainer.model is the kernel's model again on the way back
     context = api.current_context()
     if context is not None:

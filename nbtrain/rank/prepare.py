@@ -537,10 +537,15 @@ def _shard_optimizer_state(optimizer: Any) -> Any:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     groups = optimizer.param_groups
-    defaults = {k: v for k, v in groups[0].items() if k != "params"}
+    # Only the optimizer's own settings go to its constructor; what others keep in a group (an LR
+    # scheduler's initial_lr) is copied in after.
+    defaults = {k: v for k, v in groups[0].items() if k != "params" and k in optimizer.defaults}
     sharded = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=type(optimizer), **defaults)
     for group in groups[1:]:
         sharded.add_param_group(dict(group))
+    # The very group dicts of the optimizer the cell's LR scheduler holds: its changes reach every
+    # shard (ZeroRedundancyOptimizer copies them into its local optimizer at each step).
+    sharded.param_groups = groups
     if optimizer.state:  # state made in the kernel (a second cell): every rank keeps its part
         sharded.load_state_dict(optimizer.state_dict())
     _registry.remember(optimizer, sharded)

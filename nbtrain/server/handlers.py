@@ -33,9 +33,12 @@ class RunActionHandler(APIHandler):
         try:
             if action == "stop":
                 outcome = runs.stop(run_id, signal.SIGTERM)
-                # What SIGTERM leaves after the grace period gets SIGKILL, as the launcher does
-                # (and would do itself; a launcher that died with its kernel cannot).
-                tornado.ioloop.IOLoop.current().call_later(runs.STOP_GRACE_SECONDS, runs.kill_rest, run_id)
+                if outcome.signalled or outcome.refused:
+                    # What SIGTERM leaves after the grace period gets SIGKILL, as the launcher does
+                    # (and would do itself; a launcher that died with its kernel cannot).
+                    tornado.ioloop.IOLoop.current().call_later(runs.STOP_GRACE_SECONDS, runs.kill_rest, run_id)
+                else:  # left to the launcher (a stop at a step): signalled only if it does not answer
+                    _follow_stop(run_id, runs.ANSWER_SECONDS)
             else:
                 outcome = runs.clean(run_id)
         except runs.RunNotFound as error:
@@ -47,6 +50,17 @@ class RunActionHandler(APIHandler):
         if outcome.refused and not outcome.signalled:
             self.set_status(409)
         self.finish(json.dumps(outcome.as_json()))
+
+
+def _follow_stop(run_id: str, delay: float) -> None:
+    def look() -> None:
+        later = runs.follow_up(run_id)
+        if later is None:
+            tornado.ioloop.IOLoop.current().call_later(runs.STOP_GRACE_SECONDS, runs.kill_rest, run_id)
+        else:
+            _follow_stop(run_id, later)
+
+    tornado.ioloop.IOLoop.current().call_later(delay, look)
 
 
 class DevicesHandler(APIHandler):

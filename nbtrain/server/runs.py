@@ -25,6 +25,7 @@ from nbtrain.registry import RunRecord
 
 ORPHANED = "orphaned"
 STOP_GRACE_SECONDS = 0.5  # SIGTERM first; SIGKILL for what is left after this, as the launcher does
+ANSWER_SECONDS = 3.0  # a launcher looks for stop requests once a second: past this it did not answer
 
 
 class RunNotFound(LookupError):
@@ -121,7 +122,39 @@ def stop(run_id: str, number: int = signal.SIGTERM) -> StopOutcome:
     if not record.active:
         return StopOutcome(run_id, (), (), f"run {run_id} already ended ({record.state}); nothing to stop.")
     registry.request_stop(run_id)
+    if stops_at_step(record):
+        return StopOutcome(
+            run_id, (), (),
+            f"asked run {run_id}'s launcher to stop every rank at the last optimizer step they all reach "
+            "(its state then reaches the kernel); ranks not there within the grace period are stopped hard.",
+        )
     return _signal(record, number)
+
+
+def stops_at_step(record: RunRecord) -> bool:
+    """Whether the run's launcher answers a stop request itself, ending every rank at an optimizer step."""
+    return record.stop_at_step and alive(record.launcher_pid, record.launcher_start)
+
+
+def follow_up(run_id: str, now: float | None = None) -> float | None:
+    """A stop left to the run's launcher: seconds until the next look, or None when it is over.
+
+    The launcher takes a stop request up within a second (the record says "stopping") and ends
+    the run by its stop deadline. One that does not (stopped, frozen) gets what a stop without
+    it gets: SIGTERM to every rank now, SIGKILL after STOP_GRACE_SECONDS (the caller's).
+    """
+    record = registry.read(run_id)
+    if record is None or not record.active:
+        return None
+    now = time.time() if now is None else now
+    overdue = record.stop_deadline is not None and now > record.stop_deadline + ANSWER_SECONDS
+    late = record.state == "running" or overdue
+    if late or not alive(record.launcher_pid, record.launcher_start):
+        _signal(record, signal.SIGTERM)
+        return None
+    if record.stop_deadline is None:
+        return ANSWER_SECONDS
+    return max(0.1, record.stop_deadline + ANSWER_SECONDS - now)
 
 
 def kill_rest(run_id: str) -> StopOutcome | None:

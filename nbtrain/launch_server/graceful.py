@@ -1,0 +1,93 @@
+"""A graceful stop, as the launcher follows it: ask, choose the step, wait for every rank, or give up.
+
+1. Asked (the kernel's StopRun with ``graceful``, or the run's timeout): the board goes to
+   ``PENDING`` (:mod:`nbtrain.stopboard`), unless no rank has begun an optimizer step yet,
+   or the run was started with ``--on-stop discard``, or its ranks have no board (spawned
+   ranks): then the stop is the hard one, as it always was.
+2. A tick later the launcher chooses the step (the highest any rank has begun) and the grace
+   period (at least the run's ``stop_grace``, 3 x the median step otherwise).
+3. Every rank ends its cell at that step and reports done: the run ends with rank 0's result
+   and ``stopped_at``. A rank that is not done when the grace is over makes it a hard stop,
+   and the note names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nbtrain import stopboard
+
+CHOOSE_AFTER_SECONDS = 0.01  # between PENDING and reading the counts: every count written before is seen
+
+
+@dataclass
+class GracefulStop:
+    """One run's graceful stop in progress."""
+
+    state: str  # how the run ends: events.STOPPED or events.TIMED_OUT
+    asked_at: float
+    step: int | None = None  # chosen a tick after asked_at
+    grace: float = 0.0
+    deadline: float | None = None
+    gave_up: bool = False  # a rank did not arrive in time, or a second stop came: stopped hard
+
+    def choose(self, board: stopboard.StepBoard, minimum_grace: float, now: float) -> bool:
+        """Choose the step when it is time; True when it was chosen now."""
+        if self.step is not None or now - self.asked_at < CHOOSE_AFTER_SECONDS:
+            return False
+        self.step = board.choose_stop()
+        self.grace = stopboard.grace_seconds(minimum_grace, board.median_step_seconds())
+        self.deadline = now + self.grace
+        return True
+
+    def overdue(self, now: float) -> bool:
+        return not self.gave_up and self.deadline is not None and now > self.deadline
+
+
+def why_none(board: stopboard.StepBoard | None, on_stop: str) -> str:
+    """Why a run cannot stop gracefully now ("" when it can)."""
+    if on_stop != "keep":
+        return ""  # asked for the stop it gets: nothing to explain
+    if board is None:
+        return (
+            "It could not stop at an optimizer step: nbtrain cannot follow the steps of spawned ranks "
+            "(ddp_spawn) or of a cluster's nodes."
+        )
+    if max(board.counts(), default=0) == 0:
+        return (
+            "It could not stop at an optimizer step: none had run (a loop without optimizer.step(), or an "
+            "optimizer outside torch.optim, which nbtrain does not see)."
+        )
+    return ""
+
+
+def laggards_note(
+    stop: GracefulStop,
+    board: stopboard.StepBoard,
+    not_done: list[int],
+    slots: dict[int, int],
+    waiting: frozenset[int] = frozenset(),
+) -> str:
+    """"stopped hard (rank 1 did not reach step 412 within 2.0 s)": who kept the run from stopping at its step.
+
+    ``not_done`` are the ranks that had not ended their cell; ``slots`` maps a rank to its slot on the
+    board; ``waiting`` are ranks whose stack showed them waiting for the others (not the cause).
+
+    >>> board = stopboard.StepBoard.create(2)
+    >>> _ = [board.begin_step(0) for _ in range(3)] + [board.begin_step(1)]
+    >>> stop = GracefulStop("stopped", 0.0, step=3, grace=2.0)
+    >>> laggards_note(stop, board, [1], {0: 0, 1: 1})
+    'stopped hard (rank 1 did not reach step 3 within 2.0 s)'
+    >>> early = GracefulStop("stopped", 0.0, step=1, grace=2.0)  # both began it; rank 1 waits for rank 0
+    >>> laggards_note(early, board, [0, 1], {0: 0, 1: 1}, waiting=frozenset({1}))
+    'stopped hard (rank 0 did not reach the optimizer step after step 1 within 2.0 s)'
+    """
+    behind = [rank for rank in not_done if board.count(slots[rank]) < (stop.step or 0)]
+    # Every late rank had begun the step: one is stuck after it (a sleep, a loop) and the others wait for it.
+    named = behind or [rank for rank in not_done if rank not in waiting] or not_done
+    names = ", ".join(str(rank) for rank in named)
+    who = f"rank {names}" if len(named) == 1 else f"ranks {names}"
+    if behind:
+        return f"stopped hard ({who} did not reach step {stop.step} within {stop.grace:.1f} s)"
+    # They had begun the step: the cell ends for it where the next optimizer step starts, which never came.
+    return f"stopped hard ({who} did not reach the optimizer step after step {stop.step} within {stop.grace:.1f} s)"

@@ -1,0 +1,91 @@
+"""A stop at a step boundary, on a rank: count optimizer steps, and end the cell at the step the launcher chose.
+
+The launcher forks each rank with the run's :class:`nbtrain.stopboard.StepBoard` and its
+slot (:func:`attach`). A ``%%distributed`` cell installs two global optimizer step hooks
+(:func:`install`, once per rank): before each outermost step the rank counts it on the
+board and looks at the stop step; when the launcher has chosen one and this step would go
+past it, the hook raises :class:`StopAtStep` instead, and :func:`nbtrain.rank.cell.run_cell`
+ends the cell there as if it had finished: its models, optimizers and schedulers hold the
+stop step, and rank 0 sends them back.
+
+The check is at the *next* step's start, not the stop step's end: by then the loop's own
+``scheduler.step()`` for the stop step has run, and every rank has gone through the same
+collectives (DDP's gradient all-reduce, FSDP's gathers), so none is left waiting in one.
+The forward and backward of that next step ran but changed no weight; buffers a forward
+updates (BatchNorm's running statistics) include it.
+
+Per step this costs a few microseconds: two reads and two writes of the shared page.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nbtrain import stopboard
+
+PENDING_POLL_SECONDS = 0.002  # while the launcher chooses the step (at most one of its ticks)
+
+
+class StopAtStep(BaseException):
+    """Raised by the step hook where a graceful stop ends the cell (``except Exception`` lets it by)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+class _Counter:
+    def __init__(self, board: stopboard.StepBoard, slot: int) -> None:
+        self.board = board
+        self.slot = slot
+        self.depth = 0  # an optimizer's step inside another's (ZeroRedundancyOptimizer's) is not a step
+        self.last_end: float | None = None
+
+    def before_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        count = self.board.begin_step(self.slot)  # counted before the header is read (see stopboard)
+        stop = self.board.stop_step()
+        while stop == stopboard.PENDING:
+            time.sleep(PENDING_POLL_SECONDS)
+            stop = self.board.stop_step()
+        if stop != stopboard.NO_STOP and count > stop:
+            self.board.undo_step(self.slot)
+            self.depth = 0
+            raise StopAtStep(stop)
+
+    def after_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth:
+            return
+        now = time.monotonic()
+        if self.last_end is not None:
+            # A whole iteration: data, forward, backward and step.
+            self.board.record_duration(self.slot, now - self.last_end)
+        self.last_end = now
+
+
+_attached: tuple[stopboard.StepBoard, int] | None = None
+_counter: _Counter | None = None
+
+
+def attach(board: stopboard.StepBoard | None, slot: int) -> None:
+    """Called by the launcher in a forked rank: the run's board and this rank's slot on it."""
+    global _attached
+    _attached = None if board is None else (board, slot)
+
+
+def install() -> bool:
+    """Hook every optimizer step of this rank (once); False where the launcher gave no board (a spawned rank)."""
+    global _counter
+    if _attached is None:
+        return False
+    if _counter is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        _counter = _Counter(*_attached)
+        register_optimizer_step_pre_hook(_counter.before_step)
+        register_optimizer_step_post_hook(_counter.after_step)
+    return True
