@@ -254,7 +254,13 @@ def _warm_device(device_type: str) -> None:
     torch.zeros(8, 8, device="cuda") @ torch.zeros(8, 8, device="cuda")
     torch.cuda.synchronize()
     del image
-    torch.cuda.empty_cache()  # the cache holds no tensor of ours: only the context stays
+    # The matmul left cuBLAS's workspace (32 MiB) allocated through the caching allocator: a
+    # cell would see it in memory_allocated(). Freed, the handles and loaded libraries stay;
+    # a cell's first matmul allocates its own workspace again (one allocation, no loading).
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()  # then nothing of ours is cached: only the context stays
 
 
 def _join_process_group(assignment: RankAssignment, listen_fd: int | None, eager: bool = False) -> None:
