@@ -235,8 +235,11 @@ class Launcher:
         # kernel turns into RunStoppedError). A run whose result the kernel has taken
         # keeps it, and one already failing keeps its failure; a result not taken yet
         # is given up (the kernel does not copy it), and rank 0 is stopped with the rest.
-        if gracefully and (run.end_state == events.FINISHED or self._stop_gracefully(run, events.STOPPED)):
-            return  # (every rank is done: the result on its way is what a stop at a step would keep)
+        # Every rank is done: the result on its way is what a stop at a step would keep, when the
+        # run took an optimizer step; one that never did stops as before, its result given up.
+        finished = run.end_state == events.FINISHED and _stepped(run)
+        if gracefully and (finished or self._stop_gracefully(run, events.STOPPED)):
+            return
         if run.graceful is not None and run.end_state is None:  # asked again while stopping at a step
             run.graceful.gave_up = True
             run.stop_note = "stopped hard at once (asked to stop a second time)"
@@ -267,7 +270,7 @@ class Launcher:
         entry = self.board.get(run.run_id)
         if entry is None or entry.record.stop_at_step or run.end_state is not None:
             return
-        if run.board is not None and run.on_stop == "keep" and any(run.board.counts()):
+        if _stepped(run):
             entry.update(stop_at_step=True)
 
     def _follow_graceful(self, run: Run, now: float) -> None:
@@ -1063,6 +1066,11 @@ class RankFds:
     @property
     def kept(self) -> list[int]:
         return [fd for fd in (self.channel, self.listen, self.tensor, self.stack) if fd is not None]
+
+
+def _stepped(run: Run) -> bool:
+    """Whether a rank of ``run`` has begun an optimizer step that a stop could keep."""
+    return run.board is not None and run.on_stop == "keep" and any(run.board.counts())
 
 
 def _step_board(start: StartRun) -> stopboard.StepBoard | None:
