@@ -119,6 +119,21 @@ def test_an_ended_run_is_written_kept_for_a_while_and_forgotten_at_close(folder,
     assert records(folder) == {}
 
 
+def test_a_held_rank_is_listed_until_released_and_a_dismissed_record_stays_gone(folder):
+    b = board()
+    held = "rank 1 (pid 42) kept for %nbtrain_debug, holding 244 MiB of host memory"
+    for run_id in (1, 2):
+        b.start(start_run(run_id, folder), [])
+        b.end(run_id, events.FAILED, held)
+    assert [r["held"] for r in records(folder).values()] == [held, held]
+    assert b.released(1) is False  # its debugger ended: the record says nothing is held
+    assert records(folder)[f"{b.prefix}-1"]["held"] is None
+    registry.remove(f"{b.prefix}-2", str(folder))  # the sidebar's Dismiss, which killed the rank
+    assert b.released(2) is True
+    assert sorted(records(folder)) == [f"{b.prefix}-1"]  # not written back
+    assert b.released(2) is False  # released once
+
+
 def test_a_registry_open_to_others_turns_the_registry_off_and_the_run_goes_on(folder, capfd):
     folder.chmod(0o777)
     b = board()

@@ -26,6 +26,8 @@ export interface RunInfo {
   elapsed?: number;
   /** The optimizer step a stop kept: every rank ended there and the kernel holds its state. */
   stopped_at?: number | null;
+  /** A failed run's root-cause rank kept alive for %nbtrain_debug, and what it holds; null once released. */
+  held?: string | null;
 }
 
 export interface GpuInfo {
@@ -52,6 +54,34 @@ export function isActive(run: Pick<RunInfo, 'state'>): boolean {
 /** The state as the sidebar says it: "stopped at step 412" for a stop that kept its step. */
 export function stateText(run: Pick<RunInfo, 'state' | 'stopped_at'>): string {
   return run.stopped_at !== null && run.stopped_at !== undefined ? `${run.state} at step ${run.stopped_at}` : run.state;
+}
+
+/**
+ * The line under a failed run's state naming the rank kept for a post-mortem and what it
+ * holds (the server's words), and how to free it; "" when no rank is held.
+ */
+export function heldText(run: Pick<RunInfo, 'held'>): string {
+  return run.held ? `Held: ${run.held}. %nbtrain_debug opens it; Dismiss releases it.` : '';
+}
+
+/** What a run's button does: stop a run still going, else forget it (killing what is left of it). */
+export interface RunAction {
+  label: string;
+  hint: string;
+  action: 'stop' | 'clean';
+}
+
+export function actionFor(run: Pick<RunInfo, 'state' | 'held'>): RunAction {
+  if (isActive(run) && run.state !== 'stopping') {
+    return { label: 'Stop', hint: 'Stop every rank of this run now (the kernel need not answer)', action: 'stop' };
+  }
+  if (run.state === 'orphaned') {
+    return { label: 'Clean up', hint: 'Its kernel is gone: kill what is left of its ranks and forget it', action: 'clean' };
+  }
+  const hint = run.held
+    ? 'Release the rank held for %nbtrain_debug (its process ends, its memory is freed) and forget this run'
+    : 'Forget this ended run';
+  return { label: 'Dismiss', hint, action: 'clean' };
 }
 
 /** The status-bar text: "nbtrain: 1 run · 2 ranks" (active runs only); "" with none. */

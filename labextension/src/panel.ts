@@ -1,6 +1,7 @@
 /**
  * The sidebar: every nbtrain run of this server's user (state, world size, steps/s, a loss
- * sparkline, elapsed time, Stop, open the notebook) and the devices (GPUs, host, ranks).
+ * sparkline, elapsed time, a rank held for %nbtrain_debug, Stop, open the notebook) and the
+ * devices (GPUs, host, ranks).
  * It asks the server every REFRESH_MS while it is visible, and not at all while hidden.
  */
 import { Message } from '@lumino/messaging';
@@ -10,10 +11,11 @@ import { fetchDevices, runAction } from './api';
 import {
   DevicesInfo,
   RunInfo,
+  actionFor,
   formatBytes,
   formatElapsed,
   formatLoss,
-  isActive,
+  heldText,
   plural,
   runTitle,
   sparklinePoints,
@@ -134,6 +136,7 @@ export class NbtrainPanel extends Widget {
     // The server's path for it: the record's is a file system path, which the front end cannot open.
     const open = run.path ? h('button', 'jp-nbtrain-open jp-mod-styled', ['Open'], { title: `Open ${run.path}` }) : null;
     open?.addEventListener('click', () => this.openNotebook(run.path as string));
+    const held = heldText(run);
     return h(
       'div',
       'jp-nbtrain-run',
@@ -142,6 +145,7 @@ export class NbtrainPanel extends Widget {
           title,
           h('span', `jp-nbtrain-state jp-nbtrain-state-${run.state.replace(/\s+/g, '-')}`, [stateText(run)])
         ]),
+        held && h('div', 'jp-nbtrain-held', [held]),
         h('div', 'jp-nbtrain-facts', [facts.join(' · ')]),
         h('div', 'jp-nbtrain-run-foot', [spark, h('span', 'jp-nbtrain-buttons', [open, this.actionButton(run)])])
       ],
@@ -150,22 +154,16 @@ export class NbtrainPanel extends Widget {
   }
 
   private actionButton(run: RunInfo): HTMLElement {
-    const stop = isActive(run) && run.state !== 'stopping';
-    const label = stop ? 'Stop' : run.state === 'orphaned' ? 'Clean up' : 'Dismiss';
-    const hint = stop
-      ? 'Stop every rank of this run now (the kernel need not answer)'
-      : run.state === 'orphaned'
-        ? 'Its kernel is gone: kill what is left of its ranks and forget it'
-        : 'Forget this ended run';
-    const button = h('button', `jp-nbtrain-action jp-mod-styled ${stop ? 'jp-mod-warn' : ''}`, [label], {
+    const { label, hint, action } = actionFor(run);
+    const button = h('button', `jp-nbtrain-action jp-mod-styled ${action === 'stop' ? 'jp-mod-warn' : ''}`, [label], {
       title: hint,
-      'data-action': stop ? 'stop' : 'clean'
+      'data-action': action
     }) as HTMLButtonElement;
     button.disabled = run.state === 'stopping';
     button.addEventListener('click', async () => {
       button.disabled = true;
       try {
-        const outcome = await runAction(run.id, stop ? 'stop' : 'clean');
+        const outcome = await runAction(run.id, action);
         this.error = outcome.refused.length ? outcome.message : '';
       } catch (error) {
         this.error = String(error);

@@ -2,10 +2,12 @@ import { test } from 'node:test';
 import * as assert from 'node:assert/strict';
 
 import {
+  actionFor,
   distributedCell,
   formatBytes,
   formatElapsed,
   formatLoss,
+  heldText,
   parsePythonString,
   runTitle,
   sparklinePoints,
@@ -18,6 +20,34 @@ test('a stop that kept its step says which', () => {
   assert.equal(stateText({ state: 'timed out', stopped_at: 3 }), 'timed out at step 3');
   assert.equal(stateText({ state: 'stopped', stopped_at: null }), 'stopped');
   assert.equal(stateText({ state: 'running' }), 'running');
+});
+
+test('a failed run names the rank it holds, and its Dismiss releases it', () => {
+  const held = 'rank 1 (pid 4242) kept for %nbtrain_debug, holding 244 MiB of host memory';
+  const run = { state: 'failed', held };
+  assert.equal(
+    heldText(run),
+    'Held: rank 1 (pid 4242) kept for %nbtrain_debug, holding 244 MiB of host memory. ' +
+      '%nbtrain_debug opens it; Dismiss releases it.'
+  );
+  const dismiss = actionFor(run);
+  assert.equal(dismiss.label, 'Dismiss');
+  assert.equal(dismiss.action, 'clean');
+  assert.match(dismiss.hint, /^Release the rank held for %nbtrain_debug/);
+  // Released (the launcher clears the field), or never held: no line, a plain Dismiss.
+  assert.equal(heldText({ held: null }), '');
+  assert.equal(heldText({}), '');
+  assert.equal(actionFor({ state: 'failed', held: null }).hint, 'Forget this ended run');
+});
+
+test('the button stops a run going, cleans up an orphan, dismisses an ended run', () => {
+  assert.deepEqual(
+    [actionFor({ state: 'running' }), actionFor({ state: 'starting' })].map(a => [a.label, a.action]),
+    [['Stop', 'stop'], ['Stop', 'stop']]
+  );
+  assert.equal(actionFor({ state: 'orphaned' }).label, 'Clean up');
+  assert.equal(actionFor({ state: 'stopped' }).label, 'Dismiss');
+  assert.equal(actionFor({ state: 'stopping' }).action, 'clean'); // disabled while stopping
 });
 
 test('status text counts active runs and their ranks', () => {

@@ -922,7 +922,8 @@ class Launcher:
         rank.channel.close()
         processes.remove_torch_shared_memory({rank.pid, *rank.members})
         self.held.pop(run.run_id, None)
-        self.board.released(run.run_id)
+        if self.board.released(run.run_id) and rank.release_reason == RankProcess.release_reason:
+            rank.release_reason = "it was dismissed in the JupyterLab sidebar"
         self._send(HeldReleased(run.run_id, rank.spec.rank, rank.release_reason))
 
     def _tick_held(self, now: float) -> None:

@@ -188,12 +188,17 @@ class Board:
             old, folder = self.ended.pop(0)
             self._safely(functools.partial(registry.remove, old, folder), None)
 
-    def released(self, run_id: int) -> None:
-        """The run's held rank is gone: its record says so."""
+    def released(self, run_id: int) -> bool:
+        """The run's held rank is gone: its record says so. True when the record was removed from
+        outside (the sidebar's Dismiss, which is what ended the rank): it is not written back."""
         tracker = self.holding.pop(run_id, None)
-        if tracker is not None:
-            tracker.update(held=None)
-            self._write(tracker)
+        if tracker is None or not self.enabled:
+            return False
+        if not os.path.exists(os.path.join(tracker.folder, f"{tracker.record.id}.json")):
+            return True
+        tracker.update(held=None)
+        self._write(tracker)
+        return False
 
     def close(self) -> None:
         """The kernel is gone: forget the ended runs; runs still going stay (shown as orphaned)."""

@@ -165,14 +165,17 @@ def kill_rest(run_id: str) -> StopOutcome | None:
 
 def clean(run_id: str) -> StopOutcome:
     """Forget a run that is no longer going (ended, or orphaned): SIGKILL what is left of its
-    ranks (pid and start time checked), then remove its record. A live run must be stopped first."""
+    ranks (pid and start time checked: a rank held for a post-mortem is released), then remove
+    its record. A live run must be stopped first."""
     record = _record(run_id)
     if record.active and shown_state(record) != ORPHANED:
         raise ValueError(
             f"run {run_id} is still {record.state} and its kernel lives: "
             "stop it first (POST .../stop), then clean it up."
         )
-    if record.state == "standby":  # record first: its launcher, seeing it gone, does not replace them
+    # Record first: its launcher, seeing it gone, does not replace the standby ranks, nor write
+    # the record back when the rank held for a post-mortem (killed below with the rest) is gone.
+    if record.state == "standby" or record.held:
         registry.remove(run_id)
     outcome = _signal(record, signal.SIGKILL)
     registry.remove(run_id)
