@@ -311,6 +311,7 @@ def _start_run(
         threads_per_rank=request.threads_per_rank,
         has_tensor_file=has_tensor_file,
         node=dataclasses.replace(request.place, label=label),
+        interactive=False,  # a cluster's agents relay no pdb prompt: a breakpoint is passed with a note
     )
 
 
