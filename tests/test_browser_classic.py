@@ -8,7 +8,7 @@ Playwright (never a downloaded browser) and, as a user would:
 
 - shows the launcher form, moves its processes slider from 2 to 3 with the keyboard, and
   runs a ``%%distributed`` cell without flags: it runs on 3 ranks;
-- starts a ``--background`` run and clicks its Stop button: the view says "stopped" and
+- starts a ``--background`` run and clicks its Stop button: the view says "stopped at step N" and
   the ranks are gone.
 
 Screenshots go to ``test-artifacts/browser/widgets_in_classic_notebook-classic/``. Runs
@@ -18,6 +18,7 @@ environment with Notebook 7 it is skipped, saying so.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ RANKS_GONE_SECONDS = 10.0
 SETUP_CELL = "%load_ext nbtrain\nimport sys, nbtrain\nprint(sys.executable)"
 FORM_CELL = 'form = nbtrain.launcher()\nform.accelerator.value = "cpu"'
 WORLD_CELL = "%%distributed\nimport torch.distributed as dist\nprint('world size', dist.get_world_size())"
+STOPPED_AT_A_STEP = re.compile(r"^stopped at step \d+$")  # the status line's state after the Stop button
 BACKGROUND_CELL = """%%distributed --devices 2 --accelerator cpu --background
 import time
 import torch
@@ -114,10 +116,11 @@ def _stop_a_background_run(session: Session, train: Any) -> None:
     train.scroll_into_view_if_needed()
     session.screenshot("04-background-running.png")
 
-    stop.click()
-    live.get_by_text("stopped", exact=True).wait_for(timeout=RUN_MS)
+    stop.click()  # every rank ends at one optimizer step and the kernel gets the state there
+    live.get_by_text(STOPPED_AT_A_STEP).wait_for(timeout=RUN_MS)
     stop.wait_for(state="hidden")  # the button goes once the run ended
     session.screenshot("05-stopped.png")
-    assert "nbtrain · ddp_notebook · cpu · 2 ranks · stopped · " in live.inner_text(), live.inner_text()
+    status = re.compile(r"nbtrain · ddp_notebook · cpu · 2 ranks · stopped at step \d+ · ")
+    assert status.search(live.inner_text()), live.inner_text()
     left = bh.wait_gone(ranks, RANKS_GONE_SECONDS)
     assert not left, f"ranks still alive after the view said stopped: {[bh.describe(pid) for pid in left]}"
