@@ -73,6 +73,9 @@ def write(path: str, value: object) -> None:
 
 
 def main() -> int:
+    # Standby ranks, forked after a run, hold pipes of their own: none here, so that what is
+    # compared is what the failed rank could leave open.
+    nbtrain.set_defaults(standby_idle=None)
     client = get_client()
     assert client.ready.wait(180), client.exit_detail()
     launcher = client.process.pid
