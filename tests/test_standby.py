@@ -233,12 +233,13 @@ def test_a_hundred_re_runs_leave_no_growth_in_processes_descriptors_or_memory(la
     _waiting()
     after = procs.snapshot()
     assert taken == 100  # every re-run ran on the ranks waiting for it
-    assert (after.fds, after.launcher_fds, after.launcher_children, after.threads) == (
-        before.fds,
+    # This process may close descriptors an earlier test left to the collector: no growth is the check.
+    assert after.fds <= before.fds, (before, after)
+    assert (after.launcher_fds, after.launcher_children, after.threads) == (
         before.launcher_fds,
         before.launcher_children,
         before.threads,
     )
     assert after.shm == before.shm
     assert _launcher_rss() - rss < 8 << 20, "the launcher grew by more than 8 MiB over 100 runs"
-    assert psutil.Process().num_fds() == before.fds
+    assert psutil.Process().num_fds() <= before.fds
