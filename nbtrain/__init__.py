@@ -248,7 +248,7 @@ def load_ipython_extension(ip: object) -> None:
 
 def _should_prewarm() -> bool:
     # Only the caller warms a launcher: never the launcher itself or a rank.
-    # A Jupyter server imports nbtrain for its server extension (nbtrain.server): it runs no cell.
+    # A Jupyter server imports nbtrain for its server extension (nbtrain.serverext): it runs no cell.
     import sys as _sys
 
     if "jupyter_server" in _sys.modules:

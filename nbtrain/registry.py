@@ -3,7 +3,7 @@
 Every warm launcher writes a :class:`RunRecord` for each run it starts into one per-user
 directory (mode 0700), at most about once a second and when the run starts and ends,
 from its own loop: never on a rank's hot path. The Jupyter server extension
-(:mod:`nbtrain.server`) reads the directory to list the runs of every kernel, and stops a
+(:mod:`nbtrain.serverext`) reads the directory to list the runs of every kernel, and stops a
 run by acting on its rank processes directly (see :func:`nbtrain.processes.signal_ranks`),
 after leaving a stop request here so that the launcher ends the run as "stopped".
 

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture
 def jp_server_config():
-    return {"ServerApp": {"jpserver_extensions": {"nbtrain.server": True}}}
+    return {"ServerApp": {"jpserver_extensions": {"nbtrain.serverext": True}}}
 
 
 @pytest.fixture

@@ -85,7 +85,7 @@ def test_jupyter_lists_both_extensions_enabled() -> None:
         [*jupyter, "server", "extension", "list"], capture_output=True, text=True, timeout=120, check=False
     )
     text = server.stdout + server.stderr
-    assert "nbtrain.server" in text and "enabled" in text.split("nbtrain.server", 1)[1][:40], text
+    assert "nbtrain.serverext" in text and "enabled" in text.split("nbtrain.serverext", 1)[1][:40], text
 
 
 # -- the sidebar in a real JupyterLab ----------------------------------------------------------

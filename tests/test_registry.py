@@ -2,7 +2,7 @@
 
 Real launcher, real ranks: a run's record appears with its ranks' pids and start times,
 rank 0's step and loss, and is rewritten at most about once a second while rank 0 logs
-every 20 ms; the server extension's stop (nbtrain.server.runs.stop, which
+every 20 ms; the server extension's stop (nbtrain.serverext.runs.stop, which
 signals the ranks itself) ends the run as stopped, exactly as the kernel's own stop does.
 """
 
@@ -20,7 +20,7 @@ from helpers import procs
 from nbtrain import events, processes, registry
 from nbtrain.errors import RunStoppedError
 from nbtrain.kernel import client as kernel_client
-from nbtrain.server import runs
+from nbtrain.serverext import runs
 
 RECORD_SECONDS = 30.0  # a record appears once every rank is forked
 ENDED_SECONDS = 30.0

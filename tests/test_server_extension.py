@@ -33,7 +33,7 @@ GONE_SECONDS = 10.0
 
 @pytest.fixture
 def jp_server_config():
-    return {"ServerApp": {"jpserver_extensions": {"nbtrain.server": True}}}
+    return {"ServerApp": {"jpserver_extensions": {"nbtrain.serverext": True}}}
 
 
 @pytest.fixture(autouse=True)

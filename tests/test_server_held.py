@@ -43,7 +43,7 @@ out = scale(torch.arange(6.0))
 
 @pytest.fixture
 def jp_server_config():
-    return {"ServerApp": {"jpserver_extensions": {"nbtrain.server": True}}}
+    return {"ServerApp": {"jpserver_extensions": {"nbtrain.serverext": True}}}
 
 
 @pytest.fixture(autouse=True)

@@ -50,7 +50,7 @@ def _packages() -> set[str]:
 def _cycle(graph: dict[str, set[str]], inits: frozenset[str] = frozenset()) -> list[str] | None:
     """One import cycle among the package's own modules (``inits``: packages, left out), or None.
 
-    ``from nbtrain.server import runs`` names the package only to reach its submodule.
+    ``from nbtrain.serverext import runs`` names the package only to reach its submodule.
     """
     edges = {name: deps - inits for name, deps in graph.items() if name not in inits}
     state: dict[str, int] = {}

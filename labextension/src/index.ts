@@ -2,7 +2,7 @@
  * nbtrain's JupyterLab (and Notebook 7) extension: a sidebar of every run and device,
  * a status-bar item ("nbtrain: 1 run · 2 ranks") and a command that inserts a
  * `%%distributed` cell with the kernel's session defaults. Its data come from nbtrain's
- * server extension (nbtrain/server), never from a kernel, so it keeps working while a
+ * server extension (nbtrain/serverext), never from a kernel, so it keeps working while a
  * kernel is busy or after it died.
  */
 import { ILabShell, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';

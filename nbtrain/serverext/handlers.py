@@ -1,4 +1,4 @@
-"""The tornado handlers of nbtrain's REST API (routes listed in :mod:`nbtrain.server`).
+"""The tornado handlers of nbtrain's REST API (routes listed in :mod:`nbtrain.serverext`).
 
 Each derives from jupyter_server's APIHandler and is ``@tornado.web.authenticated``: a
 request without the server's token (or login cookie plus XSRF token, for POST) gets 403.
@@ -16,7 +16,7 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
 from nbtrain import registry
-from nbtrain.server import devices, runs
+from nbtrain.serverext import gpus, runs
 
 _RUN_ID = r"(?P<run_id>[A-Za-z0-9_-]{1,64})"
 
@@ -64,12 +64,12 @@ def _follow_stop(run_id: str, delay: float) -> None:
 
 
 class DevicesHandler(APIHandler):
-    def initialize(self, host: devices.HostSampler) -> None:
+    def initialize(self, host: gpus.HostSampler) -> None:
         self.host = host
 
     @tornado.web.authenticated
     def get(self) -> None:
-        self.finish(json.dumps(devices.snapshot(self.host)))
+        self.finish(json.dumps(gpus.snapshot(self.host)))
 
 
 def setup(web_app: Any) -> None:
@@ -79,6 +79,6 @@ def setup(web_app: Any) -> None:
         [
             (url_path_join(base, "runs"), RunsHandler),
             (url_path_join(base, "runs", _RUN_ID, r"(?P<action>stop|clean)"), RunActionHandler),
-            (url_path_join(base, "devices"), DevicesHandler, {"host": devices.HostSampler()}),
+            (url_path_join(base, "devices"), DevicesHandler, {"host": gpus.HostSampler()}),
         ],
     )

@@ -26,11 +26,11 @@ from typing import Any
 
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:
-    return [{"module": "nbtrain.server"}]
+    return [{"module": "nbtrain.serverext"}]
 
 
 def _load_jupyter_server_extension(serverapp: Any) -> None:
-    from nbtrain.server import handlers
+    from nbtrain.serverext import handlers
 
     handlers.setup(serverapp.web_app)
     serverapp.log.info("nbtrain: run and device API at %snbtrain/api/", serverapp.web_app.settings["base_url"])

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from nbtrain import hardware, processes
-from nbtrain.server import runs
+from nbtrain.serverext import runs
 
 _FIRST_SAMPLE_SECONDS = 0.1
 

@@ -1,6 +1,6 @@
 """What the server extension shows of the run registry, and how it stops and cleans runs.
 
-Pure of tornado: the handlers (:mod:`nbtrain.server.handlers`) call these. A run's shown
+Pure of tornado: the handlers (:mod:`nbtrain.serverext.handlers`) call these. A run's shown
 state is its record's, except that a run still going whose kernel or launcher is gone is
 "orphaned" (its kernel can no longer end it). Stop and clean-up act on the rank processes
 themselves, through :func:`nbtrain.processes.signal_ranks`, which signals nothing whose
