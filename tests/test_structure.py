@@ -1,8 +1,12 @@
 """The shape of the package: who imports whom, who owns the shell and the signals, what an import starts.
 
 The import graph is read from the source (every ``import``, at module level or inside a
-function), so a cycle hidden in a function body counts as one. The import side effects
-are checked in a fresh interpreter.
+function), so a cycle hidden in a function body counts as one, and so does one through a
+package's ``__init__`` (``import nbtrain`` or ``from nbtrain import launch`` inside a module
+that ``nbtrain/__init__.py`` imports). The import side effects are checked in a fresh
+interpreter. The names and sizes are read from the source too: one name per thing (no two
+modules, classes or public functions share one), no function over 50 lines of code, a
+docstring on everything public, and a test file for every module.
 """
 
 from __future__ import annotations
@@ -25,34 +29,35 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, anywhere in it (absolute names)."""
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def _imports(path: Path, modules: frozenset[str] = frozenset()) -> set[str]:
+    """Every module ``path`` imports, anywhere in it (absolute names).
+
+    ``from P import n`` imports the submodule ``P.n`` where ``modules`` has one (P is only the
+    way to it), else the package ``P`` itself: ``n`` is a name its ``__init__`` defines.
+    """
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            # ``from nbtrain.kernel import magic`` imports the submodule nbtrain.kernel.magic
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in modules else node.module)
     return found
 
 
 def _graph() -> dict[str, set[str]]:
-    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
-    return {name: {dep for dep in _imports(path) if dep in modules and dep != name} for name, path in modules.items()}
+    modules = _modules()
+    names = frozenset(modules)
+    return {name: {dep for dep in _imports(path, names) if dep in names and dep != name} for name, path in modules.items()}
 
 
-def _packages() -> set[str]:
-    return {_module_name(path) for path in PACKAGE.rglob("__init__.py")}
-
-
-def _cycle(graph: dict[str, set[str]], inits: frozenset[str] = frozenset()) -> list[str] | None:
-    """One import cycle among the package's own modules (``inits``: packages, left out), or None.
-
-    ``from nbtrain.serverext import runs`` names the package only to reach its submodule.
-    """
-    edges = {name: deps - inits for name, deps in graph.items() if name not in inits}
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle among the package's own modules, packages (their ``__init__``) included, or None."""
     state: dict[str, int] = {}
     path: list[str] = []
 
@@ -74,14 +79,25 @@ def _cycle(graph: dict[str, set[str]], inits: frozenset[str] = frozenset()) -> l
     return None
 
 
-def test_no_import_cycles_counting_imports_inside_functions():
-    inits = frozenset(_packages())
-    assert _cycle(_graph(), inits) is None, f"import cycle: {' -> '.join(_cycle(_graph(), inits) or [])}"
+def test_no_import_cycles_counting_imports_inside_functions_and_of_parent_packages():
+    found = _cycle(_graph())
+    assert found is None, f"import cycle: {' -> '.join(found or [])}"
 
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_import_graph_counts_a_parent_package_for_its_names_not_on_the_way_to_a_submodule(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from nbtrain import launch\nfrom nbtrain.kernel import client\n"
+        "def later():\n    import nbtrain.rank\n    from nbtrain.kernel.display import watch\n"
+    )
+    modules = frozenset({"nbtrain", "nbtrain.kernel", "nbtrain.kernel.client", "nbtrain.rank", "nbtrain.kernel.display"})
+    # launch and watch are names that a package's __init__ defines; client is a submodule
+    assert _imports(source, modules) == {"nbtrain", "nbtrain.kernel.client", "nbtrain.rank", "nbtrain.kernel.display"}
 
 
 def test_the_rank_side_never_imports_the_kernel_side():
@@ -169,3 +185,157 @@ def test_only_the_compat_module_knows_which_jupyter_stack_it_runs_on():
         if _module_name(path) != "nbtrain.kernel.compat"
     }
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+# --- one name per thing, short functions, docstrings, a test file per module ---------------------
+
+TESTS = Path(__file__).parent
+LONGEST_FUNCTION = 50  # lines of code: blank lines, comment lines and the docstring left out
+ENTRY_POINTS = {"main"}  # each process's entry point is called main, by convention
+
+
+def _trees() -> dict[str, ast.Module]:
+    return {name: ast.parse(path.read_text()) for name, path in sorted(_modules().items())}
+
+
+def _shared(owners: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {name: places for name, places in sorted(owners.items()) if len(places) > 1}
+
+
+def _own_modules() -> list[Path]:
+    """The package's modules other than ``__init__`` and ``__main__``."""
+    return sorted(path for path in PACKAGE.rglob("*.py") if path.stem not in ("__init__", "__main__"))
+
+
+def test_no_two_modules_share_a_basename():
+    owners: dict[str, list[str]] = {}
+    for path in _own_modules():
+        owners.setdefault(path.stem, []).append(_module_name(path))
+    assert _shared(owners) == {}
+
+
+def test_no_two_classes_share_a_name():
+    owners: dict[str, list[str]] = {}
+    for module, tree in _trees().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                owners.setdefault(node.name, []).append(module)
+    assert _shared(owners) == {}
+
+
+def test_no_two_public_functions_share_a_name():
+    owners: dict[str, list[str]] = {}
+    for module, tree in _trees().items():
+        if module == "nbtrain":  # the public API: its functions stand for the modules' own
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+                if node.name not in ENTRY_POINTS:
+                    owners.setdefault(node.name, []).append(module)
+    assert _shared(owners) == {}
+
+
+def _lines_of_code(function: ast.FunctionDef | ast.AsyncFunctionDef, source: list[str]) -> int:
+    """``function``'s lines that hold code: not blank, not only a comment, not its docstring."""
+    skipped: set[int] = set()
+    first = function.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        skipped = set(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    return sum(
+        1
+        for number in range(function.lineno, (function.end_lineno or function.lineno) + 1)
+        if number not in skipped and source[number - 1].strip() and not source[number - 1].strip().startswith("#")
+    )
+
+
+def _long_functions(tree: ast.Module, source: list[str], limit: int) -> dict[str, int]:
+    """Functions and methods (by line) over ``limit`` lines of code, with their counts."""
+    return {
+        f"{node.name} (line {node.lineno})": lines
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (lines := _lines_of_code(node, source)) > limit
+    }
+
+
+def test_the_line_counter_leaves_out_the_docstring_comments_and_blank_lines():
+    source = 'def f():\n    """Does.\n\n    More.\n    """\n    # why\n\n    a = 1\n    return a\n'
+    tree = ast.parse(source)
+    assert _long_functions(tree, source.splitlines(), 1) == {"f (line 1)": 3}  # def, a = 1, return
+    assert _long_functions(tree, source.splitlines(), 3) == {}
+
+
+def test_no_function_is_over_50_lines_of_code():
+    long = {}
+    for module, path in sorted(_modules().items()):
+        text = path.read_text()
+        if found := _long_functions(ast.parse(text), text.splitlines(), LONGEST_FUNCTION):
+            long[module] = found
+    assert long == {}
+
+
+def _undocumented(tree: ast.Module) -> list[str]:
+    """Public classes and functions of ``tree`` (and public methods of its public classes) without a docstring."""
+    missing = []
+    pending: list[tuple[str, ast.stmt]] = [("", node) for node in tree.body]
+    while pending:
+        prefix, node = pending.pop(0)
+        if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+            continue
+        if ast.get_docstring(node) is None:
+            missing.append(f"{prefix}{node.name}")
+        if isinstance(node, ast.ClassDef):
+            pending.extend((f"{prefix}{node.name}.", child) for child in node.body)
+    return missing
+
+
+def test_the_docstring_finder_finds_public_names_only():
+    tree = ast.parse(
+        "class A:\n    def m(self): pass\n    def _p(self): pass\n    def __init__(self): pass\n"
+        "class _B:\n    def m(self): pass\n"
+        "def f():\n    def inner(): pass\n"
+        'def g():\n    """Has one."""\n'
+    )
+    assert _undocumented(tree) == ["A", "f", "A.m"]
+
+
+def test_every_public_class_function_and_method_has_a_docstring():
+    missing = {module: names for module, tree in _trees().items() if (names := _undocumented(tree))}
+    assert missing == {}
+
+
+def _test_files(module: Path) -> list[Path]:
+    """Where ``module``'s tests may live: tests/test_<module>.py, tests/test_<package>_<module>.py,
+    and for the cluster engine's modules tests/cluster/test_<module>.py."""
+    parts = module.relative_to(PACKAGE).with_suffix("").parts
+    candidates = [TESTS / f"test_{parts[-1]}.py"]
+    if len(parts) > 1:
+        candidates.append(TESTS / f"test_{parts[-2]}_{parts[-1]}.py")
+    if parts[0] == "cluster":
+        candidates.append(TESTS / "cluster" / f"test_{parts[-1]}.py")
+    return candidates
+
+
+def _has_a_test(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+            return True
+    return False
+
+
+def test_the_test_file_names_follow_the_module():
+    assert [path.relative_to(TESTS).as_posix() for path in _test_files(PACKAGE / "cluster" / "engine.py")] == [
+        "test_engine.py",
+        "test_cluster_engine.py",
+        "cluster/test_engine.py",
+    ]
+    assert _has_a_test(Path(__file__)) and not _has_a_test(TESTS / "test_no_such_module.py")
+
+
+def test_every_module_has_its_own_test_file():
+    untested = [
+        _module_name(path) for path in _own_modules() if not any(_has_a_test(file) for file in _test_files(path))
+    ]
+    assert untested == []
