@@ -9,7 +9,7 @@ back; with an older cloudpickle, which kept it, it changes nothing.
 Example:
     >>> import pickle
     >>> def where(): return 1
-    >>> pickle.loads(dumps(where)).__code__.co_filename == where.__code__.co_filename
+    >>> pickle.loads(dumps_keeping_filenames(where)).__code__.co_filename == where.__code__.co_filename
     True
 """
 
@@ -118,7 +118,7 @@ def _plain_data(value: Any, depth: int = 0, *, optimizers: bool = True) -> bool:
     return False
 
 
-def dumps(obj: Any) -> bytes:
+def dumps_keeping_filenames(obj: Any) -> bytes:
     """``cloudpickle.dumps(obj)`` (highest protocol), file names kept."""
     buffer = io.BytesIO()
     Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)

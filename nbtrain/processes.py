@@ -61,14 +61,14 @@ UNKNOWN_EXIT = -255  # a launcher forked by the template: not our child, its sta
 _result_reader: int | None = None
 
 
-def rank_environment(environ: Mapping[str, str]) -> dict[str, str]:
+def inherited_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """What of a process's environment its ranks get: not nbtrain's own wiring, nor Ray's hook.
 
     Ray sets ``PYTHONBREAKPOINT`` to its remote debugger in its workers and, once connected,
     in its driver (the kernel); outside a Ray worker that hook raises, so ``breakpoint()`` in
     a rank would fail instead of stopping as pdb does.
 
-    >>> rank_environment({"A": "1", ROLE_VARIABLE: "launcher", "PYTHONBREAKPOINT": "ray.util.rpdb.set_trace"})
+    >>> inherited_environment({"A": "1", ROLE_VARIABLE: "launcher", "PYTHONBREAKPOINT": "ray.util.rpdb.set_trace"})
     {'A': '1'}
     """
     return {

@@ -83,7 +83,7 @@ def find_held(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:
             if kind is None or id(obj) in tops or id(obj) in seen:
                 continue
             seen.add(id(obj))
-            found.append((Held(name + describe(steps), name, steps, kind, fixed), obj))
+            found.append((Held(name + steps_as_python(steps), name, steps, kind, fixed), obj))
     return found
 
 
@@ -128,7 +128,7 @@ def _is_holder(value: Any) -> bool:
     return cls.__module__ == "__main__" or dataclasses.is_dataclass(cls) or cls is types.SimpleNamespace
 
 
-def describe(steps: tuple[tuple[str, Any], ...]) -> str:
+def steps_as_python(steps: tuple[tuple[str, Any], ...]) -> str:
     """The steps as Python: ``.model``, ``['g']``, ``[0]``."""
     return "".join(f".{key}" if how == "attr" else f"[{key!r}]" for how, key in steps)
 

@@ -97,7 +97,7 @@ class RunRecord:
         return cls(**values)
 
 
-def directory(create: bool = True, environ: Mapping[str, str] | None = None) -> str:
+def runs_directory(create: bool = True, environ: Mapping[str, str] | None = None) -> str:
     """The registry directory of this user, made (mode 0700) if missing and ``create``.
 
     ``environ`` (default: this process's) decides where: the launcher passes the caller's
@@ -131,7 +131,7 @@ def directory(create: bool = True, environ: Mapping[str, str] | None = None) -> 
 
 def write(record: RunRecord, folder: str | None = None) -> None:
     """Write ``record`` atomically: a reader sees the old file or the new one, never half."""
-    folder = folder or directory()
+    folder = folder or runs_directory()
     fd, temporary = tempfile.mkstemp(prefix=f".{record.id}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "w") as file:
@@ -146,12 +146,12 @@ def read(run_id: str) -> RunRecord | None:
     """The record of ``run_id``, or None if there is none (or it cannot be read)."""
     if not _valid_id(run_id):
         return None
-    return _load(os.path.join(directory(create=False), f"{run_id}.json"))
+    return _load(os.path.join(runs_directory(create=False), f"{run_id}.json"))
 
 
 def read_all() -> list[RunRecord]:
     """Every readable record, oldest first."""
-    folder = directory(create=False)
+    folder = runs_directory(create=False)
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
@@ -163,7 +163,7 @@ def read_all() -> list[RunRecord]:
 def remove(run_id: str, folder: str | None = None) -> None:
     """Forget a run: its record and any stop request."""
     if _valid_id(run_id):
-        folder = folder or directory(create=False)
+        folder = folder or runs_directory(create=False)
         for suffix in (".json", ".stop"):
             _unlink(os.path.join(folder, run_id + suffix))
 
@@ -171,17 +171,17 @@ def remove(run_id: str, folder: str | None = None) -> None:
 def request_stop(run_id: str) -> None:
     """Leave a stop request: the launcher then ends the run as stopped, not failed."""
     if _valid_id(run_id):
-        with open(os.path.join(directory(), f"{run_id}.stop"), "w"):
+        with open(os.path.join(runs_directory(), f"{run_id}.stop"), "w"):
             pass
 
 
 def stop_requested(run_id: str, folder: str | None = None) -> bool:
-    return os.path.exists(os.path.join(folder or directory(create=False), f"{run_id}.stop"))
+    return os.path.exists(os.path.join(folder or runs_directory(create=False), f"{run_id}.stop"))
 
 
 def withdraw_stop(run_id: str, folder: str | None = None) -> None:
     """The run ended: its stop request has done its work."""
-    _unlink(os.path.join(folder or directory(create=False), f"{run_id}.stop"))
+    _unlink(os.path.join(folder or runs_directory(create=False), f"{run_id}.stop"))
 
 
 def _load(path: str) -> RunRecord | None:

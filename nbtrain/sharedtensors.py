@@ -3,8 +3,8 @@
 Two ways across, one layout: storages are laid out back to back (64-byte aligned) and the
 pickle refers to each by its offset in that layout.
 
-- **Kernel -> ranks** (:func:`dumps` / :func:`loads`): storages are written once into an
-  anonymous shared-memory file (``memfd_create``) whose descriptor travels beside the
+- **Kernel -> ranks** (:func:`dumps_to_shared_memory` / :func:`loads`): storages are written
+  once into an anonymous shared-memory file (``memfd_create``) whose descriptor travels beside the
   pickle over a Unix socket. Readers map it copy-on-write (MAP_PRIVATE), so N ranks share
   one physical copy of the kernel's data, yet a rank writing to its copy never changes
   another rank's (``mp.spawn`` shares storages outright, and every rank then steps the
@@ -20,7 +20,7 @@ Nothing is ever named in /dev/shm, so a process killed at any moment leaves noth
 
 Example:
     >>> import torch
-    >>> data, fd = dumps({"w": torch.arange(4.0)})
+    >>> data, fd = dumps_to_shared_memory({"w": torch.arange(4.0)})
     >>> loads(data, fd)["w"].tolist()
     [0.0, 1.0, 2.0, 3.0]
 """
@@ -119,7 +119,7 @@ class _StorageUnpickler(pickle.Unpickler):
         return storage
 
 
-def dumps(obj: Any) -> tuple[bytes, int | None]:
+def dumps_to_shared_memory(obj: Any) -> tuple[bytes, int | None]:
     """Pickle ``obj`` with cloudpickle; tensor storages go to a new shared-memory file.
 
     Returns the pickle and the file's descriptor (None when ``obj`` holds no tensor).
@@ -133,7 +133,7 @@ def dumps(obj: Any) -> tuple[bytes, int | None]:
 
 
 def loads(data: bytes, fd: int | None, *, map_location: str | None = None) -> Any:
-    """Unpickle what :func:`dumps` made. Storages map the shared file copy-on-write.
+    """Unpickle what :func:`dumps_to_shared_memory` made. Storages map the shared file copy-on-write.
 
     ``map_location``: where storages that came from a GPU go ("cpu" when None). The
     descriptor is not closed here; the mapping stays valid after the caller closes it.

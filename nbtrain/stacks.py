@@ -158,7 +158,7 @@ def _is_entry(frame: Frame) -> bool:
     return frame.function == "run_rank" and frame.in_nbtrain
 
 
-def describe(stacks: Iterable[RankStack], namer: Namer, source: LineSource) -> str:
+def where_each_rank_was(stacks: Iterable[RankStack], namer: Namer, source: LineSource) -> str:
     """One line per run, then each rank's stack: the text a stopped run's error carries."""
     stacks = sorted(stacks, key=lambda s: s.rank)
     if not stacks:

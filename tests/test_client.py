@@ -110,7 +110,7 @@ def test_a_result_with_tensors_arrives_through_its_memory_file():
 
     from nbtrain import sharedtensors
 
-    data, fd = sharedtensors.dumps({"weights": torch.arange(3.0)})
+    data, fd = sharedtensors.dumps_to_shared_memory({"weights": torch.arange(3.0)})
     assert fd is not None
     launcher = Launcher()
     launcher.inbox.put((events.RunEnded(RUN, events.FINISHED, result=data, has_tensor_file=True), [fd]))

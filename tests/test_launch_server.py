@@ -105,7 +105,7 @@ def start_run(
     """As the kernel would send it; ``standby``: seconds standby ranks wait after it (None: none, so that
     each test here ends with no launcher child; tests/test_standby.py tests them)."""
     cfg = config.make_config(DevicePlan("cpu", tuple(range(devices))), strategy="ddp_notebook", timeout=timeout)
-    payload = codepickle.dumps((fn, (), {}))  # as the kernel pickles it
+    payload = codepickle.dumps_keeping_filenames((fn, (), {}))  # as the kernel pickles it
     start = client._StartMessage(cfg, payload, has_tensor_file=False, with_log=False)(run_id)
     return dataclasses.replace(start, standby_seconds=standby)
 

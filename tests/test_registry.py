@@ -51,7 +51,7 @@ def test_a_run_is_recorded_and_a_stop_from_outside_ends_it_as_stopped(launcher) 
             RECORD_SECONDS,
             "the run's record with rank 0's step and loss",
         )
-        assert stat.S_IMODE(os.stat(registry.directory()).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(registry.runs_directory()).st_mode) == 0o700
         assert record.world_size == 2 and record.state == "running" and record.strategy == "ddp_notebook"
         assert record.accelerator == "cpu" and record.kernel_pid == os.getpid()
         assert [rank for rank, _, _ in record.ranks] == [0, 1]
@@ -152,4 +152,4 @@ def test_a_record_survives_a_round_trip_and_ids_cannot_climb_out(tmp_path, monke
     assert os.listdir(tmp_path / "reg") == ["ab12-3.json"]
     os.chmod(tmp_path / "reg", 0o755)
     with pytest.raises(registry.RegistryError, match="chmod 700"):
-        registry.directory()
+        registry.runs_directory()

@@ -28,7 +28,7 @@ def roundtrip(request):
 
 
 def test_tensors_travel_in_an_anonymous_memfd(shm_unchanged):
-    data, fd = sharedtensors.dumps({"w": torch.arange(1000.0)})
+    data, fd = sharedtensors.dumps_to_shared_memory({"w": torch.arange(1000.0)})
     try:
         assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:nbtrain-tensors")
         assert len(data) < 1000, "the storage went into the pickle instead of the memfd"
@@ -38,7 +38,7 @@ def test_tensors_travel_in_an_anonymous_memfd(shm_unchanged):
 
 
 def test_no_tensor_means_no_file(shm_unchanged):
-    data, fd = sharedtensors.dumps({"a": [1, 2], "f": lambda x: x + 1})
+    data, fd = sharedtensors.dumps_to_shared_memory({"a": [1, 2], "f": lambda x: x + 1})
     assert fd is None
     loaded = sharedtensors.loads(data, None)
     assert loaded["a"] == [1, 2] and loaded["f"](1) == 2
@@ -75,7 +75,7 @@ def test_parameters_keep_requires_grad(shm_unchanged, roundtrip):
 def test_each_load_is_a_private_copy_on_write_copy(shm_unchanged):
     """Two ranks load the same file: one writing to its tensor never changes the other's."""
     original = torch.arange(4096.0)
-    data, fd = sharedtensors.dumps({"w": original})
+    data, fd = sharedtensors.dumps_to_shared_memory({"w": original})
     try:
         first = sharedtensors.loads(data, fd)["w"]
         second = sharedtensors.loads(data, fd)["w"]
@@ -90,7 +90,7 @@ def test_each_load_is_a_private_copy_on_write_copy(shm_unchanged):
 
 
 def test_loaded_tensors_outlive_the_descriptor(shm_unchanged):
-    data, fd = sharedtensors.dumps(torch.arange(10, dtype=torch.int64))
+    data, fd = sharedtensors.dumps_to_shared_memory(torch.arange(10, dtype=torch.int64))
     loaded = sharedtensors.loads(data, fd)
     os.close(fd)
     assert loaded.tolist() == list(range(10))

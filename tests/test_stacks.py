@@ -78,7 +78,7 @@ def test_a_rank_that_finished_or_did_not_answer_says_so():
 
 def test_describe_lists_every_rank_then_each_stack_without_nbtrain_frames():
     stack = stacks.RankStack(0, stacks.parse_dump(DUMP.format(site=SITE, pkg=PKG)))
-    text = stacks.describe([stack, stacks.RankStack(1, ())], cells, no_source)
+    text = stacks.where_each_rank_was([stack, stacks.RankStack(1, ())], cells, no_source)
     first, *rest = text.splitlines()
     assert first == (
         "Where each rank was: rank 0: waiting in all_reduce, Cell In[5], line 12 · "

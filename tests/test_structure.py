@@ -53,7 +53,10 @@ def _imports(path: Path, modules: frozenset[str] = frozenset()) -> set[str]:
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     names = frozenset(modules)
-    return {name: {dep for dep in _imports(path, names) if dep in names and dep != name} for name, path in modules.items()}
+    return {
+        name: {dep for dep in _imports(path, names) if dep in names and dep != name}
+        for name, path in modules.items()
+    }
 
 
 def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -95,7 +98,9 @@ def test_the_import_graph_counts_a_parent_package_for_its_names_not_on_the_way_t
         "from nbtrain import launch\nfrom nbtrain.kernel import client\n"
         "def later():\n    import nbtrain.rank\n    from nbtrain.kernel.display import watch\n"
     )
-    modules = frozenset({"nbtrain", "nbtrain.kernel", "nbtrain.kernel.client", "nbtrain.rank", "nbtrain.kernel.display"})
+    modules = frozenset(
+        {"nbtrain", "nbtrain.kernel", "nbtrain.kernel.client", "nbtrain.rank", "nbtrain.kernel.display"}
+    )
     # launch and watch are names that a package's __init__ defines; client is a submodule
     assert _imports(source, modules) == {"nbtrain", "nbtrain.kernel.client", "nbtrain.rank", "nbtrain.kernel.display"}
 
@@ -229,9 +234,10 @@ def test_no_two_public_functions_share_a_name():
         if module == "nbtrain":  # the public API: its functions stand for the modules' own
             continue
         for node in tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
-                if node.name not in ENTRY_POINTS:
-                    owners.setdefault(node.name, []).append(module)
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if not node.name.startswith("_") and node.name not in ENTRY_POINTS:
+                owners.setdefault(node.name, []).append(module)
     assert _shared(owners) == {}
 
 

@@ -328,7 +328,7 @@ def node_environment(kernel: dict[str, str], node: dict[str, str]) -> dict[str, 
     {}
     """
     own = {key: value for key, value in node.items() if key not in RAY_WORKER_VARIABLES}
-    return processes.rank_environment({**kernel, **own})
+    return processes.inherited_environment({**kernel, **own})
 
 
 def node_sys_path(kernel: tuple[str, ...], node: tuple[str, ...]) -> tuple[str, ...]:

@@ -656,7 +656,7 @@ class Run:
         if self._ended is None or not self._ended.stacks:
             return ""
         parsed = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in self._ended.stacks]
-        return stacks.describe(parsed, cell_namer(), _source_line)
+        return stacks.where_each_rank_was(parsed, cell_namer(), _source_line)
 
     def _failure(self, ended: messages.RunEnded) -> RunFailedError | LauncherError:
         failure = ended.failure
@@ -1097,14 +1097,14 @@ def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:
     if "torch" not in sys.modules:
         from nbtrain import codepickle
 
-        return codepickle.dumps(payload), None
+        return codepickle.dumps_keeping_filenames(payload), None
     from nbtrain import sharedtensors
 
-    return sharedtensors.dumps(payload)
+    return sharedtensors.dumps_to_shared_memory(payload)
 
 
 def _caller_environment() -> dict[str, str]:
-    return processes.rank_environment(os.environ)
+    return processes.inherited_environment(os.environ)
 
 
 def cell_namer() -> Callable[[str], str | None]:

@@ -119,7 +119,7 @@ class Board:
             accelerator=start.ranks[0].device_type if start.ranks else "",
             started=time.time(),
         )
-        folder = self._safely(lambda: registry.directory(environ=start.environ), None)
+        folder = self._safely(lambda: registry.runs_directory(environ=start.environ), None)
         if folder is None:
             return
         tracker = self.trackers[start.run_id] = RunTracker(record, folder)

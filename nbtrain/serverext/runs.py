@@ -88,7 +88,7 @@ def contents_path(notebook: str | None, root: str | None) -> str | None:
     return relative.replace(os.sep, "/")
 
 
-def describe(record: RunRecord, now: float | None = None, root: str | None = None) -> dict[str, Any]:
+def run_json(record: RunRecord, now: float | None = None, root: str | None = None) -> dict[str, Any]:
     """The JSON the sidebar gets for one run (``root``: the server's root directory)."""
     now = time.time() if now is None else now
     data = record.as_json()
@@ -109,7 +109,7 @@ def list_runs(root: str | None = None) -> list[dict[str, Any]]:
         if not record.active and not alive(record.launcher_pid, record.launcher_start):
             registry.remove(record.id)
             continue
-        shown.append(describe(record, root=root))
+        shown.append(run_json(record, root=root))
     return shown
 
 
@@ -186,7 +186,7 @@ def _record(run_id: str) -> RunRecord:
     record = registry.read(run_id)
     if record is None:
         raise RunNotFound(
-            f"nbtrain has no run {run_id!r} in its registry {registry.directory(create=False)}; "
+            f"nbtrain has no run {run_id!r} in its registry {registry.runs_directory(create=False)}; "
             "it may have ended and been cleaned up. Refresh the list of runs."
         )
     return record

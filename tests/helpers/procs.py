@@ -173,7 +173,7 @@ def roundtrip(obj: Any, transport: str = "file") -> Any:
         pickled = sharedtensors.dumps_in_place(obj)
         mapping = sharedtensors.read_from_process(os.getpid(), pickled.regions, pickled.total_bytes)
         return sharedtensors.loads_mapped(pickled.data, mapping)
-    data, fd = sharedtensors.dumps(obj)
+    data, fd = sharedtensors.dumps_to_shared_memory(obj)
     try:
         return sharedtensors.loads(data, fd)
     finally:
