@@ -50,6 +50,7 @@ class Pickler(cloudpickle.Pickler):
     dispatch_table = _dispatch_table()
 
     def reducer_override(self, obj: Any) -> Any:
+        """Optimizers by their plain attributes too (:func:`optimizer_reduce`); everything else as cloudpickle does."""
         reduced = optimizer_reduce(obj)
         if reduced is not None:
             return reduced

@@ -102,6 +102,7 @@ class DevicePlan:
 
     @property
     def world_size(self) -> int:
+        """How many ranks the plan makes: one per device id."""
         return len(self.device_ids)
 
     @property

@@ -138,6 +138,8 @@ class StopStep:
 
 @dataclass(frozen=True)
 class RankStarted:
+    """Launcher -> kernel: rank ``rank`` of the run is up as process ``pid`` (on ``node``, on a cluster)."""
+
     run_id: int
     rank: int
     pid: int
@@ -264,11 +266,14 @@ class RunEnded:
     stop_note: str = ""
 
 
-# Rank -> launcher only (not forwarded): the rank's work is done and its result is safe.
-# Rank 0's tensors either ride in a file (has_tensor_file) or wait in its memory at
-# ``regions`` (address, nbytes, offset) for the kernel to read them.
 @dataclass(frozen=True)
 class RankDone:
+    """Rank -> launcher only (not forwarded): the rank's work is done and its result is safe.
+
+    Rank 0's tensors either ride in a file (``has_tensor_file``) or wait in its memory at
+    ``regions`` (address, nbytes, offset) for the kernel to read them.
+    """
+
     run_id: int
     rank: int
     result: bytes | None = None
@@ -300,9 +305,10 @@ class ReleaseResult:
     send_file: bool = False
 
 
-# Launcher -> rank 0: the kernel could not read your memory; send the result as a file.
 @dataclass(frozen=True)
 class SendResultFile:
+    """Launcher -> rank 0: the kernel could not read your memory; send the result as a file."""
+
     run_id: int
 
 
@@ -316,9 +322,10 @@ class RankAssignment:
     launcher_pid: int
 
 
-# Launcher -> rank: every rank is done, leave now (a final barrier that needs no process group).
 @dataclass(frozen=True)
 class Release:
+    """Launcher -> rank: every rank is done, leave now (a final barrier that needs no process group)."""
+
     run_id: int
 
 

@@ -60,6 +60,7 @@ class GpuOccupancy:
 
     @property
     def free(self) -> bool:
+        """No compute process holds this GPU, as far as NVML could tell (False when it could not list them)."""
         return self.known and not self.processes
 
     def describe_busy(self) -> str:

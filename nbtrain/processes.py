@@ -83,16 +83,21 @@ class LauncherHandle(Protocol):
     """What the kernel asks of its launcher's process: a Popen, or a :class:`ForkedLauncher`."""
 
     @property
-    def pid(self) -> int: ...
+    def pid(self) -> int:
+        """The launcher's process id."""
 
     @property
-    def stderr(self) -> IO[bytes] | None: ...
+    def stderr(self) -> IO[bytes] | None:
+        """The launcher's standard error, where the kernel reads why it ended (None where not piped)."""
 
-    def poll(self) -> int | None: ...
+    def poll(self) -> int | None:
+        """The exit status if the launcher has ended, else None (as ``Popen.poll``)."""
 
-    def wait(self, timeout: float | None = None) -> int: ...
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait at most ``timeout`` seconds for the launcher to end; its exit status (as ``Popen.wait``)."""
 
-    def kill(self) -> None: ...
+    def kill(self) -> None:
+        """Send the launcher SIGKILL (as ``Popen.kill``)."""
 
 
 @dataclass
@@ -104,6 +109,7 @@ class LauncherProcess:
 
     @property
     def pid(self) -> int:
+        """The launcher's process id."""
         return self.popen.pid
 
 
@@ -448,6 +454,7 @@ class HeldInterrupts:
         self.received = False
 
     def note(self, number: int, frame: object) -> None:
+        """The SIGINT handler while interrupts are held: remember that one came."""
         self.received = True
 
 
@@ -628,6 +635,7 @@ class ForkedLauncher:
 
     @property
     def pid(self) -> int:
+        """The launcher's process id, once the template said it forked one (-1 if it made none)."""
         self._answer(self.REPLY_SECONDS)
         return -1 if self._pid is None else self._pid
 
@@ -640,11 +648,16 @@ class ForkedLauncher:
         return self._answered
 
     def poll(self) -> int | None:
+        """None while the launcher lives (or the template has not forked it yet), else UNKNOWN_EXIT."""
         if not self._answer(0.0):
             return None  # not forked yet: the template is still importing
         return None if self._alive(0.0) else UNKNOWN_EXIT
 
     def wait(self, timeout: float | None = None) -> int:
+        """Wait at most ``timeout`` seconds for the launcher to end (``subprocess.TimeoutExpired`` if it does not).
+
+        Returns UNKNOWN_EXIT: the launcher is not this process's child, so its status is not known.
+        """
         started = time.monotonic()
         answered = self._answer(self.REPLY_SECONDS if timeout is None else timeout)
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
@@ -653,6 +666,7 @@ class ForkedLauncher:
         return UNKNOWN_EXIT
 
     def kill(self) -> None:
+        """Send the launcher SIGKILL through its pidfd (nothing if it was never forked or has gone)."""
         if self._answer(0.0) and self._pidfd is not None:
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)

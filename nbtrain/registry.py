@@ -79,17 +79,21 @@ class RunRecord:
 
     @property
     def pids(self) -> tuple[int, ...]:
+        """The ranks' process ids, in rank order."""
         return tuple(pid for _, pid, _ in self.ranks)
 
     @property
     def active(self) -> bool:
+        """The run still goes on (starting, running or stopping): its ranks may be alive."""
         return self.state in ACTIVE_STATES
 
     def as_json(self) -> dict[str, Any]:
+        """The record as the JSON its file holds (and the sidebar gets, with what the server adds)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunRecord:
+        """The record a file's JSON holds; keys of a newer nbtrain that this one does not know are left out."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {key: value for key, value in data.items() if key in names}
         values["ranks"] = tuple(tuple(int(part) for part in entry) for entry in values.get("ranks", ()))
@@ -176,6 +180,7 @@ def request_stop(run_id: str) -> None:
 
 
 def stop_requested(run_id: str, folder: str | None = None) -> bool:
+    """Whether a stop request (``<id>.stop``) waits for run ``run_id`` in ``folder`` (default: this user's registry)."""
     return os.path.exists(os.path.join(folder or runs_directory(create=False), f"{run_id}.stop"))
 
 

@@ -51,16 +51,20 @@ LineSource = Callable[[str, int], str]  # (filename, line) -> the source line, o
 
 @dataclass(frozen=True)
 class Frame:
+    """One frame of a rank's stack dump: file, line, function."""
+
     filename: str
     line: int
     function: str
 
     @property
     def in_nbtrain(self) -> bool:
+        """The frame is nbtrain's own code (left out of what the user is shown)."""
         return self.filename.startswith(_PACKAGE_DIR)
 
     @property
     def in_library(self) -> bool:
+        """The frame is an installed library's or the standard library's, not the user's code."""
         return "-packages" + os.sep in self.filename or self.filename.startswith(_STDLIB)
 
 

@@ -52,6 +52,7 @@ class StepBoard:
         return cls(mmap.mmap(-1, _HEADER.size + world_size * _SLOT), world_size)
 
     def close(self) -> None:
+        """Unmap the board (each process that has it mapped closes its own)."""
         self.memory.close()
 
     # -- the header: where to stop ------------------------------------------------------
@@ -70,6 +71,7 @@ class StepBoard:
         return step
 
     def cancel(self) -> None:
+        """No stop after all: ranks that wait for a stop step go on."""
         _HEADER.pack_into(self.memory, 0, NO_STOP)
 
     # -- the ranks' slots -----------------------------------------------------------------
@@ -77,9 +79,11 @@ class StepBoard:
         return _HEADER.size + rank * _SLOT
 
     def count(self, rank: int) -> int:
+        """How many optimizer steps ``rank`` has begun."""
         return int(_COUNT.unpack_from(self.memory, self._offset(rank))[0])
 
     def counts(self) -> list[int]:
+        """Each rank's count of steps begun, in rank order."""
         return [self.count(rank) for rank in range(self.world_size)]
 
     def begin_step(self, rank: int) -> int:
@@ -96,6 +100,7 @@ class StepBoard:
         _COUNT.pack_into(self.memory, offset, count - 1, slot)
 
     def record_duration(self, rank: int, seconds: float) -> None:
+        """Keep how long one of ``rank``'s steps took (the last RING of them are kept)."""
         offset = self._offset(rank)
         count, slot = _COUNT.unpack_from(self.memory, offset)
         _DURATION.pack_into(self.memory, offset + _COUNT.size + (slot % RING) * _DURATION.size, seconds)

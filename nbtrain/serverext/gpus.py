@@ -28,6 +28,7 @@ class HostSampler:
         self._last = _cpu_times()
 
     def sample(self) -> dict[str, Any]:
+        """The host's CPU count, busy share since the last call (percent), and memory total and in use."""
         now = _cpu_times()
         if now == self._last:  # called twice at once: measure over a short moment
             time.sleep(_FIRST_SAMPLE_SECONDS)

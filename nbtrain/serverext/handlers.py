@@ -22,14 +22,20 @@ _RUN_ID = r"(?P<run_id>[A-Za-z0-9_-]{1,64})"
 
 
 class RunsHandler(APIHandler):
+    """``GET nbtrain/api/runs``: every run of this user's run registry, as the sidebar shows it."""
+
     @tornado.web.authenticated
     def get(self) -> None:
+        """Answer the list of runs (:func:`nbtrain.serverext.runs.list_runs`) as JSON."""
         self.finish(json.dumps(runs.list_runs(self.settings.get("server_root_dir"))))
 
 
 class RunActionHandler(APIHandler):
+    """``POST nbtrain/api/runs/<id>/stop`` and ``.../clean``: stop a run, or forget an ended one."""
+
     @tornado.web.authenticated
     def post(self, run_id: str, action: str) -> None:
+        """Stop or clean run ``run_id``; 404 for an unknown run, 409 where nothing could be signalled."""
         try:
             if action == "stop":
                 outcome = runs.stop(run_id, signal.SIGTERM)
@@ -64,15 +70,20 @@ def _follow_stop(run_id: str, delay: float) -> None:
 
 
 class DevicesHandler(APIHandler):
+    """``GET nbtrain/api/devices``: each GPU (NVML), the host's CPU and memory, each rank's memory."""
+
     def initialize(self, host: gpus.HostSampler) -> None:
+        """Keep the server's one host sampler (its CPU share is measured between requests)."""
         self.host = host
 
     @tornado.web.authenticated
     def get(self) -> None:
+        """Answer the devices (:func:`nbtrain.serverext.gpus.snapshot`) as JSON."""
         self.finish(json.dumps(gpus.snapshot(self.host)))
 
 
 def setup(web_app: Any) -> None:
+    """Add nbtrain's API routes under ``{base_url}nbtrain/api/`` to the server's web application."""
     base = url_path_join(web_app.settings["base_url"], "nbtrain", "api")
     web_app.add_handlers(
         ".*$",

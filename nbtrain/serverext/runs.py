@@ -29,7 +29,7 @@ ANSWER_SECONDS = 3.0  # a launcher looks for stop requests once a second: past t
 
 
 class RunNotFound(LookupError):
-    pass
+    """No record of that run id in this user's run registry (the API answers 404)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class StopOutcome:
     message: str
 
     def as_json(self) -> dict[str, Any]:
+        """The outcome as the API's JSON answer: ``id``, ``signalled`` and ``refused`` pids, ``message``."""
         return {
             "id": self.run_id,
             "signalled": list(self.signalled),
@@ -56,6 +57,7 @@ def alive(pid: int | None, started: int | None) -> bool:
 
 
 def shown_state(record: RunRecord) -> str:
+    """The state the sidebar shows: the record's, or "orphaned" for an active run whose kernel or launcher is gone."""
     if record.active and not (
         alive(record.kernel_pid, record.kernel_start) and alive(record.launcher_pid, record.launcher_start)
     ):
@@ -64,6 +66,7 @@ def shown_state(record: RunRecord) -> str:
 
 
 def live_ranks(record: RunRecord) -> list[tuple[int, int, int]]:
+    """The ranks of ``record`` still alive (same pid and start time): (rank, pid, start time)."""
     return [(rank, pid, started) for rank, pid, started in record.ranks if alive(pid, started)]
 
 
