@@ -345,3 +345,15 @@ def test_every_module_has_its_own_test_file():
         _module_name(path) for path in _own_modules() if not any(_has_a_test(file) for file in _test_files(path))
     ]
     assert untested == []
+
+
+def test_the_server_config_the_install_wrote_enables_the_server_extension_package():
+    from nbtrain import serverext
+
+    source = PACKAGE.parent / "jupyter-config" / "server-config" / "nbtrain.json"
+    assert json.loads(source.read_text()) == {"ServerApp": {"jpserver_extensions": {"nbtrain.serverext": True}}}
+    assert serverext._jupyter_server_extension_points() == [{"module": serverext.__name__}]
+    installed = Path(sys.prefix) / "etc" / "jupyter" / "jupyter_server_config.d" / "nbtrain.json"
+    assert installed.read_text() == source.read_text(), (
+        f"{installed} is not the one this tree installs: reinstall nbtrain (bash .ci/setup, or pip install -e .)"
+    )
