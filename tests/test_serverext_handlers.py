@@ -1,5 +1,9 @@
 """nbtrain's Jupyter server extension under jupyter_server's own pytest plugin (a real server, in process).
 
+Every route of nbtrain.serverext.handlers is asked through HTTP, as the sidebar asks it; the
+functions behind them are tested on their own in tests/test_serverext_runs.py and
+tests/test_serverext_gpus.py.
+
 The registry records here name real processes this test starts (``sleep`` in a session
 of its own, as a rank leads its own process group), so stop and clean-up are checked on
 what they do to processes: the right ones end, any other is never signalled.
