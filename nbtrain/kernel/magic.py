@@ -35,7 +35,7 @@ from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from nbtrain import charts, config, events, processes, reach, records
+from nbtrain import config, events, processes, reach, records, runstate
 from nbtrain.errors import (
     ClusterError,
     ConfigurationError,
@@ -338,7 +338,7 @@ class CellOptions:
     accelerator: str = "auto"
     strategy: str = "ddp_notebook"
     timeout: float | None = None  # seconds; None: no limit
-    stall_warning: float | None = charts.STALL_SECONDS  # seconds without a step before the view warns; None: never
+    stall_warning: float | None = runstate.STALL_SECONDS  # seconds without a step before the view warns; None: never
     output: str = "all"  # one of OUTPUT_MODES
     auto: bool = True  # prepare the kernel's models, optimizers and loaders, and log the loss
     precision: str = "32-true"
@@ -910,7 +910,7 @@ class _CellView:
     terminal would print them again, so it gets every event but those.
     """
 
-    def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = charts.STALL_SECONDS):
+    def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = runstate.STALL_SECONDS):
         from nbtrain.kernel import display
 
         # The cell's stream lines (_OutputPrinter) are where rank output goes: the whole of it,
