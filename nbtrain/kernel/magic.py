@@ -566,7 +566,7 @@ def infer_total_steps(
     The cell's loops are read by :mod:`nbtrain.cellplan`. A step is a ``.backward()`` when
     auto mode logs the loss, an ``nbtrain.log`` call when the cell logs itself. A
     DataLoader's length is the one each rank will see after auto mode prepared it
-    (:func:`nbtrain.rank.prepare.batches_per_rank`), computed here from the kernel's loader:
+    (:func:`nbtrain.rank.loaders.batches_per_rank`), computed here from the kernel's loader:
     its share in a pass with gradients, all of it in a pass without (an evaluation pass).
     """
     from nbtrain import cellplan
@@ -581,7 +581,7 @@ def infer_total_steps(
         return None  # a notebook function the cell calls may advance the step too, unseen
     try:
         import nbtrain
-        from nbtrain.rank import prepare
+        from nbtrain.rank import loaders
 
         names = [n for n in analysis.names if n not in analysis.function_writes]
         ints = {n: user_ns[n] for n in names if type(user_ns[n]) is int}
@@ -590,7 +590,7 @@ def infer_total_steps(
         if "torch.utils.data" in sys.modules:  # no DataLoader can exist without it
             wrapper = cfg.strategy.model_wrapper if spec.auto else "none"  # not auto: loaders stay as they are
             objects = {n: user_ns[n] for n in names}
-            lengths, eval_lengths = prepare.loader_lengths(objects, cfg.world_size, wrapper)
+            lengths, eval_lengths = loaders.loader_lengths(objects, cfg.world_size, wrapper)
         counter = cellplan.StepCounter(
             kind,
             log_modules=frozenset(n for n in analysis.names if user_ns[n] is nbtrain),

@@ -51,7 +51,7 @@ class _Place:
 _place: _Place | None = None
 
 
-def install(channel: socket.socket, run_id: int, rank: int, interactive: bool) -> None:
+def install_breakpoint_hook(channel: socket.socket, run_id: int, rank: int, interactive: bool) -> None:
     """Make ``breakpoint()`` and ``pdb.set_trace()`` in this rank open the relayed pdb."""
     global _place
     _place = _Place(channel, run_id, rank, os.getpid(), interactive)
