@@ -279,8 +279,9 @@ def loader_report() -> list[tuple[str, str]]:
 
     Example: ``("test_loader", "evaluated whole on every rank (iterated without gradients)")``.
     """
-    order = {id(loader): i for i, loader in enumerate(preparations.cell_registry().first_iterated)}
-    named = sorted(preparations.cell_registry().loader_names.items(), key=lambda item: order.get(id(item[1]), len(order)))
+    registry = preparations.cell_registry()
+    order = {id(loader): i for i, loader in enumerate(registry.first_iterated)}
+    named = sorted(registry.loader_names.items(), key=lambda item: order.get(id(item[1]), len(order)))
     return [(name, describe_passes(loader)) for name, loader in named]
 
 
