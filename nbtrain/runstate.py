@@ -64,6 +64,7 @@ class _Bucket:
         self.count = 1
 
     def add(self, step: float, value: float) -> None:
+        """Count one more point into this bucket."""
         self.step_sum += step
         self.value_sum += value
         self.count += 1
@@ -71,6 +72,7 @@ class _Bucket:
         self.high = max(self.high, value)
 
     def absorb(self, other: _Bucket) -> None:
+        """Merge the next bucket's points into this one (see ``DownsampledSeries._merge_pairs``)."""
         self.step_sum += other.step_sum
         self.value_sum += other.value_sum
         self.count += other.count
@@ -110,6 +112,7 @@ class DownsampledSeries:
         return len(self._buckets)
 
     def append(self, step: float, value: float) -> None:
+        """Add one point; a value that is not finite is counted and kept as ``last_value``, not charted."""
         self.count += 1
         self.last_step = step
         self.last_value = value
@@ -136,19 +139,24 @@ class DownsampledSeries:
         self.points_per_bucket *= 2
 
     def steps(self) -> list[float]:
+        """Each bucket's mean step: the x values of the chart's line."""
         return [b.step_sum / b.count for b in self._buckets]
 
     def means(self) -> list[float]:
+        """Each bucket's mean value: the chart's line."""
         return [b.value_sum / b.count for b in self._buckets]
 
     def lows(self) -> list[float]:
+        """Each bucket's lowest value: the bottom of the band around the line."""
         return [b.low for b in self._buckets]
 
     def highs(self) -> list[float]:
+        """Each bucket's highest value: the top of the band around the line."""
         return [b.high for b in self._buckets]
 
     @property
     def is_downsampled(self) -> bool:
+        """True once buckets hold more than one point each (old history merged pairwise)."""
         return self.points_per_bucket > 1
 
     def coarsened(self, max_points: int) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -214,6 +222,7 @@ class MetricHistory:
         self._settled_through = -math.inf
 
     def add(self, rank: int, step: int, value: float, now: float) -> None:
+        """Record ``rank``'s ``value`` at ``step``, received at ``now``; its mean waits (see the class)."""
         series = self.ranks.get(rank)
         if series is None:
             series = self.ranks[rank] = DownsampledSeries(self.max_points)
@@ -250,6 +259,7 @@ class MetricHistory:
                 self._take(step)
 
     def settle_all(self) -> None:
+        """Take every waiting step into ``mean``: the run ended, no rank will add to them."""
         for step in sorted(self._waiting):
             self._take(step)
 
@@ -259,6 +269,7 @@ class MetricHistory:
         self._settled_through = max(self._settled_through, step)
 
     def last_values(self) -> dict[int, float | None]:
+        """Each rank's latest value, by rank."""
         return {rank: self.ranks[rank].last_value for rank in sorted(self.ranks)}
 
 
@@ -295,14 +306,17 @@ class RankMemory:
 
     @property
     def rss_bytes(self) -> int | None:
+        """The latest host RSS in bytes (None before a sample)."""
         return _as_bytes(self.rss.last_value)
 
     @property
     def cuda_allocated_bytes(self) -> int | None:
+        """The latest CUDA memory allocated in bytes (None on a CPU rank)."""
         return _as_bytes(self.cuda_allocated.last_value)
 
     @property
     def on_cuda(self) -> bool:
+        """True once the rank reported CUDA figures."""
         return self.cuda_allocated.count > 0
 
     @property
@@ -312,6 +326,7 @@ class RankMemory:
 
     @property
     def peak_bytes(self) -> int | None:
+        """The peak of what ``current_bytes`` shows: CUDA's peak allocated on a GPU rank, RSS's otherwise."""
         return self.cuda_peak_bytes if self.on_cuda else self.rss_peak_bytes
 
     def charted(self) -> tuple[DownsampledSeries, ...]:
@@ -342,6 +357,7 @@ class LogTail:
         self.total = 0
 
     def add(self, stream: str, text: str) -> None:
+        """Add ``text`` the rank wrote on ``stream`` (``stdout``/``stderr``), line by line."""
         # Not splitlines(): it would split at every "\r" and keep each redraw as a line.
         pieces = text.split("\n")
         if pieces and pieces[-1] == "":
@@ -381,11 +397,13 @@ class StepRate:
         self._samples: collections.deque[tuple[float, float]] = collections.deque()
 
     def add(self, time: float, step: float) -> None:
+        """The progress rank was at ``step`` at ``time`` (its own clock); older samples leave the window."""
         self._samples.append((time, step))
         while len(self._samples) > 2 and time - self._samples[1][0] >= self.window:
             self._samples.popleft()
 
     def per_second(self) -> float | None:
+        """Steps per second over the window (None until two samples at different times)."""
         if len(self._samples) < 2:
             return None
         (first_time, first_step), (last_time, last_step) = self._samples[0], self._samples[-1]
@@ -567,6 +585,7 @@ class RunState:
     # -- reading ---------------------------------------------------------------------
     @property
     def ended(self) -> bool:
+        """True once the run ended (finished, failed, stopped or timed out)."""
         return self.state in END_STATES
 
     @property
@@ -585,6 +604,7 @@ class RunState:
 
     @property
     def current_step(self) -> int | None:
+        """The progress rank's latest step (None before any step was logged)."""
         rank = self.progress_rank
         return None if rank is None else self.latest_step[rank]
 
@@ -624,15 +644,18 @@ class RunState:
         return text
 
     def elapsed(self, now: float) -> float:
+        """Seconds since the run started, stopped at its end."""
         end = self.ended_at if self.ended_at is not None else now
         return max(0.0, end - self.started_at)
 
     @property
     def steps_per_second(self) -> float | None:
+        """The progress rank's recent step rate (None until it can be measured)."""
         return self.rate.per_second()
 
     @property
     def samples_per_second(self) -> float | None:
+        """Samples per second over every rank, when the batch size is known."""
         rate = self.steps_per_second
         if rate is None or self.batch_size is None:
             return None
@@ -661,6 +684,7 @@ class RunState:
         return total
 
     def eta_seconds(self) -> float | None:
+        """Seconds left at the current rate, when a total holds and the run goes on."""
         rate, step, total = self.steps_per_second, self.current_step, self.known_total
         if self.ended or total is None or step is None or not rate or rate <= 0:
             return None

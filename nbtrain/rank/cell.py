@@ -572,6 +572,10 @@ class _ResultReferences(_PicklerBase):
         self._storage_index: dict[tuple[str, int, int], int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
+        """A reference to what the kernel already has (its objects, the cell's globals, tensor storages).
+
+        None: ``obj`` is pickled by value.
+        """
         if type(obj) in _ATOMIC:
             return None
         if obj is self.cell_globals:
@@ -600,6 +604,7 @@ class _ResultReferences(_PicklerBase):
         return (records.STORAGE_TAG, self._storage_index[key], dtype)
 
     def reducer_override(self, obj: Any) -> Any:
+        """DDP wrappers and prepared objects pickle as their originals; a sharded DTensor is refused."""
         if isinstance(obj, self.dtensor_type):
             raise ShardedTensorError("it holds a sharded DTensor, of which rank 0 has only its shard")
         if isinstance(obj, self.ddp_type):

@@ -50,10 +50,12 @@ class _Registry:
         self.loss_scaling: Any = None  # precision.LossScaling under 16-mixed on CUDA
 
     def remember(self, original: Any, prepared: Any) -> None:
+        """``prepared`` is what ``original`` became (the same object when only moved)."""
         self.prepared[id(original)] = (original, prepared)
         self.originals[id(prepared)] = (prepared, original)
 
     def prepared_for(self, obj: Any) -> Any | None:
+        """What ``obj`` became, ``obj`` itself if it is a prepared object, None if never seen."""
         entry = self.prepared.get(id(obj))
         if entry is not None and entry[0] is obj:
             return entry[1]

@@ -43,6 +43,7 @@ class _Counter:
         self.last_end: float | None = None
 
     def before_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """Count the outermost step on the board; raise :class:`StopAtStep` where it would pass the stop step."""
         self.depth += 1
         if self.depth > 1:
             return
@@ -57,6 +58,7 @@ class _Counter:
             raise StopAtStep(stop)
 
     def after_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """Record the whole iteration's duration (for the grace period of a stop)."""
         self.depth = max(0, self.depth - 1)
         if self.depth:
             return

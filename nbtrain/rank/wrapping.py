@@ -173,9 +173,11 @@ class _ReadThrough:
         super().__setattr__(name, value)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own state dict (its keys, no ``module.`` prefix)."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load into the model with its own keys (a state saved from the kernel's model fits)."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
@@ -214,6 +216,7 @@ class _ReadsThrough(_ReadThrough, _DDPBase):
         object.__setattr__(self, "_nbtrain_ready", True)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """DDP's forward; the first one that syncs gradients arms the check of its backward."""
         syncs = self.require_backward_grad_sync and preparations.torch_module().is_grad_enabled()
         if self.__dict__["_nbtrain_check_unused"] and syncs:
             object.__setattr__(self, "_nbtrain_check_unused", False)

@@ -222,6 +222,7 @@ class _Panel:
         self.title.set_fontweight("bold")
 
     def update(self, state: runstate.RunState) -> None:
+        """Redraw this chart's lines and title from ``state`` (each kind of chart has its own)."""
         raise NotImplementedError
 
     def _rescale(self, scale: str = "linear") -> None:
@@ -261,6 +262,7 @@ class _MetricPanel(_Panel):
         self.band: Any = None
 
     def update(self, state: runstate.RunState) -> None:
+        """Each rank's line, the mean of the ranks with its range shaded, the title with the latest value."""
         history = state.metrics[self.panel.name]
         longest: list[float] = []
         for rank, line in self.rank_lines.items():
@@ -310,6 +312,7 @@ class _MemoryPanel(_TimePanel):
         }
 
     def update(self, state: runstate.RunState) -> None:
+        """Each rank's memory over time in MiB or GiB, its current value labelled at the right (up to four ranks)."""
         drawn = {
             rank: [series.coarsened(DRAWN_POINTS) for series in state.memory[rank].charted()] for rank in self.lines
         }
@@ -356,6 +359,7 @@ class _ThroughputPanel(_TimePanel):
         self.line = ax.plot([], [], linewidth=1.6, color=chartlayout.THROUGHPUT_COLOUR)[0]
 
     def update(self, state: runstate.RunState) -> None:
+        """The run's step or sample rate over time, the title with the latest."""
         per_step = (state.batch_size or 1) * state.world_size if self.panel.name == "samples/s" else 1
         seconds, rates, _, _ = state.throughput.coarsened(DRAWN_POINTS)
         self.line.set_data(seconds, [rate * per_step for rate in rates])

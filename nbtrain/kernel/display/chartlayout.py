@@ -100,6 +100,7 @@ def grid_of(panels: int, per_row: int = PANELS_PER_ROW) -> tuple[int, int]:
 
 
 def rank_colour(rank: int) -> str:
+    """The line colour of ``rank`` (the palette repeats past eight ranks)."""
     return RANK_COLOURS[rank % len(RANK_COLOURS)]
 
 

@@ -390,6 +390,7 @@ class NotedLiveView(LiveView):
     note = ""
 
     def mimebundle(self, now: float | None = None, force_charts: bool = False) -> dict[str, str]:
+        """The live view's frame with the note under it, in HTML and in plain text."""
         bundle = dict(super().mimebundle(now, force_charts))
         if self.note:
             bundle["text/html"] += (
