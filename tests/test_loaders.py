@@ -17,7 +17,7 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
     from torch.utils.data import DistributedSampler, IterableDataset, WeightedRandomSampler
 
     ten = TensorDataset(torch.arange(10.0))
-    loaders = [
+    made = [
         DataLoader(ten, batch_size=3, shuffle=True),  # 4 samples a rank (two are padding): 2 batches
         DataLoader(ten, batch_size=3, drop_last=True),  # 3 samples a rank, 1 full batch
         DataLoader(ten, batch_size=2),
@@ -27,19 +27,19 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
         DataLoader(ten, batch_size=2, sampler=DistributedSampler(ten, num_replicas=5, rank=0)),  # the user's own
     ]
 
-    def fn(loaders):
+    def fn(made):
         import torch.distributed as dist
 
-        lengths = [len(nbtrain.prepare(loader)) for loader in loaders]
+        lengths = [len(nbtrain.prepare(loader)) for loader in made]
         every_rank = [None] * nbtrain.world_size()
         dist.all_gather_object(every_rank, lengths)
         return every_rank
 
-    on_ranks = finish(nbtrain.start(fn, (loaders,), devices=3))
-    in_kernel = [loaders.batches_per_rank(loader, 3, "ddp") for loader in loaders]
+    on_ranks = finish(nbtrain.start(fn, (made,), devices=3))
+    in_kernel = [loaders.batches_per_rank(loader, 3, "ddp") for loader in made]
     assert on_ranks == [in_kernel] * 3
     assert in_kernel == [2, 1, 2, 4, 1, 4, 1]
-    assert [loaders.batches_per_rank(loader, 3, "none") for loader in loaders] == [len(x) for x in loaders]
+    assert [loaders.batches_per_rank(loader, 3, "none") for loader in made] == [len(x) for x in made]
 
     class Stream(IterableDataset):
         def __iter__(self):
