@@ -6,8 +6,9 @@ turns it off, and outside a run it does nothing.
 
 Example (outside a run nothing is patched):
     >>> import torch
+    >>> plain = torch.Tensor.backward
     >>> with loss_logging():
-    ...     torch.Tensor.backward is torch.Tensor.backward
+    ...     torch.Tensor.backward is plain
     True
 """
 
