@@ -16,7 +16,7 @@ nothing.
 
 A loop over a DataLoader reads this rank's share when it runs with gradients enabled (a
 training pass) and the whole loader under ``torch.no_grad()`` / ``torch.inference_mode()``
-(an evaluation pass; see :mod:`nbtrain.rank.prepare`). The kernel hands both lengths
+(an evaluation pass; see :mod:`nbtrain.rank.loaders`). The kernel hands both lengths
 (``lengths`` and ``eval_lengths``); the ``with`` blocks around a loop say which applies.
 
 A wrong total is worse than none, so every rule is strict and anything else gives None:

@@ -329,17 +329,18 @@ def test_ipython_debug_after_a_rank_error_opens_the_rank(kernel: NotebookKernel)
 
 
 def test_a_rank_at_a_prompt_is_named_and_not_stalled() -> None:
-    from nbtrain import charts, events
+    from nbtrain import events, runstate
+    from nbtrain.kernel.display import livetext
 
-    state = charts.RunState("ddp_notebook", "cpu", 2, stall_seconds=30)
+    state = runstate.RunState("ddp_notebook", "cpu", 2, stall_seconds=30)
     state.apply(events.RankStarted(1, 0, 10), now=0.0)
     state.apply(events.RankStarted(1, 1, 11), now=0.0)
     state.apply(events.Metrics(1, 0, ((5, 0.0, {"loss": 1.0}),)), now=0.0)
     state.apply(events.DebugPrompt(1, 0, "(Pdb) "), now=1.0)
-    assert "rank 0 in the debugger" in charts.status_line(state, now=100.0)
+    assert "rank 0 in the debugger" in livetext.status_line(state, now=100.0)
     assert state.stall(now=100.0) is None  # a minute and a half at the prompt is no stall
     state.apply(events.DebugEnded(1, 0), now=101.0)
-    assert "rank 0 in the debugger" not in charts.status_line(state, now=102.0)
+    assert "rank 0 in the debugger" not in livetext.status_line(state, now=102.0)
     assert state.stall(now=110.0) is None  # the clock waited while the prompt was open
     assert state.stall(now=140.0) == "no step from any rank for 40 s"
 

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 
 from nbtrain import hardware
-from nbtrain.charts import STALL_SECONDS
 from nbtrain.errors import ConfigurationError
 from nbtrain.kernel import defaults
 from nbtrain.kernel.defaults import Defaults, get_defaults, reset_defaults, set_defaults
+from nbtrain.runstate import STALL_SECONDS
 
 NO_GPU = not hardware.detect_gpus()
 

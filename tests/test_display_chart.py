@@ -15,7 +15,8 @@ import struct
 
 import pytest
 
-from nbtrain import charts, events
+from nbtrain import events, runstate
+from nbtrain.kernel.display import chartlayout
 from nbtrain.kernel.display.chart import ChartFigure
 
 RUN = 1
@@ -29,9 +30,9 @@ def run_state(
     names: tuple[str, ...] = ("loss",),
     memory: str = "rss",
     batch_size: int | None = 8,
-) -> charts.RunState:
+) -> runstate.RunState:
     """A state fed as a run would feed it: batches of 20 steps, memory samples beside them."""
-    state = charts.RunState("ddp_notebook", "cpu", world_size, total_steps=steps, batch_size=batch_size)
+    state = runstate.RunState("ddp_notebook", "cpu", world_size, total_steps=steps, batch_size=batch_size)
     for first in range(1, steps + 1, 20):
         now = first / 20
         for rank in range(world_size):
@@ -102,10 +103,10 @@ def test_tick_labels_are_at_least_10_css_pixels_and_no_axis_has_an_offset_label(
         for axis in (panel.ax.xaxis, panel.ax.yaxis):
             assert axis.get_offset_text().get_text() == "", f"{panel.panel}: offset label {axis.get_offset_text()}"
             for label in axis.get_majorticklabels():
-                css_px = label.get_fontsize() * charts.CSS_DPI / 72
+                css_px = label.get_fontsize() * chartlayout.CSS_DPI / 72
                 assert css_px >= MIN_TICK_CSS_PX, (label.get_text(), css_px)
     ticks = [box for text, box in figure.text_boxes() if text and text[0].isdigit()]
-    assert ticks and min(box.height for box in ticks) / charts.PIXEL_RATIO >= MIN_TICK_CSS_PX
+    assert ticks and min(box.height for box in ticks) / chartlayout.PIXEL_RATIO >= MIN_TICK_CSS_PX
 
 
 @pytest.mark.parametrize("name", ["loss-linear", "gpu-four-ranks-six-charts"])
@@ -113,7 +114,7 @@ def test_the_png_has_twice_the_pixels_of_its_css_size_and_a_transparent_backgrou
     figure, png = drawn(name)
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height, _depth, colour_type = struct.unpack(">IIBB", png[16:26])
-    assert (width, height) == figure.pixel_size == tuple(charts.PIXEL_RATIO * n for n in figure.css_size)
+    assert (width, height) == figure.pixel_size == tuple(chartlayout.PIXEL_RATIO * n for n in figure.css_size)
     assert colour_type == 6, "RGBA: the page's background (light or dark) shows through"
     import numpy
 

@@ -57,7 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nbtrain import charts, events
+from nbtrain import events, runstate
 from nbtrain.errors import RunFailedError, RunNotEndedError, RunStoppedError
 from nbtrain.kernel import display
 from nbtrain.kernel import shell as kernel_shell
@@ -157,7 +157,7 @@ class BackgroundRun:
         output: str = "all",
         shell: Any = None,
         total_steps: int | None = None,
-        stall_warning: float | None = charts.STALL_SECONDS,
+        stall_warning: float | None = runstate.STALL_SECONDS,
     ) -> None:
         cfg = run.config
         self.id = next(_ids)

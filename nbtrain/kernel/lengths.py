@@ -52,13 +52,13 @@ def derived_lengths(
 
     ``rebound``: names the cell binds itself (:func:`rebound_names`); objects under them are left out.
     """
-    from nbtrain.rank import prepare
+    from nbtrain.rank import loaders
 
     sharded: list[tuple[str, int, int]] = []  # (loader's name, its length, each rank's)
     for name, obj in objects.items():
         if reach.torch_kind(obj) == "loader":
-            share = prepare.batches_per_rank(obj, world_size, wrapper)
-            whole = prepare.batches_per_rank(obj, world_size, "none")
+            share = loaders.batches_per_rank(obj, world_size, wrapper)
+            whole = loaders.batches_per_rank(obj, world_size, "none")
             if share is not None and whole and share != whole:
                 sharded.append((name, whole, share))
     if not sharded:

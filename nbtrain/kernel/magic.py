@@ -35,7 +35,7 @@ from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from nbtrain import charts, config, events, processes, reach, records
+from nbtrain import config, events, processes, reach, records, runstate
 from nbtrain.errors import (
     ClusterError,
     ConfigurationError,
@@ -338,7 +338,7 @@ class CellOptions:
     accelerator: str = "auto"
     strategy: str = "ddp_notebook"
     timeout: float | None = None  # seconds; None: no limit
-    stall_warning: float | None = charts.STALL_SECONDS  # seconds without a step before the view warns; None: never
+    stall_warning: float | None = runstate.STALL_SECONDS  # seconds without a step before the view warns; None: never
     output: str = "all"  # one of OUTPUT_MODES
     auto: bool = True  # prepare the kernel's models, optimizers and loaders, and log the loss
     precision: str = "32-true"
@@ -566,7 +566,7 @@ def infer_total_steps(
     The cell's loops are read by :mod:`nbtrain.cellplan`. A step is a ``.backward()`` when
     auto mode logs the loss, an ``nbtrain.log`` call when the cell logs itself. A
     DataLoader's length is the one each rank will see after auto mode prepared it
-    (:func:`nbtrain.rank.prepare.batches_per_rank`), computed here from the kernel's loader:
+    (:func:`nbtrain.rank.loaders.batches_per_rank`), computed here from the kernel's loader:
     its share in a pass with gradients, all of it in a pass without (an evaluation pass).
     """
     from nbtrain import cellplan
@@ -581,7 +581,7 @@ def infer_total_steps(
         return None  # a notebook function the cell calls may advance the step too, unseen
     try:
         import nbtrain
-        from nbtrain.rank import prepare
+        from nbtrain.rank import loaders
 
         names = [n for n in analysis.names if n not in analysis.function_writes]
         ints = {n: user_ns[n] for n in names if type(user_ns[n]) is int}
@@ -590,7 +590,7 @@ def infer_total_steps(
         if "torch.utils.data" in sys.modules:  # no DataLoader can exist without it
             wrapper = cfg.strategy.model_wrapper if spec.auto else "none"  # not auto: loaders stay as they are
             objects = {n: user_ns[n] for n in names}
-            lengths, eval_lengths = prepare.loader_lengths(objects, cfg.world_size, wrapper)
+            lengths, eval_lengths = loaders.loader_lengths(objects, cfg.world_size, wrapper)
         counter = cellplan.StepCounter(
             kind,
             log_modules=frozenset(n for n in analysis.names if user_ns[n] is nbtrain),
@@ -910,7 +910,7 @@ class _CellView:
     terminal would print them again, so it gets every event but those.
     """
 
-    def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = charts.STALL_SECONDS):
+    def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = runstate.STALL_SECONDS):
         from nbtrain.kernel import display
 
         # The cell's stream lines (_OutputPrinter) are where rank output goes: the whole of it,

@@ -12,6 +12,7 @@ from nbtrain.rank import runtime
 
 
 def main() -> None:
+    """A rank process the launcher started (spawned): its fds from argv, its assignment over the channel."""
     channel_fd, listen_fd, tensor_fd, stack_fd = (int(arg) for arg in sys.argv[1:5])
     channel = socket.socket(fileno=channel_fd)
     assignment, _ = wire.receive(channel)

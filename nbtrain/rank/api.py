@@ -45,6 +45,7 @@ class RankContext:
     logged: bool = False
 
     def flush(self) -> None:
+        """Send the logged rows as one Metrics event (and, on a GPU, a memory sample)."""
         if not self.pending:
             return
         from nbtrain.events import MemorySample, Metrics

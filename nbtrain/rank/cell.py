@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nbtrain import records
-from nbtrain.rank import api, prepare, stopping
+from nbtrain.rank import api, loaders, losslogging, optimizers, preparations, prepare, stopping, wrapping
 
 if TYPE_CHECKING:
     from cloudpickle import Pickler as _PicklerBase
@@ -75,15 +75,15 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     rank0 = api.rank() == 0
     before = _Before(cell_globals, tracked) if rank0 else None
     hidden = _install_shell(cell_globals) if spec.needs_shell else set()
-    prepare.configure(spec.model_wrapper)
-    prepare.know_optimizers(tracked.values())
+    preparations.configure(spec.model_wrapper)
+    optimizers.know_optimizers(tracked.values())
     prepared = prepare.auto_prepare(cell_globals, spec.names) if spec.auto else []
     placed: list[tuple[Any, Any, Any]] = []
     if spec.auto:
         more, placed = prepare.auto_prepare_held(namespace, spec.held)
         prepared += more
-    logging = prepare.loss_logging() if spec.log_loss else contextlib.nullcontext()
-    stopping.install()  # a graceful stop ends the cell at an optimizer step's boundary
+    logging = losslogging.loss_logging() if spec.log_loss else contextlib.nullcontext()
+    stopping.hook_optimizer_steps()  # a graceful stop ends the cell at an optimizer step's boundary
     with logging:
         try:
             display = _execute(spec, cell_globals)
@@ -312,7 +312,8 @@ def _collect(
     exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
     skipped: list[tuple[str, str, str]] = []
     payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
-    return records.CellResult(payload, storages, deleted, skipped, prepared, prepare.notes(), prepare.loader_report())
+    notes, loader_report = preparations.notes(), loaders.loader_report()
+    return records.CellResult(payload, storages, deleted, skipped, prepared, notes, loader_report)
 
 
 def _module_states(modules: list[tuple[str, Any]], before: _Before | None) -> tuple[dict[str, Any], set[str]]:
@@ -347,7 +348,7 @@ def _optimizer_states(
     states: dict[str, Any] = {}
     for name, optimizer in _unique(namespace, torch.optim.Optimizer):
         owner = _sharded_owner(optimizer, [m for _, m in modules])
-        zero = prepare.prepared_for(optimizer)
+        zero = preparations.prepared_for(optimizer)
         if zero is not None and type(zero).__name__ == "ZeroRedundancyOptimizer":  # ddp_sharded: each rank holds a part
             zero.consolidate_state_dict(to=0)  # every rank, always: it is a collective
             if before is not None:
@@ -379,7 +380,7 @@ def _bound(cell_globals: dict[str, Any], before: _Before, hidden: set[str]) -> d
     for name, value in cell_globals.items():
         if records.is_internal(name) or name in hidden:
             continue
-        original = prepare.original_of(value)
+        original = wrapping.original_of(value)
         if name not in before.bindings or before.bindings[name] is not original:
             bound[name] = original
     return bound
@@ -571,6 +572,10 @@ class _ResultReferences(_PicklerBase):
         self._storage_index: dict[tuple[str, int, int], int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
+        """A reference to what the kernel already has (its objects, the cell's globals, tensor storages).
+
+        None: ``obj`` is pickled by value.
+        """
         if type(obj) in _ATOMIC:
             return None
         if obj is self.cell_globals:
@@ -582,7 +587,7 @@ class _ResultReferences(_PicklerBase):
             return None
         ref = self.refs.get(key)
         if ref is None:
-            original = prepare.original_of(obj)
+            original = wrapping.original_of(obj)
             if original is not obj and id(original) not in self.exempt:
                 ref = self.refs.get(id(original))
         return ref
@@ -599,11 +604,12 @@ class _ResultReferences(_PicklerBase):
         return (records.STORAGE_TAG, self._storage_index[key], dtype)
 
     def reducer_override(self, obj: Any) -> Any:
+        """DDP wrappers and prepared objects pickle as their originals; a sharded DTensor is refused."""
         if isinstance(obj, self.dtensor_type):
             raise ShardedTensorError("it holds a sharded DTensor, of which rank 0 has only its shard")
         if isinstance(obj, self.ddp_type):
             return (records.same, (obj.module,))
-        original = prepare.original_of(obj)
+        original = wrapping.original_of(obj)
         if original is not obj:
             return (records.same, (original,))
         return super().reducer_override(obj)

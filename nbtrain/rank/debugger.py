@@ -51,7 +51,7 @@ class _Place:
 _place: _Place | None = None
 
 
-def install(channel: socket.socket, run_id: int, rank: int, interactive: bool) -> None:
+def install_breakpoint_hook(channel: socket.socket, run_id: int, rank: int, interactive: bool) -> None:
     """Make ``breakpoint()`` and ``pdb.set_trace()`` in this rank open the relayed pdb."""
     global _place
     _place = _Place(channel, run_id, rank, os.getpid(), interactive)
@@ -125,12 +125,15 @@ class RelayFile(io.TextIOBase):
         self._pending: list[str] = []
 
     def readable(self) -> bool:
+        """Always: pdb reads its commands here."""
         return True
 
     def writable(self) -> bool:
+        """Always: pdb writes its output here."""
         return True
 
     def write(self, text: str) -> int:
+        """Keep ``text`` until :meth:`flush` sends complete lines."""
         self._pending.append(text)
         return len(text)
 
@@ -143,6 +146,7 @@ class RelayFile(io.TextIOBase):
             self._send(DebugOutput(self.run_id, self.rank, head + newline))
 
     def readline(self, size: int | None = -1) -> str:  # type: ignore[override]  # a text file's
+        """Show the prompt in the cell and wait for the line typed there (end of input as an empty string)."""
         self.flush()
         prompt = "".join(self._pending)
         self._pending = []
@@ -191,6 +195,7 @@ class RankPdb(pdb.Pdb):
         self.relay = relay
 
     def interaction(self, frame: FrameType | None, traceback: TracebackType | None) -> None:
+        """pdb's prompt loop, with ``sys.stdin``/``sys.stdout`` on the relay meanwhile (for ``interact``)."""
         saved = sys.stdin, sys.stdout
         sys.stdin = sys.stdout = self.relay  # for interact (code.interact reads input())
         try:
@@ -200,10 +205,12 @@ class RankPdb(pdb.Pdb):
             self.relay.flush()
 
     def set_continue(self) -> None:
+        """``c``: continue, and tell the kernel the session ended."""
         super().set_continue()
         self.relay.end()
 
     def set_quit(self) -> None:
+        """``q``: quit, and tell the kernel the session ended."""
         super().set_quit()
         self.relay.end()
 

@@ -109,7 +109,7 @@ def _run(
         if not prepared:
             _adopt_caller_state(assignment)
         _install_source_lines(start.source_lines)
-        debugger.install(channel, start.run_id, spec.rank, start.interactive)
+        debugger.install_breakpoint_hook(channel, start.run_id, spec.rank, start.interactive)
         if not prepared:
             _select_device(spec.device_type, spec.device_index)
         _tolerate_torchrun_style_calls(_distributed())  # before the payload: its names resolve to ours

@@ -2,7 +2,7 @@
 
 The launcher forks each rank with the run's :class:`nbtrain.stopboard.StepBoard` and its
 slot (:func:`attach`). A ``%%distributed`` cell installs two global optimizer step hooks
-(:func:`install`, once per rank): before each outermost step the rank counts it on the
+(:func:`hook_optimizer_steps`, once per rank): before each outermost step the rank counts it on the
 board and looks at the stop step; when the launcher has chosen one and this step would go
 past it, the hook raises :class:`StopAtStep` instead, and :func:`nbtrain.rank.cell.run_cell`
 ends the cell there as if it had finished: its models, optimizers and schedulers hold the
@@ -43,6 +43,7 @@ class _Counter:
         self.last_end: float | None = None
 
     def before_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """Count the outermost step on the board; raise :class:`StopAtStep` where it would pass the stop step."""
         self.depth += 1
         if self.depth > 1:
             return
@@ -57,6 +58,7 @@ class _Counter:
             raise StopAtStep(stop)
 
     def after_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """Record the whole iteration's duration (for the grace period of a stop)."""
         self.depth = max(0, self.depth - 1)
         if self.depth:
             return
@@ -77,7 +79,7 @@ def attach(board: stopboard.StepBoard | None, slot: int) -> None:
     _attached = None if board is None else (board, slot)
 
 
-def install() -> bool:
+def hook_optimizer_steps() -> bool:
     """Hook every optimizer step of this rank (once); False where the launcher gave no board (a spawned rank)."""
     global _counter
     if _attached is None:

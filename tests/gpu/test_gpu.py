@@ -93,7 +93,7 @@ def test_16_mixed_skips_an_overflowed_step_and_lowers_the_scale(launcher):
     """The optimizer is built after prepare and never handed to it; the scaling still holds."""
 
     def fn():
-        from nbtrain.rank import prepare
+        from nbtrain.rank import preparations
 
         torch.manual_seed(0)
         net = nbtrain.prepare(torch.nn.Linear(8, 1))
@@ -102,7 +102,7 @@ def test_16_mixed_skips_an_overflowed_step_and_lowers_the_scale(launcher):
         x = torch.randn(16, 8, device="cuda") * 0.01
         opt.zero_grad(); net(x).float().pow(2).mean().backward(); opt.step()
         before = next(net.parameters()).detach().clone()
-        scaling = prepare._registry.loss_scaling
+        scaling = preparations.cell_registry().loss_scaling
         scale, skipped = scaling.scaler.get_scale(), scaling.skipped_steps
         opt.zero_grad(); (net(x).float().pow(2).mean() * float("inf")).backward(); opt.step()
         unchanged = torch.equal(before, next(net.parameters()))

@@ -2,7 +2,9 @@
 
 - :mod:`~nbtrain.kernel.display.live`: a run's live view (status, progress, charts, log
   tails), ``watch(run)``, and the noted view a background run shows;
-- :mod:`~nbtrain.kernel.display.chart`: the live view's charts drawn as one PNG (matplotlib);
+- :mod:`~nbtrain.kernel.display.livetext`: the live view's words (status, progress, metric lines);
+- :mod:`~nbtrain.kernel.display.chart`: the live view's charts drawn as one PNG (matplotlib),
+  as :mod:`~nbtrain.kernel.display.chartlayout` lays them out (without matplotlib);
 - :mod:`~nbtrain.kernel.display.form`: the launcher form (``nbtrain.launcher()``, ipywidgets);
 - :mod:`~nbtrain.kernel.display.show`: the small pieces: text updated in place, a widget
   with a saved-notebook fallback, a Stop button, rank output lines printed by ``launch``.

@@ -1,7 +1,8 @@
 """The live view's charts drawn with matplotlib: one PNG, twice the pixels of its CSS size.
 
-:mod:`nbtrain.charts` decides what is shown and how it is laid out (sizes in CSS pixels,
-fonts, colours, tick labels, where value labels go); this module only draws it. The
+:mod:`~nbtrain.kernel.display.chartlayout` decides what is shown and how it is laid out
+(sizes in CSS pixels, fonts, colours, tick labels, where value labels go); this module
+only draws it. The
 figure is a bare ``Figure`` on the Agg canvas: no pyplot, so no global figure state, no
 GUI backend, and nothing registered that would need closing.
 
@@ -12,8 +13,8 @@ on a light and on a dark notebook theme alike. Tick labels are compact (``1.5k``
 ``8.9e-6``), so no axis ever needs an offset label that could collide with its title.
 
 Example:
-    >>> from nbtrain import charts, events
-    >>> state = charts.RunState("ddp_notebook", "cpu", 1)
+    >>> from nbtrain import events, runstate
+    >>> state = runstate.RunState("ddp_notebook", "cpu", 1)
     >>> state.apply(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}), (2, 0.1, {"loss": 0.5}))), now=0.0)
     >>> figure = ChartFigure(state)
     >>> png = figure.draw(state)
@@ -26,12 +27,13 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from nbtrain import charts
+from nbtrain import runstate
+from nbtrain.kernel.display import chartlayout, livetext
 
 DRAWN_POINTS = 300  # per line: about one per CSS pixel of a chart's width
 
 
-def render_charts_png(state: charts.RunState) -> bytes:
+def render_charts_png(state: runstate.RunState) -> bytes:
     """One PNG of every chart of ``state`` (see :class:`ChartFigure`)."""
     return ChartFigure(state).draw(state)
 
@@ -41,22 +43,23 @@ class ChartFigure:
 
     Only the lines' data, limits, titles and labels change from one frame to the next;
     updating those costs a fraction of building the figure (ticks and axes are the
-    expensive part). ``layout`` is the :func:`nbtrain.charts.chart_panels` it was built for.
+    expensive part). ``layout`` is the :func:`~nbtrain.kernel.display.chartlayout.chart_panels` it was built for.
     """
 
-    def __init__(self, state: charts.RunState, pixel_ratio: int = charts.PIXEL_RATIO) -> None:
+    def __init__(self, state: runstate.RunState, pixel_ratio: int = chartlayout.PIXEL_RATIO) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
         self.layout = self.layout_of(state)
         self.world_size = state.world_size
-        columns, rows = charts.grid_of(len(self.layout))
-        self.key_row = charts.KEY_ROW_CSS if self._needs_key() else 0
-        width, height = columns * charts.PANEL_CSS[0], rows * charts.PANEL_CSS[1] + self.key_row
+        columns, rows = chartlayout.grid_of(len(self.layout))
+        self.key_row = chartlayout.KEY_ROW_CSS if self._needs_key() else 0
+        width, height = columns * chartlayout.PANEL_CSS[0], rows * chartlayout.PANEL_CSS[1] + self.key_row
         self.css_size = (width, height)
         self.pixel_size = (width * pixel_ratio, height * pixel_ratio)
-        self.dpi = charts.CSS_DPI * pixel_ratio
-        self.figure = Figure(figsize=(width / charts.CSS_DPI, height / charts.CSS_DPI), dpi=self.dpi, facecolor="none")
+        self.dpi = chartlayout.CSS_DPI * pixel_ratio
+        inches = (width / chartlayout.CSS_DPI, height / chartlayout.CSS_DPI)
+        self.figure = Figure(figsize=inches, dpi=self.dpi, facecolor="none")
         self.canvas = FigureCanvasAgg(self.figure)  # becomes the figure's canvas
         self.panels: list[_Panel] = []
         for index, panel in enumerate(self.layout):
@@ -67,19 +70,19 @@ class ChartFigure:
             self._draw_key()
 
     @staticmethod
-    def layout_of(state: charts.RunState) -> tuple[charts.Panel, ...]:
+    def layout_of(state: runstate.RunState) -> tuple[chartlayout.Panel, ...]:
         """What the figure's structure depends on; a new figure is built when it changes."""
-        return charts.chart_panels(state)
+        return chartlayout.chart_panels(state)
 
     def _needs_key(self) -> bool:
         ranks = {rank for panel in self.layout for rank in panel.ranks}
         return len(ranks) > 1 or any(panel.kind == "memory" and panel.name == "cuda" for panel in self.layout)
 
-    def _rect(self, panel: charts.Panel, row: int, column: int) -> tuple[float, float, float, float]:
+    def _rect(self, panel: chartlayout.Panel, row: int, column: int) -> tuple[float, float, float, float]:
         """The axes' (left, bottom, width, height) in figure fractions, from CSS-pixel margins."""
         width, height = self.css_size
-        cell_w, cell_h = charts.PANEL_CSS
-        margin = charts.MARGIN_CSS
+        cell_w, cell_h = chartlayout.PANEL_CSS
+        margin = chartlayout.MARGIN_CSS
         right = margin["right_labelled"] if panel.kind == "memory" else margin["right"]
         left_px = column * cell_w + margin["left"]
         top_px = self.key_row + row * cell_h + margin["top"]
@@ -91,28 +94,33 @@ class ChartFigure:
         """One row above the charts naming the ranks' colours, the mean's line and GPU reserved's."""
         ranks = sorted({rank for panel in self.layout for rank in panel.ranks})
         entries: list[tuple[str, str, dict[str, Any]]] = []
-        if len(ranks) > len(charts.RANK_COLOURS):
-            entries.append((f"ranks {ranks[0]}-{ranks[-1]}: one line each", charts.INK, {}))
+        if len(ranks) > len(chartlayout.RANK_COLOURS):
+            entries.append((f"ranks {ranks[0]}-{ranks[-1]}: one line each", chartlayout.INK, {}))
         elif len(ranks) > 1 or len(self.layout) == 1:
-            entries += [(f"rank {rank}", charts.rank_colour(rank), {}) for rank in ranks]
+            entries += [(f"rank {rank}", chartlayout.rank_colour(rank), {}) for rank in ranks]
         if any(panel.kind == "metric" and len(panel.ranks) > 1 for panel in self.layout):
-            entries.append(("mean of ranks", charts.INK, {"linewidth": 3.2, "alpha": 0.55}))
+            entries.append(("mean of ranks", chartlayout.INK, {"linewidth": 3.2, "alpha": 0.55}))
         if any(panel.kind == "memory" and panel.name == "cuda" for panel in self.layout):
-            entries.append(("GPU reserved", charts.INK, {"linestyle": (0, (3, 2))}))
+            entries.append(("GPU reserved", chartlayout.INK, {"linestyle": (0, (3, 2))}))
         width, height = self.css_size
-        y = 1 - (charts.KEY_ROW_CSS / 2) / height
-        x_px = float(charts.MARGIN_CSS["left"])
+        y = 1 - (chartlayout.KEY_ROW_CSS / 2) / height
+        x_px = float(chartlayout.MARGIN_CSS["left"])
         for text, colour, style in entries:
             line_style = {"linewidth": 1.6, **style}
             self.figure.add_artist(
                 _line([x_px / width, (x_px + 18) / width], [y, y], self.figure.transFigure, colour, line_style)
             )
             label = self.figure.text(
-                (x_px + 22) / width, y, text, color=charts.INK, fontsize=_points(charts.FONT_CSS["key"]), va="center"
+                (x_px + 22) / width,
+                y,
+                text,
+                color=chartlayout.INK,
+                fontsize=_points(chartlayout.FONT_CSS["key"]),
+                va="center",
             )
             x_px += 22 + _text_css_width(label) + 18
 
-    def draw(self, state: charts.RunState) -> bytes:
+    def draw(self, state: runstate.RunState) -> bytes:
         """The figure with ``state``'s data, as PNG bytes (transparent background)."""
         for panel in self.panels:
             panel.update(state)
@@ -170,13 +178,13 @@ def _text_css_width(text: Any) -> float:
     """How wide ``text`` is drawn, in CSS pixels (measured, so the key's entries never overlap)."""
     figure = text.get_figure()
     extent = text.get_window_extent(figure.canvas.get_renderer())
-    width: float = extent.width * charts.CSS_DPI / figure.dpi
+    width: float = extent.width * chartlayout.CSS_DPI / figure.dpi
     return width
 
 
 def _points(css_pixels: float) -> float:
     """A font size in points that is ``css_pixels`` tall at the figure's CSS size."""
-    return css_pixels * 72 / charts.CSS_DPI
+    return css_pixels * 72 / chartlayout.CSS_DPI
 
 
 class _Panel:
@@ -184,7 +192,7 @@ class _Panel:
 
     x_label = "step"
 
-    def __init__(self, ax: Any, panel: charts.Panel, state: charts.RunState) -> None:
+    def __init__(self, ax: Any, panel: chartlayout.Panel, state: runstate.RunState) -> None:
         from matplotlib.ticker import MaxNLocator
 
         self.ax = ax
@@ -193,21 +201,28 @@ class _Panel:
         for spine in ("top", "right"):
             ax.spines[spine].set_visible(False)
         for spine in ("left", "bottom"):
-            ax.spines[spine].set_color(charts.INK)
+            ax.spines[spine].set_color(chartlayout.INK)
             ax.spines[spine].set_linewidth(0.8)
-        ax.tick_params(colors=charts.INK, labelsize=_points(charts.FONT_CSS["tick"]), length=3, width=0.8, pad=2)
-        ax.grid(True, color=charts.INK, alpha=charts.GRID_ALPHA, linewidth=0.6)
+        tick_size = _points(chartlayout.FONT_CSS["tick"])
+        ax.tick_params(colors=chartlayout.INK, labelsize=tick_size, length=3, width=0.8, pad=2)
+        ax.grid(True, color=chartlayout.INK, alpha=chartlayout.GRID_ALPHA, linewidth=0.6)
         ax.xaxis.set_major_locator(MaxNLocator(4, integer=self.x_label == "step", min_n_ticks=2))
         ax.xaxis.set_major_formatter(_CompactFormatter())
         ax.yaxis.set_major_formatter(_CompactFormatter())
         # Under the tick labels, at the right end: out of the way of both.
         ax.set_xlabel(
-            self.x_label, fontsize=_points(charts.FONT_CSS["label"]), color=charts.INK, labelpad=0, loc="right"
+            self.x_label,
+            fontsize=_points(chartlayout.FONT_CSS["label"]),
+            color=chartlayout.INK,
+            labelpad=0,
+            loc="right",
         )
-        self.title = ax.set_title("", loc="left", fontsize=_points(charts.FONT_CSS["title"]), color=charts.INK, pad=6)
+        title_size = _points(chartlayout.FONT_CSS["title"])
+        self.title = ax.set_title("", loc="left", fontsize=title_size, color=chartlayout.INK, pad=6)
         self.title.set_fontweight("bold")
 
-    def update(self, state: charts.RunState) -> None:
+    def update(self, state: runstate.RunState) -> None:
+        """Redraw this chart's lines and title from ``state`` (each kind of chart has its own)."""
         raise NotImplementedError
 
     def _rescale(self, scale: str = "linear") -> None:
@@ -234,18 +249,20 @@ class _Panel:
 class _MetricPanel(_Panel):
     """A logged metric: a thin line per rank, the mean of ranks in bold, its value in the title."""
 
-    def __init__(self, ax: Any, panel: charts.Panel, state: charts.RunState) -> None:
+    def __init__(self, ax: Any, panel: chartlayout.Panel, state: runstate.RunState) -> None:
         super().__init__(ax, panel, state)
         many = len(panel.ranks) > 1
         self.rank_lines = {
-            rank: ax.plot([], [], linewidth=1.1 if many else 1.6, color=charts.rank_colour(rank), zorder=3)[0]
+            rank: ax.plot([], [], linewidth=1.1 if many else 1.6, color=chartlayout.rank_colour(rank), zorder=3)[0]
             for rank in panel.ranks
         }
         # Under the ranks' lines, wide and half-transparent: ranks that agree show on top of it.
-        self.mean_line = ax.plot([], [], linewidth=3.2, alpha=0.55, color=charts.INK, zorder=2)[0] if many else None
+        mean_line = ax.plot([], [], linewidth=3.2, alpha=0.55, color=chartlayout.INK, zorder=2)[0] if many else None
+        self.mean_line = mean_line
         self.band: Any = None
 
-    def update(self, state: charts.RunState) -> None:
+    def update(self, state: runstate.RunState) -> None:
+        """Each rank's line, the mean of the ranks with its range shaded, the title with the latest value."""
         history = state.metrics[self.panel.name]
         longest: list[float] = []
         for rank, line in self.rank_lines.items():
@@ -261,11 +278,11 @@ class _MetricPanel(_Panel):
             self.mean_line.set_data(steps, means)
             if len(steps) < history.mean.count:  # each point stands for several steps: shade their range
                 self.band = self.ax.fill_between(
-                    steps, lows, highs, color=charts.INK, alpha=0.15, linewidth=0, zorder=1
+                    steps, lows, highs, color=chartlayout.INK, alpha=0.15, linewidth=0, zorder=1
                 )
             latest = history.mean.last_value if history.mean.count else latest
-        self._rescale("log" if charts.wants_log_scale(longest) else "linear")
-        self.title.set_text(charts.fit_title(self.panel.name, charts.format_value(latest)))
+        self._rescale("log" if chartlayout.wants_log_scale(longest) else "linear")
+        self.title.set_text(chartlayout.fit_title(self.panel.name, livetext.format_value(latest)))
 
 
 class _TimePanel(_Panel):
@@ -275,31 +292,32 @@ class _TimePanel(_Panel):
 class _MemoryPanel(_TimePanel):
     """Memory per rank over time; each rank's current value labelled at the right edge."""
 
-    def __init__(self, ax: Any, panel: charts.Panel, state: charts.RunState) -> None:
+    def __init__(self, ax: Any, panel: chartlayout.Panel, state: runstate.RunState) -> None:
         super().__init__(ax, panel, state)
         self.lines: dict[int, list[Any]] = {}
         for rank in panel.ranks:
-            colour = charts.rank_colour(rank)
+            colour = chartlayout.rank_colour(rank)
             lines = [ax.plot([], [], linewidth=1.6, color=colour)[0]]
             if panel.name == "cuda":  # reserved: what the caching allocator holds, dashed
                 lines.append(ax.plot([], [], linewidth=1.0, linestyle=(0, (3, 2)), color=colour)[0])
             self.lines[rank] = lines
-        labelled = panel.ranks if len(panel.ranks) <= charts.LABELLED_RANKS else ()
-        size = _points(charts.FONT_CSS["value"])
+        labelled = panel.ranks if len(panel.ranks) <= chartlayout.LABELLED_RANKS else ()
+        size = _points(chartlayout.FONT_CSS["value"])
         self.labels = {
             rank: ax.annotate(
                 "", xy=(1, 0), xycoords="axes fraction", xytext=(4, 0), textcoords="offset points",
-                va="center", ha="left", fontsize=size, color=charts.rank_colour(rank), annotation_clip=False,
+                va="center", ha="left", fontsize=size, color=chartlayout.rank_colour(rank), annotation_clip=False,
             )
             for rank in labelled
         }
 
-    def update(self, state: charts.RunState) -> None:
+    def update(self, state: runstate.RunState) -> None:
+        """Each rank's memory over time in MiB or GiB, its current value labelled at the right (up to four ranks)."""
         drawn = {
             rank: [series.coarsened(DRAWN_POINTS) for series in state.memory[rank].charted()] for rank in self.lines
         }
         largest = max((max(highs, default=0.0) for parts in drawn.values() for _, _, _, highs in parts), default=0.0)
-        divisor, unit = charts.byte_unit(largest)
+        divisor, unit = chartlayout.byte_unit(largest)
         for rank, lines in self.lines.items():
             for line, (seconds, values, _, _) in zip(lines, drawn[rank], strict=False):
                 line.set_data(seconds, [v / divisor for v in values])
@@ -308,11 +326,11 @@ class _MemoryPanel(_TimePanel):
         title = f"GPU allocated, {unit}" if self.panel.name == "cuda" else f"host RSS, {unit}"
         value = ""
         if not self.labels:  # too many ranks to label each: the largest current value
-            value = "max " + charts.format_bytes(max(state.memory[rank].current_bytes or 0 for rank in self.lines))
-        self.title.set_text(charts.fit_title(title, value))
+            value = "max " + livetext.format_bytes(max(state.memory[rank].current_bytes or 0 for rank in self.lines))
+        self.title.set_text(chartlayout.fit_title(title, value))
         self._place_labels(state)
 
-    def _place_labels(self, state: charts.RunState) -> None:
+    def _place_labels(self, state: runstate.RunState) -> None:
         """Each rank's current value at the right edge, level with its line's end, never overlapping."""
         if not self.labels:
             return
@@ -324,31 +342,32 @@ class _MemoryPanel(_TimePanel):
             lines = self.lines[rank][0].get_ydata()
             value = lines[-1] if len(lines) else 0.0
             wanted.append((rank, current, (value - low) / (high - low) if high > low else 0.0))
-        height_px = ax.get_position().height * ax.get_figure().get_figheight() * charts.CSS_DPI
-        gap = 1.25 * charts.FONT_CSS["value"] / height_px
-        spread = charts.spread_labels([w[2] for w in wanted], gap, gap / 2, 1 - gap / 2)
+        height_px = ax.get_position().height * ax.get_figure().get_figheight() * chartlayout.CSS_DPI
+        gap = 1.25 * chartlayout.FONT_CSS["value"] / height_px
+        spread = chartlayout.spread_labels([w[2] for w in wanted], gap, gap / 2, 1 - gap / 2)
         for (rank, current, _), y in zip(wanted, spread, strict=True):
             label = self.labels[rank]
             label.xy = (1, y)
-            label.set_text(charts.format_bytes(current))
+            label.set_text(livetext.format_bytes(current))
 
 
 class _ThroughputPanel(_TimePanel):
     """Steps (or samples) per second over the run, measured over a sliding window."""
 
-    def __init__(self, ax: Any, panel: charts.Panel, state: charts.RunState) -> None:
+    def __init__(self, ax: Any, panel: chartlayout.Panel, state: runstate.RunState) -> None:
         super().__init__(ax, panel, state)
-        self.line = ax.plot([], [], linewidth=1.6, color=charts.THROUGHPUT_COLOUR)[0]
+        self.line = ax.plot([], [], linewidth=1.6, color=chartlayout.THROUGHPUT_COLOUR)[0]
 
-    def update(self, state: charts.RunState) -> None:
+    def update(self, state: runstate.RunState) -> None:
+        """The run's step or sample rate over time, the title with the latest."""
         per_step = (state.batch_size or 1) * state.world_size if self.panel.name == "samples/s" else 1
         seconds, rates, _, _ = state.throughput.coarsened(DRAWN_POINTS)
         self.line.set_data(seconds, [rate * per_step for rate in rates])
         self._rescale()
         self.ax.set_ylim(0, max(max(rates, default=0.0) * per_step * 1.12, 1e-9))  # headroom: the line clear of the top
         latest = state.throughput.last_value
-        shown = charts.format_rate(None if latest is None else latest * per_step, self.panel.name)
-        self.title.set_text(charts.fit_title("throughput", shown))
+        shown = livetext.format_rate(None if latest is None else latest * per_step, self.panel.name)
+        self.title.set_text(chartlayout.fit_title("throughput", shown))
 
 
 _PANEL_KINDS = {"metric": _MetricPanel, "memory": _MemoryPanel, "throughput": _ThroughputPanel}
@@ -358,18 +377,18 @@ def _compact_formatter_class() -> type:
     from matplotlib.ticker import Formatter
 
     class CompactFormatter(Formatter):
-        """Tick labels from :func:`nbtrain.charts.tick_labels`: compact, exact, never an offset."""
+        """Tick labels from :func:`~nbtrain.kernel.display.chartlayout.tick_labels`: compact, exact, never an offset."""
 
         def __init__(self) -> None:
             self.labels: dict[float, str] = {}
 
         def set_locs(self, locs: Any) -> None:
             values = [float(loc) for loc in locs]
-            self.labels = dict(zip(values, charts.tick_labels(values), strict=True))
+            self.labels = dict(zip(values, chartlayout.tick_labels(values), strict=True))
 
         def __call__(self, x: float, pos: int | None = None) -> str:
             label = self.labels.get(x)
-            return label if label is not None else charts.compact_number(x)
+            return label if label is not None else chartlayout.compact_number(x)
 
     return CompactFormatter
 

@@ -13,7 +13,7 @@ output lines as they arrive, and the multi-line summary at the end.
 Cost, bounded: a frame is sent at most four times a second and at least once a second;
 the charts (the only expensive part) are redrawn only when their data changed, and no more
 often than keeps drawing under ``CHART_CPU_SHARE`` of one core. What state the charts show
-is bounded by :mod:`nbtrain.charts`, so the final frame of a 100k-step run is as small as
+is bounded by :mod:`nbtrain.runstate`, so the final frame of a 100k-step run is as small as
 that of a short one.
 
 Example (in a notebook cell):
@@ -38,7 +38,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from nbtrain import charts, config, events
+from nbtrain import config, events, runstate
+from nbtrain.kernel.display import livetext
 from nbtrain.kernel.display.chart import ChartFigure
 from nbtrain.kernel.display.show import frontend_is_rich
 
@@ -51,8 +52,8 @@ SLOWEST_CHART_SECONDS = 1.0  # ...but a moving run's chart is never older than t
 MAX_LOG_RANKS = 16  # logs of more ranks than this would dwarf the charts
 
 _STATE_COLOURS = {
-    charts.STARTING: "#757575",
-    charts.RUNNING: "#1565c0",
+    runstate.STARTING: "#757575",
+    runstate.RUNNING: "#1565c0",
     events.FINISHED: "#2e7d32",
     events.FAILED: "#c62828",
     events.STOPPED: "#ef6c00",
@@ -90,13 +91,13 @@ class LiveView:
         rich: bool | None = None,
         stream: TextIO | None = None,
         show_logs: bool = True,
-        stall_warning: float | None = charts.STALL_SECONDS,
+        stall_warning: float | None = runstate.STALL_SECONDS,
     ) -> None:
         if config is not None:
             strategy = strategy or config.strategy.name
             accelerator = accelerator or config.plan.accelerator
             world_size = world_size or config.world_size
-        self.state = charts.RunState(
+        self.state = runstate.RunState(
             strategy or "",
             accelerator or "",
             world_size or 1,
@@ -176,7 +177,7 @@ class LiveView:
         if self.rich:
             self._show_rich(time.monotonic(), force=True)
         else:
-            self._write(charts.summary_text(self.state, time.monotonic()) + "\n")
+            self._write(livetext.summary_text(self.state, time.monotonic()) + "\n")
             self.frames += 1
 
     def _show_rich(self, now: float, force: bool) -> None:
@@ -193,8 +194,8 @@ class LiveView:
             self._handle.update(bundle, raw=True)
 
     def _show_text(self, now: float, force: bool) -> None:
-        line = charts.one_line_progress(self.state, now)
-        progress = charts.progress_text(self.state) + self.state.state
+        line = livetext.one_line_progress(self.state, now)
+        progress = livetext.progress_text(self.state) + self.state.state
         moved = progress != self._text_progress
         due = now - self._text_line_at >= (TEXT_LINE_SECONDS if moved else TEXT_HEARTBEAT_SECONDS)
         if force or due:
@@ -213,7 +214,7 @@ class LiveView:
         now = time.monotonic() if now is None else now
         return {
             "text/html": self.html(now, force_charts),
-            "text/plain": charts.summary_text(self.state, now),
+            "text/plain": livetext.summary_text(self.state, now),
         }
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
@@ -248,8 +249,8 @@ class LiveView:
         """The frame's HTML: status line, progress bar, failure, charts as an inline PNG, log tails."""
         state = self.state
         colour = _STATE_COLOURS.get(state.state, "#000")
-        status_parts = [html.escape(part) for part in charts.status_line(state, now).split(" · ")]
-        state_index = charts.STATUS_STATE_INDEX
+        status_parts = [html.escape(part) for part in livetext.status_line(state, now).split(" · ")]
+        state_index = livetext.STATUS_STATE_INDEX
         status_parts[state_index] = f'<b style="color:{colour}">{status_parts[state_index]}</b>'
         status = " · ".join(status_parts)
         parts = [
@@ -278,8 +279,8 @@ class LiveView:
         return "".join(parts)
 
 
-def _progress_html(state: charts.RunState) -> str:
-    fraction = charts.progress_fraction(state)
+def _progress_html(state: runstate.RunState) -> str:
+    fraction = livetext.progress_fraction(state)
     step = state.current_step
     if fraction is None:
         label = "no steps logged yet" if step is None else f"step {step:,}"
@@ -288,7 +289,7 @@ def _progress_html(state: charts.RunState) -> str:
     label = f"step {step or 0:,} / {state.known_total:,} ({fraction:.0%})"
     eta = state.eta_seconds()
     if eta is not None:
-        label += f" · ETA {charts.format_duration(eta)}"
+        label += f" · ETA {livetext.format_duration(eta)}"
     return (
         '<div style="display:flex;align-items:center;gap:8px">'
         '<div style="flex:0 0 300px;height:10px;background:#e0e0e0;border-radius:3px;overflow:hidden">'
@@ -311,7 +312,7 @@ _RESTORE_TOGGLES = (
 )
 
 
-def _logs_html(state: charts.RunState, key: str = "") -> str:
+def _logs_html(state: runstate.RunState, key: str = "") -> str:
     parts = []
     ranks = sorted(state.logs)
     for rank in ranks[:MAX_LOG_RANKS]:
@@ -345,7 +346,7 @@ def watch(
     total_steps: int | None = None,
     batch_size: int | None = None,
     rich: bool | None = None,
-    stall_warning: float | None = charts.STALL_SECONDS,
+    stall_warning: float | None = runstate.STALL_SECONDS,
 ) -> Any:
     """Show ``run`` live in this cell until it ends; return rank 0's result (or raise its failure).
 
@@ -389,6 +390,7 @@ class NotedLiveView(LiveView):
     note = ""
 
     def mimebundle(self, now: float | None = None, force_charts: bool = False) -> dict[str, str]:
+        """The live view's frame with the note under it, in HTML and in plain text."""
         bundle = dict(super().mimebundle(now, force_charts))
         if self.note:
             bundle["text/html"] += (

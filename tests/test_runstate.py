@@ -1,4 +1,4 @@
-"""The live view's state (nbtrain.charts): series, downsampling, memory, logs, rates, text.
+"""The live view's run state (nbtrain.runstate): series, downsampling, memory, logs, rates, stalls.
 
 Pure: events are built by hand, clocks are plain numbers; no process, no drawing.
 """
@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from nbtrain import charts, events
-from nbtrain.charts import DownsampledSeries, LogTail, MetricHistory, RunState, StepRate
+from nbtrain import events
+from nbtrain.kernel.display import livetext
+from nbtrain.runstate import DownsampledSeries, LogTail, MetricHistory, RunState, StepRate
 
 RUN = 1
 
@@ -321,7 +322,7 @@ def test_memory_shows_cuda_allocated_and_peak_on_gpu():
     memory = state.memory[0]
     assert (memory.current_bytes, memory.peak_bytes) == (2 * 2**30, 3 * 2**30)
     assert state.memory_kind == "cuda"
-    assert "GPU allocated" in charts.memory_line(state)
+    assert "GPU allocated" in livetext.memory_line(state)
 
 
 def test_memory_is_kept_over_the_run_per_rank():
@@ -354,62 +355,9 @@ def test_throughput_follows_the_step_rate_over_the_run():
     assert state.throughput.count == 2
 
 
-# --- text --------------------------------------------------------------------------------
-
-
-def test_summary_text_has_state_step_loss_and_memory_per_rank():
-    state = two_rank_state(total_steps=200)
-    state.apply(events.RankStarted(RUN, 0, 1), now=100.1)
-    state.apply(metrics(0, range(1, 101), value=lambda s: 0.5), now=101.0)
-    state.apply(metrics(1, range(1, 101), value=lambda s: 0.25), now=101.0)
-    state.apply(events.MemorySample(RUN, 0, 300 * 2**20), now=101.0)
-    state.apply(events.MemorySample(RUN, 1, 310 * 2**20), now=101.0)
-    lines = charts.summary_text(state, now=112.5).splitlines()
-    assert lines == [
-        "nbtrain · ddp_notebook · cpu · 2 ranks · running · 12.5 s · 1 steps/s",
-        "step 100/200 [##########----------] 50% · ETA 1:40",
-        "loss  rank 0: 0.5  rank 1: 0.25  mean: 0.375",
-        "memory (host RSS)  rank 0: 300.0 MiB (peak 300.0 MiB)  rank 1: 310.0 MiB (peak 310.0 MiB)",
-    ]
-
-
-def test_one_line_progress_for_terminals():
-    state = RunState("ddp_notebook", "cpu", 1, started_at=0.0)
-    state.apply(metrics(0, range(1, 4), value=lambda s: 0.125), now=2.0)
-    assert charts.one_line_progress(state, now=2.0) == "[nbtrain] running · 2.0 s · step 3 · 1 steps/s · loss 0.125"
-
-
-def test_a_run_that_ends_early_shows_how_far_it_got():
-    state = RunState(total_steps=100)
-    state.apply(metrics(0, range(1, 61)), now=1.0)
-    state.finish(events.FINISHED, now=2.0)
-    assert charts.progress_fraction(state) == 0.6
-
-
-def test_a_total_that_the_steps_overtake_is_dropped_not_shown_past_100_percent():
-    state = RunState(total_steps=100)
-    state.apply(metrics(0, range(1, 101)), now=1.0)
-    assert charts.progress_text(state).startswith("step 100/100 [####################] 100%")
-    assert state.eta_seconds() == 0.0
-    state.apply(metrics(0, range(101, 131)), now=2.0)  # the total was wrong: the run goes on
-    assert state.known_total is None and state.total_steps == 100
-    assert charts.progress_fraction(state) is None and state.eta_seconds() is None
-    assert charts.progress_text(state) == "step 130"
-    state.finish(events.FINISHED, now=3.0)
-    assert charts.summary_text(state, now=3.0).splitlines()[1] == "step 130"
-
-
-@pytest.mark.parametrize(
-    ("values", "expected"),
-    [([2.0, 0.5, 0.01], True), ([2.0, 0.5, 0.1], False), ([0.001, 0.5, 0.99], False), ([1.0, 0.0, 0.001], False)],
-)
-def test_log_scale_only_for_a_decaying_quantity_over_two_decades(values, expected):
-    assert charts.wants_log_scale(values) is expected
-
-
-def test_charts_imports_nothing_heavy():
+def test_runstate_imports_nothing_heavy():
     code = (
-        "import sys, nbtrain.charts; "
+        "import sys, nbtrain.runstate; "
         "print(sorted(m for m in ('torch', 'matplotlib', 'IPython', 'numpy') if m in sys.modules))"
     )
     env = {**os.environ, "NBTRAIN_PREWARM": "0"}
@@ -429,8 +377,8 @@ def test_a_rank_that_stops_stepping_while_the_others_go_on_is_named():
         if second <= 5:
             state.apply(metrics(1, range(second + 1, second + 2)), now=float(second))
     assert state.stall(now=40.0) == "no step from rank 1 for 35 s (at step 6; the others are at step 41)"
-    assert "no step from rank 1 for 35 s" in charts.summary_text(state, 40.0)
-    assert "no step from rank 1 for 35 s" in charts.one_line_progress(state, 40.0)
+    assert "no step from rank 1 for 35 s" in livetext.summary_text(state, 40.0)
+    assert "no step from rank 1 for 35 s" in livetext.one_line_progress(state, 40.0)
 
 
 def test_in_a_deadlock_the_rank_behind_is_named_and_nothing_before_the_limit():
@@ -454,3 +402,4 @@ def test_ranks_stopped_at_the_same_step_and_runs_that_ended_or_never_log():
     assert RunState(stall_seconds=None).stall(now=1e9) is None
     with pytest.raises(ValueError, match="stall_seconds must be a positive number of seconds or None, not 0"):
         RunState(stall_seconds=0)
+

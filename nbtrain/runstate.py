@@ -1,4 +1,4 @@
-"""What the live view knows about a run: metric series, memory, log tails, rates and text.
+"""What the live view knows about a run: metric series, memory, log tails and rates.
 
 Pure: it reads event records and keeps bounded state; it imports no torch, no matplotlib and
 no IPython, so every rule here is unit-tested without a process. ``nbtrain.kernel.display``
@@ -24,6 +24,7 @@ Example:
     >>> state.metrics["loss"].mean.last_value
     0.5
     >>> state.finish("finished", now=1.0)
+    >>> from nbtrain.kernel.display.livetext import summary_text
     >>> print(summary_text(state, now=5.0))
     nbtrain · ddp_notebook · cpu · 2 ranks · finished · 1.0 s · 1 steps/s
     step 2/100 [--------------------] 2%
@@ -33,9 +34,7 @@ Example:
 from __future__ import annotations
 
 import collections
-import itertools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from nbtrain import events
@@ -65,6 +64,7 @@ class _Bucket:
         self.count = 1
 
     def add(self, step: float, value: float) -> None:
+        """Count one more point into this bucket."""
         self.step_sum += step
         self.value_sum += value
         self.count += 1
@@ -72,6 +72,7 @@ class _Bucket:
         self.high = max(self.high, value)
 
     def absorb(self, other: _Bucket) -> None:
+        """Merge the next bucket's points into this one (see ``DownsampledSeries._merge_pairs``)."""
         self.step_sum += other.step_sum
         self.value_sum += other.value_sum
         self.count += other.count
@@ -111,6 +112,7 @@ class DownsampledSeries:
         return len(self._buckets)
 
     def append(self, step: float, value: float) -> None:
+        """Add one point; a value that is not finite is counted and kept as ``last_value``, not charted."""
         self.count += 1
         self.last_step = step
         self.last_value = value
@@ -137,19 +139,24 @@ class DownsampledSeries:
         self.points_per_bucket *= 2
 
     def steps(self) -> list[float]:
+        """Each bucket's mean step: the x values of the chart's line."""
         return [b.step_sum / b.count for b in self._buckets]
 
     def means(self) -> list[float]:
+        """Each bucket's mean value: the chart's line."""
         return [b.value_sum / b.count for b in self._buckets]
 
     def lows(self) -> list[float]:
+        """Each bucket's lowest value: the bottom of the band around the line."""
         return [b.low for b in self._buckets]
 
     def highs(self) -> list[float]:
+        """Each bucket's highest value: the top of the band around the line."""
         return [b.high for b in self._buckets]
 
     @property
     def is_downsampled(self) -> bool:
+        """True once buckets hold more than one point each (old history merged pairwise)."""
         return self.points_per_bucket > 1
 
     def coarsened(self, max_points: int) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -215,6 +222,7 @@ class MetricHistory:
         self._settled_through = -math.inf
 
     def add(self, rank: int, step: int, value: float, now: float) -> None:
+        """Record ``rank``'s ``value`` at ``step``, received at ``now``; its mean waits (see the class)."""
         series = self.ranks.get(rank)
         if series is None:
             series = self.ranks[rank] = DownsampledSeries(self.max_points)
@@ -251,6 +259,7 @@ class MetricHistory:
                 self._take(step)
 
     def settle_all(self) -> None:
+        """Take every waiting step into ``mean``: the run ended, no rank will add to them."""
         for step in sorted(self._waiting):
             self._take(step)
 
@@ -260,6 +269,7 @@ class MetricHistory:
         self._settled_through = max(self._settled_through, step)
 
     def last_values(self) -> dict[int, float | None]:
+        """Each rank's latest value, by rank."""
         return {rank: self.ranks[rank].last_value for rank in sorted(self.ranks)}
 
 
@@ -296,14 +306,17 @@ class RankMemory:
 
     @property
     def rss_bytes(self) -> int | None:
+        """The latest host RSS in bytes (None before a sample)."""
         return _as_bytes(self.rss.last_value)
 
     @property
     def cuda_allocated_bytes(self) -> int | None:
+        """The latest CUDA memory allocated in bytes (None on a CPU rank)."""
         return _as_bytes(self.cuda_allocated.last_value)
 
     @property
     def on_cuda(self) -> bool:
+        """True once the rank reported CUDA figures."""
         return self.cuda_allocated.count > 0
 
     @property
@@ -313,6 +326,7 @@ class RankMemory:
 
     @property
     def peak_bytes(self) -> int | None:
+        """The peak of what ``current_bytes`` shows: CUDA's peak allocated on a GPU rank, RSS's otherwise."""
         return self.cuda_peak_bytes if self.on_cuda else self.rss_peak_bytes
 
     def charted(self) -> tuple[DownsampledSeries, ...]:
@@ -343,6 +357,7 @@ class LogTail:
         self.total = 0
 
     def add(self, stream: str, text: str) -> None:
+        """Add ``text`` the rank wrote on ``stream`` (``stdout``/``stderr``), line by line."""
         # Not splitlines(): it would split at every "\r" and keep each redraw as a line.
         pieces = text.split("\n")
         if pieces and pieces[-1] == "":
@@ -382,11 +397,13 @@ class StepRate:
         self._samples: collections.deque[tuple[float, float]] = collections.deque()
 
     def add(self, time: float, step: float) -> None:
+        """The progress rank was at ``step`` at ``time`` (its own clock); older samples leave the window."""
         self._samples.append((time, step))
         while len(self._samples) > 2 and time - self._samples[1][0] >= self.window:
             self._samples.popleft()
 
     def per_second(self) -> float | None:
+        """Steps per second over the window (None until two samples at different times)."""
         if len(self._samples) < 2:
             return None
         (first_time, first_step), (last_time, last_step) = self._samples[0], self._samples[-1]
@@ -568,6 +585,7 @@ class RunState:
     # -- reading ---------------------------------------------------------------------
     @property
     def ended(self) -> bool:
+        """True once the run ended (finished, failed, stopped or timed out)."""
         return self.state in END_STATES
 
     @property
@@ -586,6 +604,7 @@ class RunState:
 
     @property
     def current_step(self) -> int | None:
+        """The progress rank's latest step (None before any step was logged)."""
         rank = self.progress_rank
         return None if rank is None else self.latest_step[rank]
 
@@ -625,15 +644,18 @@ class RunState:
         return text
 
     def elapsed(self, now: float) -> float:
+        """Seconds since the run started, stopped at its end."""
         end = self.ended_at if self.ended_at is not None else now
         return max(0.0, end - self.started_at)
 
     @property
     def steps_per_second(self) -> float | None:
+        """The progress rank's recent step rate (None until it can be measured)."""
         return self.rate.per_second()
 
     @property
     def samples_per_second(self) -> float | None:
+        """Samples per second over every rank, when the batch size is known."""
         rate = self.steps_per_second
         if rate is None or self.batch_size is None:
             return None
@@ -652,6 +674,7 @@ class RunState:
         >>> state.known_total
         2
         >>> state.apply(events.Metrics(1, 0, ((3, 2.0, {}),)), now=2.0)
+        >>> from nbtrain.kernel.display.livetext import progress_text
         >>> state.known_total, progress_text(state)
         (None, 'step 3')
         """
@@ -661,6 +684,7 @@ class RunState:
         return total
 
     def eta_seconds(self) -> float | None:
+        """Seconds left at the current rate, when a total holds and the run goes on."""
         rate, step, total = self.steps_per_second, self.current_step, self.known_total
         if self.ended or total is None or step is None or not rate or rate <= 0:
             return None
@@ -682,370 +706,3 @@ def _describe_exit(event: events.RankExited) -> str:
     if event.signal_number is not None:
         return f"rank {event.rank} was killed by signal {event.signal_number}"
     return f"rank {event.rank} exited with code {event.exit_code} before it finished"
-
-
-# -- text ------------------------------------------------------------------------------
-
-
-def format_bytes(count: float | None) -> str:
-    """Bytes in the largest binary unit that keeps the number readable.
-
-    >>> format_bytes(512), format_bytes(3 * 2**20), format_bytes(1.5 * 2**30), format_bytes(None)
-    ('512 B', '3.0 MiB', '1.50 GiB', '–')
-    """
-    if count is None:
-        return "–"
-    if count < 1024:
-        return f"{int(count)} B"
-    if count < 2**20:
-        return f"{count / 1024:.1f} KiB"
-    if count < 2**30:
-        return f"{count / 2**20:.1f} MiB"
-    return f"{count / 2**30:.2f} GiB"
-
-
-def format_duration(seconds: float | None) -> str:
-    """Seconds as ``4.2 s``, ``3:07`` or ``1:02:03``.
-
-    >>> format_duration(4.24), format_duration(187), format_duration(3723), format_duration(None)
-    ('4.2 s', '3:07', '1:02:03', '–')
-    """
-    if seconds is None:
-        return "–"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    whole = round(seconds)
-    hours, rest = divmod(whole, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
-def format_rate(per_second: float | None, unit: str) -> str:
-    """A rate with three significant figures.
-
-    >>> format_rate(12.345, "steps/s"), format_rate(0.0123, "steps/s"), format_rate(12345.6, "samples/s")
-    ('12.3 steps/s', '0.0123 steps/s', '12,346 samples/s')
-    """
-    if per_second is None:
-        return f"– {unit}"
-    if per_second >= 1000:
-        return f"{per_second:,.0f} {unit}"
-    return f"{per_second:.3g} {unit}"
-
-
-def format_value(value: float | None) -> str:
-    """A metric value, short.
-
-    >>> format_value(0.123456), format_value(1234567.0), format_value(float("nan")), format_value(None)
-    ('0.1235', '1.235e+06', 'nan', '–')
-    """
-    if value is None:
-        return "–"
-    return f"{value:.4g}"
-
-
-STATUS_STATE_INDEX = 4  # where status_line puts the state, for a view that colours it
-
-
-def status_line(state: RunState, now: float) -> str:
-    """Strategy, accelerator, ranks, state, elapsed time and rates, joined by " · "."""
-    parts = [
-        "nbtrain",
-        state.strategy or "?",
-        state.accelerator or "?",
-        f"{state.world_size} rank" + ("" if state.world_size == 1 else "s"),
-        state.debugger_text if state.debugger_text and state.ended_at is None else state.state_text,
-        format_duration(state.elapsed(now)),
-    ]
-    if state.steps_per_second is not None:
-        parts.append(format_rate(state.steps_per_second, "steps/s"))
-    if state.samples_per_second is not None:
-        parts.append(format_rate(state.samples_per_second, "samples/s"))
-    return " · ".join(parts)
-
-
-def progress_fraction(state: RunState) -> float | None:
-    """How far the run is, 0..1, when a total is known (and not yet overtaken: see ``known_total``).
-
-    The logged step decides, even at the end: a run that finished at step 60 of a promised
-    100 shows 60%, not a full bar.
-    """
-    total = state.known_total
-    if total is None:
-        return None
-    step = state.current_step or 0
-    return min(1.0, max(0.0, step / total))
-
-
-def progress_text(state: RunState, bar_width: int = 20) -> str:
-    """``step 50/100 [##########----------] 50% · ETA 5.0 s`` (no bar without a total).
-
-    >>> s = RunState(total_steps=4)
-    >>> progress_text(s), progress_text(RunState())
-    ('step 0/4 [--------------------] 0%', 'no steps logged yet')
-    """
-    step = state.current_step
-    fraction = progress_fraction(state)
-    if fraction is None:
-        return "no steps logged yet" if step is None else f"step {step:,}"
-    filled = round(fraction * bar_width)
-    text = f"step {step or 0:,}/{state.known_total:,} [{'#' * filled}{'-' * (bar_width - filled)}] {fraction:.0%}"
-    eta = state.eta_seconds()
-    if eta is not None:
-        text += f" · ETA {format_duration(eta)}"
-    return text
-
-
-def metric_line(history: MetricHistory) -> str:
-    """``loss  rank 0: 0.51  rank 1: 0.49  mean: 0.5``."""
-    values = "  ".join(f"rank {rank}: {format_value(v)}" for rank, v in history.last_values().items())
-    if len(history.ranks) > 1 and history.mean.last_value is not None:
-        values += f"  mean: {format_value(history.mean.last_value)}"
-    return f"{history.name}  {values}"
-
-
-def memory_line(state: RunState) -> str | None:
-    """``memory (host RSS)  rank 0: 300 MiB (peak 310 MiB)  ...`` or None before any sample."""
-    if not state.memory:
-        return None
-    label = "GPU allocated" if state.memory_kind == "cuda" else "host RSS"
-    ranks = "  ".join(
-        f"rank {rank}: {format_bytes(m.current_bytes)} (peak {format_bytes(m.peak_bytes)})"
-        for rank, m in sorted(state.memory.items())
-    )
-    return f"memory ({label})  {ranks}"
-
-
-def summary_text(state: RunState, now: float, max_metrics: int = MAX_METRIC_CHARTS) -> str:
-    """The compact multi-line status: what a plain frontend shows (the text/plain part)."""
-    lines = [status_line(state, now), progress_text(state)]
-    if state.failure:
-        lines.append(state.failure)
-    stall = state.stall(now)
-    if stall:
-        lines.append(stall)
-    for name in state.chart_metric_names(max_metrics):
-        lines.append(metric_line(state.metrics[name]))
-    memory = memory_line(state)
-    if memory:
-        lines.append(memory)
-    return "\n".join(lines)
-
-
-def one_line_progress(state: RunState, now: float) -> str:
-    """A single line for a terminal: state, time, step, rate and the first metric's mean."""
-    parts = [f"[nbtrain] {state.state_text}", format_duration(state.elapsed(now)), progress_text(state)]
-    stall = state.stall(now)
-    if stall:
-        parts.append(stall)
-    if state.steps_per_second is not None:
-        parts.append(format_rate(state.steps_per_second, "steps/s"))
-    names = state.chart_metric_names(1)
-    if names:
-        history = state.metrics[names[0]]
-        shown = history.mean.last_value if len(history.ranks) > 1 else next(iter(history.ranks.values())).last_value
-        where = f" (mean of {len(history.ranks)} ranks)" if len(history.ranks) > 1 else ""
-        parts.append(f"{names[0]} {format_value(shown)}{where}")
-    return " · ".join(parts)
-
-
-def wants_log_scale(values: list[float]) -> bool:
-    """A log y axis for a decaying positive quantity that spans over two decades (a loss).
-
-    Rising ones (an accuracy climbing from 0.001) stay linear: their story is near the top.
-
-    >>> wants_log_scale([10.0, 1.0, 0.05]), wants_log_scale([1.0, 0.5]), wants_log_scale([0.001, 0.9, 1.0])
-    (True, False, False)
-    >>> wants_log_scale([1.0, -1.0]), wants_log_scale([])
-    (False, False)
-    """
-    if len(values) < 2 or values[0] <= values[-1]:
-        return False
-    low, high = math.inf, -math.inf
-    for value in values:
-        if value <= 0:
-            return False
-        low, high = min(low, value), max(high, value)
-    return high > low * 100
-
-
-# -- chart layout ----------------------------------------------------------------------
-# What the figure looks like, decided here without matplotlib (nbtrain.kernel.display.chart
-# draws it). Sizes are CSS pixels: the PNG has PIXEL_RATIO times as many pixels and the
-# page shows it at the CSS size, so it is sharp on high-DPI screens and its type has a
-# known size on every screen.
-
-PIXEL_RATIO = 2
-CSS_DPI = 96  # CSS pixels per inch: the figure's size in inches is its CSS size / 96
-PANEL_CSS = (280, 190)  # one chart's cell, labels included
-PANELS_PER_ROW = 3
-KEY_ROW_CSS = 22  # the row above the charts that names the ranks' colours
-FONT_CSS = {"tick": 11.0, "label": 11.0, "title": 12.5, "key": 11.0, "value": 11.0}
-# Margins of a chart inside its cell: left for the y tick labels, bottom for the x tick
-# labels and the axis name, top for the title; right for the memory chart's value labels.
-MARGIN_CSS = {"left": 58, "right": 16, "top": 24, "bottom": 36, "right_labelled": 62}
-# One ink for text, ticks and the mean line, at equal contrast (about 4.4:1) on white and
-# on JupyterLab's dark background (#111): the PNG is transparent and serves both themes.
-INK = "#777777"
-GRID_ALPHA = 0.25
-# Mid-luminance colours that read on white and on near-black alike.
-RANK_COLOURS = ("#3b82f6", "#f97316", "#22c55e", "#ef4444", "#a855f7", "#eab308", "#14b8a6", "#ec4899")
-THROUGHPUT_COLOUR = "#14b8a6"
-LABELLED_RANKS = 4  # the memory chart labels each rank's current value up to this many ranks
-
-
-# A chart's title fits above its axes: bold DejaVu Sans averages under 0.68 em a character.
-TITLE_CHARS = int((PANEL_CSS[0] - MARGIN_CSS["left"] + 8) / (0.68 * FONT_CSS["title"]))
-
-
-def fit_title(name: str, value: str = "", limit: int = TITLE_CHARS) -> str:
-    """``name  value`` in at most ``limit`` characters: the name gives way, the value stays.
-
-    >>> fit_title("loss", "0.25"), fit_title("validation_loss_exponential_average", "0.25", limit=20)
-    ('loss  0.25', 'validation_lo…  0.25')
-    """
-    tail = f"  {value}" if value else ""
-    room = max(1, limit - len(tail))
-    if len(name) > room:
-        name = name[: max(1, room - 1)] + "…"
-    return name + tail
-
-
-@dataclass(frozen=True)
-class Panel:
-    """One chart of the figure: a metric's, the memory's or the throughput's.
-
-    ``name`` is the metric's name, ``"rss"`` / ``"cuda"`` for memory, ``"steps/s"`` /
-    ``"samples/s"`` for throughput; ``ranks`` are those with a line in it.
-    """
-
-    kind: str  # "metric" | "memory" | "throughput"
-    name: str
-    ranks: tuple[int, ...] = ()
-
-
-def chart_panels(state: RunState, max_metrics: int = MAX_METRIC_CHARTS) -> tuple[Panel, ...]:
-    """The charts the figure shows, in order: metrics (losses first), memory, throughput.
-
-    The figure is rebuilt only when this changes, so it holds no values.
-
-    >>> state = RunState(world_size=2, batch_size=8)
-    >>> state.apply(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}), (2, 0.5, {"loss": 0.5}))), now=1.0)
-    >>> state.apply(events.MemorySample(1, 1, 2**28), now=1.0)
-    >>> [(p.kind, p.name, p.ranks) for p in chart_panels(state)]
-    [('metric', 'loss', (0,)), ('memory', 'rss', (1,)), ('throughput', 'samples/s', ())]
-    """
-    panels = [
-        Panel("metric", name, tuple(sorted(state.metrics[name].ranks)))
-        for name in state.chart_metric_names(max_metrics)
-    ]
-    if state.memory:
-        panels.append(Panel("memory", state.memory_kind, tuple(sorted(state.memory))))
-    if state.throughput.count:
-        panels.append(Panel("throughput", "samples/s" if state.batch_size else "steps/s"))
-    return tuple(panels)
-
-
-def grid_of(panels: int, per_row: int = PANELS_PER_ROW) -> tuple[int, int]:
-    """(columns, rows) of a figure with ``panels`` charts.
-
-    >>> grid_of(1), grid_of(3), grid_of(5)
-    ((1, 1), (3, 1), (3, 2))
-    """
-    columns = min(per_row, max(1, panels))
-    return columns, max(1, math.ceil(panels / columns))
-
-
-def rank_colour(rank: int) -> str:
-    return RANK_COLOURS[rank % len(RANK_COLOURS)]
-
-
-def byte_unit(largest: float) -> tuple[float, str]:
-    """(divisor, unit) to show byte counts up to ``largest`` on a chart axis.
-
-    >>> byte_unit(300 * 2**20), byte_unit(3 * 2**30), byte_unit(100)
-    ((1048576, 'MiB'), (1073741824, 'GiB'), (1048576, 'MiB'))
-    """
-    return (2**30, "GiB") if largest >= 2**30 else (2**20, "MiB")
-
-
-def compact_number(value: float, digits: int = 3) -> str:
-    """A tick label at most about six characters wide: no offset text, no long decimals.
-
-    >>> [compact_number(v) for v in (0, 0.5, 12, 300, 1500, 25_000, 3.2e6, 8.929e-06, -0.125, 1e-3)]
-    ['0', '0.5', '12', '300', '1.5k', '25k', '3.2M', '8.93e-6', '-0.125', '0.001']
-    """
-    if value == 0 or not math.isfinite(value):
-        return "0" if value == 0 else str(value)
-    magnitude = abs(value)
-    for limit, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e4, "k")):
-        if magnitude >= limit:
-            return _trimmed(f"{value / (limit if suffix != 'k' else 1e3):.{digits}g}") + suffix
-    if magnitude >= 1000:
-        return _trimmed(f"{value / 1e3:.{digits}g}") + "k"
-    if magnitude >= 1e-3:  # fixed point with ``digits`` significant digits: 300, not 3e+02
-        decimals = max(0, digits - 1 - math.floor(math.log10(magnitude)))
-        return _trimmed(f"{value:.{decimals}f}")
-    mantissa, exponent = f"{value:.{max(1, digits - 1)}e}".split("e")
-    return f"{_trimmed(mantissa)}e{int(exponent)}"
-
-
-def _trimmed(text: str) -> str:
-    if "e" in text:  # %g switched to an exponent: keep it short
-        mantissa, exponent = text.split("e")
-        return f"{_trimmed(mantissa)}e{int(exponent)}"
-    return text.rstrip("0").rstrip(".") if "." in text else text
-
-
-def tick_labels(values: list[float]) -> list[str]:
-    """Compact labels for an axis' ticks, with as few digits as show each tick exactly.
-
-    >>> tick_labels([0.0, 0.5, 1.0]), tick_labels([1000, 1250, 1500]), tick_labels([1.001, 1.002])
-    (['0', '0.5', '1'], ['1k', '1.25k', '1.5k'], ['1.001', '1.002'])
-    """
-    finite = sorted(v for v in values if math.isfinite(v))
-    gaps = [b - a for a, b in itertools.pairwise(finite) if b > a]
-    tolerance = 1e-3 * min(gaps) if gaps else 1e-9 * max((abs(v) for v in finite), default=1.0)
-    digits = 2
-    while digits < 7 and any(abs(float(f"{v:.{digits}g}") - v) > tolerance for v in finite):
-        digits += 1
-    return [compact_number(v, digits) for v in values]
-
-
-def spread_labels(positions: list[float], gap: float, low: float, high: float) -> list[float]:
-    """Positions for labels wanted at ``positions``: in the same order, at least ``gap`` apart,
-    within [low, high] as far as they fit, each moved as little as that allows.
-
-    >>> spread_labels([10.0, 11.0, 50.0], gap=6.0, low=0.0, high=100.0)
-    [7.5, 13.5, 50.0]
-    >>> spread_labels([99.0, 99.5], gap=6.0, low=0.0, high=100.0)
-    [94.0, 100.0]
-    """
-    order = sorted(range(len(positions)), key=lambda i: positions[i])
-    placed = [min(max(positions[i], low), high) for i in order]
-    # Clusters of labels closer than the gap are spread around their middle, repeatedly
-    # merging neighbours until none overlap (the classic label-dodging sweep).
-    clusters = [[p, 1, p] for p in placed]  # [wanted mean, size, first position]
-    merged: list[list[float]] = []
-    for cluster in clusters:
-        merged.append(cluster)
-        while len(merged) > 1 and merged[-2][2] + merged[-2][1] * gap > merged[-1][2]:
-            top = merged.pop()
-            below = merged[-1]
-            size = below[1] + top[1]
-            mean = (below[0] * below[1] + top[0] * top[1]) / size
-            below[:] = [mean, size, mean - (size - 1) * gap / 2]
-    result: list[float] = []
-    for _mean, size, first in merged:
-        first = min(max(first, low), high - (size - 1) * gap)
-        result.extend(first + k * gap for k in range(int(size)))
-    for index in range(1, len(result)):  # clamping a cluster may have pushed it onto a neighbour
-        result[index] = max(result[index], result[index - 1] + gap)
-    if result and result[-1] > high:
-        result[-1] = high
-        for index in range(len(result) - 2, -1, -1):
-            result[index] = min(result[index], result[index + 1] - gap)
-    out = [0.0] * len(positions)
-    for index, position in zip(order, result, strict=True):
-        out[index] = position
-    return out

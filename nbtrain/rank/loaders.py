@@ -1,0 +1,313 @@
+"""Data loaders sharded for the ranks: training passes read a share, evaluation passes the whole.
+
+A loader is rebuilt on a ``DistributedSampler`` that keeps its batch size, shuffle,
+drop_last, collate_fn and workers; each pass decides when iteration starts what it is (with
+gradients: this rank's share; without: the whole dataset, unless prepared with
+``evaluation="shard"``). The kernel asks :func:`batches_per_rank` how long each rank's
+loader will be. See :func:`nbtrain.prepare`.
+
+Example (outside a run a loader comes back as it is, remembering the evaluation choice):
+    >>> import torch
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> loader = DataLoader(TensorDataset(torch.zeros(8, 1)), batch_size=4)
+    >>> prepare_loader(loader, "shard") is loader, evaluation_of(loader)
+    (True, 'shard')
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from nbtrain.rank import api, preparations
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+    _LoaderBase = DataLoader[Any]
+else:
+    # torch is imported when the first loader is prepared; the mixin below is put in front
+    # of its class then (_prepared_loader_class).
+    _LoaderBase = object
+
+EVALUATION_CHOICES = ("whole", "shard")
+# Set on a loader by ``prepare(loader, evaluation=...)`` where nothing is rebuilt (in the
+# kernel): it travels with the loader, so auto mode on the ranks honours it.
+EVALUATION_MARK = "_nbtrain_evaluation"
+
+
+def prepare_loader(loader: Any, evaluation: str | None = None) -> Any:
+    """The loader rebuilt on a DistributedSampler (this rank's share), or as is if it cannot be.
+
+    ``evaluation`` ("whole" or "shard", see :func:`prepare`) is what its passes without
+    gradients read; None keeps the loader's earlier choice ("whole" if none).
+    """
+    existing = preparations.cell_registry().prepared_for(loader)
+    if existing is not None:
+        if evaluation is not None and existing is not loader:
+            setattr(existing, EVALUATION_MARK, evaluation)
+        return existing
+    if evaluation is not None:
+        setattr(loader, EVALUATION_MARK, evaluation)
+    if not preparations.in_process_group() or preparations.model_wrapper() == "none":
+        return loader
+    if preparations.one_rank():  # the loader's own order; on a GPU its batches move there
+        return loader if api.device().type == "cpu" else _one_rank_loader(loader)
+    if _already_distributed(loader):
+        return loader
+    reason, shuffle = _shardable(loader)
+    if reason:
+        preparations.cell_registry().notes.append(reason)
+        return loader
+    prepared = _rebuild_loader(loader, shuffle)
+    preparations.cell_registry().remember(loader, prepared)
+    return prepared
+
+
+def evaluation_of(loader: Any) -> str:
+    """ "whole" or "shard": what ``loader``'s passes without gradients read once prepared."""
+    return getattr(loader, EVALUATION_MARK, "whole")
+
+
+def _shardable(loader: Any) -> tuple[str, bool]:
+    """("", shuffle) when the loader can be rebuilt on a DistributedSampler, else (why not, _)."""
+    from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
+
+    what = f"a DataLoader over {type(loader.dataset).__name__}"
+    if isinstance(loader.dataset, IterableDataset):
+        return f"{what} was not sharded: an IterableDataset must split its data by nbtrain.rank() itself.", False
+    if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
+        name = type(loader.batch_sampler).__name__
+        return f"{what} was not sharded: its batch_sampler ({name}) is custom, so every rank reads all of it.", False
+    sampler = loader.sampler
+    if type(sampler) is SequentialSampler:
+        return "", False
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        return "", True
+    name = type(sampler).__name__
+    return f"{what} was not sharded: its sampler ({name}) is custom, so every rank reads all of it.", False
+
+
+def batches_per_rank(loader: Any, world_size: int, wrapper: str, *, evaluation: bool = False) -> int | None:
+    """``len(loader)`` as each rank will see it once auto mode prepared it, or None if unsure.
+
+    Called in the kernel, before the run, on the kernel's own loader: it takes the same
+    decision as :func:`prepare_loader` (``wrapper`` is the strategy's model wrapper) and
+    counts a DistributedSampler's share as torch does (padded, or cut with drop_last), so
+    every rank gets the same number. ``evaluation=True`` asks about a pass without
+    gradients, which reads the whole loader unless it was prepared with
+    ``evaluation="shard"``. Nothing is built that draws from an RNG.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> loader = DataLoader(TensorDataset(torch.zeros(200, 1)), batch_size=16, shuffle=True)
+        >>> len(loader), batches_per_rank(loader, 2, "ddp"), batches_per_rank(loader, 2, "none")
+        (13, 7, 13)
+        >>> batches_per_rank(loader, 2, "ddp", evaluation=True)  # under torch.no_grad(): all of it
+        13
+    """
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return None  # an iterable dataset's length is only a hint
+    try:
+        unchanged = len(loader)
+        if wrapper == "none" or world_size < 2 or _already_distributed(loader) or _shardable(loader)[0]:
+            return unchanged  # the rank iterates its copy of this very loader
+        if evaluation and evaluation_of(loader) == "whole":
+            return unchanged
+        share: DistributedSampler[Any] = DistributedSampler(
+            loader.dataset, num_replicas=world_size, rank=0, shuffle=False, drop_last=loader.drop_last
+        )
+        if loader.batch_size is None:
+            return len(share)
+        return len(BatchSampler(share, loader.batch_size, loader.drop_last))
+    except (TypeError, ValueError, AttributeError):  # no len(), or a loader torch would refuse
+        return None
+
+
+def loader_lengths(objects: Mapping[str, Any], world_size: int, wrapper: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Batches per rank of each DataLoader among ``objects``: in passes with gradients, and without.
+
+    The second dict is what an evaluation pass reads (the whole loader, unless it was
+    prepared with ``evaluation="shard"``); see :func:`batches_per_rank`.
+    """
+    training: dict[str, int] = {}
+    evaluation: dict[str, int] = {}
+    for name, obj in objects.items():
+        for lengths, without_grad in ((training, False), (evaluation, True)):
+            length = batches_per_rank(obj, world_size, wrapper, evaluation=without_grad)
+            if length is not None:
+                lengths[name] = length
+    return training, evaluation
+
+
+def _already_distributed(loader: Any) -> bool:
+    from torch.utils.data import DistributedSampler
+
+    return isinstance(loader.sampler, DistributedSampler) or isinstance(
+        getattr(loader.batch_sampler, "sampler", None), DistributedSampler
+    )
+
+
+_loader_class: type | None = None
+
+
+class _PassAware(_LoaderBase):
+    """A DataLoader on a DistributedSampler that tells training passes from evaluation passes.
+
+    Each ``iter()`` (a ``for`` loop's start) reads the thread's grad mode, one cheap
+    call: enabled, a training pass reads this rank's share (``set_epoch`` first, so
+    every training pass shuffles anew); disabled, an evaluation pass reads the rank's
+    copy of the user's own loader, whole and in its own order, unless the loader
+    was prepared with ``evaluation="shard"``. ``len()`` follows the same rule, so
+    ``len(loader)`` inside ``torch.no_grad()`` counts the batches that pass reads.
+    (A mixin: :func:`_prepared_loader_class` puts it in front of torch's DataLoader.)
+    """
+
+    _nbtrain_epoch: int  # training passes so far: the next one's set_epoch
+    _nbtrain_whole: Any  # what an evaluation pass reads: the rank's copy of the user's loader
+    _nbtrain_passes: dict[str, int]  # passes so far: "train", "whole", "shard"
+    _nbtrain_one_rank = False  # every pass reads the user's loader, moved to the device
+
+    # Not DataLoader's iterator type: a pass reads the user's own loader, or moves batches.
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        kind = self._nbtrain_pass_kind()
+        if not any(self._nbtrain_passes.values()):
+            preparations.cell_registry().first_iterated.append(self)  # the summary names loaders in this order
+        self._nbtrain_passes[kind] += 1
+        batches: Iterator[Any]
+        if kind == "whole" or self._nbtrain_one_rank:
+            batches = iter(self._nbtrain_whole)
+        else:
+            if kind == "train":
+                sampler: Any = self.sampler  # a DistributedSampler (_rebuild_loader)
+                sampler.set_epoch(self._nbtrain_epoch)
+                self._nbtrain_epoch += 1
+            batches = super().__iter__()
+        device = api.device()
+        if device.type == "cpu":
+            return batches
+        return (preparations.to_device(batch, device) for batch in batches)
+
+    def __len__(self) -> int:
+        if self._nbtrain_one_rank or self._nbtrain_pass_kind() == "whole":
+            return len(self._nbtrain_whole)
+        return super().__len__()
+
+    def _nbtrain_pass_kind(self) -> str:
+        if preparations.torch_module().is_grad_enabled():
+            return "train"
+        return "shard" if evaluation_of(self) == "shard" else "whole"
+
+
+def _prepared_loader_class() -> type:
+    """:class:`_PassAware` on torch's DataLoader, named ``DataLoader`` (built once: it imports torch)."""
+    global _loader_class
+    if _loader_class is None:
+        from torch.utils.data import DataLoader
+
+        class PreparedDataLoader(_PassAware, DataLoader[Any]):
+            pass
+
+        PreparedDataLoader.__name__ = PreparedDataLoader.__qualname__ = "DataLoader"
+        _loader_class = PreparedDataLoader
+    return _loader_class
+
+
+def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
+    import torch
+    from torch.utils.data import DistributedSampler
+
+    if loader.generator is not None:
+        seed = int(loader.generator.initial_seed())
+    else:  # every rank draws the same seed: they start from the kernel's RNG state
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        loader.dataset,
+        num_replicas=api.world_size(),
+        rank=api.rank(),
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=loader.drop_last,
+    )
+    kwargs = {
+        "batch_size": loader.batch_size,
+        "sampler": sampler,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "drop_last": loader.drop_last,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": getattr(loader, "pin_memory_device", ""),
+        "in_order": getattr(loader, "in_order", True),
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    cls = _prepared_loader_class()
+    accepted = inspect.signature(cls).parameters
+    new = cls(loader.dataset, **{k: v for k, v in kwargs.items() if k in accepted})
+    new._nbtrain_epoch = 0
+    new._nbtrain_whole = loader
+    new._nbtrain_passes = {"train": 0, "whole": 0, "shard": 0}
+    setattr(new, EVALUATION_MARK, evaluation_of(loader))
+    return new
+
+
+def _one_rank_loader(loader: Any) -> Any:
+    """The only rank's loader on a GPU: the user's own loader (its sampler, order and RNG draws)
+    whose batches move to the rank's device, as a sharded loader's do."""
+    cls = _prepared_loader_class()
+    new = cls(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last)
+    new._nbtrain_one_rank = True
+    new._nbtrain_epoch = 0
+    new._nbtrain_whole = loader
+    new._nbtrain_passes = {"train": 0, "whole": 0, "shard": 0}
+    setattr(new, EVALUATION_MARK, evaluation_of(loader))
+    preparations.cell_registry().remember(loader, new)
+    return new
+
+
+def loader_report() -> list[tuple[str, str]]:
+    """(name, what its passes read) for each loader auto mode prepared, for the run's summary.
+
+    Example: ``("test_loader", "evaluated whole on every rank (iterated without gradients)")``.
+    """
+    registry = preparations.cell_registry()
+    order = {id(loader): i for i, loader in enumerate(registry.first_iterated)}
+    named = sorted(registry.loader_names.items(), key=lambda item: order.get(id(item[1]), len(order)))
+    return [(name, describe_passes(loader)) for name, loader in named]
+
+
+def describe_passes(loader: Any) -> str:
+    """What a prepared loader's passes so far read, in words."""
+    if loader._nbtrain_one_rank:
+        return f"its own order, batches moved to {api.device()} (one rank: not sharded)"
+    share = f"DistributedSampler, {loader.sampler.num_samples} of {len(loader.dataset)} per rank"
+    passes = loader._nbtrain_passes
+    parts = []
+    if passes["train"]:
+        also = " for training" if passes["whole"] or passes["shard"] else ""
+        parts.append(f"sharded{also} ({share}{_effective_batch(loader)})")
+    if passes["whole"]:
+        parts.append("evaluated whole on every rank (iterated without gradients)")
+    if passes["shard"]:
+        parts.append(f"evaluated sharded ({share}; evaluation='shard')")
+    if not parts:
+        return f"not iterated (prepared: {share} when iterated with gradients)"
+    return " and ".join(parts)
+
+
+def _effective_batch(loader: Any) -> str:
+    """ "; effective batch 64 = 32 per rank x 2 ranks": what the learning rate usually follows."""
+    batch = loader.batch_size
+    world = api.world_size()
+    if not batch or world < 2:
+        return ""
+    return f"; effective batch {batch * world} = {batch} per rank x {world} ranks"

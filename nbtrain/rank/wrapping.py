@@ -1,0 +1,328 @@
+"""Modules made ready for the strategy: moved to the rank's device and wrapped or sharded.
+
+DDP (``ddp_*``) and DataParallel (``dp``) wrappers that read through to the model's own
+attributes and methods, FSDP2's ``fully_shard`` in place (``fsdp``, ``fsdp_offload``), the
+check that DDP's first backward reached every trainable parameter, and the launch's
+``--precision`` and ``--sync-batchnorm`` applied before wrapping. See :func:`nbtrain.prepare`.
+
+Example (outside a run a module is only moved to ``nbtrain.device()``):
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> prepare_module(model) is model, is_wrapped(model), original_of(model) is model
+    (True, False, True)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from nbtrain import config
+from nbtrain.rank import api, optimizers, preparations
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel as _DDPBase
+else:
+    # torch is imported when the first model is prepared; the mixin below is put in front
+    # of its class then (transparent_ddp_class).
+    _DDPBase = object
+
+
+def prepare_module(module: Any, **wrapper_options: Any) -> Any:
+    """The module moved to this rank's device and wrapped for the strategy (see prepare)."""
+    existing = preparations.cell_registry().prepared_for(module)
+    if existing is not None:
+        return existing
+    if is_wrapped(module):  # the user wrapped it already (torchrun-style code)
+        return module
+    _move_module(module, api.device())
+    wrapper = preparations.model_wrapper() if preparations.in_process_group() else "none"
+    trainable = any(p.requires_grad for p in module.parameters())
+    _apply_precision_and_sync(module, wrapper)  # --sync-batchnorm as asked: over one rank, a plain BatchNorm's cost
+    if preparations.one_rank():
+        wrapper = "none"
+        if trainable and api.device().type != "cpu":
+            module.register_forward_pre_hook(_inputs_to_device, with_kwargs=True)
+    if wrapper in preparations.DDP_WRAPPERS and trainable:
+        wrapper_options = {"find_unused_parameters": wrapper == "ddp_find_unused", **wrapper_options}
+        prepared = _wrap_ddp(module, wrapper_options)
+    elif wrapper in preparations.FSDP_WRAPPERS and trainable:
+        prepared = _shard(module, wrapper_options, offload=wrapper == "fsdp_offload")
+    elif wrapper == "dp" and trainable:
+        prepared = _wrap_dp(module, wrapper_options)
+    else:
+        prepared = module
+    preparations.cell_registry().remember(module, prepared)
+    return prepared
+
+
+def _inputs_to_device(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What DDP did for a one-rank run's model too: inputs made on the CPU move to the rank's GPU.
+
+    A forward pre-hook; inputs already there cost one device comparison each.
+    """
+    device = api.device()
+    if all(getattr(a, "device", device) == device for a in args) and not kwargs:
+        return None
+    return preparations.to_device(args, device), preparations.to_device(kwargs, device)
+
+
+def _apply_precision_and_sync(module: Any, wrapper: str) -> None:
+    """The launch's --sync-batchnorm and --precision, applied before the model is wrapped."""
+    from nbtrain.rank import precision, syncbn
+
+    device = api.device()
+    if wrapper != "none" and os.environ.get(syncbn.SYNC_VARIABLE) == "1":
+        syncbn.convert(module, device.type)
+    chosen = precision.current()
+    precision.apply(module, chosen, device)
+    if chosen == "16-mixed" and device.type == "cuda" and preparations.cell_registry().loss_scaling is None:
+        preparations.cell_registry().loss_scaling = precision.LossScaling("cuda")
+        preparations.cell_registry().loss_scaling.install()
+
+
+def is_wrapped(module: Any) -> bool:
+    """True for DDP, DataParallel and FSDP1 wrappers and modules FSDP2 already sharded."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(module, (DistributedDataParallel, DataParallel, FSDPModule)):
+        return True
+    return type(module).__name__ == "FullyShardedDataParallel"
+
+
+def original_of(obj: Any) -> Any:
+    """The object the user had before prepare or a DDP wrapper: a wrapper's ``.module``.
+
+    A prepared DataLoader maps back to the loader it was built from. Anything else is
+    returned as is. Safe to call before torch is imported.
+    """
+    entry = preparations.cell_registry().originals.get(id(obj))
+    if entry is not None and entry[0] is obj:
+        return entry[1]
+    if "torch" not in sys.modules:
+        return obj
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    seen = 0
+    while isinstance(obj, (DistributedDataParallel, DataParallel)) and seen < 8:
+        obj, seen = obj.module, seen + 1
+    if type(obj).__name__ == "FullyShardedDataParallel" and hasattr(obj, "module"):
+        obj = obj.module
+    return obj
+
+
+def _move_module(module: Any, device: Any) -> None:
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(t.device != device for t in tensors):
+        module.to(device)
+
+
+def _wrap_ddp(module: Any, options: dict[str, Any]) -> Any:
+    device = api.device()
+    kwargs = dict(options)
+    if device.type == "cuda" and "device_ids" not in kwargs:
+        cuda = preparations.torch_module().cuda
+        kwargs["device_ids"] = [device.index if device.index is not None else cuda.current_device()]
+    return transparent_ddp_class()(module, **kwargs)
+
+
+def _wrap_dp(module: Any, options: dict[str, Any]) -> Any:
+    """DataParallel over the launch's GPUs; this rank's own GPU (the first) holds the model and outputs."""
+    kwargs = dict(options)
+    if "device_ids" not in kwargs:
+        chosen = os.environ.get(config.DP_DEVICES_VARIABLE, "")
+        kwargs["device_ids"] = [int(index) for index in chosen.split(",") if index] or None
+    return transparent_dp_class()(module, **kwargs)
+
+
+class _ReadThrough:
+    """A wrapper (DDP, DataParallel) that reads through to the model it wraps.
+
+    ``wrapped.fc``, ``wrapped.num_classes`` and the model's own methods keep working (an
+    attribute the wrapper lacks falls back to ``self.module``), the wrapper's own methods
+    stay reachable, and ``state_dict``/``load_state_dict`` use the model's keys (no
+    ``module.`` prefix), so a state saved in a cell loads into the kernel's model.
+    Setting an attribute the model has and the wrapper lacks sets it on the model.
+    """
+
+    module: Any
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]  # a mixin: nn.Module, after it, has one
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if (
+            self.__dict__.get("_nbtrain_ready")
+            and inner is not None
+            and not name.startswith("_")
+            and name not in self.__dict__
+            and not hasattr(type(self), name)
+            and hasattr(inner, name)
+        ):
+            setattr(inner, name, value)
+            return
+        super().__setattr__(name, value)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own state dict (its keys, no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load into the model with its own keys (a state saved from the kernel's model fits)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+_transparent_dp: type | None = None
+
+
+def transparent_dp_class() -> type:
+    """A DataParallel subclass that reads through to the wrapped model (see :class:`_ReadThrough`)."""
+    global _transparent_dp
+    if _transparent_dp is None:
+        from torch.nn.parallel import DataParallel
+
+        class TransparentDP(_ReadThrough, DataParallel[Any]):
+            def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+                super().__init__(module, *args, **kwargs)
+                object.__setattr__(self, "_nbtrain_ready", True)
+
+        TransparentDP.__name__ = "DataParallel"
+        TransparentDP.__qualname__ = "DataParallel"
+        _transparent_dp = TransparentDP
+    return _transparent_dp
+
+
+_transparent_ddp: type | None = None
+
+
+class _ReadsThrough(_ReadThrough, _DDPBase):
+    """What :func:`transparent_ddp_class` adds to DistributedDataParallel (a mixin put in front of it):
+    reading through to the model (:class:`_ReadThrough`) and the check of the first backward."""
+
+    def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        # Without DDP's own search, the first backward that syncs checks every trainable
+        # parameter got a gradient (see _check_first_backward).
+        object.__setattr__(self, "_nbtrain_check_unused", not self.find_unused_parameters)
+        object.__setattr__(self, "_nbtrain_ready", True)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """DDP's forward; the first one that syncs gradients arms the check of its backward."""
+        syncs = self.require_backward_grad_sync and preparations.torch_module().is_grad_enabled()
+        if self.__dict__["_nbtrain_check_unused"] and syncs:
+            object.__setattr__(self, "_nbtrain_check_unused", False)
+            _check_first_backward(self.module)
+        return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]  # DDP's is unannotated
+
+
+def transparent_ddp_class() -> type:
+    """A DistributedDataParallel subclass that reads through to the wrapped model (see :class:`_ReadThrough`).
+
+    DDP's own methods (``no_sync``, ``join``) stay reachable; the first backward that
+    syncs checks that every trainable parameter got a gradient.
+    """
+    global _transparent_ddp
+    if _transparent_ddp is None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        class TransparentDDP(_ReadsThrough, DistributedDataParallel):
+            pass
+
+        TransparentDDP.__name__ = "DistributedDataParallel"
+        TransparentDDP.__qualname__ = "DistributedDataParallel"
+        _transparent_ddp = TransparentDDP
+    return _transparent_ddp
+
+
+def _check_first_backward(module: Any) -> None:
+    """Raise UnusedParametersError at the end of the next backward if it left a trainable parameter out.
+
+    DistributedDataParallel with ``find_unused_parameters=False`` all-reduces a bucket of
+    gradients once every parameter in it has one. A parameter the loss does not depend on
+    never gets one: its bucket is never averaged (the ranks' weights drift apart) and the
+    next forward fails with a message that names parameter indices. Hooks on each parameter
+    record which ones the backward reached; the first of them queues a check that the
+    autograd engine runs when the backward ends, so the error comes on the first step,
+    before the optimizer steps with unaveraged gradients. The hooks go after that one backward.
+    """
+    from nbtrain.errors import UnusedParametersError
+
+    trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    reached: set[int] = set()
+    handles: list[Any] = []
+
+    def check() -> None:
+        for handle in handles:
+            handle.remove()
+        missing = [name for name, p in trainable if id(p) not in reached]
+        if missing:
+            raise UnusedParametersError(type(module).__name__, missing, len(trainable))
+
+    def seen(param: Any) -> None:
+        if not reached:
+            preparations.torch_module().autograd.Variable._execution_engine.queue_callback(check)
+        reached.add(id(param))
+
+    handles.extend(p.register_post_accumulate_grad_hook(seen) for _, p in trainable)
+
+
+def _shard(module: Any, options: dict[str, Any], offload: bool = False) -> Any:
+    """Shard ``module`` in place with FSDP2: each block of a ModuleList/Sequential, then the root.
+
+    ``offload`` keeps the shards in host memory (CPUOffloadPolicy): FSDP2 copies a block's
+    weights to the device for its forward and backward, and the optimizer steps on the CPU.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    device = api.device()
+    before = dict(module.named_parameters())
+    kwargs = dict(options)
+    kwargs.setdefault("mesh", init_device_mesh(device.type, (api.world_size(),)))
+    if offload:
+        # Pinned host memory makes the copies to a GPU asynchronous; without a GPU torch
+        # cannot pin (it refuses), and there is nothing to copy to.
+        kwargs.setdefault("offload_policy", CPUOffloadPolicy(pin_memory=device.type == "cuda"))
+    for block in _shard_blocks(module):
+        fully_shard(block, **kwargs)
+    fully_shard(module, **kwargs)
+    after = dict(module.named_parameters())
+    for name, old in before.items():
+        new = after.get(name)
+        if new is not None and new is not old:
+            # Keep the old parameter alive: its id is the key optimizers are matched by.
+            preparations.cell_registry().param_swaps[id(old)] = (old, new)
+            preparations.cell_registry().param_owner[id(new)] = module
+    for optimizer in list(preparations.cell_registry().optimizers):
+        optimizers.rebind_optimizer(optimizer)
+    return module
+
+
+def _shard_blocks(module: Any) -> list[Any]:
+    """Children of ModuleList/Sequential containers that have parameters, if none share any.
+
+    Sharding per block lets FSDP2 gather one block's weights at a time; tied weights
+    across blocks cannot be sharded separately, so then only the root is sharded.
+    """
+    import torch
+
+    blocks: list[Any] = []
+    for sub in module.modules():
+        if isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential)):
+            blocks.extend(child for child in sub.children() if any(True for _ in child.parameters()))
+    seen: set[int] = set()
+    for block in blocks:
+        ids = {id(p) for p in block.parameters()}
+        if ids & seen:
+            return []
+        seen |= ids
+    return [b for b in blocks if b is not module]

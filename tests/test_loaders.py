@@ -1,0 +1,120 @@
+"""Loaders prepared on real ranks (nbtrain.rank.loaders): shares, lengths, training and evaluation passes.
+
+What needs a process group runs on two or three real ranks through nbtrain.start.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import nbtrain
+from helpers.procs import finish
+from nbtrain.rank import loaders
+
+
+def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(launcher):
+    from torch.utils.data import DistributedSampler, IterableDataset, WeightedRandomSampler
+
+    ten = TensorDataset(torch.arange(10.0))
+    made = [
+        DataLoader(ten, batch_size=3, shuffle=True),  # 4 samples a rank (two are padding): 2 batches
+        DataLoader(ten, batch_size=3, drop_last=True),  # 3 samples a rank, 1 full batch
+        DataLoader(ten, batch_size=2),
+        DataLoader(ten, batch_size=None),  # no batching: one item at a time
+        DataLoader(TensorDataset(torch.arange(12.0)), batch_size=4),
+        DataLoader(ten, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 7)),  # custom: not sharded
+        DataLoader(ten, batch_size=2, sampler=DistributedSampler(ten, num_replicas=5, rank=0)),  # the user's own
+    ]
+
+    def fn(made):
+        import torch.distributed as dist
+
+        lengths = [len(nbtrain.prepare(loader)) for loader in made]
+        every_rank = [None] * nbtrain.world_size()
+        dist.all_gather_object(every_rank, lengths)
+        return every_rank
+
+    on_ranks = finish(nbtrain.start(fn, (made,), devices=3))
+    in_kernel = [loaders.batches_per_rank(loader, 3, "ddp") for loader in made]
+    assert on_ranks == [in_kernel] * 3
+    assert in_kernel == [2, 1, 2, 4, 1, 4, 1]
+    assert [loaders.batches_per_rank(loader, 3, "none") for loader in made] == [len(x) for x in made]
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+        def __len__(self):
+            return 4
+
+    assert loaders.batches_per_rank(DataLoader(Stream()), 3, "ddp") is None  # each rank reads what it reads
+    assert loaders.batches_per_rank([1, 2, 3], 3, "ddp") is None  # not a DataLoader
+
+
+# -- training passes and evaluation passes -----------------------------------------------------
+
+
+def test_training_passes_read_a_share_and_passes_without_gradients_read_everything(launcher):
+    def fn():
+        import torch.distributed as dist
+
+        data = TensorDataset(torch.arange(10.0))
+        loader = nbtrain.prepare(DataLoader(data, batch_size=3, shuffle=True))
+        ordered = nbtrain.prepare(DataLoader(data, batch_size=4), evaluation="whole")
+
+        def items(batches):
+            return [int(v) for (x,) in batches for v in x]
+
+        seen = {"share": [items(loader) for _ in range(2)], "len_share": len(loader)}
+        with torch.no_grad():
+            seen["no_grad"], seen["len_no_grad"] = items(ordered), len(ordered)
+            seen["shuffled_whole"] = sorted(items(loader))
+        with torch.inference_mode():
+            seen["inference"] = items(ordered)
+        seen["third_share"] = items(loader)  # epoch 2: evaluation passes did not advance it
+        shards = [None] * nbtrain.world_size()
+        dist.all_gather_object(shards, seen["share"][0])
+        seen["shards"] = shards
+        seen["report"] = loaders.describe_passes(loader), loaders.describe_passes(ordered)
+        return seen
+
+    seen = finish(nbtrain.start(fn, devices=2))
+    first, second = seen["share"]
+    assert len(first) == 5 and first != second  # half of it, reshuffled by set_epoch
+    assert sorted(seen["shards"][0] + seen["shards"][1]) == list(range(10))
+    assert seen["len_share"] == 2 and seen["len_no_grad"] == 3  # 5 of 10 in batches of 3; 10 in 4s
+    assert seen["no_grad"] == seen["inference"] == list(range(10))  # whole, in the loader's own order
+    assert seen["shuffled_whole"] == list(range(10))
+    training_and_evaluation = (
+        "sharded for training (DistributedSampler, 5 of 10 per rank; effective batch 6 = 3 per rank x 2 ranks) and "
+        "evaluated whole on every rank (iterated without gradients)"
+    )
+    assert seen["report"] == (training_and_evaluation, "evaluated whole on every rank (iterated without gradients)")
+
+
+def test_evaluation_shard_keeps_evaluation_passes_sharded_and_all_reduce_adds_them_up(launcher):
+    def fn():
+        data = TensorDataset(torch.arange(12.0))
+        loader = nbtrain.prepare(DataLoader(data, batch_size=4), evaluation="shard")
+        with torch.no_grad():
+            values = [float(v) for (x,) in loader for v in x]
+        probe = torch.tensor([float(nbtrain.rank()), 1.0])
+        return {
+            "values": values,
+            "sum": nbtrain.all_reduce(sum(values)),
+            "count": nbtrain.all_reduce(len(values)),
+            "mean": nbtrain.all_reduce(nbtrain.rank() + 1, op="mean"),
+            "max": nbtrain.all_reduce(nbtrain.rank(), op="max"),
+            "min": nbtrain.all_reduce(0.5 + nbtrain.rank(), op="min"),
+            "tensor": nbtrain.all_reduce(probe).tolist(),
+            "probe_unchanged": probe.tolist() == [float(nbtrain.rank()), 1.0],
+            "report": loaders.describe_passes(loader),
+        }
+
+    result = finish(nbtrain.start(fn, devices=2))
+    assert result["values"] == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]  # rank 0's share, in order
+    assert result["sum"] == sum(range(12)) and result["count"] == 12 and type(result["count"]) is int
+    assert result["mean"] == 1.5 and result["max"] == 1 and result["min"] == 0.5
+    assert result["tensor"] == [1.0, 2.0] and result["probe_unchanged"]
+    assert result["report"] == "evaluated sharded (DistributedSampler, 6 of 12 per rank; evaluation='shard')"

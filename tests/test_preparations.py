@@ -1,0 +1,53 @@
+"""What prepare prepared on this rank (nbtrain.rank.preparations): the registry and the strategy's wrapper.
+
+Pure: one process, no process group; what needs ranks is tested with the preparers
+(test_wrapping.py, test_optimizers.py, test_loaders.py) and test_prepare.py.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from nbtrain.rank import preparations
+
+
+def test_configure_starts_a_fresh_registry_and_refuses_an_unknown_wrapper():
+    preparations.configure("ddp")
+    first = preparations.cell_registry()
+    first.notes.append("a note of the last cell")
+    preparations.configure(None)
+    assert preparations.cell_registry() is not first and preparations.notes() == []
+    with pytest.raises(ValueError, match=r"unknown model wrapper 'ddq'; expected one of \('ddp', "):
+        preparations.configure("ddq")
+
+
+def test_the_registry_maps_originals_to_prepared_objects_both_ways():
+    preparations.configure(None)
+    original, prepared, stranger = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    preparations.cell_registry().remember(original, prepared)
+    assert preparations.prepared_for(original) is prepared
+    assert preparations.prepared_for(prepared) is prepared  # preparing the prepared one changes nothing
+    assert preparations.prepared_for(stranger) is None
+
+
+def test_the_wrapper_comes_from_the_cell_then_the_environment_then_the_world_size(monkeypatch):
+    preparations.configure("fsdp")
+    assert preparations.model_wrapper() == "fsdp"
+    preparations.configure(None)
+    monkeypatch.setenv(preparations.WRAPPER_VARIABLE, "ddp_sharded")
+    assert preparations.model_wrapper() == "ddp_sharded"
+    monkeypatch.setenv(preparations.WRAPPER_VARIABLE, "not a wrapper")
+    assert preparations.model_wrapper() == "none"  # the kernel is one process
+    assert not preparations.in_process_group() and not preparations.one_rank()
+
+
+def test_to_device_moves_tensors_inside_lists_tuples_named_tuples_and_dicts():
+    Pair = collections.namedtuple("Pair", "x y")
+    batch = [torch.zeros(1), (torch.ones(1), "label"), Pair(torch.ones(2), 3), {"mask": torch.zeros(2)}]
+    moved = preparations.to_device(batch, torch.device("meta"))
+    assert moved[0].device.type == "meta" and moved[1][0].device.type == "meta" and moved[1][1] == "label"
+    assert type(moved[2]) is Pair and moved[2].x.device.type == "meta" and moved[2].y == 3
+    assert moved[3]["mask"].device.type == "meta"
