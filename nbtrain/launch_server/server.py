@@ -56,6 +56,7 @@ from nbtrain.events import (
     StoreListening,
 )
 from nbtrain.launch_server import graceful, standby, tracker
+from nbtrain.launch_server.lifecycle import ACTIVE, CAN_DRAIN, STOPPABLE, Lifecycle, RunState
 from nbtrain.launch_server.output import STREAMS, RankOutput, RunLog
 
 # Imported once here so that no rank pays for it: DistributedDataParallel's constructor
@@ -110,23 +111,20 @@ class RankProcess:
 
 
 @dataclass
-class Run:
+class LauncherRun:
+    """What the launcher knows of one run: its ranks, its phase (``lifecycle``) and what it ends with."""
+
     run_id: int
     ranks: list[RankProcess]
     deadline: float | None
-    end_state: str | None = None  # set once the run is finishing or being stopped
-    stop_started: float | None = None
-    killed: bool = False
-    stopped_outside: bool = False  # by the server extension, which SIGKILLs after its own grace
+    lifecycle: Lifecycle
+    on_cluster: bool = False  # a cluster node's part: done ranks wait for ReleaseRanks (every node done)
+    outcome: str | None = None  # what RunEnded will say (events.FINISHED, ...): set once it is known
     failure: RankFailed | RankExited | RankNotStarted | None = None
     result: bytes | None = None
     result_fd: int | None = None
     offer: RankDone | None = None  # rank 0's result, tensors still in its memory
-    result_pending: bool = False  # the kernel has not taken rank 0's result yet
-    all_exited_at: float | None = None
     last_memory_sample: float = 0.0
-    hold: bool = False  # a cluster run: done ranks wait for ReleaseRanks (every node done)
-    stacks_until: float | None = None  # collecting stack dumps before the stop, until then
     log: RunLog | None = None  # every rank's full output
     last_skipped_report: float = 0.0
     debug_hold: float | None = None  # seconds a failed run's root-cause rank is held
@@ -142,6 +140,15 @@ class Run:
     stop_note: str = ""  # why a stop could not keep the state (sent with RunEnded)
     late: list[int] = field(default_factory=list)  # the ranks a graceful stop gave up on
 
+    @property
+    def state(self) -> RunState:
+        """The run's phase now (nbtrain.launch_server.lifecycle)."""
+        return self.lifecycle.state
+
+    def move(self, to: RunState) -> None:
+        """Go to ``to`` now, as the lifecycle's table allows (or raise)."""
+        self.lifecycle.move(to, time.monotonic())
+
 
 class Launcher:
     def __init__(self, control: socket.socket, parent_pid: int, kernel_pidfd: int | None = None):
@@ -154,8 +161,8 @@ class Launcher:
         self.selector.register(control, selectors.EVENT_READ, ("control", None, None))
         if kernel_pidfd is not None:
             self.selector.register(kernel_pidfd, selectors.EVENT_READ, ("kernel", None, None))
-        self.runs: dict[int, Run] = {}
-        self.held: dict[int, tuple[Run, RankProcess]] = {}  # run id -> its rank held for a post-mortem
+        self.runs: dict[int, LauncherRun] = {}
+        self.held: dict[int, tuple[LauncherRun, RankProcess]] = {}  # run id -> its rank held for a post-mortem
         self.board = tracker.Board(tracker.find_owner(parent_pid))
         self.standby = standby.Pool(
             self.selector, self._fork_standby, self._send, self.board.show_standby, self.board.standby_dismissed
@@ -212,7 +219,7 @@ class Launcher:
                 self._on_stop_request(run, message.graceful)
         elif isinstance(message, ReleaseResult):
             run = self.runs.get(message.run_id)
-            if run is not None and run.result_pending:
+            if run is not None and run.state is RunState.OFFERING:
                 if message.send_file:
                     rank_zero = next(rank for rank in run.ranks if rank.spec.rank == 0)
                     _send_quietly(rank_zero.channel, SendResultFile(run.run_id))
@@ -225,58 +232,56 @@ class Launcher:
             self._send(events.StandbyChanged(released=tuple(sorted(ended))))
         elif isinstance(message, ReleaseRanks):
             run = self.runs.get(message.run_id)
-            if run is not None and run.hold:
-                run.hold = False
+            if run is not None and run.state is RunState.WAITING_FOR_NODES:
                 self._release(run)
         return True
 
-    def _on_stop_request(self, run: Run, gracefully: bool) -> None:
+    def _on_stop_request(self, run: LauncherRun, gracefully: bool) -> None:
         # The reason is the caller's words, not a state: the run ends STOPPED (which the
         # kernel turns into RunStoppedError). A run whose result the kernel has taken
         # keeps it, and one already failing keeps its failure; a result not taken yet
         # is given up (the kernel does not copy it), and rank 0 is stopped with the rest.
         # Every rank is done: the result on its way is what a stop at a step would keep, when the
         # run took an optimizer step; one that never did stops as before, its result given up.
-        finished = run.end_state == events.FINISHED and _stepped(run)
+        finished = run.outcome == events.FINISHED and _stepped(run)
         if gracefully and (finished or self._stop_gracefully(run, events.STOPPED)):
             return
-        if run.graceful is not None and run.end_state is None:  # asked again while stopping at a step
+        if run.state is RunState.STOPPING_AT_STEP and run.graceful is not None:  # asked again
             run.graceful.gave_up = True
             run.stop_note = "stopped hard at once (asked to stop a second time)"
-            run.end_state = events.STOPPED
+            run.outcome = events.STOPPED
             self._stop_now(run)  # no stack dumps: a second stop means now
             return
-        if run.end_state is None or run.result_pending:
-            run.result_pending = False
-            run.end_state = None
+        if run.state in (RunState.RUNNING, RunState.OFFERING):
             self._stop(run, events.STOPPED)
 
-    def _stop_gracefully(self, run: Run, state: str) -> bool:
+    def _stop_gracefully(self, run: LauncherRun, state: str) -> bool:
         """Begin a stop at a step boundary (nbtrain.launch_server.graceful); False when the run cannot have one."""
-        if run.end_state is not None or run.graceful is not None or run.stop_started or run.stacks_until:
+        if run.state is not RunState.RUNNING:
             return False
         run.stop_note = graceful.why_none(run.board, run.on_stop)
         if run.board is None or run.on_stop != "keep" or run.stop_note:
             return False
         run.board.request_stop()
         run.graceful = graceful.GracefulStop(state, time.monotonic())
+        run.move(RunState.STOPPING_AT_STEP)
         entry = self.board.get(run.run_id)
         if entry is not None:
             entry.update(state="stopping")
         return True
 
-    def _note_steps(self, run: Run) -> None:
+    def _note_steps(self, run: LauncherRun) -> None:
         """Once a rank has begun an optimizer step, the run's record says a stop request can keep its state."""
         entry = self.board.get(run.run_id)
-        if entry is None or entry.record.stop_at_step or run.end_state is not None:
+        if entry is None or entry.record.stop_at_step or run.state not in ACTIVE:
             return
         if _stepped(run):
             entry.update(stop_at_step=True)
 
-    def _follow_graceful(self, run: Run, now: float) -> None:
+    def _follow_graceful(self, run: LauncherRun, now: float) -> None:
         """Choose the stop step when it is time; stop hard once the grace is over."""
         stop = run.graceful
-        if stop is None or run.board is None or run.end_state is not None:
+        if stop is None or run.board is None or run.state is not RunState.STOPPING_AT_STEP:
             return
         if stop.choose(run.board, run.stop_grace, now):
             if not stop.step:  # every rank's count went back to none meanwhile: nothing to keep
@@ -294,7 +299,7 @@ class Launcher:
             run.stop_note = self._laggards(run)
             self._stop(run, stop.state)  # its stack dumps then say who waited for whom (_finish)
 
-    def _laggards(self, run: Run) -> str:
+    def _laggards(self, run: LauncherRun) -> str:
         """The note naming the ranks that kept a graceful stop from its step (after the dumps: not those waiting)."""
         if run.graceful is None or run.board is None:
             return run.stop_note
@@ -310,8 +315,9 @@ class Launcher:
 
     # -- starting ranks ----------------------------------------------------------------
     def _start(self, start: StartRun, tensor_fd: int | None) -> None:
-        run = Run(start.run_id, [], None if start.timeout is None else time.monotonic() + start.timeout)
-        run.hold = start.node is not None
+        now = time.monotonic()
+        deadline = None if start.timeout is None else now + start.timeout
+        run = LauncherRun(start.run_id, [], deadline, Lifecycle(start.run_id, now), on_cluster=start.node is not None)
         run.debug_hold = start.debug_hold
         self._release_held(f"the next launch (run {start.run_id}) needs its devices")
         run.log = RunLog(start.log_path) if start.log_path else None
@@ -365,7 +371,7 @@ class Launcher:
         return store_socket, port
 
     def _start_rank(
-        self, run: Run, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None, slot: int = 0
+        self, run: LauncherRun, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None, slot: int = 0
     ) -> RankProcess:
         rank = self._fork_rank(assignment, listen_fd, tensor_fd, run.log, steps=(run.board, slot))
         self._watch(run, rank)
@@ -405,7 +411,7 @@ class Launcher:
         rank.stack_fd = ends.stack_read
         return rank
 
-    def _watch(self, run: Run, rank: RankProcess) -> None:
+    def _watch(self, run: LauncherRun, rank: RankProcess) -> None:
         """Make the loop read the rank's channel, pipes and stack dumps, and see its exit, as ``run``'s."""
         assert rank.stack_fd is not None
         os.set_blocking(rank.stack_fd, False)
@@ -448,7 +454,7 @@ class Launcher:
                 store_socket.close()
         return ranks
 
-    def _start_taken(self, run: Run, start: StartRun, ranks: list[RankProcess], tensor_fd: int | None) -> None:
+    def _start_taken(self, run: LauncherRun, start: StartRun, ranks: list[RankProcess], tensor_fd: int | None) -> None:
         """Hand the run to standby ranks: its StartRun and payload memfd to each, over its channel."""
         fds = () if tensor_fd is None else (tensor_fd,)
         if run.board is not None:  # the board the ranks were forked with is the run's
@@ -510,7 +516,7 @@ class Launcher:
         return pid
 
     # -- events from ranks -------------------------------------------------------------
-    def _on_rank_event(self, run: Run, rank: RankProcess) -> None:
+    def _on_rank_event(self, run: LauncherRun, rank: RankProcess) -> None:
         if not self._registered(rank.channel) or not _readable_now(rank.channel):
             return  # already read (or closed) by _on_exit in this same round of select
         try:
@@ -535,7 +541,7 @@ class Launcher:
             if run.failure is None:
                 run.failure = message
                 # The root cause stays alive, paused in its frames, for a post-mortem.
-                rank.held = run.debug_hold is not None and run.stop_started is None
+                rank.held = run.debug_hold is not None and not run.lifecycle.has_been(RunState.TERMINATING)
             self._stop(run, events.FAILED)
         elif isinstance(message, RankDone):
             rank.done = True
@@ -544,15 +550,15 @@ class Launcher:
             elif message.result is not None:  # no tensors, or their file: all of it is here
                 run.result = message.result
                 run.result_fd = fds[0] if fds else None
-                if run.result_pending:  # the file the kernel asked for: the result is safe
+                if run.state is RunState.OFFERING:  # the file the kernel asked for: the result is safe
                     self._release(run)
-            if all(r.done for r in run.ranks) and run.end_state is None:
+            if all(r.done for r in run.ranks) and run.state in ACTIVE:
                 # Every rank ended its cell at the stop step: the run keeps its result, and says it stopped.
                 stopped = run.graceful is not None and not run.graceful.gave_up
-                run.end_state = run.graceful.state if stopped and run.graceful else events.FINISHED
+                run.outcome = run.graceful.state if stopped and run.graceful else events.FINISHED
                 self._hand_over(run)
 
-    def _hand_over(self, run: Run) -> None:
+    def _hand_over(self, run: LauncherRun) -> None:
         """Every rank is done: release them all, or first offer rank 0's result to the kernel.
 
         While the kernel reads rank 0's memory, the other ranks wait too: their exits free
@@ -562,19 +568,21 @@ class Launcher:
         if offer is None or offer.result is None:  # rank 0 offers regions with its result only
             self._release(run)
             return
-        run.result_pending = True
+        run.move(RunState.OFFERING)
         rank_zero = next(rank for rank in run.ranks if rank.spec.rank == 0)
         self._send(ResultOffer(run.run_id, rank_zero.pid, offer.result, offer.regions, offer.total_bytes))
 
-    def _release(self, run: Run) -> None:
-        run.result_pending = False
-        if run.hold:  # the caller releases every node's ranks together
+    def _release(self, run: LauncherRun) -> None:
+        """Let every rank leave; a cluster node's, once every node's are done (the caller says so)."""
+        if run.on_cluster and run.state is not RunState.WAITING_FOR_NODES:
+            run.move(RunState.WAITING_FOR_NODES)  # the caller releases every node's ranks together
             self._send(RanksDone(run.run_id))
             return
+        run.move(RunState.RELEASED)
         for rank in run.ranks:
             _send_quietly(rank.channel, Release(run.run_id))
 
-    def _on_output(self, run: Run, rank: RankProcess, fd: int) -> None:
+    def _on_output(self, run: LauncherRun, rank: RankProcess, fd: int) -> None:
         stream = rank.pipes[fd]
         try:
             data = os.read(fd, 65536)
@@ -590,7 +598,7 @@ class Launcher:
         # kept, so a flood costs the kernel nothing and cannot outlast a stop.
         self._send_output(run, rank, rank.output.feed(stream, data))
 
-    def _send_output(self, run: Run, rank: RankProcess, pieces: list[tuple[str, str]]) -> None:
+    def _send_output(self, run: LauncherRun, rank: RankProcess, pieces: list[tuple[str, str]]) -> None:
         for stream, text in pieces:
             self._send(Output(run.run_id, rank.spec.rank, stream, text))
 
@@ -599,7 +607,7 @@ class Launcher:
         os.close(fd)
         del rank.pipes[fd]
 
-    def _on_exit(self, run: Run, rank: RankProcess) -> None:
+    def _on_exit(self, run: LauncherRun, rank: RankProcess) -> None:
         # Kill the rank's group while its leader is still an unreaped zombie: the group id
         # cannot have been reused yet, and stray DataLoader workers go with it.
         self._signal_groups([rank], signal.SIGKILL)
@@ -616,33 +624,35 @@ class Launcher:
         while self._registered(rank.channel) and _readable_now(rank.channel):
             self._on_rank_event(run, rank)
         # Rank 0 holding a result the kernel has not taken yet has not finished its part.
-        reported = (rank.done and not (rank.spec.rank == 0 and run.result_pending)) or rank.failed
+        reported = (rank.done and not (rank.spec.rank == 0 and run.state is RunState.OFFERING)) or rank.failed
         if not reported:
             self._stopped_from_outside(run)
-        if rank.spec.rank == 0:
-            run.result_pending = False
         ours = _our_signal(run, signal_number)
         exited = RankExited(
             run.run_id, rank.spec.rank, exit_code, signal_number, reported,
             # A signal we did not send (an OOM kill, a segfault) is the rank's own death even
             # when it is reaped after the stop began: its peers' errors race ahead of it.
-            stopped=(run.stop_started is not None or run.stacks_until is not None) and (signal_number is None or ours),
+            stopped=_stopping(run) and (signal_number is None or ours),
         )
         self._send(exited)
-        if not reported and run.end_state in (None, events.FINISHED):
+        if not reported and run.outcome in (None, events.FINISHED):
             if run.failure is None:
                 run.failure = exited
-            run.end_state = None  # a rank died after the others finished: still a failure
+            run.outcome = None  # a rank died after the others finished: still a failure
             self._stop(run, events.FAILED)
-        elif not reported and not ours and run.end_state == events.FAILED and isinstance(run.failure, RankFailed):
+        elif not reported and not ours and run.outcome == events.FAILED and isinstance(run.failure, RankFailed):
             # A rank that dies hard (OOM kill, segfault, os._exit) closes its sockets before
             # its pidfd fires, so a peer blocked in a collective can report the broken
             # connection first. Unless this death is our own stop signal, it is the cause
             # and the peer's error its consequence.
             run.failure = exited
             self._unhold(run)
-        if all(r.exited or r.held for r in run.ranks):
-            run.all_exited_at = time.monotonic()
+        self._drain_if_gone(run)
+
+    def _drain_if_gone(self, run: LauncherRun) -> None:
+        """Every rank exited (or is held for a post-mortem): read what is left in its pipes, then finish."""
+        if run.state in CAN_DRAIN and all(r.exited or r.held for r in run.ranks):
+            run.move(RunState.DRAINING)
 
     def _registered(self, fileobj: Any) -> bool:
         try:
@@ -652,52 +662,52 @@ class Launcher:
         return True
 
     # -- stopping and finishing --------------------------------------------------------
-    def _stopped_from_outside(self, run: Run) -> bool:
+    def _stopped_from_outside(self, run: LauncherRun) -> bool:
         """Whether the run was stopped from the browser (the server extension signals the
         ranks itself after leaving a stop request): it then ends as stopped, not failed.
         While the ranks go to a stop step nobody signals them: a rank that fails then fails."""
-        if run.stop_started is None and run.graceful is None and self.board.stop_requested(run.run_id):
+        if run.state in STOPPABLE and run.graceful is None and self.board.stop_requested(run.run_id):
             self._stop_asked_outside(run)
-        return run.end_state == events.STOPPED
+        return run.outcome == events.STOPPED
 
-    def _stop_asked_outside(self, run: Run) -> None:
+    def _stop_asked_outside(self, run: LauncherRun) -> None:
         """Stop a run asked to stop through the registry, without asking for stack dumps: the
         server signals every rank itself as it asks, so a rank still alive is already dying
         and would only be reported as one that "did not answer in time"."""
-        if run.stop_started is not None or run.stacks_until is not None or run.graceful is not None:
+        if run.state not in STOPPABLE or run.graceful is not None:
             return
         if self._stop_gracefully(run, events.STOPPED):
             return  # the record says so (stop_at_step): the server leaves the ranks to this launcher
-        run.end_state = events.STOPPED
-        run.stopped_outside = True
+        run.outcome = events.STOPPED
+        run.move(RunState.STOPPING_OUTSIDE)  # its SIGKILLs count as ours (_our_signal)
         self._stop_now(run)
 
-    def _stop(self, run: Run, state: str) -> None:
-        if run.stop_started is not None or run.stacks_until is not None:
-            return
-        run.end_state = state
+    def _stop(self, run: LauncherRun, state: str) -> None:
+        """End the run as ``state``: after each rank's stack dump for a stop or a timeout."""
+        if run.state not in STOPPABLE:
+            return  # stopping already
+        run.outcome = state
         if state in (events.STOPPED, events.TIMED_OUT) and self._ask_for_stacks(run):
             return  # _tick stops the ranks once their dumps are in
         self._stop_now(run)
 
-    def _stop_now(self, run: Run) -> None:
-        run.stacks_until = None
-        run.stop_started = time.monotonic()
+    def _stop_now(self, run: LauncherRun) -> None:
+        run.move(RunState.TERMINATING)
         entry = self.board.get(run.run_id)
         if entry is not None:
             entry.update(state="stopping")
         self._signal_groups([rank for rank in run.ranks if not rank.exited and not rank.held], signal.SIGTERM)
 
-    def _ask_for_stacks(self, run: Run) -> bool:
+    def _ask_for_stacks(self, run: LauncherRun) -> bool:
         """Signal every live rank for its stack dump; False when none can answer."""
         for rank in run.ranks:
             rank.stack_asked = not rank.exited and processes.request_stack(rank.pid)
         if not any(rank.stack_asked for rank in run.ranks):
             return False
-        run.stacks_until = time.monotonic() + STACK_WAIT_SECONDS
+        run.move(RunState.DUMPING_STACKS)  # for STACK_WAIT_SECONDS at most
         return True
 
-    def _stacks_in(self, run: Run, now: float) -> bool:
+    def _stacks_in(self, run: LauncherRun, now: float) -> bool:
         return all(
             rank.exited or not rank.stack_asked or (rank.stack and now - rank.stack_seen_at > STACK_QUIET_SECONDS)
             for rank in run.ranks
@@ -738,38 +748,37 @@ class Launcher:
         self.standby.tick(now)
         for run_id in self.board.tick(now):  # stop requests, looked for about once a second
             run = self.runs.get(run_id)
-            if run is not None and run.end_state is None:
+            if run is not None and run.state in ACTIVE:
                 self._stop_asked_outside(run)
         for run in list(self.runs.values()):
-            timed_out = run.deadline is not None and now > run.deadline and run.graceful is None
+            timed_out = run.deadline is not None and now > run.deadline and run.state is RunState.RUNNING
             timed_out = timed_out and not run.debugging  # a rank at a pdb prompt: the clock waits
-            if timed_out and run.end_state is None and not self._stop_gracefully(run, events.TIMED_OUT):
+            if timed_out and not self._stop_gracefully(run, events.TIMED_OUT):
                 self._stop(run, events.TIMED_OUT)
             self._follow_graceful(run, now)
             self._note_steps(run)
-            if run.stacks_until is not None and (now > run.stacks_until or self._stacks_in(run, now)):
-                self._stop_now(run)
-            if run.stop_started is not None and not run.killed and now - run.stop_started > STOP_GRACE_SECONDS:
-                run.killed = True
-                self._signal_groups([rank for rank in run.ranks if not rank.exited and not rank.held], signal.SIGKILL)
-            if (
-                run.all_exited_at is None
-                and run.end_state is not None
-                and run.stacks_until is None
-                and all(r.exited or r.held for r in run.ranks)
-            ):
-                run.all_exited_at = now  # also covers a run whose ranks could not all start
+            self._tick_stop(run, now)
             self._sample_memory(run, now)
             for rank in run.ranks:
                 for stream in STREAMS:  # a line in progress: a prompt, a progress bar redrawn with "\r"
                     self._send_output(run, rank, rank.output.flush(stream))
             self._report_skipped(run, now)
-            if run.all_exited_at is not None:
+            if run.state is RunState.DRAINING:
                 drained = not any(rank.pipes for rank in run.ranks if not rank.held)
-                if drained or now - run.all_exited_at > DRAIN_SECONDS:
+                if drained or now - run.lifecycle.since > DRAIN_SECONDS:
                     self._finish(run)
 
-    def _report_skipped(self, run: Run, now: float) -> None:
+    def _tick_stop(self, run: LauncherRun, now: float) -> None:
+        """Stop the ranks once their stack dumps are in, SIGKILL them after the grace, drain them once gone."""
+        since = run.lifecycle.since
+        if run.state is RunState.DUMPING_STACKS and (now - since > STACK_WAIT_SECONDS or self._stacks_in(run, now)):
+            self._stop_now(run)
+        if run.state is RunState.TERMINATING and now - run.lifecycle.since > STOP_GRACE_SECONDS:
+            run.move(RunState.KILLED)
+            self._signal_groups([rank for rank in run.ranks if not rank.exited and not rank.held], signal.SIGKILL)
+        self._drain_if_gone(run)  # also covers a run whose ranks could not all start
+
+    def _report_skipped(self, run: LauncherRun, now: float) -> None:
         """Twice a second, tell the live view about lines the cell does not show (a flood)."""
         if now - run.last_skipped_report < MEMORY_SAMPLE_SECONDS:
             return
@@ -779,7 +788,7 @@ class Launcher:
             if skipped is not None:
                 self._send(OutputSkipped(run.run_id, rank.spec.rank, *skipped))
 
-    def _sample_memory(self, run: Run, now: float) -> None:
+    def _sample_memory(self, run: LauncherRun, now: float) -> None:
         if now - run.last_memory_sample < MEMORY_SAMPLE_SECONDS:
             return
         run.last_memory_sample = now
@@ -789,7 +798,7 @@ class Launcher:
                 if rss is not None:
                     self._send(MemorySample(run.run_id, rank.spec.rank, rss, time=time.time()))
 
-    def _finish(self, run: Run) -> None:
+    def _finish(self, run: LauncherRun) -> None:
         for rank in run.ranks:
             if rank.held and not rank.exited:
                 self._keep_held(run, rank)
@@ -812,7 +821,8 @@ class Launcher:
             run.stop_note = self._laggards(run)
         if run.board is not None:
             run.board.close()
-        state = run.end_state or events.FAILED
+        state = run.outcome or events.FAILED
+        run.move(RunState.ENDED)
         kept = _kept_step(run)
         entry = self.board.get(run.run_id)
         if entry is not None and kept is not None:
@@ -832,13 +842,13 @@ class Launcher:
             self.standby.after_run(run.plan)
 
     # -- the debugger relay and the held rank (nbtrain.rank.debugger) ----------------------
-    def _on_debug_event(self, run: Run, rank: RankProcess, message: Any) -> None:
+    def _on_debug_event(self, run: LauncherRun, rank: RankProcess, message: Any) -> None:
         """pdb's output and prompts go to the kernel; while a rank sits at a prompt the
         run's timeout waits (the user is reading, not the rank hanging)."""
         now = time.monotonic()
         if isinstance(message, DebugQuit):  # `q`: the user ended the run
-            if run.end_state is None:
-                run.end_state = events.STOPPED
+            if run.state in ACTIVE:
+                run.outcome = events.STOPPED
                 run.detail = f"the run was stopped by `q` in rank {message.rank}'s debugger; every rank is gone."
                 self._stop_now(run)
             return
@@ -876,7 +886,7 @@ class Launcher:
         ranks = [] if run is None else [r for r in run.ranks if r.spec.rank == rank_number and not r.exited]
         return ranks[0] if ranks else None
 
-    def _keep_held(self, run: Run, rank: RankProcess) -> None:
+    def _keep_held(self, run: LauncherRun, rank: RankProcess) -> None:
         """The run ends; its root-cause rank lives on, paused in its frames, until released."""
         for fd in list(rank.pipes):  # what it prints from now on (in pdb, its relay) is not the run's
             self._close_pipe(rank, fd)
@@ -902,15 +912,15 @@ class Launcher:
                 rank.release_reason = reason
                 self._signal_groups([rank], signal.SIGKILL)
 
-    def _unhold(self, run: Run) -> None:
+    def _unhold(self, run: LauncherRun) -> None:
         """A hard death turned out to be the cause: the rank held for it is stopped as the rest."""
         for rank in run.ranks:
             if rank.held and not rank.exited:
                 rank.held = False
-                if run.stop_started is not None:
+                if run.lifecycle.has_been(RunState.TERMINATING):
                     self._signal_groups([rank], signal.SIGTERM)
 
-    def _on_held_exit(self, run: Run, rank: RankProcess) -> None:
+    def _on_held_exit(self, run: LauncherRun, rank: RankProcess) -> None:
         self._signal_groups([rank], signal.SIGKILL)  # what it started goes with it
         if processes.reap(rank.pid) is None:
             return
@@ -959,17 +969,17 @@ def _frames(rank: RankProcess) -> tuple[stacks.Frame, ...]:
     return stacks.parse_dump(rank.stack.decode("utf-8", "replace"))
 
 
-def _kept_step(run: Run) -> int | None:
+def _kept_step(run: LauncherRun) -> int | None:
     """The step a graceful stop kept (every rank ended its cell there), or None."""
     stop = run.graceful
-    if stop is None or stop.gave_up or run.end_state == events.FINISHED or not all(r.done for r in run.ranks):
+    if stop is None or stop.gave_up or run.outcome == events.FINISHED or not all(r.done for r in run.ranks):
         return None
     return stop.step
 
 
-def _stacks(run: Run) -> tuple[tuple[int, str], ...]:
+def _stacks(run: LauncherRun) -> tuple[tuple[int, str], ...]:
     """What each rank's dump said, for a run that ended by a timeout or a stop."""
-    if run.end_state not in (events.STOPPED, events.TIMED_OUT):
+    if run.outcome not in (events.STOPPED, events.TIMED_OUT):
         return ()
     return tuple(
         (rank.spec.rank, rank.stack.decode("utf-8", "replace")) for rank in run.ranks if rank.stack or rank.stack_asked
@@ -1020,12 +1030,18 @@ class _RankEnds:
         self.rank_end.close()
 
 
-def _our_signal(run: Run, signal_number: int | None) -> bool:
+def _our_signal(run: LauncherRun, signal_number: int | None) -> bool:
     """Whether a rank died of nbtrain's own stop: SIGTERM, or SIGKILL once the launcher (or,
     for a stop asked in the browser, the server extension) sends it."""
     return signal_number == signal.SIGTERM or (
-        signal_number == signal.SIGKILL and (run.killed or run.stopped_outside)
+        signal_number == signal.SIGKILL
+        and (run.lifecycle.has_been(RunState.KILLED) or run.lifecycle.has_been(RunState.STOPPING_OUTSIDE))
     )
+
+
+def _stopping(run: LauncherRun) -> bool:
+    """Whether the launcher began stopping ``run`` (its ranks' exits then count as stopped)."""
+    return run.lifecycle.has_been(RunState.DUMPING_STACKS) or run.lifecycle.has_been(RunState.TERMINATING)
 
 
 def _readable_now(sock: socket.socket) -> bool:
@@ -1069,7 +1085,7 @@ class RankFds:
         return [fd for fd in (self.channel, self.listen, self.tensor, self.stack) if fd is not None]
 
 
-def _stepped(run: Run) -> bool:
+def _stepped(run: LauncherRun) -> bool:
     """Whether a rank of ``run`` has begun an optimizer step that a stop could keep."""
     return run.board is not None and run.on_stop == "keep" and any(run.board.counts())
 
