@@ -20,7 +20,6 @@ from helpers import procs
 from nbtrain import codepickle, config, events, processes, wire
 from nbtrain.devices import DevicePlan
 from nbtrain.kernel import client
-from nbtrain.launch_server import server
 
 READY_SECONDS = 120.0  # the launcher imports torch first
 RUN_SECONDS = 60.0
@@ -222,20 +221,3 @@ def test_runs_are_independent_and_identified_by_their_id(channel):
         if isinstance(message, events.RunEnded):
             ended[message.run_id] = pickle.loads(message.result)
     assert ended == {first.run_id: "first", second.run_id: "second"}
-
-
-# --- pieces -------------------------------------------------------------------------------
-
-
-def test_a_ranks_descriptors_are_opened_together_and_closed_together():
-    before = set(os.listdir("/proc/self/fd"))
-    ends = server._RankEnds.open()
-    assert len(set(os.listdir("/proc/self/fd")) - before) == 8  # a socket pair and three pipes
-    ends.close_child_side()
-    ends.close_all()  # tolerates what close_child_side already closed
-    assert set(os.listdir("/proc/self/fd")) == before
-
-
-def test_a_rank_keeps_its_channel_listen_socket_tensors_and_stack_pipe():
-    fds = server.RankFds(channel=10, out=11, err=12, listen=None, tensor=13, stack=14)
-    assert fds.kept == [10, 13, 14]  # stdout and stderr become fds 1 and 2 instead

@@ -18,10 +18,9 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain import events, processes, stacks, stopboard, wire
+from nbtrain import events, processes, stacks, wire
 from nbtrain.events import (
     AttachHeld,
     DebugEnded,
@@ -38,7 +37,6 @@ from nbtrain.events import (
     RankDone,
     RankExited,
     RankFailed,
-    RankHeld,
     RankNotStarted,
     RanksDone,
     RankStarted,
@@ -55,9 +53,11 @@ from nbtrain.events import (
     StopStep,
     StoreListening,
 )
-from nbtrain.launch_server import graceful, standby, tracker
+from nbtrain.launch_server import graceful, heldranks, stackdumps, standby, tracker
+from nbtrain.launch_server.forking import hand_run, send_quietly, signal_groups, start_rank_process, step_board
+from nbtrain.launch_server.launched import LauncherRun, RankProcess, kept_step, our_signal, stop_began, took_a_step
 from nbtrain.launch_server.lifecycle import ACTIVE, CAN_DRAIN, STOPPABLE, Lifecycle, RunState
-from nbtrain.launch_server.output import STREAMS, RankOutput, RunLog
+from nbtrain.launch_server.output import STREAMS, RunLog
 
 # Imported once here so that no rank pays for it: DistributedDataParallel's constructor
 # alone imports torch._dynamo, 1.5-2 s per rank on a small machine.
@@ -77,77 +77,9 @@ PRELOAD = (
 )
 
 STOP_GRACE_SECONDS = 0.5  # SIGTERM first; SIGKILL for what is left after this
-# Before stopping a run that timed out or was stopped, each rank dumps its stack: wait for
-# every dump to arrive and go quiet, but never longer than STACK_WAIT_SECONDS in all.
-STACK_WAIT_SECONDS = 1.0
-STACK_QUIET_SECONDS = 0.05
 DRAIN_SECONDS = 1.0  # how long to wait for output pipes to close once every rank exited
 MEMORY_SAMPLE_SECONDS = 0.5
 TICK_SECONDS = 0.1
-HAND_OVER_SECONDS = 10.0  # a standby rank reads its run within this, or it is killed
-
-
-@dataclass
-class RankProcess:
-    spec: events.RankSpec
-    pid: int
-    pidfd: int
-    channel: socket.socket
-    pipes: dict[int, str]  # read fd -> "stdout" | "stderr"
-    output: RankOutput
-    done: bool = False
-    failed: bool = False
-    exited: bool = False
-    members: set[int] = field(default_factory=set)  # pids seen in its process group
-    stack_fd: int | None = None  # read end of the pipe its faulthandler dumps to
-    stack: bytes = b""
-    stack_asked: bool = False
-    stack_seen_at: float = 0.0  # when the last bytes of its dump arrived
-    held: bool = False  # the failed run's root cause, kept alive for a post-mortem
-    held_until: float | None = None  # released then, unless a post-mortem is open
-    cuda_bytes: int | None = None  # what it last reported holding on its GPU
-    release_reason: str = "its debugger ended"  # what HeldReleased says when it is gone
-    step_board: stopboard.StepBoard | None = None  # a standby rank's: the run that takes it stops on it
-
-
-@dataclass
-class LauncherRun:
-    """What the launcher knows of one run: its ranks, its phase (``lifecycle``) and what it ends with."""
-
-    run_id: int
-    ranks: list[RankProcess]
-    deadline: float | None
-    lifecycle: Lifecycle
-    on_cluster: bool = False  # a cluster node's part: done ranks wait for ReleaseRanks (every node done)
-    outcome: str | None = None  # what RunEnded will say (events.FINISHED, ...): set once it is known
-    failure: RankFailed | RankExited | RankNotStarted | None = None
-    result: bytes | None = None
-    result_fd: int | None = None
-    offer: RankDone | None = None  # rank 0's result, tensors still in its memory
-    last_memory_sample: float = 0.0
-    log: RunLog | None = None  # every rank's full output
-    last_skipped_report: float = 0.0
-    debug_hold: float | None = None  # seconds a failed run's root-cause rank is held
-    debugging: set[int] = field(default_factory=set)  # ranks at a pdb prompt: the timeout waits
-    paused_at: float = 0.0  # when the first of them stopped
-    detail: str = ""  # how a stop came, for RunEnded
-    held_text: str | None = None  # its held rank, as the sidebar lists it
-    plan: StartRun | None = None  # what standby ranks for the next run are forked for
-    board: stopboard.StepBoard | None = None  # the ranks' optimizer steps (forked ranks only)
-    on_stop: str = "keep"
-    stop_grace: float = 2.0
-    graceful: graceful.GracefulStop | None = None
-    stop_note: str = ""  # why a stop could not keep the state (sent with RunEnded)
-    late: list[int] = field(default_factory=list)  # the ranks a graceful stop gave up on
-
-    @property
-    def state(self) -> RunState:
-        """The run's phase now (nbtrain.launch_server.lifecycle)."""
-        return self.lifecycle.state
-
-    def move(self, to: RunState) -> None:
-        """Go to ``to`` now, as the lifecycle's table allows (or raise)."""
-        self.lifecycle.move(to, time.monotonic())
 
 
 class Launcher:
@@ -162,8 +94,8 @@ class Launcher:
         if kernel_pidfd is not None:
             self.selector.register(kernel_pidfd, selectors.EVENT_READ, ("kernel", None, None))
         self.runs: dict[int, LauncherRun] = {}
-        self.held: dict[int, tuple[LauncherRun, RankProcess]] = {}  # run id -> its rank held for a post-mortem
         self.board = tracker.Board(tracker.find_owner(parent_pid))
+        self.held_ranks = heldranks.HeldRanks(self.selector, self._send, self.board)
         self.standby = standby.Pool(
             self.selector, self._fork_standby, self._send, self.board.show_standby, self.board.standby_dismissed
         )
@@ -171,7 +103,7 @@ class Launcher:
     # -- main loop ---------------------------------------------------------------------
     def serve(self) -> None:
         while True:
-            timeout = TICK_SECONDS if self.runs else 0.5 if self.held else 1.0
+            timeout = TICK_SECONDS if self.runs else 0.5 if self.held_ranks else 1.0
             for key, _ in self.selector.select(timeout):
                 kind, run, rank = key.data
                 if kind == "control":
@@ -184,11 +116,11 @@ class Launcher:
                 elif kind == "pipe":
                     self._on_output(run, rank, key.fd)
                 elif kind == "pidfd" and rank.held and run.run_id not in self.runs:
-                    self._on_held_exit(run, rank)
+                    self.held_ranks.on_exit(run, rank)
                 elif kind == "pidfd":
                     self._on_exit(run, rank)
                 elif kind == "stack":
-                    self._on_stack(rank)
+                    stackdumps.read_dump(self.selector, rank)
                 elif kind == "standby-events":
                     self.standby.on_message(run, rank)
                 elif kind == "standby-exit":
@@ -199,12 +131,12 @@ class Launcher:
             # Before _tick ends a run: what a rank left behind must not hold its pipes open.
             processes.kill_strays(self._live_ranks())
             self._tick(time.monotonic())
-            self._tick_held(time.monotonic())
+            self.held_ranks.tick(time.monotonic())
 
     def _live_ranks(self) -> set[int]:
         """The pids of ranks not yet reaped: the launcher's only legitimate children."""
         live = {rank.pid for run in self.runs.values() for rank in run.ranks if not rank.exited}
-        return live | {rank.pid for _run, rank in self.held.values()} | self.standby.pids()
+        return live | self.held_ranks.pids() | self.standby.pids()
 
     def _on_control(self) -> bool:
         try:
@@ -222,7 +154,7 @@ class Launcher:
             if run is not None and run.state is RunState.OFFERING:
                 if message.send_file:
                     rank_zero = next(rank for rank in run.ranks if rank.spec.rank == 0)
-                    _send_quietly(rank_zero.channel, SendResultFile(run.run_id))
+                    send_quietly(rank_zero.channel, SendResultFile(run.run_id))
                 else:
                     self._release(run)
         elif isinstance(message, (DebugInput, AttachHeld, ReleaseHeld)):
@@ -243,7 +175,7 @@ class Launcher:
         # is given up (the kernel does not copy it), and rank 0 is stopped with the rest.
         # Every rank is done: the result on its way is what a stop at a step would keep, when the
         # run took an optimizer step; one that never did stops as before, its result given up.
-        finished = run.outcome == events.FINISHED and _stepped(run)
+        finished = run.outcome == events.FINISHED and took_a_step(run)
         if gracefully and (finished or self._stop_gracefully(run, events.STOPPED)):
             return
         if run.state is RunState.STOPPING_AT_STEP and run.graceful is not None:  # asked again
@@ -275,7 +207,7 @@ class Launcher:
         entry = self.board.get(run.run_id)
         if entry is None or entry.record.stop_at_step or run.state not in ACTIVE:
             return
-        if _stepped(run):
+        if took_a_step(run):
             entry.update(stop_at_step=True)
 
     def _follow_graceful(self, run: LauncherRun, now: float) -> None:
@@ -304,7 +236,8 @@ class Launcher:
         if run.graceful is None or run.board is None:
             return run.stop_note
         slots = {rank.spec.rank: index for index, rank in enumerate(run.ranks)}
-        waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.waits_on_peers(_frames(r)))
+        frames = stackdumps.frames_of
+        waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.waits_on_peers(frames(r)))
         return graceful.laggards_note(run.graceful, run.board, run.late, slots, waiting)
 
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
@@ -319,11 +252,11 @@ class Launcher:
         deadline = None if start.timeout is None else now + start.timeout
         run = LauncherRun(start.run_id, [], deadline, Lifecycle(start.run_id, now), on_cluster=start.node is not None)
         run.debug_hold = start.debug_hold
-        self._release_held(f"the next launch (run {start.run_id}) needs its devices")
+        self.held_ranks.release(f"the next launch (run {start.run_id}) needs its devices")
         run.log = RunLog(start.log_path) if start.log_path else None
         run.plan = standby.plan_of(start)
         run.on_stop, run.stop_grace = start.on_stop, start.stop_grace
-        run.board = _step_board(start)
+        run.board = step_board(start)
         self.runs[start.run_id] = run
         taken = self.standby.take(start)
         if taken is not None:
@@ -373,42 +306,11 @@ class Launcher:
     def _start_rank(
         self, run: LauncherRun, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None, slot: int = 0
     ) -> RankProcess:
-        rank = self._fork_rank(assignment, listen_fd, tensor_fd, run.log, steps=(run.board, slot))
+        rank = start_rank_process(assignment, listen_fd, tensor_fd, run.log, steps=(run.board, slot))
         self._watch(run, rank)
         if assignment.start.start_method == "spawn":
-            _send_quietly(rank.channel, assignment)  # a fresh interpreter has nothing in memory
+            send_quietly(rank.channel, assignment)  # a fresh interpreter has nothing in memory
         self._send(RankStarted(run.run_id, assignment.spec.rank, rank.pid))
-        return rank
-
-    def _fork_rank(
-        self,
-        assignment: RankAssignment,
-        listen_fd: int | None,
-        tensor_fd: int | None,
-        log: RunLog | None,
-        waits: bool = False,
-        steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
-    ) -> RankProcess:
-        """A new rank process and the launcher's ends of its channel and pipes; ``waits``: a standby rank,
-        ``steps``: the step board its optimizer steps are counted on, and its slot there."""
-        ends = _RankEnds.open()
-        try:
-            pid = self._create(assignment, ends, listen_fd, tensor_fd, waits, steps)
-        except BaseException:
-            ends.close_all()  # the fork failed: nothing holds the other ends
-            raise
-        ends.close_child_side()
-        try:
-            pidfd = processes.open_pidfd(pid)
-        except OSError:
-            processes.signal_group(pid, signal.SIGKILL)  # a rank we could not watch must not run
-            processes.reap_now(pid)
-            ends.close_all()
-            raise
-        pipes = {ends.out_read: "stdout", ends.err_read: "stderr"}
-        output = RankOutput(assignment.spec.rank, log)
-        rank = RankProcess(assignment.spec, pid, pidfd, ends.launcher_end, pipes, output)
-        rank.stack_fd = ends.stack_read
         return rank
 
     def _watch(self, run: LauncherRun, rank: RankProcess) -> None:
@@ -427,13 +329,13 @@ class Launcher:
         """Fork ``plan``'s ranks to wait for a run; only their exit and channel are watched meanwhile
         (their output waits in their pipes for the run that takes them)."""
         store_socket, port = self._store_socket(plan)
-        board = _step_board(plan)  # the run that takes them stops on it
+        board = step_board(plan)  # the run that takes them stops on it
         ranks: list[RankProcess] = []
         try:
             for slot, spec in enumerate(plan.ranks):
                 listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
                 assignment = RankAssignment(plan, spec, port, os.getpid())
-                rank = self._fork_rank(assignment, listen_fd, None, None, True, (board, slot))
+                rank = start_rank_process(assignment, listen_fd, None, None, True, (board, slot))
                 rank.step_board = board
                 ranks.append(rank)
                 self.selector.register(rank.pidfd, selectors.EVENT_READ, ("standby-exit", generation, rank))
@@ -465,55 +367,13 @@ class Launcher:
                 rank.output.log = run.log
                 run.ranks.append(rank)
                 self._watch(run, rank)
-                _hand_run(rank, start, fds)
+                hand_run(rank, start, fds)
                 self._send(RankStarted(run.run_id, rank.spec.rank, rank.pid))
         finally:
             self.standby.changed()  # they wait no more
             self.board.start(start, [(rank.spec.rank, rank.pid) for rank in run.ranks])
             if tensor_fd is not None:
                 os.close(tensor_fd)
-
-    def _create(
-        self,
-        assignment: RankAssignment,
-        ends: _RankEnds,
-        listen_fd: int | None,
-        tensor_fd: int | None,
-        waits: bool = False,
-        steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
-    ) -> int:
-        fds = RankFds(ends.rank_end.fileno(), ends.out_write, ends.err_write, listen_fd, tensor_fd, ends.stack_write)
-        if assignment.start.start_method == "spawn":
-            return self._spawn(assignment, fds)
-        rank_end = ends.rank_end
-        return processes.fork_rank(lambda: _rank_main(assignment, rank_end, fds, waits, steps))
-
-    def _spawn(self, assignment: RankAssignment, fds: RankFds) -> int:
-        env = dict(assignment.start.environ)
-        # The caller's environment has no NBTRAIN_ROLE; with it, nothing in the fresh
-        # interpreter ever warms a launcher of its own (one more torch import per rank).
-        env[processes.ROLE_VARIABLE] = "rank"
-        argv = [
-            sys.executable,
-            "-m",
-            "nbtrain.rank",
-            str(fds.channel),
-            str(-1 if fds.listen is None else fds.listen),
-            str(-1 if fds.tensor is None else fds.tensor),
-            str(fds.stack),
-        ]
-        # stdout/stderr go to the pipes; posix_spawn needs them on fds 1 and 2 of the child.
-        saved = [os.dup(1), os.dup(2)]
-        try:
-            os.dup2(fds.out, 1)
-            os.dup2(fds.err, 2)
-            pid = processes.spawn_rank(argv, env, fds.kept)
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-        return pid
 
     # -- events from ranks -------------------------------------------------------------
     def _on_rank_event(self, run: LauncherRun, rank: RankProcess) -> None:
@@ -580,7 +440,7 @@ class Launcher:
             return
         run.move(RunState.RELEASED)
         for rank in run.ranks:
-            _send_quietly(rank.channel, Release(run.run_id))
+            send_quietly(rank.channel, Release(run.run_id))
 
     def _on_output(self, run: LauncherRun, rank: RankProcess, fd: int) -> None:
         stream = rank.pipes[fd]
@@ -610,7 +470,7 @@ class Launcher:
     def _on_exit(self, run: LauncherRun, rank: RankProcess) -> None:
         # Kill the rank's group while its leader is still an unreaped zombie: the group id
         # cannot have been reused yet, and stray DataLoader workers go with it.
-        self._signal_groups([rank], signal.SIGKILL)
+        signal_groups([rank], signal.SIGKILL)
         status = processes.reap(rank.pid)
         if status is None:
             return
@@ -627,12 +487,12 @@ class Launcher:
         reported = (rank.done and not (rank.spec.rank == 0 and run.state is RunState.OFFERING)) or rank.failed
         if not reported:
             self._stopped_from_outside(run)
-        ours = _our_signal(run, signal_number)
+        ours = our_signal(run, signal_number)
         exited = RankExited(
             run.run_id, rank.spec.rank, exit_code, signal_number, reported,
             # A signal we did not send (an OOM kill, a segfault) is the rank's own death even
             # when it is reaped after the stop began: its peers' errors race ahead of it.
-            stopped=_stopping(run) and (signal_number is None or ours),
+            stopped=stop_began(run) and (signal_number is None or ours),
         )
         self._send(exited)
         if not reported and run.outcome in (None, events.FINISHED):
@@ -687,8 +547,9 @@ class Launcher:
         if run.state not in STOPPABLE:
             return  # stopping already
         run.outcome = state
-        if state in (events.STOPPED, events.TIMED_OUT) and self._ask_for_stacks(run):
-            return  # _tick stops the ranks once their dumps are in
+        if state in (events.STOPPED, events.TIMED_OUT) and stackdumps.request_dumps(run):
+            run.move(RunState.DUMPING_STACKS)  # _tick stops the ranks once their dumps are in
+            return
         self._stop_now(run)
 
     def _stop_now(self, run: LauncherRun) -> None:
@@ -696,53 +557,7 @@ class Launcher:
         entry = self.board.get(run.run_id)
         if entry is not None:
             entry.update(state="stopping")
-        self._signal_groups([rank for rank in run.ranks if not rank.exited and not rank.held], signal.SIGTERM)
-
-    def _ask_for_stacks(self, run: LauncherRun) -> bool:
-        """Signal every live rank for its stack dump; False when none can answer."""
-        for rank in run.ranks:
-            rank.stack_asked = not rank.exited and processes.request_stack(rank.pid)
-        if not any(rank.stack_asked for rank in run.ranks):
-            return False
-        run.move(RunState.DUMPING_STACKS)  # for STACK_WAIT_SECONDS at most
-        return True
-
-    def _stacks_in(self, run: LauncherRun, now: float) -> bool:
-        return all(
-            rank.exited or not rank.stack_asked or (rank.stack and now - rank.stack_seen_at > STACK_QUIET_SECONDS)
-            for rank in run.ranks
-        )
-
-    def _on_stack(self, rank: RankProcess) -> None:
-        assert rank.stack_fd is not None
-        try:
-            data = os.read(rank.stack_fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:  # every holder of the write end is gone
-            self._close_stack(rank)
-            return
-        rank.stack += data
-        rank.stack_seen_at = time.monotonic()
-
-    def _close_stack(self, rank: RankProcess) -> None:
-        if rank.stack_fd is not None:
-            self.selector.unregister(rank.stack_fd)
-            os.close(rank.stack_fd)
-            rank.stack_fd = None
-
-    def _signal_groups(self, ranks: list[RankProcess], number: int) -> None:
-        # Note who is in each group before signalling it: a DataLoader worker killed between
-        # torch's shm_open and shm_unlink leaves a /dev/shm entry named after its pid, which
-        # _finish removes once the group is gone.
-        if not ranks:
-            return
-        groups = processes.process_groups()
-        for rank in ranks:
-            rank.members.update(groups.get(rank.pid, ()))
-            processes.signal_group(rank.pid, number)
+        signal_groups([rank for rank in run.ranks if not rank.exited and not rank.held], signal.SIGTERM)
 
     def _tick(self, now: float) -> None:
         self.standby.tick(now)
@@ -770,12 +585,14 @@ class Launcher:
 
     def _tick_stop(self, run: LauncherRun, now: float) -> None:
         """Stop the ranks once their stack dumps are in, SIGKILL them after the grace, drain them once gone."""
-        since = run.lifecycle.since
-        if run.state is RunState.DUMPING_STACKS and (now - since > STACK_WAIT_SECONDS or self._stacks_in(run, now)):
+        waited = now - run.lifecycle.since
+        if run.state is RunState.DUMPING_STACKS and (
+            waited > stackdumps.STACK_WAIT_SECONDS or stackdumps.dumps_in(run, now)
+        ):
             self._stop_now(run)
         if run.state is RunState.TERMINATING and now - run.lifecycle.since > STOP_GRACE_SECONDS:
             run.move(RunState.KILLED)
-            self._signal_groups([rank for rank in run.ranks if not rank.exited and not rank.held], signal.SIGKILL)
+            signal_groups([rank for rank in run.ranks if not rank.exited and not rank.held], signal.SIGKILL)
         self._drain_if_gone(run)  # also covers a run whose ranks could not all start
 
     def _report_skipped(self, run: LauncherRun, now: float) -> None:
@@ -811,7 +628,7 @@ class Launcher:
             except (KeyError, ValueError):
                 pass
             rank.channel.close()
-            self._close_stack(rank)
+            stackdumps.close_dump(self.selector, rank)
             # Its pipes are drained, so every process that held them (workers too) is gone.
             processes.remove_torch_shared_memory({rank.pid, *rank.members})
         del self.runs[run.run_id]
@@ -823,7 +640,7 @@ class Launcher:
             run.board.close()
         state = run.outcome or events.FAILED
         run.move(RunState.ENDED)
-        kept = _kept_step(run)
+        kept = kept_step(run)
         entry = self.board.get(run.run_id)
         if entry is not None and kept is not None:
             entry.update(stopped_at=kept)
@@ -832,7 +649,8 @@ class Launcher:
             fds = () if run.result_fd is None else (run.result_fd,)
             self._send(RunEnded(run.run_id, state, run.result, run.result_fd is not None, stopped_at=kept), fds)
         else:
-            failed = RunEnded(run.run_id, state, failure=run.failure, detail=run.detail, stacks=_stacks(run))
+            dumps = stackdumps.dumps_of(run)
+            failed = RunEnded(run.run_id, state, failure=run.failure, detail=run.detail, stacks=dumps)
             self._send(dataclasses.replace(failed, stop_note=run.stop_note))
         if run.result_fd is not None:
             os.close(run.result_fd)
@@ -867,7 +685,7 @@ class Launcher:
     def _on_debug_request(self, message: DebugInput | AttachHeld | ReleaseHeld) -> None:
         """The kernel's side of the relay: only to a rank of one of its runs, by run and rank."""
         if isinstance(message, ReleaseHeld):
-            self._release_held(message.reason, message.run_id)
+            self.held_ranks.release(message.reason, message.run_id)
             return
         target = self._debug_target(message.run_id, message.rank)
         if target is None:
@@ -876,12 +694,12 @@ class Launcher:
             return
         if isinstance(message, AttachHeld):
             target.held_until = None
-        _send_quietly(target.channel, message)
+        send_quietly(target.channel, message)
 
     def _debug_target(self, run_id: int, rank_number: int) -> RankProcess | None:
-        held = self.held.get(run_id)
-        if held is not None and held[1].spec.rank == rank_number:
-            return held[1]
+        held = self.held_ranks.get(run_id, rank_number)
+        if held is not None:
+            return held
         run = self.runs.get(run_id)
         ranks = [] if run is None else [r for r in run.ranks if r.spec.rank == rank_number and not r.exited]
         return ranks[0] if ranks else None
@@ -891,26 +709,8 @@ class Launcher:
         for fd in list(rank.pipes):  # what it prints from now on (in pdb, its relay) is not the run's
             self._close_pipe(rank, fd)
         self._send_output(run, rank, rank.output.finish())
-        self._close_stack(rank)
-        hold = run.debug_hold or 0.0
-        rank.held_until = time.monotonic() + hold
-        self.held[run.run_id] = (run, rank)
-        spec = rank.spec
-        device = spec.device_type if spec.device_index is None else f"{spec.device_type}:{spec.device_index}"
-        rss = processes.resident_bytes(rank.pid)
-        self._send(RankHeld(run.run_id, spec.rank, rank.pid, rss, rank.cuda_bytes, hold, device))
-        memory = f"{(rss or 0) >> 20} MiB of host memory" + (
-            f" and {rank.cuda_bytes >> 20} MiB on {device}" if rank.cuda_bytes else ""
-        )
-        run.held_text = f"rank {spec.rank} (pid {rank.pid}) kept for %nbtrain_debug, holding {memory}"
-
-    def _release_held(self, reason: str, run_id: int | None = None) -> None:
-        """End held ranks (all, or ``run_id``'s): their pidfd then reports them gone."""
-        for held_id, (_run, rank) in list(self.held.items()):
-            if run_id is None or held_id == run_id:
-                rank.held_until = None
-                rank.release_reason = reason
-                self._signal_groups([rank], signal.SIGKILL)
+        stackdumps.close_dump(self.selector, rank)
+        self.held_ranks.keep(run, rank)
 
     def _unhold(self, run: LauncherRun) -> None:
         """A hard death turned out to be the cause: the rank held for it is stopped as the rest."""
@@ -918,39 +718,14 @@ class Launcher:
             if rank.held and not rank.exited:
                 rank.held = False
                 if run.lifecycle.has_been(RunState.TERMINATING):
-                    self._signal_groups([rank], signal.SIGTERM)
-
-    def _on_held_exit(self, run: LauncherRun, rank: RankProcess) -> None:
-        self._signal_groups([rank], signal.SIGKILL)  # what it started goes with it
-        if processes.reap(rank.pid) is None:
-            return
-        self.selector.unregister(rank.pidfd)
-        os.close(rank.pidfd)
-        rank.exited = True
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(rank.channel)
-        rank.channel.close()
-        processes.remove_torch_shared_memory({rank.pid, *rank.members})
-        self.held.pop(run.run_id, None)
-        if self.board.released(run.run_id) and rank.release_reason == RankProcess.release_reason:
-            rank.release_reason = "it was dismissed in the JupyterLab sidebar"
-        self._send(HeldReleased(run.run_id, rank.spec.rank, rank.release_reason))
-
-    def _tick_held(self, now: float) -> None:
-        for _run, rank in list(self.held.values()):
-            if rank.held_until is not None and now > rank.held_until:
-                rank.held_until = None
-                rank.release_reason = "it was held idle for its whole hold time"
-                self._signal_groups([rank], signal.SIGKILL)
+                    signal_groups([rank], signal.SIGTERM)
 
     def _shutdown(self) -> None:
         self.standby.shutdown(time.monotonic() + 2.0)
         self.board.close()
-        held = [rank for _run, rank in self.held.values()]
-        self.held.clear()
-        self._signal_groups(held, signal.SIGKILL)
+        held = self.held_ranks.kill_all()
         for run in self.runs.values():
-            self._signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGKILL)
+            signal_groups([rank for rank in run.ranks if not rank.exited], signal.SIGKILL)
         deadline = time.monotonic() + 2.0
         for run in self.runs.values():
             for rank in run.ranks:
@@ -965,173 +740,9 @@ class Launcher:
             time.sleep(0.01)
 
 
-def _frames(rank: RankProcess) -> tuple[stacks.Frame, ...]:
-    return stacks.parse_dump(rank.stack.decode("utf-8", "replace"))
-
-
-def _kept_step(run: LauncherRun) -> int | None:
-    """The step a graceful stop kept (every rank ended its cell there), or None."""
-    stop = run.graceful
-    if stop is None or stop.gave_up or run.outcome == events.FINISHED or not all(r.done for r in run.ranks):
-        return None
-    return stop.step
-
-
-def _stacks(run: LauncherRun) -> tuple[tuple[int, str], ...]:
-    """What each rank's dump said, for a run that ended by a timeout or a stop."""
-    if run.outcome not in (events.STOPPED, events.TIMED_OUT):
-        return ()
-    return tuple(
-        (rank.spec.rank, rank.stack.decode("utf-8", "replace")) for rank in run.ranks if rank.stack or rank.stack_asked
-    )
-
-
-@dataclass
-class _RankEnds:
-    """The channel and the two output pipes of a rank being started: both ends of each."""
-
-    launcher_end: socket.socket
-    rank_end: socket.socket
-    out_read: int
-    out_write: int
-    err_read: int
-    err_write: int
-    stack_read: int  # the rank's faulthandler dumps (nbtrain.stacks)
-    stack_write: int
-
-    @classmethod
-    def open(cls) -> _RankEnds:
-        """All of them, or (EMFILE half way) none: what was opened is closed before raising."""
-        launcher_end, rank_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        pipes: list[int] = []
-        try:
-            for _ in range(3):
-                pipes.extend(os.pipe())
-        except OSError:
-            for fd in pipes:
-                os.close(fd)
-            launcher_end.close()
-            rank_end.close()
-            raise
-        return cls(launcher_end, rank_end, *pipes)
-
-    def close_child_side(self) -> None:
-        for fd in (self.out_write, self.err_write, self.stack_write):
-            os.close(fd)
-        self.rank_end.close()
-
-    def close_all(self) -> None:
-        for fd in (self.out_read, self.out_write, self.err_read, self.err_write, self.stack_read, self.stack_write):
-            try:
-                os.close(fd)
-            except OSError:
-                pass  # closed already (close_child_side ran)
-        self.launcher_end.close()
-        self.rank_end.close()
-
-
-def _our_signal(run: LauncherRun, signal_number: int | None) -> bool:
-    """Whether a rank died of nbtrain's own stop: SIGTERM, or SIGKILL once the launcher (or,
-    for a stop asked in the browser, the server extension) sends it."""
-    return signal_number == signal.SIGTERM or (
-        signal_number == signal.SIGKILL
-        and (run.lifecycle.has_been(RunState.KILLED) or run.lifecycle.has_been(RunState.STOPPING_OUTSIDE))
-    )
-
-
-def _stopping(run: LauncherRun) -> bool:
-    """Whether the launcher began stopping ``run`` (its ranks' exits then count as stopped)."""
-    return run.lifecycle.has_been(RunState.DUMPING_STACKS) or run.lifecycle.has_been(RunState.TERMINATING)
-
-
 def _readable_now(sock: socket.socket) -> bool:
     readable, _, _ = select.select([sock], [], [], 0)
     return bool(readable)
-
-
-def _hand_run(rank: RankProcess, start: StartRun, fds: tuple[int, ...]) -> None:
-    """Send a standby rank its run. One that died just now, or cannot read it (stuck before its
-    wait), is killed: its exit fails the run as any rank's would, and nothing waits forever."""
-    try:
-        rank.channel.settimeout(HAND_OVER_SECONDS)
-        wire.send(rank.channel, start, fds)
-    except OSError:
-        processes.signal_group(rank.pid, signal.SIGKILL)
-    finally:
-        rank.channel.settimeout(None)
-
-
-def _send_quietly(channel: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:
-    try:
-        wire.send(channel, message, fds)
-    except OSError:
-        pass  # the rank is already gone; its exit is handled by its pidfd
-
-
-@dataclass(frozen=True)
-class RankFds:
-    """The descriptors a new rank gets: its channel, stdout/stderr pipes, the store's
-    listening socket (rank 0), the payload's tensors, and the pipe for its stack dumps."""
-
-    channel: int
-    out: int
-    err: int
-    listen: int | None
-    tensor: int | None
-    stack: int
-
-    @property
-    def kept(self) -> list[int]:
-        return [fd for fd in (self.channel, self.listen, self.tensor, self.stack) if fd is not None]
-
-
-def _stepped(run: LauncherRun) -> bool:
-    """Whether a rank of ``run`` has begun an optimizer step that a stop could keep."""
-    return run.board is not None and run.on_stop == "keep" and any(run.board.counts())
-
-
-def _step_board(start: StartRun) -> stopboard.StepBoard | None:
-    """The board a run's ranks count their optimizer steps on, for a stop at a step. A spawned
-    rank starts from nothing: it cannot share it. A cluster's nodes would each choose a step of
-    their own: their stops stay hard."""
-    if start.start_method == "fork" and start.node is None:
-        return stopboard.StepBoard.create(len(start.ranks))
-    return None
-
-
-def _rank_main(
-    assignment: RankAssignment,
-    channel: socket.socket,
-    fds: RankFds,
-    waits: bool = False,
-    steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
-) -> None:
-    """In the forked child: wire up stdio, drop the launcher's descriptors, run the rank
-    (``waits``: prepare, then wait for a run's payload, nbtrain.launch_server.standby)."""
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(fds.out, 1)
-    os.dup2(fds.err, 2)
-    _close_all_but({0, 1, 2, *fds.kept})
-    from nbtrain.rank import runtime, stopping
-
-    stopping.attach(*steps)
-
-    if waits:
-        runtime.run_standby(assignment, channel, fds.listen, fds.stack)
-    runtime.run_rank(assignment, channel, fds.listen, fds.tensor, fds.stack)
-
-
-def _close_all_but(keep: set[int]) -> None:
-    # The child must not hold the launcher's channel to the kernel or other ranks' pipes:
-    # those would keep channels open after their owners die and hide EOFs.
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
 
 def preload() -> tuple[str, ...]:
