@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -221,3 +224,82 @@ def test_runs_are_independent_and_identified_by_their_id(channel):
         if isinstance(message, events.RunEnded):
             ended[message.run_id] = pickle.loads(message.result)
     assert ended == {first.run_id: "first", second.run_id: "second"}
+
+
+# --- the lifecycle of a real run -----------------------------------------------------------
+
+# The launcher as python -m nbtrain.launch_server runs it, with its lifecycle's debug records
+# written to a file: nothing else differs.
+LOGGING_LAUNCHER = """
+import logging, sys
+handler = logging.FileHandler(sys.argv[1])
+handler.setFormatter(logging.Formatter("%(message)s"))
+lifecycle = logging.getLogger("nbtrain.launch_server.lifecycle")
+lifecycle.addHandler(handler)
+lifecycle.setLevel(logging.DEBUG)
+from nbtrain.launch_server.server import main
+main()
+"""
+
+
+def start_logging_launcher(log_path: str) -> Channel:
+    kernel_end, launcher_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = {**os.environ, processes.CONTROL_FD_VARIABLE: str(launcher_end.fileno())}
+    env[processes.ROLE_VARIABLE], env["OPENBLAS_NUM_THREADS"] = "launcher", "1"  # as processes.start_launcher
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-c", LOGGING_LAUNCHER, log_path],
+            pass_fds=[launcher_end.fileno()],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+    finally:
+        launcher_end.close()
+    channel = Channel(processes.LauncherProcess(popen, kernel_end))
+    try:
+        assert isinstance(channel.receive(READY_SECONDS), events.LauncherReady)
+    except BaseException:
+        close(channel)
+        raise
+    return channel
+
+
+def moves(log_path: str, run_id: int) -> list[tuple[str, ...]]:
+    """The run's moves as the launcher logged them: (from, to) names."""
+    with open(log_path) as log:
+        lines = [line.split(": ", 1)[1] for line in log if line.startswith(f"run {run_id}: ")]
+    return [tuple(line.strip().split(" -> ")) for line in lines]
+
+
+def test_a_real_run_passes_through_the_lifecycles_states_and_logs_each_move(tmp_path):
+    def wait_forever() -> None:
+        import time
+
+        print("in the function", flush=True)
+        while True:
+            time.sleep(0.05)
+
+    log_path = str(tmp_path / "lifecycle.log")
+    channel = start_logging_launcher(log_path)
+    try:
+        finished = start_run(next(_run_ids), lambda: "done")
+        channel.send(finished)
+        assert channel.until_ended()[-1].state == events.FINISHED
+        stopped = start_run(next(_run_ids), wait_forever)
+        channel.send(stopped)
+        outputs = 0
+        while outputs < 2:  # both ranks are in the function
+            outputs += isinstance(channel.receive(RUN_SECONDS), events.Output)
+        channel.send(events.StopRun(stopped.run_id, "stopped with the Stop button"))
+        assert channel.until_ended()[-1].state == events.STOPPED
+    finally:
+        close(channel)
+    # A result with no tensors: no offer, the ranks are released at once.
+    released = [("RUNNING", "RELEASED"), ("RELEASED", "DRAINING"), ("DRAINING", "ENDED")]
+    assert moves(log_path, finished.run_id) == released
+    stop = moves(log_path, stopped.run_id)
+    assert stop[:2] == [("RUNNING", "DUMPING_STACKS"), ("DUMPING_STACKS", "TERMINATING")]
+    assert stop[-2:] == [(stop[-2][0], "DRAINING"), ("DRAINING", "ENDED")] and stop[-2][0] in ("TERMINATING", "KILLED")

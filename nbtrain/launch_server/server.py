@@ -83,6 +83,15 @@ TICK_SECONDS = 0.1
 
 
 class Launcher:
+    """The launcher's event loop: requests from the kernel, events, output and exits of ranks.
+
+    One selector, one thread. Each run is a :class:`LauncherRun` whose phase is its lifecycle
+    (nbtrain.launch_server.lifecycle): the handlers below move it, ``_tick`` moves it on with
+    the clock (timeouts, stack dumps, SIGKILL after the grace, draining), ``_finish`` ends it.
+    Forking is in nbtrain.launch_server.forking, stack dumps in stackdumps, the rank held for
+    a post-mortem in heldranks, standby ranks in standby, the sidebar's records in tracker.
+    """
+
     def __init__(self, control: socket.socket, parent_pid: int, kernel_pidfd: int | None = None):
         """``kernel_pidfd``: a launcher forked by the warm template watches its kernel through
         it (its parent is the template, whose death must not end it)."""
@@ -102,6 +111,7 @@ class Launcher:
 
     # -- main loop ---------------------------------------------------------------------
     def serve(self) -> None:
+        """Run until the kernel closes the channel or dies; every rank is gone when it returns."""
         while True:
             timeout = TICK_SECONDS if self.runs else 0.5 if self.held_ranks else 1.0
             for key, _ in self.selector.select(timeout):
@@ -746,6 +756,7 @@ def _readable_now(sock: socket.socket) -> bool:
 
 
 def preload() -> tuple[str, ...]:
+    """Import PRELOAD's modules (those that exist): the names imported."""
     loaded = []
     for module in PRELOAD:
         with contextlib.suppress(Exception):  # a missing optional module only costs speed
@@ -755,6 +766,7 @@ def preload() -> tuple[str, ...]:
 
 
 def main() -> None:
+    """``python -m nbtrain.launch_server``: serve the kernel on the channel it passed, then exit."""
     control = socket.socket(fileno=int(os.environ.pop(processes.CONTROL_FD_VARIABLE)))
     processes.ignore_interrupts()
     processes.become_subreaper()

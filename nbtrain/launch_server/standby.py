@@ -69,7 +69,7 @@ def plan_of(start: StartRun) -> StartRun:
     return dataclasses.replace(start, run_id=0, payload=b"", source_lines={}, has_tensor_file=False, log_path=None)
 
 
-def describe(plan: StartRun) -> str:
+def plan_summary(plan: StartRun) -> str:
     """``2 cpu ranks, gloo``: what the sidebar and ``nbtrain.runs()`` say they wait for."""
     count = len(plan.ranks)
     kind = plan.ranks[0].device_type if plan.ranks else "cpu"
@@ -256,7 +256,7 @@ class Pool:
                 rank.spec.device_index for rank in generation.ranks if rank.spec.device_type == "cuda"
                 and rank.spec.device_index is not None
             )
-            self.tell(StandbyChanged(ranks, describe(generation.plan), devices, generation.all_ready))
+            self.tell(StandbyChanged(ranks, plan_summary(generation.plan), devices, generation.all_ready))
 
     def _registered(self, fileobj: Any) -> bool:
         try:
