@@ -1,21 +1,25 @@
 """Starting a rank: its descriptors, the fork (or spawn), and what the child does before it runs.
 
 The launcher's loop (nbtrain.launch_server.server) calls :func:`start_rank_process` for each
-rank of a run and for standby ranks; everything about the child side of the fork is here.
+rank of a run (and :func:`fork_standby` for standby ranks), then :func:`watch` to read what
+it sends; everything about the child side of the fork is here too.
 """
 
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from nbtrain import processes, stopboard, wire
-from nbtrain.events import RankAssignment, StartRun
-from nbtrain.launch_server.launched import RankProcess
+from nbtrain.events import RankAssignment, StartRun, StoreListening
+from nbtrain.launch_server import standby
+from nbtrain.launch_server.launched import LauncherRun, RankProcess
 from nbtrain.launch_server.output import RankOutput, RunLog
 
 HAND_OVER_SECONDS = 10.0  # a standby rank reads its run within this, or it is killed
@@ -235,3 +239,66 @@ def step_board(start: StartRun) -> stopboard.StepBoard | None:
     if start.start_method == "fork" and start.node is None:
         return stopboard.StepBoard.create(len(start.ranks))
     return None
+
+
+def bind_store(start: StartRun, send: Callable[[Any], None]) -> tuple[socket.socket | None, int]:
+    """The bound socket rank 0 will host the store on, and its port.
+
+    On a cluster only the node holding global rank 0 binds one (on the address the
+    other nodes reach it at) and reports its port; the other nodes are given it.
+    """
+    node = start.node
+    if node is not None and node.master_port is not None:
+        return None, node.master_port
+    address = "127.0.0.1" if node is None else node.master_addr
+    store_socket = socket.create_server((address, 0), backlog=max(128, 2 * len(start.ranks)))
+    port = store_socket.getsockname()[1]
+    if node is not None:
+        send(StoreListening(start.run_id, port))
+    return store_socket, port
+
+
+def watch(selector: selectors.BaseSelector, run: LauncherRun, rank: RankProcess) -> None:
+    """Make the loop read the rank's channel, pipes and stack dumps, and see its exit, as ``run``'s."""
+    assert rank.stack_fd is not None
+    os.set_blocking(rank.stack_fd, False)
+    selector.register(rank.stack_fd, selectors.EVENT_READ, ("stack", run, rank))
+    selector.register(rank.channel, selectors.EVENT_READ, ("events", run, rank))
+    for fd in rank.pipes:
+        os.set_blocking(fd, False)
+        selector.register(fd, selectors.EVENT_READ, ("pipe", run, rank))
+    selector.register(rank.pidfd, selectors.EVENT_READ, ("pidfd", run, rank))
+
+
+def fork_standby(
+    selector: selectors.BaseSelector, send: Callable[[Any], None], plan: StartRun, generation: standby.Generation
+) -> list[RankProcess]:
+    """Fork ``plan``'s ranks to wait for a run; only their exit and channel are watched meanwhile
+    (their output waits in their pipes for the run that takes them)."""
+    store_socket, port = bind_store(plan, send)
+    board = step_board(plan)  # the run that takes them stops on it
+    ranks: list[RankProcess] = []
+    try:
+        for slot, spec in enumerate(plan.ranks):
+            listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
+            assignment = RankAssignment(plan, spec, port, os.getpid())
+            rank = start_rank_process(assignment, listen_fd, None, None, True, (board, slot))
+            rank.step_board = board
+            ranks.append(rank)
+            selector.register(rank.pidfd, selectors.EVENT_READ, ("standby-exit", generation, rank))
+            selector.register(rank.channel, selectors.EVENT_READ, ("standby-events", generation, rank))
+    except OSError:
+        for rank in ranks:  # a generation is whole or none
+            processes.signal_group(rank.pid, signal.SIGKILL)
+            processes.reap_now(rank.pid)
+            selector.unregister(rank.pidfd)
+            selector.unregister(rank.channel)
+            rank.channel.close()
+            for fd in (rank.pidfd, rank.stack_fd, *rank.pipes):
+                if fd is not None:
+                    os.close(fd)
+        raise
+    finally:
+        if store_socket is not None:
+            store_socket.close()
+    return ranks

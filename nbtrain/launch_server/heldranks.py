@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nbtrain import processes
-from nbtrain.events import HeldReleased, RankHeld
+from nbtrain.events import AttachHeld, DebugInput, HeldReleased, RankHeld, ReleaseHeld
 from nbtrain.launch_server import tracker
-from nbtrain.launch_server.forking import signal_groups
+from nbtrain.launch_server.forking import send_quietly, signal_groups
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
 
 
@@ -97,3 +97,26 @@ class HeldRanks:
         self.held.clear()
         signal_groups(held, signal.SIGKILL)
         return held
+
+    def relay(self, message: DebugInput | AttachHeld | ReleaseHeld, runs: dict[int, LauncherRun]) -> None:
+        """The kernel's side of the relay: only to a rank of one of its runs, by run and rank."""
+        if isinstance(message, ReleaseHeld):
+            self.release(message.reason, message.run_id)
+            return
+        target = self._target(message.run_id, message.rank, runs)
+        if target is None:
+            if isinstance(message, AttachHeld):
+                self.send(HeldReleased(message.run_id, message.rank, "it was no longer held"))
+            return
+        if isinstance(message, AttachHeld):
+            target.held_until = None
+        send_quietly(target.channel, message)
+
+    def _target(self, run_id: int, rank_number: int, runs: dict[int, LauncherRun]) -> RankProcess | None:
+        """The rank a debugger message is for: the held one, or a live rank of a run going on."""
+        held = self.get(run_id, rank_number)
+        if held is not None:
+            return held
+        run = runs.get(run_id)
+        ranks = [] if run is None else [r for r in run.ranks if r.spec.rank == rank_number and not r.exited]
+        return ranks[0] if ranks else None

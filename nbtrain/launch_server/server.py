@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import os
 import select
 import selectors
@@ -20,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from nbtrain import events, processes, stacks, wire
+from nbtrain import events, processes, wire
 from nbtrain.events import (
     AttachHeld,
     DebugEnded,
@@ -28,7 +29,6 @@ from nbtrain.events import (
     DebugOutput,
     DebugPrompt,
     DebugQuit,
-    HeldReleased,
     MemorySample,
     Metrics,
     Output,
@@ -51,10 +51,18 @@ from nbtrain.events import (
     StartRun,
     StopRun,
     StopStep,
-    StoreListening,
 )
 from nbtrain.launch_server import graceful, heldranks, stackdumps, standby, tracker
-from nbtrain.launch_server.forking import hand_run, send_quietly, signal_groups, start_rank_process, step_board
+from nbtrain.launch_server.forking import (
+    bind_store,
+    fork_standby,
+    hand_run,
+    send_quietly,
+    signal_groups,
+    start_rank_process,
+    step_board,
+    watch,
+)
 from nbtrain.launch_server.launched import LauncherRun, RankProcess, kept_step, our_signal, stop_began, took_a_step
 from nbtrain.launch_server.lifecycle import ACTIVE, CAN_DRAIN, STOPPABLE, Lifecycle, RunState
 from nbtrain.launch_server.output import STREAMS, RunLog
@@ -106,7 +114,11 @@ class Launcher:
         self.board = tracker.Board(tracker.find_owner(parent_pid))
         self.held_ranks = heldranks.HeldRanks(self.selector, self._send, self.board)
         self.standby = standby.Pool(
-            self.selector, self._fork_standby, self._send, self.board.show_standby, self.board.standby_dismissed
+            self.selector,
+            functools.partial(fork_standby, self.selector, self._send),
+            self._send,
+            self.board.show_standby,
+            self.board.standby_dismissed,
         )
 
     # -- main loop ---------------------------------------------------------------------
@@ -168,7 +180,7 @@ class Launcher:
                 else:
                     self._release(run)
         elif isinstance(message, (DebugInput, AttachHeld, ReleaseHeld)):
-            self._on_debug_request(message)
+            self.held_ranks.relay(message, self.runs)
         elif isinstance(message, ReleaseStandby):
             ended = self.standby.release(time.monotonic() + standby.RELEASE_SECONDS)
             self._send(events.StandbyChanged(released=tuple(sorted(ended))))
@@ -238,17 +250,8 @@ class Launcher:
         elif stop.overdue(now):
             stop.gave_up = True
             run.late = [rank.spec.rank for rank in run.ranks if not rank.done]
-            run.stop_note = self._laggards(run)
+            run.stop_note = stackdumps.laggards(run)
             self._stop(run, stop.state)  # its stack dumps then say who waited for whom (_finish)
-
-    def _laggards(self, run: LauncherRun) -> str:
-        """The note naming the ranks that kept a graceful stop from its step (after the dumps: not those waiting)."""
-        if run.graceful is None or run.board is None:
-            return run.stop_note
-        slots = {rank.spec.rank: index for index, rank in enumerate(run.ranks)}
-        frames = stackdumps.frames_of
-        waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.waits_on_peers(frames(r)))
-        return graceful.laggards_note(run.graceful, run.board, run.late, slots, waiting)
 
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
         try:
@@ -274,7 +277,7 @@ class Launcher:
             return
         store_socket = None
         try:
-            store_socket, port = self._store_socket(start)
+            store_socket, port = bind_store(start, self._send)
             for slot, spec in enumerate(start.ranks):
                 assignment = RankAssignment(start, spec, port, os.getpid())
                 listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
@@ -297,74 +300,15 @@ class Launcher:
             if tensor_fd is not None:
                 os.close(tensor_fd)
 
-    def _store_socket(self, start: StartRun) -> tuple[socket.socket | None, int]:
-        """The bound socket rank 0 will host the store on, and its port.
-
-        On a cluster only the node holding global rank 0 binds one (on the address the
-        other nodes reach it at) and reports its port; the other nodes are given it.
-        """
-        node = start.node
-        if node is not None and node.master_port is not None:
-            return None, node.master_port
-        address = "127.0.0.1" if node is None else node.master_addr
-        store_socket = socket.create_server((address, 0), backlog=max(128, 2 * len(start.ranks)))
-        port = store_socket.getsockname()[1]
-        if node is not None:
-            self._send(StoreListening(start.run_id, port))
-        return store_socket, port
-
     def _start_rank(
         self, run: LauncherRun, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None, slot: int = 0
     ) -> RankProcess:
         rank = start_rank_process(assignment, listen_fd, tensor_fd, run.log, steps=(run.board, slot))
-        self._watch(run, rank)
+        watch(self.selector, run, rank)
         if assignment.start.start_method == "spawn":
             send_quietly(rank.channel, assignment)  # a fresh interpreter has nothing in memory
         self._send(RankStarted(run.run_id, assignment.spec.rank, rank.pid))
         return rank
-
-    def _watch(self, run: LauncherRun, rank: RankProcess) -> None:
-        """Make the loop read the rank's channel, pipes and stack dumps, and see its exit, as ``run``'s."""
-        assert rank.stack_fd is not None
-        os.set_blocking(rank.stack_fd, False)
-        self.selector.register(rank.stack_fd, selectors.EVENT_READ, ("stack", run, rank))
-        self.selector.register(rank.channel, selectors.EVENT_READ, ("events", run, rank))
-        for fd in rank.pipes:
-            os.set_blocking(fd, False)
-            self.selector.register(fd, selectors.EVENT_READ, ("pipe", run, rank))
-        self.selector.register(rank.pidfd, selectors.EVENT_READ, ("pidfd", run, rank))
-
-    # -- standby ranks (nbtrain.launch_server.standby) ---------------------------------
-    def _fork_standby(self, plan: StartRun, generation: standby.Generation) -> list[RankProcess]:
-        """Fork ``plan``'s ranks to wait for a run; only their exit and channel are watched meanwhile
-        (their output waits in their pipes for the run that takes them)."""
-        store_socket, port = self._store_socket(plan)
-        board = step_board(plan)  # the run that takes them stops on it
-        ranks: list[RankProcess] = []
-        try:
-            for slot, spec in enumerate(plan.ranks):
-                listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
-                assignment = RankAssignment(plan, spec, port, os.getpid())
-                rank = start_rank_process(assignment, listen_fd, None, None, True, (board, slot))
-                rank.step_board = board
-                ranks.append(rank)
-                self.selector.register(rank.pidfd, selectors.EVENT_READ, ("standby-exit", generation, rank))
-                self.selector.register(rank.channel, selectors.EVENT_READ, ("standby-events", generation, rank))
-        except OSError:
-            for rank in ranks:  # a generation is whole or none
-                processes.signal_group(rank.pid, signal.SIGKILL)
-                processes.reap_now(rank.pid)
-                self.selector.unregister(rank.pidfd)
-                self.selector.unregister(rank.channel)
-                rank.channel.close()
-                for fd in (rank.pidfd, rank.stack_fd, *rank.pipes):
-                    if fd is not None:
-                        os.close(fd)
-            raise
-        finally:
-            if store_socket is not None:
-                store_socket.close()
-        return ranks
 
     def _start_taken(self, run: LauncherRun, start: StartRun, ranks: list[RankProcess], tensor_fd: int | None) -> None:
         """Hand the run to standby ranks: its StartRun and payload memfd to each, over its channel."""
@@ -376,7 +320,7 @@ class Launcher:
             for rank in ranks:
                 rank.output.log = run.log
                 run.ranks.append(rank)
-                self._watch(run, rank)
+                watch(self.selector, run, rank)
                 hand_run(rank, start, fds)
                 self._send(RankStarted(run.run_id, rank.spec.rank, rank.pid))
         finally:
@@ -645,7 +589,7 @@ class Launcher:
         if run.log is not None:
             run.log.close()
         if run.late:
-            run.stop_note = self._laggards(run)
+            run.stop_note = stackdumps.laggards(run)
         if run.board is not None:
             run.board.close()
         state = run.outcome or events.FAILED
@@ -691,28 +635,6 @@ class Launcher:
             if not run.debugging and run.deadline is not None:
                 run.deadline += now - run.paused_at
         self._send(message)
-
-    def _on_debug_request(self, message: DebugInput | AttachHeld | ReleaseHeld) -> None:
-        """The kernel's side of the relay: only to a rank of one of its runs, by run and rank."""
-        if isinstance(message, ReleaseHeld):
-            self.held_ranks.release(message.reason, message.run_id)
-            return
-        target = self._debug_target(message.run_id, message.rank)
-        if target is None:
-            if isinstance(message, AttachHeld):
-                self._send(HeldReleased(message.run_id, message.rank, "it was no longer held"))
-            return
-        if isinstance(message, AttachHeld):
-            target.held_until = None
-        send_quietly(target.channel, message)
-
-    def _debug_target(self, run_id: int, rank_number: int) -> RankProcess | None:
-        held = self.held_ranks.get(run_id, rank_number)
-        if held is not None:
-            return held
-        run = self.runs.get(run_id)
-        ranks = [] if run is None else [r for r in run.ranks if r.spec.rank == rank_number and not r.exited]
-        return ranks[0] if ranks else None
 
     def _keep_held(self, run: LauncherRun, rank: RankProcess) -> None:
         """The run ends; its root-cause rank lives on, paused in its frames, until released."""

@@ -12,6 +12,7 @@ import selectors
 import time
 
 from nbtrain import events, processes, stacks
+from nbtrain.launch_server import graceful
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
 
 # Before stopping a run that timed out or was stopped, each rank dumps its stack: wait for
@@ -71,3 +72,13 @@ def dumps_of(run: LauncherRun) -> tuple[tuple[int, str], ...]:
     return tuple(
         (rank.spec.rank, rank.stack.decode("utf-8", "replace")) for rank in run.ranks if rank.stack or rank.stack_asked
     )
+
+
+def laggards(run: LauncherRun) -> str:
+    """The note naming the ranks that kept a graceful stop from its step (after the dumps: not those waiting)."""
+    if run.graceful is None or run.board is None:
+        return run.stop_note
+    slots = {rank.spec.rank: index for index, rank in enumerate(run.ranks)}
+    frames = frames_of
+    waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.waits_on_peers(frames(r)))
+    return graceful.laggards_note(run.graceful, run.board, run.late, slots, waiting)
