@@ -7,35 +7,36 @@ tests/test_launch_server.py, its table in tests/test_lifecycle.py.
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 from nbtrain import events, stopboard
 from nbtrain.launch_server import graceful
 from nbtrain.launch_server.launched import LauncherRun, kept_step, our_signal, stop_began, took_a_step
-from nbtrain.launch_server.lifecycle import Lifecycle, RunState
+from nbtrain.launch_server.lifecycle import Lifecycle, RunPhase
 
 
-def new_run(**fields: object) -> LauncherRun:
-    return LauncherRun(5, [], None, Lifecycle(5, now=0.0), **fields)  # type: ignore[arg-type]
+def new_run(**fields: Any) -> LauncherRun:
+    return LauncherRun(5, [], None, Lifecycle(5, now=0.0), **fields)
 
 
 def test_a_run_answers_its_phase_from_its_lifecycle_and_moves_only_as_the_table_allows():
     run = new_run()
-    assert run.state is RunState.RUNNING and not stop_began(run)
-    run.move(RunState.DUMPING_STACKS)
-    assert run.state is RunState.DUMPING_STACKS and stop_began(run)
-    run.move(RunState.TERMINATING)
-    assert run.lifecycle.history == [RunState.RUNNING, RunState.DUMPING_STACKS, RunState.TERMINATING]
+    assert run.state is RunPhase.RUNNING and not stop_began(run)
+    run.move(RunPhase.DUMPING_STACKS)
+    assert run.state is RunPhase.DUMPING_STACKS and stop_began(run)
+    run.move(RunPhase.TERMINATING)
+    assert run.lifecycle.history == [RunPhase.RUNNING, RunPhase.DUMPING_STACKS, RunPhase.TERMINATING]
 
 
 def test_sigterm_is_always_ours_and_sigkill_once_the_launcher_or_the_sidebar_sent_it():
     run = new_run()
     assert our_signal(run, signal.SIGTERM) and not our_signal(run, signal.SIGKILL) and not our_signal(run, None)
-    run.move(RunState.TERMINATING)
+    run.move(RunPhase.TERMINATING)
     assert not our_signal(run, signal.SIGKILL)  # still in the grace: a SIGKILL now is someone else's
-    run.move(RunState.KILLED)
+    run.move(RunPhase.KILLED)
     assert our_signal(run, signal.SIGKILL) and not our_signal(run, signal.SIGSEGV)
     outside = new_run()
-    outside.move(RunState.STOPPING_OUTSIDE)  # the server extension SIGKILLs after its own grace
+    outside.move(RunPhase.STOPPING_OUTSIDE)  # the server extension SIGKILLs after its own grace
     assert our_signal(outside, signal.SIGKILL)
 
 

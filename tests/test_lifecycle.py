@@ -18,17 +18,17 @@ from nbtrain.launch_server.lifecycle import (
     TRANSITIONS,
     IllegalTransition,
     Lifecycle,
-    RunState,
+    RunPhase,
     allowed,
 )
 
 EVERY_MOVE = [(before, after) for before, afters in TRANSITIONS.items() for after in sorted(afters, key=str)]
 
 
-def path_to(state: RunState) -> list[RunState]:
+def path_to(state: RunPhase) -> list[RunPhase]:
     """The shortest way from RUNNING to ``state`` through the table (every state is reachable)."""
-    paths = {RunState.RUNNING: [RunState.RUNNING]}
-    queue = deque([RunState.RUNNING])
+    paths = {RunPhase.RUNNING: [RunPhase.RUNNING]}
+    queue = deque([RunPhase.RUNNING])
     while queue:
         here = queue.popleft()
         for there in sorted(TRANSITIONS[here], key=str):
@@ -38,7 +38,7 @@ def path_to(state: RunState) -> list[RunState]:
     return paths[state]
 
 
-def lifecycle_in(state: RunState) -> Lifecycle:
+def lifecycle_in(state: RunPhase) -> Lifecycle:
     life = Lifecycle(1, now=0.0)
     for step, there in enumerate(path_to(state)[1:], start=1):
         life.move(there, now=float(step))
@@ -46,19 +46,19 @@ def lifecycle_in(state: RunState) -> Lifecycle:
 
 
 def test_the_table_has_a_row_for_every_state_and_only_ended_has_no_way_out():
-    assert set(TRANSITIONS) == set(RunState)
-    assert [state for state, afters in TRANSITIONS.items() if not afters] == [RunState.ENDED]
+    assert set(TRANSITIONS) == set(RunPhase)
+    assert [state for state, afters in TRANSITIONS.items() if not afters] == [RunPhase.ENDED]
     assert all(state not in afters for state, afters in TRANSITIONS.items())  # no state follows itself
 
 
 def test_every_state_is_reached_from_running_and_every_one_reaches_ended():
-    assert {state for state in RunState if path_to(state)} == set(RunState)
-    for state in RunState:
+    assert {state for state in RunPhase if path_to(state)} == set(RunPhase)
+    for state in RunPhase:
         life = lifecycle_in(state)
-        while life.state is not RunState.ENDED:  # towards the end, always by an allowed move
-            nearer = min(TRANSITIONS[life.state], key=lambda s: len(path_to(RunState.ENDED)) - len(path_to(s)))
+        while life.state is not RunPhase.ENDED:  # towards the end, always by an allowed move
+            nearer = min(TRANSITIONS[life.state], key=lambda s: len(path_to(RunPhase.ENDED)) - len(path_to(s)))
             life.move(nearer, now=99.0)
-        assert life.state is RunState.ENDED
+        assert life.state is RunPhase.ENDED
 
 
 @pytest.mark.parametrize(("before", "after"), EVERY_MOVE, ids=[f"{b.name}->{a.name}" for b, a in EVERY_MOVE])
@@ -72,14 +72,14 @@ def test_every_allowed_move_is_made_logged_and_remembered(before, after, caplog)
 
 
 ILLEGAL = [
-    (RunState.ENDED, RunState.RUNNING),
-    (RunState.RELEASED, RunState.RUNNING),
-    (RunState.KILLED, RunState.TERMINATING),
-    (RunState.DRAINING, RunState.TERMINATING),
-    (RunState.DUMPING_STACKS, RunState.ENDED),
-    (RunState.TERMINATING, RunState.TERMINATING),
-    (RunState.WAITING_FOR_NODES, RunState.OFFERING),
-    (RunState.STOPPING_OUTSIDE, RunState.DRAINING),
+    (RunPhase.ENDED, RunPhase.RUNNING),
+    (RunPhase.RELEASED, RunPhase.RUNNING),
+    (RunPhase.KILLED, RunPhase.TERMINATING),
+    (RunPhase.DRAINING, RunPhase.TERMINATING),
+    (RunPhase.DUMPING_STACKS, RunPhase.ENDED),
+    (RunPhase.TERMINATING, RunPhase.TERMINATING),
+    (RunPhase.WAITING_FOR_NODES, RunPhase.OFFERING),
+    (RunPhase.STOPPING_OUTSIDE, RunPhase.DRAINING),
 ]
 
 
@@ -95,14 +95,14 @@ def test_a_move_the_table_does_not_allow_raises_naming_both_states(before, after
 
 
 def test_the_groups_the_launcher_asks_about_follow_from_the_table():
-    assert ACTIVE == {RunState.RUNNING, RunState.STOPPING_AT_STEP}
-    assert STOPPABLE == ACTIVE | {RunState.OFFERING, RunState.WAITING_FOR_NODES, RunState.RELEASED}
-    assert all(allowed(state, RunState.TERMINATING) for state in STOPPABLE)
-    assert CAN_DRAIN == {state for state in RunState if allowed(state, RunState.DRAINING)}
+    assert ACTIVE == {RunPhase.RUNNING, RunPhase.STOPPING_AT_STEP}
+    assert STOPPABLE == ACTIVE | {RunPhase.OFFERING, RunPhase.WAITING_FOR_NODES, RunPhase.RELEASED}
+    assert all(allowed(state, RunPhase.TERMINATING) for state in STOPPABLE)
+    assert CAN_DRAIN == {state for state in RunPhase if allowed(state, RunPhase.DRAINING)}
     assert not CAN_DRAIN & ACTIVE  # a run whose ranks may still work never drains
 
 
 def test_a_new_lifecycle_runs_since_its_start_and_has_been_nowhere_else():
     life = Lifecycle(4, now=2.5)
-    assert (life.state, life.since, life.history) == (RunState.RUNNING, 2.5, [RunState.RUNNING])
-    assert not life.has_been(RunState.TERMINATING)
+    assert (life.state, life.since, life.history) == (RunPhase.RUNNING, 2.5, [RunPhase.RUNNING])
+    assert not life.has_been(RunPhase.TERMINATING)

@@ -1,7 +1,7 @@
 """Starting a rank: its descriptors, the fork (or spawn), and what the child does before it runs.
 
 The launcher's loop (nbtrain.launch_server.server) calls :func:`start_rank_process` for each
-rank of a run (and :func:`fork_standby` for standby ranks), then :func:`watch` to read what
+rank of a run (and :func:`fork_standby` for standby ranks), then :func:`watch_rank` to read what
 it sends; everything about the child side of the fork is here too.
 """
 
@@ -258,7 +258,7 @@ def bind_store(start: StartRun, send: Callable[[Any], None]) -> tuple[socket.soc
     return store_socket, port
 
 
-def watch(selector: selectors.BaseSelector, run: LauncherRun, rank: RankProcess) -> None:
+def watch_rank(selector: selectors.BaseSelector, run: LauncherRun, rank: RankProcess) -> None:
     """Make the loop read the rank's channel, pipes and stack dumps, and see its exit, as ``run``'s."""
     assert rank.stack_fd is not None
     os.set_blocking(rank.stack_fd, False)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from nbtrain import events, stopboard
 from nbtrain.events import RankDone, RankExited, RankFailed, RankNotStarted, StartRun
 from nbtrain.launch_server import graceful
-from nbtrain.launch_server.lifecycle import Lifecycle, RunState
+from nbtrain.launch_server.lifecycle import Lifecycle, RunPhase
 from nbtrain.launch_server.output import RankOutput, RunLog
 
 
@@ -75,11 +75,11 @@ class LauncherRun:
     late: list[int] = field(default_factory=list)  # the ranks a graceful stop gave up on
 
     @property
-    def state(self) -> RunState:
+    def state(self) -> RunPhase:
         """The run's phase now (nbtrain.launch_server.lifecycle)."""
         return self.lifecycle.state
 
-    def move(self, to: RunState) -> None:
+    def move(self, to: RunPhase) -> None:
         """Go to ``to`` now, as the lifecycle's table allows (or raise)."""
         self.lifecycle.move(to, time.monotonic())
 
@@ -97,13 +97,13 @@ def our_signal(run: LauncherRun, signal_number: int | None) -> bool:
     for a stop asked in the browser, the server extension) sends it."""
     return signal_number == signal.SIGTERM or (
         signal_number == signal.SIGKILL
-        and (run.lifecycle.has_been(RunState.KILLED) or run.lifecycle.has_been(RunState.STOPPING_OUTSIDE))
+        and (run.lifecycle.has_been(RunPhase.KILLED) or run.lifecycle.has_been(RunPhase.STOPPING_OUTSIDE))
     )
 
 
 def stop_began(run: LauncherRun) -> bool:
     """Whether the launcher began stopping ``run`` (its ranks' exits then count as stopped)."""
-    return run.lifecycle.has_been(RunState.DUMPING_STACKS) or run.lifecycle.has_been(RunState.TERMINATING)
+    return run.lifecycle.has_been(RunPhase.DUMPING_STACKS) or run.lifecycle.has_been(RunPhase.TERMINATING)
 
 
 def took_a_step(run: LauncherRun) -> bool:

@@ -1,6 +1,6 @@
 """The launcher's run lifecycle: the phases a run passes through, and which may follow which.
 
-A run is in exactly one :class:`RunState` at a time; :data:`TRANSITIONS` is the one table of
+A run is in exactly one :class:`RunPhase` at a time; :data:`TRANSITIONS` is the one table of
 the moves allowed, and :class:`Lifecycle` makes them (each logged at debug level; a move the
 table does not allow raises, naming both states). Pure: no processes, no sockets, no clock
 of its own (the launcher passes the time in).
@@ -21,10 +21,10 @@ every state before DUMPING_STACKS may go straight to TERMINATING (a failure); th
 are the rows of :data:`TRANSITIONS`.
 
 >>> life = Lifecycle(7, now=0.0)
->>> life.move(RunState.DUMPING_STACKS, now=1.0)
+>>> life.move(RunPhase.DUMPING_STACKS, now=1.0)
 >>> life.state, life.since
-(<RunState.DUMPING_STACKS: 'dumping stacks'>, 1.0)
->>> life.move(RunState.ENDED, now=2.0)  # doctest: +ELLIPSIS
+(<RunPhase.DUMPING_STACKS: 'dumping stacks'>, 1.0)
+>>> life.move(RunPhase.ENDED, now=2.0)  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
 nbtrain.launch_server.lifecycle.IllegalTransition: run 7 cannot go from DUMPING_STACKS to ENDED: ...
@@ -38,7 +38,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 
-class RunState(enum.Enum):
+class RunPhase(enum.Enum):
     """Where a run of the launcher is: which of its ranks may still work, and what it waits for."""
 
     RUNNING = "running"  # its ranks run the cell
@@ -54,11 +54,11 @@ class RunState(enum.Enum):
     ENDED = "ended"  # RunEnded sent
 
 
-_S = RunState
+_S = RunPhase
 
 # The one place that says what a run may do next. A state missing from a row's set is a bug
 # of the launcher, not a user's mistake: Lifecycle.move raises.
-TRANSITIONS: dict[RunState, frozenset[RunState]] = {
+TRANSITIONS: dict[RunPhase, frozenset[RunPhase]] = {
     _S.RUNNING: frozenset(
         {
             _S.STOPPING_AT_STEP,
@@ -98,10 +98,10 @@ class IllegalTransition(RuntimeError):
     """A move :data:`TRANSITIONS` does not allow: a bug of the launcher, named with both states."""
 
 
-def allowed(before: RunState, after: RunState) -> bool:
+def allowed(before: RunPhase, after: RunPhase) -> bool:
     """Whether a run in ``before`` may go to ``after``.
 
-    >>> allowed(RunState.RUNNING, RunState.OFFERING), allowed(RunState.ENDED, RunState.RUNNING)
+    >>> allowed(RunPhase.RUNNING, RunPhase.OFFERING), allowed(RunPhase.ENDED, RunPhase.RUNNING)
     (True, False)
     """
     return after in TRANSITIONS[before]
@@ -111,18 +111,18 @@ class Lifecycle:
     """One run's state, since when it holds, and every state the run has been in.
 
     >>> life = Lifecycle(3, now=10.0)
-    >>> life.move(RunState.TERMINATING, now=11.0)
-    >>> life.has_been(RunState.TERMINATING), life.has_been(RunState.KILLED), life.state.name
+    >>> life.move(RunPhase.TERMINATING, now=11.0)
+    >>> life.has_been(RunPhase.TERMINATING), life.has_been(RunPhase.KILLED), life.state.name
     (True, False, 'TERMINATING')
     """
 
     def __init__(self, run_id: int, now: float) -> None:
         self.run_id = run_id
-        self.state = RunState.RUNNING
+        self.state = RunPhase.RUNNING
         self.since = now  # when the run entered its state (a grace or a deadline counts from it)
-        self.history: list[RunState] = [RunState.RUNNING]
+        self.history: list[RunPhase] = [RunPhase.RUNNING]
 
-    def move(self, to: RunState, now: float) -> None:
+    def move(self, to: RunPhase, now: float) -> None:
         """Go to ``to`` at ``now``; raises :class:`IllegalTransition` if the table does not allow it."""
         if not allowed(self.state, to):
             allowed_next = ", ".join(sorted(state.name for state in TRANSITIONS[self.state])) or "none"
@@ -135,6 +135,6 @@ class Lifecycle:
         self.state, self.since = to, now
         self.history.append(to)
 
-    def has_been(self, state: RunState) -> bool:
+    def has_been(self, state: RunPhase) -> bool:
         """Whether the run is, or once was, in ``state`` (a stop began, SIGKILL was sent)."""
         return state in self.history

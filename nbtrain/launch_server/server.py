@@ -61,10 +61,10 @@ from nbtrain.launch_server.forking import (
     signal_groups,
     start_rank_process,
     step_board,
-    watch,
+    watch_rank,
 )
 from nbtrain.launch_server.launched import LauncherRun, RankProcess, kept_step, our_signal, stop_began, took_a_step
-from nbtrain.launch_server.lifecycle import ACTIVE, CAN_DRAIN, STOPPABLE, Lifecycle, RunState
+from nbtrain.launch_server.lifecycle import ACTIVE, CAN_DRAIN, STOPPABLE, Lifecycle, RunPhase
 from nbtrain.launch_server.output import STREAMS, RunLog
 
 # Imported once here so that no rank pays for it: DistributedDataParallel's constructor
@@ -173,7 +173,7 @@ class Launcher:
                 self._on_stop_request(run, message.graceful)
         elif isinstance(message, ReleaseResult):
             run = self.runs.get(message.run_id)
-            if run is not None and run.state is RunState.OFFERING:
+            if run is not None and run.state is RunPhase.OFFERING:
                 if message.send_file:
                     rank_zero = next(rank for rank in run.ranks if rank.spec.rank == 0)
                     send_quietly(rank_zero.channel, SendResultFile(run.run_id))
@@ -186,7 +186,7 @@ class Launcher:
             self._send(events.StandbyChanged(released=tuple(sorted(ended))))
         elif isinstance(message, ReleaseRanks):
             run = self.runs.get(message.run_id)
-            if run is not None and run.state is RunState.WAITING_FOR_NODES:
+            if run is not None and run.state is RunPhase.WAITING_FOR_NODES:
                 self._release(run)
         return True
 
@@ -200,25 +200,25 @@ class Launcher:
         finished = run.outcome == events.FINISHED and took_a_step(run)
         if gracefully and (finished or self._stop_gracefully(run, events.STOPPED)):
             return
-        if run.state is RunState.STOPPING_AT_STEP and run.graceful is not None:  # asked again
+        if run.state is RunPhase.STOPPING_AT_STEP and run.graceful is not None:  # asked again
             run.graceful.gave_up = True
             run.stop_note = "stopped hard at once (asked to stop a second time)"
             run.outcome = events.STOPPED
             self._stop_now(run)  # no stack dumps: a second stop means now
             return
-        if run.state in (RunState.RUNNING, RunState.OFFERING):
+        if run.state in (RunPhase.RUNNING, RunPhase.OFFERING):
             self._stop(run, events.STOPPED)
 
     def _stop_gracefully(self, run: LauncherRun, state: str) -> bool:
         """Begin a stop at a step boundary (nbtrain.launch_server.graceful); False when the run cannot have one."""
-        if run.state is not RunState.RUNNING:
+        if run.state is not RunPhase.RUNNING:
             return False
         run.stop_note = graceful.why_none(run.board, run.on_stop)
         if run.board is None or run.on_stop != "keep" or run.stop_note:
             return False
         run.board.request_stop()
         run.graceful = graceful.GracefulStop(state, time.monotonic())
-        run.move(RunState.STOPPING_AT_STEP)
+        run.move(RunPhase.STOPPING_AT_STEP)
         entry = self.board.get(run.run_id)
         if entry is not None:
             entry.update(state="stopping")
@@ -235,7 +235,7 @@ class Launcher:
     def _follow_graceful(self, run: LauncherRun, now: float) -> None:
         """Choose the stop step when it is time; stop hard once the grace is over."""
         stop = run.graceful
-        if stop is None or run.board is None or run.state is not RunState.STOPPING_AT_STEP:
+        if stop is None or run.board is None or run.state is not RunPhase.STOPPING_AT_STEP:
             return
         if stop.choose(run.board, run.stop_grace, now):
             if not stop.step:  # every rank's count went back to none meanwhile: nothing to keep
@@ -304,7 +304,7 @@ class Launcher:
         self, run: LauncherRun, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None, slot: int = 0
     ) -> RankProcess:
         rank = start_rank_process(assignment, listen_fd, tensor_fd, run.log, steps=(run.board, slot))
-        watch(self.selector, run, rank)
+        watch_rank(self.selector, run, rank)
         if assignment.start.start_method == "spawn":
             send_quietly(rank.channel, assignment)  # a fresh interpreter has nothing in memory
         self._send(RankStarted(run.run_id, assignment.spec.rank, rank.pid))
@@ -320,7 +320,7 @@ class Launcher:
             for rank in ranks:
                 rank.output.log = run.log
                 run.ranks.append(rank)
-                watch(self.selector, run, rank)
+                watch_rank(self.selector, run, rank)
                 hand_run(rank, start, fds)
                 self._send(RankStarted(run.run_id, rank.spec.rank, rank.pid))
         finally:
@@ -355,7 +355,7 @@ class Launcher:
             if run.failure is None:
                 run.failure = message
                 # The root cause stays alive, paused in its frames, for a post-mortem.
-                rank.held = run.debug_hold is not None and not run.lifecycle.has_been(RunState.TERMINATING)
+                rank.held = run.debug_hold is not None and not run.lifecycle.has_been(RunPhase.TERMINATING)
             self._stop(run, events.FAILED)
         elif isinstance(message, RankDone):
             rank.done = True
@@ -364,7 +364,7 @@ class Launcher:
             elif message.result is not None:  # no tensors, or their file: all of it is here
                 run.result = message.result
                 run.result_fd = fds[0] if fds else None
-                if run.state is RunState.OFFERING:  # the file the kernel asked for: the result is safe
+                if run.state is RunPhase.OFFERING:  # the file the kernel asked for: the result is safe
                     self._release(run)
             if all(r.done for r in run.ranks) and run.state in ACTIVE:
                 # Every rank ended its cell at the stop step: the run keeps its result, and says it stopped.
@@ -382,17 +382,17 @@ class Launcher:
         if offer is None or offer.result is None:  # rank 0 offers regions with its result only
             self._release(run)
             return
-        run.move(RunState.OFFERING)
+        run.move(RunPhase.OFFERING)
         rank_zero = next(rank for rank in run.ranks if rank.spec.rank == 0)
         self._send(ResultOffer(run.run_id, rank_zero.pid, offer.result, offer.regions, offer.total_bytes))
 
     def _release(self, run: LauncherRun) -> None:
         """Let every rank leave; a cluster node's, once every node's are done (the caller says so)."""
-        if run.on_cluster and run.state is not RunState.WAITING_FOR_NODES:
-            run.move(RunState.WAITING_FOR_NODES)  # the caller releases every node's ranks together
+        if run.on_cluster and run.state is not RunPhase.WAITING_FOR_NODES:
+            run.move(RunPhase.WAITING_FOR_NODES)  # the caller releases every node's ranks together
             self._send(RanksDone(run.run_id))
             return
-        run.move(RunState.RELEASED)
+        run.move(RunPhase.RELEASED)
         for rank in run.ranks:
             send_quietly(rank.channel, Release(run.run_id))
 
@@ -438,7 +438,7 @@ class Launcher:
         while self._registered(rank.channel) and _readable_now(rank.channel):
             self._on_rank_event(run, rank)
         # Rank 0 holding a result the kernel has not taken yet has not finished its part.
-        reported = (rank.done and not (rank.spec.rank == 0 and run.state is RunState.OFFERING)) or rank.failed
+        reported = (rank.done and not (rank.spec.rank == 0 and run.state is RunPhase.OFFERING)) or rank.failed
         if not reported:
             self._stopped_from_outside(run)
         ours = our_signal(run, signal_number)
@@ -466,7 +466,7 @@ class Launcher:
     def _drain_if_gone(self, run: LauncherRun) -> None:
         """Every rank exited (or is held for a post-mortem): read what is left in its pipes, then finish."""
         if run.state in CAN_DRAIN and all(r.exited or r.held for r in run.ranks):
-            run.move(RunState.DRAINING)
+            run.move(RunPhase.DRAINING)
 
     def _registered(self, fileobj: Any) -> bool:
         try:
@@ -493,7 +493,7 @@ class Launcher:
         if self._stop_gracefully(run, events.STOPPED):
             return  # the record says so (stop_at_step): the server leaves the ranks to this launcher
         run.outcome = events.STOPPED
-        run.move(RunState.STOPPING_OUTSIDE)  # its SIGKILLs count as ours (_our_signal)
+        run.move(RunPhase.STOPPING_OUTSIDE)  # its SIGKILLs count as ours (_our_signal)
         self._stop_now(run)
 
     def _stop(self, run: LauncherRun, state: str) -> None:
@@ -502,12 +502,12 @@ class Launcher:
             return  # stopping already
         run.outcome = state
         if state in (events.STOPPED, events.TIMED_OUT) and stackdumps.request_dumps(run):
-            run.move(RunState.DUMPING_STACKS)  # _tick stops the ranks once their dumps are in
+            run.move(RunPhase.DUMPING_STACKS)  # _tick stops the ranks once their dumps are in
             return
         self._stop_now(run)
 
     def _stop_now(self, run: LauncherRun) -> None:
-        run.move(RunState.TERMINATING)
+        run.move(RunPhase.TERMINATING)
         entry = self.board.get(run.run_id)
         if entry is not None:
             entry.update(state="stopping")
@@ -520,7 +520,7 @@ class Launcher:
             if run is not None and run.state in ACTIVE:
                 self._stop_asked_outside(run)
         for run in list(self.runs.values()):
-            timed_out = run.deadline is not None and now > run.deadline and run.state is RunState.RUNNING
+            timed_out = run.deadline is not None and now > run.deadline and run.state is RunPhase.RUNNING
             timed_out = timed_out and not run.debugging  # a rank at a pdb prompt: the clock waits
             if timed_out and not self._stop_gracefully(run, events.TIMED_OUT):
                 self._stop(run, events.TIMED_OUT)
@@ -532,7 +532,7 @@ class Launcher:
                 for stream in STREAMS:  # a line in progress: a prompt, a progress bar redrawn with "\r"
                     self._send_output(run, rank, rank.output.flush(stream))
             self._report_skipped(run, now)
-            if run.state is RunState.DRAINING:
+            if run.state is RunPhase.DRAINING:
                 drained = not any(rank.pipes for rank in run.ranks if not rank.held)
                 if drained or now - run.lifecycle.since > DRAIN_SECONDS:
                     self._finish(run)
@@ -540,12 +540,12 @@ class Launcher:
     def _tick_stop(self, run: LauncherRun, now: float) -> None:
         """Stop the ranks once their stack dumps are in, SIGKILL them after the grace, drain them once gone."""
         waited = now - run.lifecycle.since
-        if run.state is RunState.DUMPING_STACKS and (
+        if run.state is RunPhase.DUMPING_STACKS and (
             waited > stackdumps.STACK_WAIT_SECONDS or stackdumps.dumps_in(run, now)
         ):
             self._stop_now(run)
-        if run.state is RunState.TERMINATING and now - run.lifecycle.since > STOP_GRACE_SECONDS:
-            run.move(RunState.KILLED)
+        if run.state is RunPhase.TERMINATING and now - run.lifecycle.since > STOP_GRACE_SECONDS:
+            run.move(RunPhase.KILLED)
             signal_groups([rank for rank in run.ranks if not rank.exited and not rank.held], signal.SIGKILL)
         self._drain_if_gone(run)  # also covers a run whose ranks could not all start
 
@@ -593,7 +593,7 @@ class Launcher:
         if run.board is not None:
             run.board.close()
         state = run.outcome or events.FAILED
-        run.move(RunState.ENDED)
+        run.move(RunPhase.ENDED)
         kept = kept_step(run)
         entry = self.board.get(run.run_id)
         if entry is not None and kept is not None:
@@ -649,7 +649,7 @@ class Launcher:
         for rank in run.ranks:
             if rank.held and not rank.exited:
                 rank.held = False
-                if run.lifecycle.has_been(RunState.TERMINATING):
+                if run.lifecycle.has_been(RunPhase.TERMINATING):
                     signal_groups([rank], signal.SIGTERM)
 
     def _shutdown(self) -> None:

@@ -88,6 +88,7 @@ class Generation:
 
     @property
     def all_ready(self) -> bool:
+        """Whether every rank of the generation said StandbyReady."""
         return len(self.ready) == len(self.ranks)
 
 
@@ -154,6 +155,7 @@ class Pool:
         return waiting.ranks
 
     def on_message(self, generation: Generation, rank: Any) -> None:
+        """A standby rank's record: StandbyReady, or EOF when it died waiting."""
         try:
             message, fds = wire.receive(rank.channel)
         except (wire.ChannelClosed, OSError):
@@ -182,6 +184,7 @@ class Pool:
                 self._fork(Generation(generation.key, generation.plan, [], generation.until))
 
     def tick(self, now: float) -> None:
+        """Discard the standby ranks once they waited their whole idle limit."""
         if self.waiting is not None and now > self.waiting.until:
             self.discard()
 
@@ -214,6 +217,7 @@ class Pool:
         return ended
 
     def shutdown(self, deadline: float) -> None:
+        """The launcher exits: end every standby rank by ``deadline``."""
         self.release(deadline)
 
     def _fork(self, generation: Generation) -> None:
