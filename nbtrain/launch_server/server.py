@@ -493,7 +493,7 @@ class Launcher:
         if self._stop_gracefully(run, events.STOPPED):
             return  # the record says so (stop_at_step): the server leaves the ranks to this launcher
         run.outcome = events.STOPPED
-        run.move(RunPhase.STOPPING_OUTSIDE)  # its SIGKILLs count as ours (_our_signal)
+        run.move(RunPhase.STOPPING_OUTSIDE)  # its SIGKILLs count as ours (launched.our_signal)
         self._stop_now(run)
 
     def _stop(self, run: LauncherRun, state: str) -> None:
