@@ -275,6 +275,15 @@ def moves(log_path: str, run_id: int) -> list[tuple[str, ...]]:
 
 
 def test_a_real_run_passes_through_the_lifecycles_states_and_logs_each_move(tmp_path):
+    def fail_on_rank_1() -> None:
+        import time
+
+        import nbtrain
+
+        if nbtrain.rank() == 1:
+            raise ValueError("bad batch")
+        time.sleep(60)  # rank 0 is stopped when rank 1 fails
+
     def wait_forever() -> None:
         import time
 
@@ -295,6 +304,9 @@ def test_a_real_run_passes_through_the_lifecycles_states_and_logs_each_move(tmp_
             outputs += isinstance(channel.receive(RUN_SECONDS), events.Output)
         channel.send(events.StopRun(stopped.run_id, "stopped with the Stop button"))
         assert channel.until_ended()[-1].state == events.STOPPED
+        failed = start_run(next(_run_ids), fail_on_rank_1)
+        channel.send(failed)
+        assert channel.until_ended()[-1].state == events.FAILED
     finally:
         close(channel)
     # A result with no tensors: no offer, the ranks are released at once.
@@ -303,3 +315,6 @@ def test_a_real_run_passes_through_the_lifecycles_states_and_logs_each_move(tmp_
     stop = moves(log_path, stopped.run_id)
     assert stop[:2] == [("RUNNING", "DUMPING_STACKS"), ("DUMPING_STACKS", "TERMINATING")]
     assert stop[-2:] == [(stop[-2][0], "DRAINING"), ("DRAINING", "ENDED")] and stop[-2][0] in ("TERMINATING", "KILLED")
+    # A failure: no stack dumps, every rank signalled at once (rank 0, asleep, with SIGTERM).
+    fail = moves(log_path, failed.run_id)
+    assert fail[0] == ("RUNNING", "TERMINATING") and fail[-1] == ("DRAINING", "ENDED")
