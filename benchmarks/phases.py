@@ -65,7 +65,7 @@ def wrap_exit(owner, name, label):  # functions that never return: log their sta
 if LOG and os.environ.get("NBTRAIN_ROLE") == "launcher":
     import torch.distributed as dist
     from nbtrain import processes, sharedtensors
-    from nbtrain.launch_server import server
+    from nbtrain.launch_server import forking, server
     from nbtrain.rank import runtime
 
     wrap(server.Launcher, "_on_control", "launcher: request from kernel (StartRun: ranks forked)")
@@ -74,7 +74,7 @@ if LOG and os.environ.get("NBTRAIN_ROLE") == "launcher":
     wrap(server.Launcher, "_on_exit", "launcher: rank exit seen (pidfd) + reap")
     wrap(server.Launcher, "_finish", "launcher: finish run, send RunEnded")
     wrap(processes, "_become_rank", "rank: first instruction after fork (setpgid, pdeathsig)")
-    wrap(server, "_close_all_but", "rank: close inherited fds")
+    wrap(forking, "close_all_but", "rank: close inherited fds")
     wrap(runtime, "_adopt_caller_state", "rank: adopt env/cwd/sys.path, set threads")
     wrap(sharedtensors, "loads", "rank: unpickle payload")
     wrap(runtime, "_join_process_group", "rank: join process group (TCPStore + init)")

@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,7 +23,6 @@ from helpers import procs
 from nbtrain import codepickle, config, events, processes, wire
 from nbtrain.devices import DevicePlan
 from nbtrain.kernel import client
-from nbtrain.launch_server import server
 
 READY_SECONDS = 120.0  # the launcher imports torch first
 RUN_SECONDS = 60.0
@@ -224,18 +226,95 @@ def test_runs_are_independent_and_identified_by_their_id(channel):
     assert ended == {first.run_id: "first", second.run_id: "second"}
 
 
-# --- pieces -------------------------------------------------------------------------------
+# --- the lifecycle of a real run -----------------------------------------------------------
+
+# The launcher as python -m nbtrain.launch_server runs it, with its lifecycle's debug records
+# written to a file: nothing else differs.
+LOGGING_LAUNCHER = """
+import logging, sys
+handler = logging.FileHandler(sys.argv[1])
+handler.setFormatter(logging.Formatter("%(message)s"))
+lifecycle = logging.getLogger("nbtrain.launch_server.lifecycle")
+lifecycle.addHandler(handler)
+lifecycle.setLevel(logging.DEBUG)
+from nbtrain.launch_server.server import main
+main()
+"""
 
 
-def test_a_ranks_descriptors_are_opened_together_and_closed_together():
-    before = set(os.listdir("/proc/self/fd"))
-    ends = server._RankEnds.open()
-    assert len(set(os.listdir("/proc/self/fd")) - before) == 8  # a socket pair and three pipes
-    ends.close_child_side()
-    ends.close_all()  # tolerates what close_child_side already closed
-    assert set(os.listdir("/proc/self/fd")) == before
+def start_logging_launcher(log_path: str) -> Channel:
+    kernel_end, launcher_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = {**os.environ, processes.CONTROL_FD_VARIABLE: str(launcher_end.fileno())}
+    env[processes.ROLE_VARIABLE], env["OPENBLAS_NUM_THREADS"] = "launcher", "1"  # as processes.start_launcher
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-c", LOGGING_LAUNCHER, log_path],
+            pass_fds=[launcher_end.fileno()],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+    finally:
+        launcher_end.close()
+    channel = Channel(processes.LauncherProcess(popen, kernel_end))
+    try:
+        assert isinstance(channel.receive(READY_SECONDS), events.LauncherReady)
+    except BaseException:
+        close(channel)
+        raise
+    return channel
 
 
-def test_a_rank_keeps_its_channel_listen_socket_tensors_and_stack_pipe():
-    fds = server.RankFds(channel=10, out=11, err=12, listen=None, tensor=13, stack=14)
-    assert fds.kept == [10, 13, 14]  # stdout and stderr become fds 1 and 2 instead
+def moves(log_path: str, run_id: int) -> list[tuple[str, ...]]:
+    """The run's moves as the launcher logged them: (from, to) names."""
+    with open(log_path) as log:
+        lines = [line.split(": ", 1)[1] for line in log if line.startswith(f"run {run_id}: ")]
+    return [tuple(line.strip().split(" -> ")) for line in lines]
+
+
+def test_a_real_run_passes_through_the_lifecycles_states_and_logs_each_move(tmp_path):
+    def fail_on_rank_1() -> None:
+        import time
+
+        import nbtrain
+
+        if nbtrain.rank() == 1:
+            raise ValueError("bad batch")
+        time.sleep(60)  # rank 0 is stopped when rank 1 fails
+
+    def wait_forever() -> None:
+        import time
+
+        print("in the function", flush=True)
+        while True:
+            time.sleep(0.05)
+
+    log_path = str(tmp_path / "lifecycle.log")
+    channel = start_logging_launcher(log_path)
+    try:
+        finished = start_run(next(_run_ids), lambda: "done")
+        channel.send(finished)
+        assert channel.until_ended()[-1].state == events.FINISHED
+        stopped = start_run(next(_run_ids), wait_forever)
+        channel.send(stopped)
+        outputs = 0
+        while outputs < 2:  # both ranks are in the function
+            outputs += isinstance(channel.receive(RUN_SECONDS), events.Output)
+        channel.send(events.StopRun(stopped.run_id, "stopped with the Stop button"))
+        assert channel.until_ended()[-1].state == events.STOPPED
+        failed = start_run(next(_run_ids), fail_on_rank_1)
+        channel.send(failed)
+        assert channel.until_ended()[-1].state == events.FAILED
+    finally:
+        close(channel)
+    # A result with no tensors: no offer, the ranks are released at once.
+    released = [("RUNNING", "RELEASED"), ("RELEASED", "DRAINING"), ("DRAINING", "ENDED")]
+    assert moves(log_path, finished.run_id) == released
+    stop = moves(log_path, stopped.run_id)
+    assert stop[:2] == [("RUNNING", "DUMPING_STACKS"), ("DUMPING_STACKS", "TERMINATING")]
+    assert stop[-2:] == [(stop[-2][0], "DRAINING"), ("DRAINING", "ENDED")] and stop[-2][0] in ("TERMINATING", "KILLED")
+    # A failure: no stack dumps, every rank signalled at once (rank 0, asleep, with SIGTERM).
+    fail = moves(log_path, failed.run_id)
+    assert fail[0] == ("RUNNING", "TERMINATING") and fail[-1] == ("DRAINING", "ENDED")

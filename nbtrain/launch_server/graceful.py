@@ -41,6 +41,7 @@ class GracefulStop:
         return True
 
     def overdue(self, now: float) -> bool:
+        """Whether the grace is over and the stop has not given up yet (the launcher then stops hard)."""
         return not self.gave_up and self.deadline is not None and now > self.deadline
 
 

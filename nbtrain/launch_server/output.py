@@ -64,6 +64,7 @@ class RunLog:
         self._pending: dict[tuple[int, str], bytearray] = {}
 
     def write(self, rank: int, stream: str, data: bytes) -> None:
+        """Add a rank's bytes to the log; whole lines are written as they complete."""
         pending = self._pending.setdefault((rank, stream), bytearray())
         pending += data
         end = pending.rfind(b"\n")
@@ -81,6 +82,7 @@ class RunLog:
             self._lines(rank, stream, bytes(pending) + b"\n")
 
     def close(self) -> None:
+        """Write what is pending of every rank and close the file."""
         for rank, stream in list(self._pending):
             self.flush(rank, stream)
         if self._fd is not None:
@@ -110,6 +112,7 @@ class RunLog:
 
     @property
     def exists(self) -> bool:
+        """Whether the log file was created (something was written)."""
         return self._fd is not None or self._written > 0
 
 

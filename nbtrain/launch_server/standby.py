@@ -69,7 +69,7 @@ def plan_of(start: StartRun) -> StartRun:
     return dataclasses.replace(start, run_id=0, payload=b"", source_lines={}, has_tensor_file=False, log_path=None)
 
 
-def describe(plan: StartRun) -> str:
+def plan_summary(plan: StartRun) -> str:
     """``2 cpu ranks, gloo``: what the sidebar and ``nbtrain.runs()`` say they wait for."""
     count = len(plan.ranks)
     kind = plan.ranks[0].device_type if plan.ranks else "cpu"
@@ -88,6 +88,7 @@ class Generation:
 
     @property
     def all_ready(self) -> bool:
+        """Whether every rank of the generation said StandbyReady."""
         return len(self.ready) == len(self.ranks)
 
 
@@ -154,6 +155,7 @@ class Pool:
         return waiting.ranks
 
     def on_message(self, generation: Generation, rank: Any) -> None:
+        """A standby rank's record: StandbyReady, or EOF when it died waiting."""
         try:
             message, fds = wire.receive(rank.channel)
         except (wire.ChannelClosed, OSError):
@@ -182,6 +184,7 @@ class Pool:
                 self._fork(Generation(generation.key, generation.plan, [], generation.until))
 
     def tick(self, now: float) -> None:
+        """Discard the standby ranks once they waited their whole idle limit."""
         if self.waiting is not None and now > self.waiting.until:
             self.discard()
 
@@ -214,6 +217,7 @@ class Pool:
         return ended
 
     def shutdown(self, deadline: float) -> None:
+        """The launcher exits: end every standby rank by ``deadline``."""
         self.release(deadline)
 
     def _fork(self, generation: Generation) -> None:
@@ -256,7 +260,7 @@ class Pool:
                 rank.spec.device_index for rank in generation.ranks if rank.spec.device_type == "cuda"
                 and rank.spec.device_index is not None
             )
-            self.tell(StandbyChanged(ranks, describe(generation.plan), devices, generation.all_ready))
+            self.tell(StandbyChanged(ranks, plan_summary(generation.plan), devices, generation.all_ready))
 
     def _registered(self, fileobj: Any) -> bool:
         try:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from nbtrain import events, processes, wire
 from nbtrain import template as naming
-from nbtrain.launch_server import server
+from nbtrain.launch_server import forking, server
 
 HANDSHAKE_SECONDS = 5.0  # a connected kernel that says nothing for this long is dropped
 
@@ -135,7 +135,7 @@ class _Child:
 
     def main(self) -> None:
         """The private launcher, just forked: the kernel's environment, cwd and stderr; then serve."""
-        server._close_all_but({0, 1, 2, self.control_fd, self.stderr_fd, self.kernel_pidfd})
+        forking.close_all_but({0, 1, 2, self.control_fd, self.stderr_fd, self.kernel_pidfd})
         null = os.open(os.devnull, os.O_RDWR)
         os.dup2(null, 0)
         os.dup2(null, 1)

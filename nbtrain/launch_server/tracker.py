@@ -81,6 +81,7 @@ class RunTracker:
         self.update(step=step, loss=None if loss is None else float(loss), losses=losses, steps_per_second=rate)
 
     def update(self, **changes: Any) -> None:
+        """Change the run's record; written at the next tick."""
         self.record = replace(self.record, **changes)
         self.dirty = True
 
@@ -151,6 +152,7 @@ class Board:
         return not os.path.exists(os.path.join(folder, f"{record_id}.json"))
 
     def get(self, run_id: int) -> RunTracker | None:
+        """The run's tracker, if its record is kept."""
         return self.trackers.get(run_id)
 
     def stop_requested(self, run_id: int) -> bool:
@@ -175,6 +177,7 @@ class Board:
         return asked
 
     def end(self, run_id: int, state: str, held: str | None = None) -> None:
+        """Write the run's final record (``held``: its rank kept for a post-mortem)."""
         tracker = self.trackers.pop(run_id, None)
         if tracker is None:
             return

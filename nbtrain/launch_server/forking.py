@@ -1,0 +1,304 @@
+"""Starting a rank: its descriptors, the fork (or spawn), and what the child does before it runs.
+
+The launcher's loop (nbtrain.launch_server.server) calls :func:`start_rank_process` for each
+rank of a run (and :func:`fork_standby` for standby ranks), then :func:`watch_rank` to read what
+it sends; everything about the child side of the fork is here too.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nbtrain import processes, stopboard, wire
+from nbtrain.events import RankAssignment, StartRun, StoreListening
+from nbtrain.launch_server import standby
+from nbtrain.launch_server.launched import LauncherRun, RankProcess
+from nbtrain.launch_server.output import RankOutput, RunLog
+
+HAND_OVER_SECONDS = 10.0  # a standby rank reads its run within this, or it is killed
+
+
+@dataclass
+class RankEnds:
+    """The channel and the two output pipes of a rank being started: both ends of each."""
+
+    launcher_end: socket.socket
+    rank_end: socket.socket
+    out_read: int
+    out_write: int
+    err_read: int
+    err_write: int
+    stack_read: int  # the rank's faulthandler dumps (nbtrain.stacks)
+    stack_write: int
+
+    @classmethod
+    def open(cls) -> RankEnds:
+        """All of them, or (EMFILE half way) none: what was opened is closed before raising."""
+        launcher_end, rank_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pipes: list[int] = []
+        try:
+            for _ in range(3):
+                pipes.extend(os.pipe())
+        except OSError:
+            for fd in pipes:
+                os.close(fd)
+            launcher_end.close()
+            rank_end.close()
+            raise
+        return cls(launcher_end, rank_end, *pipes)
+
+    def close_child_side(self) -> None:
+        """After the fork: the rank holds these now."""
+        for fd in (self.out_write, self.err_write, self.stack_write):
+            os.close(fd)
+        self.rank_end.close()
+
+    def close_all(self) -> None:
+        """Close both ends of each, tolerating those closed already."""
+        for fd in (self.out_read, self.out_write, self.err_read, self.err_write, self.stack_read, self.stack_write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # closed already (close_child_side ran)
+        self.launcher_end.close()
+        self.rank_end.close()
+
+
+@dataclass(frozen=True)
+class RankFds:
+    """The descriptors a new rank gets: its channel, stdout/stderr pipes, the store's
+    listening socket (rank 0), the payload's tensors, and the pipe for its stack dumps."""
+
+    channel: int
+    out: int
+    err: int
+    listen: int | None
+    tensor: int | None
+    stack: int
+
+    @property
+    def kept(self) -> list[int]:
+        """The descriptors the rank keeps as they are (stdout and stderr become fds 1 and 2)."""
+        return [fd for fd in (self.channel, self.listen, self.tensor, self.stack) if fd is not None]
+
+
+def start_rank_process(
+    assignment: RankAssignment,
+    listen_fd: int | None,
+    tensor_fd: int | None,
+    log: RunLog | None,
+    waits: bool = False,
+    steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
+) -> RankProcess:
+    """A new rank process and the launcher's ends of its channel and pipes; ``waits``: a standby rank,
+    ``steps``: the step board its optimizer steps are counted on, and its slot there."""
+    ends = RankEnds.open()
+    try:
+        pid = _create(assignment, ends, listen_fd, tensor_fd, waits, steps)
+    except BaseException:
+        ends.close_all()  # the fork failed: nothing holds the other ends
+        raise
+    ends.close_child_side()
+    try:
+        pidfd = processes.open_pidfd(pid)
+    except OSError:
+        processes.signal_group(pid, signal.SIGKILL)  # a rank we could not watch must not run
+        processes.reap_now(pid)
+        ends.close_all()
+        raise
+    pipes = {ends.out_read: "stdout", ends.err_read: "stderr"}
+    output = RankOutput(assignment.spec.rank, log)
+    rank = RankProcess(assignment.spec, pid, pidfd, ends.launcher_end, pipes, output)
+    rank.stack_fd = ends.stack_read
+    return rank
+
+
+def _create(
+    assignment: RankAssignment,
+    ends: RankEnds,
+    listen_fd: int | None,
+    tensor_fd: int | None,
+    waits: bool = False,
+    steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
+) -> int:
+    fds = RankFds(ends.rank_end.fileno(), ends.out_write, ends.err_write, listen_fd, tensor_fd, ends.stack_write)
+    if assignment.start.start_method == "spawn":
+        return _spawn(assignment, fds)
+    rank_end = ends.rank_end
+    return processes.fork_rank(lambda: _rank_main(assignment, rank_end, fds, waits, steps))
+
+
+def _spawn(assignment: RankAssignment, fds: RankFds) -> int:
+    env = dict(assignment.start.environ)
+    # The caller's environment has no NBTRAIN_ROLE; with it, nothing in the fresh
+    # interpreter ever warms a launcher of its own (one more torch import per rank).
+    env[processes.ROLE_VARIABLE] = "rank"
+    argv = [
+        sys.executable,
+        "-m",
+        "nbtrain.rank",
+        str(fds.channel),
+        str(-1 if fds.listen is None else fds.listen),
+        str(-1 if fds.tensor is None else fds.tensor),
+        str(fds.stack),
+    ]
+    # stdout/stderr go to the pipes; posix_spawn needs them on fds 1 and 2 of the child.
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        os.dup2(fds.out, 1)
+        os.dup2(fds.err, 2)
+        pid = processes.spawn_rank(argv, env, fds.kept)
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+    return pid
+
+
+def _rank_main(
+    assignment: RankAssignment,
+    channel: socket.socket,
+    fds: RankFds,
+    waits: bool = False,
+    steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
+) -> None:
+    """In the forked child: wire up stdio, drop the launcher's descriptors, run the rank
+    (``waits``: prepare, then wait for a run's payload, nbtrain.launch_server.standby)."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(fds.out, 1)
+    os.dup2(fds.err, 2)
+    close_all_but({0, 1, 2, *fds.kept})
+    from nbtrain.rank import runtime, stopping
+
+    stopping.attach(*steps)
+
+    if waits:
+        runtime.run_standby(assignment, channel, fds.listen, fds.stack)
+    runtime.run_rank(assignment, channel, fds.listen, fds.tensor, fds.stack)
+
+
+def close_all_but(keep: set[int]) -> None:
+    """Close every descriptor of this process but ``keep`` (in a child just forked)."""
+    # The child must not hold the launcher's channel to the kernel or other ranks' pipes:
+    # those would keep channels open after their owners die and hide EOFs.
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def signal_groups(ranks: list[RankProcess], number: int) -> None:
+    """Signal each rank's process group, noting its members first."""
+    # Note who is in each group before signalling it: a DataLoader worker killed between
+    # torch's shm_open and shm_unlink leaves a /dev/shm entry named after its pid, which
+    # _finish removes once the group is gone.
+    if not ranks:
+        return
+    groups = processes.process_groups()
+    for rank in ranks:
+        rank.members.update(groups.get(rank.pid, ()))
+        processes.signal_group(rank.pid, number)
+
+
+def hand_run(rank: RankProcess, start: StartRun, fds: tuple[int, ...]) -> None:
+    """Send a standby rank its run. One that died just now, or cannot read it (stuck before its
+    wait), is killed: its exit fails the run as any rank's would, and nothing waits forever."""
+    try:
+        rank.channel.settimeout(HAND_OVER_SECONDS)
+        wire.send(rank.channel, start, fds)
+    except OSError:
+        processes.signal_group(rank.pid, signal.SIGKILL)
+    finally:
+        rank.channel.settimeout(None)
+
+
+def send_quietly(channel: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:
+    """Send to a rank; one already gone is not an error (its pidfd reports its exit)."""
+    try:
+        wire.send(channel, message, fds)
+    except OSError:
+        pass  # the rank is already gone; its exit is handled by its pidfd
+
+
+def step_board(start: StartRun) -> stopboard.StepBoard | None:
+    """The board a run's ranks count their optimizer steps on, for a stop at a step. A spawned
+    rank starts from nothing: it cannot share it. A cluster's nodes would each choose a step of
+    their own: their stops stay hard."""
+    if start.start_method == "fork" and start.node is None:
+        return stopboard.StepBoard.create(len(start.ranks))
+    return None
+
+
+def bind_store(start: StartRun, send: Callable[[Any], None]) -> tuple[socket.socket | None, int]:
+    """The bound socket rank 0 will host the store on, and its port.
+
+    On a cluster only the node holding global rank 0 binds one (on the address the
+    other nodes reach it at) and reports its port; the other nodes are given it.
+    """
+    node = start.node
+    if node is not None and node.master_port is not None:
+        return None, node.master_port
+    address = "127.0.0.1" if node is None else node.master_addr
+    store_socket = socket.create_server((address, 0), backlog=max(128, 2 * len(start.ranks)))
+    port = store_socket.getsockname()[1]
+    if node is not None:
+        send(StoreListening(start.run_id, port))
+    return store_socket, port
+
+
+def watch_rank(selector: selectors.BaseSelector, run: LauncherRun, rank: RankProcess) -> None:
+    """Make the loop read the rank's channel, pipes and stack dumps, and see its exit, as ``run``'s."""
+    assert rank.stack_fd is not None
+    os.set_blocking(rank.stack_fd, False)
+    selector.register(rank.stack_fd, selectors.EVENT_READ, ("stack", run, rank))
+    selector.register(rank.channel, selectors.EVENT_READ, ("events", run, rank))
+    for fd in rank.pipes:
+        os.set_blocking(fd, False)
+        selector.register(fd, selectors.EVENT_READ, ("pipe", run, rank))
+    selector.register(rank.pidfd, selectors.EVENT_READ, ("pidfd", run, rank))
+
+
+def fork_standby(
+    selector: selectors.BaseSelector, send: Callable[[Any], None], plan: StartRun, generation: standby.Generation
+) -> list[RankProcess]:
+    """Fork ``plan``'s ranks to wait for a run; only their exit and channel are watched meanwhile
+    (their output waits in their pipes for the run that takes them)."""
+    store_socket, port = bind_store(plan, send)
+    board = step_board(plan)  # the run that takes them stops on it
+    ranks: list[RankProcess] = []
+    try:
+        for slot, spec in enumerate(plan.ranks):
+            listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
+            assignment = RankAssignment(plan, spec, port, os.getpid())
+            rank = start_rank_process(assignment, listen_fd, None, None, True, (board, slot))
+            rank.step_board = board
+            ranks.append(rank)
+            selector.register(rank.pidfd, selectors.EVENT_READ, ("standby-exit", generation, rank))
+            selector.register(rank.channel, selectors.EVENT_READ, ("standby-events", generation, rank))
+    except OSError:
+        for rank in ranks:  # a generation is whole or none
+            processes.signal_group(rank.pid, signal.SIGKILL)
+            processes.reap_now(rank.pid)
+            selector.unregister(rank.pidfd)
+            selector.unregister(rank.channel)
+            rank.channel.close()
+            for fd in (rank.pidfd, rank.stack_fd, *rank.pipes):
+                if fd is not None:
+                    os.close(fd)
+        raise
+    finally:
+        if store_socket is not None:
+            store_socket.close()
+    return ranks

@@ -1,0 +1,111 @@
+"""What the launcher knows of each run (``LauncherRun``) and each rank it started (``RankProcess``).
+
+Mutable records owned by the launcher's loop (nbtrain.launch_server.server); a run's phase
+is its ``lifecycle`` (nbtrain.launch_server.lifecycle), not flags. Nothing here starts or
+signals a process.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+
+from nbtrain import events, stopboard
+from nbtrain.events import RankDone, RankExited, RankFailed, RankNotStarted, StartRun
+from nbtrain.launch_server import graceful
+from nbtrain.launch_server.lifecycle import Lifecycle, RunPhase
+from nbtrain.launch_server.output import RankOutput, RunLog
+
+
+@dataclass
+class RankProcess:
+    """A rank the launcher started: its descriptors, what it reported, and its stack dump."""
+
+    spec: events.RankSpec
+    pid: int
+    pidfd: int
+    channel: socket.socket
+    pipes: dict[int, str]  # read fd -> "stdout" | "stderr"
+    output: RankOutput
+    done: bool = False
+    failed: bool = False
+    exited: bool = False
+    members: set[int] = field(default_factory=set)  # pids seen in its process group
+    stack_fd: int | None = None  # read end of the pipe its faulthandler dumps to
+    stack: bytes = b""
+    stack_asked: bool = False
+    stack_seen_at: float = 0.0  # when the last bytes of its dump arrived
+    held: bool = False  # the failed run's root cause, kept alive for a post-mortem
+    held_until: float | None = None  # released then, unless a post-mortem is open
+    cuda_bytes: int | None = None  # what it last reported holding on its GPU
+    release_reason: str = "its debugger ended"  # what HeldReleased says when it is gone
+    step_board: stopboard.StepBoard | None = None  # a standby rank's: the run that takes it stops on it
+
+
+@dataclass
+class LauncherRun:
+    """What the launcher knows of one run: its ranks, its phase (``lifecycle``) and what it ends with."""
+
+    run_id: int
+    ranks: list[RankProcess]
+    deadline: float | None
+    lifecycle: Lifecycle
+    on_cluster: bool = False  # a cluster node's part: done ranks wait for ReleaseRanks (every node done)
+    outcome: str | None = None  # what RunEnded will say (events.FINISHED, ...): set once it is known
+    failure: RankFailed | RankExited | RankNotStarted | None = None
+    result: bytes | None = None
+    result_fd: int | None = None
+    offer: RankDone | None = None  # rank 0's result, tensors still in its memory
+    last_memory_sample: float = 0.0
+    log: RunLog | None = None  # every rank's full output
+    last_skipped_report: float = 0.0
+    debug_hold: float | None = None  # seconds a failed run's root-cause rank is held
+    debugging: set[int] = field(default_factory=set)  # ranks at a pdb prompt: the timeout waits
+    paused_at: float = 0.0  # when the first of them stopped
+    detail: str = ""  # how a stop came, for RunEnded
+    held_text: str | None = None  # its held rank, as the sidebar lists it
+    plan: StartRun | None = None  # what standby ranks for the next run are forked for
+    board: stopboard.StepBoard | None = None  # the ranks' optimizer steps (forked ranks only)
+    on_stop: str = "keep"
+    stop_grace: float = 2.0
+    graceful: graceful.GracefulStop | None = None
+    stop_note: str = ""  # why a stop could not keep the state (sent with RunEnded)
+    late: list[int] = field(default_factory=list)  # the ranks a graceful stop gave up on
+
+    @property
+    def state(self) -> RunPhase:
+        """The run's phase now (nbtrain.launch_server.lifecycle)."""
+        return self.lifecycle.state
+
+    def move(self, to: RunPhase) -> None:
+        """Go to ``to`` now, as the lifecycle's table allows (or raise)."""
+        self.lifecycle.move(to, time.monotonic())
+
+
+def kept_step(run: LauncherRun) -> int | None:
+    """The step a graceful stop kept (every rank ended its cell there), or None."""
+    stop = run.graceful
+    if stop is None or stop.gave_up or run.outcome == events.FINISHED or not all(r.done for r in run.ranks):
+        return None
+    return stop.step
+
+
+def our_signal(run: LauncherRun, signal_number: int | None) -> bool:
+    """Whether a rank died of nbtrain's own stop: SIGTERM, or SIGKILL once the launcher (or,
+    for a stop asked in the browser, the server extension) sends it."""
+    return signal_number == signal.SIGTERM or (
+        signal_number == signal.SIGKILL
+        and (run.lifecycle.has_been(RunPhase.KILLED) or run.lifecycle.has_been(RunPhase.STOPPING_OUTSIDE))
+    )
+
+
+def stop_began(run: LauncherRun) -> bool:
+    """Whether the launcher began stopping ``run`` (its ranks' exits then count as stopped)."""
+    return run.lifecycle.has_been(RunPhase.DUMPING_STACKS) or run.lifecycle.has_been(RunPhase.TERMINATING)
+
+
+def took_a_step(run: LauncherRun) -> bool:
+    """Whether a rank of ``run`` has begun an optimizer step that a stop could keep."""
+    return run.board is not None and run.on_stop == "keep" and any(run.board.counts())

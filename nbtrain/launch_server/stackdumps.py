@@ -1,0 +1,84 @@
+"""Each rank's stack dump before a stop: asking for it, reading it, knowing when it is all in.
+
+A run that times out or is stopped asks every live rank for a faulthandler dump
+(nbtrain.stacks) and waits until each has gone quiet, at most STACK_WAIT_SECONDS, before
+its ranks are signalled: RunEnded then says where each rank was.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import time
+
+from nbtrain import events, processes, stacks
+from nbtrain.launch_server import graceful
+from nbtrain.launch_server.launched import LauncherRun, RankProcess
+
+# Before stopping a run that timed out or was stopped, each rank dumps its stack: wait for
+# every dump to arrive and go quiet, but never longer than STACK_WAIT_SECONDS in all.
+STACK_WAIT_SECONDS = 1.0
+STACK_QUIET_SECONDS = 0.05
+
+
+def request_dumps(run: LauncherRun) -> bool:
+    """Signal every live rank for its stack dump; False when none can answer."""
+    for rank in run.ranks:
+        rank.stack_asked = not rank.exited and processes.request_stack(rank.pid)
+    return any(rank.stack_asked for rank in run.ranks)
+
+
+def dumps_in(run: LauncherRun, now: float) -> bool:
+    """Whether every rank asked has dumped and gone quiet (or exited)."""
+    return all(
+        rank.exited or not rank.stack_asked or (rank.stack and now - rank.stack_seen_at > STACK_QUIET_SECONDS)
+        for rank in run.ranks
+    )
+
+
+def read_dump(selector: selectors.BaseSelector, rank: RankProcess) -> None:
+    """Read what the rank's faulthandler wrote; at EOF, close its pipe."""
+    assert rank.stack_fd is not None
+    try:
+        data = os.read(rank.stack_fd, 65536)
+    except BlockingIOError:
+        return
+    except OSError:
+        data = b""
+    if not data:  # every holder of the write end is gone
+        close_dump(selector, rank)
+        return
+    rank.stack += data
+    rank.stack_seen_at = time.monotonic()
+
+
+def close_dump(selector: selectors.BaseSelector, rank: RankProcess) -> None:
+    """Stop reading the rank's dump pipe (it is done, or the rank leaves the run)."""
+    if rank.stack_fd is not None:
+        selector.unregister(rank.stack_fd)
+        os.close(rank.stack_fd)
+        rank.stack_fd = None
+
+
+def frames_of(rank: RankProcess) -> tuple[stacks.Frame, ...]:
+    """The frames of the rank's dump, innermost last."""
+    return stacks.parse_dump(rank.stack.decode("utf-8", "replace"))
+
+
+def dumps_of(run: LauncherRun) -> tuple[tuple[int, str], ...]:
+    """What each rank's dump said, for a run that ended by a timeout or a stop."""
+    if run.outcome not in (events.STOPPED, events.TIMED_OUT):
+        return ()
+    return tuple(
+        (rank.spec.rank, rank.stack.decode("utf-8", "replace")) for rank in run.ranks if rank.stack or rank.stack_asked
+    )
+
+
+def laggards(run: LauncherRun) -> str:
+    """The note naming the ranks that kept a graceful stop from its step (after the dumps: not those waiting)."""
+    if run.graceful is None or run.board is None:
+        return run.stop_note
+    slots = {rank.spec.rank: index for index, rank in enumerate(run.ranks)}
+    frames = frames_of
+    waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.waits_on_peers(frames(r)))
+    return graceful.laggards_note(run.graceful, run.board, run.late, slots, waiting)

@@ -1,0 +1,56 @@
+"""A graceful stop as the launcher follows it (nbtrain.launch_server.graceful), on a real step board.
+
+The whole path, through a kernel, is in tests/test_graceful_stop.py; the sidebar's in
+tests/test_graceful_stop_server.py. The note naming a late rank has examples in its docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from nbtrain import stopboard
+from nbtrain.launch_server import graceful
+
+
+@pytest.fixture
+def board() -> Iterator[stopboard.StepBoard]:
+    board = stopboard.StepBoard.create(2)
+    try:
+        yield board
+    finally:
+        board.close()
+
+
+def test_the_step_is_chosen_once_a_moment_after_the_ask_as_the_highest_begun(board):
+    for _ in range(3):
+        board.begin_step(0)
+    board.begin_step(1)
+    stop = graceful.GracefulStop("stopped", asked_at=10.0)
+    board.request_stop()
+    assert not stop.choose(board, minimum_grace=2.0, now=10.0)  # counts written just before may be unseen
+    later = 10.0 + 2 * graceful.CHOOSE_AFTER_SECONDS
+    assert stop.choose(board, minimum_grace=2.0, now=later)
+    assert stop.step == 3 == board.stop_step() and stop.grace >= 2.0
+    assert stop.deadline == later + stop.grace
+    assert not stop.choose(board, minimum_grace=2.0, now=20.0)  # chosen already
+
+
+def test_it_is_overdue_past_its_deadline_unless_it_gave_up(board):
+    board.begin_step(0)
+    stop = graceful.GracefulStop("timed out", asked_at=0.0)
+    assert not stop.overdue(1e9)  # no step chosen: no deadline yet
+    stop.choose(board, minimum_grace=1.0, now=1.0)
+    assert stop.deadline is not None
+    assert not stop.overdue(stop.deadline) and stop.overdue(stop.deadline + 0.1)
+    stop.gave_up = True
+    assert not stop.overdue(stop.deadline + 0.1)
+
+
+def test_why_a_run_cannot_stop_at_a_step_names_the_reason(board):
+    assert graceful.why_none(board, "discard") == ""  # it asked for a hard stop
+    assert "spawned ranks (ddp_spawn) or of a cluster's nodes" in graceful.why_none(None, "keep")
+    assert "none had run (a loop without optimizer.step()" in graceful.why_none(board, "keep")
+    board.begin_step(1)
+    assert graceful.why_none(board, "keep") == ""
