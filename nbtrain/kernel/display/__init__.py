@@ -27,7 +27,7 @@ Example (in a notebook cell):
 from __future__ import annotations
 
 from nbtrain.kernel.display.chart import ChartFigure, render_charts_png
-from nbtrain.kernel.display.form import Launcher, Machine, launcher
+from nbtrain.kernel.display.form import LauncherForm, Machine, launcher
 from nbtrain.kernel.display.live import FASTEST_FRAME_SECONDS, LiveView, NotedLiveView, watch
 from nbtrain.kernel.display.show import (
     enable_colab_widgets,
@@ -42,7 +42,7 @@ from nbtrain.kernel.display.show import (
 __all__ = [
     "FASTEST_FRAME_SECONDS",
     "ChartFigure",
-    "Launcher",
+    "LauncherForm",
     "LiveView",
     "Machine",
     "NotedLiveView",
