@@ -456,8 +456,15 @@ def flag_rows() -> list[tuple[str, str, str]]:
 
 
 def session_rows() -> list[tuple[str, str, str]]:
-    """(keyword, what it sets, built-in default) of every option, for ``nbtrain.set_defaults``'s table."""
-    return [(f"`{name}`", info.help + info.more, info.shown_default) for name, info in described()]
+    """(keyword, what it sets, built-in default) of every option: README's table of ``nbtrain.set_defaults``.
+
+    >>> session_rows()[0]
+    ('`devices`', 'as `--devices`', '`auto`')
+    """
+    return [
+        (f"`{name}`", f"as `{info.flag}`" if info.flag else info.help + info.more, info.shown_default)
+        for name, info in described()
+    ]
 
 
 def markdown_table(header: tuple[str, str, str], rows: list[tuple[str, str, str]]) -> str:
