@@ -115,6 +115,8 @@ class LaunchConfig:
     sync_batchnorm: bool = False
     on_stop: str = "keep"  # a stop or timeout: "keep" the state at one optimizer step, or "discard" it
     stop_grace: float = 2.0  # the least time ranks get to reach that step (3 x the median step if longer)
+    # (variable, value) for each launch option the ranks read from their environment (nbtrain.options)
+    rank_variables: tuple[tuple[str, str], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -322,6 +324,7 @@ def rank_environment(cfg: LaunchConfig) -> dict[str, str]:
         "NBTRAIN_PRECISION": cfg.precision,
         "NBTRAIN_SYNC_BATCHNORM": "1" if cfg.sync_batchnorm else "0",
     }
+    environ.update(cfg.rank_variables)
     if cfg.strategy.model_wrapper == "dp":  # DataParallel's device_ids, the rank's own first
         environ[DP_DEVICES_VARIABLE] = ",".join(str(index) for index in cfg.plan.device_ids)
     return environ

@@ -52,6 +52,7 @@ class Option:
     that turns a boolean off. ``help`` is markdown: README's table shows it (with ``more``
     after it), ``--help`` shows it without the backticks. ``shown_default`` is how the
     built-in default reads. ``keyword``: ``nbtrain.launch`` and ``nbtrain.start`` take it.
+    ``rank_variable``: the environment variable the ranks read it from (set unless None).
 
     >>> Option("Seconds.", check=float, flag="--wait").plain_help()
     'Seconds.'
@@ -67,6 +68,7 @@ class Option:
     shown_default: str = ""
     more: str = ""
     keyword: bool = True
+    rank_variable: str = ""
 
     def plain_help(self) -> str:
         """The help as a terminal shows it: the markdown's backticks left out."""
@@ -141,6 +143,7 @@ def _precision(precision: Any) -> str:
 
 def _flag(name: str) -> Callable[[Any], bool]:
     def check(value: Any) -> bool:
+        """``value`` if it is a bool; anything else is refused, naming the option."""
         if not isinstance(value, bool):
             raise ConfigurationError(f"{name}={value!r} is not valid: pass True or False.")
         return value
@@ -369,7 +372,12 @@ class LaunchOptions:
             plan, strategy=self.strategy, timeout=self.timeout, backend=self.backend, precision=self.precision,
             sync_batchnorm=self.sync_batchnorm,
         )
-        return dataclasses.replace(cfg, on_stop=self.on_stop, stop_grace=self.stop_grace)
+        told = tuple(
+            (info.rank_variable, _flag_text(getattr(self, name)))
+            for name, info in described()
+            if info.rank_variable and getattr(self, name) is not None
+        )
+        return dataclasses.replace(cfg, on_stop=self.on_stop, stop_grace=self.stop_grace, rank_variables=told)
 
     def magic_line(self) -> str:
         """The ``%%distributed`` line that asks for exactly these settings, to copy into a cell.

@@ -261,6 +261,7 @@ class ClusterClient:
 
     # -- the engine seam (what Run and start() use) -------------------------------------
     def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, _Inbox]:
+        """Start a run on every node (its relay thread follows it); its id and the inbox its records go to."""
         if not self.alive:
             raise ClusterError("the nbtrain agents of this cluster were ended; start the run again")
         run_id = next(self._run_ids)
@@ -278,6 +279,7 @@ class ClusterClient:
             relay.stop(reason, by_caller=True)
 
     def forget(self, run_id: int) -> None:
+        """The run's handle is done with it: drop its relay."""
         self._relays.pop(run_id, None)
 
     def output_taken(self, run_id: int, chars: int) -> None:
@@ -296,6 +298,7 @@ class ClusterClient:
             remove_placement_group(self._group)
 
     def exit_detail(self) -> str:
+        """Why this engine can run nothing more, for a failure's message."""
         return f"the nbtrain agents on the cluster at {self.address} were ended"
 
     def node_processes(self) -> list[list[int]]:
@@ -345,6 +348,7 @@ class _Relay:
         self._lock = threading.Lock()
 
     def run(self) -> None:
+        """The relay thread: start the nodes, follow them, and file the combined end under the run."""
         ray = import_ray()
         try:
             started = self._begin(ray)

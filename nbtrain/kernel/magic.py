@@ -9,9 +9,9 @@ earlier cells::
         opt.zero_grad(); loss.backward(); opt.step()
 
 trains data-parallel on two ranks, and afterwards the kernel's ``model`` (the same
-object) holds rank 0's trained weights. This module owns the magic: its flags (parsed
-once into a :class:`CellOptions`), the launch config (built once from them), the run's
-output in the cell, and turning failures into one readable error. It asks
+object) holds rank 0's trained weights. This module owns the magic: its flags come from
+:mod:`nbtrain.kernel.flags` (parsed once into a :class:`~nbtrain.kernel.flags.CellOptions`,
+planned once), the run's output in the cell, and turning failures into one readable error. It asks
 :mod:`nbtrain.kernel.shell` for what it needs of IPython's shell. What
 travels and what comes back is decided in :mod:`nbtrain.kernel.namespace`; what runs on
 a rank is :mod:`nbtrain.rank.cell`.
