@@ -105,24 +105,25 @@ def _readme_table(header: str) -> str:
     return text[start:end]
 
 
-def _update_readme(old: str, new: str) -> None:
-    """NBTRAIN_UPDATE_README=1 writes the generated table into README (after a new option, say)."""
-    if os.environ.get("NBTRAIN_UPDATE_README") == "1":
+def _update_readme(old: str, new: str) -> str:
+    """The table README has; NBTRAIN_UPDATE_README=1 first writes the generated one there (after a new option)."""
+    if os.environ.get("NBTRAIN_UPDATE_README") == "1" and old != new:
         README.write_text(README.read_text(encoding="utf-8").replace(old, new), encoding="utf-8")
+        return new
+    return old
 
 
 def test_the_readme_flag_table_is_the_one_generated_from_the_record():
-    table, generated = _readme_table("| flag | values | default |"), flags.flag_table()
-    _update_readme(table, generated)
+    generated = flags.flag_table()
+    table = _update_readme(_readme_table("| flag | values | default |"), generated)
     assert table == generated, "README's flag table is stale: run this test with NBTRAIN_UPDATE_README=1"
     listed = set(re.findall(r"^\| `(--[a-z-]+)`", table, re.MULTILINE))
     assert {info.flag for _, info in options.flagged()} <= listed
 
 
 def test_the_readme_session_table_is_the_one_generated_from_the_record():
-    table = _readme_table("| keyword | sets | built-in default |")
     generated = options.markdown_table(("keyword", "sets", "built-in default"), options.session_rows())
-    _update_readme(table, generated)
+    table = _update_readme(_readme_table("| keyword | sets | built-in default |"), generated)
     assert table == generated, "README's table of session defaults is stale: run with NBTRAIN_UPDATE_README=1"
     assert set(re.findall(r"^\| `([a-z_]+)`", table, re.MULTILINE)) == {name for name, _ in options.described()}
 
