@@ -100,7 +100,7 @@ def launcher(**kwargs: _Any) -> object:
     ``accelerator``, ``strategy``, ``timeout``, ``gpus``, ``precision``, ``backend``,
     ``sync_batchnorm``, ``cluster``, ``num_nodes``).
     """
-    from nbtrain.kernel.display import launcher as _launcher
+    from nbtrain.kernel.display import show_launcher_form as _launcher
 
     return _launcher(**kwargs)
 

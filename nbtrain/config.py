@@ -222,14 +222,14 @@ def user_thread_count(environ: Mapping[str, str]) -> int | None:
         return None
 
 
-def threads_per_rank(cpu_count: int, world_size: int, environ: Mapping[str, str]) -> int | None:
+def intra_op_threads(cpu_count: int, world_size: int, environ: Mapping[str, str]) -> int | None:
     """Intra-op threads for each rank: cores / ranks (at least 1), as torchrun does.
 
     None when the user set OMP_NUM_THREADS: their choice wins. Why it matters: N ranks each
     running a full-width OpenMP pool oversubscribe the cores (2 ranks x 2 threads on 2 cores
     doubled the step time here).
 
-    >>> threads_per_rank(8, 2, {}), threads_per_rank(2, 4, {}), threads_per_rank(8, 2, {"OMP_NUM_THREADS": "3"})
+    >>> intra_op_threads(8, 2, {}), intra_op_threads(2, 4, {}), intra_op_threads(8, 2, {"OMP_NUM_THREADS": "3"})
     (4, 1, None)
     """
     if environ.get("OMP_NUM_THREADS"):
@@ -311,12 +311,12 @@ def check_cluster_strategy(strategy: str) -> None:
         )
 
 
-def rank_environment(cfg: LaunchConfig) -> dict[str, str]:
+def prepare_environment(cfg: LaunchConfig) -> dict[str, str]:
     """What ``prepare`` on a rank reads: the model wrapper, precision and BatchNorm sync.
 
     >>> from nbtrain.devices import DevicePlan
     >>> cfg = make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None, precision="bf16")
-    >>> rank_environment(cfg)["NBTRAIN_PRECISION"]
+    >>> prepare_environment(cfg)["NBTRAIN_PRECISION"]
     'bf16-mixed'
     """
     environ = {

@@ -9,9 +9,9 @@ import pytest
 from nbtrain import config
 from nbtrain.config import (
     backend_for,
+    intra_op_threads,
     make_config,
     resolve_strategy,
-    threads_per_rank,
     user_thread_count,
     validate_timeout,
 )
@@ -104,7 +104,7 @@ def test_invalid_timeouts(timeout):
     ],
 )
 def test_threads_per_rank(cores, ranks, environ, expected):
-    assert threads_per_rank(cores, ranks, environ) == expected
+    assert intra_op_threads(cores, ranks, environ) == expected
 
 
 def test_rank_specs_on_cpu():
@@ -156,5 +156,5 @@ def test_the_ranks_are_told_each_option_they_read_from_their_environment():
     import dataclasses
 
     cfg = make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None)
-    told = config.rank_environment(dataclasses.replace(cfg, rank_variables=(("NBTRAIN_EXAMPLE", "7"),)))
+    told = config.prepare_environment(dataclasses.replace(cfg, rank_variables=(("NBTRAIN_EXAMPLE", "7"),)))
     assert told["NBTRAIN_EXAMPLE"] == "7" and told["NBTRAIN_PRECISION"] == "32-true"

@@ -875,7 +875,7 @@ class _StartMessage:
         self.payload = payload
         self.has_tensor_file = has_tensor_file
         self.with_log = with_log  # a cluster's agents keep their own logs
-        self.threads = config_module.threads_per_rank(hardware.cpu_count(), cfg.world_size, os.environ)
+        self.threads = config_module.intra_op_threads(hardware.cpu_count(), cfg.world_size, os.environ)
         self.log_path: str | None = None
 
     def __call__(self, run_id: int) -> messages.StartRun:
@@ -888,7 +888,7 @@ class _StartMessage:
             start_method=cfg.strategy.start_method,
             backend=cfg.backend,
             # prepare() on a rank wraps models for this strategy and precision (nbtrain.rank.prepare).
-            environ={**_caller_environment(), **config_module.rank_environment(cfg)},
+            environ={**_caller_environment(), **config_module.prepare_environment(cfg)},
             cwd=os.getcwd(),
             sys_path=tuple(sys.path),
             source_lines=_notebook_source_lines(),

@@ -27,7 +27,7 @@ Example (in a notebook cell):
 from __future__ import annotations
 
 from nbtrain.kernel.display.chart import ChartFigure, render_charts_png
-from nbtrain.kernel.display.form import LauncherForm, Machine, launcher
+from nbtrain.kernel.display.form import LauncherForm, Machine, show_launcher_form
 from nbtrain.kernel.display.live import FASTEST_FRAME_SECONDS, LiveView, NotedLiveView, watch
 from nbtrain.kernel.display.show import (
     enable_colab_widgets,
@@ -48,9 +48,9 @@ __all__ = [
     "NotedLiveView",
     "enable_colab_widgets",
     "frontend_is_rich",
-    "launcher",
     "print_output",
     "render_charts_png",
+    "show_launcher_form",
     "show_text",
     "show_widget",
     "stop_button",

@@ -288,7 +288,7 @@ def summary_line(settings: LaunchOptions) -> str:
     )
 
 
-def launcher(*, machine: Machine | None = None) -> LauncherForm:
+def show_launcher_form(*, machine: Machine | None = None) -> LauncherForm:
     """Show the launcher form in this cell and return it (see :class:`LauncherForm`).
 
     Example:
