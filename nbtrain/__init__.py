@@ -96,11 +96,11 @@ def launcher(**kwargs: _Any) -> object:
     Accelerator, devices (a checkbox per GPU, or a number of CPU processes), strategy,
     timeout, precision, backend, BatchNorm sync, cluster and number of nodes; it shows the
     equivalent ``%%distributed`` line to copy. Returns the form's
-    :class:`nbtrain.kernel.display.Launcher` (its controls are attributes: ``devices``,
+    :class:`nbtrain.kernel.display.LauncherForm` (its controls are attributes: ``devices``,
     ``accelerator``, ``strategy``, ``timeout``, ``gpus``, ``precision``, ``backend``,
     ``sync_batchnorm``, ``cluster``, ``num_nodes``).
     """
-    from nbtrain.kernel.display import launcher as _launcher
+    from nbtrain.kernel.display import show_launcher_form as _launcher
 
     return _launcher(**kwargs)
 

@@ -115,6 +115,8 @@ class LaunchConfig:
     sync_batchnorm: bool = False
     on_stop: str = "keep"  # a stop or timeout: "keep" the state at one optimizer step, or "discard" it
     stop_grace: float = 2.0  # the least time ranks get to reach that step (3 x the median step if longer)
+    # (variable, value) for each launch option the ranks read from their environment (nbtrain.options)
+    rank_variables: tuple[tuple[str, str], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -220,14 +222,14 @@ def user_thread_count(environ: Mapping[str, str]) -> int | None:
         return None
 
 
-def threads_per_rank(cpu_count: int, world_size: int, environ: Mapping[str, str]) -> int | None:
+def intra_op_threads(cpu_count: int, world_size: int, environ: Mapping[str, str]) -> int | None:
     """Intra-op threads for each rank: cores / ranks (at least 1), as torchrun does.
 
     None when the user set OMP_NUM_THREADS: their choice wins. Why it matters: N ranks each
     running a full-width OpenMP pool oversubscribe the cores (2 ranks x 2 threads on 2 cores
     doubled the step time here).
 
-    >>> threads_per_rank(8, 2, {}), threads_per_rank(2, 4, {}), threads_per_rank(8, 2, {"OMP_NUM_THREADS": "3"})
+    >>> intra_op_threads(8, 2, {}), intra_op_threads(2, 4, {}), intra_op_threads(8, 2, {"OMP_NUM_THREADS": "3"})
     (4, 1, None)
     """
     if environ.get("OMP_NUM_THREADS"):
@@ -309,12 +311,12 @@ def check_cluster_strategy(strategy: str) -> None:
         )
 
 
-def rank_environment(cfg: LaunchConfig) -> dict[str, str]:
+def prepare_environment(cfg: LaunchConfig) -> dict[str, str]:
     """What ``prepare`` on a rank reads: the model wrapper, precision and BatchNorm sync.
 
     >>> from nbtrain.devices import DevicePlan
     >>> cfg = make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None, precision="bf16")
-    >>> rank_environment(cfg)["NBTRAIN_PRECISION"]
+    >>> prepare_environment(cfg)["NBTRAIN_PRECISION"]
     'bf16-mixed'
     """
     environ = {
@@ -322,6 +324,7 @@ def rank_environment(cfg: LaunchConfig) -> dict[str, str]:
         "NBTRAIN_PRECISION": cfg.precision,
         "NBTRAIN_SYNC_BATCHNORM": "1" if cfg.sync_batchnorm else "0",
     }
+    environ.update(cfg.rank_variables)
     if cfg.strategy.model_wrapper == "dp":  # DataParallel's device_ids, the rank's own first
         environ[DP_DEVICES_VARIABLE] = ",".join(str(index) for index in cfg.plan.device_ids)
     return environ

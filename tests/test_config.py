@@ -9,9 +9,9 @@ import pytest
 from nbtrain import config
 from nbtrain.config import (
     backend_for,
+    intra_op_threads,
     make_config,
     resolve_strategy,
-    threads_per_rank,
     user_thread_count,
     validate_timeout,
 )
@@ -104,7 +104,7 @@ def test_invalid_timeouts(timeout):
     ],
 )
 def test_threads_per_rank(cores, ranks, environ, expected):
-    assert threads_per_rank(cores, ranks, environ) == expected
+    assert intra_op_threads(cores, ranks, environ) == expected
 
 
 def test_rank_specs_on_cpu():
@@ -150,3 +150,11 @@ def test_ranks_sharing_a_gpu_get_gloo_and_nccl_is_refused_with_what_to_do():
         "that two ranks of its group share. Use backend='gloo' (--backend gloo), which can (slower; meant for "
         "testing multi-rank code on one GPU), or give each rank its own GPU."
     )
+
+
+def test_the_ranks_are_told_each_option_they_read_from_their_environment():
+    import dataclasses
+
+    cfg = make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None)
+    told = config.prepare_environment(dataclasses.replace(cfg, rank_variables=(("NBTRAIN_EXAMPLE", "7"),)))
+    assert told["NBTRAIN_EXAMPLE"] == "7" and told["NBTRAIN_PRECISION"] == "32-true"

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from nbtrain import hardware
-from nbtrain.errors import ConfigurationError
-from nbtrain.kernel import defaults
-from nbtrain.kernel.defaults import Defaults, get_defaults, reset_defaults, set_defaults
+from nbtrain import hardware, options
 from nbtrain.runstate import STALL_SECONDS
+from nbtrain.errors import ConfigurationError
+from nbtrain.kernel.defaults import get_defaults, reset_defaults, set_defaults
+from nbtrain.options import LaunchOptions
 
 NO_GPU = not hardware.detect_gpus()
 
@@ -27,7 +27,7 @@ def built_in_defaults() -> Iterator[None]:
 
 
 def test_the_built_in_defaults_use_every_device_of_the_best_accelerator():
-    assert get_defaults() == Defaults("auto", "auto", "ddp_notebook", None, STALL_SECONDS, "local", 1)
+    assert get_defaults() == LaunchOptions("auto", "auto", "ddp_notebook", None, STALL_SECONDS, "local", 1)
     assert get_defaults().magic_line() == "%%distributed --devices auto --accelerator auto --strategy ddp_notebook"
 
 
@@ -47,7 +47,7 @@ def test_a_refused_setting_changes_nothing():
 
 def test_reset_goes_back_to_the_built_in_defaults():
     set_defaults(devices=1, accelerator="cpu", timeout=5, stall_warning=None)
-    assert reset_defaults() == Defaults() == get_defaults()
+    assert reset_defaults() == LaunchOptions() == get_defaults()
 
 
 def test_defaults_are_a_frozen_record():
@@ -68,6 +68,7 @@ def test_defaults_are_a_frozen_record():
         "debug_hold",
         "on_stop",
         "stop_grace",
+        "oversubscribe",
     }
 
 
@@ -107,7 +108,7 @@ def test_on_stop_and_its_grace_are_session_defaults_checked_when_set():
     ],
 )
 def test_devices_are_kept_as_the_flag_would_write_them(devices, text):
-    assert defaults.devices_text(devices) == text
+    assert options.devices_text(devices) == text
 
 
 @pytest.mark.parametrize("devices", [True, 2.0, "", " ", "0, 2"])

@@ -17,6 +17,7 @@ from nbtrain.devices import GpuInfo
 from nbtrain.errors import ConfigurationError
 from nbtrain.kernel import defaults
 from nbtrain.kernel.display import form as launcher_form
+from nbtrain.options import LaunchOptions
 
 GIB = 2**30
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -41,13 +42,13 @@ def two_gpus(monkeypatch):
 
 
 def test_set_defaults_keeps_what_is_not_given_and_writes_the_magic_line():
-    assert nbtrain.get_defaults() == defaults.Defaults("auto", "auto", "ddp_notebook", None)
+    assert nbtrain.get_defaults() == LaunchOptions("auto", "auto", "ddp_notebook", None)
     nbtrain.set_defaults(devices=2, accelerator="CPU")
     changed = nbtrain.set_defaults(strategy="ddp_spawn", timeout=90)
-    assert changed == defaults.Defaults("2", "cpu", "ddp_spawn", 90.0)
+    assert changed == LaunchOptions("2", "cpu", "ddp_spawn", 90.0)
     assert changed.magic_line() == "%%distributed --devices 2 --accelerator cpu --strategy ddp_spawn --timeout 90"
     assert nbtrain.set_defaults(timeout=None).timeout is None
-    assert nbtrain.reset_defaults() == defaults.Defaults()
+    assert nbtrain.reset_defaults() == LaunchOptions()
 
 
 @pytest.mark.parametrize(
@@ -66,7 +67,7 @@ def test_set_defaults_refuses_what_cannot_run_here_and_changes_nothing(settings,
     nbtrain.set_defaults(devices=2, accelerator="cpu")
     with pytest.raises(ConfigurationError, match=message):
         nbtrain.set_defaults(**settings)
-    assert nbtrain.get_defaults() == defaults.Defaults("2", "cpu", "ddp_notebook", None)
+    assert nbtrain.get_defaults() == LaunchOptions("2", "cpu", "ddp_notebook", None)
 
 
 # -- the form, in this process ---------------------------------------------------------------
@@ -74,7 +75,7 @@ def test_set_defaults_refuses_what_cannot_run_here_and_changes_nothing(settings,
 
 def test_the_cpu_form_counts_processes_and_shows_the_line_live():
     machine = launcher_form.Machine((), False, 2)
-    form = launcher_form.Launcher(machine)
+    form = launcher_form.LauncherForm(machine)
     assert form.accelerator.options == (("cpu: 2 cores", "cpu"),) and form.accelerator.value == "cpu"
     assert (form.devices.value, form.devices.min, form.devices.max) == (2, 1, 4)
     assert list(form.devices_box.children) == [form.devices, form.devices_help]
@@ -93,7 +94,7 @@ def test_the_cpu_form_counts_processes_and_shows_the_line_live():
 
 
 def test_every_strategy_has_its_explanation_under_the_dropdown():
-    form = launcher_form.Launcher(launcher_form.Machine((), False, 2))
+    form = launcher_form.LauncherForm(launcher_form.Machine((), False, 2))
     assert list(form.strategy.options) == list(nbtrain.config.STRATEGIES)
     for name, strategy in nbtrain.config.STRATEGIES.items():
         form.strategy.value = name
@@ -101,7 +102,7 @@ def test_every_strategy_has_its_explanation_under_the_dropdown():
 
 
 def test_precision_backend_batchnorm_sync_and_cluster_are_fields_of_the_form():
-    form = launcher_form.Launcher(launcher_form.Machine((), False, 2))
+    form = launcher_form.LauncherForm(launcher_form.Machine((), False, 2))
     assert list(form.precision.options) == list(nbtrain.config.PRECISIONS) and form.precision.value == "32-true"
     assert [value for _, value in form.backend.options] == ["", *nbtrain.config.BACKENDS]
     assert form.num_nodes.disabled and form.cluster.value == "local"
@@ -125,7 +126,7 @@ def test_precision_backend_batchnorm_sync_and_cluster_are_fields_of_the_form():
 
 
 def test_the_new_strategies_are_in_the_form_with_their_help():
-    form = launcher_form.Launcher(launcher_form.Machine((), False, 2))
+    form = launcher_form.LauncherForm(launcher_form.Machine((), False, 2))
     for name in ("ddp_sharded", "fsdp_cpu_offload", "dp"):
         assert name in form.strategy.options
     form.strategy.value = "dp"  # CUDA only: refused on this CPU form, pointing to ddp_notebook
@@ -152,12 +153,12 @@ def test_the_readme_flag_table_lists_every_flag_and_strategy():
 
 def test_the_form_starts_from_the_session_defaults():
     nbtrain.set_defaults(devices=3, accelerator="cpu", strategy="ddp_spawn", timeout=30)
-    form = launcher_form.Launcher(launcher_form.Machine((), False, 2))
+    form = launcher_form.LauncherForm(launcher_form.Machine((), False, 2))
     assert (form.devices.value, form.strategy.value, form.timeout.value) == (3, "ddp_spawn", 30.0)
 
 
 def test_the_gpu_form_has_a_checkbox_per_gpu_with_its_free_memory(two_gpus):
-    form = launcher_form.Launcher(two_gpus)
+    form = launcher_form.LauncherForm(two_gpus)
     assert form.accelerator.value == "cuda"
     assert [label for label, _ in form.accelerator.options] == ["cuda: 2 GPUs (NVIDIA A100)", "cpu: 8 cores"]
     assert [box.description for box in form.gpus] == [
@@ -181,7 +182,7 @@ def test_the_widget_module_never_imports_torch_or_initialises_cuda():
     import subprocess
     import sys
 
-    code = "import sys\nfrom nbtrain.kernel.display import form\nform.Launcher()\nprint('torch' in sys.modules)\n"
+    code = "import sys\nfrom nbtrain.kernel.display import form\nform.LauncherForm()\nprint('torch' in sys.modules)\n"
     env = {**os.environ, "NBTRAIN_PREWARM": "0"}
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr

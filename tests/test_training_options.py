@@ -49,7 +49,7 @@ def test_the_ranks_are_told_precision_and_batchnorm_sync():
     cfg = config.make_config(
         DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None, precision="bf16-true", sync_batchnorm=True
     )
-    environ = config.rank_environment(cfg)
+    environ = config.prepare_environment(cfg)
     assert environ == {"NBTRAIN_MODEL_WRAPPER": "ddp", "NBTRAIN_PRECISION": "bf16-true", "NBTRAIN_SYNC_BATCHNORM": "1"}
 
 
@@ -143,7 +143,7 @@ def test_dp_is_one_rank_driving_every_chosen_gpu():
     cfg = config.make_config(DevicePlan("cuda", (0, 2)), strategy="dp", timeout=None)
     (spec,) = cfg.rank_specs()
     assert (spec.rank, spec.world_size, spec.device_type, spec.device_index) == (0, 1, "cuda", 0)
-    assert config.rank_environment(cfg)["NBTRAIN_DP_DEVICES"] == "0,2"
+    assert config.prepare_environment(cfg)["NBTRAIN_DP_DEVICES"] == "0,2"
     assert cfg.world_size == 1
 
 

@@ -3,7 +3,7 @@
 ``nbtrain.launch(fn, cluster="ray", num_nodes=2)`` (or ``%%distributed --cluster ray
 --num-nodes 2``) comes here instead of to the local launcher. The kernel is Ray's driver:
 
-1. :func:`prepare` connects (``RAY_ADDRESS``, the cluster this machine belongs to, or a
+1. :func:`plan_cluster_run` connects (``RAY_ADDRESS``, the cluster this machine belongs to, or a
    named address), checks the request against the alive nodes, and returns the warm
    :class:`ClusterClient` for it. The client holds a STRICT_SPREAD placement group, one
    bundle per node, and one :class:`nbtrain.cluster.agent.NodeAgent` actor in each; it
@@ -37,6 +37,7 @@ from nbtrain import config, events
 from nbtrain.cluster import nodes
 from nbtrain.devices import DevicePlan
 from nbtrain.errors import ClusterError, ConfigurationError
+from nbtrain.options import LaunchOptions
 
 CONNECT_SECONDS = 10.0  # an address that does not answer fails within this
 PROBE_SECONDS = 5.0
@@ -68,22 +69,21 @@ def import_ray() -> Any:
     return ray
 
 
-def prepare(
-    cluster: str, num_nodes: int | None, devices: Any, accelerator: str, strategy: str, timeout: float | None,
-    backend: str | None = None, precision: str = "32-true", sync_batchnorm: bool = False,
-) -> tuple[ClusterClient, config.LaunchConfig]:
-    """The warm client for this request, and the run's launch settings."""
-    count = nodes.validate_num_nodes(num_nodes, cluster)
-    config.check_cluster_strategy(strategy)
+def plan_cluster_run(options: LaunchOptions) -> tuple[ClusterClient, config.LaunchConfig]:
+    """The warm client for a cluster run of ``options``, and the run's launch settings.
+
+    Connects (once) and checks the request against the cluster's alive nodes; refused with
+    a ConfigurationError or ClusterError naming what the cluster has.
+    """
+    config.check_cluster_strategy(options.strategy)
     ray = import_ray()
-    address = connect(cluster)
+    address = connect(options.cluster)
     alive = _alive_nodes(ray)
-    plan = nodes.plan_cluster(alive, num_nodes=count, devices=devices, accelerator=accelerator, address=address)
-    cfg = config.make_config(
-        DevicePlan(plan.accelerator, tuple(range(plan.world_size))), strategy=strategy, timeout=timeout,
-        backend=backend, precision=precision, sync_batchnorm=sync_batchnorm,
+    plan = nodes.plan_cluster(
+        alive, num_nodes=options.num_nodes, devices=options.devices, accelerator=options.accelerator, address=address
     )
-    return get_client(plan, address, alive), cfg
+    cfg = options.config_for(DevicePlan(plan.accelerator, tuple(range(plan.world_size))))
+    return warm_client(plan, address, alive), cfg
 
 
 def connect(cluster: str) -> str:
@@ -178,7 +178,7 @@ def _alive_nodes(ray: Any) -> list[nodes.NodeResources]:
     return alive
 
 
-def get_client(plan: nodes.ClusterPlan, address: str, alive: list[nodes.NodeResources]) -> ClusterClient:
+def warm_client(plan: nodes.ClusterPlan, address: str, alive: list[nodes.NodeResources]) -> ClusterClient:
     """The warm agents for ``plan``; other warm agents are ended first (they hold the nodes)."""
     global _client
     with _lock:
@@ -261,6 +261,7 @@ class ClusterClient:
 
     # -- the engine seam (what Run and start() use) -------------------------------------
     def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, _Inbox]:
+        """Start a run on every node (its relay thread follows it); its id and the inbox its records go to."""
         if not self.alive:
             raise ClusterError("the nbtrain agents of this cluster were ended; start the run again")
         run_id = next(self._run_ids)
@@ -278,6 +279,7 @@ class ClusterClient:
             relay.stop(reason, by_caller=True)
 
     def forget(self, run_id: int) -> None:
+        """The run's handle is done with it: drop its relay."""
         self._relays.pop(run_id, None)
 
     def output_taken(self, run_id: int, chars: int) -> None:
@@ -296,6 +298,7 @@ class ClusterClient:
             remove_placement_group(self._group)
 
     def exit_detail(self) -> str:
+        """Why this engine can run nothing more, for a failure's message."""
         return f"the nbtrain agents on the cluster at {self.address} were ended"
 
     def node_processes(self) -> list[list[int]]:
@@ -345,6 +348,7 @@ class _Relay:
         self._lock = threading.Lock()
 
     def run(self) -> None:
+        """The relay thread: start the nodes, follow them, and file the combined end under the run."""
         ray = import_ray()
         try:
             started = self._begin(ray)

@@ -90,7 +90,7 @@ class CellCallbacks:
 
 
 class CellFlags(Protocol):
-    """What a background cell reads of its flags: the magic's frozen ``CellOptions`` (typed
+    """What a background cell reads of its flags: the frozen ``nbtrain.kernel.flags.CellOptions`` (typed
     here by its shape, since this module never imports the magic)."""
 
     @property
@@ -574,7 +574,7 @@ def follow_cell(
 
     ``prepared`` is the magic's prepared cell (``shipped``, ``record``, ``total_steps``,
     ``unchanged``); ``options`` its flags (``output``, ``stall_warning``: a
-    :class:`nbtrain.kernel.magic.CellOptions`); ``callbacks`` what the magic does at the end.
+    :class:`nbtrain.kernel.flags.CellOptions`); ``callbacks`` what the magic does at the end.
     """
     handle = CellBackgroundRun(shell, run, prepared, options, callbacks)
     handle._display()

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from nbtrain import config as config_module
 from nbtrain import events as messages  # not `events`: Run.events() is a method here
@@ -39,6 +39,9 @@ from nbtrain.errors import (
 )
 from nbtrain.kernel import compat, gcpause, warm
 from nbtrain.records import CopiedResult
+
+if TYPE_CHECKING:
+    from nbtrain.options import LaunchOptions
 
 # A run's messages from the launcher (or a cluster's agents), each with the file
 # descriptors that came with it.
@@ -751,37 +754,42 @@ def start(
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
     *,
-    devices: Any = "auto",
-    accelerator: str = "auto",
-    strategy: str = "ddp_notebook",
-    timeout: float | None = None,
-    backend: str | None = None,
-    oversubscribe: bool = False,
-    precision: str = "32-true",
-    sync_batchnorm: bool = False,
     config: config_module.LaunchConfig | None = None,
-    cluster: str | None = None,
-    num_nodes: int | None = None,
+    **options: Any,
 ) -> Run:
     """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once.
 
-    Refused before anything starts (ConfigurationError) when the run cannot fit: more CPU
-    processes than 4 per core (unless ``oversubscribe=True``), or more memory than is free.
-    A caller that already built the launch configuration (the magic, from its flags)
-    passes it as ``config``: the devices, accelerator, strategy, timeout, backend and
-    oversubscribe arguments are then not read, and the hardware is not probed again.
-    ``cluster="ray"`` (or a Ray address) runs on ``num_nodes`` nodes of a Ray cluster with
-    ``devices`` ranks on each (:mod:`nbtrain.cluster`); the default runs on this machine.
+    ``options`` are the launch options ``nbtrain.launch`` takes (``devices``, ``accelerator``,
+    ``strategy``, ``timeout``, ``backend``, ``precision``, ``sync_batchnorm``, ``cluster``,
+    ``num_nodes``, ``on_stop``, ``stop_grace``, ``oversubscribe``: the fields of
+    :class:`nbtrain.options.LaunchOptions`), over its built-in defaults. Refused before
+    anything starts (ConfigurationError) when the run cannot fit: more CPU processes than 4
+    per core (unless ``oversubscribe=True``), or more memory than is free. A caller that
+    already built this machine's launch configuration passes it as ``config``: the options
+    are then not read, and the hardware is not probed again. ``cluster="ray"`` (or a Ray
+    address) runs on ``num_nodes`` nodes of a Ray cluster with ``devices`` ranks on each
+    (:mod:`nbtrain.cluster`); the default runs on this machine.
     """
+    from nbtrain.kernel import launchplan
+
     with gcpause.held():  # planning too: a collection here would delay every rank the same
-        if config is not None and (cluster is None or str(cluster).strip().lower() == "local"):
-            client, cfg = get_client(), config
+        launch_options = _launch_options(options)
+        if config is not None and launch_options.on_this_machine:
+            engine, cfg = None, config
         else:
-            client, cfg = _engine(
-                cluster, num_nodes, devices, accelerator, strategy, timeout, backend, oversubscribe, precision,
-                sync_batchnorm,
-            )
-        return start_on(client, cfg, fn, args, kwargs)
+            engine, cfg = launchplan.plan_run(launch_options)
+        return start_on(engine or get_client(), cfg, fn, args, kwargs)
+
+
+def _launch_options(given: dict[str, Any]) -> LaunchOptions:
+    """The :class:`nbtrain.options.LaunchOptions` of ``launch``/``start`` keywords, over the built-in defaults."""
+    from nbtrain import options as options_module
+
+    unknown = sorted(set(given) - options_module.keywords())
+    if unknown:
+        known = ", ".join(sorted(options_module.keywords()))
+        raise TypeError(f"start() got an unexpected keyword argument {unknown[0]!r}; its launch options are {known}.")
+    return options_module.LaunchOptions().merged(given)
 
 
 def start_on(
@@ -795,7 +803,7 @@ def start_on(
     """Start ``fn(*args, **kwargs)`` on an engine chosen with its plan already (the magic plans a cell's run once).
 
     ``engine`` is this machine's launcher (:func:`get_client`) or a cluster's warm client
-    (:func:`nbtrain.cluster.engine.prepare`, which also gives ``cfg``). ``interactive``
+    (:func:`nbtrain.kernel.launchplan.plan_run`, which also gives ``cfg``). ``interactive``
     False (a background run): a breakpoint in a rank is passed, and a failed rank not held.
     """
     local = isinstance(engine, LauncherClient)
@@ -867,7 +875,7 @@ class _StartMessage:
         self.payload = payload
         self.has_tensor_file = has_tensor_file
         self.with_log = with_log  # a cluster's agents keep their own logs
-        self.threads = config_module.threads_per_rank(hardware.cpu_count(), cfg.world_size, os.environ)
+        self.threads = config_module.intra_op_threads(hardware.cpu_count(), cfg.world_size, os.environ)
         self.log_path: str | None = None
 
     def __call__(self, run_id: int) -> messages.StartRun:
@@ -880,7 +888,7 @@ class _StartMessage:
             start_method=cfg.strategy.start_method,
             backend=cfg.backend,
             # prepare() on a rank wraps models for this strategy and precision (nbtrain.rank.prepare).
-            environ={**_caller_environment(), **config_module.rank_environment(cfg)},
+            environ={**_caller_environment(), **config_module.prepare_environment(cfg)},
             cwd=os.getcwd(),
             sys_path=tuple(sys.path),
             source_lines=_notebook_source_lines(),
@@ -922,55 +930,18 @@ def _submit(client: Engine, start_message: _StartMessage, tensor_fd: int | None)
     return run
 
 
-def _engine(
-    cluster: str | None, num_nodes: int | None, devices: Any, accelerator: str, strategy: str,
-    timeout: float | None, backend: str | None, oversubscribe: bool = False, precision: str = "32-true",
-    sync_batchnorm: bool = False,
-) -> tuple[Any, config_module.LaunchConfig]:
-    """The engine that runs the ranks (this machine's launcher, or a cluster's agents) and the plan."""
-    if cluster is not None and str(cluster).strip().lower() != "local":
-        from nbtrain.cluster import engine
-
-        return engine.prepare(
-            cluster, num_nodes, devices, accelerator, strategy, timeout,
-            backend=backend, precision=precision, sync_batchnorm=sync_batchnorm,
-        )
-    if num_nodes not in (None, 1):
-        from nbtrain.cluster import nodes
-
-        nodes.validate_num_nodes(num_nodes, cluster)
-    from nbtrain import hardware
-
-    plan = hardware.probe_plan(devices, accelerator, oversubscribe)
-    cfg = config_module.make_config(
-        plan, strategy=strategy, timeout=timeout, backend=backend, precision=precision, sync_batchnorm=sync_batchnorm
-    )
-    return get_client(), cfg
-
-
-def launch(
-    fn: Callable[..., Any],
-    *args: Any,
-    devices: Any = "auto",
-    accelerator: str = "auto",
-    strategy: str = "ddp_notebook",
-    timeout: float | None = None,
-    background: bool = False,
-    oversubscribe: bool = False,
-    backend: str | None = None,
-    precision: str = "32-true",
-    sync_batchnorm: bool = False,
-    cluster: str | None = None,
-    num_nodes: int | None = None,
-    **kwargs: Any,
-) -> Any:
+def launch(fn: Callable[..., Any], *args: Any, background: bool = False, **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank; return rank 0's return value.
 
     ``fn`` may be a lambda, a closure or a function defined in the notebook: it travels
     with cloudpickle. Each rank's prints appear here, tagged with the rank. A failure in
     any rank stops all of them and raises here (:class:`nbtrain.errors.RankError`).
 
-    ``oversubscribe=True`` allows more CPU processes than 4 per core (refused otherwise).
+    Keywords that name a launch option (a field of :class:`nbtrain.options.LaunchOptions`
+    that ``nbtrain.options.keywords()`` lists: ``devices``, ``accelerator``, ``strategy``,
+    ``timeout``, ...) set it, over the built-in defaults (not the session's, which are the
+    cells'); every other keyword goes to ``fn``. ``oversubscribe=True`` allows more CPU
+    processes than 4 per core (refused otherwise).
     ``backend``, ``precision`` (Lightning's names: ``"32-true"``, ``"bf16-mixed"``,
     ``"16-mixed"``, ...) and ``sync_batchnorm`` are as for ``%%distributed``; they apply to
     what ``nbtrain.prepare`` does on the ranks.
@@ -989,21 +960,12 @@ def launch(
         >>> nbtrain.launch(lambda: dist.get_world_size(), devices=2, accelerator="cpu")
         2
     """
-    run = start(
-        fn,
-        args,
-        kwargs,
-        devices=devices,
-        accelerator=accelerator,
-        strategy=strategy,
-        timeout=timeout,
-        oversubscribe=oversubscribe,
-        backend=backend,
-        precision=precision,
-        sync_batchnorm=sync_batchnorm,
-        cluster=cluster,
-        num_nodes=num_nodes,
-    )
+    from nbtrain import options as options_module
+
+    names = options_module.keywords()
+    launch_options = {name: value for name, value in kwargs.items() if name in names}
+    fn_kwargs = {name: value for name, value in kwargs.items() if name not in names}
+    run = start(fn, args, fn_kwargs, **launch_options)
     try:
         if background:
             from nbtrain.kernel import background as _background

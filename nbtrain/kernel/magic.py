@@ -9,9 +9,9 @@ earlier cells::
         opt.zero_grad(); loss.backward(); opt.step()
 
 trains data-parallel on two ranks, and afterwards the kernel's ``model`` (the same
-object) holds rank 0's trained weights. This module owns the magic: its flags (parsed
-once into a :class:`CellOptions`), the launch config (built once from them), the run's
-output in the cell, and turning failures into one readable error. It asks
+object) holds rank 0's trained weights. This module owns the magic: its flags come from
+:mod:`nbtrain.kernel.flags` (parsed once into a :class:`~nbtrain.kernel.flags.CellOptions`,
+planned once), the run's output in the cell, and turning failures into one readable error. It asks
 :mod:`nbtrain.kernel.shell` for what it needs of IPython's shell. What
 travels and what comes back is decided in :mod:`nbtrain.kernel.namespace`; what runs on
 a rank is :mod:`nbtrain.rank.cell`.
@@ -19,10 +19,7 @@ a rank is :mod:`nbtrain.rank.cell`.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import dataclasses
-import difflib
 import os
 import re
 import sys
@@ -31,13 +28,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nbtrain import config, events, processes, reach, records, runstate
 from nbtrain.errors import (
-    ClusterError,
     ConfigurationError,
     NbtrainError,
     RankError,
@@ -47,10 +42,10 @@ from nbtrain.errors import (
     RunTimeoutError,
     SerializationError,
 )
-from nbtrain.kernel import gcpause
+from nbtrain.kernel import flags, gcpause
 from nbtrain.kernel import shell as kernel_shell
+from nbtrain.kernel.flags import CellOptions, check_flags, help_text, parse_flags
 
-OUTPUT_MODES = ("all", "rank0", "none")
 METRIC_ROWS = 100_000  # per rank, kept in ``last_run`` (a long run must not grow the kernel)
 
 
@@ -80,147 +75,11 @@ class CellRun:
 last_run: CellRun | None = None
 
 
-class _SessionDefault:
-    """--timeout was not given: the session's default applies (None there means no limit)."""
-
-    def __repr__(self) -> str:
-        return "<the session default>"
-
-
-_SESSION: Any = _SessionDefault()
-
-
-def _num_nodes_flag(text: str) -> int:
-    # ArgumentTypeError: argparse shows its text (a ValueError's would become "invalid value").
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--num-nodes takes a whole number of nodes, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--num-nodes takes a positive number of nodes, not {text!r}")
-    return value
-
-
-def _timeout_flag(text: str) -> float | None:
-    """``--timeout``: seconds, or ``none`` for no limit (over a session default that has one)."""
-    if text.strip().lower() in ("none", "off"):
-        return None
-    return float(text)
-
-
-_timeout_flag.__name__ = "float"  # argparse names the type in its message: "invalid float value: 'soon'"
-
-
 @magics_class
 class DistributedMagics(Magics):
     """The ``%%distributed`` cell magic."""
 
-    @magic_arguments.magic_arguments()
-    @magic_arguments.argument("-h", "--help", action="store_true", help="Show this help and do not run the cell.")
-    @magic_arguments.argument(
-        "--devices",
-        default=None,
-        help="How many ranks, or which GPUs: 2, -1 (every GPU or core), auto (every GPU, else 1), 0,2, "
-        "free:2 (2 GPUs no other process uses, most free memory first; NVML). "
-        "Default: the session default (auto unless nbtrain.set_defaults or nbtrain.launcher() changed it).",
-    )
-    @magic_arguments.argument(
-        "--accelerator",
-        default=None,
-        help="auto (CUDA, then MPS, then CPU), cpu, cuda (or gpu), mps. Default: the session default (auto).",
-    )
-    @magic_arguments.argument(
-        "--strategy",
-        default=None,
-        help="ddp_notebook, ddp_spawn, ddp_find_unused_parameters_true, ddp_sharded, fsdp, fsdp_cpu_offload, dp"
-        " or auto: see Strategies above. Default: the session default (ddp_notebook).",
-    )
-    @magic_arguments.argument(
-        "--timeout",
-        type=_timeout_flag,
-        default=_SESSION,
-        help="Stop every rank after this many seconds; none: no limit. Default: the session default (no limit).",
-    )
-    @magic_arguments.argument(
-        "--on-stop",
-        default=None,
-        choices=("keep", "discard"),
-        help="What an interrupt, a Stop or --timeout does: keep (every rank ends at the last optimizer step "
-        "they all reach, and the kernel's objects hold that step) or discard (every rank stops at once; the "
-        "kernel keeps what it had). Default: the session default (keep).",
-    )
-    @magic_arguments.argument(
-        "--stall-warning",
-        type=_timeout_flag,
-        default=_SESSION,
-        help="The live view names a rank that logged no step for this many seconds while it "
-        "runs; none: never. Default: the session default (30).",
-    )
-    @magic_arguments.argument(
-        "--output",
-        default="all",
-        choices=OUTPUT_MODES,
-        help="Whose prints show: all (each line tagged [rank N]), rank0 (rank 0's, untagged), none. Default: all.",
-    )
-    @magic_arguments.argument(
-        "--no-auto",
-        dest="auto",
-        action="store_false",
-        help="Do not prepare the kernel's models, optimizers and loaders, nor log the loss: the cell does it all.",
-    )
-    @magic_arguments.argument(
-        "--precision",
-        default=None,
-        help="32-true (32), 64-true, 16-mixed (16), bf16-mixed (bf16), 16-true, bf16-true: mixed runs the "
-        "prepared model's forward under autocast (16-mixed on CUDA also scales the loss); -true casts the "
-        "model on the ranks. The kernel's objects keep their dtype. Default: the session default (32-true).",
-    )
-    @magic_arguments.argument(
-        "--sync-batchnorm",
-        action="store_true",
-        default=None,
-        help="Compute BatchNorm statistics over every rank's batch (SyncBatchNorm on the ranks; "
-        "the kernel's model keeps plain BatchNorm and gets the synced running statistics). "
-        "Default: the session default (off).",
-    )
-    @magic_arguments.argument(
-        "--no-sync-batchnorm",
-        dest="sync_batchnorm",
-        action="store_false",
-        default=None,
-        help="Plain BatchNorm on each rank, over a session default of --sync-batchnorm.",
-    )
-    @magic_arguments.argument(
-        "--backend",
-        default=None,
-        help="Process-group backend: gloo, nccl, mpi or cpu:gloo,cuda:nccl. Default: the session default "
-        "(gloo on CPU, nccl on CUDA).",
-    )
-    @magic_arguments.argument(
-        "--allow-oversubscribe",
-        action="store_true",
-        help="Allow more CPU processes than 4 per core (refused otherwise, as a likely typo).",
-    )
-    @magic_arguments.argument(
-        "--cluster",
-        default=None,
-        help="Where the ranks run: local (this machine), ray (the Ray cluster in RAY_ADDRESS, or the one "
-        "this machine belongs to), or a Ray address (ray://host:10001, host:6379). Default: the session "
-        "default (local).",
-    )
-    @magic_arguments.argument(
-        "--num-nodes",
-        type=_num_nodes_flag,
-        default=None,
-        help="With --cluster: how many nodes the run spans; --devices ranks on each. Default: the session "
-        "default (1).",
-    )
-    @magic_arguments.argument(
-        "--background",
-        action="store_true",
-        help="Return at once with a handle (nbtrain.runs() lists them) while the run goes on; "
-        "the live view keeps updating and has a Stop button. The kernel's objects are updated when it finishes.",
-    )
+    @flags.flag_arguments
     @cell_magic
     def distributed(self, line: str, cell: str) -> Any:
         """Run this cell on every rank, data-parallel, and bring rank 0's results back.
@@ -328,151 +187,6 @@ def _debug_rank_first(original: Any) -> Any:
     debug.nbtrain_wrapped = True  # type: ignore[attr-defined]  # a second %load_ext does not wrap twice
     debug.__doc__ = original.__doc__
     return debug
-
-
-@dataclass(frozen=True)
-class CellOptions:
-    """The flags of one ``%%distributed`` line, session defaults filled in (see :func:`parse_flags`)."""
-
-    devices: Any = "auto"  # as --devices or nbtrain.set_defaults gave it: 2, "0,2", "auto", [0, 2]
-    accelerator: str = "auto"
-    strategy: str = "ddp_notebook"
-    timeout: float | None = None  # seconds; None: no limit
-    stall_warning: float | None = runstate.STALL_SECONDS  # seconds without a step before the view warns; None: never
-    output: str = "all"  # one of OUTPUT_MODES
-    auto: bool = True  # prepare the kernel's models, optimizers and loaders, and log the loss
-    precision: str = "32-true"
-    sync_batchnorm: bool = False
-    backend: str | None = None  # None: gloo on CPU, nccl on CUDA
-    cluster: str | None = None  # None or "local": this machine; "ray" or a Ray address
-    num_nodes: int | None = None  # with a cluster: nodes the run spans
-    allow_oversubscribe: bool = False
-    background: bool = False
-    help: bool = False
-    on_stop: str = "keep"  # "keep" the state at a step when stopped, or "discard" it
-    stop_grace: float = 2.0  # the session's least grace for reaching the stop step
-
-
-def parse_flags(magic: Any, line: str) -> CellOptions:
-    """The flags of ``line`` as a :class:`CellOptions`; any problem is one UsageError line."""
-    try:
-        parsed = magic_arguments.parse_argstring(magic, line)
-    except UsageError as error:
-        hint = _flag_hint(magic, str(error))
-        raise UsageError(f"%%distributed: {error}. {hint + ' ' if hint else ''}{_SEE_HELP}") from None
-    except ValueError as error:  # unbalanced quotes
-        raise UsageError(
-            f"%%distributed: cannot read the flags {line!r}: {error}. Close the quote, or write the value "
-            f"without quotes (--devices 0,1). {_SEE_HELP}"
-        ) from None
-    return fill_defaults(parsed)
-
-
-_SEE_HELP = "%%distributed --help (or %distributed?) says what each flag takes."
-
-
-def _flag_hint(magic: Any, error: str) -> str:
-    """What the flag named in argparse's ``error`` takes, or the flag a misspelt one may have meant."""
-    helps = {option: action.help or "" for action in magic.parser._actions for option in action.option_strings}
-    flags = [option for option in helps if option.startswith("--") and option != "--help"]
-    unknown = re.match(r"unrecognized arguments: (\S+)", error)
-    if unknown:
-        close = difflib.get_close_matches(unknown.group(1).split("=")[0], flags, n=1)
-        return f"Did you mean {close[0]}?" if close else f"The flags are {', '.join(flags)}."
-    named = re.match(r"argument (--[\w-]+)", error)
-    if named and "choose from" not in error:  # argparse already listed the choices
-        return f"{named.group(1)}: {helps.get(named.group(1), '')}".rstrip(": ")
-    return ""
-
-
-def fill_defaults(parsed: Any) -> CellOptions:
-    """The options of parsed flags; each launch flag the cell did not set takes the session's default."""
-    from nbtrain.kernel import defaults
-
-    session = defaults.get_defaults()
-    cluster = session.cluster if parsed.cluster is None else parsed.cluster
-    num_nodes = parsed.num_nodes
-    if num_nodes is None:
-        num_nodes = session.num_nodes if cluster == session.cluster else None
-    return CellOptions(
-        devices=session.devices if parsed.devices is None else parsed.devices,
-        accelerator=session.accelerator if parsed.accelerator is None else parsed.accelerator,
-        strategy=session.strategy if parsed.strategy is None else parsed.strategy,
-        timeout=session.timeout if parsed.timeout is _SESSION else parsed.timeout,
-        stall_warning=_stall_warning(parsed.stall_warning, session.stall_warning),
-        output=parsed.output,
-        auto=parsed.auto,
-        precision=session.precision if parsed.precision is None else parsed.precision,
-        sync_batchnorm=session.sync_batchnorm if parsed.sync_batchnorm is None else parsed.sync_batchnorm,
-        backend=session.backend if parsed.backend is None else parsed.backend,
-        allow_oversubscribe=parsed.allow_oversubscribe,
-        background=parsed.background,
-        help=parsed.help,
-        cluster=cluster,
-        num_nodes=num_nodes,
-        on_stop=session.on_stop if parsed.on_stop is None else parsed.on_stop,
-        stop_grace=session.stop_grace,
-    )
-
-
-def _stall_warning(flag: Any, session: float | None) -> float | None:
-    if flag is _SESSION:
-        return session
-    if flag is not None and not flag > 0:
-        raise UsageError(
-            f"%%distributed: --stall-warning {flag:g} is not a positive number of seconds; "
-            "give one, or none for no warning."
-        )
-    seconds: float | None = flag
-    return seconds
-
-
-def help_text(magic: Any) -> str:
-    text: str = magic.parser.format_help().rstrip()
-    return text.removeprefix("::\n\n  ")  # an RST code-block marker
-
-
-def check_flags(options: CellOptions) -> tuple[Any, config.LaunchConfig]:
-    """The engine (None: this machine's launcher) and launch configuration, planned once per cell.
-
-    Raises a UsageError naming the bad flag and what is possible.
-    """
-    engine, cfg = _plan(options)
-    return engine, dataclasses.replace(cfg, on_stop=options.on_stop, stop_grace=options.stop_grace)
-
-
-def _plan(options: CellOptions) -> tuple[Any, config.LaunchConfig]:
-    from nbtrain import hardware
-
-    try:
-        if options.cluster is not None and _on_cluster(options):
-            from nbtrain.cluster import engine
-
-            return engine.prepare(
-                options.cluster, options.num_nodes, options.devices, options.accelerator, options.strategy,
-                options.timeout, options.backend, options.precision, options.sync_batchnorm,
-            )
-        if options.num_nodes not in (None, 1):
-            raise ConfigurationError(
-                f"--num-nodes {options.num_nodes} needs a cluster: without --cluster every rank runs on this "
-                "machine. Add --cluster ray to run across the nodes of a Ray cluster."
-            )
-        plan = hardware.probe_plan(options.devices, options.accelerator, options.allow_oversubscribe)
-        return None, config.make_config(
-            plan,
-            strategy=options.strategy,
-            timeout=options.timeout,
-            backend=options.backend,
-            precision=options.precision,
-            sync_batchnorm=options.sync_batchnorm,
-        )
-    except (ConfigurationError, ClusterError) as error:
-        raise UsageError(f"%%distributed: {error}") from None
-
-
-def _on_cluster(options: CellOptions) -> bool:
-    cluster = options.cluster
-    return cluster is not None and str(cluster).strip().lower() != "local"
 
 
 # -- running a cell ------------------------------------------------------------------------

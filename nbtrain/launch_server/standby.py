@@ -11,7 +11,7 @@ that run's ranks like any others. Until then they belong to no run: no failure, 
 timeout of a run looks at them, and their output waits in their pipes.
 
 A run with another plan, ``nbtrain.release()``, the idle limit the kernel gave with the last
-run (``Defaults.standby_idle``) or the launcher's end discards them (SIGKILL to their process
+run (``LaunchOptions.standby_idle``) or the launcher's end discards them (SIGKILL to their process
 groups; the pidfds reap them). One that dies while waiting takes its generation with it, and
 a generation that had joined its group is replaced; one that never did is not (the next run
 forks fresh ranks and reports what failed). Every change is told to the kernel

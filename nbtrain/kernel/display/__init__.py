@@ -29,7 +29,7 @@ Example (in a notebook cell):
 from __future__ import annotations
 
 from nbtrain.kernel.display.chart import ChartFigure, render_charts_png
-from nbtrain.kernel.display.form import Launcher, Machine, launcher
+from nbtrain.kernel.display.form import LauncherForm, Machine, show_launcher_form
 from nbtrain.kernel.display.live import FASTEST_FRAME_SECONDS, LiveView, NotedLiveView, watch
 from nbtrain.kernel.display.show import (
     enable_colab_widgets,
@@ -44,15 +44,15 @@ from nbtrain.kernel.display.show import (
 __all__ = [
     "FASTEST_FRAME_SECONDS",
     "ChartFigure",
-    "Launcher",
+    "LauncherForm",
     "LiveView",
     "Machine",
     "NotedLiveView",
     "enable_colab_widgets",
     "frontend_is_rich",
-    "launcher",
     "print_output",
     "render_charts_png",
+    "show_launcher_form",
     "show_text",
     "show_widget",
     "stop_button",

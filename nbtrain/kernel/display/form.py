@@ -35,6 +35,7 @@ from nbtrain.errors import ConfigurationError
 from nbtrain.kernel import defaults
 from nbtrain.kernel import shell as kernel_shell
 from nbtrain.kernel.display.show import enable_colab_widgets, show_widget
+from nbtrain.options import LaunchOptions, devices_text
 
 CPU_PROCESSES_PER_CORE = 2  # the slider goes up to twice the cores
 DEFAULT_CPU_PROCESSES = 2
@@ -71,7 +72,7 @@ class Machine:
         return options
 
 
-class Launcher:
+class LauncherForm:
     """The form. Its controls are attributes, so code can set them as a click would:
 
     - ``accelerator``: Dropdown of the accelerators found (``"cuda"``, ``"mps"``, ``"cpu"``);
@@ -119,7 +120,7 @@ class Launcher:
                 self.status,
             ]
         )
-        self.settings: defaults.Defaults = current
+        self.settings: LaunchOptions = current
         self._shown_in: Any = None
         controls = (self.accelerator, self.devices, self.strategy, self.timeout, *self.gpus)
         extra = (self.precision, self.backend, self.sync_batchnorm, self.cluster, self.num_nodes)
@@ -127,7 +128,7 @@ class Launcher:
             control.observe(self._changed, names="value")
         self._changed()
 
-    def _add_device_controls(self, widgets: Any, current: defaults.Defaults, wide: Any) -> None:
+    def _add_device_controls(self, widgets: Any, current: LaunchOptions, wide: Any) -> None:
         """The accelerator, the CPU processes and the GPUs, set as ``current`` says where this machine allows."""
         options = self.machine.accelerators()
         available = [value for _, value in options]
@@ -152,7 +153,7 @@ class Launcher:
         self.devices_help = widgets.HTML()
         self.devices_box = widgets.VBox()
 
-    def _add_run_controls(self, widgets: Any, current: defaults.Defaults, wide: Any) -> None:
+    def _add_run_controls(self, widgets: Any, current: LaunchOptions, wide: Any) -> None:
         """The strategy and the timeout, set as ``current`` says."""
         strategy = current.strategy if current.strategy in config.STRATEGIES else "ddp_notebook"
         self.strategy = widgets.Dropdown(
@@ -170,7 +171,7 @@ class Launcher:
         )
         self.timeout_help = widgets.HTML('<span style="color:#757575">0: no limit</span>')
 
-    def _add_training_controls(self, widgets: Any, current: defaults.Defaults) -> None:
+    def _add_training_controls(self, widgets: Any, current: LaunchOptions) -> None:
         """Precision, process-group backend and BatchNorm sync, set as ``current`` says."""
         half = widgets.Layout(width="260px")
         self.precision = widgets.Dropdown(
@@ -185,7 +186,7 @@ class Launcher:
             value=current.sync_batchnorm, description="sync BatchNorm statistics across ranks", indent=False
         )
 
-    def _add_cluster_controls(self, widgets: Any, current: defaults.Defaults) -> None:
+    def _add_cluster_controls(self, widgets: Any, current: LaunchOptions) -> None:
         """Where the ranks run: this machine, or a Ray cluster's nodes (see README "On a cluster")."""
         self.cluster = widgets.Combobox(
             options=["local", "ray"], value=current.cluster, placeholder="local, ray, or host:6379",
@@ -231,7 +232,7 @@ class Launcher:
                 raise_no_gpu()
             if chosen == list(range(len(chosen))):
                 return str(len(chosen))  # the first n GPUs: a count, as portable as it gets
-            return defaults.devices_text(chosen)
+            return devices_text(chosen)
         if accelerator == "mps":
             return "1"
         return str(self.devices.value)
@@ -253,7 +254,7 @@ class Launcher:
             self.devices_box.children = children
 
     # -- showing ------------------------------------------------------------------------
-    def show(self) -> Launcher:
+    def show(self) -> LauncherForm:
         """Display the form in the current cell."""
         enable_colab_widgets()
         show_widget(self.form, self.summary())
@@ -274,10 +275,10 @@ class Launcher:
         return f"<nbtrain launcher: {self.settings.magic_line()}>"
 
 
-def summary_line(settings: defaults.Defaults) -> str:
+def summary_line(settings: LaunchOptions) -> str:
     """What a launcher form showing ``settings`` stands for, in one line.
 
-    >>> summary_line(defaults.Defaults("2", "cpu"))
+    >>> summary_line(LaunchOptions("2", "cpu"))
     'nbtrain launcher: 2 x cpu, ddp_notebook, no timeout (the defaults of later %%distributed cells when it was shown)'
     """
     timeout = "no timeout" if settings.timeout is None else f"timeout {settings.timeout:g} s"
@@ -287,8 +288,8 @@ def summary_line(settings: defaults.Defaults) -> str:
     )
 
 
-def launcher(*, machine: Machine | None = None) -> Launcher:
-    """Show the launcher form in this cell and return it (see :class:`Launcher`).
+def show_launcher_form(*, machine: Machine | None = None) -> LauncherForm:
+    """Show the launcher form in this cell and return it (see :class:`LauncherForm`).
 
     Example:
         >>> import nbtrain
@@ -300,7 +301,7 @@ def launcher(*, machine: Machine | None = None) -> Launcher:
         '%%distributed --devices 4 --accelerator cpu --strategy ddp_notebook'
         >>> _ = nbtrain.reset_defaults()
     """
-    form = Launcher(machine)
+    form = LauncherForm(machine)
     try:
         return form.show()
     except ImportError:  # no IPython: the form exists, nothing shows it
@@ -308,6 +309,7 @@ def launcher(*, machine: Machine | None = None) -> Launcher:
 
 
 def raise_no_gpu() -> None:
+    """Refuse a CUDA form with no GPU checked (a ConfigurationError saying what to do)."""
     raise ConfigurationError("no GPU is checked; check at least one, or choose the cpu accelerator.")
 
 
@@ -315,7 +317,7 @@ def _help_html(text: str) -> str:
     return f'<span style="color:#757575;margin-left:96px">{html.escape(text)}</span>'
 
 
-def _cpu_count_of(current: defaults.Defaults, accelerator: str) -> int | None:
+def _cpu_count_of(current: LaunchOptions, accelerator: str) -> int | None:
     """The number of CPU processes the current defaults ask for, if they name one."""
     if accelerator != "cpu" or current.accelerator not in ("cpu", "auto"):
         return None
@@ -323,7 +325,7 @@ def _cpu_count_of(current: defaults.Defaults, accelerator: str) -> int | None:
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 
-def _gpus_of(current: defaults.Defaults, gpus: tuple[GpuInfo, ...]) -> set[int]:
+def _gpus_of(current: LaunchOptions, gpus: tuple[GpuInfo, ...]) -> set[int]:
     """The GPUs the current defaults select (all of them unless they say otherwise)."""
     visible = [gpu.index for gpu in gpus]
     text = current.devices.strip()
