@@ -31,10 +31,10 @@ from typing import Any
 
 from nbtrain import config
 from nbtrain import devices as devices_module
-from nbtrain.runstate import STALL_SECONDS
 from nbtrain.cluster import nodes
 from nbtrain.devices import DevicePlan
 from nbtrain.errors import ConfigurationError
+from nbtrain.runstate import STALL_SECONDS
 
 DEBUG_HOLD_SECONDS = 600.0  # how long a failed run's root-cause rank waits, idle, for %nbtrain_debug
 STANDBY_IDLE_SECONDS = 600.0

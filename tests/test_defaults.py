@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 
 from nbtrain import hardware, options
-from nbtrain.runstate import STALL_SECONDS
 from nbtrain.errors import ConfigurationError
 from nbtrain.kernel.defaults import get_defaults, reset_defaults, set_defaults
 from nbtrain.options import LaunchOptions
+from nbtrain.runstate import STALL_SECONDS
 
 NO_GPU = not hardware.detect_gpus()
 

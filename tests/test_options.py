@@ -16,11 +16,11 @@ import re
 import pytest
 
 from nbtrain import options
-from nbtrain.runstate import STALL_SECONDS
 from nbtrain.errors import ConfigurationError
 from nbtrain.kernel import flags
 from nbtrain.kernel.magic import DistributedMagics
 from nbtrain.options import LaunchOptions
+from nbtrain.runstate import STALL_SECONDS
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
 
