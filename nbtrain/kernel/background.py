@@ -7,7 +7,7 @@ run). The view has a Stop button (a core ``ipywidgets.Button``): its click is ha
 the kernel's main thread, which is free because the run is not holding it.
 
 When a background *cell* finishes, its results are applied to the kernel's objects by
-:func:`nbtrain.kernel.magic.apply_cell_result`, the same function a blocking cell uses,
+:func:`nbtrain.kernel.cellrun.apply_cell_result`, the same function a blocking cell uses,
 and on the kernel's main thread: the follower thread only schedules it on the kernel's
 event loop, so it happens between two cells, never in the middle of one. Until then the
 kernel's objects keep their values from before the cell. ``handle.wait()`` (and reading
@@ -50,7 +50,6 @@ import contextvars
 import datetime
 import itertools
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -63,7 +62,7 @@ from nbtrain.kernel import display
 from nbtrain.kernel import shell as kernel_shell
 
 RUNNING = "running"
-STOP_WAIT_SECONDS = 10.0  # a stop is answered within client.INTERRUPT_GRACE_SECONDS (5 s)
+STOP_WAIT_SECONDS = 10.0  # a stop is answered within run_handle.INTERRUPT_GRACE_SECONDS (5 s)
 EXIT_STOP_SECONDS = 6.0  # at exit, for all runs together
 
 _runs: list[BackgroundRun] = []
@@ -143,7 +142,7 @@ class BackgroundRun:
     cell's last expression, or the function's return value) or raises its failure, as
     does ``result``. ``stop()`` stops every rank. ``updated`` names what a finished cell
     changed in the kernel. ``strategy``, ``accelerator``, ``world_size``, ``devices`` and
-    ``started`` describe the run; ``run`` is the underlying :class:`nbtrain.kernel.client.Run`.
+    ``started`` describe the run; ``run`` is the underlying :class:`nbtrain.kernel.run_handle.Run`.
     ``repr(handle)`` tells the state as of now; a notebook shows the handle as a display
     that is updated when the run ends, together with its live view.
     """
@@ -443,8 +442,7 @@ class BackgroundRun:
                 self.stop_button.layout.display = "none"
         if self.view is None:
             summary = f"[nbtrain] background run {self.id} ({self.name}) {note}"
-            sys.stderr.write(summary + "\n")
-            sys.stderr.flush()
+            display.print_warning(summary)
             return
         with contextlib.suppress(Exception):  # the frontend is gone; the handle still knows
             self.view.note = note
