@@ -141,7 +141,7 @@ from nbtrain import processes
 print(json.dumps({
     "children": processes.children(os.getpid()),
     "atexit": atexit._ncallbacks() - before,
-    "launcher": nbtrain.kernel.client._client is not None,
+    "launcher": nbtrain.kernel.launcher_connection._client is not None,
     "torch": "torch" in sys.modules,
 }))
 """
