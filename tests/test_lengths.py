@@ -21,10 +21,11 @@ def _optimizer() -> torch.optim.Optimizer:
 def test_a_one_cycle_schedule_sized_from_the_loader_is_named_with_its_fix():
     train = _loader()
     sched = torch.optim.lr_scheduler.OneCycleLR(_optimizer(), max_lr=0.1, total_steps=2 * len(train))
-    assert lengths.derived_lengths({"sched": sched, "train": train}, 2, "ddp") == [
+    expected = (
         "sched expects 16 steps; each rank runs 8 (2 x len(train): 8 batches in the kernel, 4 on each rank): "
         "create sched inside the %%distributed cell, where len(train) is each rank's"
-    ]
+    )
+    assert lengths.derived_lengths({"sched": sched, "train": train}, 2, "ddp") == [expected]
 
 
 def test_a_step_count_in_a_closure_or_a_plain_int_is_found_too():

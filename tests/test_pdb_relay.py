@@ -76,5 +76,6 @@ def test_an_interrupt_at_the_prompt_stops_the_run_instead_of_answering(monkeypat
 
 
 def test_a_post_mortem_without_a_held_rank_says_how_to_get_one():
-    with pytest.raises(pdb_relay.NoRankHeldError, match=r"no rank is held for a post-mortem: .*set_defaults\(debug_hold=600\)"):
+    how = r"no rank is held for a post-mortem: .*set_defaults\(debug_hold=600\)"
+    with pytest.raises(pdb_relay.NoRankHeldError, match=how):
         pdb_relay.post_mortem(None)

@@ -93,10 +93,12 @@ class CellFlags(Protocol):
     here by its shape, since this module never imports the magic)."""
 
     @property
-    def output(self) -> str: ...
+    def output(self) -> str:
+        """Whose prints the view shows: "all", "rank0" or "none" (``--output``)."""
 
     @property
-    def stall_warning(self) -> float | None: ...
+    def stall_warning(self) -> float | None:
+        """Seconds without a step before the view names a stalled rank (None: never)."""
 
 
 class PreparedCellLike(Protocol):
@@ -106,16 +108,20 @@ class PreparedCellLike(Protocol):
     held: dict[str, Any]  # the torch objects held inside them (trainer.model); emptied with them
 
     @property
-    def targets(self) -> dict[str, Any]: ...
+    def targets(self) -> dict[str, Any]:
+        """What rank 0's result may name: the shipped globals and the torch objects inside them."""
 
     @property
-    def record(self) -> Any: ...
+    def record(self) -> Any:
+        """The cell's run record (``nbtrain.last_run()``), filled as the run goes."""
 
     @property
-    def total_steps(self) -> int | None: ...
+    def total_steps(self) -> int | None:
+        """The steps rank 0 will log, when the cell's code tells (the progress bar's total)."""
 
     @property
-    def unchanged(self) -> str: ...
+    def unchanged(self) -> str:
+        """What to say about the kernel's objects when the run ends without a result."""
 
 
 def runs() -> list[BackgroundRun]:
@@ -193,6 +199,7 @@ class BackgroundRun:
     # -- the public face ---------------------------------------------------------------
     @property
     def state(self) -> str:
+        """"running", "finished", "failed", "stopped" or "timed out" (settled here first, on the main thread)."""
         self._settle_here()
         return self._state
 

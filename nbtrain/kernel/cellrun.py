@@ -430,6 +430,7 @@ class Applied:
 
     @property
     def shown(self) -> Any:
+        """The cell's value, as the cell shows it (None: nothing to show)."""
         return self.value[0] if self.value else None
 
 

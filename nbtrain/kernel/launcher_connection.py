@@ -70,6 +70,7 @@ class LauncherClient:
         threading.Thread(target=self._read_stderr, name="nbtrain-launcher-stderr", daemon=True).start()
 
     def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, Inbox]:
+        """Send a new run to the launcher (with its tensors' memfd, if any); its id and the inbox it is filed in."""
         with self._lock:
             if not self.alive:
                 raise LauncherError(self.exit_detail())
@@ -88,6 +89,7 @@ class LauncherClient:
         return run_id, inbox
 
     def stop(self, run_id: int, reason: str, graceful: bool = False) -> None:
+        """Ask the launcher to stop a run (``graceful``: every rank at one step, rank 0's result kept)."""
         with self._lock:
             if not graceful:  # a graceful stop wants rank 0's result at the stop step
                 self._stopping.add(run_id)
@@ -126,21 +128,25 @@ class LauncherClient:
             return []  # a launcher that does not answer: its ranks die with it when it is replaced
 
     def forget(self, run_id: int) -> None:
+        """The run has ended: drop its inbox and its output bookkeeping."""
         with self._lock:
             self._queues.pop(run_id, None)
             self._pending_output.pop(run_id, None)
             self._stopping.discard(run_id)
 
     def output_taken(self, run_id: int, chars: int) -> None:
+        """The reader took ``chars`` characters of the run's output: room for more before lines are dropped."""
         pending = self._pending_output.get(run_id)
         if pending is not None:
             pending.taken(chars)
 
     def close(self) -> None:
+        """Stop the launcher (its ranks die with it); the next launch starts a new one."""
         self.alive = False
         processes.stop_launcher(self.process)
 
     def exit_detail(self) -> str:
+        """Why the launcher is gone (or not answering), with its last output: for the error that says so."""
         code = self.process.popen.poll()
         tail = "".join(self.stderr_tail).strip()
         text = (

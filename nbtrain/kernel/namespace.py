@@ -411,6 +411,8 @@ def decode_result(result: CellResult, shipped: Mapping[str, Any], user_ns: dict[
 
 @dataclass
 class ApplyReport:
+    """What applying rank 0's result did to the user's namespace: names updated, deleted, and skipped (why)."""
+
     updated: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, type, why)

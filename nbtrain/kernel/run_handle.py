@@ -65,11 +65,20 @@ class Engine(Protocol):
 
     def submit(
         self, start_run: Callable[[int], StartRun], tensor_fd: int | None
-    ) -> tuple[int, launcher_connection.Inbox]: ...
-    def stop(self, run_id: int, reason: str, graceful: bool = False) -> None: ...
-    def forget(self, run_id: int) -> None: ...
-    def output_taken(self, run_id: int, chars: int) -> None: ...
-    def close(self) -> None: ...
+    ) -> tuple[int, launcher_connection.Inbox]:
+        """Send the run (``start_run`` builds its message from the run's id); its id and inbox."""
+
+    def stop(self, run_id: int, reason: str, graceful: bool = False) -> None:
+        """Ask every rank of the run to stop (``graceful``: at one optimizer step)."""
+
+    def forget(self, run_id: int) -> None:
+        """The run has ended: file nothing more under it."""
+
+    def output_taken(self, run_id: int, chars: int) -> None:
+        """The reader took ``chars`` characters of the run's output off its inbox."""
+
+    def close(self) -> None:
+        """End the engine (and every rank it runs): a stop it did not answer in time."""
 
 
 class Run:
