@@ -73,7 +73,7 @@ _exit_hook_registered = False  # _stop_all_at_exit, registered with the first ru
 
 @dataclass(frozen=True)
 class CellCallbacks:
-    """What the magic does for a background cell (handed in: this module never imports the magic).
+    """What a cell's run does for a background cell (handed in by :mod:`nbtrain.kernel.cellrun`, never imported here).
 
     ``keep_metrics(record, event)`` keeps logged rows for ``last_run``;
     ``explain_failure(error, shell, note)`` turns a failure into what the notebook shows;
@@ -102,7 +102,7 @@ class CellFlags(Protocol):
 
 
 class PreparedCellLike(Protocol):
-    """What a background cell reads of the magic's ``PreparedCell``."""
+    """What a background cell reads of its ``PreparedCell`` (:mod:`nbtrain.kernel.cellrun`)."""
 
     shipped: dict[str, Any]  # emptied when the run is over: the handle keeps no old objects alive
     held: dict[str, Any]  # the torch objects held inside them (trainer.model); emptied with them
@@ -577,7 +577,7 @@ def follow_cell(
 ) -> CellBackgroundRun:
     """Follow a started ``%%distributed --background`` cell; its handle, at once.
 
-    ``prepared`` is the magic's prepared cell (``shipped``, ``record``, ``total_steps``,
+    ``prepared`` is the cell's :class:`nbtrain.kernel.cellrun.PreparedCell` (``shipped``, ``record``, ``total_steps``,
     ``unchanged``); ``options`` its flags (``output``, ``stall_warning``: a
     :class:`nbtrain.kernel.magic.CellOptions`); ``callbacks`` what the magic does at the end.
     """
