@@ -39,7 +39,7 @@ def test_a_finished_cell_ends_with_its_summary_and_each_rank_tagged(kernel):
     out = kernel.run_ok(cell)
     assert "[rank 0] hi 0\n" in out.stdout and "[rank 1] hi 1\n" in out.stdout
     assert out.stdout.splitlines()[-1].startswith("nbtrain: 2 ranks (cpu, ddp_notebook) finished in ")
-    assert "Updated in the kernel: w." in out.stdout
+    assert "Updated in the kernel: nbtrain, w." in out.stdout  # the names the cell bound
 
 
 def test_each_output_mode_shows_whose_lines_it_says(capsys):
