@@ -410,11 +410,11 @@ def nbtrain_first_step(nbtrain) -> dict:
 
 def wait_for_standby(timeout: float = 10.0) -> None:
     """Until the launcher reports the next run's standby ranks all in their group (bounded)."""
-    from nbtrain.kernel import client
+    from nbtrain.kernel import launcher_connection
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        standby = client.get_client().standby
+        standby = launcher_connection.get_client().standby
         if standby is not None and standby.ready:
             return
         time.sleep(0.005)
@@ -896,12 +896,12 @@ def main() -> None:
         rounds, steps, transfer_reps = 6, 30, 7
 
     import nbtrain
-    from nbtrain.kernel import client
+    from nbtrain.kernel import launcher_connection
 
     progress("waiting for the warm launcher and preloading torch in this process ...")
     foreign = ForeignCpu()
     preload_like_launcher()
-    if not client.get_client().ready.wait(60):
+    if not launcher_connection.get_client().ready.wait(60):
         raise RuntimeError("the nbtrain launcher did not become ready in 60 s")
     load: dict[str, tuple[float, float]] = {"start-up": foreign.mark()}
     if load["start-up"][1] > 0.1:

@@ -49,7 +49,7 @@ from launch import mlp  # benchmarks/launch.py, beside this script
 
 import nbtrain
 from nbtrain import events
-from nbtrain.kernel import client
+from nbtrain.kernel import launcher_connection
 from nbtrain.kernel.display.chart import ChartFigure
 from nbtrain.kernel.display.live import CHART_CPU_SHARE, SLOWEST_CHART_SECONDS, LiveView
 
@@ -145,7 +145,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def rank_side(label: str, workload: str, blocks: int, steps_per_block: int, render: bool, ranks: int = 2) -> None:
-    launcher = client.get_client()
+    launcher = launcher_connection.get_client()
     if not launcher.ready.wait(120):  # its start-up (importing torch) must not count as its work
         raise RuntimeError("the nbtrain launcher did not become ready in 120 s")
     launcher_cpu, started = cpu_seconds(launcher.process.pid), time.monotonic()

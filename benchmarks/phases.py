@@ -138,7 +138,7 @@ def transfer_job():
 def install_caller_probes() -> None:
     import nbtrain
     from nbtrain import hardware, sharedtensors
-    from nbtrain.kernel import client
+    from nbtrain.kernel import launcher_connection, run_handle
 
     probes: dict = {}
     exec(PROBE, probes)  # noqa: S102 - the launcher's probe functions, unwrapped (this is not the launcher)
@@ -146,18 +146,18 @@ def install_caller_probes() -> None:
 
     wrap(hardware, "probe_plan", "caller: probe_plan (devices)")
     wrap(sharedtensors, "dumps", "caller: pickle fn + args")
-    wrap(client.LauncherClient, "submit", "caller: send StartRun")
-    wrap(client.LauncherClient, "_take_result", "caller: take result (read + ReleaseResult)")
+    wrap(launcher_connection.LauncherClient, "submit", "caller: send StartRun")
+    wrap(launcher_connection.LauncherClient, "_take_result", "caller: take result (read + ReleaseResult)")
     wrap(sharedtensors, "read_from_process", "caller:   read rank 0's tensors (process_vm_readv)")
-    wrap(client.Run, "_load_result", "caller: load result (unpickle)")
-    original_take = client.Run._take
+    wrap(run_handle.Run, "_load_result", "caller: load result (unpickle)")
+    original_take = run_handle.Run._take
 
     def take(self, message, fds):
         t = time.time()
         record(f"caller: got {type(message).__name__}", t, t)
         return original_take(self, message, fds)
 
-    client.Run._take = take
+    run_handle.Run._take = take
     del nbtrain
 
 

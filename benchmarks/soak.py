@@ -525,7 +525,7 @@ def launch_time(kernel: NotebookKernel) -> float:
     """One launch of a trivial cell, timed in the kernel by the magic's own record of the run
     (launch, rank start, process group, result and teardown are all of it)."""
     kernel.run_ok(TRIVIAL_CELL)
-    return kernel.value("_magic.last_run.seconds")
+    return kernel.value("_cellrun.last_run.seconds")
 
 
 def alternate(aged: NotebookKernel, control: NotebookKernel, count: int) -> tuple[list[float], list[float]]:
@@ -546,7 +546,7 @@ def launches(count: int) -> bool:
     pids_seen: set[int] = set()
     keys = ("descendant processes", "open fds", "threads", "kernel RSS (MiB)")
     allowed = {"kernel RSS (MiB)": RSS_GROWTH_BYTES >> 20}
-    setup = "%load_ext nbtrain\nimport nbtrain.kernel.magic as _magic"
+    setup = "%load_ext nbtrain\nimport nbtrain.kernel.cellrun as _cellrun"
     with NotebookKernel() as kernel, NotebookKernel() as control:
         for k in (kernel, control):
             k.run_ok(setup)

@@ -66,8 +66,8 @@ stamp = torch.tensor([time.time()], dtype=torch.float64)
 dist.all_reduce(stamp, op=dist.ReduceOp.MAX)
 first_step = stamp.item()
 """
-LAUNCHER_PID = "print(__import__('nbtrain.kernel.client', fromlist=['x']).get_client().process.pid)"
-READY = "print(__import__('nbtrain.kernel.client', fromlist=['x']).get_client().ready.wait(300))"
+LAUNCHER_PID = "print(__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().process.pid)"
+READY = "print(__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().ready.wait(300))"
 
 
 class Kernel:

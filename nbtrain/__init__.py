@@ -42,14 +42,15 @@ from nbtrain.errors import (
     SerializationError,
 )
 from nbtrain.hardware import find_usable_cuda_devices
-from nbtrain.kernel.client import Run, launch, start
+from nbtrain.kernel.client import launch, start
 from nbtrain.kernel.defaults import get_defaults, reset_defaults, set_defaults
+from nbtrain.kernel.run_handle import Run
 from nbtrain.rank.api import all_reduce, device, is_rank_zero, local_rank, log, rank, world_size
 from nbtrain.rank.prepare import prepare
 
 if _TYPE_CHECKING:
     from nbtrain.kernel.background import BackgroundRun
-    from nbtrain.kernel.standby import StandbyRanks
+    from nbtrain.kernel.standby_ranks import StandbyRanks
 
 __all__ = [
     "ConfigurationError",
@@ -108,14 +109,14 @@ def launcher(**kwargs: _Any) -> object:
 def runs() -> list[BackgroundRun | StandbyRanks]:
     """This kernel's background runs, oldest first (``%%distributed --background``, ``launch(background=True)``).
 
-    Standby ranks waiting for the next run (:class:`nbtrain.kernel.standby.StandbyRanks`,
+    Standby ranks waiting for the next run (:class:`nbtrain.kernel.standby_ranks.StandbyRanks`,
     state ``"standby"``, with the memory each holds) come first, when there are any.
     """
-    from nbtrain.kernel import client as _client_module
-    from nbtrain.kernel import standby as _standby
+    from nbtrain.kernel import launcher_connection as _connection
+    from nbtrain.kernel import standby_ranks as _standby
     from nbtrain.kernel.background import runs as _runs
 
-    client = _client_module._client
+    client = _connection._client
     return [*_standby.listed(client.standby if client is not None else None), *_runs()]
 
 
@@ -131,10 +132,10 @@ def release() -> int:
         >>> nbtrain.release() >= 0
         True
     """
-    from nbtrain.kernel import client as _client_module
-    from nbtrain.kernel import standby as _standby
+    from nbtrain.kernel import launcher_connection as _connection
+    from nbtrain.kernel import standby_ranks as _standby
 
-    client = _client_module._client
+    client = _connection._client
     if client is None or not client.alive:
         return 0
     pids = client.release_standby()
@@ -143,7 +144,7 @@ def release() -> int:
 
 
 def last_run() -> _Any:
-    """The last ``%%distributed`` run of this kernel (a :class:`nbtrain.kernel.magic.CellRun`), or None.
+    """The last ``%%distributed`` run of this kernel (a :class:`nbtrain.kernel.cellrun.CellRun`), or None.
 
     Its state, duration, the metrics each rank logged, what auto mode prepared and what
     came back to the kernel.
@@ -154,9 +155,9 @@ def last_run() -> _Any:
         >>> run is None or run.state in ("running", "finished", "failed", "stopped", "timed out")
         True
     """
-    from nbtrain.kernel import magic as _magic
+    from nbtrain.kernel import cellrun as _cellrun
 
-    return _magic.last_run
+    return _cellrun.last_run
 
 
 def watch(run: Run, **options: _Any) -> _Any:
@@ -232,7 +233,7 @@ def prewarm() -> None:
         >>> import nbtrain
         >>> nbtrain.prewarm()
     """
-    from nbtrain.kernel.client import prewarm as _prewarm
+    from nbtrain.kernel.launcher_connection import prewarm as _prewarm
 
     _prewarm()
 

@@ -367,7 +367,7 @@ class ReleaseStandby:
 RunEvent = Any  # any of the event records above; kept loose for the relay code
 
 
-# -- the debugger relay (nbtrain.rank.debugger <-> nbtrain.kernel.debugger) ----------------
+# -- the debugger relay (nbtrain.rank.debugger <-> nbtrain.kernel.pdb_relay) ---------------
 # Rank -> launcher -> kernel: pdb's output, and its prompt when it waits for a command;
 # kernel -> launcher -> that rank: the command. Every hop is one of the run's own channels.
 

@@ -209,7 +209,7 @@ def gpu_occupancy(asked: str = "free-GPU selection") -> list[freegpus.GpuOccupan
         _shutdown(pynvml)
 
 
-# The pids of this kernel's standby ranks (nbtrain.kernel.client sets it with its first
+# The pids of this kernel's standby ranks (nbtrain.kernel.launcher_connection sets it with its first
 # launcher): a GPU only they hold is free, since a run that needs it ends them first.
 standby_pids: Callable[[], Collection[int]] = frozenset
 

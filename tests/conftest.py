@@ -23,7 +23,7 @@ os.environ.setdefault("NBTRAIN_TEMPLATE", "0")
 os.environ.setdefault("NBTRAIN_TEMPLATE_DIR", tempfile.mkdtemp(prefix="nbtrain-test-template-"))
 
 import nbtrain  # noqa: F401 - the package as a notebook imports it (importing starts nothing)
-from nbtrain.kernel import client as kernel_client
+from nbtrain.kernel import launcher_connection
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:  # for `helpers` (ranks get this sys.path too); pytest's prepend mode adds it
@@ -44,9 +44,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture
-def launcher() -> kernel_client.LauncherClient:
+def launcher() -> launcher_connection.LauncherClient:
     """The warm launcher, ready to fork ranks (a new one if a test killed the last)."""
-    client = kernel_client.get_client()
+    client = launcher_connection.get_client()
     assert client.ready.wait(LAUNCHER_READY_SECONDS), f"the launcher was not ready in time: {client.exit_detail()}"
     return client
 
@@ -61,8 +61,8 @@ class LeakGuard:
     def leaks(self) -> list[str]:
         # Standby ranks (the next run's, waiting) are shown and held on purpose: released here,
         # and then nothing else of the test's may be left.
-        if kernel_client._client is not None and kernel_client._client.alive:
-            kernel_client._client.release_standby()
+        if launcher_connection._client is not None and launcher_connection._client.alive:
+            launcher_connection._client.release_standby()
         problems = []
         new_shm = procs.shm_entries() - self.shm
         if new_shm:

@@ -179,7 +179,7 @@ def kernel():
     try:
         k.run_ok("%load_ext nbtrain\nimport time, torch\nfrom torch import nn")
         k.run_ok("from IPython.core.error import UsageError")
-        k.run_ok("nbtrain_launcher = __import__('nbtrain.kernel.client').kernel.client.get_client()")
+        k.run_ok("from nbtrain.kernel import launcher_connection\nnbtrain_launcher = launcher_connection.get_client()")
         assert k.value("nbtrain_launcher.ready.wait(120)")
         yield k
     finally:

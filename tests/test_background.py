@@ -233,7 +233,7 @@ def test_a_background_cell_returns_at_once_updates_live_and_then_updates_the_ker
     # The run ends; with no cell running, the kernel applies its results at once, and says so.
     index, text, html = session.wait_view(view, "finished — kernel updated: model, history")
     assert "finished" in text.splitlines()[0] and "kernel updated: model, history" in html
-    log = session.value("nbtrain.kernel.magic.last_run.log_path")  # the ranks printed: their full output
+    log = session.value("nbtrain.kernel.cellrun.last_run.log_path")  # the ranks printed: their full output
     assert log and f"Full output: {log}" in text
     assert session.value(
         "[id(model) == model_id, any(not torch.equal(p, q) for p, q in zip(model.parameters(), w0)), len(history)]"
@@ -241,8 +241,8 @@ def test_a_background_cell_returns_at_once_updates_live_and_then_updates_the_ker
     assert session.value("[h.state, h.result, h.updated[:2]]") == ["finished", None, ["model", "history"]]
     shown = session.shown_text(started, handle)  # the cell's own output no longer claims it is running
     assert "; finished, " in shown and "updated in the kernel: model, history" in shown and "running" not in shown
-    assert session.value("nbtrain.kernel.magic.last_run.state") == "finished"
-    assert session.value("len(nbtrain.kernel.magic.last_run.metrics[0])") == 2 * 128 // 2 // 16
+    assert session.value("nbtrain.kernel.cellrun.last_run.state") == "finished"
+    assert session.value("len(nbtrain.kernel.cellrun.last_run.metrics[0])") == 2 * 128 // 2 // 16
 
 
 def test_results_reach_the_kernel_between_cells_not_in_the_middle_of_one(session):

@@ -207,7 +207,7 @@ def _released(kernel: NotebookKernel, timeout: float = 10.0) -> bool:
     test polls that flag in the kernel, bounded.
     """
     code = (
-        "import time as _t\n_c = nbtrain.kernel.client.current_client()\n_end = _t.monotonic() + "
+        "import time as _t\n_c = nbtrain.kernel.launcher_connection.current_client()\n_end = _t.monotonic() + "
         f"{timeout}\nwhile _c.held is not None and _t.monotonic() < _end:\n    _t.sleep(0.02)\n"
         "print(_c.held is None)"
     )
@@ -220,7 +220,7 @@ def _fail_and_hold(kernel: NotebookKernel) -> tuple[str, int]:
     assert out.error is not None and out.error["ename"] == "RankError", out.text
     text = out.text
     assert "%nbtrain_debug opens the debugger in rank 1's frames (held for 10 min" in text, text
-    pid = kernel.value("nbtrain.kernel.client.current_client().held.pid")
+    pid = kernel.value("nbtrain.kernel.launcher_connection.current_client().held.pid")
     assert psutil.pid_exists(pid)
     return text, pid
 
@@ -270,7 +270,7 @@ def test_the_hold_ends_after_its_idle_time(kernel: NotebookKernel) -> None:
     try:
         out = kernel.run(FAIL_CELL)
         assert "(held for 2 s" in out.text, out.text
-        pid = kernel.value("nbtrain.kernel.client.current_client().held.pid")
+        pid = kernel.value("nbtrain.kernel.launcher_connection.current_client().held.pid")
         assert wait_gone([pid], 10.0) == [], "the held rank outlived its hold time"
         assert _released(kernel)
     finally:

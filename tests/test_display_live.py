@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
 import queue
 import re
 import subprocess
@@ -314,28 +313,6 @@ def test_watch_shows_failed_then_raises_the_rank_s_error(launcher, capsys):
     out = capsys.readouterr().out
     assert re.search(r"^nbtrain · ddp_notebook · cpu · 2 ranks · failed · ", out, re.MULTILINE)
     assert "rank 1 raised ValueError: bad batch" in out
-
-
-@pytest.mark.parametrize(
-    ("argv", "expected"),
-    [
-        (["-c"], "False None"),
-        # No terminal title: IPython 7 writes its escape sequence on stdout even with -c.
-        (["-m", "IPython", "--no-banner", "--no-term-title", "-c"], "False TerminalInteractiveShell"),
-    ],
-    ids=["python", "terminal-ipython"],
-)
-def test_plain_frontends_are_not_rich(argv, expected):
-    code = (
-        "import IPython; from nbtrain.kernel.display import frontend_is_rich; "
-        "print(frontend_is_rich(), type(IPython.get_ipython()).__name__ if IPython.get_ipython() else None)"
-    )
-    env = {**os.environ, "NBTRAIN_PREWARM": "0"}
-    done = subprocess.run(
-        [sys.executable, *argv, code], check=False, capture_output=True, text=True, timeout=60, env=env
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == expected
 
 
 # --- frames, drawn directly ----------------------------------------------------------------

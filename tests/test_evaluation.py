@@ -246,7 +246,7 @@ def test_progress_total_of_a_cell_mixing_training_and_evaluation_loops(kernel):
         "        for data, target in test_loader:\n"
         "            nbtrain.log(test_loss=F.nll_loss(model(data), target))\n"
     )
-    run = "__import__('nbtrain.kernel.magic').kernel.magic.last_run"
+    run = "__import__('nbtrain.kernel.cellrun').kernel.cellrun.last_run"
     # 2 epochs x (12 training batches per rank + the 4 batches of the whole test set)
     assert kernel.value(f"{run}.total_steps") == 2 * (384 // 32 + 256 // 64)
     assert kernel.value(f"[row[0] for row in {run}.metrics[0]][-1]") == 32

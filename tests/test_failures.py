@@ -22,7 +22,7 @@ import nbtrain
 from helpers import procs
 from helpers.procs import collect, finish
 from nbtrain import events
-from nbtrain.kernel import client as kernel_client
+from nbtrain.kernel import launcher_connection
 
 HELPERS = Path(__file__).parent / "helpers"
 STOP_BOUND = 3.0  # spec: 1 s
@@ -376,7 +376,7 @@ def test_launcher_death_fails_the_run_and_the_next_launch_starts_a_new_one(launc
         procs.wait_gone(run.pids.values(), 5)
         procs.set_child_subreaper(False)
     assert finish(nbtrain.start(lambda: "new launcher", devices=2), timeout=120) == "new launcher"
-    assert kernel_client.get_client().process.pid != old_pid
+    assert launcher_connection.get_client().process.pid != old_pid
 
 
 def test_unpicklable_function_raises_serialization_error(launcher):

@@ -78,7 +78,7 @@ def kernel(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     k = NotebookKernel(env={"NBTRAIN_LOG_DIR": str(logs)})
     try:
-        k.run_ok("%load_ext nbtrain\nimport nbtrain.kernel.magic as magic")
+        k.run_ok("%load_ext nbtrain\nimport nbtrain.kernel.cellrun as cellrun")
         yield k
     finally:
         k.shutdown()
@@ -94,7 +94,7 @@ def test_a_flood_of_output_is_bounded_in_the_cell_and_whole_in_the_log(kernel):
     )
     assert len(out.stdout) + len(out.stderr) < 1_000_000  # 20 MB of output became this
     assert out.stdout.count(" … [9,990,000 more characters cut from this line; all of it is in ") == 2
-    log = kernel.value("magic.last_run.log_path")
+    log = kernel.value("cellrun.last_run.log_path")
     assert f"Full output: {log}" in out.stdout
     for rank in (0, 1):
         assert f"nbtrain: rank {rank} printed more than the cell shows (4,000 lines" in out.stderr
@@ -109,7 +109,7 @@ def test_a_flood_of_output_is_bounded_in_the_cell_and_whole_in_the_log(kernel):
         assert tag + b"x" * LONG_LINE in lines
         printed = [line for line in lines if line.startswith(tag + b"line ")]
         assert printed == [tag + f"line {i}".encode() for i in range(FLOOD_LINES)]
-    assert kernel.value("magic.last_run.state") == "finished"
+    assert kernel.value("cellrun.last_run.state") == "finished"
 
 
 def test_output_modes_and_the_live_view_work_through_a_flood(kernel):
@@ -139,7 +139,7 @@ def test_a_flood_cannot_outlast_its_timeout_nor_grow_the_kernel(kernel):
     )
     after = kernel_rss(kernel)
     assert out.error is not None and out.error["ename"] == "RunTimeoutError", out.text
-    seconds = kernel.value("magic.last_run.seconds")
+    seconds = kernel.value("cellrun.last_run.seconds")
     # The ranks are stopped at 8 s (SIGKILL half a second later); the cell ends with them.
     assert seconds < 8 + 5, seconds  # a ceiling under load; measured: 8.9 s with the machine idle enough
     assert after - before < 100 << 20, (before, after)

@@ -138,10 +138,12 @@ def test_an_interrupted_runs_1_gib_result_is_freed_at_once(kernel):
 INJECTOR = """
 import linecache, os, signal, sys
 import nbtrain.kernel.magic
-from nbtrain.kernel import client as _client, magic as _magic
+from nbtrain.kernel import cellrun as _cellrun, client as _client, launcher_connection as _connection
+from nbtrain.kernel import run_handle as _run_handle
 _TARGETS = {f.__code__ for f in (
-    _magic.run_distributed_cell, _magic._run_cell, _magic._launch_and_follow, _magic._follow, _magic.start_cell,
-    _client.start, _client.LauncherClient.submit, _client.Run.__init__, _client.Run.events,
+    _cellrun.run_distributed_cell, _cellrun._run_cell, _cellrun._launch_and_follow, _cellrun._follow,
+    _cellrun.start_cell, _client.start, _connection.LauncherClient.submit, _run_handle.Run.__init__,
+    _run_handle.Run.events,
 )}
 
 
@@ -190,7 +192,7 @@ def test_an_interrupt_at_every_line_of_the_launch_prevents_or_stops_the_run(kern
     outcomes: dict[str, int] = {}
     for at in range(1, total + 1):
         out = kernel.run(f"x = 0\n_inject({at})")
-        seen = kernel.value("[_injected[-1], nbtrain.kernel.magic.last_run.state, x]")
+        seen = kernel.value("[_injected[-1], nbtrain.kernel.cellrun.last_run.state, x]")
         injected, state, x = seen
         where = f"interrupt at line {at} of {total}: {out.text[-600:]}"
         assert state in FINAL_STATES, where

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nbtrain import events
-from nbtrain.kernel import client
+from nbtrain.kernel import launcher_connection
 from nbtrain.launch_server.output import OutputLimits, RankOutput, RunLog
 
 SMALL = OutputLimits(line_chars=10, head_lines=3, head_chars=1000, tail_lines=2, tail_chars=100)
@@ -62,10 +62,10 @@ def test_a_run_that_prints_nothing_leaves_no_log(tmp_path):
 
 
 def test_the_kernel_drops_output_nobody_takes_and_says_so():
-    pending = client._PendingOutput("/logs/run.log")
+    pending = launcher_connection._PendingOutput("/logs/run.log")
     line = events.Output(1, 0, "stdout", "x" * 99 + "\n")
-    admitted = sum(pending.admit(line) for _ in range(client.PENDING_OUTPUT_CHARS // 100 + 10))
-    assert admitted == client.PENDING_OUTPUT_CHARS // 100 + 1  # then the bound holds
+    admitted = sum(pending.admit(line) for _ in range(launcher_connection.PENDING_OUTPUT_CHARS // 100 + 10))
+    assert admitted == launcher_connection.PENDING_OUTPUT_CHARS // 100 + 1  # then the bound holds
     assert pending.notes(1) == []  # still behind: no note yet
     pending.taken(pending.chars)
     (note,) = pending.notes(1)

@@ -15,7 +15,7 @@ import nbtrain
 from helpers import procs
 from helpers.procs import collect, finish
 from nbtrain import events
-from nbtrain.kernel import client as kernel_client
+from nbtrain.kernel import launcher_connection
 
 HELPERS = Path(__file__).parent / "helpers"
 GIB = 1 << 30
@@ -70,7 +70,7 @@ def test_twenty_launches_in_a_row_leak_nothing(launcher):
 def test_a_300_mb_state_dict_comes_back_equal_without_dev_shm(launcher, leak_guard, monkeypatch, transfer):
     """Read out of rank 0's memory (the default), or sent in a memfd (where reading is forbidden)."""
     if transfer == "file":
-        monkeypatch.setenv(kernel_client.RESULT_TRANSFER_VARIABLE, "file")
+        monkeypatch.setenv(launcher_connection.RESULT_TRANSFER_VARIABLE, "file")
     shapes = {
         "embed.weight": (50_000, 512), "proj.weight": (4096, 4096), "proj.bias": (4096,), "head.weight": (16_384, 2048)
     }
@@ -150,7 +150,7 @@ def test_closing_a_client_lets_its_launcher_exit_by_itself(launcher):
     """Closing the channel ends the launcher cleanly (exit code 0), not by the kill after the grace."""
     threads_before = procs.thread_count()
     fds_before = procs.fd_count()
-    client = kernel_client.LauncherClient()  # a second launcher, beside the session's
+    client = launcher_connection.LauncherClient()  # a second launcher, beside the session's
     try:
         assert client.ready.wait(120), client.exit_detail()
         started = time.monotonic()

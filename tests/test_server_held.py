@@ -80,7 +80,7 @@ def held() -> Iterator[tuple[KernelThread, int]]:
         out = kernel.call(lambda k: k.run(FAIL_CELL))
         assert out.error is not None and out.error["ename"] == "RankError", out.text
         assert "%nbtrain_debug opens the debugger in rank 1's frames" in out.text, out.text
-        pid = kernel.call(lambda k: k.value("nbtrain.kernel.client.current_client().held.pid"))
+        pid = kernel.call(lambda k: k.value("nbtrain.kernel.launcher_connection.current_client().held.pid"))
         yield kernel, pid
     finally:
         kernel.close()
@@ -89,7 +89,7 @@ def held() -> Iterator[tuple[KernelThread, int]]:
 def _still_held(kernel: NotebookKernel) -> Any:
     """Whether the kernel still thinks a rank is held, after waiting (bounded) for the release."""
     code = (
-        "import time as _t\n_c = nbtrain.kernel.client.current_client()\n"
+        "import time as _t\n_c = nbtrain.kernel.launcher_connection.current_client()\n"
         f"_end = _t.monotonic() + {RELEASED_SECONDS}\n"
         "while _c.held is not None and _t.monotonic() < _end:\n    _t.sleep(0.02)\n"
     )

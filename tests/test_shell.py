@@ -7,7 +7,6 @@ this test process must stay without one), running cells as a kernel would.
 from __future__ import annotations
 
 import json
-import linecache
 import signal
 import subprocess
 import sys
@@ -44,24 +43,20 @@ ASK_THE_SHELL = """
 from nbtrain.kernel import shell as s
 me = s.get_shell()
 number = s.current_cell_number(me)
-name = s.register_source(me, 'y = 2\\n')
 """
 REPORT = """
-import json, linecache
+import json
 print(json.dumps({
-    'number': number, 'names': s.cell_filenames(me).get(name), 'line': linecache.getline(name, 1),
-    'x': s.user_namespace(me)['x'], 'hidden': 'In' in s.hidden_names(me), 'notebook': s.is_notebook(me),
-    'loop': s.kernel_loop(me),
+    'number': number, 'x': s.user_namespace(me)['x'], 'hidden': 'In' in s.hidden_names(me),
+    'notebook': s.is_notebook(me), 'loop': s.kernel_loop(me),
 }))
 """
 
 
-def test_a_shell_gives_its_cell_number_namespace_and_the_cell_names_of_its_sources():
+def test_a_shell_gives_its_cell_number_and_namespace():
     report = in_a_shell(["x = 1", ASK_THE_SHELL, REPORT])
     assert report == {
         "number": 2,
-        "names": 2,  # the source registered in cell 2 is named after it in tracebacks
-        "line": "y = 2\n",
         "x": 1,
         "hidden": True,
         "notebook": False,  # a terminal shell: no HTML, no widgets
@@ -76,14 +71,6 @@ def test_without_a_shell_there_is_nothing_to_ask():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_SECONDS, check=True
     )
     assert out.stdout == "None None False\n"  # and IPython was not imported to find out
-
-
-def test_source_registered_without_a_shell_is_in_linecache_under_a_name_of_its_own():
-    name = shell.register_source(None, "total = 0\ntotal += 1\n")
-    try:
-        assert name.startswith("<cell-") and linecache.getline(name, 2) == "total += 1\n"
-    finally:
-        linecache.cache.pop(name, None)
 
 
 def test_a_main_thread_callback_goes_to_the_kernels_loop():

@@ -21,7 +21,7 @@ import pytest
 import nbtrain
 from helpers import procs
 from kernel_helpers import NotebookKernel, wait_gone
-from nbtrain.kernel import client
+from nbtrain.kernel import launcher_connection
 
 GONE_SECONDS = 10.0
 STANDBY_SECONDS = 60.0  # a loaded 2-core machine: the ranks fork and join their group after the run
@@ -185,12 +185,12 @@ def test_the_sidebar_lists_them_with_their_memory_and_dismiss_ends_them(launcher
     runs.clean(shown[0]["id"])  # the sidebar's Dismiss
     assert procs.wait_gone(waiting, GONE_SECONDS, reaped=False) == []
     deadline = time.monotonic() + GONE_SECONDS
-    while (state := client.get_client().standby) is not None and state.ranks:  # the launcher saw them die
+    while (state := launcher_connection.get_client().standby) is not None and state.ranks:  # the launcher saw them die
         assert time.monotonic() < deadline, state
         time.sleep(0.02)
     replaced_by = time.monotonic() + 1.0  # a replacement would be forked at once: look for one for 1 s
     while time.monotonic() < replaced_by:
-        state = client.get_client().standby
+        state = launcher_connection.get_client().standby
         assert state is None or not state.ranks, state
         time.sleep(0.05)
     assert procs.wait_gone([p.pid for p in procs.launcher_children()], GONE_SECONDS, reaped=False) == []
@@ -202,7 +202,7 @@ def test_the_sidebar_lists_them_with_their_memory_and_dismiss_ends_them(launcher
 def _waiting(timeout: float = STANDBY_SECONDS) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        state = client.get_client().standby
+        state = launcher_connection.get_client().standby
         if state is not None and state.ready:
             return [pid for _, pid in state.ranks]
         time.sleep(0.02)

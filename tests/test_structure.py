@@ -142,6 +142,26 @@ def test_only_the_display_package_shows_anything_in_a_cell():
     assert showing == {"nbtrain.kernel.display.show", "nbtrain.kernel.display.live", "nbtrain.kernel.display.form"}
 
 
+def _writes_to_a_stream(path: Path) -> bool:
+    """Whether ``path``'s code calls ``print(...)``, ``sys.stdout.write`` or ``sys.stderr.write`` (not docstrings)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name) and func.id == "print":
+                return True
+            if isinstance(func, ast.Attribute) and func.attr == "write" and ast.unparse(func.value) in (
+                "sys.stdout", "sys.stderr"
+            ):
+                return True
+    return False
+
+
+def test_only_the_display_package_writes_to_a_cell():
+    kernel = PACKAGE / "kernel"
+    writing = {_module_name(path) for path in kernel.rglob("*.py") if _writes_to_a_stream(path)}
+    assert writing and all(name.startswith("nbtrain.kernel.display") for name in writing), writing
+
+
 def test_only_processes_installs_signal_handlers():
     assert _calls("signal") == {"nbtrain.processes"}
 
@@ -162,7 +182,7 @@ from nbtrain import processes
 print(json.dumps({
     "children": processes.children(os.getpid()),
     "atexit": atexit._ncallbacks() - before,
-    "launcher": nbtrain.kernel.client._client is not None,
+    "launcher": nbtrain.kernel.launcher_connection._client is not None,
     "torch": "torch" in sys.modules,
 }))
 """

@@ -49,8 +49,8 @@ while not os.path.exists({marker!r}) and time.monotonic() < deadline:
 found = os.path.exists({marker!r})
 """
 
-LAUNCHER_PID = "__import__('nbtrain.kernel.client', fromlist=['x']).get_client().process.pid"
-WAIT_READY = "__import__('nbtrain.kernel.client', fromlist=['x']).get_client().ready.wait(180)"
+LAUNCHER_PID = "__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().process.pid"
+WAIT_READY = "__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().ready.wait(180)"
 
 
 @pytest.fixture

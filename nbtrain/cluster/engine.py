@@ -49,7 +49,7 @@ BEGIN_SECONDS = 60.0
 POLL_SECONDS = 1.0
 NODE_FATE_SECONDS = 120.0  # after a stop: how long Ray may take to say a silent node is gone
 # A run's records from its agents, each with file descriptors (none here), as the kernel
-# side's Run reads them (see nbtrain.kernel.client.Inbox).
+# side's Run reads them (see nbtrain.kernel.launcher_connection.Inbox).
 _Inbox: TypeAlias = "queue.Queue[tuple[Any, list[int]]]"
 
 _lock = threading.Lock()

@@ -7,7 +7,7 @@ run). The view has a Stop button (a core ``ipywidgets.Button``): its click is ha
 the kernel's main thread, which is free because the run is not holding it.
 
 When a background *cell* finishes, its results are applied to the kernel's objects by
-:func:`nbtrain.kernel.magic.apply_cell_result`, the same function a blocking cell uses,
+:func:`nbtrain.kernel.cellrun.apply_cell_result`, the same function a blocking cell uses,
 and on the kernel's main thread: the follower thread only schedules it on the kernel's
 event loop, so it happens between two cells, never in the middle of one. Until then the
 kernel's objects keep their values from before the cell. ``handle.wait()`` (and reading
@@ -50,7 +50,6 @@ import contextvars
 import datetime
 import itertools
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -63,7 +62,7 @@ from nbtrain.kernel import display
 from nbtrain.kernel import shell as kernel_shell
 
 RUNNING = "running"
-STOP_WAIT_SECONDS = 10.0  # a stop is answered within client.INTERRUPT_GRACE_SECONDS (5 s)
+STOP_WAIT_SECONDS = 10.0  # a stop is answered within run_handle.INTERRUPT_GRACE_SECONDS (5 s)
 EXIT_STOP_SECONDS = 6.0  # at exit, for all runs together
 
 _runs: list[BackgroundRun] = []
@@ -74,7 +73,7 @@ _exit_hook_registered = False  # _stop_all_at_exit, registered with the first ru
 
 @dataclass(frozen=True)
 class CellCallbacks:
-    """What the magic does for a background cell (handed in: this module never imports the magic).
+    """What a cell's run does for a background cell (handed in by :mod:`nbtrain.kernel.cellrun`, never imported here).
 
     ``keep_metrics(record, event)`` keeps logged rows for ``last_run``;
     ``explain_failure(error, shell, note)`` turns a failure into what the notebook shows;
@@ -94,29 +93,35 @@ class CellFlags(Protocol):
     here by its shape, since this module never imports the magic)."""
 
     @property
-    def output(self) -> str: ...
+    def output(self) -> str:
+        """Whose prints the view shows: "all", "rank0" or "none" (``--output``)."""
 
     @property
-    def stall_warning(self) -> float | None: ...
+    def stall_warning(self) -> float | None:
+        """Seconds without a step before the view names a stalled rank (None: never)."""
 
 
 class PreparedCellLike(Protocol):
-    """What a background cell reads of the magic's ``PreparedCell``."""
+    """What a background cell reads of its ``PreparedCell`` (:mod:`nbtrain.kernel.cellrun`)."""
 
     shipped: dict[str, Any]  # emptied when the run is over: the handle keeps no old objects alive
     held: dict[str, Any]  # the torch objects held inside them (trainer.model); emptied with them
 
     @property
-    def targets(self) -> dict[str, Any]: ...
+    def targets(self) -> dict[str, Any]:
+        """What rank 0's result may name: the shipped globals and the torch objects inside them."""
 
     @property
-    def record(self) -> Any: ...
+    def record(self) -> Any:
+        """The cell's run record (``nbtrain.last_run()``), filled as the run goes."""
 
     @property
-    def total_steps(self) -> int | None: ...
+    def total_steps(self) -> int | None:
+        """The steps rank 0 will log, when the cell's code tells (the progress bar's total)."""
 
     @property
-    def unchanged(self) -> str: ...
+    def unchanged(self) -> str:
+        """What to say about the kernel's objects when the run ends without a result."""
 
 
 def runs() -> list[BackgroundRun]:
@@ -143,7 +148,7 @@ class BackgroundRun:
     cell's last expression, or the function's return value) or raises its failure, as
     does ``result``. ``stop()`` stops every rank. ``updated`` names what a finished cell
     changed in the kernel. ``strategy``, ``accelerator``, ``world_size``, ``devices`` and
-    ``started`` describe the run; ``run`` is the underlying :class:`nbtrain.kernel.client.Run`.
+    ``started`` describe the run; ``run`` is the underlying :class:`nbtrain.kernel.run_handle.Run`.
     ``repr(handle)`` tells the state as of now; a notebook shows the handle as a display
     that is updated when the run ends, together with its live view.
     """
@@ -194,6 +199,7 @@ class BackgroundRun:
     # -- the public face ---------------------------------------------------------------
     @property
     def state(self) -> str:
+        """"running", "finished", "failed", "stopped" or "timed out" (settled here first, on the main thread)."""
         self._settle_here()
         return self._state
 
@@ -443,8 +449,7 @@ class BackgroundRun:
                 self.stop_button.layout.display = "none"
         if self.view is None:
             summary = f"[nbtrain] background run {self.id} ({self.name}) {note}"
-            sys.stderr.write(summary + "\n")
-            sys.stderr.flush()
+            display.print_warning(summary)
             return
         with contextlib.suppress(Exception):  # the frontend is gone; the handle still knows
             self.view.note = note
@@ -572,7 +577,7 @@ def follow_cell(
 ) -> CellBackgroundRun:
     """Follow a started ``%%distributed --background`` cell; its handle, at once.
 
-    ``prepared`` is the magic's prepared cell (``shipped``, ``record``, ``total_steps``,
+    ``prepared`` is the cell's :class:`nbtrain.kernel.cellrun.PreparedCell` (``shipped``, ``record``, ``total_steps``,
     ``unchanged``); ``options`` its flags (``output``, ``stall_warning``: a
     :class:`nbtrain.kernel.flags.CellOptions`); ``callbacks`` what the magic does at the end.
     """

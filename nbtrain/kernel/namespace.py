@@ -245,8 +245,9 @@ def _syntax_names(tree: ast.AST) -> set[str]:
 
 def _refers_to_nbtrain(tree: ast.AST, user_ns: Mapping[str, Any], attr: str, code_names: set[str]) -> bool:
     """Does the cell (or a notebook function it calls) use ``nbtrain.<attr>``?"""
-    import nbtrain
-
+    # The package itself, always loaded before any of its modules: importing it here would
+    # make the package and the magic it registers import each other.
+    nbtrain = sys.modules["nbtrain"]
     target = getattr(nbtrain, attr, None)
     for node in ast.walk(tree):
         if (
@@ -411,6 +412,8 @@ def decode_result(result: CellResult, shipped: Mapping[str, Any], user_ns: dict[
 
 @dataclass
 class ApplyReport:
+    """What applying rank 0's result did to the user's namespace: names updated, deleted, and skipped (why)."""
+
     updated: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, type, why)

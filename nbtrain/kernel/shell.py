@@ -2,9 +2,9 @@
 
 The magic, the namespace analysis, background runs, the launcher form and the live view
 ask here for what they need of the shell: whether there is one (:func:`get_shell`), the
-running cell's number, the user's namespace, the kernel's main-thread event loop, the
-compiler's record of cell file names, and a block that a kernel interrupt must not cut in
-two (:func:`interrupts_deferred`). Nothing here imports IPython unless the process already
+running cell's number, the user's namespace, the kernel's main-thread event loop, and a
+block that a kernel interrupt must not cut in two (:func:`interrupts_deferred`). Cell file
+names are :mod:`nbtrain.kernel.cellnames`'. Nothing here imports IPython unless the process already
 has: plain ``python`` using ``nbtrain.launch`` never pays for it.
 
 >>> get_shell() is None or hasattr(get_shell(), "user_ns")
@@ -16,13 +16,11 @@ True
 from __future__ import annotations
 
 import contextlib
-import linecache
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from nbtrain import processes
-from nbtrain.kernel import compat
 
 
 def get_shell() -> Any:
@@ -81,27 +79,6 @@ def kernel_loop(shell: Any) -> Any:
 def call_on_main_thread(loop: Any, callback: Callable[[], None]) -> None:
     """Run ``callback`` on the kernel's main thread between two cells (``loop``: :func:`kernel_loop`)."""
     loop.add_callback(callback)
-
-
-def cell_filenames(shell: Any) -> dict[str, int]:
-    """{compiled file name: cell number} of the cells the shell ran, for naming them in tracebacks."""
-    return compat.cell_filenames(shell)
-
-
-def register_source(shell: Any, source: str) -> str:
-    """Register ``source`` in linecache under a name of its own; the file name to compile it with.
-
-    IPython's compiler also remembers the running cell's number for that name, which
-    :func:`cell_filenames` gives back.
-    """
-    # A raw_code of our own gives a name of our own: the kernel's entry for the
-    # cell (its transformed form) stays as it is.
-    cached = compat.cache_source(shell, source, current_cell_number(shell), source + "\n# nbtrain %%distributed")
-    if cached is not None:
-        return cached
-    filename = f"<cell-{abs(hash(source))}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    return filename
 
 
 @contextlib.contextmanager

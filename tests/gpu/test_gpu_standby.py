@@ -15,7 +15,7 @@ import torch
 import nbtrain
 from helpers.procs import RUN_TIMEOUT, finish
 from nbtrain import hardware
-from nbtrain.kernel import client
+from nbtrain.kernel import launcher_connection
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +29,7 @@ CONTEXT_AT_MOST = 2 << 30  # a context with cuDNN/cuBLAS loaded is several hundr
 def _waiting(timeout: float = 60.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        standby = client.get_client().standby
+        standby = launcher_connection.get_client().standby
         if standby is not None and standby.ready:
             return [pid for _, pid in standby.ranks]
         time.sleep(0.02)

@@ -15,7 +15,7 @@ import sys
 import time
 
 import nbtrain
-from nbtrain.kernel.client import get_client
+from nbtrain.kernel.launcher_connection import get_client
 
 
 def tasks_of(uid: int) -> int:

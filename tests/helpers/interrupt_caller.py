@@ -13,7 +13,7 @@ import sys
 
 import nbtrain
 from nbtrain import events
-from nbtrain.kernel.client import get_client
+from nbtrain.kernel.launcher_connection import get_client
 
 MARKER = "KeyboardInterrupt reached the caller"
 

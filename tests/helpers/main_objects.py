@@ -9,7 +9,7 @@ import os
 import sys
 
 import nbtrain
-from nbtrain.kernel.client import get_client
+from nbtrain.kernel.launcher_connection import get_client
 
 
 class Scaler:

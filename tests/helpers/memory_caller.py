@@ -15,7 +15,7 @@ import torch
 
 import nbtrain
 from nbtrain import events
-from nbtrain.kernel.client import get_client
+from nbtrain.kernel.launcher_connection import get_client
 
 ELEMENTS = 256 * 1024 * 1024  # 1 GiB of float32
 

@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 
 from nbtrain import events, processes
-from nbtrain.kernel import client as kernel_client
+from nbtrain.kernel import launcher_connection
 
 RUN_TIMEOUT = 60.0  # a run that takes longer than this is a hang, not a slow machine
 POLL = 0.02
@@ -83,7 +83,7 @@ def thread_count() -> int:
 
 def current_launcher() -> psutil.Process | None:
     """The test process's warm launcher, if one is running (never starts one)."""
-    client = kernel_client._client
+    client = launcher_connection._client
     if client is None or not client.alive:
         return None
     try:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import nbtrain
-from nbtrain.kernel.client import get_client
+from nbtrain.kernel.launcher_connection import get_client
 
 
 def sockets() -> dict:

@@ -7,11 +7,14 @@
   as :mod:`~nbtrain.kernel.display.chartlayout` lays them out (without matplotlib);
 - :mod:`~nbtrain.kernel.display.form`: the launcher form (``nbtrain.launcher()``, ipywidgets);
 - :mod:`~nbtrain.kernel.display.show`: the small pieces: text updated in place, a widget
-  with a saved-notebook fallback, a Stop button, rank output lines printed by ``launch``.
+  with a saved-notebook fallback, a Stop button, rank output lines printed by ``launch``;
+- :mod:`~nbtrain.kernel.display.cellout`: what a ``%%distributed`` cell writes as text (rank
+  output as ``--output`` chose, its live view, its summary) and every line of nbtrain's own
+  that the kernel side writes (:func:`print_line`, :func:`print_warning`, :func:`write_text`).
 
 Other modules ask this package (``from nbtrain.kernel import display``) and never call
-IPython's ``display`` themselves. Importing it imports neither torch, matplotlib nor
-ipywidgets: each is imported when first drawn or shown.
+IPython's ``display`` themselves, nor write to the cell's stdout or stderr. Importing it
+imports neither torch, matplotlib nor ipywidgets: each is imported when first drawn or shown.
 
 Example (in a notebook cell):
     >>> import nbtrain
@@ -28,6 +31,7 @@ Example (in a notebook cell):
 
 from __future__ import annotations
 
+from nbtrain.kernel.display.cellout import print_line, print_warning, write_text
 from nbtrain.kernel.display.chart import ChartFigure, render_charts_png
 from nbtrain.kernel.display.form import LauncherForm, Machine, show_launcher_form
 from nbtrain.kernel.display.live import FASTEST_FRAME_SECONDS, LiveView, NotedLiveView, watch
@@ -50,7 +54,9 @@ __all__ = [
     "NotedLiveView",
     "enable_colab_widgets",
     "frontend_is_rich",
+    "print_line",
     "print_output",
+    "print_warning",
     "render_charts_png",
     "show_launcher_form",
     "show_text",
@@ -58,4 +64,5 @@ __all__ = [
     "stop_button",
     "update_text",
     "watch",
+    "write_text",
 ]

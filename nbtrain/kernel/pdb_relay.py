@@ -18,12 +18,13 @@ Example:
 from __future__ import annotations
 
 import queue
-import sys
 import time
 from typing import Any
 
 from nbtrain import events, processes
 from nbtrain.errors import NbtrainError
+from nbtrain.kernel import cellnames
+from nbtrain.kernel.display import cellout
 
 ATTACH_SECONDS = 10.0  # a held rank answers %nbtrain_debug with its first prompt within this
 RELEASE_SECONDS = 5.0  # a held rank whose post-mortem ended is reported gone within this
@@ -70,7 +71,7 @@ def ask(prompt: events.DebugPrompt) -> str | None:
         except KeyboardInterrupt:
             return None
         except StdinNotImplementedError:
-            print(f"nbtrain: this front end cannot answer input; rank {prompt.rank} continues.", file=sys.stderr)
+            cellout.print_warning(f"nbtrain: this front end cannot answer input; rank {prompt.rank} continues.")
             return "c"
         except EOFError:
             return "c"
@@ -80,11 +81,7 @@ def show(text: str) -> None:
     """pdb's output in the cell, its notebook cells named as IPython names them (``Cell In[7]``)."""
     from nbtrain.kernel import shell as kernel_shell
 
-    for filename, number in kernel_shell.cell_filenames(kernel_shell.get_shell()).items():
-        if filename in text:
-            text = text.replace(filename, f"Cell In[{number}]")
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    cellout.write_text(cellnames.name_cells(text, kernel_shell.get_shell()))
 
 
 class CellRelay:
@@ -100,6 +97,7 @@ class CellRelay:
         self.waiting: list[Any] = []  # what other ranks sent meanwhile, in order
 
     def handle(self, event: Any) -> bool:
+        """Relay ``event`` if it is a rank's debugger output, prompt or end; False for any other event."""
         if not isinstance(event, RELAYED):
             return False
         if self.held.received:  # the run is being stopped: nothing more to ask
@@ -155,7 +153,7 @@ def _relay_post_mortem(client: Any, held: events.RankHeld) -> None:
             if not client.alive:
                 raise NoRankHeldError(f"the nbtrain launcher is gone, and rank {held.rank} with it.") from None
             if ended and deadline is not None and time.monotonic() > deadline:
-                print(f"nbtrain: the debugger ended; rank {held.rank} is being released.")
+                cellout.print_line(f"nbtrain: the debugger ended; rank {held.rank} is being released.")
                 return
             if deadline is not None and time.monotonic() > deadline:
                 client.send_debug(events.ReleaseHeld(held.run_id, "it did not answer"))
@@ -166,7 +164,7 @@ def _relay_post_mortem(client: Any, held: events.RankHeld) -> None:
             continue
         deadline = None
         if isinstance(message, events.HeldReleased):
-            print(f"nbtrain: rank {message.rank} is released ({message.reason}); its memory is free.")
+            cellout.print_line(f"nbtrain: rank {message.rank} is released ({message.reason}); its memory is free.")
             return
         if isinstance(message, events.DebugOutput):
             show(message.text)

@@ -1,0 +1,489 @@
+"""Running a ``%%distributed`` cell: prepare it, launch it, follow it, and bring its results back.
+
+:func:`run_distributed_cell` is what the magic (:mod:`nbtrain.kernel.magic`) calls with the
+cell's options and its planner (the flags' check, which also gives the engine and launch
+config). A cell is prepared once (:func:`prepare_cell`: its syntax, what it ships, what
+runs on the ranks, the live view's total), launched (:func:`start_cell`), followed until
+its run ends (its output and live view through :mod:`nbtrain.kernel.display.cellout`, an
+interrupt asking every rank to stop at a step), and rank 0's results are put into the
+kernel's objects (:func:`apply_cell_result`, which background runs use too). A failure
+reads as :mod:`nbtrain.kernel.tracebacks` words it. ``last_run`` keeps the last run's
+record (``nbtrain.last_run()``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from IPython.core.error import UsageError
+
+from nbtrain import config, events, processes, reach, records
+from nbtrain.errors import (
+    ConfigurationError,
+    RunFailedError,
+    RunInterrupted,
+    RunStoppedError,
+    RunTimeoutError,
+    SerializationError,
+)
+from nbtrain.kernel import cellnames, gcpause, tracebacks
+from nbtrain.kernel import shell as kernel_shell
+from nbtrain.kernel.display import cellout
+
+# The flags' check (nbtrain.kernel.magic.check_flags): from the cell's options (its
+# CellOptions, which every ``options`` here is), the engine (None: this machine's launcher)
+# and the launch config, or a UsageError naming the bad flag.
+Planner: TypeAlias = Callable[[Any], tuple[Any, config.LaunchConfig]]
+
+METRIC_ROWS = 100_000  # per rank, kept in ``last_run`` (a long run must not grow the kernel)
+
+
+@dataclass
+class CellRun:
+    """The last ``%%distributed`` run, for inspection: ``nbtrain.last_run()``."""
+
+    state: str = "running"
+    world_size: int = 0
+    strategy: str = ""
+    accelerator: str = ""
+    seconds: float = 0.0
+    total_steps: int | None = None  # what the live view counted towards (None: not known)
+    # the last METRIC_ROWS rows each rank logged: (step, unix time, {name: value})
+    metrics: dict[int, collections.deque[tuple[int, float, Mapping[str, float]]]] = field(default_factory=dict)
+    prepared: list[tuple[str, str]] = field(default_factory=list)
+    loaders: list[tuple[str, str]] = field(default_factory=list)  # (name, what its passes read)
+    updated: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    log_path: str | None = None  # every rank's full output (None: no rank printed anything)
+    # Step counts the notebook sized from a loader auto mode shards (nbtrain.kernel.lengths).
+    derived: list[str] = field(default_factory=list)
+    stopped_at: int | None = None  # the optimizer step a stop kept: the kernel's objects hold it
+    stopped: str = ""  # how a stop (interrupt, Stop, timeout) ended the run: "at a step", "hard"; "": not stopped
+
+
+last_run: CellRun | None = None
+
+
+@dataclass
+class PreparedCell:
+    """A cell checked and ready to launch: what it ships, what runs on the ranks, its record."""
+
+    cfg: config.LaunchConfig
+    spec: Any  # nbtrain.rank.cell.CellSpec
+    shipped: dict[str, Any]
+    used_by: dict[str, Any]
+    record: CellRun
+    total_steps: int | None = None  # the steps rank 0 will log, when the cell's code tells (the bar's total)
+    engine: Any = None  # a cluster's warm client, planned with cfg; None: this machine's launcher
+    held: dict[str, Any] = field(default_factory=dict)  # label ("trainer.model") -> the kernel's object
+
+    @property
+    def targets(self) -> dict[str, Any]:
+        """What rank 0's result may name: the shipped globals and the torch objects held inside them."""
+        return {**self.shipped, **self.held}
+
+    @property
+    def unchanged(self) -> str:
+        """What to say about the kernel's objects when the run ends without a result."""
+        return tracebacks.unchanged_note(self.shipped)
+
+
+def prepare_cell(shell: Any, line: str, cell: str, options: Any, plan: Planner) -> PreparedCell:
+    """Check the flags (``plan``) and the cell, and decide what it ships; raises UsageError or CellSyntaxError."""
+    from nbtrain.kernel import namespace as ns
+    from nbtrain.rank import cell as rank_cell
+
+    engine, cfg = plan(options)
+    body, blank_lines = _strip_leading_blank_lines(cell)
+    if not body.strip():
+        raise UsageError(
+            "%%distributed: the cell is empty; put the code to run on every rank below the %%distributed line."
+        )
+    # Blank lines in front keep the notebook's line numbers: line 1 is the %%distributed line.
+    code = "\n" * (1 + blank_lines) + shell.transform_cell(body)
+    filename = cellnames.register_source(shell, line, cell)
+    tracebacks.check_syntax(code, filename, shell)
+    user_ns = kernel_shell.user_namespace(shell)
+    analysis = ns.analyse_cell(code, user_ns, kernel_shell.hidden_names(shell), raw_cell=body)
+    shipped = {name: user_ns[name] for name in analysis.names}
+    held = reach.find_held(shipped)
+    auto = options.auto and not analysis.self_distributes
+    spec = rank_cell.CellSpec(
+        code=code,
+        filename=filename,
+        names=analysis.names,
+        auto=auto,
+        log_loss=auto and not analysis.calls_log,
+        model_wrapper=cfg.strategy.model_wrapper,
+        needs_shell=analysis.needs_shell,
+        display_last=analysis.display_last,
+        rng=records.rng_states(),
+        held=tuple(h for h, _ in held),
+    )
+    total = infer_total_steps(code, analysis, spec, cfg, user_ns)
+    record = CellRun(
+        world_size=cfg.world_size, strategy=cfg.strategy.name, accelerator=cfg.plan.accelerator, total_steps=total
+    )
+    prepared = PreparedCell(cfg, spec, shipped, dict(analysis.used_by), record, total, engine)
+    prepared.held = {h.label: obj for h, obj in held}
+    record.derived = _derived_lengths(prepared, code)
+    return prepared
+
+
+def _derived_lengths(prepared: PreparedCell, code: str) -> list[str]:
+    """What the notebook sized from a loader's length that each rank will not reach (see lengths.py)."""
+    if not prepared.spec.auto or "torch.utils.data" not in sys.modules:
+        return []
+    from nbtrain.kernel import lengths
+
+    try:
+        wrapper = prepared.cfg.strategy.model_wrapper
+        rebound = lengths.rebound_names(code)
+        return lengths.derived_lengths(prepared.targets, prepared.cfg.world_size, wrapper, rebound)
+    except Exception:  # noqa: BLE001 - a hint must never stop a cell
+        return []
+
+
+def infer_total_steps(
+    code: str, analysis: Any, spec: Any, cfg: config.LaunchConfig, user_ns: dict[str, Any]
+) -> int | None:
+    """How many steps rank 0 will log (the live view's total), or None when that is not certain.
+
+    The cell's loops are read by :mod:`nbtrain.cellplan`. A step is a ``.backward()`` when
+    auto mode logs the loss, an ``nbtrain.log`` call when the cell logs itself. A
+    DataLoader's length is the one each rank will see after auto mode prepared it
+    (:func:`nbtrain.rank.prepare.batches_per_rank`), computed here from the kernel's loader:
+    its share in a pass with gradients, all of it in a pass without (an evaluation pass).
+    """
+    from nbtrain import cellplan
+
+    if spec.log_loss:
+        kind, counting_name = cellplan.BACKWARD, "backward"
+    elif analysis.calls_log:
+        kind, counting_name = cellplan.LOG, "log"
+    else:
+        return None  # no step will be logged
+    if counting_name in analysis.function_names:
+        return None  # a notebook function the cell calls may advance the step too, unseen
+    try:
+        from nbtrain.rank import api, loaders
+
+        # The package itself, always loaded before any of its modules: importing it here
+        # would make the package and the magic it registers import each other.
+        nbtrain = sys.modules["nbtrain"]
+
+        names = [n for n in analysis.names if n not in analysis.function_writes]
+        ints = {n: user_ns[n] for n in names if type(user_ns[n]) is int}
+        lengths: dict[str, int] = {}
+        eval_lengths: dict[str, int] = {}
+        if "torch.utils.data" in sys.modules:  # no DataLoader can exist without it
+            wrapper = cfg.strategy.model_wrapper if spec.auto else "none"  # not auto: loaders stay as they are
+            objects = {n: user_ns[n] for n in names}
+            lengths, eval_lengths = loaders.loader_lengths(objects, cfg.world_size, wrapper)
+        counter = cellplan.StepCounter(
+            kind,
+            log_modules=frozenset(n for n in analysis.names if user_ns[n] is nbtrain),
+            log_functions=frozenset(n for n in analysis.names if user_ns[n] is api.log),
+        )
+        return cellplan.total_steps(
+            code, counter, ints=ints, lengths=lengths, eval_lengths=eval_lengths, kernel_globals=user_ns
+        )
+    except Exception:  # noqa: BLE001 - a progress total is a nicety: it must never stop a cell
+        return None
+
+
+def start_cell(shell: Any, prepared: PreparedCell, interactive: bool = True) -> Any:
+    """Launch a prepared cell; the :class:`nbtrain.kernel.run_handle.Run`. Explains what cannot travel.
+
+    The engine and launch config planned from the flags are passed on: the hardware (or
+    the cluster) is probed once per cell.
+    """
+    from nbtrain.kernel import client, launcher_connection
+    from nbtrain.kernel import namespace as ns
+    from nbtrain.rank import cell as rank_cell
+
+    try:
+        ns.refuse_open_files(prepared.shipped, prepared.used_by)
+        return client.start_on(
+            prepared.engine if prepared.engine is not None else launcher_connection.get_client(),
+            prepared.cfg,
+            rank_cell.run_cell,
+            (prepared.spec, prepared.shipped, ns.anchor_function(kernel_shell.user_namespace(shell))),
+            interactive=interactive,
+        )
+    except SerializationError as error:
+        raise tracebacks.plain_error(ns.explain_unpicklable(prepared.shipped, prepared.used_by) or error) from None
+    except ConfigurationError as error:  # the run cannot fit in memory: refused before it started
+        raise UsageError(f"%%distributed: {error}") from None
+
+
+def run_distributed_cell(shell: Any, line: str, cell: str, options: Any, plan: Planner) -> Any:
+    """Launch ``cell`` on the ranks, show its output, apply rank 0's results to the kernel.
+
+    With ``--background`` it returns the run's :class:`nbtrain.kernel.background.BackgroundRun`
+    at once; :mod:`nbtrain.kernel.background` then follows the run and applies its results
+    with :func:`apply_cell_result`, as this function does for a blocking run.
+
+    An interrupt at any moment either prevents the run or stops it, and ends the cell with
+    :class:`RunInterrupted`; ``last_run`` is left in a final state. Until the launch, an
+    interrupt raises where it lands (nothing has started); from the launch on, interrupts
+    are held and acted on where that is safe (see :func:`nbtrain.processes.interrupts_held`).
+    """
+    try:
+        stage: list[str] = []  # "finished" once the results are in
+        return _run_cell(shell, line, cell, options, stage, plan)
+    except RunInterrupted:
+        raise
+    except KeyboardInterrupt:
+        try:
+            late = "finished" in stage
+        except NameError:  # it came before the first statement: nothing started
+            late = False
+        if late:  # in the instant after interrupts stopped being held
+            raise RunInterrupted(_LATE) from None
+        raise RunInterrupted(
+            "the cell was interrupted before it started: nothing ran and nothing in the kernel changed. "
+            "The kernel is ready."
+        ) from None
+
+
+def _run_cell(shell: Any, line: str, cell: str, options: Any, stage: list[str], plan: Planner) -> Any:
+    planning = gcpause.hold_collections()  # until the run is sent (see gcpause); its own hold goes on
+    try:
+        prepared = prepare_cell(shell, line, cell, options, plan)  # an interrupt here: nothing has started
+        with processes.interrupts_held() as held:
+            value = _launch_and_follow(shell, prepared, options, held, planning)
+            stage.append("finished")
+    finally:
+        planning.release()
+    if held.received:  # it came after the last look
+        if options.background:
+            value.stop("interrupted")
+            raise _interrupted(prepared, value.run)
+        raise RunInterrupted(_LATE)
+    return value
+
+
+_LATE = "the cell was interrupted after its run had finished; its results are in the kernel."
+
+
+def _launch_and_follow(
+    shell: Any, prepared: PreparedCell, options: Any, held: processes.HeldInterrupts, planning: gcpause.Hold
+) -> Any:
+    global last_run
+    record = last_run = prepared.record
+    started = time.monotonic()
+    try:
+        run = start_cell(shell, prepared, interactive=not options.background)
+    except BaseException:
+        record.state = events.FAILED  # refused before it started (what cannot travel, or fit)
+        raise
+    finally:
+        planning.release()
+    if options.background:
+        from nbtrain.kernel import background
+
+        callbacks = background.CellCallbacks(
+            keep_metrics=keep_metrics, explain_failure=tracebacks.explain_failure, apply_result=apply_cell_result,
+            kept_error=kept_error,
+        )
+        handle = background.follow_cell(shell, run, prepared, options, callbacks)
+        if held.received:  # the cell that starts it was interrupted: the run does not go on
+            handle.stop("interrupted")
+            raise _interrupted(prepared, run)
+        return handle
+    try:
+        return _follow(shell, run, prepared, options, held, started)
+    finally:
+        record.seconds = time.monotonic() - started
+        record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
+
+
+def _follow(
+    shell: Any, run: Any, prepared: PreparedCell, options: Any, held: processes.HeldInterrupts, started: float
+) -> Any:
+    """Show the run until it ends, then bring its results back; every check of ``held`` is a safe point."""
+    record = prepared.record
+    view: cellout.CellView | None = None
+    asked = False  # a first interrupt asked every rank to stop at a step
+    if not held.received:
+        show = cellout.OutputPrinter(options.output, prepared.cfg.world_size)
+        view = cellout.CellView(run, prepared.total_steps, options.stall_warning)
+        relay = _debugger_relay(run, held)
+        for event in run.events(poll=view.poll_seconds):  # wakes at least every poll
+            if held.received and not asked and options.on_stop == "keep":
+                run.ask_to_stop("interrupted", graceful=True)  # the launcher stops hard if it cannot
+                asked, held.received = True, False
+            if held.received or (asked and time.monotonic() > (run.stop_deadline() or 0.0)):
+                break  # a second interrupt, or a launcher that did not answer: stop hard, now
+            if isinstance(event, events.Metrics):
+                keep_metrics(record, event)
+            elif event is not None:
+                show(event)
+            view.show(event)
+            relay.handle(event)  # a rank's pdb: its output, and its prompt in the input box
+    if held.received or view is None or run.state == "running":  # view is None only when the interrupt came first
+        run.abandon()  # stops the run and frees any result it brought back
+        _stopped_hard(record, view)
+        raise _interrupted(prepared, run, "stopped hard at once (a second interrupt)" if asked else "")
+    if run.stopped_at is not None:
+        record.seconds = time.monotonic() - started  # the summary states it
+        raise _kept(shell, run, prepared, options, view, asked)
+    try:
+        result = run.result()
+    except RunFailedError as error:
+        record.state = run.state
+        view.finish(run.state)
+        if asked:  # the interrupt's stop could not keep the state: the launcher said why
+            _stopped_hard(record, None)
+            raise _interrupted(prepared, run, run.stop_note) from None
+        raise tracebacks.explain_failure(error, shell, prepared.unchanged) from None
+    record.state = events.FINISHED
+    record.seconds = time.monotonic() - started  # the summary _bring_back prints states it
+    record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None  # and names it
+    view.finish(events.FINISHED)
+    value = _bring_back(shell, result, prepared.targets, record, options.output)
+    if held.received or asked:  # it came while the results went in, or as the run finished: they are in, all of them
+        raise RunInterrupted(_LATE)
+    return value
+
+
+def _debugger_relay(run: Any, held: processes.HeldInterrupts) -> Any:
+    from nbtrain.kernel import pdb_relay
+
+    run.prompts_answered = True
+    return pdb_relay.CellRelay(run, held)
+
+
+def _interrupted(prepared: PreparedCell, run: Any, how: str = "") -> RunInterrupted:
+    where = run.where_ranks_were()  # each rank's stack when it was stopped, if the launcher got one
+    if how.startswith("stopped hard"):  # "stopped hard (rank 1 did not reach step 412 within 2.0 s); nothing ..."
+        unchanged = prepared.unchanged
+        text = f"the cell was interrupted and {how}; {unchanged[0].lower()}{unchanged[1:]} The kernel is ready."
+    else:  # as an interrupt always said; then why no step was kept, if one was asked for
+        text = f"the cell was interrupted and every rank was stopped. {prepared.unchanged} The kernel is ready."
+        text += f" {how}" if how else ""
+    return RunInterrupted(text + (f"\n{where}" if where else ""))
+
+
+def _stopped_hard(record: CellRun, view: cellout.CellView | None) -> None:
+    record.state = events.STOPPED
+    record.stopped = "hard"
+    if view is not None:
+        view.finish(events.STOPPED)
+
+
+def _kept(
+    shell: Any, run: Any, prepared: PreparedCell, options: Any, view: cellout.CellView, interrupted: bool
+) -> BaseException:
+    """A stop kept the state at a step: bring it back as after a finished run; the error the cell raises."""
+    record = prepared.record
+    result = run.result()
+    record.state, record.stopped_at, record.stopped = run.state, run.stopped_at, "at a step"
+    record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
+    view.finish(run.state)
+    _bring_back(shell, result, prepared.targets, record, options.output)
+    if interrupted:
+        message = kept_message(run.stopped_at, record.updated, prepared.targets)
+        return RunInterrupted(f"the cell was interrupted and {message} The kernel is ready.")
+    return kept_error(run, record.updated, prepared.targets)
+
+
+def kept_error(run: Any, updated: list[str], shipped: dict[str, Any]) -> BaseException:
+    """What a run stopped at a step raises once its state is in (RunTimeoutError, RunStoppedError), naming the step."""
+    message = kept_message(run.stopped_at, updated, shipped)
+    if run.state == events.TIMED_OUT:
+        error = RunTimeoutError(run.config.timeout or 0.0)
+        error._set_message(f"the run exceeded timeout={run.config.timeout or 0:g} s and was {message}", "")
+        return error
+    return RunStoppedError(f"the run was {message}")
+
+
+def kept_message(step: int, updated: list[str], shipped: dict[str, Any]) -> str:
+    """What a stop that kept the state says: which of the kernel's objects hold which step.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> shipped = {"model": model, "opt": opt, "scheduler": torch.optim.lr_scheduler.StepLR(opt, 10), "i": 3}
+    >>> kept_message(412, ["model", "opt", "losses", "i", "scheduler"], shipped)
+    'stopped at step 412 on every rank; model, opt and scheduler hold step 412.'
+    """
+    held = [name for name in updated if hasattr(shipped.get(name), "state_dict")]
+    if not held:
+        return f"stopped at step {step} on every rank; the cell's results at that step are in the kernel."
+    names = held[0] if len(held) == 1 else ", ".join(held[:-1]) + " and " + held[-1]
+    verb = "holds" if len(held) == 1 else "hold"
+    return f"stopped at step {step} on every rank; {names} {verb} step {step}."
+
+
+@dataclass
+class Applied:
+    """What applying rank 0's results did: the cell's shown value and what to tell the user."""
+
+    value: tuple[Any] | None = None  # (the value of the cell's last expression,) or None
+    warnings: list[str] = field(default_factory=list)  # each shown as "nbtrain <warning>"
+    loaded: bool = False  # False: nothing in the kernel changed
+
+    @property
+    def shown(self) -> Any:
+        """The cell's value, as the cell shows it (None: nothing to show)."""
+        return self.value[0] if self.value else None
+
+
+def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: CellRun) -> Applied:
+    """Put rank 0's results into the kernel's objects; fills ``record`` (updated, skipped).
+
+    The one place a cell's results reach the kernel, for blocking and background runs
+    alike. Call it on the kernel's main thread: it writes the user's namespace.
+    """
+    from nbtrain.kernel import namespace as ns
+
+    if result is None:  # the cell ran, but rank 0 sent nothing (it should always send something)
+        return Applied()
+    try:
+        outcome = ns.decode_result(result, shipped, kernel_shell.user_namespace(shell))
+    except Exception as error:  # noqa: BLE001 - the values are unusable; the kernel keeps its own
+        return Applied(
+            warnings=[f"rank 0's results could not be loaded in the kernel ({error}); nothing in the kernel changed."]
+        )
+    with kernel_shell.interrupts_deferred():  # all of it or, if interrupted before, none of it
+        report = ns.apply_result(outcome, shipped, kernel_shell.user_namespace(shell), result.deleted)
+    record.prepared = list(result.prepared)
+    record.loaders = list(result.loaders)
+    record.updated = report.updated + [f"del {n}" for n in report.deleted]
+    record.skipped = list(result.skipped) + report.skipped
+    warnings = [f"note: {note}" for note in result.notes]
+    if record.skipped:
+        described = ", ".join(f"{name} ({kind}: {why})" for name, kind, why in record.skipped)
+        warnings.append(f"warning: not brought back to the kernel, so they keep their old values there: {described}.")
+    return Applied(outcome.get("display"), warnings, loaded=True)
+
+
+def _bring_back(shell: Any, result: Any, shipped: dict[str, Any], record: CellRun, output: str) -> Any:
+    applied = apply_cell_result(shell, result, shipped, record)
+    for warning in applied.warnings:
+        cellout.print_warning(f"nbtrain {warning}")
+    if applied.loaded and output != "none":
+        cellout.show_summary(record)
+    return applied.shown
+
+
+def keep_metrics(record: CellRun, event: events.Metrics) -> None:
+    """Keep the rows a rank logged in ``record`` (the last METRIC_ROWS per rank)."""
+    rows = record.metrics.setdefault(event.rank, collections.deque(maxlen=METRIC_ROWS))
+    rows.extend(event.rows)
+
+
+def _strip_leading_blank_lines(cell: str) -> tuple[str, int]:
+    lines = cell.splitlines(keepends=True)
+    count = 0
+    while count < len(lines) and not lines[count].strip():
+        count += 1
+    return "".join(lines[count:]), count

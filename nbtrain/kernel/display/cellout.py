@@ -1,0 +1,122 @@
+"""What a cell writes as text: rank output, the run's summary, nbtrain's notes and warnings.
+
+The kernel side writes to the cell's stdout and stderr only through here (the live view
+and widgets are :mod:`~nbtrain.kernel.display.live` and its siblings): a rank's lines as
+``--output`` chose (:class:`OutputPrinter`), the summary a finished cell ends with
+(:func:`summary`), a line of nbtrain's own (:func:`print_line`, :func:`print_warning`) and
+a debugger's output as it comes (:func:`write_text`).
+
+Example:
+    >>> OutputPrinter("all", 2)(events.Output(1, 1, "stdout", "hello\\n"))
+    [rank 1] hello
+    >>> print_line("nbtrain: done.")
+    nbtrain: done.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from nbtrain import events, runstate
+from nbtrain.kernel.display import live
+
+
+def write_text(text: str, stderr: bool = False) -> None:
+    """Write ``text`` as it is to the cell's stdout (or stderr), at once (pdb's output, a prompt's lines)."""
+    stream = sys.stderr if stderr else sys.stdout
+    stream.write(text)
+    stream.flush()
+
+
+def print_line(text: str) -> None:
+    """One line of nbtrain's own in the cell's output (a summary, a help text, a debugger's end)."""
+    write_text(text + "\n")
+
+
+def print_warning(text: str) -> None:
+    """One line of nbtrain's own on the cell's stderr: a warning or a note the user should see."""
+    write_text(text + "\n", stderr=True)
+
+
+def show_summary(record: Any) -> None:
+    """Print :func:`summary` of ``record`` in the cell."""
+    print_line(summary(record))
+
+
+class OutputPrinter:
+    """Shows rank output in the cell as it arrives, as ``--output`` chose (all, rank0, none)."""
+
+    def __init__(self, mode: str, world_size: int):
+        self.mode = mode
+        self.tagged = mode == "all" and world_size > 1
+
+    def __call__(self, event: Any) -> None:
+        """Write ``event``'s lines if it is a rank's output this mode shows (anything else: nothing)."""
+        if isinstance(event, events.Output):
+            if self.mode == "none" or (self.mode == "rank0" and event.rank != 0):
+                return
+            stream = sys.stderr if event.stream == "stderr" else sys.stdout
+            text = event.text
+            if self.tagged:
+                text = "".join(f"{event.tag} {line}" for line in text.splitlines(keepends=True))
+            stream.write(text)
+            stream.flush()
+
+
+class CellView:
+    """The run's live view (status, progress, charts) above the cell's printed output.
+
+    Rank prints are printed by OutputPrinter in every frontend; the text view of a
+    terminal would print them again, so it gets every event but those.
+    """
+
+    def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = runstate.STALL_SECONDS):
+        # The cell's stream lines (OutputPrinter) are where rank output goes: the whole of it,
+        # kept in the saved notebook, chosen by --output. The view shows no second copy.
+        self.view = live.LiveView(
+            run.config, total_steps=total_steps, stall_warning=stall_warning, show_logs=False
+        )
+        self.poll_seconds = live.FASTEST_FRAME_SECONDS / 2
+        self.view.refresh(force=True)
+
+    def show(self, event: Any) -> None:
+        """Take ``event`` (None: nothing new, a redraw) and redraw when a frame is due."""
+        if self.view.rich or not isinstance(event, events.Output):
+            self.view.handle(event)
+        # A prompt blocks the cell's thread: "rank 1 in the debugger" must be drawn first.
+        self.view.refresh(force=isinstance(event, (events.DebugPrompt, events.DebugEnded)))
+
+    def finish(self, state: str) -> None:
+        """Draw the run's final state."""
+        self.view.finish(state)
+
+
+def summary(record: Any) -> str:
+    """The line a finished (or stopped-at-a-step) cell ends with: ranks, time, what was prepared and updated.
+
+    ``record`` is the cell's :class:`nbtrain.kernel.cellrun.CellRun`.
+    """
+    ranks = f"{record.world_size} rank{'s' if record.world_size != 1 else ''}"
+    ended = "finished" if record.stopped_at is None else f"{record.state} at step {record.stopped_at}"
+    text = f"nbtrain: {ranks} ({record.accelerator}, {record.strategy}) {ended} in {record.seconds:.1f} s."
+    loaders = dict(record.loaders)
+    left = [(name, how) for name, how in record.prepared if how.startswith("not prepared")]
+    wrapped = [  # "model (DistributedDataParallel)", or "model: on cuda:0, not wrapped (one rank)"
+        f"{name}: {how}" if how.startswith("on ") else f"{name} ({how})"
+        for name, how in record.prepared
+        if how not in ("moved", "bound") and name not in loaders and (name, how) not in left
+    ]
+    if wrapped:
+        text += f" Auto-prepared: {', '.join(wrapped)}."
+    if left:  # e.g. "trainer.models[0]: not prepared (a tuple cannot hold another object; ...)"
+        text += " " + "; ".join(f"{name}: {how}" for name, how in left) + "."
+    if loaders:  # e.g. "test_loader: evaluated whole on every rank (iterated without gradients)"
+        text += " " + "; ".join(f"{name}: {how}" for name, how in loaders.items()) + "."
+    if record.updated:
+        text += f" Updated in the kernel: {', '.join(record.updated)}."
+    for sentence in record.derived:  # "lr_scheduler expects 240 steps; each rank runs 120 (...): ..."
+        text += f" {sentence}."
+    if record.log_path:
+        text += f" Full output: {record.log_path}"
+    return text

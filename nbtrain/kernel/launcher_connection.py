@@ -1,0 +1,364 @@
+"""The kernel's connection to its warm launcher: :class:`LauncherClient` and the one per process.
+
+The kernel keeps one warm launcher (started by ``nbtrain.prewarm()`` or the first run) and talks to it over a
+private socket. A reader thread takes every message off that socket and files it under its
+run, so the thread that waits for a run (the cell's own thread, for a blocking launch)
+only ever reads a queue with a bounded timeout and can always be interrupted. What a run
+does with its messages is :class:`nbtrain.kernel.run_handle.Run`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import itertools
+import os
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+from nbtrain import events, processes, wire
+from nbtrain.errors import LauncherError
+from nbtrain.kernel import warm
+from nbtrain.records import CopiedResult
+
+# A run's messages from the launcher (or a cluster's agents), each with the file
+# descriptors that came with it.
+Inbox: TypeAlias = "queue.Queue[tuple[Any, list[int]]]"
+
+# "file": rank 0 sends its result's tensors in a shared-memory file instead of the kernel
+# reading them out of its memory (which is automatic where a sandbox forbids the read).
+RESULT_TRANSFER_VARIABLE = "NBTRAIN_RESULT_TRANSFER"
+# Rank output waiting in a run's inbox for the cell to show it: past this, lines are
+# dropped (and counted in a note) instead of growing the kernel. The launcher already
+# sends at most a few thousand lines per rank, so only a stalled reader gets here.
+PENDING_OUTPUT_CHARS = 8_000_000
+
+
+class LauncherGone:
+    """Filed under every open run when the launcher's channel closes; ``detail`` says how it ended."""
+
+    def __init__(self, detail: str):
+        self.detail = detail
+
+
+class LauncherClient:
+    """The kernel's connection to its warm launcher."""
+
+    def __init__(self) -> None:
+        # Forked from the user's warm template where one can be used; else our own, as before.
+        self.process = warm.launcher() or processes.start_launcher()
+        self.ready = threading.Event()
+        self.alive = True
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._queues: dict[int, Inbox] = {}
+        self._stopping: set[int] = set()  # runs asked to stop: their results are not copied
+        self._lock = threading.Lock()
+        self._pending_output: dict[int, _PendingOutput] = {}
+        self._run_ids = itertools.count(1)
+        # The rank of a failed run kept for a post-mortem, and what it and its debugger send
+        # once its run is over (nbtrain.kernel.pdb_relay).
+        self.held: events.RankHeld | None = None
+        self.debug_messages: queue.Queue[Any] = queue.Queue()
+        self.standby: events.StandbyChanged | None = None  # the launcher's last word on them
+        self._released: queue.Queue[tuple[int, ...]] = queue.Queue()  # its answers to ReleaseStandby
+        threading.Thread(target=self._read_events, name="nbtrain-events", daemon=True).start()
+        threading.Thread(target=self._read_stderr, name="nbtrain-launcher-stderr", daemon=True).start()
+
+    def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, Inbox]:
+        """Send a new run to the launcher (with its tensors' memfd, if any); its id and the inbox it is filed in."""
+        with self._lock:
+            if not self.alive:
+                raise LauncherError(self.exit_detail())
+            run_id = next(self._run_ids)
+            inbox: Inbox = queue.Queue()
+            self._queues[run_id] = inbox
+            message = start_run(run_id)
+            self._pending_output[run_id] = _PendingOutput(message.log_path)
+            fds = () if tensor_fd is None else (tensor_fd,)
+            try:
+                wire.send(self.process.channel, message, fds)
+            except OSError as error:
+                del self._queues[run_id]
+                self._pending_output.pop(run_id, None)
+                raise LauncherError(f"could not reach the nbtrain launcher: {error}. {self.exit_detail()}") from error
+        return run_id, inbox
+
+    def stop(self, run_id: int, reason: str, graceful: bool = False) -> None:
+        """Ask the launcher to stop a run (``graceful``: every rank at one step, rank 0's result kept)."""
+        with self._lock:
+            if not graceful:  # a graceful stop wants rank 0's result at the stop step
+                self._stopping.add(run_id)
+            try:
+                wire.send(self.process.channel, events.StopRun(run_id, reason, graceful))
+            except OSError:
+                pass  # a dead launcher's ranks die with it (PDEATHSIG)
+
+    def send_debug(self, message: Any) -> None:
+        """A line for a rank's pdb, an attach to the held rank or its release: to the launcher."""
+        with self._lock:
+            try:
+                wire.send(self.process.channel, message)
+            except OSError:
+                pass  # the launcher is gone, its ranks with it; the waiting side hears of it
+
+    def take_debug_messages(self) -> list[Any]:
+        """What is waiting from an ended run's rank (a previous post-mortem's end, say)."""
+        taken = []
+        while True:
+            try:
+                taken.append(self.debug_messages.get_nowait())
+            except queue.Empty:
+                return taken
+
+    def release_standby(self, timeout: float = 5.0) -> list[int]:
+        """End the standby ranks (nbtrain.launch_server.standby); the pids the launcher ended."""
+        with self._lock:
+            try:
+                wire.send(self.process.channel, events.ReleaseStandby())
+            except OSError:
+                return []  # a dead launcher's ranks die with it
+        try:
+            return list(self._released.get(timeout=timeout))
+        except queue.Empty:
+            return []  # a launcher that does not answer: its ranks die with it when it is replaced
+
+    def forget(self, run_id: int) -> None:
+        """The run has ended: drop its inbox and its output bookkeeping."""
+        with self._lock:
+            self._queues.pop(run_id, None)
+            self._pending_output.pop(run_id, None)
+            self._stopping.discard(run_id)
+
+    def output_taken(self, run_id: int, chars: int) -> None:
+        """The reader took ``chars`` characters of the run's output: room for more before lines are dropped."""
+        pending = self._pending_output.get(run_id)
+        if pending is not None:
+            pending.taken(chars)
+
+    def close(self) -> None:
+        """Stop the launcher (its ranks die with it); the next launch starts a new one."""
+        self.alive = False
+        processes.stop_launcher(self.process)
+
+    def exit_detail(self) -> str:
+        """Why the launcher is gone (or not answering), with its last output: for the error that says so."""
+        code = self.process.popen.poll()
+        tail = "".join(self.stderr_tail).strip()
+        text = (
+            "the nbtrain launcher process has exited" if code is not None else "the nbtrain launcher stopped answering"
+        )
+        if code is not None and code != processes.UNKNOWN_EXIT:
+            text += f" (exit code {code})"
+        return text + (f"; its last output:\n{tail}" if tail else ". The next launch starts a new one.")
+
+    def _read_events(self) -> None:
+        channel = self.process.channel
+        while True:
+            try:
+                message, fds = wire.receive(channel)
+            except (wire.ChannelClosed, OSError):
+                break
+            if isinstance(message, events.LauncherReady):
+                self.ready.set()
+                continue
+            if isinstance(message, events.StandbyChanged):
+                self.standby = message
+                if message.released is not None:
+                    self._released.put(message.released)
+                continue
+            inbox = self._queues.get(getattr(message, "run_id", -1))
+            self._note_held(message)
+            if inbox is None and isinstance(message, _AFTER_THE_RUN):
+                self.debug_messages.put(message)
+            elif isinstance(message, events.ResultOffer):
+                # Taken here, not by whoever waits for the run: rank 0 (and its memory,
+                # GPU included) is held until this answer, even if nobody ever waits.
+                self._take_result(message, inbox)
+            elif inbox is None:
+                for fd in fds:
+                    os.close(fd)
+            else:
+                self._file(message, fds, inbox)
+        with self._lock:
+            self.alive = False
+            with contextlib.suppress(subprocess.TimeoutExpired):  # still running: the detail says so
+                self.process.popen.wait(timeout=1.0)
+            gone = LauncherGone(self.exit_detail())
+            for inbox in self._queues.values():
+                inbox.put((gone, []))
+            self.held = None  # its ranks died with it
+            self.debug_messages.put(gone)
+
+    def _note_held(self, message: Any) -> None:
+        if isinstance(message, events.RankHeld):
+            self.held = message
+        elif isinstance(message, events.HeldReleased) and getattr(self.held, "run_id", None) == message.run_id:
+            self.held = None
+
+    def _file(self, message: Any, fds: list[int], inbox: Inbox) -> None:
+        pending = self._pending_output.get(message.run_id)
+        if pending is not None and isinstance(message, (events.Output, events.RunEnded)):
+            if isinstance(message, events.Output) and not pending.admit(message):
+                return  # dropped, and counted for the note
+            for note in pending.notes(message.run_id):
+                inbox.put((note, []))
+        inbox.put((message, fds))
+
+    def _take_result(self, offer: events.ResultOffer, inbox: Inbox | None) -> None:
+        copied = None
+        # A run being stopped gives up its result (the launcher stops rank 0 too): no copy.
+        wanted = inbox is not None and offer.run_id not in self._stopping
+        if wanted and os.environ.get(RESULT_TRANSFER_VARIABLE) != "file":
+            from nbtrain import sharedtensors
+
+            # Forbidden here (a sandbox), or no memory: this thread must live on, and rank 0
+            # sends a file instead.
+            with contextlib.suppress(Exception):
+                copied = CopiedResult(
+                    offer.result, sharedtensors.read_from_process(offer.pid, offer.regions, offer.total_bytes)
+                )
+        if copied is not None and inbox is not None:  # copied only when wanted, so for an inbox
+            inbox.put((copied, []))
+        answer = events.ReleaseResult(offer.run_id, send_file=wanted and copied is None)
+        with self._lock:
+            try:
+                wire.send(self.process.channel, answer)
+            except OSError:
+                pass  # the launcher is gone; the run's inbox hears of it
+
+    def _read_stderr(self) -> None:
+        stream = self.process.popen.stderr
+        if stream is None:
+            return
+        for line in iter(stream.readline, b""):
+            self.stderr_tail.append(line.decode(errors="replace"))
+
+
+# What a held rank sends after its run ended: the post-mortem's relay reads it.
+_AFTER_THE_RUN = (
+    events.DebugOutput, events.DebugPrompt, events.DebugEnded, events.HeldReleased, events.RankHeld,
+)
+
+
+class _PendingOutput:
+    """Characters of a run's output filed but not yet taken, and lines dropped per rank."""
+
+    def __init__(self, log_path: str | None):
+        self.log_path = log_path
+        self.chars = 0
+        self.dropped: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, output: events.Output) -> bool:
+        with self._lock:
+            if self.chars > PENDING_OUTPUT_CHARS:
+                self.dropped[output.rank] = self.dropped.get(output.rank, 0) + output.text.count("\n")
+                return False
+            self.chars += len(output.text)
+            return True
+
+    def taken(self, chars: int) -> None:
+        with self._lock:
+            self.chars -= chars
+
+    def notes(self, run_id: int) -> list[events.Output]:
+        """Once the reader caught up (or the run ended): say what was dropped."""
+        with self._lock:
+            if not self.dropped or (self.chars > PENDING_OUTPUT_CHARS / 2):
+                return []
+            dropped, self.dropped = self.dropped, {}
+        where = f" Every line is in {self.log_path}." if self.log_path else ""
+        return [
+            events.Output(
+                run_id,
+                rank,
+                "stderr",
+                f"nbtrain: {count:,} lines of rank {rank} were not shown: the notebook could not keep up.{where}\n",
+            )
+            for rank, count in sorted(dropped.items())
+        ]
+
+
+_client: LauncherClient | None = None
+_client_lock = threading.Lock()
+_hooks_registered = False
+
+
+def get_client() -> LauncherClient:
+    """The warm launcher of this process, started (or restarted) on demand."""
+    global _client
+    with _client_lock:
+        if _client is None or not _client.alive:
+            _register_hooks()
+            _client = LauncherClient()
+        return _client
+
+
+def current_client() -> LauncherClient | None:
+    """This process's launcher, if one runs; never starts one."""
+    client = _client
+    return client if client is not None and client.alive else None
+
+
+def _register_hooks() -> None:
+    """Close the launcher at exit, and forget it in forked children: once, with the first launcher."""
+    global _hooks_registered
+    if not _hooks_registered:
+        from nbtrain import hardware
+
+        hardware.standby_pids = standby_pids
+        atexit.register(_close_client)
+        os.register_at_fork(after_in_child=_forget_client_in_child)
+        _hooks_registered = True
+
+
+def prewarm() -> None:
+    """Start the launcher now so it has imported torch by the time the first run comes.
+
+    ``%load_ext nbtrain`` calls it; importing nbtrain does not. Safe to call again. It also
+    imports what the first launch needs in this process (the pickler, the admission check,
+    the displays: ~20 ms here), so the first run's ranks do not wait for those imports.
+    """
+    try:
+        get_client()
+    except OSError:
+        pass  # the first launch will report it
+    _import_launch_modules()
+
+
+def _import_launch_modules() -> None:
+    import importlib
+
+    names = ["nbtrain.admission", "nbtrain.codepickle", "nbtrain.kernel.display"]
+    if "torch" in sys.modules:  # never imported here on the caller's behalf: it may not need it
+        names.append("nbtrain.sharedtensors")
+    for name in names:
+        importlib.import_module(name)
+
+
+def _close_client() -> None:
+    if _client is not None:
+        _client.close()
+
+
+def _forget_client_in_child() -> None:
+    # A process forked from the kernel (a DataLoader worker, say) must not keep the
+    # launcher's socket open: the launcher would then outlive the kernel.
+    global _client
+    if _client is not None:
+        try:
+            os.close(_client.process.channel.detach())
+        except OSError:
+            pass
+    _client = None
+
+
+def standby_pids() -> set[int]:
+    """The pids of this kernel's standby ranks (a GPU only they hold counts as free)."""
+    standby = _client.standby if _client is not None else None
+    return {pid for _, pid in standby.ranks} if standby is not None else set()

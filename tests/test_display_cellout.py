@@ -1,0 +1,77 @@
+"""What a cell writes as text (nbtrain.kernel.display.cellout): rank output, the summary, nbtrain's lines.
+
+The output modes are checked in a real Jupyter kernel (ipykernel, nbclient); the writers
+directly, on this process's stdout and stderr.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel_helpers import NotebookKernel
+from nbtrain import events
+from nbtrain.kernel.cellrun import CellRun
+from nbtrain.kernel.display import cellout
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = NotebookKernel()
+    try:
+        k.run_ok("%load_ext nbtrain")
+        yield k
+    finally:
+        k.shutdown()
+
+
+def test_output_modes_and_shell_magics_inside_the_cell(kernel):
+    out = kernel.run_ok("%%distributed --devices 2 --output rank0\n%time z = 6 * 7\n!echo from-the-shell\nz + 1\n")
+    assert out.stdout.count("from-the-shell") == 1 and "[rank" not in out.stdout and "Wall time" in out.stdout
+    assert out.results == ["43"] and kernel.value("z") == 42
+    quiet = kernel.run_ok("%%distributed --devices 2 --output none\nprint('hidden')\nq = 1\n")
+    assert quiet.stdout == "" and kernel.value("q") == 1
+
+
+def test_a_finished_cell_ends_with_its_summary_and_each_rank_tagged(kernel):
+    cell = "%%distributed --devices 2 --accelerator cpu\nimport nbtrain\nprint('hi', nbtrain.rank())\nw = 1\n"
+    out = kernel.run_ok(cell)
+    assert "[rank 0] hi 0\n" in out.stdout and "[rank 1] hi 1\n" in out.stdout
+    assert out.stdout.splitlines()[-1].startswith("nbtrain: 2 ranks (cpu, ddp_notebook) finished in ")
+    assert "Updated in the kernel: nbtrain, w." in out.stdout  # the names the cell bound
+
+
+def test_each_output_mode_shows_whose_lines_it_says(capsys):
+    streams = ("stdout", "stderr")
+    lines = [events.Output(1, rank, stream, f"{stream} of {rank}\n") for rank in (0, 1) for stream in streams]
+    for mode in ("all", "rank0", "none"):
+        printer = cellout.OutputPrinter(mode, world_size=2)
+        for line in [*lines, events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}),))]:
+            printer(line)
+    out, err = capsys.readouterr()
+    assert out == "[rank 0] stdout of 0\n[rank 1] stdout of 1\nstdout of 0\n"
+    assert err == "[rank 0] stderr of 0\n[rank 1] stderr of 1\nstderr of 0\n"
+    cellout.OutputPrinter("all", world_size=1)(lines[0])  # one rank: nothing to tell apart
+    assert capsys.readouterr().out == "stdout of 0\n"
+
+
+def test_nbtrains_own_lines_go_to_the_stream_they_name(capsys):
+    cellout.print_line("nbtrain: a line")
+    cellout.print_warning("nbtrain warning: a warning")
+    cellout.write_text("(Pdb) ")
+    assert capsys.readouterr() == ("nbtrain: a line\n(Pdb) ", "nbtrain warning: a warning\n")
+
+
+def test_the_summary_says_what_ran_what_was_prepared_and_what_came_back():
+    record = CellRun(state="finished", world_size=2, strategy="ddp_notebook", accelerator="cpu", seconds=3.04)
+    record.prepared = [("model", "DistributedDataParallel"), ("opt", "bound"), ("loader", "sharded")]
+    record.loaders = [("loader", "sharded over 2 ranks")]
+    record.updated = ["model", "opt", "history"]
+    assert cellout.summary(record) == (
+        "nbtrain: 2 ranks (cpu, ddp_notebook) finished in 3.0 s. Auto-prepared: model (DistributedDataParallel). "
+        "loader: sharded over 2 ranks. Updated in the kernel: model, opt, history."
+    )
+    record.stopped_at, record.state, record.log_path = 412, "stopped", "/logs/run.log"
+    assert cellout.summary(record).startswith("nbtrain: 2 ranks (cpu, ddp_notebook) stopped at step 412 in 3.0 s.")
+    assert cellout.summary(record).endswith(" Full output: /logs/run.log")

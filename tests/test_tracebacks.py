@@ -1,0 +1,82 @@
+"""A failed cell's error as the notebook shows it (nbtrain.kernel.tracebacks).
+
+The rank's traceback is checked in a real Jupyter kernel (ipykernel, nbclient); the wording
+pieces are checked directly, on the errors a run raises.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel_helpers import NotebookKernel
+from nbtrain.errors import RankError, RunStoppedError
+from nbtrain.kernel import tracebacks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = NotebookKernel()
+    try:
+        k.run_ok("%load_ext nbtrain")
+        yield k
+    finally:
+        k.shutdown()
+
+
+def test_a_failure_on_rank_one_names_the_rank_and_the_cells_line(kernel):
+    kernel.run_ok("value = 10")
+    number = kernel.value("len(In)")  # the next cell's In[N]
+    out = kernel.run(
+        "%%distributed --devices 2\n"
+        "import nbtrain\n"
+        "value = value + 1\n"
+        "if nbtrain.rank() == 1:\n"
+        "    raise ValueError('only rank 1 fails')\n"
+    )
+    assert out.error is not None
+    text = "\n".join(out.error["traceback"])
+    assert text.startswith("RankError: rank 1 raised ValueError: only rank 1 fails")
+    assert f"Cell In[{number}], line 5, in <module>" in text
+    assert "raise ValueError('only rank 1 fails')" in text
+    assert "nbtrain/" not in text  # no frames of ours
+    # The failed rank is held for a post-mortem (tests/test_debugger.py): the last line says so.
+    unchanged, held = text.rsplit("\n", 1)
+    assert unchanged.endswith("Nothing in the kernel was changed: value is as it was before the cell.")
+    assert held.startswith("%nbtrain_debug opens the debugger in rank 1's frames (held for 10 min")
+    assert kernel.value("value") == 10
+
+
+def test_a_syntax_error_is_shown_at_the_cells_own_line(kernel):
+    number = kernel.value("len(In)")  # the next cell's In[N]
+    out = kernel.run("%%distributed --devices 2\nx = 1\nif x:\nprint(x)\n")
+    assert out.error is not None and out.error["ename"] == "CellSyntaxError"
+    text = "\n".join(out.error["traceback"])
+    assert f"Cell In[{number}], line 4" in text and "IndentationError" in text and "nbtrain/" not in text
+
+
+def test_a_rank_error_keeps_its_rank_and_gets_the_note_and_the_device_hint():
+    error = RankError(
+        1, "RuntimeError", "Expected all tensors to be on the same device, but found at least two devices",
+        'Traceback:\n  File "/tmp/x.py", line 3, in f\n', "",
+    )
+    shown = tracebacks.explain_failure(error, None, "Nothing in the kernel was changed.")
+    assert isinstance(shown, RankError) and shown.rank == 1
+    assert 'File "/tmp/x.py", line 3' in str(shown.remote_traceback)  # not a cell: its name stays
+    assert "Move them with `.to(nbtrain.device())`" in shown.note
+    assert shown.note.endswith("Nothing in the kernel was changed.")
+
+
+def test_a_stop_says_what_it_means_for_the_kernel():
+    error = tracebacks.explain_failure(RunStoppedError("the run was stopped."), None, "Nothing changed.")
+    assert str(error) == "the run was stopped. Nothing changed."
+
+
+def test_what_the_kernel_kept_names_its_objects_but_not_its_functions_or_modules():
+    import math
+
+    assert tracebacks.unchanged_note({}) == "Nothing in the kernel was changed."
+    note = tracebacks.unchanged_note({"f": len, "math": math, **{f"v{i}": i for i in range(9)}})
+    listed = "v0, v1, v2, v3, v4, v5, v6, v7, ..."
+    assert note == f"Nothing in the kernel was changed: {listed} are as they were before the cell."
