@@ -122,7 +122,7 @@ def test_only_the_display_package_shows_anything_in_a_cell():
 
 
 def _writes_to_a_stream(path: Path) -> bool:
-    """Whether ``path``'s code calls ``print(...)`` or ``sys.stdout.write``/``sys.stderr.write`` (not its docstrings)."""
+    """Whether ``path``'s code calls ``print(...)`` or ``sys.stdout.write``/``sys.stderr.write`` (docstrings aside)."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Call):
             func = node.func
