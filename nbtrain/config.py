@@ -124,6 +124,7 @@ class LaunchConfig:
         return 1 if self.strategy.model_wrapper == "dp" else self.plan.world_size
 
     def rank_specs(self) -> tuple[RankSpec, ...]:
+        """Each rank's number, local rank, world size and device, in rank order (``dp``: one rank on the first GPU)."""
         device_type = self.plan.accelerator
         if self.strategy.model_wrapper == "dp":  # one rank, on the first chosen GPU (DataParallel's output device)
             return (RankSpec(0, 0, 1, device_type, self.plan.device_ids[0]),)

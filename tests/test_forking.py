@@ -1,6 +1,6 @@
 """Starting a rank (nbtrain.launch_server.forking): its descriptors, and the child's side of the fork.
 
-A run's ranks forked through it are tested end to end in tests/test_launch_server.py.
+A run's ranks forked through it are tested end to end in tests/test_launch_server_server.py.
 """
 
 from __future__ import annotations

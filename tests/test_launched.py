@@ -1,7 +1,7 @@
 """What the launcher knows of a run (nbtrain.launch_server.launched): the questions its loop asks.
 
 Records and their readings only; a run's lifecycle through a real launcher is in
-tests/test_launch_server.py, its table in tests/test_lifecycle.py.
+tests/test_launch_server_server.py, its table in tests/test_lifecycle.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The launcher's run lifecycle (nbtrain.launch_server.lifecycle): every allowed move, and refusals.
 
-Pure: the table and the Lifecycle object, no process. tests/test_launch_server.py shows the
+Pure: the table and the Lifecycle object, no process. tests/test_launch_server_server.py shows the
 states a real run of a real launcher passes through.
 """
 

@@ -2,7 +2,7 @@
 
 A forked child registers its faulthandler on a pipe as a rank does (nbtrain.rank.runtime);
 the launcher's functions ask for its dump, read it and parse it. Runs stopped through a
-real launcher, with every rank's dump in RunEnded, are in tests/test_launch_server.py.
+real launcher, with every rank's dump in RunEnded, are in tests/test_launch_server_server.py.
 """
 
 from __future__ import annotations
