@@ -71,7 +71,7 @@ class LauncherClient:
 
     def __init__(self) -> None:
         # Forked from the user's warm template where one can be used; else our own, as before.
-        self.process = warm.launcher() or processes.start_launcher()
+        self.process = warm.forked_launcher() or processes.start_launcher()
         self.ready = threading.Event()
         self.alive = True
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)

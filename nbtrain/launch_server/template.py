@@ -1,6 +1,6 @@
 """The warm template: ``python -m nbtrain.launch_server.template <socket>``, started by a kernel.
 
-One per user, machine and environment (``nbtrain.template`` names it). It imports what a
+One per user, machine and environment (``nbtrain.templatesocket`` names it). It imports what a
 launcher imports, then only forks: each kernel that asks gets a private launcher, forked
 in milliseconds and sharing the template's memory copy-on-write. The template never runs
 user code and never forks a rank. Its launchers do not die with it: each watches its own
@@ -23,13 +23,15 @@ import time
 from dataclasses import dataclass
 
 from nbtrain import events, processes, wire
-from nbtrain import template as naming
+from nbtrain import templatesocket as naming
 from nbtrain.launch_server import server
 
 HANDSHAKE_SECONDS = 5.0  # a connected kernel that says nothing for this long is dropped
 
 
 class Template:
+    """The template's loop: accept kernels on ``listener``, fork their launchers, reap them, retire when idle."""
+
     def __init__(self, listener: socket.socket, path: str, loaded: tuple[str, ...]):
         self.listener = listener
         self.path = path
@@ -43,6 +45,7 @@ class Template:
         self.inode = os.stat(path).st_ino
 
     def serve(self) -> None:
+        """Serve until no launcher of ours has lived for the idle time (then the socket's name is removed)."""
         while True:
             for key, _ in self.selector.select(1.0):
                 if key.data is None:
@@ -169,6 +172,7 @@ def _listen(path: str) -> socket.socket | None:
 
 
 def main() -> None:
+    """``python -m nbtrain.launch_server.template <socket>``: detach, import, freeze, serve."""
     path = sys.argv[1]
     processes.detach()
     os.chdir("/")  # hold no kernel's directory for the template's lifetime
