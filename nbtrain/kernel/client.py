@@ -349,8 +349,12 @@ def _import_launch_modules() -> None:
     import importlib
 
     names = ["nbtrain.admission", "nbtrain.codepickle", "nbtrain.kernel.display"]
+    # What the first cell imports before its ranks can start (~30 ms; more on a loaded machine).
+    names += ["nbtrain.rank.cell", "nbtrain.kernel.namespace", "nbtrain.cellplan", "nbtrain.kernel.debugger"]
     if "torch" in sys.modules:  # never imported here on the caller's behalf: it may not need it
         names.append("nbtrain.sharedtensors")
+    if "numpy" in sys.modules:  # the cell takes the kernel's numpy random state with it
+        names.append("numpy.random")
     for name in names:
         importlib.import_module(name)
 
