@@ -3,7 +3,8 @@
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/warm_start.py            # about 5 minutes on 2 quiet cores
+    bash benchmarks/peers-env                            # once: .venv-peers with Lightning (PyPI)
+    .venv/bin/python benchmarks/warm_start.py            # about 6 minutes on 2 quiet cores
     .venv/bin/python benchmarks/warm_start.py --quick    # one repetition of each
 
 Real kernels (jupyter_client), 2 CPU ranks, gloo, DDP over an MLP 784-256-10, batch 32.
@@ -14,7 +15,11 @@ Every template this script starts lives in a private directory of its own
    the cell's start (an IPython ``pre_run_cell`` hook, ``time.time()``) to the last rank's
    first optimizer step (``time.time()`` on each rank, the maximum all-reduced). Three
    cases: the template switched off (every kernel starts its own launcher, as before the
-   template); the very first kernel, no template yet; a template already there.
+   template); the very first kernel, no template yet; a template already there. Beside
+   them, Lightning's ``ddp_notebook`` (Fabric, 2 CPU devices, the same MLP, batch and
+   measurement) in a fresh kernel of ``.venv-peers`` (``benchmarks/peers-env`` makes it;
+   without it this case is skipped, and the script says so): ``import lightning`` (its
+   ``%load_ext``), then at once the first cell, then the same cell again.
 2. Memory: the proportional set size (``/proc/<pid>/smaps_rollup``) of the kernel-side
    nbtrain processes (every kernel's launcher, and the template) with five idle kernels
    that loaded nbtrain, against one.
@@ -28,11 +33,13 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 
 import psutil
+from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,12 +48,17 @@ sys.path.insert(0, REPO)
 
 from nbtrain import processes
 
+# A user's kernel imports nbtrain, torch and Lightning from compiled bytecode (pip compiles
+# it at install; an editable install writes it at the first import): so do these kernels,
+# whatever this shell says (PYTHONDONTWRITEBYTECODE would have them compile every module).
+KERNEL_ENV = {"PYTHONDONTWRITEBYTECODE": ""}
 TARGET_FIRST_STEP = 0.2  # seconds, with a template there
 TARGET_MEMORY_RATIO = 1.3  # five idle kernels against one
 
+PEERS_PYTHON = os.path.join(REPO, ".venv-peers", "bin", "python")
 HOOK = """import time as _time
 def _nbtrain_bench_mark(info):
-    if info.raw_cell.startswith("%%distributed"):
+    if info.raw_cell.startswith(("%%distributed", "# timed")):
         globals()["_t_cell"] = _time.time()
 get_ipython().events.register("pre_run_cell", _nbtrain_bench_mark)
 """
@@ -68,14 +80,43 @@ first_step = stamp.item()
 """
 LAUNCHER_PID = "print(__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().process.pid)"
 READY = "print(__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().ready.wait(300))"
+LIGHTNING_CELL = """# timed: Lightning's ddp_notebook, the same first step
+import time, torch
+import torch.distributed as dist
+import torch.nn.functional as F
+def first_step_on(fabric):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    net, opt = fabric.setup(net, opt)
+    loss = F.cross_entropy(net(torch.randn(32, 784)), torch.randint(0, 10, (32,)))
+    opt.zero_grad()
+    fabric.backward(loss)
+    opt.step()
+    stamp = torch.tensor([time.time()], dtype=torch.float64)
+    dist.all_reduce(stamp, op=dist.ReduceOp.MAX)
+    return stamp.item()
+fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp_notebook")
+first_step = fabric.launch(first_step_on)
+"""
+LAUNCHER_PID = "print(__import__('nbtrain.kernel.client', fromlist=['x']).get_client().process.pid)"
+READY = "print(__import__('nbtrain.kernel.client', fromlist=['x']).get_client().ready.wait(300))"
 
 
 class Kernel:
     """A real ipykernel with the given environment; every wait bounded."""
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self.manager = KernelManager(kernel_name="python3")
-        self.manager.start_kernel(env={**os.environ, **env})
+    def __init__(self, env: dict[str, str], python: str | None = None) -> None:
+        """``python``: the interpreter of another environment to run the kernel (Lightning's)."""
+        self.folder = tempfile.mkdtemp(prefix="nbtrain-bench-kernelspec-")
+        specs = KernelSpecManager(kernel_dirs=[self.folder])
+        if python is not None:
+            os.makedirs(os.path.join(self.folder, "peers"))
+            argv = [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+            with open(os.path.join(self.folder, "peers", "kernel.json"), "w") as spec:
+                json.dump({"argv": argv, "display_name": "peers", "language": "python"}, spec)
+        self.manager = KernelManager(kernel_name="peers" if python else "python3", kernel_spec_manager=specs)
+        self.manager.start_kernel(env={**os.environ, **KERNEL_ENV, **env})
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=120)
@@ -102,6 +143,7 @@ class Kernel:
     def close(self) -> None:
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=False)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -153,10 +195,39 @@ def first_run(env: dict[str, str]) -> tuple[float, float]:
         kernel.close()
 
 
+def lightning_run() -> tuple[float, float]:
+    """A fresh kernel of .venv-peers: ``import lightning``, then at once the first Fabric cell, then again."""
+    kernel = Kernel({}, python=PEERS_PYTHON)
+    try:
+        kernel.run(HOOK)
+        kernel.run("import lightning as L")
+        figures = []
+        for _ in range(2):
+            kernel.run(LIGHTNING_CELL)
+            figures.append(float(kernel.value("first_step - _t_cell")))  # type: ignore[arg-type]
+        return figures[0], figures[1]
+    finally:
+        kernel.close()
+
+
+def lightning_there() -> bool:
+    if os.path.exists(PEERS_PYTHON):
+        return True
+    print("skipped: Lightning ddp_notebook (no .venv-peers: `bash benchmarks/peers-env` makes it)", flush=True)
+    return False
+
+
 def first_runs(reps: int) -> dict[str, list[float]]:
     cases = ("no template (as before)", "first kernel, no template yet", "template there", "re-run (same kernel)")
     figures: dict[str, list[float]] = {case: [] for case in cases}
+    lightning = lightning_there()
+    if lightning:
+        figures["Lightning ddp_notebook, first"], figures["Lightning ddp_notebook, re-run"] = [], []
     for _ in range(reps):  # alternated, so that a busy moment does not favour one case
+        if lightning:
+            first, again = lightning_run()
+            figures["Lightning ddp_notebook, first"].append(first)
+            figures["Lightning ddp_notebook, re-run"].append(again)
         figures["no template (as before)"].append(first_run(environment(None))[0])
         with template_folder() as folder:
             figures["first kernel, no template yet"].append(first_run(environment(folder))[0])
@@ -217,6 +288,9 @@ def report(firsts: dict[str, list[float]], memories: dict[str, tuple[int, int]])
     rerun = statistics.median(firsts["re-run (same kernel)"])
     print(f"  {'PASS' if warm <= TARGET_FIRST_STEP else 'FAIL'}  template there: first step <= 0.2 s  {warm:.3f} s")
     print(f"        template there against a re-run in the same kernels: {warm / rerun:.2f}x ({rerun:.3f} s)")
+    if "Lightning ddp_notebook, first" in firsts:
+        peer = statistics.median(firsts["Lightning ddp_notebook, first"])
+        print(f"        template there against Lightning ddp_notebook's first cell: {warm / peer:.2f}x ({peer:.3f} s)")
     verdict = "PASS" if first <= before * 1.1 else "FAIL"
     print(f"  {verdict}  first kernel no slower than before (within 10%)  {first:.3f} vs {before:.3f} s")
     print(f"  {'PASS' if ratio <= TARGET_MEMORY_RATIO else 'FAIL'}  five idle kernels <= 1.3x one  {ratio:.2f}x")
@@ -226,6 +300,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one repetition of each case")
     args = parser.parse_args()
+    # As after `pip install`: nbtrain's bytecode is there before the first kernel (KERNEL_ENV).
+    compile_all = [sys.executable, "-m", "compileall", "-q", os.path.join(REPO, "nbtrain")]
+    subprocess.run(compile_all, check=False, env={**os.environ, **KERNEL_ENV})
     firsts = first_runs(1 if args.quick else 3)
     report(firsts, memory())
 

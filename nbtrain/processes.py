@@ -7,7 +7,7 @@ The topology (docs/architecture.md draws it):
                               └── fork ──> rank 1 ...
 
     (or: template ──fork──> launcher, the template imported torch once for all the user's
-    kernels; see nbtrain.template)
+    kernels; see nbtrain.templatesocket)
 
 Why each rule:
 - The launcher is started from a fresh interpreter in its own session. Ranks fork from it,

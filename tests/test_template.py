@@ -13,7 +13,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import pytest
 from helpers import procs
 from kernel_helpers import NotebookKernel
 from nbtrain import processes, wire
-from nbtrain import template as naming
+from nbtrain import templatesocket as naming
 from nbtrain.kernel import warm
 
 GONE_SECONDS = 30.0
@@ -220,7 +219,7 @@ except (BrokenPipeError, ConnectionResetError):  # closed on us before we finish
 """
 
 
-def test_another_users_process_is_refused(template_env, tmp_path, other_user):
+def test_another_users_process_is_refused(template_env, other_user):
     user = other_user
     folder = template_env[naming.DIRECTORY_VARIABLE]
     path = naming.socket_path(folder, naming.identity())
@@ -236,9 +235,6 @@ def test_another_users_process_is_refused(template_env, tmp_path, other_user):
     answer = subprocess.run([*ask, ASK_AS_OTHER, path], check=False, capture_output=True, text=True, timeout=60)
     assert answer.stdout.strip() == "refused", answer.stdout + answer.stderr
     os.chmod(folder, 0o700)
-    assert naming.directory({naming.DIRECTORY_VARIABLE: str(tmp_path / "x")}) is not None
-    os.chmod(tmp_path / "x", 0o755)
-    assert naming.directory({naming.DIRECTORY_VARIABLE: str(tmp_path / "x")}) is None  # not private: no template
 
 
 class warm_launcher:
@@ -250,7 +246,7 @@ class warm_launcher:
     def __enter__(self) -> processes.LauncherProcess:
         self.saved = {key: os.environ.get(key) for key in self.env}
         os.environ.update(self.env)
-        launcher = warm.launcher()
+        launcher = warm.forked_launcher()
         assert launcher is not None
         launcher.channel.settimeout(READY_SECONDS)
         ready, _ = wire.receive(launcher.channel)
@@ -295,29 +291,3 @@ def test_a_hundred_launcher_starts_and_stops_leave_no_growth(template_env):
     assert after[1] <= before[1], f"this process's descriptors went from {before[1]} to {after[1]}"
     assert psutil.Process(template).children() == []
     assert after[2] - before[2] < 16 << 20, f"the template grew by {(after[2] - before[2]) >> 20} MiB"
-
-
-def test_where_no_template_can_be_used_the_kernel_starts_its_own_launcher(tmp_path, monkeypatch):
-    folder = tmp_path / "read-only"
-    folder.mkdir(mode=0o500)
-    monkeypatch.setenv(naming.ENABLED_VARIABLE, "1")
-    monkeypatch.setenv(naming.DIRECTORY_VARIABLE, str(folder / "runtime"))
-    if os.getuid() == 0:  # root writes anywhere: a directory not private to the user stands in
-        folder.chmod(0o755)
-        monkeypatch.setenv(naming.DIRECTORY_VARIABLE, str(folder))
-    assert warm.launcher() is None
-    monkeypatch.setenv(naming.ENABLED_VARIABLE, "0")
-    assert warm.launcher() is None
-
-
-def test_the_identity_names_the_environment_and_version():
-    mine = naming.identity()
-    assert mine.prefix == sys.prefix and mine.uid == os.getuid() and mine.torch
-    assert naming.identity(tag="x").key() != mine.key()
-    connection, other = socket.socketpair()
-    with connection, other:
-        assert naming.refusal(connection, mine, naming.Request(mine, {}, "/")) == ""
-        assert naming.refusal(connection, mine, naming.Request(naming.identity(tag="x"), {}, "/")).startswith(
-            "the template was started for"
-        )
-        assert naming.refusal(connection, mine, "hello") == "not an nbtrain template request"

@@ -51,7 +51,7 @@ class LauncherClient:
 
     def __init__(self) -> None:
         # Forked from the user's warm template where one can be used; else our own, as before.
-        self.process = warm.launcher() or processes.start_launcher()
+        self.process = warm.forked_launcher() or processes.start_launcher()
         self.ready = threading.Event()
         self.alive = True
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
@@ -337,6 +337,11 @@ def _import_launch_modules() -> None:
     names = ["nbtrain.admission", "nbtrain.codepickle", "nbtrain.kernel.display"]
     if "torch" in sys.modules:  # never imported here on the caller's behalf: it may not need it
         names.append("nbtrain.sharedtensors")
+    # What the first cell imports before its ranks can start (~30 ms; more on a loaded machine).
+    names += ["nbtrain.rank.cell", "nbtrain.kernel.namespace", "nbtrain.cellplan", "nbtrain.kernel.pdb_relay"]
+    names += ["nbtrain.kernel.launchplan", "nbtrain.rank.loaders"]
+    if "numpy" in sys.modules:  # the cell takes the kernel's numpy random state with it
+        names.append("numpy.random")
     for name in names:
         importlib.import_module(name)
 

@@ -1,10 +1,10 @@
-"""A private launcher forked from the user's warm template (``nbtrain.template``).
+"""A private launcher forked from the user's warm template (``nbtrain.templatesocket``).
 
 The kernel connects to the template's socket (starting the template if there is none),
 sends it the launcher's end of a fresh socketpair and a stderr pipe (SCM_RIGHTS), and gets
 back a launcher that has torch imported already. Wherever that cannot be (the template is
 switched off, the runtime directory is not private or not writable, no Unix sockets, the
-template refuses or does not answer), :func:`launcher` returns None and the kernel starts
+template refuses or does not answer), :func:`forked_launcher` returns None and the kernel starts
 its own launcher as before, silently.
 """
 
@@ -18,16 +18,26 @@ import time
 from collections.abc import Iterator
 
 from nbtrain import processes, wire
-from nbtrain import template as naming
+from nbtrain import templatesocket as naming
 
 CONNECT_SECONDS = 10.0  # a template just started binds its socket within this
 
 
-def launcher() -> processes.LauncherProcess | None:
-    """This kernel's private launcher, forked by the template; None where there is none."""
+def forked_launcher() -> processes.LauncherProcess | None:
+    """This kernel's private launcher, forked by the template; None where there is none.
+
+    The template is started first if none runs. None (the caller then starts its own
+    launcher) wherever a template cannot be used; nothing is said about it.
+
+        >>> import os
+        >>> os.environ["NBTRAIN_TEMPLATE"] = "0"
+        >>> forked_launcher() is None
+        True
+        >>> del os.environ["NBTRAIN_TEMPLATE"]
+    """
     if not naming.enabled():
         return None
-    folder = naming.directory()
+    folder = naming.socket_directory()
     if folder is None:
         return None
     me = naming.identity()
@@ -51,10 +61,18 @@ def launcher() -> processes.LauncherProcess | None:
 
 
 def ensure_template() -> None:
-    """Start the template now if none runs (the Jupyter server does, as it starts)."""
+    """Start the template now if none runs (the Jupyter server does, as it starts).
+
+    Does nothing where kernels would not use a template; never raises.
+
+        >>> import os
+        >>> os.environ["NBTRAIN_TEMPLATE"] = "0"
+        >>> ensure_template()
+        >>> del os.environ["NBTRAIN_TEMPLATE"]
+    """
     if not naming.enabled():
         return
-    folder = naming.directory()
+    folder = naming.socket_directory()
     if folder is None:
         return
     path = naming.socket_path(folder, naming.identity())

@@ -1,6 +1,6 @@
 """The warm template: ``python -m nbtrain.launch_server.template <socket>``, started by a kernel.
 
-One per user, machine and environment (``nbtrain.template`` names it). It imports what a
+One per user, machine and environment (``nbtrain.templatesocket`` names it). It imports what a
 launcher imports, then only forks: each kernel that asks gets a private launcher, forked
 in milliseconds and sharing the template's memory copy-on-write. The template never runs
 user code and never forks a rank. Its launchers do not die with it: each watches its own
@@ -23,13 +23,15 @@ import time
 from dataclasses import dataclass
 
 from nbtrain import events, processes, wire
-from nbtrain import template as naming
+from nbtrain import templatesocket as naming
 from nbtrain.launch_server import forking, server
 
 HANDSHAKE_SECONDS = 5.0  # a connected kernel that says nothing for this long is dropped
 
 
 class Template:
+    """The template's loop: accept kernels on ``listener``, fork their launchers, reap them, retire when idle."""
+
     def __init__(self, listener: socket.socket, path: str, loaded: tuple[str, ...]):
         self.listener = listener
         self.path = path
@@ -43,6 +45,7 @@ class Template:
         self.inode = os.stat(path).st_ino
 
     def serve(self) -> None:
+        """Serve until no launcher of ours has lived for the idle time (then the socket's name is removed)."""
         while True:
             for key, _ in self.selector.select(1.0):
                 if key.data is None:
@@ -156,6 +159,33 @@ class _Child:
         processes.exit_now(0)
 
 
+def warm_up_torch() -> None:
+    """Pay once, here, what every rank's first training step pays on first use; its ranks inherit it.
+
+    A first forward, backward and optimizer step in a process initialises torch's lazy
+    parts (operator dispatch, CPU kernels' selection, the allocator, autograd, the
+    optimizers' first-step paths): 20-40 ms of each rank's first step on a 2-core machine.
+    One thread (no pool is started: the template must stay thread-free to fork), and the
+    random state is put back, so a rank starts from torch's usual state. Never raises.
+
+        >>> warm_up_torch()
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    # Whatever fails here only costs speed: the ranks pay it as before.
+    with contextlib.suppress(Exception):
+        torch.set_num_threads(1)
+        with torch.random.fork_rng(devices=[]):
+            model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+            for optimizer in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW(model.parameters())):
+                loss = torch.nn.functional.cross_entropy(model(torch.randn(3, 8)), torch.tensor([0, 1, 1]))
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    torch.set_num_threads(threads)
+
+
 def _listen(path: str) -> socket.socket | None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -169,6 +199,7 @@ def _listen(path: str) -> socket.socket | None:
 
 
 def main() -> None:
+    """``python -m nbtrain.launch_server.template <socket>``: detach, import, freeze, serve."""
     path = sys.argv[1]
     processes.detach()
     os.chdir("/")  # hold no kernel's directory for the template's lifetime
@@ -179,6 +210,7 @@ def main() -> None:
         processes.exit_now(0)
     os.environ["OPENBLAS_NUM_THREADS"] = "1"  # numpy's pool would make forking unsafe
     loaded = server.preload()
+    warm_up_torch()
     # Objects that exist now are never collected: a collection in a launcher would touch
     # (and so copy) every page the template shares with it. No collection first: on torch's
     # heap it costs the first kernel's first run time, and frees next to nothing.

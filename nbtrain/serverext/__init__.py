@@ -12,7 +12,7 @@ one behind Jupyter's authentication (token or cookie, and XSRF for POST):
 - ``POST {base_url}nbtrain/api/runs/<id>/stop``: stop a run by signalling its ranks directly;
 - ``POST {base_url}nbtrain/api/runs/<id>/clean``: forget an ended or orphaned run, killing what is left of it.
 
-It also starts the user's warm template (``nbtrain.template``) as the server starts, so a
+It also starts the user's warm template (``nbtrain.templatesocket``) as the server starts, so a
 kernel's launcher is forked from a process that has imported torch already.
 
 Example (from a shell, with the server's token)::
@@ -39,7 +39,7 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
 
 def _start_template() -> None:
     """Start the warm template now (in the background), so the first kernel's first run finds
-    torch imported; kernels of the server's Python environment use it (nbtrain.template)."""
+    torch imported; kernels of the server's Python environment use it (nbtrain.templatesocket)."""
     import threading
 
     from nbtrain.kernel import warm

@@ -1,4 +1,7 @@
-"""The warm template's address and handshake: shared by the kernel and the template process.
+"""The warm template's socket: where it lives, who may use it, what is said on it.
+
+Shared by the kernel (``nbtrain.kernel.warm``) and the template process
+(``nbtrain.launch_server.template``).
 
 One template per user, machine and Python environment imports torch once; every kernel's
 private launcher is forked from it (copy-on-write), so a fresh kernel's first run finds
@@ -8,8 +11,7 @@ name and checked again in the handshake, so a kernel never attaches to a templat
 another environment or an older nbtrain. The socket lives in a directory private to the
 user (0700, owned by them), and the template serves only its own user (SO_PEERCRED).
 
-No torch here, no processes: ``nbtrain.kernel.warm`` connects, and
-``nbtrain.launch_server.template`` serves.
+No torch here, no processes: the kernel's side connects, the template process serves.
 
     >>> me = identity()
     >>> me.matches(me), me.matches(identity(tag="other"))
@@ -38,7 +40,11 @@ IDLE_SECONDS = 600.0
 
 @dataclass(frozen=True)
 class Identity:
-    """What must be equal for a kernel to use a template's launchers."""
+    """What must be equal for a kernel to use a template's launchers.
+
+        >>> identity().key() == identity().key()
+        True
+    """
 
     nbtrain: str
     code: int  # newest modification time of nbtrain's sources (an editable install changes)
@@ -50,16 +56,29 @@ class Identity:
     tag: str
 
     def matches(self, other: Identity) -> bool:
+        """Whether a kernel of identity ``other`` may use this template (every field equal).
+
+            >>> identity().matches(identity(tag="an older nbtrain"))
+            False
+        """
         return self == other
 
     def key(self) -> str:
-        """A short name for this identity: part of the socket's name."""
+        """A short name for this identity: part of the socket's name.
+
+            >>> len(identity().key())
+            16
+        """
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
 class Request:
-    """Kernel -> template, with the launcher's end of its socketpair and a stderr pipe."""
+    """Kernel -> template, with the launcher's end of its socketpair and a stderr pipe.
+
+        >>> Request(identity(), {"HOME": "/home/me"}, "/home/me").cwd
+        '/home/me'
+    """
 
     identity: Identity
     environ: dict[str, str]
@@ -68,14 +87,22 @@ class Request:
 
 @dataclass(frozen=True)
 class Reply:
-    """Template -> kernel: the private launcher's pid, or why there is none."""
+    """Template -> kernel: the private launcher's pid, or why there is none.
+
+        >>> Reply(None, "the template was started for another environment").launcher_pid is None
+        True
+    """
 
     launcher_pid: int | None
     refused: str = ""
 
 
 def identity(environ: Mapping[str, str] | None = None, tag: str | None = None) -> Identity:
-    """This process's identity (``tag`` from ``$NBTRAIN_TEMPLATE_TAG`` unless given)."""
+    """This process's identity (``tag`` from ``$NBTRAIN_TEMPLATE_TAG`` unless given).
+
+        >>> identity(tag="x").tag
+        'x'
+    """
     environ = os.environ if environ is None else environ
     found = Identity(
         nbtrain=_version("nbtrain"),
@@ -91,11 +118,21 @@ def identity(environ: Mapping[str, str] | None = None, tag: str | None = None) -
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether kernels use the template (``$NBTRAIN_TEMPLATE``; "0", "off", "no", "false": not).
+
+        >>> enabled({"NBTRAIN_TEMPLATE": "off"}), enabled({})
+        (False, True)
+    """
     environ = os.environ if environ is None else environ
     return environ.get(ENABLED_VARIABLE, "1").strip().lower() not in ("0", "off", "no", "false")
 
 
 def idle_seconds(environ: Mapping[str, str] | None = None) -> float:
+    """How long the template stays once no launcher of its own lives (``$NBTRAIN_TEMPLATE_IDLE_SECONDS``).
+
+        >>> idle_seconds({"NBTRAIN_TEMPLATE_IDLE_SECONDS": "5"}), idle_seconds({"NBTRAIN_TEMPLATE_IDLE_SECONDS": "x"})
+        (5.0, 600.0)
+    """
     environ = os.environ if environ is None else environ
     try:
         return max(0.0, float(environ.get(IDLE_VARIABLE, IDLE_SECONDS)))
@@ -103,8 +140,22 @@ def idle_seconds(environ: Mapping[str, str] | None = None) -> float:
         return IDLE_SECONDS
 
 
-def directory(environ: Mapping[str, str] | None = None) -> str | None:
-    """The user's private directory for the socket (made 0700 if missing), or None if unsafe."""
+def socket_directory(environ: Mapping[str, str] | None = None) -> str | None:
+    """The user's private directory for the socket (made 0700 if missing), or None if unsafe.
+
+    ``$NBTRAIN_TEMPLATE_DIR``, else ``nbtrain-<uid>`` in ``$XDG_RUNTIME_DIR`` (or the
+    temporary directory); None where it is not a directory of this user's that only they
+    may enter, or cannot be written.
+
+        >>> import os, tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> socket_directory({"NBTRAIN_TEMPLATE_DIR": folder}) == folder
+        True
+        >>> os.chmod(folder, 0o755)  # others may enter: unsafe
+        >>> socket_directory({"NBTRAIN_TEMPLATE_DIR": folder}) is None
+        True
+        >>> os.rmdir(folder)
+    """
     environ = os.environ if environ is None else environ
     path = environ.get(DIRECTORY_VARIABLE)
     if not path:
@@ -121,28 +172,58 @@ def directory(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def socket_path(folder: str, of: Identity) -> str:
+    """The socket of the template for identity ``of`` in ``folder``.
+
+        >>> socket_path("/run/user/1000/nbtrain-1000", identity()).endswith(".sock")
+        True
+    """
     return os.path.join(folder, f"template-{of.key()}.sock")
 
 
 def lock_path(socket_file: str) -> str:
-    """Held while a template is started or connected to, and while one retires."""
+    """Held while a template is started or connected to, and while one retires.
+
+        >>> lock_path("/tmp/nbtrain-0/template-0123456789abcdef.sock")
+        '/tmp/nbtrain-0/template-0123456789abcdef.lock'
+    """
     return socket_file[: -len(".sock")] + ".lock"
 
 
 def peer_uid(connection: socket.socket) -> int:
-    """The uid of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    """The uid of the process at the other end of a Unix socket (SO_PEERCRED).
+
+        >>> import os, socket
+        >>> one, other = socket.socketpair()
+        >>> peer_uid(one) == os.getuid()
+        True
+        >>> one.close(); other.close()
+    """
     return peer_credentials(connection)[1]
 
 
 def peer_credentials(connection: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the other end of a Unix socket, as the kernel recorded them."""
+    """(pid, uid, gid) of the other end of a Unix socket, as the kernel recorded them.
+
+        >>> import os, socket
+        >>> one, other = socket.socketpair()
+        >>> peer_credentials(one)[0] == os.getpid()
+        True
+        >>> one.close(); other.close()
+    """
     raw = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
     return pid, uid, gid
 
 
 def refusal(connection: socket.socket, mine: Identity, asked: object) -> str:
-    """Why a template must not serve this request ("" when it may)."""
+    """Why a template must not serve this request ("" when it may).
+
+        >>> import socket
+        >>> one, other = socket.socketpair()
+        >>> refusal(one, identity(), "hello")
+        'not an nbtrain template request'
+        >>> one.close(); other.close()
+    """
     uid = peer_uid(connection)
     if uid != os.getuid():
         return f"the nbtrain template of uid {os.getuid()} serves only its own user, not uid {uid}"
