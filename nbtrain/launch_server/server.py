@@ -223,6 +223,11 @@ class Launcher:
         elif isinstance(message, ReleaseStandby):
             ended = self.standby.release(time.monotonic() + standby.RELEASE_SECONDS)
             self._send(events.StandbyChanged(released=tuple(sorted(ended))))
+        elif isinstance(message, events.StepChosen):  # a cluster's kernel chose the step over every node
+            run = self.runs.get(message.run_id)
+            stop = None if run is None or run.end_state is not None else run.graceful
+            if run is not None and stop is not None and run.board and stop.adopt(run.board, message, time.monotonic()):
+                self._announce_step(run, stop)
         elif isinstance(message, ReleaseRanks):
             run = self.runs.get(message.run_id)
             if run is not None and run.hold:
@@ -240,6 +245,8 @@ class Launcher:
         finished = run.end_state == events.FINISHED and _stepped(run)
         if gracefully and (finished or self._stop_gracefully(run, events.STOPPED)):
             return
+        if gracefully and run.graceful is not None and run.graceful.across_nodes:
+            return  # a cluster's node stopping already (its own timeout): the kernel asks every node once
         if run.graceful is not None and run.end_state is None:  # asked again while stopping at a step
             run.graceful.gave_up = True
             run.stop_note = "stopped hard at once (asked to stop a second time)"
@@ -259,7 +266,7 @@ class Launcher:
         if run.board is None or run.on_stop != "keep" or run.stop_note:
             return False
         run.board.request_stop()
-        run.graceful = graceful.GracefulStop(state, time.monotonic())
+        run.graceful = graceful.GracefulStop(state, time.monotonic(), across_nodes=run.hold)
         entry = self.board.get(run.run_id)
         if entry is not None:
             entry.update(state="stopping")
@@ -278,21 +285,28 @@ class Launcher:
         stop = run.graceful
         if stop is None or run.board is None or run.end_state is not None:
             return
+        report = stop.report(run.run_id, run.board, run.stop_grace, now)  # a cluster's node: the kernel chooses
+        if report is not None:
+            self._send(report)
         if stop.choose(run.board, run.stop_grace, now):
             if not stop.step:  # every rank's count went back to none meanwhile: nothing to keep
                 stop.gave_up = True
                 run.stop_note = graceful.why_none(run.board, run.on_stop)
                 self._stop(run, stop.state)
                 return
-            self._send(StopStep(run.run_id, stop.step, stop.grace))
-            entry = self.board.get(run.run_id)
-            if entry is not None:  # the server extension signals the ranks itself after this
-                entry.update(stop_deadline=time.time() + stop.grace)
+            self._announce_step(run, stop)
         elif stop.overdue(now):
             stop.gave_up = True
             run.late = [rank.spec.rank for rank in run.ranks if not rank.done]
             run.stop_note = self._laggards(run)
             self._stop(run, stop.state)  # its stack dumps then say who waited for whom (_finish)
+
+    def _announce_step(self, run: Run, stop: graceful.GracefulStop) -> None:
+        assert stop.step is not None
+        self._send(StopStep(run.run_id, stop.step, stop.grace))
+        entry = self.board.get(run.run_id)
+        if entry is not None:  # the server extension signals the ranks itself after this
+            entry.update(stop_deadline=time.time() + stop.grace)
 
     def _laggards(self, run: Run) -> str:
         """The note naming the ranks that kept a graceful stop from its step (after the dumps: not those waiting)."""
@@ -1076,9 +1090,9 @@ def _stepped(run: Run) -> bool:
 
 def _step_board(start: StartRun) -> stopboard.StepBoard | None:
     """The board a run's ranks count their optimizer steps on, for a stop at a step. A spawned
-    rank starts from nothing: it cannot share it. A cluster's nodes would each choose a step of
-    their own: their stops stay hard."""
-    if start.start_method == "fork" and start.node is None:
+    rank starts from nothing: it cannot share it. On a cluster's node the kernel chooses the step
+    over every node's board (nbtrain.cluster.stepstop)."""
+    if start.start_method == "fork":
         return stopboard.StepBoard.create(len(start.ranks))
     return None
 
