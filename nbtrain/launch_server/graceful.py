@@ -97,11 +97,14 @@ def laggards_note(
     not_done: list[int],
     slots: dict[int, int],
     waiting: frozenset[int] = frozenset(),
+    in_backward: frozenset[int] = frozenset(),
 ) -> str:
     """"stopped hard (rank 1 did not reach step 412 within 2.0 s)": who kept the run from stopping at its step.
 
     ``not_done`` are the ranks that had not ended their cell; ``slots`` maps a rank to its slot on the
-    board; ``waiting`` are ranks whose stack showed them waiting for the others (not the cause).
+    board; ``waiting`` are ranks whose stack showed them waiting for the others (not the cause), and
+    ``in_backward`` those of them waiting in a backward pass, the step every rank takes: where every late
+    rank waits, one in a collective of its own (outside the step) is the one the others did not join.
 
     >>> board = stopboard.StepBoard.create(2)
     >>> _ = [board.begin_step(0) for _ in range(3)] + [board.begin_step(1)]
@@ -111,10 +114,19 @@ def laggards_note(
     >>> early = GracefulStop("stopped", 0.0, step=1, grace=2.0)  # both began it; rank 1 waits for rank 0
     >>> laggards_note(early, board, [0, 1], {0: 0, 1: 1}, waiting=frozenset({1}))
     'stopped hard (rank 0 did not reach the optimizer step after step 1 within 2.0 s)'
+    >>> deadlock = GracefulStop("stopped", 0.0, step=3, grace=2.0)  # rank 1 in an all_reduce rank 0 never joins
+    >>> _ = board.begin_step(1); _ = board.begin_step(1)
+    >>> laggards_note(deadlock, board, [0, 1], {0: 0, 1: 1}, frozenset({0, 1}), in_backward=frozenset({0}))
+    'stopped hard (rank 1 did not reach the optimizer step after step 3 within 2.0 s)'
     """
     behind = [rank for rank in not_done if board.count(slots[rank]) < (stop.step or 0)]
     # Every late rank had begun the step: one is stuck after it (a sleep, a loop) and the others wait for it.
-    named = behind or [rank for rank in not_done if rank not in waiting] or not_done
+    named = (
+        behind
+        or [rank for rank in not_done if rank not in waiting]
+        or [rank for rank in not_done if rank not in in_backward]  # a collective the others did not join
+        or not_done
+    )
     names = ", ".join(str(rank) for rank in named)
     who = f"rank {names}" if len(named) == 1 else f"ranks {names}"
     if behind:

@@ -314,7 +314,8 @@ class Launcher:
             return run.stop_note
         slots = {rank.spec.rank: index for index, rank in enumerate(run.ranks)}
         waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.waits_on_peers(_frames(r)))
-        return graceful.laggards_note(run.graceful, run.board, run.late, slots, waiting)
+        backward = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.in_backward(_frames(r)))
+        return graceful.laggards_note(run.graceful, run.board, run.late, slots, waiting, backward)
 
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
         try:
