@@ -63,10 +63,6 @@ class CrossNodeStop:
         """Whether the nodes' reports took too long (the run is then stopped hard)."""
         return self.chosen is None and now - self.asked_at > CHOICE_SECONDS
 
-    def timed_out(self) -> bool:
-        """Whether a node's own --timeout began the stop (the run then ends timed out)."""
-        return any(r.state == events.TIMED_OUT for r in self.reports.values())
-
 
 def stop_note(ended: list[events.RunEnded]) -> str:
     """Which node's note says why a stop at a step could not keep the state.
