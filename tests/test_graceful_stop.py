@@ -203,7 +203,7 @@ def test_a_second_interrupt_during_the_grace_stops_hard_at_once(kernel):
     seconds = time.monotonic() - asked
     assert reply["ename"] == "RunInterrupted", out.text
     assert "stopped hard at once (a second interrupt)" in out.text, out.text
-    # The hard stop itself (SIGTERM, reap, the reply): under a second on an idle machine; a loaded
-    # 2-core machine takes longer. benchmarks/soak.py's "interrupt twice" row measures it.
-    assert seconds < 4.0, seconds
+    # The hard stop itself (SIGTERM, reap, the last frame, the reply): 0.45-0.67 s on this 2-core machine
+    # shared with other work; benchmarks/second_interrupt.py measures it against a plain interrupt's.
+    assert seconds < 2.0, seconds
     assert kernel.value("compare(0)")["weights"] == 0.0
