@@ -20,7 +20,7 @@ import pytest
 
 from kernel_helpers import NotebookKernel
 from nbtrain.cluster import engine
-from test_graceful_stop import LOOP, SETUP
+from test_graceful_stop import LOOP, SETUP, SLEEPS_AT_40
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(900)
@@ -74,3 +74,21 @@ def test_a_timeout_on_the_nodes_stops_every_node_at_one_step(kernel: NotebookKer
     assert found is not None, out.text
     _holds(kernel, int(found.group(1)))
     assert kernel.value("nbtrain.last_run().state") == "timed out"
+
+
+def test_a_rank_on_node_1_that_never_reaches_the_step_makes_it_a_hard_stop_naming_it(kernel: NotebookKernel) -> None:
+    kernel.run_ok("model, opt, sched = make()")
+    msg_id = kernel.start_cell(ON_NODES.format(flags="").replace("    time.sleep(0.003)", SLEEPS_AT_40))
+    kernel.wait_for_stream(msg_id, ["training 0", "training 1"], CELL_SECONDS)
+    time.sleep(1.0)  # rank 1 (node 1) is asleep by now
+    asked = time.monotonic()
+    kernel.interrupt()
+    reply, out = kernel.wait_for_reply(msg_id, 120.0)
+    seconds = time.monotonic() - asked
+    assert reply["ename"] == "RunInterrupted", out.text
+    # Node 1's launcher gives up on rank 1; the relay stops node 0, whose own note is the consequence.
+    assert "stopped hard (rank 1 did not reach" in out.text and "within 2.0 s)" in out.text, out.text
+    assert "nothing in the kernel was changed" in out.text, out.text
+    assert seconds < 2.0 + 1.0 + 6.0, seconds  # the grace, the stop, Ray's calls and a loaded machine's slack
+    assert kernel.value("compare(0)")["weights"] == 0.0
+    assert kernel.value("nbtrain.last_run().stopped") == "hard"
