@@ -454,3 +454,28 @@ class HeldReleased:
     run_id: int
     rank: int
     reason: str
+
+
+# A stop at a step on a cluster: every node's launcher counts its own ranks' steps; the kernel
+# chooses the step across nodes (nbtrain.cluster.stepstop).
+@dataclass(frozen=True)
+class StepsBegun:
+    """Node launcher -> kernel: asked to stop at a step, this node's ranks wait while the kernel chooses.
+
+    ``highest``: the highest optimizer step any of its ranks began; ``grace``: the grace its own step times
+    ask for (``max(stop_grace, 3 x the median step)``); ``state``: how it would end (STOPPED, TIMED_OUT).
+    """
+
+    run_id: int
+    highest: int
+    grace: float
+    state: str
+
+
+@dataclass(frozen=True)
+class StepChosen:
+    """Kernel -> node launcher: every rank of the run stops at ``step``, within ``grace`` seconds from now."""
+
+    run_id: int
+    step: int
+    grace: float

@@ -158,6 +158,15 @@ def waits_on_peers(frames: tuple[Frame, ...]) -> bool:
     )
 
 
+def in_backward(frames: tuple[Frame, ...]) -> bool:
+    """Whether a rank's stack shows it in a backward pass (DDP all-reduces the gradients there: every rank's step).
+
+    >>> in_backward((Frame("/x/site-packages/torch/autograd/graph.py", 1, "_engine_run_backward"),))
+    True
+    """
+    return any(frame.function == "_engine_run_backward" for frame in frames if frame.in_library)
+
+
 def _is_entry(frame: Frame) -> bool:
     return frame.function == "run_rank" and frame.in_nbtrain
 

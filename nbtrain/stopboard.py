@@ -70,6 +70,14 @@ class StepBoard:
         _HEADER.pack_into(self.memory, 0, step if step > 0 else NO_STOP)
         return step
 
+    def publish_stop(self, step: int) -> None:
+        """Publish a step chosen elsewhere (a cluster's kernel, over every node's highest step).
+
+        Only while ``PENDING``: this node's ranks are then at most one step past its own counts, which the
+        chooser saw, so none is past ``step``.
+        """
+        _HEADER.pack_into(self.memory, 0, step if step > 0 else NO_STOP)
+
     def cancel(self) -> None:
         """No stop after all: ranks that wait for a stop step go on."""
         _HEADER.pack_into(self.memory, 0, NO_STOP)

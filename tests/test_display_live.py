@@ -385,6 +385,20 @@ def test_chart_drawing_rests_in_proportion_to_its_cost():
     assert view.chart_renders == 2
 
 
+def test_the_chart_waits_while_the_ranks_go_to_a_stop_step_and_the_last_frame_draws_it():
+    view = fed_view()
+    view.chart_png_base64()
+    view._chart_seconds = 0.0  # no rest: only the stop holds the drawing back
+    view.handle(events.StopStep(RUN, 41, 2.0))
+    view.handle(events.Metrics(RUN, 0, ((201, 201.0, {"loss": 5.0}),)))
+    view.chart_png_base64()
+    assert view.chart_renders == 1  # a second interrupt is not held back by a drawing
+    figure = view._chart_figure
+    view.finish(events.STOPPED)
+    view.chart_png_base64(force=True)  # the last frame's chart (what finish() draws in a rich view)
+    assert view.chart_renders == 2 and view._chart_figure is figure  # drawn once more, on the same figure
+
+
 @pytest.mark.parametrize(
     ("world_size", "memory"),
     [

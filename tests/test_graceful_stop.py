@@ -65,6 +65,10 @@ for i in range(2000):
 """
 
 SLEEPS_AT_40 = "    time.sleep(3600 if r == 1 and i == 40 else 0.003)"  # rank 1 stops stepping after step 41
+DEADLOCKS_AT_40 = """\
+    if r == 1 and i == 40:
+        torch.distributed.all_reduce(torch.ones(1), group=g)  # a collective rank 0 never joins
+    time.sleep(0.003)"""
 STOP_BOUND = 20.0  # from the stop to the cell's reply, on a loaded 2-core machine
 
 
@@ -163,6 +167,28 @@ def test_a_rank_that_never_reaches_the_step_makes_it_a_hard_stop_that_names_it(k
     assert kernel.value("nbtrain.last_run().stopped") == "hard"
 
 
+def test_a_deadlocked_collective_makes_it_a_hard_stop_that_names_the_rank_in_it(kernel):
+    _fresh(kernel)
+    # Rank 1 blocks in an all_reduce that rank 0 never joins; rank 0 then waits for it in step 42's backward.
+    deadlocked = LOOP.format(flags="").replace(
+        "r, w = nbtrain.rank(), nbtrain.world_size()\n",
+        "r, w = nbtrain.rank(), nbtrain.world_size()\ng = torch.distributed.new_group([0, 1])\n",
+    ).replace("    time.sleep(0.003)", DEADLOCKS_AT_40)
+    msg_id = kernel.start_cell(deadlocked)
+    kernel.wait_for_stream(msg_id, ["training 0", "training 1"], timeout=120)
+    time.sleep(1.0)  # both ranks are blocked by now
+    asked = time.monotonic()
+    kernel.interrupt()
+    reply, out = kernel.wait_for_reply(msg_id, timeout=60)
+    seconds = time.monotonic() - asked
+    assert reply["ename"] == "RunInterrupted", out.text
+    assert "stopped hard (rank 1 did not reach the optimizer step after step 41 within 2.0 s)" in out.text, out.text
+    assert "nothing in the kernel was changed" in out.text, out.text
+    assert seconds < 2.0 + 1.0 + 4.0, seconds  # the grace, the stop, and a loaded machine's slack
+    assert kernel.value("compare(0)")["weights"] == 0.0
+    assert kernel.value("nbtrain.last_run().stopped") == "hard"
+
+
 def test_a_second_interrupt_during_the_grace_stops_hard_at_once(kernel):
     _fresh(kernel)
     stuck = LOOP.format(flags="").replace("    time.sleep(0.003)", SLEEPS_AT_40)
@@ -177,7 +203,7 @@ def test_a_second_interrupt_during_the_grace_stops_hard_at_once(kernel):
     seconds = time.monotonic() - asked
     assert reply["ename"] == "RunInterrupted", out.text
     assert "stopped hard at once (a second interrupt)" in out.text, out.text
-    # The hard stop itself (SIGTERM, reap, the reply): under a second on an idle machine; a loaded
-    # 2-core machine takes longer. benchmarks/soak.py's "interrupt twice" row measures it.
-    assert seconds < 4.0, seconds
+    # The hard stop itself (SIGTERM, reap, the last frame, the reply): 0.45-0.67 s on this 2-core machine
+    # shared with other work; benchmarks/second_interrupt.py measures it against a plain interrupt's.
+    assert seconds < 2.0, seconds
     assert kernel.value("compare(0)")["weights"] == 0.0

@@ -75,6 +75,8 @@ class NodeRun:
     source_lines: dict[str, tuple[str, ...]]
     timeout: float | None
     threads_per_rank: int | None
+    on_stop: str = "keep"  # the run's --on-stop, and its grace: a stop at a step needs every node's
+    stop_grace: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,13 @@ class NodeAgent:
         """Every node's ranks are done: let this node's leave."""
         self._send(events.ReleaseRanks(run_id))
 
-    def stop(self, run_id: int, reason: str = "stopped") -> None:
-        self._send(events.StopRun(run_id, reason))
+    def stop(self, run_id: int, reason: str = "stopped", graceful: bool = False) -> None:
+        """Stop this node's ranks; ``graceful``: at a step, which the kernel chooses (see :meth:`stop_at`)."""
+        self._send(events.StopRun(run_id, reason, graceful))
+
+    def stop_at(self, run_id: int, step: int, grace: float) -> None:
+        """The step the kernel chose over every node's highest: this node's ranks stop there."""
+        self._send(events.StepChosen(run_id, step, grace))
 
     def processes(self) -> list[int]:
         """This node's nbtrain processes: the agent, its launcher and every rank (for checks)."""
@@ -312,6 +319,8 @@ def _start_run(
         has_tensor_file=has_tensor_file,
         node=dataclasses.replace(request.place, label=label),
         interactive=False,  # a cluster's agents relay no pdb prompt: a breakpoint is passed with a note
+        on_stop=request.on_stop,
+        stop_grace=request.stop_grace,
     )
 
 

@@ -22,6 +22,7 @@ Ray is imported only here and only when a cluster run is asked for.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -34,7 +35,7 @@ from typing import Any, TypeAlias
 from urllib.parse import urlparse
 
 from nbtrain import config, events
-from nbtrain.cluster import nodes
+from nbtrain.cluster import nodes, stepstop
 from nbtrain.devices import DevicePlan
 from nbtrain.errors import ClusterError, ConfigurationError
 from nbtrain.options import LaunchOptions
@@ -273,9 +274,11 @@ class ClusterClient:
         return run_id, inbox
 
     def stop(self, run_id: int, reason: str, graceful: bool = False) -> None:
-        """Stop the run on every node; a cluster run's stop is always the hard one (``graceful`` is not followed)."""
+        """Stop the run on every node; ``graceful``: every rank at one step chosen over the nodes (stepstop)."""
         relay = self._relays.get(run_id)
-        if relay is not None:
+        if relay is not None and graceful:
+            relay.stop_at_step(reason)
+        elif relay is not None:
             relay.stop(reason, by_caller=True)
 
     def forget(self, run_id: int) -> None:
@@ -345,6 +348,9 @@ class _Relay:
         self.stopping = False
         self.stopped_by_caller = False
         self.stop_started = 0.0
+        self.started: list[int] = []  # the nodes whose ranks were started
+        self.step_stop: stepstop.CrossNodeStop | None = None  # a stop at a step, while the nodes report
+        self.stop_note = ""  # why the relay itself stopped a stop at a step hard
         self._lock = threading.Lock()
 
     def run(self) -> None:
@@ -362,6 +368,8 @@ class _Relay:
             self.payload = None  # frees the object store's copy
         final = nodes.combine(self.run_id, [e for e in self.ended if e is not None], self.failure_order,
                               self.stopped_by_caller, self.deaths)
+        if self.stop_note and final.stopped_at is None and final.state in (events.STOPPED, events.TIMED_OUT):
+            final = dataclasses.replace(final, stop_note=self.stop_note)
         if any(isinstance(e.failure, events.NodeLost) for e in self.ended if e is not None):
             self.client.alive = False  # the next run places new agents
         self.inbox.put((final, []))
@@ -405,11 +413,13 @@ class _Relay:
             cwd=template.cwd, sys_path=template.sys_path, source_lines=dict(template.source_lines),
             timeout=template.timeout,
             threads_per_rank=nodes.threads_per_rank(info.cpus, plan.per_node, template.environ),
+            on_stop=template.on_stop, stop_grace=template.stop_grace,
         )
 
     # -- following -----------------------------------------------------------------------
     def _follow(self, ray: Any, started: list[int]) -> None:
         agents = self.client.agents
+        self.started = list(started)
         pending = {agents[i].poll.remote(self.run_id, POLL_SECONDS): i for i in started}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_SECONDS)
@@ -422,6 +432,7 @@ class _Relay:
                     continue
                 if not self._take(index, batch):
                     pending[agents[index].poll.remote(self.run_id, POLL_SECONDS)] = index
+            self._choose_step()  # every node has reported, or the ones left have ended
             if self.stopping and time.monotonic() - self.stop_started > NODE_FATE_SECONDS:
                 for index in pending.values():  # Ray never said: count them lost, end them
                     self._lost(index, TimeoutError(f"no answer {NODE_FATE_SECONDS:g} s after the run was stopped"))
@@ -433,10 +444,13 @@ class _Relay:
         for record in batch:
             if isinstance(record, events.RunEnded):
                 self.ended[index] = record
-                if record.state != events.FINISHED:
+                if record.state != events.FINISHED and record.stopped_at is None:  # not ended at the stop step
                     self.stop("a node's run ended", by_caller=False)
                 return True
-            if isinstance(record, events.StoreListening):
+            if isinstance(record, events.StepsBegun):
+                self._steps_begun(index, record)
+                continue
+            if isinstance(record, (events.StoreListening, events.StopStep)):  # the relay sends its own StopStep
                 continue
             if isinstance(record, events.RanksDone):
                 self._node_done(index)
@@ -459,6 +473,70 @@ class _Relay:
             for agent in self.client.agents:
                 agent.release.remote(self.run_id)
 
+    # -- a stop at a step (nbtrain.cluster.stepstop) --------------------------------------
+    def stop_at_step(self, reason: str) -> None:
+        """Ask every node to stop at a step; asked again meanwhile, stop hard at once (as on one machine)."""
+        with self._lock:
+            self.stopped_by_caller = True
+            if self.stopping:
+                return
+            again = self.step_stop is not None
+            if not again:
+                self.step_stop = stepstop.CrossNodeStop(time.monotonic())
+        if again:
+            self.stop(reason, by_caller=True)
+        else:
+            self._ask_nodes(reason, graceful=True)
+
+    def _steps_begun(self, index: int, report: events.StepsBegun) -> None:
+        """A node's highest step; the first report of a stop the relay did not ask for is a node's timeout."""
+        with self._lock:
+            if self.stopping:
+                return
+            fresh = self.step_stop is None
+            if self.step_stop is None:
+                self.step_stop = stepstop.CrossNodeStop(time.monotonic())
+            self.step_stop.take(index, report)
+        if fresh:  # every other node stops at the same step
+            self._ask_nodes(report.state, graceful=True, skip=index)
+
+    def _choose_step(self) -> None:
+        stop = self.step_stop
+        if stop is None or self.stopping:
+            return
+        if stop.overdue(time.monotonic()):
+            late = [self.client.labels[i] for i in self._running() if i not in stop.reports]
+            self.stop_note = (
+                f"stopped hard ({', '.join(late)} did not report its optimizer step within "
+                f"{stepstop.CHOICE_SECONDS:g} s)"
+            )
+            self.stop("no step was chosen in time", by_caller=False)
+            return
+        chosen = stop.choose(self._running())
+        if chosen is None:
+            return
+        if chosen.step == 0:  # no rank on any node began an optimizer step: nothing to keep
+            self.stop("no optimizer step to stop at", by_caller=False)
+            return
+        for index in stop.reports:
+            if self.ended[index] is None:
+                with contextlib.suppress(Exception):  # a dead agent: its node is lost, the run stops
+                    self.client.agents[index].stop_at.remote(self.run_id, chosen.step, chosen.grace)
+        self.inbox.put((events.StopStep(self.run_id, chosen.step, chosen.grace), []))
+
+    def _running(self) -> set[int]:
+        """The nodes whose ranks are still in the cell: neither done nor ended."""
+        return {i for i in self.started if self.ended[i] is None and i not in self.done_nodes}
+
+    def _ask_nodes(self, reason: str, *, graceful: bool, skip: int | None = None) -> None:
+        for index, agent in enumerate(self.client.agents):
+            if self.ended[index] is None and index != skip and (not graceful or index not in self.done_nodes):
+                with contextlib.suppress(Exception):  # a dead agent: its ranks died with it
+                    agent.stop.remote(self.run_id, reason, graceful)
+                if not graceful and index in self.done_nodes:  # its ranks wait for the others: let them go
+                    with contextlib.suppress(Exception):
+                        agent.release.remote(self.run_id)
+
     def _lost(self, index: int, error: BaseException) -> None:
         label = self.client.labels[index]
         detail = f"its nbtrain agent died ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
@@ -475,10 +553,7 @@ class _Relay:
                 return
             self.stopping = True
             self.stop_started = time.monotonic()
-        for index, agent in enumerate(self.client.agents):
-            if self.ended[index] is None:
-                with contextlib.suppress(Exception):  # a dead agent: its ranks died with it
-                    agent.stop.remote(self.run_id, reason)
+        self._ask_nodes(reason, graceful=False)
 
 
 def _copied_result(record: Any) -> Any:

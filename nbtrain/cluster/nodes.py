@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any
 
 from nbtrain import config, events
 from nbtrain import devices as _devices
+from nbtrain.cluster import stepstop
 from nbtrain.errors import ConfigurationError
 
 EXTRA = "pip install 'nbtrain[ray]'"
@@ -183,6 +185,9 @@ def combine(
     """
     if all(e.state == events.FINISHED for e in ended):
         return ended[0]
+    kept = _kept(ended)
+    if kept is not None:
+        return kept
     failures = [e.failure for e in ended if e.failure is not None]
     lost = [f for f in failures if isinstance(f, events.NodeLost)]
     died = [
@@ -192,10 +197,11 @@ def combine(
     if lost or died:
         return events.RunEnded(run_id, events.FAILED, failure=(lost or died)[0])
     states = {e.state for e in ended}
+    note = stepstop.stop_note(list(ended))  # a stop at a step that could not keep the state: why
     if events.TIMED_OUT in states:
-        return events.RunEnded(run_id, events.TIMED_OUT)
+        return events.RunEnded(run_id, events.TIMED_OUT, stop_note=note)
     if stopped_by_caller:
-        return events.RunEnded(run_id, events.STOPPED)
+        return events.RunEnded(run_id, events.STOPPED, stop_note=note)
     raised = sorted(
         (f for f in failures if isinstance(f, events.RankFailed)),
         key=lambda f: failure_order.get((f.node, f.rank), len(failure_order)),
@@ -203,6 +209,27 @@ def combine(
     if raised or failures:
         return events.RunEnded(run_id, events.FAILED, failure=(raised or failures)[0])
     if events.STOPPED in states:
-        return events.RunEnded(run_id, events.STOPPED)
+        return events.RunEnded(run_id, events.STOPPED, stop_note=note)
     details = "; ".join(e.detail for e in ended if e.detail)
     return events.RunEnded(run_id, events.FAILED, detail=details or "a node ended the run without saying why")
+
+
+def _kept(ended: Sequence[events.RunEnded]) -> events.RunEnded | None:
+    """A stop at a step that every node kept: node 0's end (it holds rank 0's state), or None.
+
+    A node whose ranks had finished the cell before the stop ends FINISHED: the run then ran
+    through, and node 0's end says so. One node's own timeout makes the whole run timed out.
+
+    >>> at = [events.RunEnded(1, events.STOPPED, stopped_at=9), events.RunEnded(1, events.TIMED_OUT, stopped_at=9)]
+    >>> _kept(at).state, _kept(at).stopped_at
+    ('timed out', 9)
+    >>> _kept([at[0], events.RunEnded(1, events.STOPPED)]) is None
+    True
+    """
+    if any(e.failure is not None or (e.state != events.FINISHED and e.stopped_at is None) for e in ended):
+        return None
+    first = ended[0]
+    if first.state == events.FINISHED or first.stopped_at is None:
+        return first
+    state = events.TIMED_OUT if any(e.state == events.TIMED_OUT for e in ended) else first.state
+    return dataclasses.replace(first, state=state)

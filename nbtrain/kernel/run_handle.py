@@ -53,6 +53,9 @@ from nbtrain.records import CopiedResult
 INTERRUPT_GRACE_SECONDS = 5.0  # how long a stop may take before the launcher is replaced
 GRACEFUL_CHOICE_SECONDS = 2.0  # a graceful stop's step is chosen within a launcher tick; this is the bound
 POLL_SECONDS = 0.25
+# While a stop at a step is under way the caller polls this often: a second interrupt, which only sets a
+# flag in the main thread, is acted on within it.
+STOPPING_POLL_SECONDS = 0.02
 
 
 class Engine(Protocol):
@@ -142,7 +145,7 @@ class Run:
         """
         while self._ended is None:
             try:
-                message, fds = self._inbox.get(timeout=poll)
+                message, fds = self._inbox.get(timeout=poll if self._stop_asked is None else STOPPING_POLL_SECONDS)
             except queue.Empty:
                 yield None
                 continue

@@ -234,9 +234,9 @@ def send_quietly(channel: socket.socket, message: Any, fds: tuple[int, ...] = ()
 
 def step_board(start: StartRun) -> stopboard.StepBoard | None:
     """The board a run's ranks count their optimizer steps on, for a stop at a step. A spawned
-    rank starts from nothing: it cannot share it. A cluster's nodes would each choose a step of
-    their own: their stops stay hard."""
-    if start.start_method == "fork" and start.node is None:
+    rank starts from nothing: it cannot share it. On a cluster's node the kernel chooses the step
+    over every node's board (nbtrain.cluster.stepstop)."""
+    if start.start_method == "fork":
         return stopboard.StepBoard.create(len(start.ranks))
     return None
 

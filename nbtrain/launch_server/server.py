@@ -184,6 +184,11 @@ class Launcher:
         elif isinstance(message, ReleaseStandby):
             ended = self.standby.release(time.monotonic() + standby.RELEASE_SECONDS)
             self._send(events.StandbyChanged(released=tuple(sorted(ended))))
+        elif isinstance(message, events.StepChosen):  # a cluster's kernel chose the step over every node
+            run = self.runs.get(message.run_id)
+            stop = run.graceful if run is not None and run.state is RunPhase.STOPPING_AT_STEP else None
+            if run is not None and stop is not None and run.board and stop.adopt(run.board, message, time.monotonic()):
+                self._announce_step(run, stop)
         elif isinstance(message, ReleaseRanks):
             run = self.runs.get(message.run_id)
             if run is not None and run.state is RunPhase.WAITING_FOR_NODES:
@@ -200,6 +205,8 @@ class Launcher:
         finished = run.outcome == events.FINISHED and took_a_step(run)
         if gracefully and (finished or self._stop_gracefully(run, events.STOPPED)):
             return
+        if gracefully and run.graceful is not None and run.graceful.across_nodes:
+            return  # a cluster's node stopping already (its own timeout): the kernel asks every node once
         if run.state is RunPhase.STOPPING_AT_STEP and run.graceful is not None:  # asked again
             run.graceful.gave_up = True
             run.stop_note = "stopped hard at once (asked to stop a second time)"
@@ -217,7 +224,7 @@ class Launcher:
         if run.board is None or run.on_stop != "keep" or run.stop_note:
             return False
         run.board.request_stop()
-        run.graceful = graceful.GracefulStop(state, time.monotonic())
+        run.graceful = graceful.GracefulStop(state, time.monotonic(), across_nodes=run.on_cluster)
         run.move(RunPhase.STOPPING_AT_STEP)
         entry = self.board.get(run.run_id)
         if entry is not None:
@@ -237,21 +244,28 @@ class Launcher:
         stop = run.graceful
         if stop is None or run.board is None or run.state is not RunPhase.STOPPING_AT_STEP:
             return
+        report = stop.report(run.run_id, run.board, run.stop_grace, now)  # a cluster's node: the kernel chooses
+        if report is not None:
+            self._send(report)
         if stop.choose(run.board, run.stop_grace, now):
             if not stop.step:  # every rank's count went back to none meanwhile: nothing to keep
                 stop.gave_up = True
                 run.stop_note = graceful.why_none(run.board, run.on_stop)
                 self._stop(run, stop.state)
                 return
-            self._send(StopStep(run.run_id, stop.step, stop.grace))
-            entry = self.board.get(run.run_id)
-            if entry is not None:  # the server extension signals the ranks itself after this
-                entry.update(stop_deadline=time.time() + stop.grace)
+            self._announce_step(run, stop)
         elif stop.overdue(now):
             stop.gave_up = True
             run.late = [rank.spec.rank for rank in run.ranks if not rank.done]
             run.stop_note = stackdumps.laggards(run)
             self._stop(run, stop.state)  # its stack dumps then say who waited for whom (_finish)
+
+    def _announce_step(self, run: LauncherRun, stop: graceful.GracefulStop) -> None:
+        assert stop.step is not None
+        self._send(StopStep(run.run_id, stop.step, stop.grace))
+        entry = self.board.get(run.run_id)
+        if entry is not None:  # the server extension signals the ranks itself after this
+            entry.update(stop_deadline=time.time() + stop.grace)
 
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
         try:

@@ -81,4 +81,5 @@ def laggards(run: LauncherRun) -> str:
     slots = {rank.spec.rank: index for index, rank in enumerate(run.ranks)}
     frames = frames_of
     waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.waits_on_peers(frames(r)))
-    return graceful.laggards_note(run.graceful, run.board, run.late, slots, waiting)
+    backward = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.in_backward(frames(r)))
+    return graceful.laggards_note(run.graceful, run.board, run.late, slots, waiting, backward)

@@ -123,6 +123,7 @@ class LiveView:
         self._chart_drawn_at = -math.inf
         self._chart_seconds = 0.0  # how long the last drawing took
         self._chart_figure: ChartFigure | None = None
+        self._chart_drawing = False  # True while a drawing is under way (one an interrupt cut short stays True)
         self._text_progress = ""
         self._text_line_at = -math.inf
 
@@ -172,8 +173,8 @@ class LiveView:
         """The run ended in ``state`` (finished / failed / stopped / timed out): show the last frame."""
         if not self.state.ended or self.state.state != state:
             self.state.finish(state, time.monotonic())
-        # A fresh figure: an interrupt may have landed in the middle of drawing the old one.
-        self._chart_figure = None
+        if self._chart_drawing:  # an interrupt landed in the middle of drawing it: a fresh figure
+            self._chart_figure = None
         if self.rich:
             self._show_rich(time.monotonic(), force=True)
         else:
@@ -231,12 +232,17 @@ class LiveView:
         # On a loaded machine one drawing can take 0.4 s; the cap keeps the chart moving.
         rest = min(self._chart_seconds / CHART_CPU_SHARE, SLOWEST_CHART_SECONDS)
         rested = now - self._chart_drawn_at >= rest
-        if stale and (force or rested or not self._chart_png_base64):
+        # While the ranks go to a stop step the chart waits: a drawing (0.4 s on a loaded machine) would
+        # hold back a second interrupt, which the cell acts on between two events.
+        stopping = state.stop_step is not None and not state.ended
+        if stale and (force or (rested and not stopping) or not self._chart_png_base64):
             layout = ChartFigure.layout_of(state)
             if self._chart_figure is None or self._chart_figure.layout != layout:
                 self._chart_figure = ChartFigure(state)  # imports matplotlib: not timed below
             started = time.perf_counter()
+            self._chart_drawing = True
             png = self._chart_figure.draw(state)
+            self._chart_drawing = False
             self._chart_seconds = time.perf_counter() - started
             self._chart_drawn_at = time.monotonic()  # the rest counts from the drawing's end
             self._chart_version = state.chart_version
