@@ -39,6 +39,8 @@ EXAMPLES: list[object] = [
     events.StopRun(3, "stopped with the Stop button"),
     events.StopRun(3, "interrupted", graceful=True),
     events.StopStep(3, 412, 2.0),
+    events.StepsBegun(3, 412, 2.0, events.STOPPED),
+    events.StepChosen(3, 412, 2.0),
     events.RankStarted(3, 0, 4242),
     events.Output(3, 1, "stdout", "epoch 1\n"),
     events.OutputSkipped(3, 1, 5000, (("stdout", "line 5000"),)),
