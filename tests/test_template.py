@@ -13,6 +13,7 @@ import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -306,7 +307,7 @@ def test_a_template_started_from_a_shadowing_checkout_refuses_and_the_first_run_
     # shutil.copy, not copy2: fresh modification times, so the copy's code stamp differs.
     skip = shutil.ignore_patterns("labextension", "__pycache__")
     shutil.copytree(package, shadow / "nbtrain", copy_function=shutil.copy, ignore=skip)
-    kernel = NotebookKernel(env=template_env)
+    kernel = NotebookKernel(env={**template_env, naming.IDLE_VARIABLE: "600"})  # the template stays to be looked at
     with kernel:
         kernel.run_ok(f"import nbtrain, os\nos.chdir({str(shadow)!r})")
         kernel.run_ok("%load_ext nbtrain")
@@ -316,8 +317,29 @@ def test_a_template_started_from_a_shadowing_checkout_refuses_and_the_first_run_
         found = templates(template_env[naming.DIRECTORY_VARIABLE])
         assert len(found) == 1, found
         assert psutil.Process(found[0]).children() == [], "a launcher forked for the kernel was left running"
-        assert psutil.Process(found[0]).cwd() == "/"
+        # It is the copy's template: it refuses this environment's nbtrain.
+        assert "the template was started for" in refusal_of(psutil.Process(found[0]).cmdline()[-1])
     assert procs.wait_gone([launcher], GONE_SECONDS, reaped=False) == []
+
+
+def refusal_of(path: str) -> str:
+    """Ask the template at ``path`` for a launcher as this process; its refusal ("" if it forked one)."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours, theirs = socket.socketpair()
+    read_end, write_end = os.pipe()
+    try:
+        connection.settimeout(READY_SECONDS)
+        connection.connect(path)
+        request = naming.Request(naming.identity(), dict(os.environ), os.getcwd())
+        wire.send(connection, request, (theirs.fileno(), write_end))
+        reply, _ = wire.receive(connection)
+        assert reply.launcher_pid is None, "the template forked a launcher for this process"
+        return str(reply.refused)
+    finally:
+        for end in (connection, ours, theirs):
+            end.close()
+        os.close(read_end)
+        os.close(write_end)
 
 
 def test_a_forked_launcher_killed_before_the_first_run_is_replaced_by_the_kernels_own(template_env):

@@ -87,9 +87,7 @@ class LauncherClient:
 
     def _start_readers(self, process: processes.LauncherProcess) -> None:
         threading.Thread(target=self._read_events, args=(process,), name="nbtrain-events", daemon=True).start()
-        stderr = threading.Thread(target=self._read_stderr, args=(process,), name="nbtrain-launcher-stderr")
-        stderr.daemon = True
-        stderr.start()
+        threading.Thread(target=self._read_stderr, args=(process,), name="nbtrain-launcher-stderr", daemon=True).start()
 
     def _check_forked(self, forked: processes.LauncherProcess) -> None:
         """Take the forked launcher once it said it is ready; our own instead if it cannot be."""
@@ -118,10 +116,13 @@ class LauncherClient:
             warm.abandon(forked)
         self._start_readers(self.process)
 
+    def wait_usable(self) -> None:
+        """Wait (bounded) until a launcher forked by the template said it is ready or was replaced by our own."""
+        self._decided.wait(DECIDED_SECONDS)
+
     def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, Inbox]:
         """Send a new run to the launcher (with its tensors' memfd, if any); its id and the inbox it is filed in."""
-        # A launcher forked by the template must have said it is ready before a run is sent.
-        self._decided.wait(DECIDED_SECONDS)
+        self.wait_usable()  # no run goes to a forked launcher before it said it is ready
         with self._lock:
             self._committed = True  # from here on, the launcher's death is the run's error
             if not self.alive:
