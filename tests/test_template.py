@@ -343,7 +343,7 @@ def refusal_of(path: str) -> str:
 
 
 def test_a_forked_launcher_killed_before_the_first_run_is_replaced_by_the_kernels_own(template_env):
-    kernel = NotebookKernel(env=template_env)
+    kernel = NotebookKernel(env={**template_env, naming.IDLE_VARIABLE: "600"})  # the template stays to be looked at
     with kernel:
         kernel.run_ok("%load_ext nbtrain")
         forked = kernel.value(LAUNCHER_PID)  # answered by the template once it has imported torch
