@@ -93,8 +93,11 @@ class LauncherClient:
         """Take the forked launcher once it said it is ready; our own instead if it cannot be."""
         try:
             self._settled.wait(warm.READY_SECONDS)
+            # Ready, the template has forked it and its reply is on the way (or its end closed):
+            # a launcher whose pid we were never told could not be waited for or killed.
+            named = self.ready.is_set() and forked.popen.pid > 0
             with self._lock:  # decided under the lock: the reader's end of it reads _decided
-                unusable = not self.ready.is_set() or self._forked_gone.is_set()
+                unusable = not named or self._forked_gone.is_set()
                 if self.alive and self.process is forked and unusable:
                     self._fall_back(forked)
                 self._decided.set()
