@@ -639,6 +639,11 @@ class ForkedLauncher:
         self._answer(self.REPLY_SECONDS)
         return -1 if self._pid is None else self._pid
 
+    def answered_pid(self) -> int | None:
+        """The launcher's pid if the template has answered by now (never waits); None otherwise."""
+        self._answer(0.0)
+        return self._pid
+
     def _answer(self, timeout: float) -> bool:
         if not self._answered:
             self._answered, self._pid = self._resolve(timeout)

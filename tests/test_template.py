@@ -13,6 +13,7 @@ import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -291,3 +292,96 @@ def test_a_hundred_launcher_starts_and_stops_leave_no_growth(template_env):
     assert after[1] <= before[1], f"this process's descriptors went from {before[1]} to {after[1]}"
     assert psutil.Process(template).children() == []
     assert after[2] - before[2] < 16 << 20, f"the template grew by {(after[2] - before[2]) >> 20} MiB"
+
+
+# A launcher the template forked (or was asked to fork) that cannot serve before the first
+# run was sent: the kernel starts its own launcher instead, silently, and leaves nothing of it.
+
+def test_a_template_started_from_a_shadowing_checkout_refuses_and_the_first_run_uses_the_kernels_own_launcher(
+    template_env, tmp_path
+):
+    """The kernel's working directory holds another copy of nbtrain (newer files): the template
+    the kernel starts there imports that copy, so its identity differs and it refuses."""
+    shadow = tmp_path / "checkout"
+    package = os.path.dirname(os.path.dirname(os.path.abspath(warm.__file__)))
+    # shutil.copy, not copy2: fresh modification times, so the copy's code stamp differs.
+    skip = shutil.ignore_patterns("labextension", "__pycache__")
+    shutil.copytree(package, shadow / "nbtrain", copy_function=shutil.copy, ignore=skip)
+    kernel = NotebookKernel(env={**template_env, naming.IDLE_VARIABLE: "600"})  # the template stays to be looked at
+    with kernel:
+        kernel.run_ok(f"import nbtrain, os\nos.chdir({str(shadow)!r})")
+        kernel.run_ok("%load_ext nbtrain")
+        timed_first_run(kernel)
+        launcher = kernel.value(LAUNCHER_PID)
+        assert parent_of(launcher) == kernel.pid, "the first run did not go to the kernel's own launcher"
+        found = templates(template_env[naming.DIRECTORY_VARIABLE])
+        assert len(found) == 1, found
+        assert psutil.Process(found[0]).children() == [], "a launcher forked for the kernel was left running"
+        # It is the copy's template: it refuses this environment's nbtrain.
+        assert "the template was started for" in refusal_of(psutil.Process(found[0]).cmdline()[-1])
+    assert procs.wait_gone([launcher], GONE_SECONDS, reaped=False) == []
+
+
+def refusal_of(path: str) -> str:
+    """Ask the template at ``path`` for a launcher as this process; its refusal ("" if it forked one)."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours, theirs = socket.socketpair()
+    read_end, write_end = os.pipe()
+    try:
+        connection.settimeout(READY_SECONDS)
+        connection.connect(path)
+        request = naming.Request(naming.identity(), dict(os.environ), os.getcwd())
+        wire.send(connection, request, (theirs.fileno(), write_end))
+        reply, _ = wire.receive(connection)
+        assert reply.launcher_pid is None, "the template forked a launcher for this process"
+        return str(reply.refused)
+    finally:
+        for end in (connection, ours, theirs):
+            end.close()
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_a_forked_launcher_killed_before_the_first_run_is_replaced_by_the_kernels_own(template_env):
+    kernel = NotebookKernel(env={**template_env, naming.IDLE_VARIABLE: "600"})  # the template stays to be looked at
+    with kernel:
+        kernel.run_ok("%load_ext nbtrain")
+        forked = kernel.value(LAUNCHER_PID)  # answered by the template once it has imported torch
+        template = parent_of(forked)
+        assert template in templates(template_env[naming.DIRECTORY_VARIABLE])
+        os.kill(forked, signal.SIGKILL)
+        assert procs.wait_gone([forked], GONE_SECONDS, reaped=False) == []
+        timed_first_run(kernel)
+        launcher = kernel.value(LAUNCHER_PID)
+        assert launcher != forked
+        assert parent_of(launcher) == kernel.pid
+        assert psutil.Process(template).children() == []
+        # From here on the launcher's death is an error again, and the next run starts a new one.
+        os.kill(launcher, signal.SIGKILL)
+        assert procs.wait_gone([launcher], GONE_SECONDS, reaped=False) == []
+        timed_first_run(kernel)
+
+
+def test_a_template_that_does_not_answer_in_time_is_given_up_and_forks_nothing_later(template_env):
+    folder = template_env[naming.DIRECTORY_VARIABLE]
+    path = naming.socket_path(folder, naming.identity(environ={}))
+    start_template(path, {**os.environ, **template_env})
+    [template] = templates(folder)
+    os.kill(template, signal.SIGSTOP)  # it accepts nobody: the kernel's request waits in its backlog
+    try:
+        kernel = NotebookKernel(env=template_env)
+        with kernel:
+            kernel.run_ok("import nbtrain.kernel.warm as warm\nwarm.READY_SECONDS = 2.0")
+            kernel.run_ok("%load_ext nbtrain")
+            timed_first_run(kernel)
+            launcher = kernel.value(LAUNCHER_PID)
+            assert parent_of(launcher) == kernel.pid
+            os.kill(template, signal.SIGCONT)
+            # The template reads the request the kernel gave up on and forks nothing for it;
+            # a second kernel then gets its launcher from it as usual.
+            other, other_launcher = loaded_kernel(template_env)
+            with other:
+                assert parent_of(other_launcher) == template
+                assert psutil.Process(template).children() == [psutil.Process(other_launcher)]
+    finally:
+        os.kill(template, signal.SIGCONT)

@@ -197,6 +197,8 @@ def _submit(client: Engine, start_message: _StartMessage, tensor_fd: int | None)
     """Send the run to its engine and return its handle; an interrupt meanwhile stops it and is raised after."""
     # Held: an interrupt half way through sending StartRun would garble the channel, and
     # one between the send and the handle would leave a run nobody can stop.
+    if isinstance(client, LauncherClient):
+        client.wait_usable()  # before the hold: an interrupt may cut this wait short
     with processes.interrupts_held() as held:
         run_id, inbox = client.submit(start_message, tensor_fd)
         run = Run(client, run_id, inbox, start_message.cfg, start_message.log_path)

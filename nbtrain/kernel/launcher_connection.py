@@ -13,6 +13,7 @@ import atexit
 import collections
 import contextlib
 import itertools
+import logging
 import os
 import queue
 import subprocess
@@ -37,6 +38,11 @@ RESULT_TRANSFER_VARIABLE = "NBTRAIN_RESULT_TRANSFER"
 # dropped (and counted in a note) instead of growing the kernel. The launcher already
 # sends at most a few thousand lines per rank, so only a stalled reader gets here.
 PENDING_OUTPUT_CHARS = 8_000_000
+# Waiting for a launcher the template forked (nbtrain.kernel.warm) to be taken or given up:
+# its own bound, and the kernel's own launcher's start (a Popen) after it.
+DECIDED_SECONDS = warm.READY_SECONDS + 30.0
+
+logger = logging.getLogger(__name__)
 
 
 class LauncherGone:
@@ -51,7 +57,14 @@ class LauncherClient:
 
     def __init__(self) -> None:
         # Forked from the user's warm template where one can be used; else our own, as before.
-        self.process = warm.forked_launcher() or processes.start_launcher()
+        forked = warm.forked_launcher()
+        self.process = forked or processes.start_launcher()
+        # A forked launcher is ours once it said it is ready; until a run was sent to it, one
+        # that cannot serve (refused, gone, too late) is replaced by our own (_fall_back).
+        self._committed = forked is None
+        self._settled = threading.Event()  # the forked launcher said it is ready, or its channel closed
+        self._forked_gone = threading.Event()
+        self._decided = threading.Event()  # the forked launcher was taken or replaced
         self.ready = threading.Event()
         self.alive = True
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
@@ -66,12 +79,55 @@ class LauncherClient:
         self.debug_messages: queue.Queue[Any] = queue.Queue()
         self.standby: events.StandbyChanged | None = None  # the launcher's last word on them
         self._released: queue.Queue[tuple[int, ...]] = queue.Queue()  # its answers to ReleaseStandby
-        threading.Thread(target=self._read_events, name="nbtrain-events", daemon=True).start()
-        threading.Thread(target=self._read_stderr, name="nbtrain-launcher-stderr", daemon=True).start()
+        self._start_readers(self.process)
+        if forked is None:
+            self._decided.set()
+        else:
+            threading.Thread(target=self._check_forked, args=(forked,), name="nbtrain-template", daemon=True).start()
+
+    def _start_readers(self, process: processes.LauncherProcess) -> None:
+        threading.Thread(target=self._read_events, args=(process,), name="nbtrain-events", daemon=True).start()
+        threading.Thread(target=self._read_stderr, args=(process,), name="nbtrain-launcher-stderr", daemon=True).start()
+
+    def _check_forked(self, forked: processes.LauncherProcess) -> None:
+        """Take the forked launcher once it said it is ready; our own instead if it cannot be."""
+        try:
+            self._settled.wait(warm.READY_SECONDS)
+            # Ready, the template has forked it and its reply is on the way (or its end closed):
+            # a launcher whose pid we were never told could not be waited for or killed.
+            named = self.ready.is_set() and forked.popen.pid > 0
+            with self._lock:  # decided under the lock: the reader's end of it reads _decided
+                unusable = not named or self._forked_gone.is_set()
+                if self.alive and self.process is forked and unusable:
+                    self._fall_back(forked)
+                self._decided.set()
+        finally:
+            self._decided.set()
+
+    def _fall_back(self, forked: processes.LauncherProcess) -> None:
+        """Replace the forked launcher (no run was sent to it) by our own, silently; under the lock."""
+        logger.debug("the template's launcher cannot be used (ready: %s); starting our own", self.ready.is_set())
+        self.ready.clear()
+        self.stderr_tail.clear()
+        try:
+            self.process = processes.start_launcher()
+        except OSError:
+            self.alive = False  # the first run says so, as it would have before the template
+            return
+        finally:
+            self._committed = True
+            warm.abandon(forked)
+        self._start_readers(self.process)
+
+    def wait_usable(self) -> None:
+        """Wait (bounded) until a launcher forked by the template said it is ready or was replaced by our own."""
+        self._decided.wait(DECIDED_SECONDS)
 
     def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, Inbox]:
         """Send a new run to the launcher (with its tensors' memfd, if any); its id and the inbox it is filed in."""
+        self.wait_usable()  # no run goes to a forked launcher before it said it is ready
         with self._lock:
+            self._committed = True  # from here on, the launcher's death is the run's error
             if not self.alive:
                 raise LauncherError(self.exit_detail())
             run_id = next(self._run_ids)
@@ -142,7 +198,8 @@ class LauncherClient:
 
     def close(self) -> None:
         """Stop the launcher (its ranks die with it); the next launch starts a new one."""
-        self.alive = False
+        with self._lock:  # so a forked launcher given up meanwhile is not replaced after this
+            self.alive = False
         processes.stop_launcher(self.process)
 
     def exit_detail(self) -> str:
@@ -156,8 +213,8 @@ class LauncherClient:
             text += f" (exit code {code})"
         return text + (f"; its last output:\n{tail}" if tail else ". The next launch starts a new one.")
 
-    def _read_events(self) -> None:
-        channel = self.process.channel
+    def _read_events(self, process: processes.LauncherProcess) -> None:
+        channel = process.channel
         while True:
             try:
                 message, fds = wire.receive(channel)
@@ -165,6 +222,7 @@ class LauncherClient:
                 break
             if isinstance(message, events.LauncherReady):
                 self.ready.set()
+                self._settled.set()
                 continue
             if isinstance(message, events.StandbyChanged):
                 self.standby = message
@@ -184,7 +242,15 @@ class LauncherClient:
                     os.close(fd)
             else:
                 self._file(message, fds, inbox)
+        self._forked_gone.set()
+        self._settled.set()
         with self._lock:
+            if process is not self.process:
+                return  # a forked launcher given up for our own
+            if not self._committed:
+                if self._decided.is_set() and self.alive:  # it was ready, and died before its first run
+                    self._fall_back(process)
+                return  # else _check_forked replaces it
             self.alive = False
             with contextlib.suppress(subprocess.TimeoutExpired):  # still running: the detail says so
                 self.process.popen.wait(timeout=1.0)
@@ -231,12 +297,16 @@ class LauncherClient:
             except OSError:
                 pass  # the launcher is gone; the run's inbox hears of it
 
-    def _read_stderr(self) -> None:
-        stream = self.process.popen.stderr
+    def _read_stderr(self, process: processes.LauncherProcess) -> None:
+        stream = process.popen.stderr
         if stream is None:
             return
         for line in iter(stream.readline, b""):
-            self.stderr_tail.append(line.decode(errors="replace"))
+            if process is self.process:
+                self.stderr_tail.append(line.decode(errors="replace"))
+        if process is not self.process:  # a forked launcher given up: nobody else closes it
+            with contextlib.suppress(OSError):
+                stream.close()
 
 
 # What a held rank sends after its run ended: the post-mortem's relay reads it.

@@ -3,9 +3,12 @@
 The kernel connects to the template's socket (starting the template if there is none),
 sends it the launcher's end of a fresh socketpair and a stderr pipe (SCM_RIGHTS), and gets
 back a launcher that has torch imported already. Wherever that cannot be (the template is
-switched off, the runtime directory is not private or not writable, no Unix sockets, the
-template refuses or does not answer), :func:`forked_launcher` returns None and the kernel starts
-its own launcher as before, silently.
+switched off, the runtime directory is not private or not writable, no Unix sockets),
+:func:`forked_launcher` returns None and the kernel starts its own launcher as before, silently.
+Nothing here waits for the template's answer: a launcher it forks is not used until it said
+it is ready (``LauncherClient`` waits at most :data:`READY_SECONDS`), and one that cannot be
+used (refused, dead before it was ready, too late) is abandoned (:func:`abandon`) for the
+kernel's own, silently too.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import fcntl
 import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -21,6 +25,13 @@ from nbtrain import processes, wire
 from nbtrain import templatesocket as naming
 
 CONNECT_SECONDS = 10.0  # a template just started binds its socket within this
+# From the kernel's request to its launcher's LauncherReady. A template that is there answers
+# in milliseconds; one still importing torch (just started) answers when done, which is what
+# the kernel's own launcher would need too, so waiting for it costs nothing, and starting a
+# second import beside it would slow both on a small machine. Past this (about twice the
+# slowest first cell measured on a loaded 2-core machine) the template is taken for stuck.
+READY_SECONDS = 30.0
+GONE_SECONDS = 5.0  # an abandoned launcher, SIGKILLed, is gone within this
 
 
 def forked_launcher() -> processes.LauncherProcess | None:
@@ -47,7 +58,6 @@ def forked_launcher() -> processes.LauncherProcess | None:
         # which it looks at (under this lock) before it retires.
         with _locked(naming.lock_path(path)):
             connection = _connect(path)
-            started = connection is None
             if connection is None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)  # a dead template's name (we hold the lock)
@@ -55,7 +65,7 @@ def forked_launcher() -> processes.LauncherProcess | None:
                 connection = _connect_when_listening(path)
         if connection is None:
             return None
-        return _ask(connection, me, wait=not started)
+        return _ask(connection, me)
     except Exception:  # noqa: BLE001 - anything here means: start our own launcher, as before
         return None
 
@@ -116,8 +126,25 @@ def _connect_when_listening(path: str) -> socket.socket | None:
     return None
 
 
-def _ask(connection: socket.socket, me: naming.Identity, wait: bool) -> processes.LauncherProcess | None:
-    """Send the request; ``wait``: read the answer now (a template we did not start may refuse)."""
+def abandon(launcher: processes.LauncherProcess) -> None:
+    """Give up a launcher the template forked (or was asked to fork) for us, before any run was sent.
+
+    Its channel is closed (a template that has not forked it yet then does not, and one
+    forked meanwhile ends at its first word); one the template said it forked is SIGKILLed
+    by its pid and waited for (the template, its parent, reaps it).
+    """
+    with contextlib.suppress(OSError):
+        launcher.channel.shutdown(socket.SHUT_RDWR)
+    launcher.channel.close()
+    handle = launcher.popen
+    if isinstance(handle, processes.ForkedLauncher) and handle.answered_pid() is not None:
+        handle.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            handle.wait(timeout=GONE_SECONDS)
+
+
+def _ask(connection: socket.socket, me: naming.Identity) -> processes.LauncherProcess | None:
+    """Send the request; the answer is read when the launcher is first needed."""
     kernel_end, launcher_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     read_end, write_end = os.pipe()
     try:
@@ -133,12 +160,7 @@ def _ask(connection: socket.socket, me: naming.Identity, wait: bool) -> processe
         os.close(write_end)
     stderr = os.fdopen(read_end, "rb")
     answer = _Answer(connection)
-    handle = processes.ForkedLauncher(answer, stderr)
-    if wait and handle.pid < 0:
-        kernel_end.close()
-        stderr.close()
-        return None
-    return processes.LauncherProcess(handle, kernel_end)
+    return processes.LauncherProcess(processes.ForkedLauncher(answer, stderr), kernel_end)
 
 
 class _Answer:

@@ -78,6 +78,8 @@ class Template:
             if refused or len(fds) != 2:
                 wire.send(connection, naming.Reply(None, refused or "expected two descriptors"))
                 return
+            if _kernel_left(fds[0]):
+                return  # it stopped waiting for us (its end closed): a launcher would serve nobody
             kernel_pid = naming.peer_credentials(connection)[0]
             pid = self._fork(request, kernel_pid, fds[0], fds[1])
             wire.send(connection, naming.Reply(pid))
@@ -115,6 +117,17 @@ class Template:
             if self.selector.select(0):
                 return False  # a request waits: serve it first
             _unlink_own(self.path, self.inode)
+            return True
+
+
+def _kernel_left(control_fd: int) -> bool:
+    """Whether the kernel closed its end of the launcher's socketpair (it says nothing before LauncherReady)."""
+    with socket.socket(fileno=os.dup(control_fd)) as control:
+        try:
+            return control.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False  # open, and silent: it waits
+        except OSError:
             return True
 
 
