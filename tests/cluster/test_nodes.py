@@ -4,6 +4,7 @@ rank goes, and how the nodes' ends combine into one. No Ray and no cluster: real
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -36,7 +37,8 @@ def test_several_nodes_without_a_cluster_are_refused_saying_what_to_pass(cluster
 
 @pytest.mark.parametrize("num_nodes", [0, -1, 2.5, "2", True])
 def test_a_number_of_nodes_that_is_not_a_positive_whole_number_is_refused_naming_it(num_nodes: object) -> None:
-    with pytest.raises(ConfigurationError, match=f"num_nodes must be a positive whole number of nodes, not {num_nodes!r}"):
+    refusal = f"num_nodes must be a positive whole number of nodes, not {num_nodes!r}."
+    with pytest.raises(ConfigurationError, match=re.escape(refusal)):
         nodes.validate_num_nodes(num_nodes, "ray")
 
 

@@ -21,7 +21,9 @@ Current thread 0x00007f0000000002 (most recent call first):
   File "{pkg}/rank/cell.py", line 120 in _execute
   File "{pkg}/rank/runtime.py", line 62 in run_rank
 """
-IN_ALL_REDUCE = DUMP.format(pkg=PKG, inner=f'  File "{SITE}/torch/distributed/distributed_c10d.py", line 2800 in all_reduce')
+IN_ALL_REDUCE = DUMP.format(
+    pkg=PKG, inner=f'  File "{SITE}/torch/distributed/distributed_c10d.py", line 2800 in all_reduce'
+)
 ASLEEP = DUMP.format(pkg=PKG, inner='  File "/tmp/ipykernel_7/123.py", line 9 in slow_batch')
 
 
