@@ -36,6 +36,7 @@ class NodeResources:
     gpus: int
 
     def describe(self) -> str:
+        """This node for messages: its address, the start of its id, its CPUs and GPUs."""
         return f"{self.address} (id {self.node_id[:8]}): {self.cpus} CPUs, {self.gpus} GPUs"
 
 
@@ -49,6 +50,7 @@ class ClusterPlan:
 
     @property
     def world_size(self) -> int:
+        """Ranks in the whole run: ``per_node`` on each of ``num_nodes`` nodes."""
         return self.num_nodes * self.per_node
 
     def bundle(self) -> dict[str, float]:

@@ -47,6 +47,7 @@ class CrossNodeStop:
     chosen: events.StepChosen | None = None
 
     def take(self, index: int, report: events.StepsBegun) -> None:
+        """Keep node ``index``'s report of its highest step begun (a later one replaces it)."""
         self.reports[index] = report
 
     def choose(self, running: set[int]) -> events.StepChosen | None:

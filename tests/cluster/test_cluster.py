@@ -1,5 +1,6 @@
 """The cluster engine on a real 2-node Ray cluster (tests/cluster/conftest.py): results,
-failures and leaks, through ``nbtrain.start(..., cluster="ray", num_nodes=2)``.
+failures and leaks, through ``nbtrain.start(..., cluster="ray", num_nodes=2)``. What one node's
+agent does (kept warm, results through the object store, killed mid-run) is in test_agent.py.
 
 Every wait is bounded; faults are made for real (an exception, SIGKILL of a rank, killing
 an agent actor, killing a node's raylet) and timed from the moment they happen.
@@ -102,10 +103,6 @@ def _world() -> tuple[int, int, str, str]:
     return dist.get_rank(), dist.get_world_size(), os.environ["GROUP_RANK"], os.environ["LOCAL_WORLD_SIZE"]
 
 
-def _echo(tensor: torch.Tensor) -> tuple[tuple[int, int, str, str], torch.Tensor]:
-    return _world(), tensor * 1
-
-
 # -- results ------------------------------------------------------------------------------
 @pytest.mark.parametrize("per_node", [1, 2])
 def test_ddp_across_two_nodes_equals_one_process_with_the_full_batch(ray_cluster: Any, per_node: int) -> None:
@@ -173,103 +170,6 @@ def test_a_breakpoint_in_a_rank_is_passed_with_a_note_where_nothing_prompts(ray_
     assert error is None, error
     note = "cannot prompt" if where == "cluster" else "nothing here answers its prompt"
     assert any(note in e.text for e in seen if isinstance(e, events.Output)), seen
-
-
-def test_warm_agents_are_reused_and_nothing_grows_over_20_runs(ray_cluster: Any) -> None:
-    procs.finish(start(_world), RUN_SECONDS)  # warm
-    client = engine._client
-    weights = torch.ones(1 << 18)  # 1 MB each way: over Ray's inline limit, so it goes through the object stores
-    seen = ray.put(weights)
-    assert sum(_object_store_bytes()) >= weights.numel() * 4, "the object-store measure misses a 1 MB object"
-    del seen
-    before = _footprint(client)
-    for _ in range(20):
-        back = procs.finish(start(_echo, weights), 60.0)
-        assert back[0][1] == 4 and torch.equal(back[1], weights)
-    assert engine._client is client, "the warm agents were replaced"
-    after = _footprint(client)
-    assert after == before, f"grew over 20 runs: {before} -> {after}"
-
-
-def _large(numel: int) -> dict[str, torch.Tensor]:
-    return {"big": torch.arange(numel, dtype=torch.int32), "small": torch.arange(5.0), "odd": torch.ones(3).byte()}
-
-
-def _assert_large(back: dict[str, torch.Tensor], numel: int) -> None:
-    assert torch.equal(back["big"], torch.arange(numel, dtype=torch.int32))
-    assert torch.equal(back["small"], torch.arange(5.0)) and torch.equal(back["odd"], torch.ones(3).byte())
-
-
-def _forbid_reading_ranks(forbid: bool) -> Any:
-    """Inside an agent: reading rank 0's memory fails (as in a sandbox), or works again."""
-
-    def inside(_agent: Any) -> None:
-        from nbtrain import sharedtensors
-
-        original = getattr(sharedtensors, "_allowed_read", sharedtensors.read_span_from_process)
-        sharedtensors._allowed_read = original
-
-        def refused(*args: Any) -> None:
-            raise PermissionError("process_vm_readv: operation not permitted")
-
-        sharedtensors.read_span_from_process = refused if forbid else original
-
-    return inside
-
-
-def test_a_result_of_several_pieces_comes_back_whole_and_leaves_no_object_behind(ray_cluster: Any) -> None:
-    from nbtrain.cluster import agent
-
-    procs.finish(start(_world), RUN_SECONDS)
-    client = engine._client
-    before = _footprint(client)
-    numel = agent.PIECE_BYTES // 4 + 1_234_567  # two pieces; the second starts inside the storage
-    _assert_large(procs.finish(start(_large, numel), 60.0), numel)
-    assert _footprint(client) == before
-
-
-def test_where_rank_0_cannot_be_read_its_result_comes_back_through_a_file(ray_cluster: Any) -> None:
-    from nbtrain.cluster import agent
-
-    procs.finish(start(_world), RUN_SECONDS)
-    client = engine._client
-    ray.get([a.__ray_call__.remote(_forbid_reading_ranks(True)) for a in client.agents], timeout=30)
-    try:
-        numel = agent.PIECE_BYTES // 4 + 1_234_567
-        _assert_large(procs.finish(start(_large, numel), 60.0), numel)
-    finally:
-        ray.get([a.__ray_call__.remote(_forbid_reading_ranks(False)) for a in client.agents], timeout=30)
-
-
-def _footprint(client: Any) -> tuple[Any, ...]:
-    """Per node: nbtrain processes, object references, object-store bytes; actors alive; the kernel's references.
-
-    The bytes are each raylet's own count of its object store's use (what `ray memory`
-    reports); the references say why an object would still be there.
-    """
-    deadline = time.monotonic() + 10.0
-    while True:
-        counts = tuple(len(pids) for pids in client.node_processes())
-        # A lambda travels by value: the agents cannot import this test module.
-        count = lambda _agent: len(
-            __import__("ray")._private.worker.global_worker.core_worker.get_all_reference_counts()
-        )
-        held = tuple(ray.get([a.__ray_call__.remote(count) for a in client.agents], timeout=30))
-        actors = sum(1 for a in ray._private.state.actors().values() if a["State"] == "ALIVE")
-        kernel = count(None)
-        store = _object_store_bytes()
-        if (counts, held, kernel, sum(store)) == ((2, 2), (0, 0), 0, 0) or time.monotonic() > deadline:
-            return counts, held, store, actors, kernel
-        time.sleep(0.1)
-
-
-def _object_store_bytes() -> tuple[int, ...]:
-    """Bytes in use in each live node's object store, as its raylet counts them."""
-    from ray._private.internal_api import node_stats
-
-    nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeID"])
-    replies = [node_stats(n["NodeManagerAddress"], n["NodeManagerPort"], include_memory_info=False) for n in nodes]
-    return tuple(int(reply.store_stats.object_store_bytes_used) for reply in replies)
 
 
 # -- failures -----------------------------------------------------------------------------
@@ -362,24 +262,6 @@ def test_a_timeout_stops_every_node(ray_cluster: Any) -> None:
     assert time.monotonic() - began < 10.0 + FAULT_SECONDS
     _assert_all_gone(rank_processes(seen))
     assert procs.finish(start(_world), 60.0)[1] == 4
-
-
-def test_an_agent_killed_mid_run_loses_its_node_and_the_next_run_works(ray_cluster: Any) -> None:
-    procs.finish(start(_world), RUN_SECONDS)
-    client = engine._client
-    node_one = client.node_processes()[1]
-    seen: list[Any] = []
-    run = start(_fault, "hang", -1)
-    iterator = _running(seen, run)
-    killed = time.monotonic()
-    ray.kill(client.agents[1])
-    error = _rest(iterator, seen, run, 30.0)
-    assert isinstance(error, NodeLostError), error
-    assert time.monotonic() - killed < FAULT_SECONDS
-    assert "node 1 (" in str(error) and "was lost during the run" in str(error)
-    _assert_all_gone(rank_processes(seen) + node_one)
-    assert procs.finish(start(_world), RUN_SECONDS)[1] == 4
-    assert engine._client is not client
 
 
 def test_a_node_whose_raylet_dies_is_lost_and_the_next_run_works(ray_cluster: Any) -> None:
