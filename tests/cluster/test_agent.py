@@ -30,6 +30,9 @@ from helpers import procs
 from nbtrain.cluster import agent, engine
 from nbtrain.errors import NodeLostError
 
+# The first test here to ask for the session's Ray cluster also pays for its start (about
+# 150 s on 2 loaded cores), which pytest-timeout counts in that test's time.
+pytestmark = pytest.mark.timeout(900)
 ray = pytest.importorskip("ray")
 
 
