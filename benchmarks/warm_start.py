@@ -99,8 +99,6 @@ def first_step_on(fabric):
 fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp_notebook")
 first_step = fabric.launch(first_step_on)
 """
-LAUNCHER_PID = "print(__import__('nbtrain.kernel.client', fromlist=['x']).get_client().process.pid)"
-READY = "print(__import__('nbtrain.kernel.client', fromlist=['x']).get_client().ready.wait(300))"
 
 
 class Kernel:
