@@ -18,11 +18,13 @@ orphaned, until cleaned up.
 
 Example:
     >>> import tempfile, os
+    >>> saved = dict(os.environ)
     >>> os.environ["NBTRAIN_RUNTIME_DIR"] = tempfile.mkdtemp()
     >>> record = RunRecord(id="a1", world_size=2, state="running", ranks=((0, 11, 5), (1, 12, 6)))
     >>> write(record)
     >>> [r.pids for r in read_all()]
     [(11, 12)]
+    >>> os.environ.clear(); os.environ.update(saved)  # as it was, whatever it held
 """
 
 from __future__ import annotations

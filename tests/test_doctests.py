@@ -11,6 +11,7 @@ import doctest
 import importlib
 import importlib.util
 import io
+import os
 import pathlib
 import types
 
@@ -67,13 +68,20 @@ def test_the_examples_are_found_in_every_package():
     assert all(importlib.util.find_spec(name) is not None for name in names)
 
 
+def nbtrain_settings() -> dict[str, str]:
+    """This process's ``NBTRAIN_*`` variables (torch sets others of its own when first used)."""
+    return {key: value for key, value in os.environ.items() if key.startswith("NBTRAIN_")}
+
+
 @pytest.mark.parametrize("name", modules_with_examples())
 def test_module_examples_run(name: str):
     before = children()
+    environment = nbtrain_settings()  # kernels and launchers started by later tests inherit them
     module = importlib.import_module(name)
     results, report = run_examples(module)
     assert results.attempted > 0, f"{name} has '>>>' in its source, but doctest found no example there"
     assert results.failed == 0, f"{results.failed} of {name}'s {results.attempted} examples failed:\n{report}"
+    assert nbtrain_settings() == environment, f"{name}'s examples left nbtrain's settings in os.environ changed"
     started = children() - before - {launcher_pid()}
     left = procs.wait_gone(started, PROCESS_GONE_SECONDS)
     assert not left, f"{name}'s examples left processes running: {left}"

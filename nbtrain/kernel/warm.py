@@ -41,10 +41,11 @@ def forked_launcher() -> processes.LauncherProcess | None:
     launcher) wherever a template cannot be used; nothing is said about it.
 
         >>> import os
+        >>> saved = dict(os.environ)
         >>> os.environ["NBTRAIN_TEMPLATE"] = "0"
         >>> forked_launcher() is None
         True
-        >>> del os.environ["NBTRAIN_TEMPLATE"]
+        >>> os.environ.clear(); os.environ.update(saved)  # as it was, whatever it held
     """
     if not naming.enabled():
         return None
@@ -76,9 +77,10 @@ def ensure_template() -> None:
     Does nothing where kernels would not use a template; never raises.
 
         >>> import os
+        >>> saved = dict(os.environ)
         >>> os.environ["NBTRAIN_TEMPLATE"] = "0"
         >>> ensure_template()
-        >>> del os.environ["NBTRAIN_TEMPLATE"]
+        >>> os.environ.clear(); os.environ.update(saved)  # as it was, whatever it held
     """
     if not naming.enabled():
         return
