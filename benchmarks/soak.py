@@ -360,9 +360,10 @@ def run_one(kernel: NotebookKernel, plan: Plan, tally: Tally, pids_seen: set[int
     if not plain_cell_works(kernel):
         tally.kernel_unusable += 1
         problems.append("the kernel did not run a plain cell afterwards")
-    if not next_run_works(kernel):
+    why = next_run_works(kernel)
+    if why:
         tally.next_failed += 1
-        problems.append("the next clean %%distributed run failed")
+        problems.append("the next clean %%distributed run failed: " + why)
     return problems
 
 
@@ -412,16 +413,19 @@ def plain_cell_works(kernel: NotebookKernel) -> bool:
     return reply["status"] == "ok" and "42" in out.stdout
 
 
-def next_run_works(kernel: NotebookKernel, bound: float = PLAIN_BOUND) -> bool:
+def next_run_works(kernel: NotebookKernel, bound: float = PLAIN_BOUND) -> str | None:
+    """Why the next clean ``%%distributed`` run failed, or None when it worked."""
     try:
-        reply, _ = kernel.wait_for_reply(kernel.start_cell(NEXT_CELL), timeout=bound)
+        reply, out = kernel.wait_for_reply(kernel.start_cell(NEXT_CELL), timeout=bound)
         if reply["status"] != "ok":
-            return False
+            return f"it ended in {reply.get('ename')}:\n" + textwrap.indent(out.text[-3000:], "    | ")
         cell = kernel.start_cell("print('next', next_ok); del next_ok")
         reply, out = kernel.wait_for_reply(cell, timeout=PLAIN_BOUND)
-    except AssertionError:
-        return False
-    return reply["status"] == "ok" and "next 2" in out.stdout
+    except AssertionError as error:
+        return f"no reply: {error}"
+    if reply["status"] == "ok" and "next 2" in out.stdout:
+        return None
+    return "the kernel did not get its result:\n" + textwrap.indent(out.text[-3000:], "    | ")
 
 
 # -- the soak and the launch series -----------------------------------------------------------
@@ -440,8 +444,9 @@ def soak(runs: int, seed: int, trace: str | None = None) -> bool:
         kernel.run_ok(TRAIN_SETUP)
         progress("nbtrain in the kernel: " + kernel.value("__import__('nbtrain').__file__"))
         for _ in range(2):  # the launcher warm, every lazy import done: the resting level
-            if not next_run_works(kernel, WARM_UP_BOUND):
-                print("the warm-up run failed", file=sys.stderr)
+            why = next_run_works(kernel, WARM_UP_BOUND)
+            if why:
+                print("the warm-up run failed: " + why, file=sys.stderr)
                 return False
         # One interrupted training run with a large result: its first time starts what the kernel keeps
         # for the next (the copy's reader threads, a ZMQ context of the kernel's own): the resting level.

@@ -45,6 +45,9 @@ _NBTRAIN_PLACES = {
     "loads": "loading the cell's data",
 }
 
+# Where a rank's own stack begins: a fresh rank's runtime, or a standby rank's (forked before its run).
+_ENTRIES = ("run_rank", "run_standby")
+
 Namer = Callable[[str], "str | None"]  # a filename -> "Cell In[N]" for notebook cells, else None
 LineSource = Callable[[str, int], str]  # (filename, line) -> the source line, or ""
 
@@ -121,7 +124,7 @@ class RankStack:
 def parse_dump(text: str) -> tuple[Frame, ...]:
     """The main thread's frames in a faulthandler dump, outermost first.
 
-    The main thread is the one running nbtrain's rank runtime (``run_rank``); a dump cut
+    The main thread is the one running nbtrain's rank runtime (``run_rank``, ``run_standby``); a dump cut
     short, or one without it, falls back to the thread that handled the signal.
     """
     threads: list[tuple[bool, list[Frame]]] = []
@@ -168,7 +171,7 @@ def in_backward(frames: tuple[Frame, ...]) -> bool:
 
 
 def _is_entry(frame: Frame) -> bool:
-    return frame.function == "run_rank" and frame.in_nbtrain
+    return frame.function in _ENTRIES and frame.in_nbtrain
 
 
 def where_each_rank_was(stacks: Iterable[RankStack], namer: Namer, source: LineSource) -> str:

@@ -53,6 +53,21 @@ def test_a_dump_parses_to_the_rank_runtime_s_frames_innermost_last():
     assert frames[2] == stacks.Frame("/tmp/ipykernel_7/123.py", 12, "<module>")
 
 
+def test_a_standby_rank_s_dump_parses_from_its_own_runtime_and_says_it_finished():
+    # A standby rank runs its cell under run_standby, not run_rank (nbtrain.launch_server.standby).
+    dump = DUMP.replace(" in run_rank", " in run_standby").replace(
+        'File "{site}/torch/distributed/distributed_c10d.py", line 2800 in all_reduce\n'
+        '  File "{site}/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
+        '  File "/tmp/ipykernel_7/123.py", line 12 in <module>\n'
+        '  File "{pkg}/rank/cell.py", line 120 in _execute',
+        'File "{pkg}/rank/runtime.py", line 390 in _wait_for_release',
+    )
+    frames = stacks.parse_dump(dump.format(site=SITE, pkg=PKG))
+    assert [f.function for f in frames] == ["run_standby", "_wait_for_release"]
+    summary = stacks.RankStack(0, frames).summary(cells, no_source)
+    assert summary == "rank 0: finished its work, waiting for the other ranks"
+
+
 def test_a_summary_names_the_collective_and_the_cell_line():
     stack = stacks.RankStack(0, stacks.parse_dump(DUMP.format(site=SITE, pkg=PKG)))
     assert stack.summary(cells, no_source) == "rank 0: waiting in all_reduce, Cell In[5], line 12"

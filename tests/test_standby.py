@@ -24,6 +24,7 @@ from kernel_helpers import NotebookKernel, wait_gone
 from nbtrain.kernel import launcher_connection
 
 GONE_SECONDS = 10.0
+LAUNCHER_PID = "__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().process.pid"
 STANDBY_SECONDS = 60.0  # a loaded 2-core machine: the ranks fork and join their group after the run
 
 # In the kernel: wait (bounded) until standby ranks are waiting, all joined, none of ``old``;
@@ -130,6 +131,26 @@ def test_one_killed_while_waiting_is_replaced_and_the_next_cell_never_hears_of_i
     assert wait_gone(waiting, GONE_SECONDS) == []
 
 
+def test_deaths_the_launcher_hears_of_in_one_batch_leave_it_serving(kernel):
+    """Both waiting ranks die while the launcher is stopped, so it hears of every exit and EOF
+    in one select batch, and handling the first death discards the other rank's registrations
+    (a stale event of that batch must then be passed over, not read)."""
+    run_two(kernel)
+    waiting = list(standby(kernel))
+    launcher = kernel.value(LAUNCHER_PID)
+    os.kill(launcher, signal.SIGSTOP)
+    try:
+        for pid in waiting:  # one after the other: the first one's exit is ahead of the second's EOF
+            os.kill(pid, signal.SIGKILL)
+            procs.wait_for(lambda pid=pid: procs.is_zombie(pid), GONE_SECONDS, f"rank {pid} did not exit")
+    finally:
+        os.kill(launcher, signal.SIGCONT)
+    replaced = standby(kernel, waiting)
+    kernel.run_ok(TWO_RANKS + GATHER_PIDS)
+    assert sorted(kernel.value("pids")) == sorted(replaced)
+    assert kernel.value(LAUNCHER_PID) == launcher  # the same launcher: it did not fall over
+
+
 def test_a_cell_never_sees_what_an_earlier_cell_left(kernel):
     kernel.run_ok(
         TWO_RANKS + "import builtins, json, sys, types, torch\n"
@@ -160,9 +181,12 @@ def test_a_failure_and_a_timeout_on_standby_ranks_end_as_on_fresh_ones(kernel):
     held = wait_gone(list(waiting), GONE_SECONDS)
     assert len(held) == 1 and "%nbtrain_debug opens the debugger in rank 1's frames" in out.text, out.text
     waiting = standby(kernel)  # a failed run is followed by standby ranks too: the fix is re-run next
-    out = kernel.run("%%distributed --devices 2 --accelerator cpu --timeout 2\nimport time\ntime.sleep(60)\n")
+    rank_one_sleeps = "import time, nbtrain\nif nbtrain.rank() == 1:\n    time.sleep(60)\n"
+    out = kernel.run("%%distributed --devices 2 --accelerator cpu --timeout 2\n" + rank_one_sleeps)
     assert out.error is not None and "RunTimeoutError" in out.text, out.text
-    assert "time.sleep(60)" in out.text  # where each rank was: its stack, asked for before the stop
+    # Where each rank was: their stacks, asked for before the stop, as fresh ranks' would say.
+    assert "rank 0: finished its work, waiting for the other ranks" in out.text, out.text
+    assert "rank 1: in time.sleep" in out.text and "time.sleep(60)" in out.text, out.text
     assert wait_gone(list(waiting) + held, GONE_SECONDS) == []
     assert kernel.value("[r.state for r in nbtrain.runs()]") == []  # none after a timeout
     assert len(run_two(kernel)) == 2

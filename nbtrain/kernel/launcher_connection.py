@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -41,6 +42,7 @@ PENDING_OUTPUT_CHARS = 8_000_000
 # Waiting for a launcher the template forked (nbtrain.kernel.warm) to be taken or given up:
 # its own bound, and the kernel's own launcher's start (a Popen) after it.
 DECIDED_SECONDS = warm.READY_SECONDS + 30.0
+STDERR_SECONDS = 1.0  # how long a gone launcher's error waits for the last of its stderr
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ class LauncherClient:
         self.ready = threading.Event()
         self.alive = True
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._stderr_read: dict[int, threading.Event] = {}  # per launcher process: its stderr reached EOF
         self._queues: dict[int, Inbox] = {}
         self._stopping: set[int] = set()  # runs asked to stop: their results are not copied
         self._lock = threading.Lock()
@@ -86,6 +89,7 @@ class LauncherClient:
             threading.Thread(target=self._check_forked, args=(forked,), name="nbtrain-template", daemon=True).start()
 
     def _start_readers(self, process: processes.LauncherProcess) -> None:
+        self._stderr_read[id(process)] = threading.Event()
         threading.Thread(target=self._read_events, args=(process,), name="nbtrain-events", daemon=True).start()
         threading.Thread(target=self._read_stderr, args=(process,), name="nbtrain-launcher-stderr", daemon=True).start()
 
@@ -209,7 +213,9 @@ class LauncherClient:
         text = (
             "the nbtrain launcher process has exited" if code is not None else "the nbtrain launcher stopped answering"
         )
-        if code is not None and code != processes.UNKNOWN_EXIT:
+        if code is not None and code < 0 and code != processes.UNKNOWN_EXIT:
+            text += f" (killed by {_signal_name(-code)})"
+        elif code is not None and code != processes.UNKNOWN_EXIT:
             text += f" (exit code {code})"
         return text + (f"; its last output:\n{tail}" if tail else ". The next launch starts a new one.")
 
@@ -254,6 +260,8 @@ class LauncherClient:
             self.alive = False
             with contextlib.suppress(subprocess.TimeoutExpired):  # still running: the detail says so
                 self.process.popen.wait(timeout=1.0)
+            # Its last words (a traceback, a fatal signal's note) are what the error shows.
+            self._stderr_read[id(process)].wait(STDERR_SECONDS)
             gone = LauncherGone(self.exit_detail())
             for inbox in self._queues.values():
                 inbox.put((gone, []))
@@ -304,9 +312,17 @@ class LauncherClient:
         for line in iter(stream.readline, b""):
             if process is self.process:
                 self.stderr_tail.append(line.decode(errors="replace"))
+        self._stderr_read[id(process)].set()
         if process is not self.process:  # a forked launcher given up: nobody else closes it
             with contextlib.suppress(OSError):
                 stream.close()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"signal {number} ({signal.Signals(number).name})"
+    except ValueError:
+        return f"signal {number}"
 
 
 # What a held rank sends after its run ended: the post-mortem's relay reads it.

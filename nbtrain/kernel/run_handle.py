@@ -273,11 +273,16 @@ class Run:
         self.stop("interrupted")
         self._drop_result()
 
+    def _close_ended_fds(self) -> None:
+        # Taken from the run before closing: an interrupt between a close and forgetting the
+        # number would have the next caller close it again, when it may be someone else's.
+        fds, self._ended_fds = self._ended_fds, []
+        for fd in fds:
+            os.close(fd)
+
     def _drop_result(self) -> None:
         self._copied = None
-        for fd in self._ended_fds:
-            os.close(fd)
-        self._ended_fds = []
+        self._close_ended_fds()
         while True:  # what came after the run ended, or before a launcher that never answered
             try:
                 _message, fds = self._inbox.get_nowait()
@@ -335,9 +340,7 @@ class Run:
 
             return sharedtensors.loads(ended.result or b"", fd, map_location="cpu")
         finally:
-            for extra in self._ended_fds:
-                os.close(extra)
-            self._ended_fds = []
+            self._close_ended_fds()
 
     def where_ranks_were(self) -> str:
         """Where each rank was when a timeout or a stop ended the run, in the notebook's terms.

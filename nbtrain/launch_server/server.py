@@ -127,11 +127,14 @@ class Launcher:
         while True:
             timeout = TICK_SECONDS if self.runs else 0.5 if self.held_ranks else 1.0
             for key, _ in self.selector.select(timeout):
+                if self.selector.get_map().get(key.fd) is not key:
+                    continue  # unregistered by an earlier event of this batch (its rank was reaped, say)
                 kind, run, rank = key.data
                 if kind == "control":
                     if not self._on_control():
                         return self._shutdown()
                 elif kind == "kernel":  # the kernel died
+                    _say(f"its kernel (pid {self.parent_pid}) has exited; stopping its runs")
                     return self._shutdown()
                 elif kind == "events":
                     self._on_rank_event(run, rank)
@@ -149,6 +152,7 @@ class Launcher:
                     self.standby.on_exit(run, rank)
             # the kernel died and its socket is held elsewhere
             if self.watch_parent and os.getppid() != self.parent_pid:
+                _say(f"its kernel (pid {self.parent_pid}) has exited; stopping its runs")
                 return self._shutdown()
             # Before _tick ends a run: what a rank left behind must not hold its pipes open.
             processes.kill_strays(self._live_ranks())
@@ -163,7 +167,10 @@ class Launcher:
     def _on_control(self) -> bool:
         try:
             message, fds = wire.receive(self.control)
-        except (wire.ChannelClosed, OSError):
+        except wire.ChannelClosed:
+            return False  # the kernel closed it: its end, or it exited
+        except OSError as error:
+            _say(f"its channel to the kernel failed ({error}); stopping its runs")
             return False
         if isinstance(message, StartRun):
             self._start(message, fds[0] if fds else None)
@@ -684,6 +691,11 @@ class Launcher:
         # What the ranks left behind is ours now; once the launcher is gone it would be init's.
         while processes.kill_strays(self._live_ranks()) and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def _say(text: str) -> None:
+    # The kernel shows the launcher's last lines when it is gone (LauncherClient.exit_detail).
+    print(f"nbtrain launcher: {text}", file=sys.stderr, flush=True)
 
 
 def _readable_now(sock: socket.socket) -> bool:

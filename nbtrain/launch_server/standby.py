@@ -159,7 +159,8 @@ class Pool:
         try:
             message, fds = wire.receive(rank.channel)
         except (wire.ChannelClosed, OSError):
-            self.selector.unregister(rank.channel)  # its pidfd tells the rest
+            if self._registered(rank.channel):
+                self.selector.unregister(rank.channel)  # its pidfd tells the rest
             return
         for fd in fds:
             os.close(fd)
@@ -265,7 +266,7 @@ class Pool:
     def _registered(self, fileobj: Any) -> bool:
         try:
             self.selector.get_key(fileobj)
-        except KeyError:
+        except (KeyError, ValueError):  # ValueError: a socket closed already, and not registered
             return False
         return True
 
