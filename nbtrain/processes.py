@@ -578,8 +578,13 @@ def start_template(path: str) -> None:
     env = dict(os.environ)
     env[ROLE_VARIABLE] = "template"
     env["OPENBLAS_NUM_THREADS"] = "1"  # forked launchers must stay thread-free
+    env.update(importing_this_nbtrain(env))
     starter = subprocess.Popen(
         [sys.executable, "-m", TEMPLATE_MODULE, path],
+        # Not the kernel's working directory: `-m` puts it first on sys.path, and a checkout
+        # there would be the nbtrain the template imports, not the kernel's (it would then
+        # refuse every kernel). Each launcher it forks takes its kernel's directory.
+        cwd=os.path.dirname(path),
         start_new_session=True,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -588,6 +593,31 @@ def start_template(path: str) -> None:
         close_fds=True,
     )
     starter.wait(timeout=30.0)
+
+
+def importing_this_nbtrain(env: Mapping[str, str]) -> dict[str, str]:
+    """What a child interpreter's environment needs so that it imports this process's nbtrain:
+    ``PYTHONPATH`` led by the folder that holds it, unless that is a site directory (an
+    installed nbtrain, found there anyway; put first, it would come before the standard library).
+
+        >>> env = importing_this_nbtrain({"PYTHONPATH": "/opt/lib"})
+        >>> env == {} or env["PYTHONPATH"] == _nbtrain_root() + os.pathsep + "/opt/lib"
+        True
+    """
+    import site
+
+    root = _nbtrain_root()
+    sites = {os.path.realpath(folder) for folder in (*site.getsitepackages(), site.getusersitepackages())}
+    if os.path.realpath(root) in sites:
+        return {}
+    rest = env.get("PYTHONPATH", "")
+    return {"PYTHONPATH": root + (os.pathsep + rest if rest else "")}
+
+
+def _nbtrain_root() -> str:
+    import nbtrain
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(nbtrain.__file__)))
 
 
 def detach() -> None:
