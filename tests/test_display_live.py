@@ -399,6 +399,19 @@ def test_the_chart_waits_while_the_ranks_go_to_a_stop_step_and_the_last_frame_dr
     assert view.chart_renders == 2 and view._chart_figure is figure  # drawn once more, on the same figure
 
 
+def test_a_stop_wanted_now_ends_on_the_chart_as_drawn_and_a_current_status(capsys):
+    view = fed_view()
+    view.rich = True  # outside a kernel, display() prints the frame's text
+    first = view.chart_png_base64()
+    view.handle(events.StopStep(RUN, 41, 2.0))
+    view.handle(events.Metrics(RUN, 0, ((201, 201.0, {"loss": 5.0}),)))
+    view.finish(events.STOPPED, redraw_chart=False)  # a second interrupt: no drawing before the reply
+    assert view.chart_renders == 1 and "stopped" in capsys.readouterr().out
+    frame = view.mimebundle()
+    assert first in frame["text/html"] and "stopped" in frame["text/plain"]
+    assert view.chart_png_base64(force=True) == first and view.chart_renders == 1  # it stays the last frame's
+
+
 @pytest.mark.parametrize(
     ("world_size", "memory"),
     [

@@ -375,8 +375,8 @@ def _interrupted(prepared: PreparedCell, run: Any, how: str = "") -> RunInterrup
 def _stopped_hard(record: CellRun, view: cellout.CellView | None) -> None:
     record.state = events.STOPPED
     record.stopped = "hard"
-    if view is not None:
-        view.finish(events.STOPPED)
+    if view is not None:  # an interrupt's stop: now, not after one more drawing of the chart
+        view.finish(events.STOPPED, redraw_chart=False)
 
 
 def _kept(

@@ -87,9 +87,9 @@ class CellView:
         # A prompt blocks the cell's thread: "rank 1 in the debugger" must be drawn first.
         self.view.refresh(force=isinstance(event, (events.DebugPrompt, events.DebugEnded)))
 
-    def finish(self, state: str) -> None:
-        """Draw the run's final state."""
-        self.view.finish(state)
+    def finish(self, state: str, redraw_chart: bool = True) -> None:
+        """Draw the run's final state (``redraw_chart`` False: its chart as last drawn, for a stop wanted now)."""
+        self.view.finish(state, redraw_chart)
 
 
 def summary(record: Any) -> str:

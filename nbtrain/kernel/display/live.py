@@ -119,6 +119,7 @@ class LiveView:
         self._last_frame_at = -math.inf
         self._chart_version = -1
         self._chart_png_base64 = ""
+        self._keep_chart = False  # the run was stopped at once: its last frame keeps the chart as drawn
         self._chart_css_size = (0, 0)  # the PNG is shown at this size; it has twice the pixels
         self._chart_drawn_at = -math.inf
         self._chart_seconds = 0.0  # how long the last drawing took
@@ -169,13 +170,20 @@ class LiveView:
             self._show_text(now, force)
         return True
 
-    def finish(self, state: str) -> None:
-        """The run ended in ``state`` (finished / failed / stopped / timed out): show the last frame."""
+    def finish(self, state: str, redraw_chart: bool = True) -> None:
+        """The run ended in ``state`` (finished / failed / stopped / timed out): show the last frame.
+
+        ``redraw_chart`` False: the chart stays as last drawn (a stop the user wants now, not
+        after a drawing that takes up to half a second on a loaded machine); the rest is current.
+        """
         if not self.state.ended or self.state.state != state:
             self.state.finish(state, time.monotonic())
         if self._chart_drawing:  # an interrupt landed in the middle of drawing it: a fresh figure
             self._chart_figure = None
-        if self.rich:
+        if self.rich and not redraw_chart and self._chart_png_base64:
+            self._keep_chart = True
+            self._show_rich(time.monotonic(), force=False)
+        elif self.rich:
             self._show_rich(time.monotonic(), force=True)
         else:
             self._write(livetext.summary_text(self.state, time.monotonic()) + "\n")
@@ -226,6 +234,8 @@ class LiveView:
         state = self.state
         if not state.metrics and not state.memory:
             return ""
+        if self._keep_chart:
+            return self._chart_png_base64
         stale = state.chart_version != self._chart_version
         now = time.monotonic()
         # Keep drawing under CHART_CPU_SHARE of a core: after a 50 ms drawing, wait 0.5 s.
