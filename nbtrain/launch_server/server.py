@@ -695,7 +695,9 @@ class Launcher:
 
 def _say(text: str) -> None:
     # The kernel shows the launcher's last lines when it is gone (LauncherClient.exit_detail).
-    print(f"nbtrain launcher: {text}", file=sys.stderr, flush=True)
+    # A kernel that died has closed the pipe's other end: the shutdown must go on all the same.
+    with contextlib.suppress(OSError):
+        print(f"nbtrain launcher: {text}", file=sys.stderr, flush=True)
 
 
 def _readable_now(sock: socket.socket) -> bool:
