@@ -368,7 +368,7 @@ def test_launcher_death_fails_the_run_and_the_next_launch_starts_a_new_one(launc
         result, error, _seen = collect(run, timeout=30)
         assert isinstance(error, nbtrain.LauncherError), (result, error)
         assert "launcher process has exited" in str(error)
-        assert "(exit code -9)" in str(error)
+        assert "(killed by signal 9 (SIGKILL))" in str(error)
         left = procs.wait_gone(run.pids.values(), GONE_BOUND)  # PDEATHSIG
         assert not left, f"ranks outlived their launcher: {left}"
     finally:
