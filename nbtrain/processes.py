@@ -615,9 +615,7 @@ def importing_this_nbtrain(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def _nbtrain_root() -> str:
-    import nbtrain
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(nbtrain.__file__)))
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this module is nbtrain/processes.py
 
 
 def detach() -> None:
