@@ -607,7 +607,9 @@ def importing_this_nbtrain(env: Mapping[str, str]) -> dict[str, str]:
     import site
 
     root = _nbtrain_root()
-    sites = {os.path.realpath(folder) for folder in (*site.getsitepackages(), site.getusersitepackages())}
+    # getsitepackages: missing in some virtual environments of old virtualenv versions.
+    folders = [*getattr(site, "getsitepackages", list)(), site.getusersitepackages()]
+    sites = {os.path.realpath(folder) for folder in folders}
     if os.path.realpath(root) in sites:
         return {}
     rest = env.get("PYTHONPATH", "")
