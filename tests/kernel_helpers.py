@@ -30,6 +30,8 @@ STARTUP_SECONDS = 60.0
 CELL_SECONDS = 120.0
 GONE_SECONDS = 10.0
 POLL = 0.02
+# The kernel's expression for its launcher's pid (kernel.value(LAUNCHER_PID)).
+LAUNCHER_PID = "__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().process.pid"
 
 
 @dataclass

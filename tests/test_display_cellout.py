@@ -6,6 +6,8 @@ directly, on this process's stdout and stderr.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from kernel_helpers import NotebookKernel
@@ -75,3 +77,21 @@ def test_the_summary_says_what_ran_what_was_prepared_and_what_came_back():
     record.stopped_at, record.state, record.log_path = 412, "stopped", "/logs/run.log"
     assert cellout.summary(record).startswith("nbtrain: 2 ranks (cpu, ddp_notebook) stopped at step 412 in 3.0 s.")
     assert cellout.summary(record).endswith(" Full output: /logs/run.log")
+
+
+def test_the_first_frame_waits_until_the_ranks_run(capsys):
+    """Drawn at the launch it took a core from ranks just starting; the first event past their start draws it."""
+    view = cellout.CellView(types.SimpleNamespace(config=None))
+    view.show(events.RankStarted(1, 0, 101))
+    view.show(events.RankStarted(1, 1, 102))
+    assert view.view.frames == 0 and capsys.readouterr().out == ""
+    view.show(events.Output(1, 0, "stdout", "first line\n"))
+    assert view.view.frames == 1 and "nbtrain" in capsys.readouterr().out
+
+
+def test_the_live_view_stays_above_the_ranks_first_line(kernel):
+    kernel.run_ok("%%distributed --devices 2 --accelerator cpu\nprint('first line')\n")
+    outputs = kernel.notebook.cells[-1].outputs
+    view = [i for i, o in enumerate(outputs) if o.get("data", {}).get("text/plain", "").startswith("nbtrain · ")]
+    printed = [i for i, o in enumerate(outputs) if o["output_type"] == "stream" and "first line" in o["text"]]
+    assert view and printed and view[0] < printed[0], [o["output_type"] for o in outputs]

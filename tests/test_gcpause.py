@@ -40,22 +40,32 @@ def test_a_caller_that_turned_the_collector_off_keeps_it_off():
 def test_the_timer_releases_a_hold_nobody_released():
     hold = gcpause.hold_collections()
     hold.release_later(0.01)
-    timer = hold._timer
-    assert timer is not None
-    timer.join(timeout=5.0)
-    assert not timer.is_alive()
+    assert hold.released.wait(timeout=5.0)
     assert gc.isenabled()
 
 
 def test_releasing_first_cancels_the_timer():
     hold = gcpause.hold_collections()
     hold.release_later(60.0)
-    timer = hold._timer
     hold.release()
     assert gc.isenabled()
-    assert timer is not None
-    timer.join(timeout=5.0)  # cancelled: it ends at once, not after 60 s
-    assert not timer.is_alive()
+    assert hold not in gcpause._deadlines  # nothing left for the timer to do in 60 s
+
+
+def test_one_thread_times_every_hold_of_the_process():
+    """Starting a thread per launch cost the kernel a millisecond just as its ranks start."""
+    holds = [gcpause.hold_collections() for _ in range(3)]
+    holds[0].release_later(0.01)
+    releaser = gcpause._releaser
+    assert releaser is not None and releaser.is_alive()
+    holds[1].release_later(0.02)
+    holds[2].release_later(60.0)
+    assert gcpause._releaser is releaser
+    assert holds[0].released.wait(timeout=5.0) and holds[1].released.wait(timeout=5.0)
+    assert not gc.isenabled()  # the third still holds it
+    holds[2].release()
+    assert gc.isenabled()
+    assert [t.name for t in threading.enumerate()].count("nbtrain-gc-hold") == 1
 
 
 def test_a_process_forked_during_a_hold_collects_again():

@@ -41,6 +41,8 @@ def test_rng_states_carry_torch_random_and_numpy_to_another_process_state():
     np.random.seed(3)
     states = records.rng_states()
     assert states is not None and set(states) == {"torch", "random", "numpy"}
+    # As bytes: cheap to pickle, and no tensor (a cell that ships none needs no shared-memory file).
+    assert isinstance(states["torch"], bytes) and isinstance(states["random"][1], bytes)
     expected = (torch.rand(1).item(), random.random(), np.random.rand())
     torch.manual_seed(99)
     random.seed(99)

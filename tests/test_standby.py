@@ -20,11 +20,10 @@ import pytest
 
 import nbtrain
 from helpers import procs
-from kernel_helpers import NotebookKernel, wait_gone
+from kernel_helpers import LAUNCHER_PID, NotebookKernel, wait_gone
 from nbtrain.kernel import launcher_connection
 
 GONE_SECONDS = 10.0
-LAUNCHER_PID = "__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().process.pid"
 STANDBY_SECONDS = 60.0  # a loaded 2-core machine: the ranks fork and join their group after the run
 
 # In the kernel: wait (bounded) until standby ranks are waiting, all joined, none of ``old``;

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from helpers import procs
-from kernel_helpers import NotebookKernel
+from kernel_helpers import LAUNCHER_PID, NotebookKernel
 from nbtrain import processes, wire
 from nbtrain import templatesocket as naming
 from nbtrain.kernel import warm
@@ -48,7 +48,6 @@ while not os.path.exists({marker!r}) and time.monotonic() < deadline:
 found = os.path.exists({marker!r})
 """
 
-LAUNCHER_PID = "__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().process.pid"
 WAIT_READY = "__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().ready.wait(180)"
 
 

@@ -81,6 +81,45 @@ def test_descriptors_travel_with_the_record_and_outlive_the_senders_copy(pair):
         os.close(read_end)
 
 
+def test_one_frame_goes_to_several_channels_each_with_its_descriptor():
+    """The launcher pickles a run once and hands it to every standby rank."""
+    data = wire.frame(Record(3, "the run"))
+    pairs = [socket.socketpair() for _ in range(2)]
+    read_end, write_end = os.pipe()
+    try:
+        for a, _ in pairs:
+            wire.send_frame(a, data, fds=[write_end])
+        for i, (_, b) in enumerate(pairs):
+            message, fds = wire.receive(b)
+            assert message == Record(3, "the run") and len(fds) == 1
+            os.write(fds[0], bytes([i]))
+            os.close(fds[0])
+        assert os.read(read_end, 2) == b"\x00\x01"
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_a_record_larger_than_the_socket_buffer_arrives_whole_with_its_descriptor(pair):
+    a, b = pair
+    big = os.urandom(12 << 20)  # the first write takes only part of the frame
+    read_end, write_end = os.pipe()
+    try:
+        thread = threading.Thread(target=wire.send, args=(a, big, [write_end]), daemon=True)
+        thread.start()
+        message, fds = wire.receive(b)
+        thread.join(SEND_SECONDS)
+        assert not thread.is_alive()
+        assert message == big and len(fds) == 1
+        os.close(fds[0])
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 def test_several_descriptors_keep_their_order(pair):
     a, b = pair
     pipes = [os.pipe() for _ in range(3)]

@@ -3,7 +3,8 @@
 :func:`run_distributed_cell` is what the magic (:mod:`nbtrain.kernel.magic`) calls with the
 cell's options and its planner (the flags' check, which also gives the engine and launch
 config). A cell is prepared once (:func:`prepare_cell`: its syntax, what it ships, what
-runs on the ranks, the live view's total), launched (:func:`start_cell`), followed until
+runs on the ranks), launched (:func:`start_cell`; the live view's total is read once it is
+sent, :func:`count_steps`), followed until
 its run ends (its output and live view through :mod:`nbtrain.kernel.display.cellout`, an
 interrupt asking every rank to stop at a step), and rank 0's results are put into the
 kernel's objects (:func:`apply_cell_result`, which background runs use too). A failure
@@ -82,6 +83,7 @@ class PreparedCell:
     total_steps: int | None = None  # the steps rank 0 will log, when the cell's code tells (the bar's total)
     engine: Any = None  # a cluster's warm client, planned with cfg; None: this machine's launcher
     held: dict[str, Any] = field(default_factory=dict)  # label ("trainer.model") -> the kernel's object
+    analysis: Any = None  # nbtrain.kernel.namespace's reading of the cell (for count_steps)
 
     @property
     def targets(self) -> dict[str, Any]:
@@ -126,14 +128,23 @@ def prepare_cell(shell: Any, line: str, cell: str, options: Any, plan: Planner) 
         rng=records.rng_states(),
         held=tuple(h for h, _ in held),
     )
-    total = infer_total_steps(code, analysis, spec, cfg, user_ns)
-    record = CellRun(
-        world_size=cfg.world_size, strategy=cfg.strategy.name, accelerator=cfg.plan.accelerator, total_steps=total
-    )
-    prepared = PreparedCell(cfg, spec, shipped, dict(analysis.used_by), record, total, engine)
+    record = CellRun(world_size=cfg.world_size, strategy=cfg.strategy.name, accelerator=cfg.plan.accelerator)
+    prepared = PreparedCell(cfg, spec, shipped, dict(analysis.used_by), record, engine=engine, analysis=analysis)
     prepared.held = {h.label: obj for h, obj in held}
-    record.derived = _derived_lengths(prepared, code)
     return prepared
+
+
+def count_steps(shell: Any, prepared: PreparedCell) -> None:
+    """The live view's total and the notes on lengths the notebook derived, read once the run is sent.
+
+    Nothing here changes what the ranks run, and the kernel's objects stay as they were
+    while the cell goes on: reading them after the launch takes this (about a millisecond
+    on a small machine) off the way to the ranks' first line.
+    """
+    code, user_ns = prepared.spec.code, kernel_shell.user_namespace(shell)
+    total = infer_total_steps(code, prepared.analysis, prepared.spec, prepared.cfg, user_ns)
+    prepared.total_steps = prepared.record.total_steps = total
+    prepared.record.derived = _derived_lengths(prepared, code)
 
 
 def _derived_lengths(prepared: PreparedCell, code: str) -> list[str]:
@@ -286,6 +297,7 @@ def _launch_and_follow(
         raise
     finally:
         planning.release()
+    count_steps(shell, prepared)
     if options.background:
         from nbtrain.kernel import background
 
@@ -322,11 +334,11 @@ def _follow(
                 asked, held.received = True, False
             if held.received or (asked and time.monotonic() > (run.stop_deadline() or 0.0)):
                 break  # a second interrupt, or a launcher that did not answer: stop hard, now
+            view.show(event)
             if isinstance(event, events.Metrics):
                 keep_metrics(record, event)
             elif event is not None:
                 show(event)
-            view.show(event)
             relay.handle(event)  # a rank's pdb: its output, and its prompt in the input box
     if held.received or view is None or run.state == "running":  # view is None only when the interrupt came first
         run.abandon()  # stops the run and frees any result it brought back

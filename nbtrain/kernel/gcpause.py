@@ -27,6 +27,7 @@ import contextlib
 import gc
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 HOLD_SECONDS = 1.0  # a cold launch's ranks take their first step in ~0.06 s here
@@ -34,6 +35,9 @@ HOLD_SECONDS = 1.0  # a cold launch's ranks take their first step in ~0.06 s her
 _lock = threading.Lock()
 _holders = 0
 _fork_hook = False
+_deadlines: dict[Hold, float] = {}  # holds released by the releasing thread at a monotonic time
+_wake = threading.Event()  # a deadline was added
+_releaser: threading.Thread | None = None
 
 
 class Hold:
@@ -41,31 +45,51 @@ class Hold:
 
     def __init__(self, owns: bool) -> None:
         self._owns = owns  # False: the collector was already off, by the caller's choice
-        self._timer: threading.Timer | None = None
+        self.released = threading.Event()
 
     def release_later(self, seconds: float = HOLD_SECONDS) -> None:
-        """Release after ``seconds`` unless :meth:`release` came first."""
-        if not self._owns:
-            return
-        timer = threading.Timer(seconds, self.release)
-        timer.daemon = True
-        timer.name = "nbtrain-gc-hold"
-        self._timer = timer
-        timer.start()
+        """Release after ``seconds`` unless :meth:`release` came first.
+
+        One thread serves every hold of the process: starting a thread per launch cost about
+        a millisecond of the kernel's CPU just as its ranks start.
+        """
+        global _releaser
+        started = None
+        with _lock:
+            if not self._owns:
+                return
+            _deadlines[self] = time.monotonic() + seconds
+            if _releaser is None:
+                _releaser = started = threading.Thread(target=_release_when_due, name="nbtrain-gc-hold", daemon=True)
+        if started is not None:
+            started.start()
+        _wake.set()
 
     def release(self) -> None:
         """Give the collector back (once the last hold is released); idempotent."""
         global _holders
         with _lock:
+            _deadlines.pop(self, None)
             if not self._owns:
                 return
             self._owns = False
             _holders -= 1
             if _holders == 0:
                 gc.enable()
-            timer = self._timer
-        if timer is not None and timer is not threading.current_thread():
-            timer.cancel()
+        self.released.set()
+
+
+def _release_when_due() -> None:
+    """The releasing thread: each hold at its deadline, waking when a deadline is added."""
+    while True:
+        _wake.clear()  # before reading the deadlines: one added meanwhile wakes the wait below
+        with _lock:
+            now = time.monotonic()
+            due = [hold for hold, at in _deadlines.items() if at <= now]
+            later = [at - now for at in _deadlines.values() if at > now]
+        for hold in due:
+            hold.release()
+        _wake.wait(min(later) if later else None)
 
 
 def hold_collections() -> Hold:
@@ -93,9 +117,11 @@ def held() -> Iterator[None]:
 
 
 def _forget_holds_in_child() -> None:
-    """A process forked meanwhile (a DataLoader worker) has no timer to release its holds."""
-    global _holders, _lock
+    """A process forked meanwhile (a DataLoader worker) has no releasing thread to release its holds."""
+    global _holders, _lock, _releaser, _wake
     _lock = threading.Lock()  # the parent's may have been held by another thread at the fork
+    _releaser, _wake = None, threading.Event()
+    _deadlines.clear()
     if _holders:
         _holders = 0
         gc.enable()

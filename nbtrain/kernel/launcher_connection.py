@@ -70,7 +70,6 @@ class LauncherClient:
         self.ready = threading.Event()
         self.alive = True
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
-        self._stderr_read: dict[int, threading.Event] = {}  # per launcher process: its stderr reached EOF
         self._queues: dict[int, Inbox] = {}
         self._stopping: set[int] = set()  # runs asked to stop: their results are not copied
         self._lock = threading.Lock()
@@ -89,9 +88,10 @@ class LauncherClient:
             threading.Thread(target=self._check_forked, args=(forked,), name="nbtrain-template", daemon=True).start()
 
     def _start_readers(self, process: processes.LauncherProcess) -> None:
-        self._stderr_read[id(process)] = threading.Event()
-        threading.Thread(target=self._read_events, args=(process,), name="nbtrain-events", daemon=True).start()
-        threading.Thread(target=self._read_stderr, args=(process,), name="nbtrain-launcher-stderr", daemon=True).start()
+        stderr_read = threading.Event()  # the process's stderr reached EOF: its last words are in
+        args = (process, stderr_read)
+        threading.Thread(target=self._read_events, args=args, name="nbtrain-events", daemon=True).start()
+        threading.Thread(target=self._read_stderr, args=args, name="nbtrain-launcher-stderr", daemon=True).start()
 
     def _check_forked(self, forked: processes.LauncherProcess) -> None:
         """Take the forked launcher once it said it is ready; our own instead if it cannot be."""
@@ -219,7 +219,7 @@ class LauncherClient:
             text += f" (exit code {code})"
         return text + (f"; its last output:\n{tail}" if tail else ". The next launch starts a new one.")
 
-    def _read_events(self, process: processes.LauncherProcess) -> None:
+    def _read_events(self, process: processes.LauncherProcess, stderr_read: threading.Event) -> None:
         channel = process.channel
         while True:
             try:
@@ -261,7 +261,7 @@ class LauncherClient:
             with contextlib.suppress(subprocess.TimeoutExpired):  # still running: the detail says so
                 self.process.popen.wait(timeout=1.0)
             # Its last words (a traceback, a fatal signal's note) are what the error shows.
-            self._stderr_read[id(process)].wait(STDERR_SECONDS)
+            stderr_read.wait(STDERR_SECONDS)
             gone = LauncherGone(self.exit_detail())
             for inbox in self._queues.values():
                 inbox.put((gone, []))
@@ -305,14 +305,15 @@ class LauncherClient:
             except OSError:
                 pass  # the launcher is gone; the run's inbox hears of it
 
-    def _read_stderr(self, process: processes.LauncherProcess) -> None:
+    def _read_stderr(self, process: processes.LauncherProcess, stderr_read: threading.Event) -> None:
         stream = process.popen.stderr
         if stream is None:
+            stderr_read.set()  # nothing to wait for
             return
         for line in iter(stream.readline, b""):
             if process is self.process:
                 self.stderr_tail.append(line.decode(errors="replace"))
-        self._stderr_read[id(process)].set()
+        stderr_read.set()
         if process is not self.process:  # a forked launcher given up: nobody else closes it
             with contextlib.suppress(OSError):
                 stream.close()

@@ -212,12 +212,13 @@ def signal_groups(ranks: list[RankProcess], number: int) -> None:
         processes.signal_group(rank.pid, number)
 
 
-def hand_run(rank: RankProcess, start: StartRun, fds: tuple[int, ...]) -> None:
-    """Send a standby rank its run. One that died just now, or cannot read it (stuck before its
-    wait), is killed: its exit fails the run as any rank's would, and nothing waits forever."""
+def hand_run(rank: RankProcess, start: bytes, fds: tuple[int, ...]) -> None:
+    """Send a standby rank its run (the run's ``StartRun`` as a :func:`nbtrain.wire.frame`, made once
+    for every rank). One that died just now, or cannot read it (stuck before its wait), is killed:
+    its exit fails the run as any rank's would, and nothing waits forever."""
     try:
         rank.channel.settimeout(HAND_OVER_SECONDS)
-        wire.send(rank.channel, start, fds)
+        wire.send_frame(rank.channel, start, fds)
     except OSError:
         processes.signal_group(rank.pid, signal.SIGKILL)
     finally:

@@ -82,6 +82,10 @@ PRELOAD = (
     "cloudpickle",
     "nbtrain.sharedtensors",
     "nbtrain.rank.runtime",
+    "nbtrain.rank.cell",
+    "nbtrain.rank.precision",
+    "nbtrain.rank.syncbn",
+    "nbtrain.reach",
 )
 
 STOP_GRACE_SECONDS = 0.5  # SIGTERM first; SIGKILL for what is left after this
@@ -290,12 +294,12 @@ class Launcher:
         run.log = RunLog(start.log_path) if start.log_path else None
         run.plan = standby.plan_of(start)
         run.on_stop, run.stop_grace = start.on_stop, start.stop_grace
-        run.board = step_board(start)
         self.runs[start.run_id] = run
         taken = self.standby.take(start)
         if taken is not None:
             self._start_taken(run, start, taken, tensor_fd)
             return
+        run.board = step_board(start)
         store_socket = None
         try:
             store_socket, port = bind_store(start, self._send)
@@ -334,15 +338,15 @@ class Launcher:
     def _start_taken(self, run: LauncherRun, start: StartRun, ranks: list[RankProcess], tensor_fd: int | None) -> None:
         """Hand the run to standby ranks: its StartRun and payload memfd to each, over its channel."""
         fds = () if tensor_fd is None else (tensor_fd,)
-        if run.board is not None:  # the board the ranks were forked with is the run's
-            run.board.close()
-        run.board = ranks[0].step_board if ranks else None
+        run.board = ranks[0].step_board if ranks else None  # the board they were forked with
         try:
+            handed = wire.frame(start)
             for rank in ranks:
                 rank.output.log = run.log
                 run.ranks.append(rank)
                 watch_rank(self.selector, run, rank)
-                hand_run(rank, start, fds)
+                hand_run(rank, handed, fds)
+            for rank in ranks:  # once every rank has its run: none waits for the kernel's news
                 self._send(RankStarted(run.run_id, rank.spec.rank, rank.pid))
         finally:
             self.standby.changed()  # they wait no more
@@ -490,11 +494,7 @@ class Launcher:
             run.move(RunPhase.DRAINING)
 
     def _registered(self, fileobj: Any) -> bool:
-        try:
-            self.selector.get_key(fileobj)
-        except KeyError:
-            return False
-        return True
+        return standby.registered(self.selector, fileobj)
 
     # -- stopping and finishing --------------------------------------------------------
     def _stopped_from_outside(self, run: LauncherRun) -> bool:

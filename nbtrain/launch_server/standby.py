@@ -264,11 +264,16 @@ class Pool:
             self.tell(StandbyChanged(ranks, plan_summary(generation.plan), devices, generation.all_ready))
 
     def _registered(self, fileobj: Any) -> bool:
-        try:
-            self.selector.get_key(fileobj)
-        except (KeyError, ValueError):  # ValueError: a socket closed already, and not registered
-            return False
-        return True
+        return registered(self.selector, fileobj)
+
+
+def registered(selector: selectors.BaseSelector, fileobj: Any) -> bool:
+    """Whether ``fileobj`` is on ``selector`` (one closed already is not: its handler unregistered it)."""
+    try:
+        selector.get_key(fileobj)
+    except (KeyError, ValueError):  # ValueError: a socket closed already, and not registered
+        return False
+    return True
 
 
 def _alive(rank: Any) -> bool:

@@ -61,7 +61,8 @@ def run_standby(plan: RankAssignment, channel: socket.socket, listen_fd: int | N
     """A rank forked ahead of its run (nbtrain.launch_server.standby). Never returns.
 
     It does now what does not depend on the cell: the plan's environment, cwd, sys.path and
-    threads, its device (a CUDA context, cuDNN and cuBLAS loaded), its process group. Then it
+    threads, its device (a CUDA context, cuDNN and cuBLAS loaded), its process group, the
+    harmless ``init_process_group`` for torchrun-style code. Then it
     waits for the run's ``StartRun`` and the payload's memfd on its channel, and runs it as
     a fresh rank would. Anything failing before that ends it quietly: the launcher replaces
     it, and a run never sees the failure (a freshly forked rank would report it instead).
@@ -72,6 +73,7 @@ def run_standby(plan: RankAssignment, channel: socket.socket, listen_fd: int | N
         _select_device(plan.spec.device_type, plan.spec.device_index)
         _warm_device(plan.spec.device_type)
         _join_process_group(plan, listen_fd, eager=True)
+        _tolerate_torchrun_style_calls(_distributed())  # as _run would, off the run's way
         wire.send(channel, StandbyReady(plan.spec.rank))
         message, fds = wire.receive(channel)
     except BaseException:  # noqa: BLE001 - the launcher sees the exit and replaces this rank

@@ -78,14 +78,23 @@ class CellView:
             run.config, total_steps=total_steps, stall_warning=stall_warning, show_logs=False
         )
         self.poll_seconds = live.FASTEST_FRAME_SECONDS / 2
-        self.view.refresh(force=True)
+        # The first frame waits for the first event past the ranks' start, or the first poll:
+        # drawn at once, it took a core from the ranks just as they start (~2 ms on 2 cores).
+        self._drawn = False
 
     def show(self, event: Any) -> None:
-        """Take ``event`` (None: nothing new, a redraw) and redraw when a frame is due."""
+        """Take ``event`` (None: nothing new, a redraw) and redraw when a frame is due.
+
+        Called before the event's output is printed: the first frame stays above it.
+        """
         if self.view.rich or not isinstance(event, events.Output):
             self.view.handle(event)
+        if not self._drawn and isinstance(event, events.RankStarted):
+            return
         # A prompt blocks the cell's thread: "rank 1 in the debugger" must be drawn first.
-        self.view.refresh(force=isinstance(event, (events.DebugPrompt, events.DebugEnded)))
+        forced = not self._drawn or isinstance(event, (events.DebugPrompt, events.DebugEnded))
+        self.view.refresh(force=forced)
+        self._drawn = True
 
     def finish(self, state: str, redraw_chart: bool = True) -> None:
         """Draw the run's final state (``redraw_chart`` False: its chart as last drawn, for a stop wanted now)."""
