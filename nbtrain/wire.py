@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import socket
@@ -38,13 +39,21 @@ def send(sock: socket.socket, message: Any, fds: Sequence[int] = ()) -> None:
     send_frame(sock, frame(message), fds)
 
 
-def frame(message: Any) -> bytes:
-    """One record's frame (its length, then its pickle): made once for a record sent on several channels."""
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(body)) + body
+def frame(message: Any) -> memoryview:
+    """One record's frame (its length, then its pickle): made once for a record sent on several channels.
+
+    The pickle is written after room for its length, which is filled in after: a large
+    record (a payload shipping a big array) is not copied once more to put the two together.
+    """
+    buffer = io.BytesIO()
+    buffer.write(bytes(_HEADER.size))
+    pickle.dump(message, buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    data = buffer.getbuffer()
+    _HEADER.pack_into(data, 0, len(data) - _HEADER.size)
+    return data
 
 
-def send_frame(sock: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:
+def send_frame(sock: socket.socket, data: bytes | memoryview, fds: Sequence[int] = ()) -> None:
     """Send a :func:`frame`, and ``fds`` with it, in one write where it fits: the reader wakes once."""
     sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
     if sent < len(data):

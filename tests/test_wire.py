@@ -8,6 +8,7 @@ import pickle
 import socket
 import struct
 import threading
+import tracemalloc
 from collections.abc import Iterator
 
 import pytest
@@ -118,6 +119,19 @@ def test_a_record_larger_than_the_socket_buffer_arrives_whole_with_its_descripto
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_a_large_record_is_framed_without_a_second_copy():
+    """A payload shipping a big array is pickled once; its length goes in front without copying it again."""
+    big = os.urandom(64 << 20)
+    tracemalloc.start()
+    try:
+        data = wire.frame(big)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(data) > len(big) and peak < 1.5 * len(big)
+    assert struct.unpack("!Q", data[:8])[0] == len(data) - 8 and pickle.loads(data[8:]) == big
 
 
 def test_several_descriptors_keep_their_order(pair):

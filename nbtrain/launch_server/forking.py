@@ -212,7 +212,7 @@ def signal_groups(ranks: list[RankProcess], number: int) -> None:
         processes.signal_group(rank.pid, number)
 
 
-def hand_run(rank: RankProcess, start: bytes, fds: tuple[int, ...]) -> None:
+def hand_run(rank: RankProcess, start: memoryview, fds: tuple[int, ...]) -> None:
     """Send a standby rank its run (the run's ``StartRun`` as a :func:`nbtrain.wire.frame`, made once
     for every rank). One that died just now, or cannot read it (stuck before its wait), is killed:
     its exit fails the run as any rank's would, and nothing waits forever."""
