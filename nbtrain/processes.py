@@ -661,6 +661,7 @@ class ForkedLauncher:
         self._answered = False
         self._pid: int | None = None
         self._pidfd: int | None = None
+        self._closing = threading.Lock()
         self.stderr: IO[bytes] | None = stderr
 
     @property
@@ -712,10 +713,18 @@ class ForkedLauncher:
                 os.close(self._pidfd)
 
     def _alive(self, timeout: float | None) -> bool:
-        if self._pidfd is None:
+        # Asked from more than one thread (the kernel's watcher, its exit): each reads the
+        # descriptor once, and only the thread that still finds it in place closes it.
+        pidfd = self._pidfd
+        if pidfd is None:
             return False
-        readable, _, _ = select.select([self._pidfd], [], [], timeout)
+        try:
+            readable, _, _ = select.select([pidfd], [], [], timeout)
+        except (OSError, ValueError):  # closed meanwhile by a thread that saw the launcher end
+            return False
         if readable:  # gone for good: the descriptor is not needed any more
-            os.close(self._pidfd)
-            self._pidfd = None
+            with self._closing:
+                if self._pidfd == pidfd:
+                    self._pidfd = None
+                    os.close(pidfd)
         return not readable

@@ -12,7 +12,7 @@ launcher did not see has therefore seen ``PENDING`` (it waits for the step), so 
 ever past the step chosen, and none is asked to go back.
 
 Standard library only: the launcher reads it without torch, the ranks write it per step
-(two ``struct`` calls, a few microseconds).
+(a few words, about a microsecond).
 
 Example:
     >>> board = StepBoard.create(2)
@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import mmap
 import statistics
-import struct
 
 NO_STOP = 0
 PENDING = -1
 RING = 16  # step durations kept per rank, for the grace period (3 x their median)
-_HEADER = struct.Struct("q")
-_COUNT = struct.Struct("qq")  # steps begun, next ring slot
-_DURATION = struct.Struct("d")
-_SLOT = _COUNT.size + RING * _DURATION.size
+
+# The board is 8-byte words: the header (the stop step), then per rank its count of steps
+# begun, its next ring slot and RING step durations (doubles). Ranks read and write single
+# words through a memoryview: the hooks run on every optimizer step, and this is their cost.
+_SLOT_WORDS = 2 + RING
 
 
 class StepBoard:
@@ -45,29 +45,33 @@ class StepBoard:
     def __init__(self, memory: mmap.mmap, world_size: int) -> None:
         self.memory = memory
         self.world_size = world_size
+        self._words = memoryview(memory).cast("q")
+        self._seconds = memoryview(memory).cast("d")
 
     @classmethod
     def create(cls, world_size: int) -> StepBoard:
         """A zeroed board (no steps, no stop), shared with every process forked after this."""
-        return cls(mmap.mmap(-1, _HEADER.size + world_size * _SLOT), world_size)
+        return cls(mmap.mmap(-1, 8 * (1 + world_size * _SLOT_WORDS)), world_size)
 
     def close(self) -> None:
         """Unmap the board (each process that has it mapped closes its own)."""
+        self._words.release()
+        self._seconds.release()
         self.memory.close()
 
     # -- the header: where to stop ------------------------------------------------------
     def stop_step(self) -> int:
         """NO_STOP, PENDING, or the step after which every rank stops."""
-        return int(_HEADER.unpack_from(self.memory, 0)[0])
+        return int(self._words[0])
 
     def request_stop(self) -> None:
         """Start choosing a stop step (ranks that begin a step meanwhile wait for it)."""
-        _HEADER.pack_into(self.memory, 0, PENDING)
+        self._words[0] = PENDING
 
     def choose_stop(self) -> int:
         """Pick and publish the stop step: the highest step any rank has begun (0: none began one)."""
         step = max(self.counts(), default=0)
-        _HEADER.pack_into(self.memory, 0, step if step > 0 else NO_STOP)
+        self._words[0] = step if step > 0 else NO_STOP
         return step
 
     def publish_stop(self, step: int) -> None:
@@ -76,52 +80,52 @@ class StepBoard:
         Only while ``PENDING``: this node's ranks are then at most one step past its own counts, which the
         chooser saw, so none is past ``step``.
         """
-        _HEADER.pack_into(self.memory, 0, step if step > 0 else NO_STOP)
+        self._words[0] = step if step > 0 else NO_STOP
 
     def cancel(self) -> None:
         """No stop after all: ranks that wait for a stop step go on."""
-        _HEADER.pack_into(self.memory, 0, NO_STOP)
+        self._words[0] = NO_STOP
 
     # -- the ranks' slots -----------------------------------------------------------------
-    def _offset(self, rank: int) -> int:
-        return _HEADER.size + rank * _SLOT
+    def _slot(self, rank: int) -> int:
+        return 1 + rank * _SLOT_WORDS
 
     def count(self, rank: int) -> int:
         """How many optimizer steps ``rank`` has begun."""
-        return int(_COUNT.unpack_from(self.memory, self._offset(rank))[0])
+        return int(self._words[self._slot(rank)])
 
     def counts(self) -> list[int]:
         """Each rank's count of steps begun, in rank order."""
         return [self.count(rank) for rank in range(self.world_size)]
 
-    def begin_step(self, rank: int) -> int:
-        """Count one more step begun by ``rank``; its new count."""
-        offset = self._offset(rank)
-        count, slot = _COUNT.unpack_from(self.memory, offset)
-        _COUNT.pack_into(self.memory, offset, count + 1, slot)
-        return int(count + 1)
+    def begin_step(self, rank: int, last_seconds: float | None = None) -> int:
+        """Count one more step begun by ``rank``; its new count.
+
+        ``last_seconds``: how long the iteration before it took (its data, forward, backward
+        and step), one of the last RING kept for :meth:`median_step_seconds`. One call per
+        step: the hooks run on every step.
+        """
+        index = 1 + rank * _SLOT_WORDS  # _slot(rank), without the call: this runs on every step
+        words = self._words
+        count = words[index] + 1
+        words[index] = count
+        if last_seconds is not None:
+            ring = words[index + 1]
+            self._seconds[index + 2 + ring % RING] = last_seconds
+            words[index + 1] = ring + 1
+        return int(count)
 
     def undo_step(self, rank: int) -> None:
         """The step just counted will not run (the rank stops before it)."""
-        offset = self._offset(rank)
-        count, slot = _COUNT.unpack_from(self.memory, offset)
-        _COUNT.pack_into(self.memory, offset, count - 1, slot)
-
-    def record_duration(self, rank: int, seconds: float) -> None:
-        """Keep how long one of ``rank``'s steps took (the last RING of them are kept)."""
-        offset = self._offset(rank)
-        count, slot = _COUNT.unpack_from(self.memory, offset)
-        _DURATION.pack_into(self.memory, offset + _COUNT.size + (slot % RING) * _DURATION.size, seconds)
-        _COUNT.pack_into(self.memory, offset, count, slot + 1)
+        self._words[self._slot(rank)] -= 1
 
     def median_step_seconds(self) -> float | None:
         """The median of the ranks' recent step durations (None before any was recorded)."""
         durations = []
         for rank in range(self.world_size):
-            offset = self._offset(rank)
-            slots = min(RING, int(_COUNT.unpack_from(self.memory, offset)[1]))
-            base = offset + _COUNT.size
-            durations += [_DURATION.unpack_from(self.memory, base + i * _DURATION.size)[0] for i in range(slots)]
+            index = self._slot(rank)
+            kept = min(RING, int(self._words[index + 1]))
+            durations += self._seconds[index + 2 : index + 2 + kept].tolist()
         return statistics.median(durations) if durations else None
 
 

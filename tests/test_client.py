@@ -43,21 +43,6 @@ def test_a_start_message_carries_the_callers_state_and_the_config(monkeypatch, t
     )
 
 
-def test_old_run_logs_are_pruned_to_the_last_ones(monkeypatch, tmp_path):
-    monkeypatch.setenv(client.LOG_DIR_VARIABLE, str(tmp_path))
-    monkeypatch.setattr(client, "LOGS_KEPT", 3)
-    for i in range(5):
-        (tmp_path / f"run-2026010{i}-000000-1-1.log").write_text("x")
-    (tmp_path / "notes.txt").write_text("not a log")
-    path = client._log_path(7)
-    assert path is not None and path.endswith(f"-{os.getpid()}-7.log")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "notes.txt",
-        "run-20260103-000000-1-1.log",
-        "run-20260104-000000-1-1.log",
-    ]
-
-
 def test_a_function_that_cannot_travel_says_what_to_do():
     lock = threading.Lock()
     with pytest.raises(

@@ -89,6 +89,19 @@ def test_the_first_frame_waits_until_the_ranks_run(capsys):
     assert view.view.frames == 1 and "nbtrain" in capsys.readouterr().out
 
 
+def test_the_step_total_is_read_once_just_before_the_first_frame(capsys):
+    """Reading the cell's loops and loaders (about 1 ms) waits until the ranks have started."""
+    counted: list[int] = []
+    view = cellout.CellView(types.SimpleNamespace(config=None), lambda: counted.append(40) or 40)
+    view.show(events.RankStarted(1, 0, 101))
+    assert counted == [] and view.view.state.total_steps is None
+    view.show(events.Output(1, 0, "stdout", "first line\n"))
+    view.show(None)
+    view.finish("finished")
+    assert counted == [40] and view.view.state.total_steps == 40
+    assert "/40" in capsys.readouterr().out
+
+
 def test_the_live_view_stays_above_the_ranks_first_line(kernel):
     kernel.run_ok("%%distributed --devices 2 --accelerator cpu\nprint('first line')\n")
     outputs = kernel.notebook.cells[-1].outputs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 import nbtrain
@@ -40,3 +42,25 @@ def test_a_scalar_s_backward_is_logged_as_loss_until_the_function_logs_itself(la
         (3, {"loss": 2.5}),
         (4, {"accuracy": 0.75}),
     ]
+
+
+def test_a_fast_loop_logs_every_first_step_then_a_power_of_two_stride_and_its_last_loss(launcher):
+    def fn():
+        model = torch.nn.Linear(2, 1)
+        with losslogging.loss_logging():
+            for step in range(1, 2001):  # each loss's value is its step
+                (model(torch.ones(1, 2)).sum() * 0 + step).backward()
+
+    _, failure, seen = collect(nbtrain.start(fn, devices=1))
+    assert failure is None, failure
+    rows = [(step, dict(values)) for e in seen if isinstance(e, events.Metrics) for step, _time, values in e.rows]
+    assert all(values == {"loss": float(step)} for step, values in rows), rows[:5]
+    steps = [step for step, _ in rows]
+    first = losslogging.FIRST_STEPS
+    assert steps[:first] == list(range(1, first + 1)) and steps[-1] == 2000
+    # Past the first steps, a loop this fast is logged every stride-th step (a power of two, 2 or
+    # more here), a stride that only grows; the last step is logged whatever the stride.
+    sampled = steps[first - 1 : -1]
+    gaps = [b - a for a, b in itertools.pairwise(sampled)]
+    assert gaps == sorted(gaps) and all(step % 2 == 0 for step in sampled[1:]), steps
+    assert len(rows) < 1000, len(rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from nbtrain import events
 from nbtrain.kernel import launcher_connection
+from nbtrain.launch_server import output
 from nbtrain.launch_server.output import OutputLimits, RankOutput, RunLog
 
 SMALL = OutputLimits(line_chars=10, head_lines=3, head_chars=1000, tail_lines=2, tail_chars=100)
@@ -59,6 +60,26 @@ def test_a_run_that_prints_nothing_leaves_no_log(tmp_path):
     RankOutput(0, log, SMALL).finish()
     log.close()
     assert not (tmp_path / "run.log").exists()
+
+
+def test_old_run_logs_are_pruned_as_a_run_s_log_closes(monkeypatch, tmp_path):
+    """Off the way to the next run's start: the launcher prunes when a run's log closes."""
+    monkeypatch.setattr(output, "LOGS_KEPT", 3)
+    for i in range(5):
+        (tmp_path / f"run-2026010{i}-000000-1-1.log").write_text("x")
+    (tmp_path / "notes.txt").write_text("not a log")
+    log = RunLog(str(tmp_path / "run-20260109-000000-1-7.log"))
+    log.close()  # it printed nothing: no file, and nothing pruned
+    assert len(list(tmp_path.iterdir())) == 6
+    log = RunLog(str(tmp_path / "run-20260109-000000-1-7.log"))
+    log.write(0, "stdout", b"a line\n")
+    log.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "notes.txt",
+        "run-20260103-000000-1-1.log",
+        "run-20260104-000000-1-1.log",
+        "run-20260109-000000-1-7.log",
+    ]
 
 
 def test_the_kernel_drops_output_nobody_takes_and_says_so():

@@ -97,11 +97,11 @@ def test_a_step_undone_is_not_counted(board):
 def test_the_median_step_is_over_each_ranks_last_ring_of_durations(board):
     assert board.median_step_seconds() is None
     for seconds in [100.0] * 4 + [1.0] * RING:  # the four slow ones are overwritten
-        board.record_duration(0, seconds)
+        board.begin_step(0, seconds)
 
     def rank_two():
         for _ in range(3):
-            board.record_duration(2, 2.0)
+            board.begin_step(2, 2.0)
 
     assert _wait([_fork(rank_two)]) == [0]
     assert board.median_step_seconds() == 1.0

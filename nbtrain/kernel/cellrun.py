@@ -3,8 +3,8 @@
 :func:`run_distributed_cell` is what the magic (:mod:`nbtrain.kernel.magic`) calls with the
 cell's options and its planner (the flags' check, which also gives the engine and launch
 config). A cell is prepared once (:func:`prepare_cell`: its syntax, what it ships, what
-runs on the ranks), launched (:func:`start_cell`; the live view's total is read once it is
-sent, :func:`count_steps`), followed until
+runs on the ranks), launched (:func:`start_cell`; the live view's total is read once the
+ranks have started, just before its first frame, :func:`count_steps`), followed until
 its run ends (its output and live view through :mod:`nbtrain.kernel.display.cellout`, an
 interrupt asking every rank to stop at a step), and rank 0's results are put into the
 kernel's objects (:func:`apply_cell_result`, which background runs use too). A failure
@@ -15,6 +15,7 @@ record (``nbtrain.last_run()``).
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import sys
 import time
@@ -108,7 +109,7 @@ def prepare_cell(shell: Any, line: str, cell: str, options: Any, plan: Planner) 
             "%%distributed: the cell is empty; put the code to run on every rank below the %%distributed line."
         )
     # Blank lines in front keep the notebook's line numbers: line 1 is the %%distributed line.
-    code = "\n" * (1 + blank_lines) + shell.transform_cell(body)
+    code = "\n" * (1 + blank_lines) + _transformed(shell, body)
     filename = cellnames.register_source(shell, line, cell)
     tracebacks.check_syntax(code, filename, shell)
     user_ns = kernel_shell.user_namespace(shell)
@@ -134,17 +135,25 @@ def prepare_cell(shell: Any, line: str, cell: str, options: Any, plan: Planner) 
     return prepared
 
 
-def count_steps(shell: Any, prepared: PreparedCell) -> None:
-    """The live view's total and the notes on lengths the notebook derived, read once the run is sent.
+@functools.lru_cache(maxsize=32)
+def _transformed(shell: Any, body: str) -> str:
+    """The cell's body as Python (IPython's transforms: ``!ls``, ``%time``), once per text: a re-run reuses it."""
+    return str(shell.transform_cell(body))
+
+
+def count_steps(shell: Any, prepared: PreparedCell) -> int | None:
+    """The live view's total and the notes on lengths the notebook derived, read once the ranks have started.
 
     Nothing here changes what the ranks run, and the kernel's objects stay as they were
-    while the cell goes on: reading them after the launch takes this (about a millisecond
-    on a small machine) off the way to the ranks' first line.
+    while the cell goes on: reading them after the launch (the live view does, just before
+    its first frame) takes this, about a millisecond on a small machine, off the way to the
+    ranks' first line. Returns the total (None: not certain).
     """
     code, user_ns = prepared.spec.code, kernel_shell.user_namespace(shell)
     total = infer_total_steps(code, prepared.analysis, prepared.spec, prepared.cfg, user_ns)
     prepared.total_steps = prepared.record.total_steps = total
     prepared.record.derived = _derived_lengths(prepared, code)
+    return total
 
 
 def _derived_lengths(prepared: PreparedCell, code: str) -> list[str]:
@@ -297,10 +306,10 @@ def _launch_and_follow(
         raise
     finally:
         planning.release()
-    count_steps(shell, prepared)
     if options.background:
         from nbtrain.kernel import background
 
+        count_steps(shell, prepared)
         callbacks = background.CellCallbacks(
             keep_metrics=keep_metrics, explain_failure=tracebacks.explain_failure, apply_result=apply_cell_result,
             kept_error=kept_error,
@@ -326,7 +335,7 @@ def _follow(
     asked = False  # a first interrupt asked every rank to stop at a step
     if not held.received:
         show = cellout.OutputPrinter(options.output, prepared.cfg.world_size)
-        view = cellout.CellView(run, prepared.total_steps, options.stall_warning)
+        view = cellout.CellView(run, functools.partial(count_steps, shell, prepared), options.stall_warning)
         relay = _debugger_relay(run, held)
         for event in run.events(poll=view.poll_seconds):  # wakes at least every poll
             if held.received and not asked and options.on_stop == "keep":

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from nbtrain.options import LaunchOptions
 
 LOG_DIR_VARIABLE = "NBTRAIN_LOG_DIR"  # where runs' log files go (default ~/.cache/nbtrain/logs)
-LOGS_KEPT = 50  # older run logs in that directory are removed when a run starts
 _SOURCE_LINES_LIMIT = 4 << 20  # bytes of notebook source sent for tracebacks
 
 
@@ -314,15 +313,12 @@ def _has_contents(cell: Any) -> bool:
 
 
 def _log_path(run_id: int) -> str | None:
-    """A new run's log file (created by the launcher at its first line); old ones are pruned."""
+    """A new run's log file (created by the launcher at its first line, which prunes old ones as the run ends)."""
     directory = os.environ.get(LOG_DIR_VARIABLE) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nbtrain", "logs"
     )
     try:
         os.makedirs(directory, exist_ok=True)
-        logs = sorted(name for name in os.listdir(directory) if name.startswith("run-") and name.endswith(".log"))
-        for name in logs[: max(0, len(logs) - LOGS_KEPT + 1)]:
-            os.unlink(os.path.join(directory, name))
     except OSError:
         return None  # no writable place: the run goes on without a log
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -8,6 +8,7 @@ failure ends with what it means for the kernel's objects (:func:`explain_failure
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -91,10 +92,22 @@ def check_syntax(code: str, filename: str, shell: Any) -> None:
     import traceback
 
     try:
-        compile(code, filename, "exec")
+        _compiles(code)
+        return
+    except SyntaxError:
+        pass
+    try:
+        compile(code, filename, "exec")  # again, for the message at the cell's own file and line
     except SyntaxError as error:
         text = cell_traceback("".join(traceback.format_exception_only(type(error), error)), shell)
         raise CellSyntaxError(text) from None
+
+
+@functools.lru_cache(maxsize=32)
+def _compiles(code: str) -> bool:
+    """True, or SyntaxError: remembered for the code that compiled, so a re-run cell is not compiled twice."""
+    compile(code, "<cell>", "exec")
+    return True
 
 
 class CellSyntaxError(NbtrainError):

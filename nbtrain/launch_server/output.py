@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import codecs
 import collections
+import contextlib
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -47,6 +48,21 @@ class OutputLimits:
 LOG_LINE_BYTES = 16 << 20
 # A run's log stops here, with a last line saying so: a rank printing forever must not fill the disk.
 LOG_BYTES = 4 << 30
+# Run logs kept in their directory: older ones are removed as a run's log closes (by the
+# launcher, once the run is over: a file system's unlink took ~1 ms off a re-run's start).
+LOGS_KEPT = 50
+
+
+def prune_logs(directory: str, kept: int) -> None:
+    """Remove the oldest run logs of ``directory`` beyond the newest ``kept``; other files stay."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return  # the directory is gone: nothing to keep tidy
+    logs = sorted(name for name in names if name.startswith("run-") and name.endswith(".log"))
+    for name in logs[: max(0, len(logs) - kept)]:
+        with contextlib.suppress(OSError):  # another launcher removed it first
+            os.unlink(os.path.join(directory, name))
 
 
 class RunLog:
@@ -82,12 +98,13 @@ class RunLog:
             self._lines(rank, stream, bytes(pending) + b"\n")
 
     def close(self) -> None:
-        """Write what is pending of every rank and close the file."""
+        """Write what is pending of every rank and close the file; the directory keeps the last LOGS_KEPT logs."""
         for rank, stream in list(self._pending):
             self.flush(rank, stream)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+            prune_logs(os.path.dirname(self.path), LOGS_KEPT)
 
     def _lines(self, rank: int, stream: str, text: bytes) -> None:
         tag = f"[rank {rank}] " if stream == "stdout" else f"[rank {rank} stderr] "

@@ -44,6 +44,22 @@ class RankContext:
     last_flush: float = 0.0
     logged: bool = False
 
+    def add_row(self, step: int | None, values: dict[str, Any]) -> None:
+        """Keep one logged row (``step`` None: the next step); send the batch when one is due."""
+        self.step = self.step + 1 if step is None else int(step)
+        self.pending.append((self.step, time.time(), values))
+        if len(self.pending) >= FLUSH_ROWS or time.monotonic() - self.last_flush >= FLUSH_SECONDS:
+            self.flush()
+
+    def log_value(self, name: str, value: Any, step: int) -> None:
+        """``log(step, **{name: value})`` for a value the cell did not log itself (the loss hook's).
+
+        It does only what one value needs, and does not count as the cell logging for
+        itself (``logged``).
+        """
+        kept = _pending_value(value, self)
+        self.add_row(step, {} if kept is None else {name: kept})
+
     def flush(self) -> None:
         """Send the logged rows as one Metrics event (and, on a GPU, a memory sample)."""
         if not self.pending:
@@ -128,7 +144,6 @@ def log(step: int | None = None, **scalars: Any) -> None:
     context = _context
     if context is None or not scalars:
         return
-    context.step = context.step + 1 if step is None else int(step)
     context.logged = True
     values: dict[str, Any] = {}
     for name, value in scalars.items():
@@ -137,9 +152,7 @@ def log(step: int | None = None, **scalars: Any) -> None:
             if value is None:
                 continue  # not a scalar: the live view has nothing to draw for it
         values[name] = value
-    context.pending.append((context.step, time.time(), values))
-    if len(context.pending) >= FLUSH_ROWS or time.monotonic() - context.last_flush >= FLUSH_SECONDS:
-        context.flush()
+    context.add_row(step, values)
 
 
 REDUCE_OPS = ("sum", "mean", "max", "min")

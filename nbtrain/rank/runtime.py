@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from nbtrain import config, processes, sharedtensors, stacks, wire
+from nbtrain import config, processes, records, sharedtensors, stacks, wire
 from nbtrain.events import (
     DebugQuit,
     RankAssignment,
@@ -74,6 +74,7 @@ def run_standby(plan: RankAssignment, channel: socket.socket, listen_fd: int | N
         _warm_device(plan.spec.device_type)
         _join_process_group(plan, listen_fd, eager=True)
         _tolerate_torchrun_style_calls(_distributed())  # as _run would, off the run's way
+        _warm_the_way()
         wire.send(channel, StandbyReady(plan.spec.rank))
         message, fds = wire.receive(channel)
     except BaseException:  # noqa: BLE001 - the launcher sees the exit and replaces this rank
@@ -82,6 +83,27 @@ def run_standby(plan: RankAssignment, channel: socket.socket, listen_fd: int | N
         processes.exit_now(0)
     assignment = RankAssignment(message, plan.spec, plan.master_port, plan.launcher_pid)
     _run(assignment, channel, fds[0] if fds else None, None, prepared=True)
+
+
+def _warm_the_way() -> None:
+    """Go once, with nothing of a run's, the way a run takes from its payload to the cell's first line.
+
+    A rank is forked from the launcher: the first time it touches a page of the launcher's
+    objects (a reference count, a pool of the allocator) the kernel copies it, and the
+    first call of torch's RNG setters, the payload's unpickling, the compiler and the cell's
+    bookkeeping paid for those copies (and a lazy set-up or two): 2-4 ms on the way to the
+    cell's first line on 2 cores. A standby rank pays them now. Nothing stays: the RNGs are
+    set to their own state, and the cell runs in a namespace of its own that is dropped.
+    """
+    from nbtrain.rank import cell
+
+    with contextlib.suppress(Exception):  # a way not warmed costs time, never the rank
+        records.set_rng_states(records.rng_states())
+        payload, fd = sharedtensors.dumps_to_shared_memory((len, ([1.0, (2, None)],), {}))
+        sharedtensors.loads(payload, fd)
+        if fd is not None:
+            os.close(fd)
+        cell.run_cell(cell.CellSpec(code="x = len(y)\n", filename="<warm-up>", names=("y",), log_loss=False), {"y": []})
 
 
 def _begin(assignment: RankAssignment, stack_fd: int | None) -> None:

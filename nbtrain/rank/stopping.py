@@ -14,7 +14,7 @@ collectives (DDP's gradient all-reduce, FSDP's gathers), so none is left waiting
 The forward and backward of that next step ran but changed no weight; buffers a forward
 updates (BatchNorm's running statistics) include it.
 
-Per step this costs a few microseconds: two reads and two writes of the shared page.
+Per step this costs about a microsecond or two: a few words read and written on the shared page.
 """
 
 from __future__ import annotations
@@ -40,15 +40,26 @@ class _Counter:
         self.board = board
         self.slot = slot
         self.depth = 0  # an optimizer's step inside another's (ZeroRedundancyOptimizer's) is not a step
-        self.last_end: float | None = None
+        self.last_begin: float | None = None
 
     def before_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        """Count the outermost step on the board; raise :class:`StopAtStep` where it would pass the stop step."""
+        """Count the outermost step on the board; raise :class:`StopAtStep` where it would pass the stop step.
+
+        It also records the whole iteration just ended (data, forward, backward and step: from
+        one step's start to the next), for the grace period of a stop.
+        """
         self.depth += 1
         if self.depth > 1:
             return
-        count = self.board.begin_step(self.slot)  # counted before the header is read (see stopboard)
+        now, last = time.monotonic(), self.last_begin
+        self.last_begin = now
+        # Counted before the header is read (see stopboard).
+        count = self.board.begin_step(self.slot, None if last is None else now - last)
         stop = self.board.stop_step()
+        if stop != stopboard.NO_STOP:
+            self._stop_if_due(count, stop)
+
+    def _stop_if_due(self, count: int, stop: int) -> None:
         while stop == stopboard.PENDING:
             time.sleep(PENDING_POLL_SECONDS)
             stop = self.board.stop_step()
@@ -58,15 +69,8 @@ class _Counter:
             raise StopAtStep(stop)
 
     def after_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        """Record the whole iteration's duration (for the grace period of a stop)."""
+        """The step ended: a step inside it no longer is."""
         self.depth = max(0, self.depth - 1)
-        if self.depth:
-            return
-        now = time.monotonic()
-        if self.last_end is not None:
-            # A whole iteration: data, forward, backward and step.
-            self.board.record_duration(self.slot, now - self.last_end)
-        self.last_end = now
 
 
 _attached: tuple[stopboard.StepBoard, int] | None = None

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from nbtrain import events, runstate
@@ -71,16 +72,21 @@ class CellView:
     terminal would print them again, so it gets every event but those.
     """
 
-    def __init__(self, run: Any, total_steps: int | None = None, stall_warning: float | None = runstate.STALL_SECONDS):
+    def __init__(
+        self,
+        run: Any,
+        count_steps: Callable[[], int | None] | None = None,
+        stall_warning: float | None = runstate.STALL_SECONDS,
+    ):
         # The cell's stream lines (OutputPrinter) are where rank output goes: the whole of it,
         # kept in the saved notebook, chosen by --output. The view shows no second copy.
-        self.view = live.LiveView(
-            run.config, total_steps=total_steps, stall_warning=stall_warning, show_logs=False
-        )
+        self.view = live.LiveView(run.config, stall_warning=stall_warning, show_logs=False)
         self.poll_seconds = live.FASTEST_FRAME_SECONDS / 2
         # The first frame waits for the first event past the ranks' start, or the first poll:
         # drawn at once, it took a core from the ranks just as they start (~2 ms on 2 cores).
+        # So does reading the cell's step total (count_steps, about 1 ms), needed by that frame.
         self._drawn = False
+        self._count_steps = count_steps
 
     def show(self, event: Any) -> None:
         """Take ``event`` (None: nothing new, a redraw) and redraw when a frame is due.
@@ -91,6 +97,7 @@ class CellView:
             self.view.handle(event)
         if not self._drawn and isinstance(event, events.RankStarted):
             return
+        self._count()
         # A prompt blocks the cell's thread: "rank 1 in the debugger" must be drawn first.
         forced = not self._drawn or isinstance(event, (events.DebugPrompt, events.DebugEnded))
         self.view.refresh(force=forced)
@@ -98,7 +105,15 @@ class CellView:
 
     def finish(self, state: str, redraw_chart: bool = True) -> None:
         """Draw the run's final state (``redraw_chart`` False: its chart as last drawn, for a stop wanted now)."""
+        self._count()
         self.view.finish(state, redraw_chart)
+
+    def _count(self) -> None:
+        """Read the step total once, before the first frame that shows it."""
+        if self._count_steps is not None:
+            count, self._count_steps = self._count_steps, None
+            total = count()
+            self.view.state.total_steps = total if total is not None and total > 0 else None
 
 
 def summary(record: Any) -> str:
