@@ -171,6 +171,24 @@ def test_a_cell_never_sees_what_an_earlier_cell_left(kernel):
     assert seen[5] in waiting  # the cell ran on ranks that were waiting
 
 
+def test_their_warm_up_leaves_the_cell_no_name_and_no_random_draw(kernel):
+    """Before it waits, a standby rank runs a trivial cell of its own (runtime._warm_the_way)."""
+    run_two(kernel)
+    waiting = standby(kernel)
+    kernel.run_ok(
+        "import random, torch\nstate = (random.getstate(), torch.get_rng_state())\n"
+        "expected = (random.random(), torch.rand(1).item())\n"
+        "random.setstate(state[0]); torch.set_rng_state(state[1])\n"
+    )
+    kernel.run_ok(
+        TWO_RANKS + "import os\ndrawn = (random.random(), torch.rand(1).item())\n"
+        "try:\n    x\n    leftover = True\nexcept NameError:\n    leftover = False\n"
+        "pid = os.getpid()\n"
+    )
+    assert kernel.value("drawn == expected") and kernel.value("leftover") is False
+    assert kernel.value("pid") in waiting  # rank 0 was one of the waiting ranks
+
+
 def test_a_failure_and_a_timeout_on_standby_ranks_end_as_on_fresh_ones(kernel):
     run_two(kernel)
     waiting = standby(kernel)
