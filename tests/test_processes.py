@@ -337,3 +337,31 @@ def test_read_memory_of_a_gone_process_or_an_unmapped_address_raises_oserror():
     with pytest.raises(OSError) as caught:
         processes.read_memory(os.getpid(), ctypes.addressof(target), 8, 8)  # page 0 is never mapped
     assert caught.value.errno == errno.EFAULT
+
+
+def test_a_launcher_seen_ending_by_two_threads_at_once_closes_its_pidfd_once(monkeypatch):
+    """The kernel's watcher and its exit both ask whether the launcher lives (``ForkedLauncher._alive``).
+
+    Here the second asker runs while the first is between its select and its close, as a thread
+    switch would have it: the first used to close a descriptor the second had already closed.
+    """
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        launcher = processes.ForkedLauncher(lambda _timeout: (True, pid), stderr=None)  # type: ignore[arg-type]
+        real_select = processes.select.select
+        interleaved: list[bool] = []
+
+        def select_then_the_other_thread(*args: object) -> object:
+            ready = real_select(*args)
+            if not interleaved:
+                interleaved.append(False)
+                interleaved[0] = launcher.poll() is not None  # the other asker: sees the end, closes
+            return ready
+
+        monkeypatch.setattr(processes.select, "select", select_then_the_other_thread)
+        assert launcher.wait(timeout=10.0) == processes.UNKNOWN_EXIT
+        assert interleaved == [True] and launcher.poll() is not None
+    finally:
+        os.waitpid(pid, 0)
