@@ -93,3 +93,15 @@ def test_a_dataparallel_wrapper_reads_through_to_the_model_and_maps_back_to_it()
     assert list(wrapped.state_dict()) == ["weight", "bias"]  # the model's keys, no "module." prefix
     assert wrapping.original_of(wrapped) is model and not wrapping.is_wrapped(model)
     assert wrapping.original_of("not a model") == "not a model"
+
+
+def test_a_one_rank_model_s_hook_moves_inputs_made_elsewhere_to_its_device():
+    """The forward pre-hook a one-rank GPU model gets (its device bound once), tried on the meta device."""
+    import functools
+
+    model = nn.Linear(2, 1).to("meta")
+    hook = functools.partial(wrapping._inputs_to_device, torch.device("meta"))
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    assert model(torch.ones(1, 2)).device.type == "meta"  # moved
+    on_device = torch.ones(1, 2, device="meta")
+    assert wrapping._inputs_to_device(torch.device("meta"), model, (on_device,), {}) is None  # nothing to move

@@ -14,6 +14,7 @@ Example (outside a run a module is only moved to ``nbtrain.device()``):
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -43,7 +44,8 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
     if preparations.one_rank():
         wrapper = "none"
         if trainable and api.device().type != "cpu":
-            module.register_forward_pre_hook(_inputs_to_device, with_kwargs=True)
+            hook = functools.partial(_inputs_to_device, api.device())  # the rank's device, made once
+            module.register_forward_pre_hook(hook, with_kwargs=True)
     if wrapper in preparations.DDP_WRAPPERS and trainable:
         wrapper_options = {"find_unused_parameters": wrapper == "ddp_find_unused", **wrapper_options}
         prepared = _wrap_ddp(module, wrapper_options)
@@ -57,13 +59,12 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
     return prepared
 
 
-def _inputs_to_device(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _inputs_to_device(device: Any, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What DDP did for a one-rank run's model too: inputs made on the CPU move to the rank's GPU.
 
-    A forward pre-hook; inputs already there cost one device comparison each.
+    A forward pre-hook (``device`` bound); inputs already there cost one device comparison each.
     """
-    device = api.device()
-    if all(getattr(a, "device", device) == device for a in args) and not kwargs:
+    if not kwargs and all(getattr(a, "device", device) == device for a in args):
         return None
     return preparations.to_device(args, device), preparations.to_device(kwargs, device)
 
