@@ -50,3 +50,15 @@ def test_a_function_that_cannot_travel_says_what_to_do():
         match=r"the function or its arguments cannot be sent to the ranks: .* create them inside the function",
     ):
         client._serialise(lambda: lock, (), None)
+
+
+def test_a_cells_lines_go_to_this_machines_launcher_once(monkeypatch):
+    """A long session's cells are not pickled and sent again with every run (the launcher keeps them)."""
+    import linecache
+
+    cells = {f"/nonexistent/nbtrain-cell-{i}.py": (f"x = {i}\n",) for i in range(3)}
+    for filename, lines in cells.items():
+        monkeypatch.setitem(linecache.cache, filename, (len(lines[0]), None, list(lines), filename))
+    first = client._notebook_source_lines()
+    assert set(cells) <= set(first) and first["/nonexistent/nbtrain-cell-1.py"] == ("x = 1\n",)
+    assert set(cells) & set(client._notebook_source_lines(known=set(first))) == set()

@@ -125,7 +125,7 @@ def test_a_rank_adopts_the_callers_environment_directory_path_and_threads(tmp_pa
 
 def test_a_cells_source_lines_are_installed_for_tracebacks():
     filename = "<cell test_runtime 1>"
-    runtime._install_source_lines({filename: ("x = 1\n", "raise ValueError(x)\n")})
+    runtime.install_source_lines({filename: ("x = 1\n", "raise ValueError(x)\n")})
     try:
         assert linecache.getline(filename, 2) == "raise ValueError(x)\n"
         with pytest.raises(ValueError) as caught:

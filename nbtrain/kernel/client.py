@@ -13,7 +13,7 @@ import linecache
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from nbtrain import config as config_module
@@ -94,7 +94,10 @@ def start_on(
     try:
         payload, tensor_fd = _serialise(fn, args, kwargs)
         try:
-            start_message = _StartMessage(cfg, payload, tensor_fd is not None, with_log=local, interactive=interactive)
+            known = engine.sources_sent if isinstance(engine, LauncherClient) else ()
+            start_message = _StartMessage(
+                cfg, payload, tensor_fd is not None, with_log=local, interactive=interactive, known_sources=known
+            )
             run = _submit(engine, start_message, tensor_fd)
         finally:
             if tensor_fd is not None:
@@ -141,6 +144,7 @@ class _StartMessage:
     def __init__(
         self, cfg: config_module.LaunchConfig, payload: bytes, has_tensor_file: bool, with_log: bool,
         interactive: bool = True,
+        known_sources: Collection[str] = (),
     ) -> None:
         from nbtrain import hardware
         from nbtrain.kernel import defaults
@@ -158,6 +162,9 @@ class _StartMessage:
         self.with_log = with_log  # a cluster's agents keep their own logs
         self.threads = config_module.intra_op_threads(hardware.cpu_count(), cfg.world_size, os.environ)
         self.log_path: str | None = None
+        # Cells whose lines the engine has (this machine's launcher keeps what it was sent):
+        # a long session's hundreds of cells are not pickled and sent again with every run.
+        self.known_sources = known_sources
 
     def __call__(self, run_id: int) -> events.StartRun:
         cfg = self.cfg
@@ -172,7 +179,7 @@ class _StartMessage:
             environ={**_caller_environment(), **config_module.prepare_environment(cfg)},
             cwd=os.getcwd(),
             sys_path=tuple(sys.path),
-            source_lines=_notebook_source_lines(),
+            source_lines=_notebook_source_lines(self.known_sources),
             timeout=cfg.timeout,
             threads_per_rank=self.threads,
             has_tensor_file=self.has_tensor_file,
@@ -344,11 +351,13 @@ def _caller_environment() -> dict[str, str]:
     return processes.inherited_environment(os.environ)
 
 
-def _notebook_source_lines() -> dict[str, tuple[str, ...]]:
-    """Source of code that exists only in this process (notebook cells), for tracebacks."""
+def _notebook_source_lines(known: Collection[str] = ()) -> dict[str, tuple[str, ...]]:
+    """Source of code that exists only in this process (notebook cells), for tracebacks; ``known``: already sent."""
     lines: dict[str, tuple[str, ...]] = {}
     size = 0
     for filename, entry in list(linecache.cache.items()):
+        if filename in known:
+            continue
         if len(entry) == 4 and compat.only_in_memory(filename, entry) and size < _SOURCE_LINES_LIMIT:
             lines[filename] = tuple(entry[2])
             size += entry[0]

@@ -75,6 +75,9 @@ class LauncherClient:
         self._lock = threading.Lock()
         self._pending_output: dict[int, _PendingOutput] = {}
         self._run_ids = itertools.count(1)
+        # Notebook cells whose lines this launcher was sent: it keeps them (its forks inherit
+        # them), so each cell's lines go to it once (nbtrain.kernel.client._StartMessage).
+        self.sources_sent: set[str] = set()
         # The rank of a failed run kept for a post-mortem, and what it and its debugger send
         # once its run is over (nbtrain.kernel.pdb_relay).
         self.held: events.RankHeld | None = None
@@ -146,6 +149,7 @@ class LauncherClient:
                 del self._queues[run_id]
                 self._pending_output.pop(run_id, None)
                 raise LauncherError(f"could not reach the nbtrain launcher: {error}. {self.exit_detail()}") from error
+            self.sources_sent.update(message.source_lines)
         return run_id, inbox
 
     def stop(self, run_id: int, reason: str, graceful: bool = False) -> None:

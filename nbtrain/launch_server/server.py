@@ -115,6 +115,7 @@ class Launcher:
         if kernel_pidfd is not None:
             self.selector.register(kernel_pidfd, selectors.EVENT_READ, ("kernel", None, None))
         self.runs: dict[int, LauncherRun] = {}
+        self.sources: dict[str, tuple[str, ...]] = {}  # notebook cells' lines, as the kernel sent them
         self.board = tracker.Board(tracker.find_owner(parent_pid))
         self.held_ranks = heldranks.HeldRanks(self.selector, self._send, self.board)
         self.standby = standby.Pool(
@@ -286,6 +287,7 @@ class Launcher:
 
     # -- starting ranks ----------------------------------------------------------------
     def _start(self, start: StartRun, tensor_fd: int | None) -> None:
+        start = self._with_sources(start)
         now = time.monotonic()
         deadline = None if start.timeout is None else now + start.timeout
         run = LauncherRun(start.run_id, [], deadline, Lifecycle(start.run_id, now), on_cluster=start.node is not None)
@@ -324,6 +326,20 @@ class Launcher:
                 store_socket.close()
             if tensor_fd is not None:
                 os.close(tensor_fd)
+
+    def _with_sources(self, start: StartRun) -> StartRun:
+        """Keep the notebook cells' lines the kernel sent (each cell's once); a spawned rank gets them all.
+
+        Installed in the launcher's own linecache, they are in every rank it forks from now on
+        (standby ranks included); the run's new ones go with it to ranks forked before.
+        """
+        from nbtrain.rank.runtime import install_source_lines
+
+        self.sources.update(start.source_lines)
+        install_source_lines(start.source_lines)
+        if start.start_method == "spawn":  # a fresh interpreter has nothing in memory
+            return dataclasses.replace(start, source_lines=dict(self.sources))
+        return start
 
     def _start_rank(
         self, run: LauncherRun, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None, slot: int = 0

@@ -132,7 +132,7 @@ def _run(
     try:
         if not prepared:
             _adopt_caller_state(assignment)
-        _install_source_lines(start.source_lines)
+        install_source_lines(start.source_lines)
         debugger.install_breakpoint_hook(channel, start.run_id, spec.rank, start.interactive)
         if not prepared:
             _select_device(spec.device_type, spec.device_index)
@@ -253,9 +253,12 @@ def _loopback_interface(directory: str = "/sys/class/net") -> str:
     return "lo"
 
 
-def _install_source_lines(source_lines: Mapping[str, tuple[str, ...]]) -> None:
-    # Notebook cells exist only in the kernel's linecache; with them here, a rank's
-    # traceback shows the cell's own source lines.
+def install_source_lines(source_lines: Mapping[str, tuple[str, ...]]) -> None:
+    """Put notebook cells' lines in this process's linecache (the launcher's, which its forks inherit, or a rank's).
+
+    Notebook cells exist only in the kernel's linecache; with them here, a rank's traceback
+    shows the cell's own source lines.
+    """
     for filename, lines in source_lines.items():
         linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
 
