@@ -51,14 +51,13 @@ def test_a_failure_on_rank_one_names_the_rank_and_the_cells_line(kernel):
 @pytest.mark.parametrize("strategy", ["ddp_notebook", "ddp_spawn"])
 def test_a_function_from_an_earlier_cell_shows_its_line_in_a_later_runs_traceback(kernel, strategy):
     """Each cell's lines go to the launcher once; its ranks (forked, standby or spawned) still have them."""
-    number = kernel.value("len(In)")  # the next cell's In[N]
     kernel.run_ok(f"def check_{strategy}(value):\n    assert value > 1, 'too small: ' + str(value)\n")
     first = f"%%distributed --devices 2 --strategy {strategy}\ncheck_{strategy}(5)\n"
     kernel.run_ok(first)  # the function's cell goes with this run
     out = kernel.run(f"%%distributed --devices 2 --strategy {strategy}\ncheck_{strategy}(0)\n")
     text = "\n".join(out.error["traceback"]) if out.error else out.stdout
-    assert f"Cell In[{number}], line 2, in check_{strategy}" in text, text
-    assert "assert value > 1, 'too small: ' + str(value)" in text, text
+    # The frame's line, with its source (how the cell is named differs between IPython 7 and 8).
+    assert f", line 2, in check_{strategy}\n    assert value > 1, 'too small: ' + str(value)" in text, text
 
 
 def test_a_syntax_error_is_shown_at_the_cells_own_line(kernel):
