@@ -3,7 +3,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/autoloop.py           # about 1.5 min on 2 quiet cores
+    .venv/bin/python benchmarks/autoloop.py           # about 1.5 min on 2 cores
     .venv/bin/python benchmarks/autoloop.py --quick   # fewer rounds: about 40 s
 
 One Jupyter kernel (ipykernel, driven as the tests drive it), CPU ranks, gloo. Everything is
@@ -24,10 +24,20 @@ measured in this one run, baselines included:
    line records ``time.time()``; the figure is the last rank's time minus the time just
    before the kernel was sent the cell (one clock, one machine); median of ``RERUNS``
    re-runs after one first run. Target: <= 0.015 s.
+3. **Paired blocks, the same ranks**: the separate cells above run seconds apart, and on a
+   shared machine their step times drift by more than 2%. So one auto-mode cell (1 rank, then
+   2 ranks) also trains three copies of the model, in blocks of ``BLOCK`` steps that take turns
+   (``PAIRS`` rounds, the order rotated each round): **auto mode** (the cell's own ``model``
+   and ``opt``, as auto mode prepared them, its loss hook on), **by hand** (a copy wrapped by
+   hand in ``DistributedDataParallel`` on 2 ranks, its own SGD, auto mode's loss hook off: what
+   a ``--no-auto`` cell runs; the stop-at-step hooks every cell has stay on) and **bare** (the
+   same with nbtrain's optimizer-step hooks off too: the loop as a plain process would run
+   it). A round's ratio compares blocks a few milliseconds apart; the figure is the median
+   over rounds. Target: auto / by hand <= 1.02x.
 
-``--first-line`` measures only 2 (about 15 s); ``--session-cells N`` first puts N cells of
-20 lines in the kernel's linecache, as a long session leaves them (each run used to carry
-every cell's lines for the ranks' tracebacks).
+``--paired`` measures only 3 (about 30 s); ``--first-line`` measures only 2 (about 15 s);
+``--session-cells N`` first puts N cells of 20 lines in the kernel's linecache, as a long
+session leaves them (each run used to carry every cell's lines for the ranks' tracebacks).
 """
 
 from __future__ import annotations
@@ -51,6 +61,9 @@ CELL_BOUND_S = 120.0
 TARGET_AUTO_RATIO = 1.02
 TARGET_KERNEL_RATIO = 1.03
 TARGET_FIRST_LINE_S = 0.015
+PAIRS = 30
+BLOCK = 20
+HOOK_PAIRS = 100
 
 SETUP = f"""
 %load_ext nbtrain
@@ -60,6 +73,7 @@ model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
 STEPS, WARMUP = {STEPS}, {WARMUP}
+HAND_WRAPPER = "DistributedDataParallel"
 """
 
 # The loop, timed step by step; `net` is what the cell trains.
@@ -90,6 +104,84 @@ FIRST_LINE_CELL = (
     "first_line = time.time()\n"
     "print('FIRST', repr(first_line))\n"
 )
+
+
+# Three ways through the same loop in one auto-mode cell, in blocks that take turns (see 3.
+# above). Auto mode's loss hook is the patched Tensor.backward (its original kept as
+# __wrapped__); the stop-at-step hooks are torch's global optimizer-step hooks, taken out of
+# torch's tables for the bare blocks and put back after each.
+PAIRED = f"""
+import copy, torch.optim.optimizer as optimizer_tables, nbtrain
+torch.set_num_threads(1)
+# Named through a string: a cell that names DDP's class itself gets no auto mode at all.
+wrapper_by_hand = getattr(torch.nn.parallel, HAND_WRAPPER)
+hooked_backward = torch.Tensor.backward
+plain_backward = getattr(hooked_backward, "__wrapped__", hooked_backward)
+tables = optimizer_tables._global_optimizer_pre_hooks, optimizer_tables._global_optimizer_post_hooks
+kept = [dict(table) for table in tables]
+
+def hooks(loss_hook, step_hooks):
+    torch.Tensor.backward = hooked_backward if loss_hook else plain_backward
+    for table, saved in zip(tables, kept):
+        table.clear()
+        table.update(saved if step_hooks else {{}})
+
+def by_hand():
+    copied = copy.deepcopy(getattr(model, "module", model))  # auto mode's DDP wraps the model as .module
+    net = wrapper_by_hand(copied) if nbtrain.world_size() > 1 else copied
+    return net, torch.optim.SGD(net.parameters(), lr=0.01)
+
+ways = {{
+    "auto mode": (model, opt, True, True),
+    "by hand": (*by_hand(), False, True),
+    "bare": (*by_hand(), False, False),
+}}
+
+def block(net, optimizer, loss_hook, step_hooks, steps):
+    hooks(loss_hook, step_hooks)
+    began = time.perf_counter()
+    for _ in range(steps):
+        loss = nn.functional.cross_entropy(net(x), y)
+        optimizer.zero_grad(); loss.backward(); optimizer.step()
+    took = (time.perf_counter() - began) / steps
+    hooks(True, True)
+    return took
+
+# Auto mode's first steps in one stretch, as a loop run alone takes them: their pace sets the
+# stride of the losses its hook logs (taking turns first would read the turns as a slow loop).
+block(*ways["auto mode"], 64)
+for way in ways.values():
+    block(*way, WARMUP)
+names = list(ways)
+paired = {{name: [] for name in names}}
+for round_index in range({PAIRS}):
+    for name in names[round_index % 3:] + names[:round_index % 3]:
+        paired[name].append(block(*ways[name], {BLOCK}))
+
+def backwards(backward, calls=200):
+    began = time.perf_counter()
+    for _ in range(calls):
+        backward((one_element * 2).sum())
+    return (time.perf_counter() - began) / calls
+
+hook_costs = []  # the loss hook alone: a one-element graph's backward, hooked less plain
+if nbtrain.world_size() == 1:  # the hook is the same on every rank; after the blocks, whose losses it logs
+    one_element = torch.ones(4, requires_grad=True)
+    for round_index in range({HOOK_PAIRS}):
+        order = (hooked_backward, plain_backward) if round_index % 2 else (plain_backward, hooked_backward)
+        took = {{backward: backwards(backward) for backward in order}}
+        hook_costs.append(took[hooked_backward] - took[plain_backward])
+"""
+
+
+def paired_steps(kernel: NotebookKernel) -> tuple[dict[int, dict[str, list[float]]], list[float]]:
+    """Per world size (1, 2), each way's mean step per round (seconds), from rank 0; the loss hook's costs."""
+    seen = {}
+    for devices in (2, 1):
+        kernel.run_ok("model.load_state_dict(start_state)")
+        kernel.run_ok(f"%%distributed --devices {devices} --accelerator cpu\n" + PAIRED)
+        seen[devices] = kernel.value("paired")
+    return {devices: seen[devices] for devices in (1, 2)}, kernel.value("hook_costs")
 
 
 def step_times(kernel: NotebookKernel, rounds: int) -> dict[str, tuple[float, float]]:
@@ -139,22 +231,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds instead of 5")
     parser.add_argument("--first-line", action="store_true", help="only the re-run's first-line latency")
+    parser.add_argument("--paired", action="store_true", help="only the paired blocks in one cell")
     parser.add_argument("--session-cells", type=int, default=0, help="cells in the kernel's linecache first")
     args = parser.parse_args()
     rounds = 3 if args.quick else 5
     steps: dict[str, tuple[float, float]] = {}
+    paired: dict[int, dict[str, list[float]]] = {}
+    hook_costs: list[float] = []
+    latencies: list[float] = []
     with NotebookKernel() as kernel:
         kernel.run_ok(SETUP + "start_state = {k: v.clone() for k, v in model.state_dict().items()}\n")
         kernel.run_ok(session_cells(args.session_cells))
         kernel.run_ok(CELLS["2 ranks, auto mode"])  # warm the launcher and the caches
         if not args.first_line:
+            print("paired blocks: 1 and 2 ranks", file=sys.stderr, flush=True)
+            paired, hook_costs = paired_steps(kernel)
+        if not (args.first_line or args.paired):
             print(f"step times: {rounds} rounds of {len(CELLS)} variants", file=sys.stderr, flush=True)
             steps = step_times(kernel, rounds)
-        print("re-run first-line latency", file=sys.stderr, flush=True)
-        latencies = first_line_latency(kernel, RERUNS)
+        if not args.paired:
+            print("re-run first-line latency", file=sys.stderr, flush=True)
+            latencies = first_line_latency(kernel, RERUNS)
     if steps:
         print_steps(steps, rounds)
-    print_first_line(latencies, args.session_cells)
+    if paired:
+        print_paired(paired, hook_costs)
+    if latencies:
+        print_first_line(latencies, args.session_cells)
 
 
 def print_first_line(latencies: list[float], cells: int) -> None:
@@ -164,6 +267,27 @@ def print_first_line(latencies: list[float], cells: int) -> None:
     print(f"\nRe-run cell sent -> every rank running its first line ({where}): median {median * 1000:.1f} ms")
     target = f"target <= {TARGET_FIRST_LINE_S * 1000:.0f} ms: {verdict(median, TARGET_FIRST_LINE_S)}"
     print(f"  re-runs: {shown} ms  ({target})")
+
+
+def print_paired(paired: dict[int, dict[str, list[float]]], hook_costs: list[float]) -> None:
+    print(f"\nPaired blocks in one auto-mode cell: {PAIRS} rounds of {BLOCK} steps per way, order rotated;")
+    print("rank 0's mean step per block, median over rounds; ratios: median over rounds of the round's ratio")
+    for devices, ways in paired.items():
+        ranks = "1 rank " if devices == 1 else f"{devices} ranks"
+        shown = ", ".join(f"{name} {statistics.median(times) * 1e6:.1f} us" for name, times in ways.items())
+        print(f"  {ranks}: {shown}")
+        for variant, baseline, target in (("auto mode", "by hand", TARGET_AUTO_RATIO), ("auto mode", "bare", None)):
+            ratios = sorted(a / b for a, b in zip(ways[variant], ways[baseline], strict=True))
+            middle = statistics.median(ratios)
+            spread = f"middle half {ratios[len(ratios) // 4]:.3f}-{ratios[3 * len(ratios) // 4]:.3f}"
+            aim = f"  (target <= {target}x: {verdict(middle, target)})" if target else ""
+            print(f"    {variant} / {baseline}: {middle:.3f}x, {spread}{aim}")
+    costs = sorted(hook_costs)
+    hand_step = statistics.median(paired[1]["by hand"])
+    cost = statistics.median(costs)
+    middle = f"middle half {costs[len(costs) // 4] * 1e6:.1f}-{costs[3 * len(costs) // 4] * 1e6:.1f}"
+    print(f"  auto mode's loss hook alone (a one-element backward, hooked less plain, {len(costs)} pairs):")
+    print(f"    {cost * 1e6:.1f} us a step ({middle}), {cost / hand_step:.2%} of the 1-rank step by hand")
 
 
 def print_steps(steps: dict[str, tuple[float, float]], rounds: int) -> None:

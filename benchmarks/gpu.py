@@ -22,6 +22,9 @@ Where they run:
    cell seconds after the last one, when the standby ranks forked after it are ready; so before
    each re-run the kernel waits (at most ``STANDBY_WAIT_S``, polling ``nbtrain.runs()``) until
    they are, and the wait is printed. One more re-run is sent at once (no wait) beside it.
+   The MLP cell runs in turns in the kernel, under auto mode and under ``--no-auto`` (the same
+   loop in a rank, nothing prepared or hooked), ``MLP_ROUNDS`` times each: what auto mode adds
+   and what the rank itself adds are told apart.
 3. **Fabric**: Lightning Fabric ``ddp_notebook``, devices=1, in a fresh kernel (Lightning
    refuses a kernel that touched CUDA): first run and re-run. Skipped with a line where
    ``lightning`` is missing.
@@ -30,8 +33,9 @@ Where they run:
 
 Figures (each from ``time.time()`` on one machine): the steady step (ms, the mean over the
 steps after ``WARM_STEPS``, synchronised at both ends), "cell sent -> first step done"
-(the first step synchronised), and the whole cell (sent -> reply). Ratios and the issue's
-targets are printed at the end.
+(the first step synchronised), split where the loop began (before it: the cell's launch,
+on a rank its payload and model prepared; after it: the first step's own set-ups), and the
+whole cell (sent -> reply). Ratios and the issue's targets are printed at the end.
 """
 
 from __future__ import annotations
@@ -60,9 +64,11 @@ from kernel_helpers import NotebookKernel
 WARM_STEPS = 8
 CELL_BOUND_S = 60.0  # any one cell: a hang, not a slow machine
 TARGET_STEP_RATIO = 1.03
+TARGET_AUTO_RATIO = 1.02
 TARGET_RERUN_FIRST_STEP_S = 0.35
 TARGET_RERUN_OVER_KERNEL_S = 0.4
 TARGET_VS_FABRIC = 1.5
+MLP_ROUNDS = 3
 STANDBY_WAIT_S = 10.0  # a user's pause between cells: the standby ranks are ready well within it
 
 
@@ -105,7 +111,7 @@ def make_resnet():
 def train(model, opt, batches, steps):
     # Per step: the batch to the device, forward, loss, backward, step; synchronised only at
     # the first step (its end), at WARM_STEPS and at the end.
-    figures, step = {{}}, 0
+    figures, step = {{"began": time.time()}}, 0
     while step < steps:
         for x, y in batches:
             x, y = x.to(DEVICE, non_blocking=True), y.to(DEVICE, non_blocking=True)
@@ -180,7 +186,14 @@ def run_cell(kernel: NotebookKernel, source: str) -> dict:
     if reply["status"] != "ok":
         raise RuntimeError(f"the cell failed:\n{source}\n{out.text}")
     figures = kernel.value("figures")
-    return {**figures, "sent": sent, "whole": whole, "first_step": figures["first"] - sent}
+    return {
+        **figures,
+        "sent": sent,
+        "whole": whole,
+        "first_step": figures["first"] - sent,
+        "to_loop": figures["began"] - sent,  # the cell's launch: on a rank, its payload and model prepared
+        "loop_to_first_step": figures["first"] - figures["began"],  # the first step's own set-ups
+    }
 
 
 def setup_source(sizes: Sizes, model_device: str) -> str:
@@ -222,7 +235,6 @@ def kernel_and_nbtrain(sizes: Sizes, budget: Budget, results: dict) -> None:
         kernel.run_ok("%load_ext nbtrain\n" + setup_source(sizes, sizes.device))
         results["resnet", "kernel, cold"] = [run_cell(kernel, RESNET_CELL)]
         results["resnet", "kernel"] = [run_cell(kernel, RESNET_CELL)]
-        results["mlp", "kernel"] = [run_cell(kernel, MLP_CELL) for _ in range(2)][1:]
         if not budget.allows("nbtrain's runs", 30):
             return
         results["resnet", "nbtrain, first"] = [run_cell(kernel, magic + RESNET_CELL)]
@@ -230,8 +242,25 @@ def kernel_and_nbtrain(sizes: Sizes, budget: Budget, results: dict) -> None:
         if budget.allows("nbtrain's re-run sent at once", 25):
             # Sent as the last one returns: its standby ranks are still warming up.
             results["resnet", "nbtrain, re-run at once"] = [run_cell(kernel, magic + RESNET_CELL)]
-        if budget.allows("nbtrain's MLP runs", 15):
-            results["mlp", "nbtrain"] = [run_cell(kernel, magic + MLP_CELL) for _ in range(2)][1:]
+        if budget.allows("the MLP runs", 25):
+            mlp_rounds(kernel, magic, results)
+
+
+def mlp_rounds(kernel: NotebookKernel, magic: str, results: dict) -> None:
+    """The MLP loop in the kernel, under auto mode and under ``--no-auto``, in turns (``MLP_ROUNDS`` each).
+
+    ``--no-auto`` runs the same loop in the same kind of rank with nothing prepared or hooked
+    (the model is on the GPU already): auto mode / ``--no-auto`` is what auto mode costs a step,
+    ``--no-auto`` / kernel what the rank itself costs. Taking turns keeps a drifting machine out
+    of the ratios; each way's first run is a warm-up.
+    """
+    by_hand = magic.replace("\n", " --no-auto\n")
+    ways = {"kernel": MLP_CELL, "nbtrain": magic + MLP_CELL, "nbtrain --no-auto": by_hand + MLP_CELL}
+    for source in ways.values():
+        run_cell(kernel, source)
+    for _ in range(MLP_ROUNDS):
+        for where, source in ways.items():
+            results.setdefault(("mlp", where), []).append(run_cell(kernel, source))
 
 
 FABRIC_CELL = """
@@ -302,8 +331,8 @@ def _median(results: dict, key: tuple[str, str], figure: str) -> float | None:
 def _row(label: str, results: dict, workload: str, figure: str, scale: float, unit: str) -> None:
     cells = []
     for where in ("kernel, cold", "kernel", "nbtrain, first", "nbtrain, re-run", "nbtrain, re-run at once", "nbtrain",
-                  "Fabric, first", "Fabric, re-run", "torchrun"):
-        runs = results.get((workload, where))
+                  "nbtrain --no-auto", "Fabric, first", "Fabric, re-run", "torchrun"):
+        runs = [run for run in results.get((workload, where), ()) if figure in run]
         if runs:
             shown = ", ".join(f"{run[figure] * scale:.{1 if scale > 1 else 2}f}" for run in runs)
             cells.append(f"{where}: {shown}")
@@ -320,11 +349,13 @@ def _target(label: str, value: float | None, target: float, *, at_least: bool = 
 
 def report(results: dict, sizes: Sizes) -> None:
     print(f"\nResNet cell: batch {sizes.batch}, 3x{sizes.image}x{sizes.image}, {sizes.resnet_steps} steps; "
-          f"MLP cell: {sizes.mlp_steps} steps (each figure one run; re-runs listed in order; 'nbtrain, re-run': "
+          f"MLP cell: {sizes.mlp_steps} steps (each figure one run, listed in order; 'nbtrain, re-run': "
           f"sent once the standby ranks were ready, 'at once': sent as the previous run returned)")
     _row("ResNet steady step", results, "resnet", "steady", 1e3, "ms")
     _row("MLP steady step", results, "mlp", "steady", 1e6, "us")
     _row("cell sent -> first step done", results, "resnet", "first_step", 1, "s; torchrun: from its start")
+    _row("of which: cell sent -> the loop began", results, "resnet", "to_loop", 1, "s")
+    _row("of which: the loop began -> first step done", results, "resnet", "loop_to_first_step", 1, "s")
     _row("whole cell", results, "resnet", "whole", 1, "s; torchrun: start to exit")
     kernel_step = _median(results, ("resnet", "kernel"), "steady")
     rerun_step = _median(results, ("resnet", "nbtrain, re-run"), "steady")
@@ -335,12 +366,20 @@ def report(results: dict, sizes: Sizes) -> None:
     print("\nRatios and targets")
     _target("ResNet steady step, nbtrain re-run / kernel", _ratio(rerun_step, kernel_step), TARGET_STEP_RATIO)
     _target("MLP steady step, nbtrain / kernel", _ratio(mlp_rank, mlp_kernel), TARGET_STEP_RATIO)
+    mlp_hand = _median(results, ("mlp", "nbtrain --no-auto"), "steady")
+    _target("MLP steady step, nbtrain / nbtrain --no-auto (what auto mode adds)", _ratio(mlp_rank, mlp_hand),
+            TARGET_AUTO_RATIO)
+    _ratio_line("MLP steady step, nbtrain --no-auto / kernel (what the rank adds)", _ratio(mlp_hand, mlp_kernel))
     _target("re-run after the standby ranks are ready, cell sent -> first step done (s)",
             _median(results, ("resnet", "nbtrain, re-run"), "first_step"), TARGET_RERUN_FIRST_STEP_S)
     over = None if rerun_whole is None or kernel_whole is None else rerun_whole - kernel_whole
     _target("whole re-run cell minus the kernel's warm loop (s)", over, TARGET_RERUN_OVER_KERNEL_S)
     _target("Fabric's re-run / nbtrain's re-run, whole cell", _ratio(fabric_whole, rerun_whole), TARGET_VS_FABRIC,
             at_least=True)
+
+
+def _ratio_line(label: str, value: float | None) -> None:
+    print(f"  {label}: " + ("not measured" if value is None else f"{value:.3f}"))
 
 
 def _ratio(value: float | None, baseline: float | None) -> float | None:
