@@ -5,6 +5,7 @@ Run from the repository root on a machine with a CUDA GPU (``bash .ci/gpu`` runs
 
     python3 benchmarks/gpu.py          # about 1.5-2.5 min on an H200; bounded by --budget (170 s)
     python3 benchmarks/gpu.py --cpu    # the same script on CPU ranks, small sizes: a smoke test
+    python3 benchmarks/gpu.py --phases # also where each run's time went, kernel and rank (gpu_phases.py)
 
 The cells (the same loop code everywhere, in one run on the same GPU):
 
@@ -22,6 +23,7 @@ Where they run:
    cell seconds after the last one, when the standby ranks forked after it are ready; so before
    each re-run the kernel waits (at most ``STANDBY_WAIT_S``, polling ``nbtrain.runs()``) until
    they are, and the wait is printed. One more re-run is sent at once (no wait) beside it.
+   One ResNet re-run goes under ``--no-auto`` too (nothing prepared or hooked), beside them.
    The MLP cell runs in turns in the kernel, under auto mode and under ``--no-auto`` (the same
    loop in a rank, nothing prepared or hooked), ``MLP_ROUNDS`` times each: what auto mode adds
    and what the rank itself adds are told apart.
@@ -35,7 +37,9 @@ Figures (each from ``time.time()`` on one machine): the steady step (ms, the mea
 steps after ``WARM_STEPS``, synchronised at both ends), "cell sent -> first step done"
 (the first step synchronised), split where the loop began (before it: the cell's launch,
 on a rank its payload and model prepared; after it: the first step's own set-ups), and the
-whole cell (sent -> reply). Ratios and the issue's targets are printed at the end.
+whole cell (sent -> reply); for each ResNet run also the GPU's time between step ends (CUDA
+events, read at the end: no sync in the loop), over stretches of steps, to show when a run
+reaches its steady pace. Ratios and the issue's targets are printed at the end.
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))  # the tests' kernel driver
 
+import gpu_phases  # beside this script
+
+import kernel_helpers
 from kernel_helpers import NotebookKernel
 
 WARM_STEPS = 8
@@ -91,7 +98,7 @@ CPU = Sizes("cpu", "cpu", 32, 16, 64, 12, 60, 1)
 
 # The kernel's (and every peer's) definitions: data, models, one train function for all.
 SETUP = """
-import time, torch, torch.nn as nn, torch.nn.functional as F
+import contextlib, os, time, torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 DEVICE, IMAGE, BATCH, IMAGES = {device!r}, {image}, {batch}, {images}
 RESNET_STEPS, MLP_STEPS, WARM_STEPS = {resnet_steps}, {mlp_steps}, {warm}
@@ -111,13 +118,19 @@ def make_resnet():
 def train(model, opt, batches, steps):
     # Per step: the batch to the device, forward, loss, backward, step; synchronised only at
     # the first step (its end), at WARM_STEPS and at the end.
-    figures, step = {{"began": time.time()}}, 0
+    # A CUDA event after each step (no sync): the GPU's time between step ends, read at the end.
+    figures, step, marks = {{"began": time.time(), "threads": torch.get_num_threads(), "pid": os.getpid()}}, 0, []
+    with contextlib.suppress(Exception):  # when this process began: a rank's fork, a standby rank's before the cell
+        import psutil
+        figures["process_began"] = psutil.Process().create_time()
     while step < steps:
         for x, y in batches:
             x, y = x.to(DEVICE, non_blocking=True), y.to(DEVICE, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
             step += 1
+            if DEVICE == "cuda":
+                marks.append(torch.cuda.Event(enable_timing=True)); marks[-1].record()
             if step == 1:
                 sync(); figures["first"] = time.time()
             if step == WARM_STEPS:
@@ -126,6 +139,7 @@ def train(model, opt, batches, steps):
                 break
     sync()
     figures["steady"] = (time.perf_counter() - began) / (steps - WARM_STEPS)
+    figures["step_ms"] = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
     figures["end"] = time.time()
     return figures
 
@@ -145,19 +159,6 @@ mlp_opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
 RESNET_CELL = "figures = train(resnet, resnet_opt, loader, RESNET_STEPS)\n"
 MLP_CELL = "figures = train(mlp, mlp_opt, mlp_data, MLP_STEPS)\n"
 
-# In the kernel, between cells: until the standby ranks forked after the last run are ready
-# (every one joined its process group), at most STANDBY_WAIT_S.
-WAIT_FOR_STANDBY = """
-import nbtrain
-def _standby_ready():
-    return any(getattr(entry, "state", "") == "standby" and entry.ready for entry in nbtrain.runs())
-_began = time.monotonic()
-while not _standby_ready() and time.monotonic() - _began < {bound}:
-    time.sleep(0.02)
-standby_wait = [time.monotonic() - _began, _standby_ready()]
-"""
-
-
 class Budget:
     """The whole run's time bound: a part that would start past it is skipped, with a line."""
 
@@ -175,6 +176,7 @@ class Budget:
 
 
 _budget = Budget(600.0)  # main() sets the run's own
+_phases_log: str | None = None  # --phases: the probes' log
 
 
 def run_cell(kernel: NotebookKernel, source: str) -> dict:
@@ -186,7 +188,7 @@ def run_cell(kernel: NotebookKernel, source: str) -> dict:
     if reply["status"] != "ok":
         raise RuntimeError(f"the cell failed:\n{source}\n{out.text}")
     figures = kernel.value("figures")
-    return {
+    result = {
         **figures,
         "sent": sent,
         "whole": whole,
@@ -194,6 +196,9 @@ def run_cell(kernel: NotebookKernel, source: str) -> dict:
         "to_loop": figures["began"] - sent,  # the cell's launch: on a rank, its payload and model prepared
         "loop_to_first_step": figures["first"] - figures["began"],  # the first step's own set-ups
     }
+    if source.startswith("%%distributed") and "process_began" in figures:  # a rank (the kernel began long ago)
+        result["process_to_loop"] = figures["began"] - figures["process_began"]
+    return result
 
 
 def setup_source(sizes: Sizes, model_device: str) -> str:
@@ -211,8 +216,7 @@ def setup_source(sizes: Sizes, model_device: str) -> str:
 
 def wait_for_standby(kernel: NotebookKernel) -> None:
     """Wait (bounded) in the kernel until its standby ranks are ready, as a user's pause would; say how long."""
-    kernel.run_ok(WAIT_FOR_STANDBY.format(bound=STANDBY_WAIT_S))
-    waited, ready = kernel.value("standby_wait")
+    waited, ready = kernel_helpers.wait_for_standby(kernel, STANDBY_WAIT_S)
     if ready:
         print(f"waited {waited:.2f} s for the standby ranks to be ready before the re-run", flush=True)
     else:
@@ -233,12 +237,18 @@ def kernel_and_nbtrain(sizes: Sizes, budget: Budget, results: dict) -> None:
     magic = f"%%distributed --devices 1 --accelerator {sizes.accelerator}\n"
     with NotebookKernel() as kernel:
         kernel.run_ok("%load_ext nbtrain\n" + setup_source(sizes, sizes.device))
+        if _phases_log:
+            kernel.run_ok(gpu_phases.KERNEL_CELL)
         results["resnet", "kernel, cold"] = [run_cell(kernel, RESNET_CELL)]
         results["resnet", "kernel"] = [run_cell(kernel, RESNET_CELL)]
         if not budget.allows("nbtrain's runs", 30):
             return
         results["resnet", "nbtrain, first"] = [run_cell(kernel, magic + RESNET_CELL)]
         results["resnet", "nbtrain, re-run"] = nbtrain_reruns(kernel, magic + RESNET_CELL, sizes.reruns)
+        if budget.allows("nbtrain's re-run under --no-auto", 25):
+            # The same re-run with nothing prepared or hooked: what auto mode costs this loop.
+            no_auto = magic.replace("\n", " --no-auto\n")
+            results["resnet", "nbtrain --no-auto, re-run"] = nbtrain_reruns(kernel, no_auto + RESNET_CELL, 1)
         if budget.allows("nbtrain's re-run sent at once", 25):
             # Sent as the last one returns: its standby ranks are still warming up.
             results["resnet", "nbtrain, re-run at once"] = [run_cell(kernel, magic + RESNET_CELL)]
@@ -330,13 +340,27 @@ def _median(results: dict, key: tuple[str, str], figure: str) -> float | None:
 
 def _row(label: str, results: dict, workload: str, figure: str, scale: float, unit: str) -> None:
     cells = []
-    for where in ("kernel, cold", "kernel", "nbtrain, first", "nbtrain, re-run", "nbtrain, re-run at once", "nbtrain",
-                  "nbtrain --no-auto", "Fabric, first", "Fabric, re-run", "torchrun"):
+    for where in WHERE:
         runs = [run for run in results.get((workload, where), ()) if figure in run]
         if runs:
             shown = ", ".join(f"{run[figure] * scale:.{1 if scale > 1 else 2}f}" for run in runs)
             cells.append(f"{where}: {shown}")
     print(f"  {label} ({unit}): " + ("; ".join(cells) if cells else "not measured"))
+
+
+WHERE = ("kernel, cold", "kernel", "nbtrain, first", "nbtrain, re-run", "nbtrain --no-auto, re-run",
+         "nbtrain, re-run at once", "nbtrain", "nbtrain --no-auto", "Fabric, first", "Fabric, re-run", "torchrun")
+
+
+def _trajectory(results: dict) -> None:
+    """Each ResNet run's GPU time between step ends (ms), as means over stretches of steps."""
+    runs = [(where, run) for where in WHERE for run in results.get(("resnet", where), ())]
+    traced = [(where, run["step_ms"]) for where, run in runs if run.get("step_ms")]
+    if traced:
+        print("\nResNet, GPU time between step ends (ms, CUDA events; mean over steps 2-8, 9-16, 17-32, 33-48)")
+    for where, gaps in traced:
+        parts = [gaps[a:b] for a, b in ((0, 7), (7, 15), (15, 31), (31, len(gaps))) if gaps[a:b]]
+        print(f"  {where}: " + ", ".join(f"{statistics.fmean(part):.2f}" for part in parts))
 
 
 def _target(label: str, value: float | None, target: float, *, at_least: bool = False) -> None:
@@ -357,6 +381,14 @@ def report(results: dict, sizes: Sizes) -> None:
     _row("of which: cell sent -> the loop began", results, "resnet", "to_loop", 1, "s")
     _row("of which: the loop began -> first step done", results, "resnet", "loop_to_first_step", 1, "s")
     _row("whole cell", results, "resnet", "whole", 1, "s; torchrun: start to exit")
+    _row("the loop's process began -> the loop began", results, "resnet", "process_to_loop", 1, "s; a rank: forked")
+    _row("intra-op threads", results, "resnet", "threads", 1, "torch.get_num_threads() in the loop")
+    _trajectory(results)
+    if _phases_log:
+        for where, index in (("nbtrain, first", 0), ("nbtrain, re-run", -1), ("nbtrain, re-run at once", 0)):
+            runs = results.get(("resnet", where))
+            if runs:
+                gpu_phases.timeline(_phases_log, f"ResNet, {where}", runs[index]["sent"], runs[index]["whole"])
     kernel_step = _median(results, ("resnet", "kernel"), "steady")
     rerun_step = _median(results, ("resnet", "nbtrain, re-run"), "steady")
     mlp_kernel, mlp_rank = _median(results, ("mlp", "kernel"), "steady"), _median(results, ("mlp", "nbtrain"), "steady")
@@ -365,6 +397,8 @@ def report(results: dict, sizes: Sizes) -> None:
     fabric_whole = _median(results, ("resnet", "Fabric, re-run"), "whole")
     print("\nRatios and targets")
     _target("ResNet steady step, nbtrain re-run / kernel", _ratio(rerun_step, kernel_step), TARGET_STEP_RATIO)
+    _ratio_line("ResNet steady step, nbtrain re-run / nbtrain --no-auto re-run (what auto mode adds)",
+                _ratio(rerun_step, _median(results, ("resnet", "nbtrain --no-auto, re-run"), "steady")))
     _target("MLP steady step, nbtrain / kernel", _ratio(mlp_rank, mlp_kernel), TARGET_STEP_RATIO)
     mlp_hand = _median(results, ("mlp", "nbtrain --no-auto"), "steady")
     _target("MLP steady step, nbtrain / nbtrain --no-auto (what auto mode adds)", _ratio(mlp_rank, mlp_hand),
@@ -391,7 +425,11 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="CPU ranks and small sizes: a smoke test without a GPU")
     parser.add_argument("--budget", type=float, default=170.0, help="seconds for the whole run (default 170)")
     parser.add_argument("--only", choices=sorted(PARTS), action="append", help="run only this part (repeatable)")
+    parser.add_argument("--phases", action="store_true", help="probe the engine: where a run's time went, per side")
     args = parser.parse_args()
+    global _phases_log
+    if args.phases:
+        _phases_log = gpu_phases.install()  # before any kernel or template starts
     sizes = CPU if args.cpu else GPU
     if not args.cpu:
         import torch
@@ -415,6 +453,8 @@ def main() -> None:
     except KeyboardInterrupt:
         print("stopped before the end: the figures so far follow", flush=True)
     report(results, sizes)
+    if _phases_log:
+        shutil.rmtree(os.path.dirname(_phases_log), ignore_errors=True)
 
 
 PARTS = {"nbtrain": kernel_and_nbtrain, "fabric": fabric, "torchrun": torchrun}

@@ -18,7 +18,8 @@ import sys
 import tempfile
 import time
 
-PROBE = r'''
+# record(), wrap() and wrap_exit(): what a sitecustomize.py needs to probe engine functions.
+PROBE_FUNCTIONS = r'''
 import os, time
 
 LOG = os.environ.get("NBTRAIN_PHASES_LOG")
@@ -60,7 +61,9 @@ def wrap_exit(owner, name, label):  # functions that never return: log their sta
         return original(*args, **kwargs)
 
     setattr(owner, name, probe)
+'''
 
+PROBE = PROBE_FUNCTIONS + r'''
 
 if LOG and os.environ.get("NBTRAIN_ROLE") == "launcher":
     import torch.distributed as dist

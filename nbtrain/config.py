@@ -224,11 +224,13 @@ def user_thread_count(environ: Mapping[str, str]) -> int | None:
 
 
 def intra_op_threads(cpu_count: int, world_size: int, environ: Mapping[str, str]) -> int | None:
-    """Intra-op threads for each rank: cores / ranks (at least 1), as torchrun does.
+    """Intra-op threads for each rank: physical cores / ranks (at least 1).
 
-    None when the user set OMP_NUM_THREADS: their choice wins. Why it matters: N ranks each
-    running a full-width OpenMP pool oversubscribe the cores (2 ranks x 2 threads on 2 cores
-    doubled the step time here).
+    ``cpu_count`` is the physical cores (:func:`nbtrain.hardware.physical_core_count`): one
+    rank then runs the threads torch itself would in the kernel. None when the user set
+    OMP_NUM_THREADS: their choice wins. Why it matters: N ranks each running a full-width
+    OpenMP pool oversubscribe the cores (2 ranks x 2 threads on 2 cores doubled the step
+    time here).
 
     >>> intra_op_threads(8, 2, {}), intra_op_threads(2, 4, {}), intra_op_threads(8, 2, {"OMP_NUM_THREADS": "3"})
     (4, 1, None)

@@ -90,6 +90,9 @@ class StartRun:
     # (nbtrain.stopboard); "discard" stops them where they are. The grace is at least stop_grace s.
     on_stop: str = "keep"
     stop_grace: float = 2.0
+    # Standby ranks only: library modules the last run's payload needed (its classes' modules,
+    # torchvision's for a ResNet), imported while they wait instead of while a cell's payload loads.
+    preimport: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,7 @@ class RankDone:
     has_tensor_file: bool = False
     regions: tuple[tuple[int, int, int], ...] = ()
     total_bytes: int = 0
+    imported: tuple[str, ...] = ()  # rank 0: the library modules it imported to load the payload
 
 
 @dataclass(frozen=True)

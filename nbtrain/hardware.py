@@ -14,6 +14,7 @@ puts the fastest first; the two agree unless a machine mixes GPU models, and the
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import platform
@@ -115,6 +116,38 @@ def cpu_count() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+CPU_TOPOLOGY = "/sys/devices/system/cpu"
+
+
+def physical_core_count(topology: str = CPU_TOPOLOGY) -> int:
+    """Physical cores among the CPUs this process may run on: a core's hyper-threads count once.
+
+    It is what torch's own intra-op threads default to (the physical cores), and what a
+    rank's share of threads starts from: a pool over both threads of a core runs no faster,
+    and its threads spinning between ops take the CPU beside the loop's own thread. Where
+    the topology cannot be read, every CPU counts.
+
+    >>> 1 <= physical_core_count() <= cpu_count()
+    True
+    """
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    return _cores_of(frozenset(cpus), topology)
+
+
+@functools.lru_cache(maxsize=8)  # read once per affinity mask: it is on every launch's way
+def _cores_of(cpus: frozenset[int], topology: str) -> int:
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"{topology}/cpu{cpu}/topology/core_id") as core, open(
+                f"{topology}/cpu{cpu}/topology/physical_package_id"
+            ) as package:
+                cores.add((package.read().strip(), core.read().strip()))
+        except OSError:
+            return max(1, len(cpus))
+    return max(1, len(cores))
 
 
 def probe_plan(devices: object = "auto", accelerator: str | None = "auto", oversubscribe: bool = False) -> DevicePlan:

@@ -330,9 +330,9 @@ def _copy_storage(storage: torch.UntypedStorage, mapping: mmap.mmap, offset: int
     nbytes = storage.nbytes()
     if nbytes == 0:
         return
-    if storage.device.type != "cpu":
-        storage = storage.cpu()  # results cross processes on the CPU, as Fabric does
-    source = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+    # Tensors cross processes on the CPU, as Fabric's do: a GPU's bytes are copied straight
+    # into the shared file, with no host copy between (one copy instead of two).
+    source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
     target = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
     target.copy_(source)
     del target  # release the buffer export, or the mapping cannot close

@@ -204,6 +204,26 @@ def outputs_of(cell: Any) -> CellOutput:
     return out
 
 
+# In the kernel, between cells: until the standby ranks forked after the last run are ready
+# (every one joined its process group), at most ``bound`` seconds; [seconds waited, ready].
+WAIT_FOR_STANDBY = """
+import time as _time, nbtrain as _nbtrain
+def _standby_ready():
+    return any(getattr(entry, "state", "") == "standby" and entry.ready for entry in _nbtrain.runs())
+_began = _time.monotonic()
+while not _standby_ready() and _time.monotonic() - _began < {bound}:
+    _time.sleep(0.02)
+standby_wait = [_time.monotonic() - _began, _standby_ready()]
+"""
+
+
+def wait_for_standby(kernel: NotebookKernel, bound: float) -> tuple[float, bool]:
+    """Wait in the kernel, as a user's pause between cells would, until its standby ranks are ready (bounded)."""
+    kernel.run_ok(WAIT_FOR_STANDBY.format(bound=bound))
+    waited, ready = kernel.value("standby_wait")
+    return waited, ready
+
+
 def strip_ansi(text: str) -> str:
     import re
 

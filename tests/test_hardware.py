@@ -304,6 +304,34 @@ def test_cpu_count_is_the_affinity_mask_not_the_machine():
     assert hardware.cpu_count() == len(os.sched_getaffinity(0))
 
 
+def _topology(root, cores_of_cpus):
+    for cpu, (package, core) in enumerate(cores_of_cpus):
+        folder = root / f"cpu{cpu}" / "topology"
+        folder.mkdir(parents=True)
+        (folder / "physical_package_id").write_text(f"{package}\n")
+        (folder / "core_id").write_text(f"{core}\n")
+    return str(root)
+
+
+def test_physical_cores_count_a_cores_hyper_threads_once(tmp_path):
+    # This machine's CPUs as sysfs would list them if each core had two hyper-threads (0+1, 2+3, ...).
+    cpus = sorted(os.sched_getaffinity(0))
+    topology = _topology(tmp_path, [(0, cpu // 2) for cpu in range(max(cpus) + 1)])
+    assert hardware.physical_core_count(topology) == len({cpu // 2 for cpu in cpus})
+
+
+def test_physical_cores_are_every_cpu_where_the_topology_cannot_be_read(tmp_path):
+    assert hardware.physical_core_count(str(tmp_path / "missing")) == hardware.cpu_count()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) != os.cpu_count(), reason="torch counts the machine's cores")
+def test_physical_cores_here_are_what_torch_runs_by_default():
+    code = "import torch; print(torch.get_num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         env={k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")})
+    assert hardware.physical_core_count() == int(out.stdout)
+
+
 def test_mps_is_never_available_on_linux():
     assert sys.platform != "linux" or hardware.mps_available() is False
 

@@ -160,7 +160,7 @@ class _StartMessage:
         self.payload = payload
         self.has_tensor_file = has_tensor_file
         self.with_log = with_log  # a cluster's agents keep their own logs
-        self.threads = config_module.intra_op_threads(hardware.cpu_count(), cfg.world_size, os.environ)
+        self.threads = config_module.intra_op_threads(hardware.physical_core_count(), cfg.world_size, os.environ)
         self.log_path: str | None = None
         # Cells whose lines the engine has (this machine's launcher keeps what it was sent):
         # a long session's hundreds of cells are not pickled and sent again with every run.

@@ -400,6 +400,8 @@ class Launcher:
             self._stop(run, events.FAILED)
         elif isinstance(message, RankDone):
             rank.done = True
+            if message.imported and run.plan is not None:  # the next standby ranks import them ahead
+                run.plan = dataclasses.replace(run.plan, preimport=message.imported)
             if message.regions:
                 run.offer = message
             elif message.result is not None:  # no tensors, or their file: all of it is here

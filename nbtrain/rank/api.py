@@ -15,12 +15,12 @@ from __future__ import annotations
 import numbers
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-# Metrics are sent in batches at most this often (GPU tensors converted to floats then:
-# converting one forces a device sync, so once per batch instead of once per log() call)...
+# Metrics are sent in batches at most this often (GPU scalars go to the host together then,
+# in one copy that the loop never waits for: see _RowsOnTheWay)...
 FLUSH_SECONDS = 0.25
 # ...and after this many rows: thousands of pending GPU tensors make every garbage
 # collection slower, which a fast loop would pay for on each step.
@@ -40,16 +40,18 @@ class RankContext:
     send: Callable[[Any], None]
     pending: list[tuple[int, float, dict[str, Any]]] = field(default_factory=list)
     pending_on_device: bool = False  # some pending value is still a tensor on a device
+    outbox: list[Any] = field(default_factory=list)  # flushed batches not sent yet, oldest first
     step: int = 0
     last_flush: float = 0.0
     logged: bool = False
+    imported: tuple[str, ...] = ()  # rank 0: library modules its payload imported (nbtrain.rank.runtime)
 
     def add_row(self, step: int | None, values: dict[str, Any]) -> None:
         """Keep one logged row (``step`` None: the next step); send the batch when one is due."""
         self.step = self.step + 1 if step is None else int(step)
         self.pending.append((self.step, time.time(), values))
         if len(self.pending) >= FLUSH_ROWS or time.monotonic() - self.last_flush >= FLUSH_SECONDS:
-            self.flush()
+            self.flush(wait=False)
 
     def log_value(self, name: str, value: Any, step: int) -> None:
         """``log(step, **{name: value})`` for a value the cell did not log itself (the loss hook's).
@@ -60,21 +62,32 @@ class RankContext:
         kept = _pending_value(value, self)
         self.add_row(step, {} if kept is None else {name: kept})
 
-    def flush(self) -> None:
-        """Send the logged rows as one Metrics event (and, on a GPU, a memory sample)."""
-        if not self.pending:
-            return
+    def flush(self, wait: bool = True) -> None:
+        """Send the logged rows as Metrics events, in order (and, on a GPU, a memory sample).
+
+        Rows holding CUDA scalars start their copy to the host now and go once it is done: at a
+        later flush that finds it done, or at this one where ``wait`` (the cell's end). So the
+        loop never waits for the device to catch up with it.
+        """
+        if self.pending:
+            if self.pending_on_device:
+                self.outbox.append(_RowsOnTheWay(self.pending))
+            else:  # every value is a float already: the rows go as they are
+                self.outbox.append(tuple(self.pending))
+            self.pending.clear()
+            self.pending_on_device = False
+            self.last_flush = time.monotonic()
+        self._send_outbox(wait)
+
+    def _send_outbox(self, wait: bool) -> None:
         from nbtrain.events import MemorySample, Metrics
 
-        if self.pending_on_device:
-            rows = _rows_as_floats(self.pending)
-        else:  # every value is a float already: the rows go as they are
-            rows = tuple(self.pending)
-        self.pending.clear()
-        self.pending_on_device = False
-        self.last_flush = time.monotonic()
-        self.send(Metrics(self.run_id, self.rank, rows))
-        if self.device_type == "cuda":
+        sent = False
+        while self.outbox and (wait or not isinstance(self.outbox[0], _RowsOnTheWay) or self.outbox[0].done()):
+            batch = self.outbox.pop(0)
+            self.send(Metrics(self.run_id, self.rank, batch.rows() if isinstance(batch, _RowsOnTheWay) else batch))
+            sent = True
+        if sent and self.device_type == "cuda":
             import torch
 
             self.send(
@@ -279,27 +292,66 @@ def _rows_as_floats(pending: list[tuple[int, float, dict[str, Any]]]) -> tuple[t
     A copy per value would be a device sync per logged step; stacking the scalars first
     makes it one per batch sent (about four a second), whatever the step rate.
     """
-    import torch
+    return _RowsOnTheWay(pending, on_the_side=False).rows()
 
-    scalars: list[Any] = []
-    for _, _, values in pending:
-        for value in values.values():
-            if type(value) is not float and value.numel() == 1:
-                scalars.append(value.reshape(()))
-    try:  # stack promotes mixed dtypes (a bf16 loss beside a float32 accuracy)
-        on_host = iter([float(v) for v in torch.stack(scalars).tolist()] if scalars else [])
-    except (RuntimeError, NotImplementedError):  # scalars on different devices, or without values: each alone
-        return tuple((step, t, _as_floats(values)) for step, t, values in pending)
-    rows = []
-    for step, t, values in pending:
-        floats: dict[str, float] = {}
-        for name, value in values.items():
-            if type(value) is float:
-                floats[name] = value
-            elif value.numel() == 1:
-                floats[name] = next(on_host)
-        rows.append((step, t, floats))
-    return tuple(rows)
+
+class _RowsOnTheWay:
+    """Logged rows whose device scalars are stacked and on their way to the host in one copy.
+
+    On CUDA the copy goes to pinned memory behind the step's own work, with an event after
+    it: ``done()`` asks the event, and only ``rows()`` before that waits. A device sync
+    drains the queue the loop keeps ahead of the GPU, and the GPU then idles while the loop
+    loads its next batch: about a batch's loading time every flush. Elsewhere (scalars on
+    several devices, a device without events, ``on_the_side`` False) the floats are read at once.
+    """
+
+    def __init__(self, pending: list[tuple[int, float, dict[str, Any]]], on_the_side: bool = True) -> None:
+        import torch
+
+        self.pending = tuple(pending)
+        self.event: Any = None
+        self.floats: tuple[tuple[int, float, dict[str, Any]], ...] | None = None
+        scalars = [
+            value.reshape(())
+            for _, _, values in self.pending
+            for value in values.values()
+            if type(value) is not float and value.numel() == 1
+        ]
+        try:  # stack promotes mixed dtypes (a bf16 loss beside a float32 accuracy)
+            stacked = torch.stack(scalars) if scalars else torch.zeros(0)
+            if on_the_side and stacked.is_cuda:
+                self.host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+                self.host.copy_(stacked, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record()
+            else:
+                self.host = stacked.cpu()
+        except (RuntimeError, NotImplementedError):  # scalars on different devices, or without values: each alone
+            self.floats = tuple((step, t, _as_floats(values)) for step, t, values in self.pending)
+
+    def done(self) -> bool:
+        """Whether the copy is over (``rows()`` would not wait)."""
+        return self.event is None or bool(self.event.query())
+
+    def rows(self) -> tuple[tuple[int, float, dict[str, Any]], ...]:
+        """The rows with floats for the scalars (waiting for the copy if it is still under way)."""
+        if self.floats is None:
+            if self.event is not None:
+                self.event.synchronize()
+            on_host = iter([float(v) for v in self.host.tolist()])
+            self.floats = tuple(
+                (step, t, {name: _float(v, on_host) for name, v in values.items() if _is_scalar(v)})
+                for step, t, values in self.pending
+            )
+        return self.floats
+
+
+def _is_scalar(value: Any) -> bool:
+    return type(value) is float or value.numel() == 1
+
+
+def _float(value: Any, on_host: Iterator[float]) -> float:
+    return value if type(value) is float else next(on_host)
 
 
 def _as_floats(values: dict[str, Any]) -> dict[str, float]:

@@ -169,6 +169,49 @@ def test_cuda_memory_reaches_the_live_view(launcher):
     assert any((s.cuda_allocated_bytes or 0) >= 64 << 20 for s in samples)
 
 
+def test_logged_cuda_scalars_reach_the_kernel_in_order_without_a_device_sync(launcher):
+    def fn():
+        import time
+
+        x = torch.randn(256, 256, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # whatever waits for the GPU raises
+        began, step = time.monotonic(), 0
+        while time.monotonic() - began < 0.8:  # several batches sent (every 0.25 s or 256 rows)
+            step += 1
+            nbtrain.log(step=step, loss=(x @ x).mean())
+        torch.cuda.set_sync_debug_mode(0)
+        return step
+
+    rows = []
+    steps = finish(_start(fn), on_event=lambda e: rows.extend(e.rows) if isinstance(e, events.Metrics) else None)
+    assert steps > 256
+    assert [step for step, _, _ in rows] == list(range(1, steps + 1))
+    assert all(math.isfinite(values["loss"]) for _, _, values in rows)
+
+
+def test_an_auto_mode_loop_on_one_gpu_never_waits_for_it():
+    """The loss hook, the step hooks and the metrics' sends: no device sync anywhere in the loop."""
+    with NotebookKernel() as kernel:
+        kernel.run_ok(
+            "%load_ext nbtrain\nimport time, torch\ntorch.manual_seed(0)\n"
+            "model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).cuda()\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)\n"
+            "x, y = torch.randn(32, 64, device='cuda'), torch.randn(32, 1, device='cuda')\n"
+        )
+        kernel.run_ok(
+            "%%distributed --accelerator cuda --devices 1\n"
+            "torch.cuda.set_sync_debug_mode('error')\n"
+            "began, steps = time.monotonic(), 0\n"
+            "while time.monotonic() - began < 0.8:\n"
+            "    loss = torch.nn.functional.mse_loss(model(x), y)\n"
+            "    opt.zero_grad(); loss.backward(); opt.step()\n"
+            "    steps += 1\n"
+            "torch.cuda.set_sync_debug_mode(0)\n"
+        )
+        assert kernel.value("steps") > 100
+
+
 def test_a_cuda_result_tensor_comes_back(launcher):
     value = finish(_start(lambda: torch.arange(4.0, device="cuda") * 2))
     assert torch.equal(value.cpu(), torch.arange(4.0) * 2)
