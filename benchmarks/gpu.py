@@ -98,7 +98,7 @@ CPU = Sizes("cpu", "cpu", 32, 16, 64, 12, 60, 1)
 
 # The kernel's (and every peer's) definitions: data, models, one train function for all.
 SETUP = """
-import contextlib, os, time, torch, torch.nn as nn, torch.nn.functional as F
+import contextlib, time, torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 DEVICE, IMAGE, BATCH, IMAGES = {device!r}, {image}, {batch}, {images}
 RESNET_STEPS, MLP_STEPS, WARM_STEPS = {resnet_steps}, {mlp_steps}, {warm}
@@ -119,7 +119,7 @@ def train(model, opt, batches, steps):
     # Per step: the batch to the device, forward, loss, backward, step; synchronised only at
     # the first step (its end), at WARM_STEPS and at the end.
     # A CUDA event after each step (no sync): the GPU's time between step ends, read at the end.
-    figures, step, marks = {{"began": time.time(), "threads": torch.get_num_threads(), "pid": os.getpid()}}, 0, []
+    figures, step, marks = {{"began": time.time(), "threads": torch.get_num_threads()}}, 0, []
     with contextlib.suppress(Exception):  # when this process began: a rank's fork, a standby rank's before the cell
         import psutil
         figures["process_began"] = psutil.Process().create_time()

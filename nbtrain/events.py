@@ -90,8 +90,8 @@ class StartRun:
     # (nbtrain.stopboard); "discard" stops them where they are. The grace is at least stop_grace s.
     on_stop: str = "keep"
     stop_grace: float = 2.0
-    # Standby ranks only: library modules the last run's payload needed (its classes' modules,
-    # torchvision's for a ResNet), imported while they wait instead of while a cell's payload loads.
+    # Standby ranks only: library modules the last run's payload needed (its objects' classes'
+    # modules), imported while they wait instead of while a cell's payload loads.
     preimport: tuple[str, ...] = ()
 
 

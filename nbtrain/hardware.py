@@ -113,9 +113,13 @@ def mps_available() -> bool:
 
 def cpu_count() -> int:
     """CPU cores this process may run on (its affinity mask, e.g. under taskset or a cgroup)."""
+    return len(_cpus())
+
+
+def _cpus() -> frozenset[int]:
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
 
 
 CPU_TOPOLOGY = "/sys/devices/system/cpu"
@@ -132,8 +136,7 @@ def physical_core_count(topology: str = CPU_TOPOLOGY) -> int:
     >>> 1 <= physical_core_count() <= cpu_count()
     True
     """
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    return _cores_of(frozenset(cpus), topology)
+    return _cores_of(_cpus(), topology)
 
 
 @functools.lru_cache(maxsize=8)  # read once per affinity mask: it is on every launch's way

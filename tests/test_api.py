@@ -153,7 +153,7 @@ def test_device_scalars_of_a_batch_become_floats_together_in_their_rows():
         (1, 10.0, {"loss": torch.tensor(1.5, dtype=torch.bfloat16), "acc": 0.5}),
         (2, 11.0, {"loss": torch.tensor([2.25]), "hist": torch.zeros(3), "n": torch.tensor(7)}),
     ]
-    assert api._rows_as_floats(pending) == (
+    assert api._RowsOnTheWay(pending).rows() == (
         (1, 10.0, {"loss": 1.5, "acc": 0.5}),
         (2, 11.0, {"loss": 2.25, "n": 7.0}),  # not a scalar: nothing to draw, dropped
     )

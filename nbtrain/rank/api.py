@@ -286,15 +286,6 @@ def _pending_value(value: Any, context: RankContext) -> Any:
         return None
 
 
-def _rows_as_floats(pending: list[tuple[int, float, dict[str, Any]]]) -> tuple[tuple[int, float, dict[str, Any]], ...]:
-    """The pending rows with every device scalar made a float: one copy to the host for them all.
-
-    A copy per value would be a device sync per logged step; stacking the scalars first
-    makes it one per batch sent (about four a second), whatever the step rate.
-    """
-    return _RowsOnTheWay(pending, on_the_side=False).rows()
-
-
 class _RowsOnTheWay:
     """Logged rows whose device scalars are stacked and on their way to the host in one copy.
 
@@ -302,10 +293,11 @@ class _RowsOnTheWay:
     it: ``done()`` asks the event, and only ``rows()`` before that waits. A device sync
     drains the queue the loop keeps ahead of the GPU, and the GPU then idles while the loop
     loads its next batch: about a batch's loading time every flush. Elsewhere (scalars on
-    several devices, a device without events, ``on_the_side`` False) the floats are read at once.
+    several devices, scalars on the CPU) the floats are read at once: one copy for them all,
+    where a copy per value would be a device sync per logged step.
     """
 
-    def __init__(self, pending: list[tuple[int, float, dict[str, Any]]], on_the_side: bool = True) -> None:
+    def __init__(self, pending: list[tuple[int, float, dict[str, Any]]]) -> None:
         import torch
 
         self.pending = tuple(pending)
@@ -319,7 +311,7 @@ class _RowsOnTheWay:
         ]
         try:  # stack promotes mixed dtypes (a bf16 loss beside a float32 accuracy)
             stacked = torch.stack(scalars) if scalars else torch.zeros(0)
-            if on_the_side and stacked.is_cuda:
+            if stacked.is_cuda:
                 self.host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
                 self.host.copy_(stacked, non_blocking=True)
                 self.event = torch.cuda.Event()
