@@ -454,7 +454,7 @@ def main() -> None:
         print("stopped before the end: the figures so far follow", flush=True)
     report(results, sizes)
     if _phases_log:
-        shutil.rmtree(os.path.dirname(_phases_log), ignore_errors=True)
+        gpu_phases.uninstall(_phases_log)
 
 
 PARTS = {"nbtrain": kernel_and_nbtrain, "fabric": fabric, "torchrun": torchrun}

@@ -16,7 +16,7 @@ import struct
 import pytest
 
 from nbtrain import events, runstate
-from nbtrain.kernel.display import chartlayout
+from nbtrain.kernel.display import chart, chartlayout
 from nbtrain.kernel.display.chart import ChartFigure
 
 RUN = 1
@@ -170,3 +170,45 @@ def test_the_figure_is_kept_while_its_charts_stay_the_same():
     state.apply(events.Metrics(RUN, 0, ((401, 30.0, {"accuracy": 0.5}),)), now=30.0)
     assert len(ChartFigure.layout_of(state)) == len(ChartFigure.layout_of(run_state())) + 1
 
+
+
+def test_every_axis_follows_the_run_from_one_drawing_to_the_next():
+    # The memory and throughput axes (seconds) and a loss axis first drawn at one step: each
+    # drawing sets their limits, which must not stop the next drawing from following the data.
+    state = run_state(steps=1)
+    figure = ChartFigure(state)
+    figure.draw(state)
+    later = run_state(steps=400)
+    figure.draw(later)
+    for panel in figure.panels:
+        seen = max(max(line.get_xdata(), default=0.0) for line in panel.ax.get_lines())
+        assert panel.ax.get_xlim()[1] >= seen > 1.0, (panel.panel, panel.ax.get_xlim(), seen)
+
+
+NEXT_RUNS = {  # a run, then another with the same charts and other data
+    "log-then-linear": ("loss-log", "loss-linear"),
+    "gpu": (
+        "gpu-four-ranks-six-charts",
+        lambda: run_state(
+            world_size=4,
+            steps=90,
+            memory="cuda",
+            names=("loss", "validation_loss_exponential_average", "accuracy", "lr"),
+            metric=lambda s, r: 1e4 * math.exp(-s / 9) + r,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", NEXT_RUNS)
+def test_a_figure_handed_back_draws_the_next_run_exactly_as_a_new_figure_would(name):
+    first, then = NEXT_RUNS[name]
+    earlier = STATES[first]()
+    figure = chart.figure_for(earlier)
+    figure.draw(earlier)
+    chart.hand_back(figure)
+    state = STATES[then]() if isinstance(then, str) else then()
+    assert ChartFigure.layout_of(state) == figure.layout
+    reused = chart.figure_for(state)
+    assert reused is figure and chart.figure_for(state) is not figure  # taken: one run draws on it at a time
+    assert reused.draw(state) == ChartFigure(state).draw(state)

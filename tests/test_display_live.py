@@ -399,6 +399,20 @@ def test_the_chart_waits_while_the_ranks_go_to_a_stop_step_and_the_last_frame_dr
     assert view.chart_renders == 2 and view._chart_figure is figure  # drawn once more, on the same figure
 
 
+def test_the_next_run_with_the_same_charts_draws_on_the_figure_the_last_one_finished_with():
+    # Building a figure costs about a drawing, and a short cell's one drawing is its last frame.
+    first = fed_view()
+    first.chart_png_base64()
+    figure = first._chart_figure
+    first.finish(events.FINISHED)
+    second = fed_view(steps=50)
+    second.chart_png_base64()
+    assert second._chart_figure is figure
+    other = fed_view(world_size=3)  # other charts (a third rank): a figure of its own
+    other.chart_png_base64()
+    assert other._chart_figure is not figure
+
+
 def test_a_stop_wanted_now_ends_on_the_chart_as_drawn_and_a_current_status(capsys):
     view = fed_view()
     view.rich = True  # outside a kernel, display() prints the frame's text

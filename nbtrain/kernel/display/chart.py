@@ -25,17 +25,52 @@ Example:
 from __future__ import annotations
 
 import io
+import threading
 from typing import Any
 
 from nbtrain import runstate
 from nbtrain.kernel.display import chartlayout, livetext
 
 DRAWN_POINTS = 300  # per line: about one per CSS pixel of a chart's width
+# Figures kept between runs for the next run with the same charts: building one costs as
+# much as drawing it, and a short cell's only drawing is its last frame, on the cell's way
+# back. Two figures, a few MiB in all.
+SPARE_FIGURES = 2
+
+_spare: list[ChartFigure] = []
+_spare_lock = threading.Lock()  # a background run's view draws on another thread
 
 
 def render_charts_png(state: runstate.RunState) -> bytes:
     """One PNG of every chart of ``state`` (see :class:`ChartFigure`)."""
     return ChartFigure(state).draw(state)
+
+
+def figure_for(state: runstate.RunState) -> ChartFigure:
+    """A figure for ``state``'s charts: one an earlier run handed back with the same charts, else a new one.
+
+    Example:
+        >>> from nbtrain import events, runstate
+        >>> state = runstate.RunState("ddp_notebook", "cpu", 1)
+        >>> state.apply(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}),)), now=0.0)
+        >>> first = figure_for(state)
+        >>> hand_back(first)
+        >>> figure_for(state) is first
+        True
+    """
+    layout = ChartFigure.layout_of(state)
+    with _spare_lock:
+        for index, figure in enumerate(_spare):
+            if figure.layout == layout:
+                return _spare.pop(index)
+    return ChartFigure(state)
+
+
+def hand_back(figure: ChartFigure) -> None:
+    """Keep ``figure`` (no longer drawn by its run) for a later run with the same charts."""
+    with _spare_lock:
+        kept = [f for f in _spare if f.layout != figure.layout and f is not figure]
+        _spare[:] = kept[len(kept) - SPARE_FIGURES + 1 :] + [figure]
 
 
 class ChartFigure:
@@ -66,6 +101,7 @@ class ChartFigure:
             row, column = divmod(index, columns)
             ax = self.figure.add_axes(self._rect(panel, row, column))
             self.panels.append(_PANEL_KINDS[panel.kind](ax, panel, state))
+        self._labels_placed = False
         if self.key_row:
             self._draw_key()
 
@@ -127,6 +163,8 @@ class ChartFigure:
         buffer = io.BytesIO()
         # zlib's fastest level: a third larger, a fifth less of the drawing's time.
         self.figure.savefig(buffer, format="png", dpi=self.dpi, transparent=True, pil_kwargs={"compress_level": 1})
+        if not self._labels_placed:
+            self._labels_placed = all(panel.place_x_label() for panel in self.panels)
         return buffer.getvalue()
 
     def text_boxes(self) -> list[tuple[str, Any]]:
@@ -217,9 +255,26 @@ class _Panel:
             labelpad=0,
             loc="right",
         )
+        # No axis name on the left: placed once, so matplotlib never measures the tick labels to place it.
+        ax.yaxis.set_label_coords(0.0, 0.5)
         title_size = _points(chartlayout.FONT_CSS["title"])
-        self.title = ax.set_title("", loc="left", fontsize=title_size, color=chartlayout.INK, pad=6)
+        # An explicit y: matplotlib then skips moving the title clear of top-side ticks (there are
+        # none here), which measures every tick label on every drawing: a fifth of a frame's time.
+        self.title = ax.set_title("", loc="left", fontsize=title_size, color=chartlayout.INK, pad=6, y=1.0)
         self.title.set_fontweight("bold")
+
+    def place_x_label(self) -> bool:
+        """Keep the x axis' name where the last drawing put it: under the tick labels, whose height never changes.
+
+        Until then matplotlib measures every tick label to place it, on every drawing. False
+        (nothing fixed) when no tick label was drawn to be under.
+        """
+        ax = self.ax
+        if not any(label.get_text() for label in ax.xaxis.get_majorticklabels()):
+            return False
+        x, y_pixels = ax.xaxis.label.get_position()  # x in axes fractions, y in the figure's pixels
+        ax.xaxis.set_label_coords(x, ax.transAxes.inverted().transform((0.0, y_pixels))[1])
+        return True
 
     def update(self, state: runstate.RunState) -> None:
         """Redraw this chart's lines and title from ``state`` (each kind of chart has its own)."""
@@ -240,10 +295,12 @@ class _Panel:
         ax.relim()
         ax.autoscale_view()
         low, high = ax.get_xlim()
+        # auto=None: the x axis keeps following the data at the next drawing (set_xlim alone
+        # would switch that off, and the axis would stay as this drawing left it).
         if self.x_label == "seconds":  # time runs from the run's start, whenever the first sample came
-            ax.set_xlim(0, max(high, 1.0))
+            ax.set_xlim(0, max(high, 1.0), auto=None)
         elif high - low < 1:  # one step so far: a step's width, not ticks a millionth apart
-            ax.set_xlim(low, low + 1)
+            ax.set_xlim(low, low + 1, auto=None)
 
 
 class _MetricPanel(_Panel):

@@ -39,7 +39,7 @@ import time
 from typing import Any, TextIO
 
 from nbtrain import config, events, runstate
-from nbtrain.kernel.display import livetext
+from nbtrain.kernel.display import chart, livetext
 from nbtrain.kernel.display.chart import ChartFigure
 from nbtrain.kernel.display.show import frontend_is_rich
 
@@ -188,6 +188,9 @@ class LiveView:
         else:
             self._write(livetext.summary_text(self.state, time.monotonic()) + "\n")
             self.frames += 1
+        if self._chart_figure is not None and not self._chart_drawing:  # the next run's view draws on it
+            chart.hand_back(self._chart_figure)
+            self._chart_figure = None
 
     def _show_rich(self, now: float, force: bool) -> None:
         self.publish(self.mimebundle(now, force_charts=force))
@@ -248,7 +251,9 @@ class LiveView:
         if stale and (force or (rested and not stopping) or not self._chart_png_base64):
             layout = ChartFigure.layout_of(state)
             if self._chart_figure is None or self._chart_figure.layout != layout:
-                self._chart_figure = ChartFigure(state)  # imports matplotlib: not timed below
+                if self._chart_figure is not None:
+                    chart.hand_back(self._chart_figure)
+                self._chart_figure = chart.figure_for(state)  # may import matplotlib: not timed below
             started = time.perf_counter()
             self._chart_drawing = True
             png = self._chart_figure.draw(state)
