@@ -320,6 +320,7 @@ def test_watch_shows_failed_then_raises_the_rank_s_error(launcher, capsys):
 
 def fed_view(world_size: int = 2, steps: int = 200, memory: dict | None = None, **hints) -> LiveView:
     view = LiveView(strategy="ddp_notebook", accelerator="cpu", world_size=world_size, rich=False, **hints)
+    view.state.started_at -= 10.0  # a run ten seconds in: past the first second, which shows no chart
     for rank in range(world_size):
         rows = tuple(
             (step, float(step), {"loss": 2.0 * math.exp(-step / (steps / 3)) + 0.01 * rank, "accuracy": step / steps})
@@ -362,6 +363,23 @@ def test_final_frame_of_a_100k_step_run_is_under_a_megabyte():
     png = frame_png(bundle["text/html"])
     assert png.startswith(PNG_MAGIC) and len(png) < 200_000
     assert "step 100,000 / 100,000 (100%)" in bundle["text/html"]
+
+
+def test_a_run_shows_no_chart_in_its_first_second_and_its_last_frame_draws_one():
+    def started_view() -> LiveView:
+        view = LiveView(strategy="ddp_notebook", accelerator="cpu", world_size=1, rich=True)
+        view.publish = lambda bundle: None  # no cell to show it in
+        view.handle(events.Metrics(RUN, 0, ((1, 0.0, {"loss": 1.0}),)))
+        view.handle(events.MemorySample(RUN, 0, 300 * 2**20))
+        return view
+
+    short = started_view()
+    assert "data:image/png" not in short.mimebundle()["text/html"] and short.chart_renders == 0
+    short.finish(events.FINISHED)  # a short cell's charts are drawn once, in its last frame
+    assert short.chart_renders == 1
+    longer = started_view()
+    longer.state.started_at -= 1.0  # a second in: its frames have the chart
+    assert frame_png(longer.mimebundle()["text/html"]).startswith(PNG_MAGIC) and longer.chart_renders == 1
 
 
 def test_charts_are_redrawn_only_when_their_data_changed():

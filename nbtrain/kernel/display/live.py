@@ -12,7 +12,8 @@ output lines as they arrive, and the multi-line summary at the end.
 
 Cost, bounded: a frame is sent at most four times a second and at least once a second;
 the charts (the only expensive part) are redrawn only when their data changed, and no more
-often than keeps drawing under ``CHART_CPU_SHARE`` of one core. What state the charts show
+often than keeps drawing under ``CHART_CPU_SHARE`` of one core; the first waits until the
+run has gone on for a second (a shorter cell draws them once, in its last frame). What state the charts show
 is bounded by :mod:`nbtrain.runstate`, so the final frame of a 100k-step run is as small as
 that of a short one.
 
@@ -152,7 +153,8 @@ class LiveView:
         """Show a new frame if one is due; return whether one was shown.
 
         Due means: something changed and the last frame is at least a quarter second
-        old, or a second passed (the elapsed clock moves). ``force`` shows one now.
+        old, or a second passed (the elapsed clock moves). ``force`` shows one now, its
+        charts as their own pace allows (only the last frame, :meth:`finish`, draws them at once).
         """
         now = time.monotonic()
         since_last = now - self._last_frame_at
@@ -165,7 +167,7 @@ class LiveView:
         self._last_frame_at = now
         self._shown_version = self.state.version
         if self.rich:
-            self._show_rich(now, force)
+            self._show_rich(now, force=False)
         else:
             self._show_text(now, force)
         return True
@@ -248,7 +250,10 @@ class LiveView:
         # While the ranks go to a stop step the chart waits: a drawing (0.4 s on a loaded machine) would
         # hold back a second interrupt, which the cell acts on between two events.
         stopping = state.stop_step is not None and not state.ended
-        if stale and (force or (rested and not stopping) or not self._chart_png_base64):
+        # A run's first second shows no chart: a short cell then draws its charts once, in its
+        # last frame, not also while its ranks start and the cell's end waits for the drawing.
+        early = now - state.started_at < SLOWEST_CHART_SECONDS
+        if stale and (force or (not early and ((rested and not stopping) or not self._chart_png_base64))):
             layout = ChartFigure.layout_of(state)
             if self._chart_figure is None or self._chart_figure.layout != layout:
                 if self._chart_figure is not None:
