@@ -171,7 +171,6 @@ def test_the_figure_is_kept_while_its_charts_stay_the_same():
     assert len(ChartFigure.layout_of(state)) == len(ChartFigure.layout_of(run_state())) + 1
 
 
-
 def test_every_axis_follows_the_run_from_one_drawing_to_the_next():
     # The memory and throughput axes (seconds) and a loss axis first drawn at one step: each
     # drawing sets their limits, which must not stop the next drawing from following the data.

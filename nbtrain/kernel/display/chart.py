@@ -34,7 +34,7 @@ from nbtrain.kernel.display import chartlayout, livetext
 DRAWN_POINTS = 300  # per line: about one per CSS pixel of a chart's width
 # Figures kept between runs for the next run with the same charts: building one costs as
 # much as drawing it, and a short cell's only drawing is its last frame, on the cell's way
-# back. Two figures, a few MiB in all.
+# back. Two at most, about 5 MiB each once drawn.
 SPARE_FIGURES = 2
 
 _spare: list[ChartFigure] = []
