@@ -98,7 +98,7 @@ CPU = Sizes("cpu", "cpu", 32, 16, 64, 12, 60, 1)
 
 # The kernel's (and every peer's) definitions: data, models, one train function for all.
 SETUP = """
-import contextlib, time, torch, torch.nn as nn, torch.nn.functional as F
+import contextlib, resource, time, torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 DEVICE, IMAGE, BATCH, IMAGES = {device!r}, {image}, {batch}, {images}
 RESNET_STEPS, MLP_STEPS, WARM_STEPS = {resnet_steps}, {mlp_steps}, {warm}
@@ -114,6 +114,12 @@ def make_resnet():
     except ImportError:  # a small conv net stands in
         return nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 64, 3, 2, 1),
                              nn.BatchNorm2d(64), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+def usage_now():
+    # What the loop's own thread and its whole process spent: CPU seconds, page faults, waits.
+    own = resource.getrusage(resource.RUSAGE_THREAD)
+    return {{"thread_cpu": time.thread_time(), "process_cpu": time.process_time(),
+            "faults": own.ru_minflt, "waits": own.ru_nvcsw, "preempted": own.ru_nivcsw}}
 
 def train(model, opt, batches, steps):
     # Per step: the batch to the device, forward, loss, backward, step; synchronised only at
@@ -134,11 +140,12 @@ def train(model, opt, batches, steps):
             if step == 1:
                 sync(); figures["first"] = time.time()
             if step == WARM_STEPS:
-                sync(); began = time.perf_counter()
+                sync(); began = time.perf_counter(); usage = usage_now()
             if step == steps:
                 break
     sync()
     figures["steady"] = (time.perf_counter() - began) / (steps - WARM_STEPS)
+    figures.update({{name: (value - usage[name]) / (steps - WARM_STEPS) for name, value in usage_now().items()}})
     figures["step_ms"] = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
     figures["end"] = time.time()
     return figures
@@ -383,6 +390,11 @@ def report(results: dict, sizes: Sizes) -> None:
     _row("whole cell", results, "resnet", "whole", 1, "s; torchrun: start to exit")
     _row("the loop's process began -> the loop began", results, "resnet", "process_to_loop", 1, "s; a rank: forked")
     _row("intra-op threads", results, "resnet", "threads", 1, "torch.get_num_threads() in the loop")
+    _row("ResNet steady step, the loop's thread on a CPU", results, "resnet", "thread_cpu", 1e3, "ms")
+    _row("ResNet steady step, its whole process on CPUs", results, "resnet", "process_cpu", 1e3, "ms")
+    _row("ResNet steady step, the loop's thread: page faults", results, "resnet", "faults", 1, "per step")
+    _row("ResNet steady step, the loop's thread: waits", results, "resnet", "waits", 1, "voluntary switches per step")
+    _row("ResNet steady step, the loop's thread: preempted", results, "resnet", "preempted", 1, "per step")
     _trajectory(results)
     if _phases_log:
         for where, index in (("nbtrain, first", 0), ("nbtrain, re-run", -1), ("nbtrain, re-run at once", 0)):

@@ -3,7 +3,8 @@
 After a run, the launcher forks the ranks of a run with the same plan (ranks and devices,
 backend, threads, and the caller's environment, cwd and sys.path, which carry the strategy
 and precision): fresh from the clean launcher, as for any run. Each adopts the plan's state,
-sets its device (on CUDA: its context, cuDNN and cuBLAS loaded, NCCL's communicator built),
+sets its device (on CUDA: its context, cuDNN and cuBLAS loaded, NCCL's communicator built
+when there are several ranks),
 joins its process group (rank 0 hosting the store on a socket the launcher bound) and waits
 (``nbtrain.rank.runtime.run_standby``). A run with the same plan takes them: its
 ``StartRun`` and the payload's memfd go to each over its channel, and from then on they are

@@ -386,7 +386,12 @@ def _a_small_training_step(torch: Any) -> None:
 
 
 def _join_process_group(assignment: RankAssignment, listen_fd: int | None, eager: bool = False) -> None:
-    """Join the run's group; ``eager`` (a standby rank) builds NCCL's communicator now, not at the first collective."""
+    """Join the run's group; ``eager`` (standby ranks, several): NCCL's communicator now, not at the first collective.
+
+    One rank has nothing to send: its model is not wrapped and nbtrain's own collectives
+    return at once, so building the communicator ahead (0.39 s on an H200) only held up a
+    cell sent before its standby rank was ready. A cell's own collective builds it then.
+    """
     global _hosted_store
     import torch
     import torch.distributed as dist
@@ -403,7 +408,7 @@ def _join_process_group(assignment: RankAssignment, listen_fd: int | None, eager
             master_listen_fd=listen_fd,
         )
     device = None
-    if eager and spec.device_type == "cuda" and "nccl" in assignment.start.backend:
+    if eager and spec.world_size > 1 and spec.device_type == "cuda" and "nccl" in assignment.start.backend:
         device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(assignment.start.backend, rank=spec.rank, world_size=spec.world_size, device_id=device)
 

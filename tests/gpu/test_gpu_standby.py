@@ -1,7 +1,7 @@
 """Standby ranks on a real GPU: skipped where no CUDA device exists (CI has none).
 
-A CUDA run's standby ranks hold a CUDA context (cuDNN and cuBLAS loaded, NCCL's
-communicator built) and nothing of any cell; GPUs only they hold count as free for
+A CUDA run's standby ranks hold a CUDA context (cuDNN and cuBLAS loaded; NCCL's
+communicator built where there are several ranks) and nothing of any cell; GPUs only they hold count as free for
 ``--devices free:k``, and a run taking that GPU takes or ends them.
 """
 
@@ -79,4 +79,22 @@ def test_a_gpu_held_only_by_standby_ranks_counts_as_free(launcher):
     assert device == 0
     if count == 1:  # the same plan as the standby ranks': they ran it
         assert ran_on == pid
+    nbtrain.release()
+
+
+def test_a_cells_own_collective_runs_on_a_lone_standby_rank_that_built_no_communicator_ahead(launcher):
+    finish(nbtrain.start(lambda: None, devices=1, accelerator="cuda", timeout=RUN_TIMEOUT))
+    (pid,) = _waiting()
+
+    def collective():
+        import os
+
+        import torch.distributed as dist
+
+        total = torch.full((1,), 3.0, device="cuda")
+        dist.all_reduce(total)  # the communicator is built here, at the cell's first collective
+        return os.getpid(), dist.get_backend(), total.item()
+
+    ran_on, backend, total = finish(nbtrain.start(collective, devices=1, accelerator="cuda", timeout=RUN_TIMEOUT))
+    assert ran_on == pid and "nccl" in backend and total == 3.0
     nbtrain.release()
