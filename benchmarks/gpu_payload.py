@@ -17,7 +17,11 @@ loads the pickle its way and checks every tensor against the original:
 - ``pinned``: each storage through one page-locked buffer, copied without waiting;
 - ``registered``: the mapping page-locked in place (``cudaHostRegister``), copies without waiting;
 - ``one copy``: the whole layout in one copy, then each storage copied on the GPU;
-- ``model.cuda()``: the same tensors, from ordinary memory, as ``.cuda()`` copies them.
+- ``model.cuda()``: the same tensors, from ordinary memory, as ``.cuda()`` copies them;
+- ``cuda ipc``: no host copy at all: the "kernel" passes CUDA IPC handles of its storages
+  (``torch.multiprocessing``'s own reduction) to a second fresh process, which opens them and
+  copies each on the GPU (a rank on the kernel's own GPU could; "kernel pickled" is then the
+  handles' making).
 
 Run from the repository root on a machine with a CUDA GPU (``bash .ci/gpu`` runs it); ``--cpu``
 runs the ways that need no GPU with CPU copies, to check the script itself::
@@ -62,6 +66,18 @@ for p in model.parameters():
 opt.step()
 tensors = [p.detach() for p in model.parameters()] + [opt.state[p]["momentum_buffer"] for p in model.parameters()]
 sums = [t.double().sum().item() for t in tensors]
+if way == "cuda ipc":  # the process that opens the handles: one of its own, as a rank is
+    import pickle, subprocess
+    from torch.multiprocessing.reductions import reduce_tensor
+    opener = subprocess.Popen([sys.executable, "-c", sys.argv[3]], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    sync(); t0 = time.perf_counter()
+    handles = [reduce_tensor(t)[1] for t in tensors]
+    pickled = time.perf_counter() - t0
+    out, _ = opener.communicate(pickle.dumps((handles, sums)), timeout=50)
+    figures = json.loads(out.decode().strip().splitlines()[-1])
+    print(json.dumps({**figures, "pickled": pickled, "megabytes": sum(t.nbytes for t in tensors) / 2**20,
+                      "storages": len(tensors)}))
+    raise SystemExit(0)
 sync(); t0 = time.perf_counter()
 data, fd = sharedtensors.dumps_to_shared_memory(tensors)
 sync(); pickled = time.perf_counter() - t0
@@ -114,13 +130,30 @@ print(json.dumps({"pickled": pickled, "before": before, "load": load, "megabytes
                   "storages": len(tensors)}))
 """
 
-WAYS = ("engine", "prefaulted", "anonymous", "pinned", "registered", "one copy", "model.cuda()")
-GPU_ONLY = ("pinned", "registered")
+# "cuda ipc": the second process, warmed as a standby rank is before the handles arrive.
+OPENER = r"""
+import json, pickle, sys, time
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+torch.zeros(1, device="cuda").add_(1); (torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda"))
+torch.cuda.synchronize()
+handles, sums = pickle.loads(sys.stdin.buffer.read())
+t0 = time.perf_counter()
+opened = [rebuild_cuda_tensor(*handle) for handle in handles]
+torch.cuda.synchronize(); mid = time.perf_counter()
+loaded = [t.clone() for t in opened]
+torch.cuda.synchronize(); load = time.perf_counter() - t0
+assert [t.double().sum().item() for t in loaded] == sums, "a tensor changed on its way"
+print(json.dumps({"load": load, "before": 0.0, "opened": mid - t0}))
+"""
+
+WAYS = ("engine", "prefaulted", "anonymous", "pinned", "registered", "one copy", "model.cuda()", "cuda ipc")
+GPU_ONLY = ("pinned", "registered", "cuda ipc")
 
 
 def probe(way: str, device: str) -> dict[str, float] | str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-c", PROBE, way, device]
+    command = [sys.executable, "-c", PROBE, way, device, OPENER]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, check=False)
     if done.returncode != 0:
         return done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
@@ -141,7 +174,8 @@ def main() -> None:
             print(f"{way:14} failed: {run[-300:]}", flush=True)
             continue
         print(f"{way:14} {run['load']:7.3f} {run['before']:9.3f} {run['pickled']:14.3f}"
-              f"  ({run['megabytes']:.0f} MB in {run['storages']:.0f} tensors)", flush=True)
+              f"  ({run['megabytes']:.0f} MB in {run['storages']:.0f} tensors"
+              + (f"; the handles opened in {run['opened']:.3f} s" if "opened" in run else "") + ")", flush=True)
 
 
 if __name__ == "__main__":
