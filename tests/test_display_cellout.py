@@ -58,6 +58,41 @@ def test_each_output_mode_shows_whose_lines_it_says(capsys):
     assert capsys.readouterr().out == "stdout of 0\n"
 
 
+def test_progress_bars_of_two_ranks_keep_to_their_own_lines(capsys):
+    printer = cellout.OutputPrinter("all", world_size=2)
+    bars = [(0, "\rbar 1/3"), (1, "\rbar 1/3"), (0, "\rbar 2/3"), (1, "\rbar 2"), (1, "/3"), (0, "\rbar 3/3\n"),
+            (1, "\rbar 3/3\n"), (1, "\rleft at 1/2")]
+    for rank, text in bars:
+        printer(events.Output(1, rank, "stderr", text))
+    assert capsys.readouterr().err == "[rank 0] bar 1/3\r[rank 0] bar 2/3\r[rank 0] bar 3/3\n[rank 1] bar 3/3\n"
+    printer.finish()  # the run ended with rank 1's bar mid-line: its last state shows
+    assert capsys.readouterr().err == "[rank 1] left at 1/2\n"
+
+
+def test_a_line_another_rank_left_open_is_ended_before_a_rank_writes(capsys):
+    printer = cellout.OutputPrinter("all", world_size=2)
+    for rank, text in ((1, "loading..."), (0, "step 1\n"), (1, "\n"), (1, "done\n"), (0, "a\r\nb\n")):
+        printer(events.Output(1, rank, "stdout", text))
+    assert capsys.readouterr().out == "[rank 1] loading...\n[rank 0] step 1\n[rank 1] done\n[rank 0] a\r\n[rank 0] b\n"
+
+
+def test_two_ranks_tqdm_bars_in_a_real_cell_show_each_rank_on_its_own_lines(kernel):
+    cell = (
+        "%%distributed --devices 2 --accelerator cpu\n"
+        "from tqdm import tqdm\n"
+        "for epoch in range(2):\n"
+        "    for _ in tqdm(range(40), desc=f'epoch {epoch}', mininterval=0):\n"
+        "        pass\n"
+    )
+    err = kernel.run_ok(cell).stderr
+    shown = [line.rsplit("\r", 1)[-1] for line in err.split("\n")]  # what a frontend shows of each line
+    assert all(line.count("[rank") <= 1 for line in shown), shown
+    for rank in (0, 1):
+        ends = [line for line in shown if line.startswith(f"[rank {rank}] epoch") and "40/40" in line]
+        assert [line.split(":")[0] for line in ends] == [f"[rank {rank}] epoch 0", f"[rank {rank}] epoch 1"], shown
+    assert err.count("[rank 1]") == 2, err  # rank 1's redraws: only each bar's end
+
+
 def test_nbtrains_own_lines_go_to_the_stream_they_name(capsys):
     cellout.print_line("nbtrain: a line")
     cellout.print_warning("nbtrain warning: a warning")

@@ -349,6 +349,7 @@ def _follow(
             elif event is not None:
                 show(event)
             relay.handle(event)  # a rank's pdb: its output, and its prompt in the input box
+        show.finish()  # a progress bar a rank other than 0 left mid-line
     if held.received or view is None or run.state == "running":  # view is None only when the interrupt came first
         run.abandon()  # stops the run and frees any result it brought back
         _stopped_hard(record, view)

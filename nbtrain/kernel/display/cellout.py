@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -45,24 +46,98 @@ def show_summary(record: Any) -> None:
     print_line(summary(record))
 
 
+# A rank's text in pieces: each ends a line ("\n") or is followed by a carriage return that
+# redraws one (a progress bar's "\r" not part of a "\r\n").
+_PIECES = re.compile(r"(?<=\n)|(?=\r(?!\n))")
+
+
 class OutputPrinter:
-    """Shows rank output in the cell as it arrives, as ``--output`` chose (all, rank0, none)."""
+    r"""Shows rank output in the cell as it arrives, as ``--output`` chose (all, rank0, none).
+
+    Tagged (``all``, several ranks), the ranks share the cell's two streams, where a
+    carriage return redraws the last line whoever wrote it: so a line another rank left
+    open is ended before a rank writes, each redraw is tagged again after its ``\r``, and
+    a line that ranks other than 0 redraw in place (their progress bars) is shown once,
+    as it stands when its line ends (rank 0's is drawn live; the run's log keeps every
+    redraw). :meth:`finish` shows what such a line was left at when the run ends.
+
+    Example (two ranks' progress bars: rank 0's redrawn in place, rank 1's shown at its end):
+        >>> printer = OutputPrinter("all", 2)
+        >>> for rank, text in ((0, "\rstep 1/2"), (1, "\rstep 1/2"), (1, "\rstep 2/2\n"), (0, "\rstep 2/2\n")):
+        ...     printer(events.Output(1, rank, "stdout", text))
+        [rank 0] step 1/2
+        [rank 1] step 2/2
+        [rank 0] step 2/2
+    """
 
     def __init__(self, mode: str, world_size: int):
         self.mode = mode
         self.tagged = mode == "all" and world_size > 1
+        self._open: dict[str, int] = {}  # stream -> the rank whose line is open at its end
+        self._redrawn: dict[tuple[int, str], tuple[str, str]] = {}  # (rank, stream) -> (tag, line so far)
+        self._cut: set[tuple[int, str]] = set()  # (rank, stream) whose open line another rank's ended
 
     def __call__(self, event: Any) -> None:
         """Write ``event``'s lines if it is a rank's output this mode shows (anything else: nothing)."""
         if isinstance(event, events.Output):
             if self.mode == "none" or (self.mode == "rank0" and event.rank != 0):
                 return
-            stream = sys.stderr if event.stream == "stderr" else sys.stdout
             text = event.text
             if self.tagged:
-                text = "".join(f"{event.tag} {line}" for line in text.splitlines(keepends=True))
-            stream.write(text)
-            stream.flush()
+                pieces = _PIECES.split(text)
+                text = "".join(self._tagged(event.rank, event.tag, event.stream, piece) for piece in pieces)
+            _write(event.stream, text)
+
+    def finish(self) -> None:
+        """Show each line a rank other than 0 left mid-redraw (a progress bar the run ended in)."""
+        for (rank, stream), (tag, line) in list(self._redrawn.items()):
+            del self._redrawn[rank, stream]
+            if line.strip():
+                _write(stream, self._line(rank, stream, f"{tag} {line}\n", redraw=True))
+
+    def _tagged(self, rank: int, tag: str, stream: str, piece: str) -> str:
+        if not piece:
+            return ""
+        redraw, key = piece.startswith("\r"), (rank, stream)
+        if key in self._cut:  # its line was ended for it: its own end adds no empty line
+            self._cut.discard(key)
+            if piece == "\n":
+                return ""
+        if rank != 0 and (redraw or key in self._redrawn):
+            line = piece[1:] if redraw else self._redrawn[key][1] + piece
+            if not line.endswith("\n"):
+                self._redrawn[key] = (tag, line)  # shown once its line ends
+                return ""
+            self._redrawn.pop(key, None)
+            return self._line(rank, stream, f"{tag} {line}", redraw=True)
+        if redraw:
+            return self._line(rank, stream, f"{tag} {piece[1:]}", redraw=True)
+        if self._open.get(stream) == rank:  # the rest of its own open line
+            return self._ended(rank, stream, piece)
+        return self._line(rank, stream, f"{tag} {piece}", redraw=False)
+
+    def _line(self, rank: int, stream: str, text: str, redraw: bool) -> str:
+        """Tagged ``text`` at the end of ``stream``: over the rank's open line if it redraws it, else on a new one."""
+        opened = self._open.get(stream)
+        if opened is not None:
+            text = ("\r" if opened == rank and redraw else "\n") + text
+            if opened != rank:
+                self._cut.add((opened, stream))
+        return self._ended(rank, stream, text)
+
+    def _ended(self, rank: int, stream: str, text: str) -> str:
+        if text.endswith("\n"):
+            self._open.pop(stream, None)
+        else:
+            self._open[stream] = rank
+        return text
+
+
+def _write(stream_name: str, text: str) -> None:
+    if text:
+        stream = sys.stderr if stream_name == "stderr" else sys.stdout
+        stream.write(text)
+        stream.flush()
 
 
 class CellView:
