@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain.logsetup import LoggingSetup
+
 # Run states, as the live view and RunEnded name them.
 FINISHED = "finished"
 FAILED = "failed"
@@ -93,6 +95,8 @@ class StartRun:
     # Standby ranks only: library modules the last run's payload needed (its objects' classes'
     # modules), imported while they wait instead of while a cell's payload loads.
     preimport: tuple[str, ...] = ()
+    # The kernel's logging levels and the handlers that write to its cell, set up the same on each rank.
+    logging_setup: LoggingSetup = field(default_factory=LoggingSetup)
 
 
 @dataclass(frozen=True)

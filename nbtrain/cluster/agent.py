@@ -28,10 +28,11 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain import events, processes, wire
+from nbtrain.logsetup import LoggingSetup
 
 READY_SECONDS = 180.0  # the launcher imports torch: seconds on a loaded small machine
 MAX_POLL_SECONDS = 1.0
@@ -77,6 +78,7 @@ class NodeRun:
     threads_per_rank: int | None
     on_stop: str = "keep"  # the run's --on-stop, and its grace: a stop at a step needs every node's
     stop_grace: float = 2.0
+    logging_setup: LoggingSetup = field(default_factory=LoggingSetup)
 
 
 @dataclass(frozen=True)
@@ -321,6 +323,7 @@ def _start_run(
         interactive=False,  # a cluster's agents relay no pdb prompt: a breakpoint is passed with a note
         on_stop=request.on_stop,
         stop_grace=request.stop_grace,
+        logging_setup=request.logging_setup,
     )
 
 

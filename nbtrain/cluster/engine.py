@@ -413,7 +413,7 @@ class _Relay:
             cwd=template.cwd, sys_path=template.sys_path, source_lines=dict(template.source_lines),
             timeout=template.timeout,
             threads_per_rank=nodes.threads_per_rank(info.cpus, plan.per_node, template.environ),
-            on_stop=template.on_stop, stop_grace=template.stop_grace,
+            on_stop=template.on_stop, stop_grace=template.stop_grace, logging_setup=template.logging_setup,
         )
 
     # -- following -----------------------------------------------------------------------

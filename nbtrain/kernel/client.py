@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from nbtrain import config as config_module
-from nbtrain import events, processes
+from nbtrain import events, logsetup, processes
 from nbtrain.kernel import compat, gcpause
 from nbtrain.kernel.launcher_connection import LauncherClient, get_client, standby_pids
 from nbtrain.kernel.run_handle import Engine, Run
@@ -190,6 +190,7 @@ class _StartMessage:
             standby_seconds=_standby_seconds(),
             on_stop=cfg.on_stop,
             stop_grace=cfg.stop_grace,
+            logging_setup=logsetup.capture(),
         )
 
 

@@ -31,7 +31,7 @@ import traceback
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
-from nbtrain import config, processes, records, sharedtensors, stacks, wire
+from nbtrain import config, logsetup, processes, records, sharedtensors, stacks, wire
 from nbtrain.events import (
     DebugQuit,
     RankAssignment,
@@ -196,6 +196,7 @@ def _run(
         if not prepared:
             _adopt_caller_state(assignment)
         install_source_lines(start.source_lines)
+        logsetup.set_up(start.logging_setup)
         debugger.install_breakpoint_hook(channel, start.run_id, spec.rank, start.interactive)
         if not prepared:
             _select_device(spec.device_type, spec.device_index)

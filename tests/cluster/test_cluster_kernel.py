@@ -28,7 +28,8 @@ GONE_SECONDS = 10.0
 
 SETUP = """
 %load_ext nbtrain
-import copy, os, torch
+import copy, logging, os, torch
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -43,6 +44,7 @@ for _ in range(3):
 
 TRAIN = """%%distributed --cluster ray --num-nodes 2 --devices 1
 print("training on node", os.environ["GROUP_RANK"])
+logging.getLogger("train").info("logged on node %s", os.environ["GROUP_RANK"])
 for _ in range(3):
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
@@ -75,6 +77,7 @@ def test_a_cell_trains_on_two_nodes_and_its_state_comes_back(kernel: NotebookKer
     assert out.error is None, out.text
     assert re.search(r"\[rank 0, node 0 \([0-9.]+\)\] training on node 0", out.stdout), out.stdout
     assert re.search(r"\[rank 1, node 1 \([0-9.]+\)\] training on node 1", out.stdout), out.stdout
+    assert re.search(r"\[rank 1, node 1 \([0-9.]+\)\] INFO logged on node 1", out.stderr), out.stderr  # as configured
     assert kernel.value("trained") is True
     assert kernel.value("float((model.weight - alone.weight).abs().max())") < 1e-5
     assert kernel.value("float((model.bias - alone.bias).abs().max())") < 1e-5
