@@ -56,16 +56,28 @@ def capture() -> LoggingSetup:
 
 
 def set_up(setup: LoggingSetup) -> None:
-    """Set ``setup`` up in this process (a rank), its stream handlers writing to this process's own streams."""
+    """Set ``setup`` up in this process (a rank), its stream handlers writing to this process's own streams.
+
+    A logger that has handlers here already keeps them and gets none: a library set up its
+    own when it was imported, here as in the kernel (torch's loggers, say), and a second
+    copy would print each of its lines twice.
+    """
     for name, level, propagate in setup.levels:
         logger = logging.getLogger(name or None)
-        logger.setLevel(level)
+        if logger.level != level:  # each change clears every logger's cache
+            logger.setLevel(level)
         logger.propagate = propagate
+    own = {setting.logger for setting in setup.handlers if logging.getLogger(setting.logger or None).handlers}
     for setting in setup.handlers:
-        handler = logging.StreamHandler(sys.stderr if setting.stream == "stderr" else sys.stdout)
-        handler.setLevel(setting.level)
-        handler.setFormatter(logging.Formatter(setting.fmt, setting.datefmt, style=setting.style))  # type: ignore[arg-type]
-        logging.getLogger(setting.logger or None).addHandler(handler)
+        if setting.logger not in own:
+            logging.getLogger(setting.logger or None).addHandler(_handler(setting))
+
+
+def _handler(setting: StreamHandling) -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr if setting.stream == "stderr" else sys.stdout)
+    handler.setLevel(setting.level)
+    handler.setFormatter(logging.Formatter(setting.fmt, setting.datefmt, style=setting.style))  # type: ignore[arg-type]
+    return handler
 
 
 def _loggers() -> list[tuple[str, logging.Logger]]:

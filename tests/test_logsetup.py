@@ -30,32 +30,43 @@ import logging
 logging.getLogger("train").info("an info line")
 logging.getLogger("quiet").warning("not shown")
 logging.getLogger("loud").info("on stdout only")
+logging.getLogger("library").warning("a library's own line")
+"""
+
+# A library that sets up its own handler when imported, in the kernel and in a rank alike.
+LIBRARY = """
+import logging, sys
+logging.getLogger("library").addHandler(logging.StreamHandler(sys.stderr))
 """
 
 
-def _python(code: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     command = [sys.executable, "-c", code, *args]
-    return subprocess.run(command, check=False, input=stdin, capture_output=True, timeout=60, env=env)
+    return subprocess.run(command, check=False, capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_a_fresh_process_logs_as_the_one_it_was_captured_in(tmp_path):
-    logfile = str(tmp_path / "kernel.log")
-    captured = _python(CONFIGURE + "import pickle\nfrom nbtrain import logsetup\n"
-                       "sys.stdout.buffer.write(pickle.dumps(logsetup.capture()))\n", logfile)
-    setup = pickle.loads(captured.stdout)
+    logfile, setup_file = str(tmp_path / "kernel.log"), str(tmp_path / "setup.pickle")
+    kernel = _python(LIBRARY + CONFIGURE + "import pickle\nfrom nbtrain import logsetup\n"
+                     "with open(sys.argv[2], 'wb') as f: pickle.dump(logsetup.capture(), f)\n" + LOG_LINES,
+                     logfile, setup_file)
+    with open(setup_file, "rb") as f:
+        setup = pickle.load(f)
     assert ("quiet", 40, True) in setup.levels and ("loud", 20, False) in setup.levels
-    assert len(setup.handlers) == 2  # the file handler stays where it was
-    applied = _python("import pickle, sys\nfrom nbtrain import logsetup\n"
-                      "logsetup.set_up(pickle.loads(sys.stdin.buffer.read()))\n" + LOG_LINES, stdin=captured.stdout)
-    assert applied.stderr.decode() == "INFO|train|an info line\n"
-    assert applied.stdout.decode() == "loud says on stdout only\n"
-    assert os.path.getsize(logfile) == 0
+    assert len(setup.handlers) == 3  # the file handler stays where it was
+    kernel_file = os.path.getsize(logfile)
+    rank = _python(LIBRARY + "import pickle, sys\nfrom nbtrain import logsetup\n"
+                   "with open(sys.argv[1], 'rb') as f: logsetup.set_up(pickle.load(f))\n" + LOG_LINES, setup_file)
+    assert (rank.stdout, rank.stderr) == (kernel.stdout, kernel.stderr)
+    assert "INFO|train|an info line\n" in rank.stderr and rank.stdout == "loud says on stdout only\n"
+    assert rank.stderr.count("a library's own line") == 2  # its handler, and the root's: not a third
+    assert os.path.getsize(logfile) == kernel_file > 0
 
 
 def test_an_empty_setup_leaves_a_process_as_python_starts_it():
     applied = _python("from nbtrain import logsetup\nlogsetup.set_up(logsetup.LoggingSetup())\n" + LOG_LINES)
-    assert applied.stderr.decode() == "not shown\n" and applied.stdout == b""  # logging's last resort: WARNING up
+    assert applied.stderr == "not shown\na library's own line\n" and applied.stdout == ""  # WARNING up, plainly
 
 
 def test_a_cells_log_lines_show_on_each_rank_as_the_kernel_configured_them_and_follow_its_changes(tmp_path):
