@@ -343,6 +343,9 @@ class LauncherReady:
 
     pid: int
     preloaded: tuple[str, ...] = field(default_factory=tuple)
+    # The logging its preloaded libraries set up on import, which every rank it forks has: the
+    # kernel sends a run only the rest of its own (nbtrain.logsetup).
+    libraries_logging: LoggingSetup = field(default_factory=LoggingSetup)
 
 
 @dataclass(frozen=True)

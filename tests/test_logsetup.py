@@ -40,6 +40,13 @@ logging.getLogger("library").addHandler(logging.StreamHandler(sys.stderr))
 """
 
 
+# The loggers a run sends the levels of, in the kernel.
+SENT = (
+    "[name for name, *_ in __import__('nbtrain.logsetup').logsetup.capture("
+    "__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().libraries_logging).levels]"
+)
+
+
 def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     command = [sys.executable, "-c", code, *args]
@@ -57,7 +64,7 @@ def test_a_fresh_process_logs_as_the_one_it_was_captured_in(tmp_path):
     assert len(setup.handlers) == 3  # the file handler stays where it was
     kernel_file = os.path.getsize(logfile)
     rank = _python(LIBRARY + "import pickle, sys\nfrom nbtrain import logsetup\n"
-                   "with open(sys.argv[1], 'rb') as f: logsetup.set_up(pickle.load(f))\n" + LOG_LINES, setup_file)
+                   "with open(sys.argv[1], 'rb') as f: logsetup.follow(pickle.load(f))\n" + LOG_LINES, setup_file)
     assert (rank.stdout, rank.stderr) == (kernel.stdout, kernel.stderr)
     assert "INFO|train|an info line\n" in rank.stderr and rank.stdout == "loud says on stdout only\n"
     assert rank.stderr.count("a library's own line") == 2  # its handler, and the root's: not a third
@@ -65,7 +72,7 @@ def test_a_fresh_process_logs_as_the_one_it_was_captured_in(tmp_path):
 
 
 def test_an_empty_setup_leaves_a_process_as_python_starts_it():
-    applied = _python("from nbtrain import logsetup\nlogsetup.set_up(logsetup.LoggingSetup())\n" + LOG_LINES)
+    applied = _python("from nbtrain import logsetup\nlogsetup.follow(logsetup.LoggingSetup())\n" + LOG_LINES)
     assert applied.stderr == "not shown\na library's own line\n" and applied.stdout == ""  # WARNING up, plainly
 
 
@@ -79,6 +86,13 @@ def test_a_cells_log_lines_show_on_each_rank_as_the_kernel_configured_them_and_f
             assert f"[rank {rank}] INFO|train|an info line\n" in out.stderr, out.stderr
             assert f"[rank {rank}] loud says on stdout only\n" in out.stdout, out.stdout
         assert "not shown" not in out.text and os.path.getsize(tmp_path / "kernel.log") == 0
+        sent = kernel.value(SENT)  # what the launcher's libraries (torch) set up, its ranks have: not sent
+        assert "quiet" in sent and not any(name.startswith("torch") for name in sent), sent
+        same = kernel.run_ok(cell)  # standby ranks, set up for the last run while they waited
+        assert same.stderr.count("INFO|train|an info line\n") == 2, same.stderr
+        kernel.run_ok("logging.getLogger().handlers[0].setFormatter(logging.Formatter('new: %(message)s'))")
+        changed = kernel.run_ok(cell)  # standby ranks set up as the kernel was: they take that back first
+        assert changed.stderr.count("new: an info line\n") == 2 and "INFO|" not in changed.stderr, changed.stderr
         kernel.run_ok("logging.getLogger().setLevel(logging.WARNING)")
-        again = kernel.run_ok(cell)  # on standby ranks forked before the change
+        again = kernel.run_ok(cell)
         assert "an info line" not in again.text and "[rank 1] loud says on stdout only\n" in again.stdout

@@ -95,8 +95,10 @@ def start_on(
         payload, tensor_fd = _serialise(fn, args, kwargs)
         try:
             known = engine.sources_sent if isinstance(engine, LauncherClient) else ()
+            logging_setup = logsetup.capture(engine.libraries_logging if isinstance(engine, LauncherClient) else None)
             start_message = _StartMessage(
-                cfg, payload, tensor_fd is not None, with_log=local, interactive=interactive, known_sources=known
+                cfg, payload, tensor_fd is not None, with_log=local, interactive=interactive, known_sources=known,
+                logging_setup=logging_setup,
             )
             run = _submit(engine, start_message, tensor_fd)
         finally:
@@ -145,6 +147,7 @@ class _StartMessage:
         self, cfg: config_module.LaunchConfig, payload: bytes, has_tensor_file: bool, with_log: bool,
         interactive: bool = True,
         known_sources: Collection[str] = (),
+        logging_setup: logsetup.LoggingSetup | None = None,
     ) -> None:
         from nbtrain import hardware
         from nbtrain.kernel import defaults
@@ -165,6 +168,7 @@ class _StartMessage:
         # Cells whose lines the engine has (this machine's launcher keeps what it was sent):
         # a long session's hundreds of cells are not pickled and sent again with every run.
         self.known_sources = known_sources
+        self.logging_setup = logging_setup or logsetup.LoggingSetup()
 
     def __call__(self, run_id: int) -> events.StartRun:
         cfg = self.cfg
@@ -190,7 +194,7 @@ class _StartMessage:
             standby_seconds=_standby_seconds(),
             on_stop=cfg.on_stop,
             stop_grace=cfg.stop_grace,
-            logging_setup=logsetup.capture(),
+            logging_setup=self.logging_setup,
         )
 
 

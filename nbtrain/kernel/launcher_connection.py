@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-from nbtrain import events, processes, wire
+from nbtrain import events, logsetup, processes, wire
 from nbtrain.errors import LauncherError
 from nbtrain.kernel import warm
 from nbtrain.records import CopiedResult
@@ -68,6 +68,8 @@ class LauncherClient:
         self._forked_gone = threading.Event()
         self._decided = threading.Event()  # the forked launcher was taken or replaced
         self.ready = threading.Event()
+        # What the launcher's libraries set up on import, its ranks have it: runs send the rest.
+        self.libraries_logging: logsetup.LoggingSetup | None = None
         self.alive = True
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
         self._queues: dict[int, Inbox] = {}
@@ -231,6 +233,7 @@ class LauncherClient:
             except (wire.ChannelClosed, OSError):
                 break
             if isinstance(message, events.LauncherReady):
+                self.libraries_logging = message.libraries_logging
                 self.ready.set()
                 self._settled.set()
                 continue

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from nbtrain import events, processes, wire
+from nbtrain import events, logsetup, processes, wire
 from nbtrain.events import (
     AttachHeld,
     DebugEnded,
@@ -288,6 +288,7 @@ class Launcher:
     # -- starting ranks ----------------------------------------------------------------
     def _start(self, start: StartRun, tensor_fd: int | None) -> None:
         start = self._with_sources(start)
+        logsetup.follow(start.logging_setup)  # the kernel's logging: in every rank forked from here on
         now = time.monotonic()
         deadline = None if start.timeout is None else now + start.timeout
         run = LauncherRun(start.run_id, [], deadline, Lifecycle(start.run_id, now), on_cluster=start.node is not None)
@@ -740,7 +741,7 @@ def main() -> None:
     processes.become_subreaper()
     parent_pid = os.getppid()
     loaded = preload()
-    wire.send(control, events.LauncherReady(os.getpid(), loaded))
+    wire.send(control, events.LauncherReady(os.getpid(), loaded, logsetup.capture()))
     if processes.thread_count() != 1:
         print(f"nbtrain launcher: {processes.thread_count()} threads after preload; fork is unsafe", file=sys.stderr)
     Launcher(control, parent_pid).serve()

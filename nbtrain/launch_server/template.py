@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from nbtrain import events, processes, wire
+from nbtrain import events, logsetup, processes, wire
 from nbtrain import templatesocket as naming
 from nbtrain.launch_server import forking, server
 
@@ -167,7 +167,7 @@ class _Child:
         processes.become_subreaper()
         processes.allow_result_reader(self.kernel_pid)
         control = socket.socket(fileno=self.control_fd)
-        wire.send(control, events.LauncherReady(os.getpid(), self.loaded))
+        wire.send(control, events.LauncherReady(os.getpid(), self.loaded, logsetup.capture()))
         server.Launcher(control, self.kernel_pid, self.kernel_pidfd).serve()
         processes.exit_now(0)
 

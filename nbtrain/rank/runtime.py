@@ -196,7 +196,7 @@ def _run(
         if not prepared:
             _adopt_caller_state(assignment)
         install_source_lines(start.source_lines)
-        logsetup.set_up(start.logging_setup)
+        logsetup.follow(start.logging_setup)  # as its launcher has it already, unless it changed
         debugger.install_breakpoint_hook(channel, start.run_id, spec.rank, start.interactive)
         if not prepared:
             _select_device(spec.device_type, spec.device_index)
