@@ -95,7 +95,8 @@ class StartRun:
     # Standby ranks only: library modules the last run's payload needed (its objects' classes'
     # modules), imported while they wait instead of while a cell's payload loads.
     preimport: tuple[str, ...] = ()
-    # The kernel's logging levels and the handlers that write to its cell, set up the same on each rank.
+    # The kernel's logging levels and the handlers that write to its cell (less what the launcher's
+    # libraries set up on import): the launcher takes them on before it forks ranks (nbtrain.logsetup).
     logging_setup: LoggingSetup = field(default_factory=LoggingSetup)
 
 
