@@ -77,6 +77,7 @@ def test_a_line_another_rank_left_open_is_ended_before_a_rank_writes(capsys):
 
 
 def test_two_ranks_tqdm_bars_in_a_real_cell_show_each_rank_on_its_own_lines(kernel):
+    pytest.importorskip("tqdm")  # in the test extra; not among the Colab stack's pins (.ci/colab-test)
     cell = (
         "%%distributed --devices 2 --accelerator cpu\n"
         "from tqdm import tqdm\n"

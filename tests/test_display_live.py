@@ -380,6 +380,10 @@ def test_a_run_shows_no_chart_in_its_first_second_and_its_last_frame_draws_one()
     longer = started_view()
     longer.state.started_at -= 1.0  # a second in: its frames have the chart
     assert frame_png(longer.mimebundle()["text/html"]).startswith(PNG_MAGIC) and longer.chart_renders == 1
+    text = LiveView(strategy="ddp_notebook", accelerator="cpu", world_size=1, rich=False)
+    text.handle(events.Metrics(RUN, 0, ((1, 0.0, {"loss": 1.0}),)))
+    text.finish(events.FINISHED)  # a text view's last frame draws no chart; shown again, an ended run's has it
+    assert frame_png(text.mimebundle()["text/html"]).startswith(PNG_MAGIC)
 
 
 def test_charts_are_redrawn_only_when_their_data_changed():

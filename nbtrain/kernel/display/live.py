@@ -252,7 +252,8 @@ class LiveView:
         stopping = state.stop_step is not None and not state.ended
         # A run's first second shows no chart: a short cell then draws its charts once, in its
         # last frame, not also while its ranks start and the cell's end waits for the drawing.
-        early = now - state.started_at < SLOWEST_CHART_SECONDS
+        # Once it ended, every frame has them (a view shown again, a text view's saved frame).
+        early = not state.ended and now - state.started_at < SLOWEST_CHART_SECONDS
         if stale and (force or (not early and ((rested and not stopping) or not self._chart_png_base64))):
             layout = ChartFigure.layout_of(state)
             if self._chart_figure is None or self._chart_figure.layout != layout:
