@@ -42,7 +42,7 @@ from nbtrain.events import (
     StandbyReady,
     StartRun,
 )
-from nbtrain.rank import api, debugger
+from nbtrain.rank import api, debugger, progressbars
 
 STORE_TIMEOUT = datetime.timedelta(minutes=5)
 _hosted_store: Any = None  # rank 0's TCPStore server; must live as long as the rank
@@ -175,6 +175,7 @@ def _begin(assignment: RankAssignment, stack_fd: int | None) -> None:
     # launcher's once it exits: so nothing it started outlives the run (nbtrain.processes).
     processes.become_subreaper()
     _line_buffered_stdio()
+    progressbars.print_as_text()  # before a payload or an import ahead brings tqdm.notebook
 
 
 def _run(
