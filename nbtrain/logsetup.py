@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -60,7 +60,9 @@ def capture(without: LoggingSetup | None = None) -> LoggingSetup:
     for name, logger in _loggers():
         if name == "" or logger.level != logging.NOTSET or not logger.propagate:
             levels.append((name, logger.level, logger.propagate))
-        handlers += [setting for handler in logger.handlers if (setting := _to_the_cell(name, handler))]
+        for handler in logger.handlers:
+            if setting := _to_the_cell(name, handler):
+                handlers.append(setting)
     if without is not None:
         known = {*without.levels, *without.handlers}
         levels = [entry for entry in levels if entry not in known]
@@ -132,9 +134,11 @@ def _handler(setting: StreamHandling) -> logging.Handler:
     return handler
 
 
-def _loggers() -> list[tuple[str, logging.Logger]]:
-    named = [(name, logger) for name, logger in logging.Logger.manager.loggerDict.items()]
-    return [("", logging.getLogger())] + [(name, lg) for name, lg in named if isinstance(lg, logging.Logger)]
+def _loggers() -> Iterator[tuple[str, logging.Logger]]:
+    yield "", logging.getLogger()
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):  # another thread may add one
+        if isinstance(logger, logging.Logger):  # not a placeholder for a dotted name's parents
+            yield name, logger
 
 
 def _to_the_cell(logger: str, handler: logging.Handler) -> StreamHandling | None:

@@ -9,8 +9,8 @@ module, so a cell that binds ``tqdm`` gives the kernel back its own notebook cla
 
 Example (outside a rank nothing is changed):
     >>> import sys
-    >>> any(isinstance(finder, _TextBars) for finder in sys.meta_path)
-    False
+    >>> _installed, any(isinstance(finder, _TextBars) for finder in sys.meta_path)
+    (False, False)
 """
 
 from __future__ import annotations
@@ -26,10 +26,15 @@ from typing import Any
 _MODULE = "tqdm.notebook"
 
 
+_installed = False  # in this process, or the launcher it was forked from
+
+
 def print_as_text() -> None:
-    """On this rank, ``tqdm.notebook`` is imported with a text bar (see the module's docstring)."""
-    if not any(isinstance(finder, _TextBars) for finder in sys.meta_path):
+    """In this process (a rank, or the launcher ranks are forked from), tqdm.notebook is imported with a text bar."""
+    global _installed
+    if not _installed:
         sys.meta_path.insert(0, _TextBars())
+        _installed = True
 
 
 class _TextBars(importlib.abc.MetaPathFinder):

@@ -175,7 +175,7 @@ def _begin(assignment: RankAssignment, stack_fd: int | None) -> None:
     # launcher's once it exits: so nothing it started outlives the run (nbtrain.processes).
     processes.become_subreaper()
     _line_buffered_stdio()
-    progressbars.print_as_text()  # before a payload or an import ahead brings tqdm.notebook
+    progressbars.print_as_text()  # a spawned rank's (a forked one has its launcher's): before any import
 
 
 def _run(
