@@ -1,8 +1,8 @@
 """Standby ranks on a real GPU: skipped where no CUDA device exists (CI has none).
 
 A CUDA run's standby ranks hold a CUDA context (cuDNN and cuBLAS loaded; NCCL's
-communicator built where there are several ranks) and nothing of any cell; GPUs only they hold count as free for
-``--devices free:k``, and a run taking that GPU takes or ends them.
+communicator built where there are several ranks) and nothing of any cell; GPUs only they
+hold count as free for ``--devices free:k``, and a run taking that GPU takes or ends them.
 """
 
 from __future__ import annotations
