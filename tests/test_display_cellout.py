@@ -76,6 +76,17 @@ def test_a_line_another_rank_left_open_is_ended_before_a_rank_writes(capsys):
     assert capsys.readouterr().out == "[rank 1] loading...\n[rank 0] step 1\n[rank 1] done\n[rank 0] a\r\n[rank 0] b\n"
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_end_of_a_run_ends_a_line_a_rank_left_open(capsys, world_size):
+    printer = cellout.OutputPrinter("all", world_size)
+    printer(events.Output(1, 0, "stdout", "a\nleft open"))
+    printer(events.Output(1, 0, "stderr", "\rbar 3/3"))
+    printer.finish()
+    printer.finish()  # once: a second call has nothing left to end
+    tag = "[rank 0] " if world_size > 1 else ""
+    assert capsys.readouterr() == (f"{tag}a\n{tag}left open\n", f"{tag}bar 3/3\n" if tag else "\rbar 3/3\n")
+
+
 def test_two_ranks_tqdm_bars_in_a_real_cell_show_each_rank_on_its_own_lines(kernel):
     pytest.importorskip("tqdm")  # in the test extra; not among the Colab stack's pins (.ci/colab-test)
     cell = (

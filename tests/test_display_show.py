@@ -11,8 +11,6 @@ import sys
 import pytest
 
 from kernel_helpers import NotebookKernel
-from nbtrain import events
-from nbtrain.kernel.display import show
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -37,13 +35,6 @@ def test_plain_frontends_are_not_rich(argv, expected):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == expected
-
-
-def test_rank_output_is_tagged_on_each_line_and_ends_with_a_newline(capsys):
-    show.print_output(events.Output(1, 1, "stdout", "a\nb"))
-    show.print_output(events.Output(1, 0, "stderr", "oops\n"))
-    show.print_output(events.Metrics(1, 0, ()))  # not output: nothing
-    assert capsys.readouterr() == ("[rank 1] a\n[rank 1] b\n", "[rank 0] oops\n")
 
 
 def test_in_a_kernel_text_is_updated_in_place_and_a_widget_saves_its_summary():

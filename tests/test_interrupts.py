@@ -34,7 +34,8 @@ CALLS = {
     'while True:\\n    time.sleep(0.01)\\n")',
     "launch": 'nbtrain.launch(spin, devices=2, accelerator="cpu")',
     "start-wait": (
-        'nbtrain.start(spin, devices=2, accelerator="cpu").wait(on_event=nbtrain.kernel.display.print_output)'
+        'nbtrain.start(spin, devices=2, accelerator="cpu")'
+        '.wait(on_event=nbtrain.kernel.display.OutputPrinter("all", 2))'
     ),
 }
 EXPECTED = {"cell": "RunInterrupted", "launch": "KeyboardInterrupt", "start-wait": "KeyboardInterrupt"}

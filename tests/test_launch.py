@@ -158,17 +158,37 @@ def test_output_reaches_the_caller_while_running(launcher, tmp_path):
             assert expected in err, (r, err)
 
 
-def test_launch_prints_rank_output_tagged(launcher, capfd):
-    def fn():
-        import sys
+def _progress_and_open_lines():
+    """Each rank: a line on each stream, a bar redrawn in place on stderr, a last line left open."""
+    import sys
 
-        print(f"hello {nbtrain.rank()}")
-        print(f"oops {nbtrain.rank()}", file=sys.stderr)
+    rank = nbtrain.rank()
+    print(f"hello {rank}")
+    print(f"oops {rank}", file=sys.stderr)
+    for step in range(1, 4):
+        sys.stderr.write(f"\rbar {rank} {step}/3")
+        sys.stderr.flush()
+    print(f"left open {rank}", end="")
 
-    nbtrain.launch(fn, devices=2, timeout=RUN_TIMEOUT)
+
+@pytest.mark.parametrize("background", [False, True], ids=["blocking", "background"])
+def test_launch_prints_rank_output_as_a_cell_does(launcher, capfd, background):
+    """Tagged lines; two ranks' bars on lines of their own; nothing left mid-line before what comes next."""
+    if background:
+        handle = nbtrain.launch(_progress_and_open_lines, devices=2, timeout=RUN_TIMEOUT, background=True)
+        handle.wait(timeout=RUN_TIMEOUT)
+    else:
+        nbtrain.launch(_progress_and_open_lines, devices=2, timeout=RUN_TIMEOUT)
     out, err = capfd.readouterr()
-    assert "[rank 0] hello 0" in out and "[rank 1] hello 1" in out
-    assert "[rank 0] oops 0" in err and "[rank 1] oops 1" in err
+    shown = [line.rsplit("\r", 1)[-1] for line in err.split("\n")]  # what a terminal shows of each line
+    assert all(line.count("[rank") <= 1 for line in shown), err
+    for rank in (0, 1):
+        assert f"[rank {rank}] hello {rank}" in out.splitlines() and f"[rank {rank}] left open {rank}" in out
+        assert f"[rank {rank}] oops {rank}" in shown and f"[rank {rank}] bar {rank} 3/3" in shown, err
+    assert err.count("[rank 1] bar") == 1, err  # rank 1's redraws: only the bar's last state
+    assert out.endswith("\n") and err.rstrip("\n").count("\n") >= 3, (out, err)
+    if background:
+        assert err.splitlines()[-1].startswith("[nbtrain] background run "), err
 
 
 def test_log_produces_metrics_events(launcher):

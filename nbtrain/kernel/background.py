@@ -181,6 +181,7 @@ class BackgroundRun:
         self.stop_button: Any = None  # an ipywidgets.Button in a notebook
         self.view: display.NotedLiveView | None = None
         self.output = output
+        self._printer = display.OutputPrinter(output, cfg.world_size)  # where no live view shows the output
         self.total_steps = total_steps  # the live view's progress total, when known
         self.stall_warning = stall_warning
         self._started_at = time.monotonic()
@@ -342,8 +343,7 @@ class BackgroundRun:
 
     def _show(self, event: Any) -> None:
         if self.view is None:
-            if isinstance(event, events.Output) and self._shows_output(event):
-                display.print_output(event)
+            self._printer(event)
             return
         if isinstance(event, events.Output) and not self._shows_output(event):
             return
@@ -448,6 +448,7 @@ class BackgroundRun:
             with contextlib.suppress(Exception):  # the frontend is gone; the handle still knows
                 self.stop_button.layout.display = "none"
         if self.view is None:
+            self._printer.finish()
             summary = f"[nbtrain] background run {self.id} ({self.name}) {note}"
             display.print_warning(summary)
             return

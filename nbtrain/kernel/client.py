@@ -260,26 +260,31 @@ def launch(fn: Callable[..., Any], *args: Any, background: bool = False, **kwarg
             from nbtrain.kernel import background as _background
 
             return _background.follow_function(run, fn)
-        return run.wait(on_event=_printer_with_debugger(run))
+        return _wait_printing(run)
     except KeyboardInterrupt:
         run.abandon()  # wait() did already; not so an interrupt before it, or in follow_function
         raise
 
 
-def _printer_with_debugger(run: Run) -> Callable[[Any], None]:
-    """Print the ranks' output, and answer their pdb prompts in the input box (an interrupt there stops the run)."""
+def _wait_printing(run: Run) -> Any:
+    """Wait for ``run``, printing the ranks' output as a cell does and answering their pdb prompts
+    in the input box (an interrupt there stops the run)."""
     from nbtrain.kernel import display, pdb_relay
 
     relay = pdb_relay.CellRelay(run, processes.HeldInterrupts())
+    printer = display.OutputPrinter("all", run.config.world_size)
     run.prompts_answered = True
 
     def on_event(event: Any) -> None:
         if not relay.handle(event):
-            display.print_output(event)
+            printer(event)
         if relay.held.received:
             raise KeyboardInterrupt
 
-    return on_event
+    try:
+        return run.wait(on_event=on_event)
+    finally:
+        printer.finish()  # a bar left mid-line, an open line: before the result or the error
 
 
 def _admit(

@@ -59,7 +59,8 @@ class OutputPrinter:
     open is ended before a rank writes, each redraw is tagged again after its ``\r``, and
     a line that ranks other than 0 redraw in place (their progress bars) is shown once,
     as it stands when its line ends (rank 0's is drawn live; the run's log keeps every
-    redraw). :meth:`finish` shows what such a line was left at when the run ends.
+    redraw). :meth:`finish` shows what such a line was left at when the run ends, and
+    ends a line a rank left open, so what the cell prints next starts on its own line.
 
     Example (two ranks' progress bars: rank 0's redrawn in place, rank 1's shown at its end):
         >>> printer = OutputPrinter("all", 2)
@@ -86,14 +87,18 @@ class OutputPrinter:
             if self.tagged:
                 pieces = _PIECES.split(text)
                 text = "".join(self._tagged(event.rank, event.tag, event.stream, piece) for piece in pieces)
+            elif text:
+                self._ended(event.rank, event.stream, text)
             _write(event.stream, text)
 
     def finish(self) -> None:
-        """Show each line a rank other than 0 left mid-redraw (a progress bar the run ended in)."""
+        """Show each line a rank other than 0 left mid-redraw (a progress bar the run ended in); end open lines."""
         for (rank, stream), (tag, line) in list(self._redrawn.items()):
             del self._redrawn[rank, stream]
             if line.strip():
                 _write(stream, self._line(rank, stream, f"{tag} {line}\n", redraw=True))
+        for stream in list(self._open):  # "print(x, end='')" last: the summary gets a line of its own
+            _write(stream, self._ended(self._open[stream], stream, "\n"))
 
     def _tagged(self, rank: int, tag: str, stream: str, piece: str) -> str:
         if not piece:

@@ -1,13 +1,13 @@
 """The small pieces a cell shows: text updated in place, a widget with a saved-notebook
-fallback, a Stop button, rank output lines.
+fallback, a Stop button.
 
 Everything here goes through IPython's ``display`` (imported when first used, so a plain
 ``python`` caller never imports IPython's display machinery) and the shell module
 (:mod:`nbtrain.kernel.shell`), the one owner of the IPython shell.
 
-Example:
-    >>> print_output(events.Output(1, 0, "stdout", "hello\\n"))
-    [rank 0] hello
+Example (outside a kernel, such as these doctests, nothing can show HTML or images):
+    >>> frontend_is_rich()
+    False
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import html
 import sys
 from typing import Any
 
-from nbtrain import events
 from nbtrain.kernel import compat
 from nbtrain.kernel import shell as kernel_shell
 
@@ -25,17 +24,6 @@ from nbtrain.kernel import shell as kernel_shell
 def frontend_is_rich() -> bool:
     """True inside a Jupyter kernel (it can show HTML and images); False in a terminal or plain python."""
     return kernel_shell.is_notebook(kernel_shell.get_shell())
-
-
-def print_output(event: Any) -> None:
-    """Each rank's lines on our stdout/stderr, tagged (``launch``'s default event handler)."""
-    if isinstance(event, events.Output):
-        stream = sys.stderr if event.stream == "stderr" else sys.stdout
-        lines = event.text.splitlines(keepends=True)
-        stream.write("".join(f"{event.tag} {line}" for line in lines))
-        if not event.text.endswith("\n"):
-            stream.write("\n")
-        stream.flush()
 
 
 def show_text(text: str, updatable: bool = False) -> Any:
