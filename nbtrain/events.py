@@ -6,7 +6,7 @@ without importing user code and the kernel can read them without importing torch
 Two directions:
 - requests, kernel -> launcher: :class:`StartRun`, :class:`StopRun`, :class:`ReleaseResult`;
 - events, rank -> launcher -> kernel, on one channel: :class:`RankStarted`, :class:`Output`,
-  :class:`Metrics`, :class:`MemorySample`, :class:`RankFailed`, :class:`RankExited`,
+  :class:`Display`, :class:`Metrics`, :class:`MemorySample`, :class:`RankFailed`, :class:`RankExited`,
   :class:`ResultOffer` when rank 0's result holds tensors, and finally one
   :class:`RunEnded` per run.
 
@@ -167,7 +167,52 @@ class Output:
     @property
     def tag(self) -> str:
         """How a printed line names its rank: ``[rank 1]``, on a cluster ``[rank 1, node 0 (10.0.0.7)]``."""
-        return f"[rank {self.rank}, {self.node}]" if self.node else f"[rank {self.rank}]"
+        return _tag(self.rank, self.node)
+
+
+def _tag(rank: int, node: str) -> str:
+    return f"[rank {rank}, {node}]" if node else f"[rank {rank}]"
+
+
+@dataclass(frozen=True)
+class Display:
+    """What a rank showed with IPython's ``display`` (a DataFrame, ``plt.show()``'s figure).
+
+    ``data`` is the formatted bundle (mimetype -> text; images in base64, as a notebook
+    stores them). ``slot`` names the rank's display, so that an ``update`` (a display handle's,
+    or the next one after ``clear_output``) replaces it where the cell shows it; ``label``
+    says what it was (``Figure``) for a line that names the rank.
+    """
+
+    run_id: int
+    rank: int
+    data: Mapping[str, Any]
+    metadata: Mapping[str, Any]
+    slot: str
+    update: bool = False
+    label: str = ""
+    node: str = ""  # the node's label on a cluster; empty on one machine
+
+    @property
+    def tag(self) -> str:
+        """How a printed line names its rank (as :attr:`Output.tag`)."""
+        return _tag(self.rank, self.node)
+
+    @property
+    def text(self) -> str:
+        """What a frontend without rich output shows of it: its text/plain."""
+        plain = self.data.get("text/plain", "")
+        return plain if isinstance(plain, str) else str(plain)
+
+
+@dataclass(frozen=True)
+class Displayed:
+    """Launcher -> rank: its :class:`Display` went out after everything it printed before it.
+
+    The rank waits for this (bounded), so what it prints next cannot overtake the display.
+    """
+
+    run_id: int
 
 
 @dataclass(frozen=True)

@@ -345,6 +345,10 @@ class BackgroundRun:
         if self.view is None:
             self._printer(event)
             return
+        if isinstance(event, events.Display):  # the view's rank lines are text: a display's text, once
+            if event.update or not event.text:
+                return
+            event = events.Output(event.run_id, event.rank, "stdout", event.text + "\n", event.node)
         if isinstance(event, events.Output) and not self._shows_output(event):
             return
         with contextlib.suppress(Exception):  # a frontend gone away must not stop the following

@@ -29,6 +29,8 @@ from nbtrain.events import (
     DebugOutput,
     DebugPrompt,
     DebugQuit,
+    Display,
+    Displayed,
     MemorySample,
     Metrics,
     Output,
@@ -389,6 +391,10 @@ class Launcher:
             entry = self.board.get(run.run_id)
             if entry is not None and isinstance(message, Metrics):
                 entry.on_metrics(message)
+        elif isinstance(message, Display):
+            self._send_output_so_far(run, rank)  # printed before it, shown before it
+            self._send(message)
+            send_quietly(rank.channel, Displayed(run.run_id))  # the rank, waiting for this, goes on
         elif isinstance(message, RankFailed):
             rank.failed = True
             if self._stopped_from_outside(run):
@@ -455,6 +461,16 @@ class Launcher:
         # Bounded (nbtrain.launch_server.output): past the first lines only the last are
         # kept, so a flood costs the kernel nothing and cannot outlast a stop.
         self._send_output(run, rank, rank.output.feed(stream, data))
+
+    def _send_output_so_far(self, run: LauncherRun, rank: RankProcess) -> None:
+        """Send what the rank wrote to its pipes until now, a line in progress too (bounded: it may still write)."""
+        for fd in list(rank.pipes):
+            for _ in range(_READS_SO_FAR):
+                if fd not in rank.pipes or not _readable_now(fd):
+                    break
+                self._on_output(run, rank, fd)
+        for stream in STREAMS:
+            self._send_output(run, rank, rank.output.flush(stream))
 
     def _send_output(self, run: LauncherRun, rank: RankProcess, pieces: list[tuple[str, str]]) -> None:
         for stream, text in pieces:
@@ -719,7 +735,11 @@ def _say(text: str) -> None:
         print(f"nbtrain launcher: {text}", file=sys.stderr, flush=True)
 
 
-def _readable_now(sock: socket.socket) -> bool:
+# Reads of a pipe (64 KiB each) before a rank's display is sent: what it printed before it.
+_READS_SO_FAR = 16
+
+
+def _readable_now(sock: socket.socket | int) -> bool:
     readable, _, _ = select.select([sock], [], [], 0)
     return bool(readable)
 
@@ -727,17 +747,19 @@ def _readable_now(sock: socket.socket) -> bool:
 def preload() -> tuple[str, ...]:
     """Import PRELOAD's modules (those that exist): the names imported.
 
-    Also installs what every rank forked from here has, here once rather than in each rank
-    just forked (0.15 ms there): tqdm.notebook's bars printing as text.
+    First installs what every rank forked from here has, here once rather than in each rank
+    just forked (0.15 ms there), and before anything imports the modules it changes:
+    tqdm.notebook's bars printing as text, IPython's display showing in the cell.
     """
+    from nbtrain.rank import displays, progressbars
+
+    progressbars.print_as_text()
+    displays.show_in_cell()
     loaded = []
     for module in PRELOAD:
         with contextlib.suppress(Exception):  # a missing optional module only costs speed
             __import__(module)
             loaded.append(module)
-    from nbtrain.rank import progressbars
-
-    progressbars.print_as_text()
     return tuple(loaded)
 
 

@@ -38,6 +38,8 @@ class RankContext:
     device_type: str
     device_index: int | None
     send: Callable[[Any], None]
+    # Send, then wait until the launcher passed on what the rank printed before it (a display).
+    send_in_order: Callable[[Any], None] | None = None
     pending: list[tuple[int, float, dict[str, Any]]] = field(default_factory=list)
     pending_on_device: bool = False  # some pending value is still a tensor on a device
     outbox: list[Any] = field(default_factory=list)  # flushed batches not sent yet, oldest first

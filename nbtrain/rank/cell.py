@@ -31,7 +31,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nbtrain import records
-from nbtrain.rank import api, loaders, losslogging, optimizers, preparations, prepare, stopping, wrapping
+from nbtrain.rank import (
+    api,
+    displays,
+    loaders,
+    losslogging,
+    optimizers,
+    preparations,
+    prepare,
+    stopping,
+    wrapping,
+)
 
 if TYPE_CHECKING:
     from cloudpickle import Pickler as _PicklerBase
@@ -89,6 +99,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
             display = _execute(spec, cell_globals)
         except stopping.StopAtStep:
             display = None  # stopped at the step every rank reached: what it holds goes back as at the end
+    displays.show_open_figures()  # what the kernel's inline backend shows at a cell's end
     prepare.put_back(namespace, placed)  # so trainer.model is the kernel's model again on the way back
     context = api.current_context()
     if context is not None:

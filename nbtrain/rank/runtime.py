@@ -24,6 +24,7 @@ import io
 import linecache
 import os
 import re
+import select
 import socket
 import sys
 import sysconfig
@@ -42,7 +43,7 @@ from nbtrain.events import (
     StandbyReady,
     StartRun,
 )
-from nbtrain.rank import api, debugger, progressbars
+from nbtrain.rank import api, debugger, displays, progressbars
 
 STORE_TIMEOUT = datetime.timedelta(minutes=5)
 _hosted_store: Any = None  # rank 0's TCPStore server; must live as long as the rank
@@ -176,6 +177,7 @@ def _begin(assignment: RankAssignment, stack_fd: int | None) -> None:
     processes.become_subreaper()
     _line_buffered_stdio()
     progressbars.print_as_text()  # a spawned rank's (a forked one has its launcher's): before any import
+    displays.show_in_cell()
 
 
 def _run(
@@ -191,6 +193,7 @@ def _run(
         spec.device_type,
         spec.device_index,
         send=lambda message: wire.send(channel, message),
+        send_in_order=functools.partial(_send_in_order, channel),
     )
     api._set_context(context)
     try:
@@ -224,6 +227,25 @@ def _run(
             debugger.hold_for_post_mortem(channel, start.run_id, spec.rank, traceback_, header)
         processes.exit_now(1)
     processes.exit_now(0)
+
+
+# How long a rank waits for the launcher to pass on a display (it goes on after that anyway).
+DISPLAYED_SECONDS = 10.0
+
+
+def _send_in_order(channel: socket.socket, message: Any) -> None:
+    """Send ``message`` (a display); return once the launcher sent what this rank printed before it.
+
+    The answer is :class:`~nbtrain.events.Displayed`: nothing else reaches a rank's channel
+    while it runs (the launcher sends pdb's commands only to a rank at its prompt, the release
+    once it is done). A late answer is skipped by every later read of the channel.
+    """
+    wire.send(channel, message)
+    ready, _, _ = select.select([channel], [], [], DISPLAYED_SECONDS)
+    if ready:
+        _, fds = wire.receive(channel)
+        for fd in fds:
+            os.close(fd)
 
 
 def register_stack_dump(stack_fd: int | None, environ: Mapping[str, str]) -> None:

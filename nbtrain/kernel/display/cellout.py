@@ -1,8 +1,8 @@
 """What a cell writes as text: rank output, the run's summary, nbtrain's notes and warnings.
 
 The kernel side writes to the cell's stdout and stderr only through here (the live view
-and widgets are :mod:`~nbtrain.kernel.display.live` and its siblings): a rank's lines as
-``--output`` chose (:class:`OutputPrinter`), the summary a finished cell ends with
+and widgets are :mod:`~nbtrain.kernel.display.live` and its siblings): a rank's lines and
+displays as ``--output`` chose (:class:`OutputPrinter`), the summary a finished cell ends with
 (:func:`summary`), a line of nbtrain's own (:func:`print_line`, :func:`print_warning`) and
 a debugger's output as it comes (:func:`write_text`).
 
@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import re
 import sys
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from nbtrain import events, runstate
-from nbtrain.kernel.display import live
+from nbtrain.kernel.display import live, show
 
 
 def write_text(text: str, stderr: bool = False) -> None:
@@ -54,6 +55,10 @@ _PIECES = re.compile(r"(?<=\n)|(?=\r(?!\n))")
 class OutputPrinter:
     r"""Shows rank output in the cell as it arrives, as ``--output`` chose (all, rank0, none).
 
+    A rank's :class:`~nbtrain.events.Display` (a figure, a table) is shown as display data,
+    under a line naming its rank when tagged, and an update replaces it in place; a frontend
+    without rich output prints its text.
+
     Tagged (``all``, several ranks), the ranks share the cell's two streams, where a
     carriage return redraws the last line whoever wrote it: so a line another rank left
     open is ended before a rank writes, each redraw is tagged again after its ``\r``, and
@@ -71,25 +76,47 @@ class OutputPrinter:
         [rank 0] step 2/2
     """
 
-    def __init__(self, mode: str, world_size: int):
+    def __init__(self, mode: str, world_size: int, rich: bool | None = None):
         self.mode = mode
         self.tagged = mode == "all" and world_size > 1
+        self.rich = show.frontend_is_rich() if rich is None else rich  # False: a display shows as its text
         self._open: dict[str, int] = {}  # stream -> the rank whose line is open at its end
         self._redrawn: dict[tuple[int, str], tuple[str, str]] = {}  # (rank, stream) -> (tag, line so far)
         self._cut: set[tuple[int, str]] = set()  # (rank, stream) whose open line another rank's ended
+        self._ids = f"nbtrain-{uuid.uuid4().hex[:12]}"  # its displays' ids: another cell's never match
 
     def __call__(self, event: Any) -> None:
-        """Write ``event``'s lines if it is a rank's output this mode shows (anything else: nothing)."""
-        if isinstance(event, events.Output):
-            if self.mode == "none" or (self.mode == "rank0" and event.rank != 0):
-                return
-            text = event.text
-            if self.tagged:
-                pieces = _PIECES.split(text)
-                text = "".join(self._tagged(event.rank, event.tag, event.stream, piece) for piece in pieces)
-            elif text:
-                self._ended(event.rank, event.stream, text)
-            _write(event.stream, text)
+        """Write ``event``'s lines, or show its display, if it is a rank's output this mode shows (else nothing)."""
+        if not isinstance(event, (events.Output, events.Display)):
+            return
+        if self.mode == "none" or (self.mode == "rank0" and event.rank != 0):
+            return
+        if isinstance(event, events.Display):
+            self._display(event)
+            return
+        text = event.text
+        if self.tagged:
+            pieces = _PIECES.split(text)
+            text = "".join(self._tagged(event.rank, event.tag, event.stream, piece) for piece in pieces)
+        elif text:
+            self._ended(event.rank, event.stream, text)
+        _write(event.stream, text)
+
+    def _display(self, event: events.Display) -> None:
+        """A rank's display: shown, or updated in place, named by its rank when tagged; else its text printed."""
+        if not self.rich:
+            if event.text:
+                self(events.Output(event.run_id, event.rank, "stdout", event.text + "\n", event.node))
+            return
+        data = dict(event.data)
+        text_only = set(data) <= {"text/plain"}
+        if self.tagged and text_only:  # as a printed line: "[rank 1] {'a': 1}"
+            data["text/plain"] = "".join(f"{event.tag} {line}" for line in event.text.splitlines(keepends=True))
+        if not event.update:
+            if self.tagged and not text_only:  # "[rank 1] Figure:" above the figure
+                _write("stdout", self._line(event.rank, "stdout", f"{event.tag} {event.label or 'display'}:\n", False))
+            self._end_open_lines()  # the display starts below any line a rank left open
+        show.show_bundle(data, event.metadata, f"{self._ids}-{event.rank}-{event.slot}", event.update)
 
     def finish(self) -> None:
         """Show each line a rank other than 0 left mid-redraw (a progress bar the run ended in); end open lines."""
@@ -97,7 +124,10 @@ class OutputPrinter:
             del self._redrawn[rank, stream]
             if line.strip():
                 _write(stream, self._line(rank, stream, f"{tag} {line}\n", redraw=True))
-        for stream in list(self._open):  # "print(x, end='')" last: the summary gets a line of its own
+        self._end_open_lines()  # "print(x, end='')" last: the summary gets a line of its own
+
+    def _end_open_lines(self) -> None:
+        for stream in list(self._open):
             _write(stream, self._ended(self._open[stream], stream, "\n"))
 
     def _tagged(self, rank: int, tag: str, stream: str, piece: str) -> str:

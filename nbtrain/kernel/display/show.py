@@ -42,6 +42,20 @@ def update_text(shown: Any, text: str) -> None:
         shown.update({"text/plain": text}, raw=True)
 
 
+def show_bundle(data: Any, metadata: Any, display_id: str, update: bool = False) -> None:
+    """Show a formatted bundle (a rank's figure, a table) as display data.
+
+    ``update``: replace the display shown with ``display_id`` instead.
+    """
+    from IPython.display import display, update_display
+
+    with contextlib.suppress(Exception):  # the frontend is gone; the run goes on
+        if update:
+            update_display(dict(data), raw=True, metadata=dict(metadata), display_id=display_id)
+        else:
+            display(dict(data), raw=True, metadata=dict(metadata), display_id=display_id)
+
+
 def enable_colab_widgets() -> None:
     """In Colab, turn on the widget manager that ipywidgets 8 needs there (elsewhere, and for ipywidgets 7: nothing)."""
     if "google.colab" not in sys.modules or not compat.needs_colab_widget_manager():
