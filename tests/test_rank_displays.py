@@ -142,3 +142,15 @@ def test_a_background_runs_view_shows_a_displays_text(kernel):
     shown = [o.get("data", {}) for o in started.outputs]  # as the updates left them
     view = next(data["text/html"] for data in shown if "nbtrain-live" in data.get("text/html", ""))
     assert "&lt;Figure size" in view and "Figure(" not in view, view  # in each rank's log tail
+
+
+@pytest.mark.parametrize("magic", ["inline", "agg"])
+def test_matplotlib_magic_in_a_cell_shows_the_ranks_figures_inline(kernel, magic):
+    outputs = _outputs(
+        kernel,
+        f"%%distributed --devices 2 --accelerator cpu\n%matplotlib {magic}\nimport matplotlib.pyplot as plt\n"
+        "plt.plot([1, 2, 3])\n",
+    )
+    assert len(_figures(outputs)) == 2, outputs
+    noted = "[rank 0] nbtrain: the ranks show figures as images in the cell (inline), not with %matplotlib agg"
+    assert (noted in "".join(o.get("text", "") for o in outputs)) == (magic == "agg"), outputs

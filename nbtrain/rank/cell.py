@@ -153,12 +153,11 @@ def _execute(spec: CellSpec, cell_globals: dict[str, Any]) -> tuple[Any] | None:
 
 def _install_shell(cell_globals: dict[str, Any]) -> set[str]:
     """An IPython shell on this rank whose namespace is the cell's, for get_ipython() calls."""
-    from IPython.core.interactiveshell import InteractiveShell
     from traitlets.config import Config
 
     config = Config()
     config.HistoryManager.enabled = False  # ranks must not write the kernel's history file
-    shell = InteractiveShell.instance(config=config, user_ns=cell_globals)
+    shell = displays.shell_class().instance(config=config, user_ns=cell_globals)
     return set(shell.user_ns_hidden)
 
 

@@ -13,7 +13,8 @@ imports IPython's display functions, they send what they show to the cell instea
   other ranks' displays stay). So a loop that clears and redraws its plot shows one plot
   per rank, redrawn; printed lines are not cleared (the cell keeps every rank's lines);
 - at the end of a cell, figures pyplot still has open are shown, as the kernel's inline
-  backend shows them (:func:`show_open_figures`).
+  backend shows them (:func:`show_open_figures`); ``%matplotlib`` in a cell selects that
+  backend on the ranks (:func:`shell_class`).
 
 A rank shows at most ``DISPLAYS_PER_RUN`` new displays (updates are not counted); past that
 each one's text is printed. The functions keep IPython's names, so a cell that binds
@@ -58,6 +59,29 @@ def show_open_figures() -> None:
         return
     if "inline" in str(sys.modules["matplotlib"].get_backend()):  # module://matplotlib_inline.backend_inline
         pyplot.show()  # the inline backend's show: each figure displayed, then closed
+
+
+@functools.lru_cache(maxsize=1)
+def shell_class() -> Any:
+    """The IPython shell a rank gives a cell that calls ``get_ipython()`` (``%time``, ``%matplotlib``).
+
+    IPython's base shell has no event loop (its ``enable_gui`` raises), and a rank has no
+    frontend for one: ``%matplotlib`` (any backend) selects the inline backend, whose
+    figures this module sends to the cell as images.
+    """
+    from IPython.core.interactiveshell import InteractiveShell
+
+    class RankShell(InteractiveShell):
+        def enable_gui(self, gui: Any = None) -> None:
+            """Nothing: a rank runs no GUI event loop."""
+
+        def enable_matplotlib(self, gui: Any = None) -> Any:
+            if gui not in (None, "auto", "inline") and api.rank() == 0:
+                note = f"nbtrain: the ranks show figures as images in the cell (inline), not with %matplotlib {gui}"
+                print(note, file=sys.stderr)
+            return super().enable_matplotlib("inline")  # type: ignore[no-untyped-call]
+
+    return RankShell
 
 
 def _send_to_cell(module: ModuleType) -> None:
