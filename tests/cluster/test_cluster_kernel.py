@@ -45,6 +45,8 @@ for _ in range(3):
 TRAIN = """%%distributed --cluster ray --num-nodes 2 --devices 1
 print("training on node", os.environ["GROUP_RANK"])
 logging.getLogger("train").info("logged on node %s", os.environ["GROUP_RANK"])
+from IPython.display import HTML, display
+display(HTML(f"<b>shown on node {os.environ['GROUP_RANK']}</b>"))
 for _ in range(3):
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
@@ -78,6 +80,7 @@ def test_a_cell_trains_on_two_nodes_and_its_state_comes_back(kernel: NotebookKer
     assert re.search(r"\[rank 0, node 0 \([0-9.]+\)\] training on node 0", out.stdout), out.stdout
     assert re.search(r"\[rank 1, node 1 \([0-9.]+\)\] training on node 1", out.stdout), out.stdout
     assert re.search(r"\[rank 1, node 1 \([0-9.]+\)\] INFO logged on node 1", out.stderr), out.stderr  # as configured
+    assert re.search(r"\[rank 1, node 1 \([0-9.]+\)\] HTML:", out.stdout), out.stdout  # a display, named by its rank
     assert kernel.value("trained") is True
     assert kernel.value("float((model.weight - alone.weight).abs().max())") < 1e-5
     assert kernel.value("float((model.bias - alone.bias).abs().max())") < 1e-5
