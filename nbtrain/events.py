@@ -98,6 +98,8 @@ class StartRun:
     # The kernel's logging levels and the handlers that write to its cell (less what the launcher's
     # libraries set up on import): the launcher takes them on before it forks ranks (nbtrain.logsetup).
     logging_setup: LoggingSetup = field(default_factory=LoggingSetup)
+    # torch's settings the kernel changed from the defaults (nbtrain.torchsettings): each rank sets them.
+    torch_settings: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,7 @@ class NodeRun:
     on_stop: str = "keep"  # the run's --on-stop, and its grace: a stop at a step needs every node's
     stop_grace: float = 2.0
     logging_setup: LoggingSetup = field(default_factory=LoggingSetup)
+    torch_settings: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -324,6 +326,7 @@ def _start_run(
         on_stop=request.on_stop,
         stop_grace=request.stop_grace,
         logging_setup=request.logging_setup,
+        torch_settings=request.torch_settings,
     )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from nbtrain import config as config_module
-from nbtrain import events, logsetup, processes
+from nbtrain import events, logsetup, processes, torchsettings
 from nbtrain.kernel import compat, gcpause
 from nbtrain.kernel.launcher_connection import LauncherClient, get_client, standby_pids
 from nbtrain.kernel.run_handle import Engine, Run
@@ -195,6 +195,7 @@ class _StartMessage:
             on_stop=cfg.on_stop,
             stop_grace=cfg.stop_grace,
             logging_setup=self.logging_setup,
+            torch_settings=torchsettings.changed_from_defaults(),
         )
 
 

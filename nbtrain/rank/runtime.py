@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
-from nbtrain import config, logsetup, processes, records, sharedtensors, stacks, wire
+from nbtrain import config, logsetup, processes, records, sharedtensors, stacks, torchsettings, wire
 from nbtrain.events import (
     DebugQuit,
     RankAssignment,
@@ -205,6 +205,7 @@ def _run(
         if not prepared:
             _select_device(spec.device_type, spec.device_index)
         _tolerate_torchrun_style_calls(_distributed())  # before the payload: its names resolve to ours
+        torchsettings.take_on(start.torch_settings, spec.device_type)  # as the kernel set torch
         known = len(sys.modules)
         fn, args, kwargs = sharedtensors.loads(start.payload, tensor_fd, map_location=spec.device_type)
         if spec.rank == 0 and start.standby_seconds:  # what the next standby ranks import ahead
