@@ -8,6 +8,8 @@ cell's saved outputs (nbclient applies display updates to them as a frontend doe
 from __future__ import annotations
 
 import base64
+import subprocess
+import sys
 
 import pytest
 
@@ -154,3 +156,27 @@ def test_matplotlib_magic_in_a_cell_shows_the_ranks_figures_inline(kernel, magic
     assert len(_figures(outputs)) == 2, outputs
     noted = "[rank 0] nbtrain: the ranks show figures as images in the cell (inline), not with %matplotlib agg"
     assert (noted in "".join(o.get("text", "") for o in outputs)) == (magic == "agg"), outputs
+
+
+def test_watch_shows_each_ranks_figure_below_its_view(kernel):
+    outputs = _outputs(
+        kernel,
+        "import nbtrain\nfrom nbtrain.kernel.display import watch\n"
+        "def draw():\n    import matplotlib.pyplot as plt\n    plt.plot([1, 2, 1 + nbtrain.rank()])\n    plt.show()\n"
+        "watch(nbtrain.start(draw, devices=2, accelerator='cpu'))\n",
+    )
+    assert len(_figures(outputs)) == 2, outputs
+
+
+def test_in_plain_python_a_ranks_display_prints_its_text_as_a_tagged_line():
+    code = (
+        "import nbtrain\nfrom nbtrain.kernel.display import watch\n"
+        "def show():\n    from IPython.display import display\n    display({'rank': nbtrain.rank()})\n"
+        "watch(nbtrain.start(show, devices=2, accelerator='cpu'))\n"
+        "nbtrain.launch(show, devices=2, accelerator='cpu')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for rank in (0, 1):
+        assert lines.count(f"[rank {rank}] {{'rank': {rank}}}") == 2, done.stdout  # watch(), then launch()

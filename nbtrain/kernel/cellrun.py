@@ -36,7 +36,7 @@ from nbtrain.errors import (
 )
 from nbtrain.kernel import cellnames, gcpause, tracebacks
 from nbtrain.kernel import shell as kernel_shell
-from nbtrain.kernel.display import cellout
+from nbtrain.kernel.display import cellout, rankout
 
 # The flags' check (nbtrain.kernel.magic.check_flags): from the cell's options (its
 # CellOptions, which every ``options`` here is), the engine (None: this machine's launcher)
@@ -334,7 +334,7 @@ def _follow(
     view: cellout.CellView | None = None
     asked = False  # a first interrupt asked every rank to stop at a step
     if not held.received:
-        show = cellout.OutputPrinter(options.output, prepared.cfg.world_size)
+        show = rankout.OutputPrinter(options.output, prepared.cfg.world_size)
         view = cellout.CellView(run, functools.partial(count_steps, shell, prepared), options.stall_warning)
         relay = _debugger_relay(run, held)
         for event in run.events(poll=view.poll_seconds):  # wakes at least every poll

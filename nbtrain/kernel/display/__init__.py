@@ -8,10 +8,12 @@
 - :mod:`~nbtrain.kernel.display.form`: the launcher form (``nbtrain.launcher()``, ipywidgets);
 - :mod:`~nbtrain.kernel.display.show`: the small pieces: text updated in place, a widget
   with a saved-notebook fallback, a Stop button;
-- :mod:`~nbtrain.kernel.display.cellout`: what a cell writes as text: rank output as
-  ``--output`` chose (:class:`OutputPrinter`, for a ``%%distributed`` cell, ``launch`` and a
-  background run), a cell's live view and summary, and every line of nbtrain's own that
-  the kernel side writes (:func:`print_line`, :func:`print_warning`, :func:`write_text`).
+- :mod:`~nbtrain.kernel.display.rankout`: a rank's output as the cell shows it, lines and
+  displays, as ``--output`` chose (:class:`OutputPrinter`: a ``%%distributed`` cell's,
+  ``launch``'s, a background run's, ``watch()``'s);
+- :mod:`~nbtrain.kernel.display.cellout`: what a cell writes as text: a cell's live view and
+  summary, and every line of nbtrain's own that the kernel side writes (:func:`print_line`,
+  :func:`print_warning`, :func:`write_text`).
 
 Other modules ask this package (``from nbtrain.kernel import display``) and never call
 IPython's ``display`` themselves, nor write to the cell's stdout or stderr. Importing it
@@ -32,10 +34,11 @@ Example (in a notebook cell):
 
 from __future__ import annotations
 
-from nbtrain.kernel.display.cellout import OutputPrinter, print_line, print_warning, write_text
+from nbtrain.kernel.display.cellout import print_line, print_warning, write_text
 from nbtrain.kernel.display.chart import ChartFigure, render_charts_png
 from nbtrain.kernel.display.form import LauncherForm, Machine, show_launcher_form
 from nbtrain.kernel.display.live import FASTEST_FRAME_SECONDS, LiveView, NotedLiveView, watch
+from nbtrain.kernel.display.rankout import OutputPrinter
 from nbtrain.kernel.display.show import (
     enable_colab_widgets,
     frontend_is_rich,

@@ -40,7 +40,7 @@ import time
 from typing import Any, TextIO
 
 from nbtrain import config, events, runstate
-from nbtrain.kernel.display import chart, livetext
+from nbtrain.kernel.display import chart, livetext, rankout
 from nbtrain.kernel.display.chart import ChartFigure
 from nbtrain.kernel.display.show import frontend_is_rich
 
@@ -108,10 +108,13 @@ class LiveView:
             stall_seconds=stall_warning,
         )
         self.rich = frontend_is_rich() if rich is None else rich
-        self.stream = stream  # text frontend only; None: sys.stdout (and stderr for ranks' stderr)
-        # Each rank's output has one place: this view's log tails, or (show_logs=False) the
-        # cell's own stream lines, which the caller prints (a blocking %%distributed cell).
+        self.stream = stream  # where a text frontend's frames go; None: sys.stdout
+        # Each rank's output has one place: this view's log tails (a terminal has none: its
+        # lines are printed), or (show_logs=False) the cell's own stream lines, which the
+        # caller prints (a blocking %%distributed cell). A rank's display has no place in the
+        # view: it goes in the cell, below it, unless the caller shows it.
         self.show_logs = show_logs
+        self._printer = rankout.OutputPrinter("all", world_size or 1, rich=self.rich) if show_logs else None
         self.key = f"{id(self):x}-{time.monotonic_ns():x}"  # names this view's logs in the page
         self.frames = 0  # frames shown (rich) or progress lines printed (text)
         self.chart_renders = 0
@@ -135,18 +138,8 @@ class LiveView:
         if event is None:
             return
         self.state.apply(event, time.monotonic())
-        if not self.rich and isinstance(event, events.Output):
-            self._print_rank_output(event)
-
-    def _print_rank_output(self, event: events.Output) -> None:
-        # A terminal has no log panel: each rank's lines go straight out, tagged, as launch() prints them.
-        lines = event.text.splitlines() or [""]
-        text = "".join(f"{event.tag} {line}\n" for line in lines)
-        if self.stream is None and event.stream == "stderr":
-            sys.stderr.write(text)
-            sys.stderr.flush()
-        else:
-            self._write(text)
+        if self._printer is not None and (isinstance(event, events.Display) or not self.rich):
+            self._printer(event)  # a display anywhere; in a terminal, a rank's lines too
 
     # -- showing -----------------------------------------------------------------------
     def refresh(self, force: bool = False) -> bool:
@@ -180,6 +173,8 @@ class LiveView:
         """
         if not self.state.ended or self.state.state != state:
             self.state.finish(state, time.monotonic())
+        if self._printer is not None:
+            self._printer.finish()  # a rank's last bar, its open line: before the last frame
         if self._chart_drawing:  # an interrupt landed in the middle of drawing it: a fresh figure
             self._chart_figure = None
         if self.rich and not redraw_chart and self._chart_png_base64:
