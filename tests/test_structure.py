@@ -143,15 +143,20 @@ def test_only_the_display_package_shows_anything_in_a_cell():
 
 
 def _writes_to_a_stream(path: Path) -> bool:
-    """Whether ``path``'s code calls ``print(...)``, ``sys.stdout.write`` or ``sys.stderr.write`` (not docstrings)."""
-    for node in ast.walk(ast.parse(path.read_text())):
+    """Whether ``path``'s code calls ``print(...)`` or ``write`` on ``sys.stdout``/``sys.stderr``, directly or
+    through a name assigned from them (``stream = sys.stderr if ... else sys.stdout``); not docstrings."""
+    tree = ast.parse(path.read_text())
+    std = ("sys.stdout", "sys.stderr")
+    streams = set(std)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(name in ast.unparse(node.value) for name in std):
+            streams.update(ast.unparse(target) for target in node.targets)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             func = node.func
             if isinstance(func, ast.Name) and func.id == "print":
                 return True
-            if isinstance(func, ast.Attribute) and func.attr == "write" and ast.unparse(func.value) in (
-                "sys.stdout", "sys.stderr"
-            ):
+            if isinstance(func, ast.Attribute) and func.attr == "write" and ast.unparse(func.value) in streams:
                 return True
     return False
 
