@@ -180,3 +180,20 @@ def test_in_plain_python_a_ranks_display_prints_its_text_as_a_tagged_line():
     lines = done.stdout.splitlines()
     for rank in (0, 1):
         assert lines.count(f"[rank {rank}] {{'rank': {rank}}}") == 2, done.stdout  # watch(), then launch()
+
+
+def test_past_its_display_limit_a_rank_prints_the_rest_as_text_and_says_so_once(kernel):
+    from nbtrain.rank.displays import DISPLAYS_PER_RUN
+
+    outputs = _outputs(
+        kernel,
+        "%%distributed --devices 1 --accelerator cpu\n"
+        "from IPython.display import HTML, display\n"
+        f"for i in range({DISPLAYS_PER_RUN + 3}):\n"
+        "    display(HTML(f'<i>{i}</i>'))\n",
+    )
+    html = [o["data"]["text/html"] for o in outputs if "<i>" in o.get("data", {}).get("text/html", "")]
+    assert html == [f"<i>{i}</i>" for i in range(DISPLAYS_PER_RUN)]
+    text = "".join(o.get("text", "") for o in outputs)
+    assert text.count(f"showed {DISPLAYS_PER_RUN} displays in this run") == 1, text
+    assert text.count("<IPython.core.display.HTML object>") == 3, text

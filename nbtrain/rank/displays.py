@@ -195,7 +195,7 @@ class _Shown:
         self.count = 0
         self.since_clear: list[str] = []  # slots shown since the last clear
         self.replaceable: list[str] = []  # slots shown before it, in order: the next displays update them
-        self.noted = False
+        self.noted: set[str] = set()  # why displays were printed as text, each said once
 
     def send(
         self, context: api.RankContext, data: dict[str, Any], meta: dict[str, Any], display_id: Any, update: bool,
@@ -207,8 +207,15 @@ class _Shown:
             slot, update = self.replaceable.pop(0), True
         else:
             slot, update = _new_id(), False
-        if not update and self.count >= DISPLAYS_PER_RUN or _size(data) > BUNDLE_BYTES:
-            self._as_text(context, data)
+        if _size(data) > BUNDLE_BYTES:
+            self._as_text(context, data, f"a display over {BUNDLE_BYTES >> 20} MiB is printed as its text")
+            return
+        if not update and self.count >= DISPLAYS_PER_RUN:
+            self._as_text(
+                context, data,
+                f"showed {DISPLAYS_PER_RUN} displays in this run; the rest are printed as text. To redraw one "
+                "display instead, call clear_output(wait=True) before each, or update a display(..., display_id=True)",
+            )
             return
         self.count += not update
         if not display_id:
@@ -222,15 +229,10 @@ class _Shown:
         for slot in left if wait else [*left, *self.replaceable]:  # wait=False: cleared now, not when replaced
             context.send(events.Display(context.run_id, context.rank, {"text/plain": ""}, {}, slot, update=True))
 
-    def _as_text(self, context: api.RankContext, data: dict[str, Any]) -> None:
-        if not self.noted:
-            self.noted = True
-            print(
-                f"nbtrain: rank {context.rank} showed {DISPLAYS_PER_RUN} displays in this run (or one over "
-                f"{BUNDLE_BYTES >> 20} MiB); the rest are printed as text. To redraw one display instead, call "
-                "clear_output(wait=True) before each, or use display(..., display_id=True) and its update().",
-                file=sys.stderr,
-            )
+    def _as_text(self, context: api.RankContext, data: dict[str, Any], why: str) -> None:
+        if why not in self.noted:
+            self.noted.add(why)
+            print(f"nbtrain: rank {context.rank}: {why}.", file=sys.stderr)
         print(data.get("text/plain", ""))
 
 
