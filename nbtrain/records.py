@@ -32,9 +32,13 @@ PART_TAG = "p"  # ("p", name, "param"|"buffer"|"module", dotted path) inside a s
 GLOBALS_TAG = "g"  # ("g",): the kernel's globals (a function defined in the cell)
 
 # Names whose presence in a cell (or a function it calls) means it distributes itself:
-# auto mode then steps aside.
+# auto mode then steps aside. Accelerate's Accelerator and Lightning's Fabric wrap the model
+# and shard the loaders themselves: on top of auto mode's, each rank read half its share.
 SELF_DISTRIBUTING = frozenset(
-    {"DistributedDataParallel", "DDP", "fully_shard", "FullyShardedDataParallel", "FSDP", "DistributedSampler"}
+    {
+        "DistributedDataParallel", "DDP", "fully_shard", "FullyShardedDataParallel", "FSDP", "DistributedSampler",
+        "Accelerator", "Fabric",
+    }
 )
 
 

@@ -283,6 +283,35 @@ def test_auto_mode_steps_aside_for_a_cell_that_wraps_the_trainers_model_itself(k
     assert kernel.value("all(torch.equal(p, q) for p, q in zip(model.parameters(), rank0_weights))")
 
 
+def test_a_cell_using_accelerate_trains_on_each_ranks_whole_share_and_comes_back(kernel):
+    """Accelerate's ``prepare`` wraps the model and shards the loader itself: auto mode steps aside
+    (on top of its sharding, each rank read half its share)."""
+    pytest.importorskip("accelerate")
+    kernel.run_ok(
+        "acc_model = nn.Linear(8, 1)\n"
+        "acc_opt = torch.optim.SGD(acc_model.parameters(), lr=0.01)\n"
+        "acc_loader = DataLoader(dataset, batch_size=16, shuffle=True)\n"
+    )
+    out = kernel.run_ok(
+        "%%distributed --devices 2 --accelerator cpu\n"
+        "from accelerate import Accelerator\n"
+        "accelerator = Accelerator(cpu=True)\n"
+        "model_, opt_, loader_ = accelerator.prepare(acc_model, acc_opt, acc_loader)\n"
+        "seen = 0\n"
+        "for x, y in loader_:\n"
+        "    opt_.zero_grad()\n"
+        "    accelerator.backward(loss_fn(model_(x), y))\n"
+        "    opt_.step()\n"
+        "    seen += len(x)\n"
+        "wrapped = type(model_).__name__\n"
+        "rank0_weight = acc_model.weight.detach().clone()\n"
+    )
+    assert "Auto-prepared" not in out.stdout, out.stdout
+    assert kernel.value("seen") == 256 // 2  # rank 0's half of the data set, not a quarter
+    assert kernel.value("wrapped") == "DistributedDataParallel"  # accelerate's own wrapper
+    assert kernel.value("torch.equal(acc_model.weight, rank0_weight)")  # the kernel's model has rank 0's weights
+
+
 def test_an_optimizer_that_keeps_its_own_attributes_and_wraps_another_round_trips(kernel):
     """Third-party optimizers keep settings and a wrapped optimizer as plain attributes."""
     kernel.run_ok(
