@@ -1,11 +1,11 @@
-"""What a cell writes as text: rank output, the run's summary, nbtrain's notes and warnings.
+"""What a cell writes as text of nbtrain's own: the run's summary, notes and warnings.
 
 The kernel side writes to the cell's stdout and stderr only through here and through
-:mod:`~nbtrain.kernel.display.rankout` (a rank's lines and displays as ``--output`` chose;
-the live view and widgets are :mod:`~nbtrain.kernel.display.live` and its siblings): the
-summary a finished cell ends with
-(:func:`summary`), a line of nbtrain's own (:func:`print_line`, :func:`print_warning`) and
-a debugger's output as it comes (:func:`write_text`).
+:mod:`~nbtrain.kernel.display.rankout` (a rank's lines and displays, as ``--output``
+chose; the live view and widgets are :mod:`~nbtrain.kernel.display.live` and its
+siblings): the summary a finished cell ends with (:func:`summary`), a line of nbtrain's
+own (:func:`print_line`, :func:`print_warning`) and a debugger's output as it comes
+(:func:`write_text`).
 
 Example:
     >>> print_line("nbtrain: done.")
