@@ -314,7 +314,8 @@ class _RowsOnTheWay:
         try:  # stack promotes mixed dtypes (a bf16 loss beside a float32 accuracy)
             stacked = torch.stack(scalars) if scalars else torch.zeros(0)
             if stacked.is_cuda:
-                self.host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+                # On the host whatever the default device (a notebook's set_default_device("cuda")).
+                self.host = torch.empty(stacked.shape, dtype=stacked.dtype, device="cpu", pin_memory=True)
                 self.host.copy_(stacked, non_blocking=True)
                 self.event = torch.cuda.Event()
                 self.event.record()

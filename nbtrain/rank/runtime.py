@@ -205,7 +205,6 @@ def _run(
         if not prepared:
             _select_device(spec.device_type, spec.device_index)
         _tolerate_torchrun_style_calls(_distributed())  # before the payload: its names resolve to ours
-        torchsettings.take_on(start.torch_settings, spec.device_type)  # as the kernel set torch
         known = len(sys.modules)
         fn, args, kwargs = sharedtensors.loads(start.payload, tensor_fd, map_location=spec.device_type)
         if spec.rank == 0 and start.standby_seconds:  # what the next standby ranks import ahead
@@ -214,6 +213,8 @@ def _run(
             os.close(tensor_fd)
         if not prepared:
             _join_process_group(assignment, listen_fd)
+        # As the kernel set torch; after nbtrain's own set-up, which a default device must not move.
+        torchsettings.take_on(start.torch_settings, spec.device_type)
         result = fn(*args, **kwargs)
         context.flush()
         sent = _send_done(channel, context, result if spec.rank == 0 else None)

@@ -44,15 +44,23 @@ def test_a_kernel_that_touched_cuda_trains_a_cuda_cell_and_gets_its_weights_back
             "model = torch.nn.Linear(8, 1).cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
             "x, y = torch.randn(64, 8, device='cuda'), torch.randn(64, 1, device='cuda')\n"
             "before = model.weight.detach().clone()\n"
+            # The kernel's torch settings are the rank's (nbtrain.torchsettings).
+            "torch.set_float32_matmul_precision('high')\ntorch.backends.cudnn.benchmark = True\n"
+            "torch.set_default_device('cuda')\n"
         )
         kernel.run_ok(
             "%%distributed --accelerator cuda --devices 1\n"
+            "import nbtrain\n"
             "for _ in range(5):\n"
             "    loss = torch.nn.functional.mse_loss(model(x), y)\n"
             "    opt.zero_grad(); loss.backward(); opt.step()\n"
+            "settings = [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark,\n"
+            "            torch.empty(1).device.type]\n"
+            "nbtrain.log(loss=loss)  # a CUDA scalar, copied to pinned host memory whatever the default device\n"
         )
         moved, device = kernel.value("[(model.weight - before).abs().sum().item(), str(model.weight.device)]")
         assert moved > 0 and device.startswith("cuda")
+        assert kernel.value("settings") == [True, True, "cuda"]
 
 
 def test_kernel_tensors_on_the_cpu_in_a_cuda_cell_get_a_hint_to_move_them():
