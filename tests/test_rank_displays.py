@@ -197,3 +197,24 @@ def test_past_its_display_limit_a_rank_prints_the_rest_as_text_and_says_so_once(
     text = "".join(o.get("text", "") for o in outputs)
     assert text.count(f"showed {DISPLAYS_PER_RUN} displays in this run") == 1, text
     assert text.count("<IPython.core.display.HTML object>") == 3, text
+
+
+def test_a_display_in_a_dataloader_worker_prints_its_text_and_leaves_the_ranks_channel_alone(kernel):
+    outputs = _outputs(
+        kernel,
+        "%%distributed --devices 2 --accelerator cpu\n"
+        "import torch\n"
+        "from IPython.display import HTML, display\n"
+        "class Shown(torch.utils.data.Dataset):\n"
+        "    def __len__(self):\n        return 4\n"
+        "    def __getitem__(self, i):\n"
+        "        if i == 0:\n            display('from a worker')\n"
+        "        return torch.tensor([float(i)])\n"
+        "total = sum(float(b.sum()) for b in torch.utils.data.DataLoader(Shown(), batch_size=2, num_workers=1))\n"
+        "display(HTML('<b>after the loader</b>'))\n",
+    )
+    text = _stdout(outputs)
+    assert "[rank 0] from a worker" in text and "[rank 1] from a worker" in text, outputs  # printed, as outside a run
+    shown = [o["data"]["text/html"] for o in outputs if "after the loader" in o.get("data", {}).get("text/html", "")]
+    assert len(shown) == 2, outputs  # each rank's channel still carries its own displays
+    assert kernel.value("total") == 6.0

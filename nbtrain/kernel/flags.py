@@ -58,9 +58,10 @@ class CellFlag:
 CELL_FLAGS = (
     CellFlag(
         ("--output",), {"default": "all", "choices": OUTPUT_MODES},
-        "whose prints and displays show: `all` (each line tagged `[rank N]`; a progress bar redrawn in place, such as tqdm's, "
-        "is drawn live for rank 0 and shown for the other ranks as it stands when it ends, so the ranks' bars do "
-        "not overwrite each other; the run's log keeps every redraw), `rank0` (rank 0's, untagged), `none`",
+        "whose prints and displays show: `all` (each line tagged `[rank N]`; a progress bar redrawn in place, "
+        "such as tqdm's, is drawn live for rank 0 and shown for the other ranks as it stands when it ends, so the "
+        "ranks' bars do not overwrite each other; the run's log keeps every redraw), `rank0` (rank 0's, untagged), "
+        "`none`",
         "`all`",
     ),
     CellFlag(

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import numbers
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -47,6 +48,7 @@ class RankContext:
     last_flush: float = 0.0
     logged: bool = False
     imported: tuple[str, ...] = ()  # rank 0: library modules its payload imported (nbtrain.rank.runtime)
+    pid: int = field(default_factory=os.getpid)  # the rank's; a DataLoader worker forked from it inherits this
 
     def add_row(self, step: int | None, values: dict[str, Any]) -> None:
         """Keep one logged row (``step`` None: the next step); send the batch when one is due."""

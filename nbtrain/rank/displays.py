@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import functools
 import itertools
+import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -101,7 +102,7 @@ def _outside_a_run(original: Callable[..., Any], on_a_rank: Callable[..., Any]) 
     @functools.wraps(original)
     def chosen(*args: Any, **kwargs: Any) -> Any:
         context = api.current_context()
-        if context is None:
+        if context is None or context.pid != os.getpid():  # a DataLoader worker must not write the rank's channel
             return original(*args, **kwargs)
         return on_a_rank(context, *args, **kwargs)
 

@@ -28,6 +28,7 @@ import select
 import socket
 import sys
 import sysconfig
+import threading
 import traceback
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
@@ -192,8 +193,9 @@ def _run(
         spec.world_size,
         spec.device_type,
         spec.device_index,
-        send=lambda message: wire.send(channel, message),
-        send_in_order=functools.partial(_send_in_order, channel),
+        # One sender at a time: the cell's own threads may log or display beside its main thread.
+        send=functools.partial(_send_locked, channel, sending := threading.Lock()),
+        send_in_order=functools.partial(_send_in_order, channel, sending),
     )
     api._set_context(context)
     try:
@@ -235,14 +237,19 @@ def _run(
 DISPLAYED_SECONDS = 10.0
 
 
-def _send_in_order(channel: socket.socket, message: Any) -> None:
+def _send_locked(channel: socket.socket, sending: threading.Lock, message: Any) -> None:
+    with sending:
+        wire.send(channel, message)
+
+
+def _send_in_order(channel: socket.socket, sending: threading.Lock, message: Any) -> None:
     """Send ``message`` (a display); return once the launcher sent what this rank printed before it.
 
     The answer is :class:`~nbtrain.events.Displayed`: nothing else reaches a rank's channel
     while it runs (the launcher sends pdb's commands only to a rank at its prompt, the release
     once it is done). A late answer is skipped by every later read of the channel.
     """
-    wire.send(channel, message)
+    _send_locked(channel, sending, message)
     ready, _, _ = select.select([channel], [], [], DISPLAYED_SECONDS)
     if ready:
         _, fds = wire.receive(channel)
