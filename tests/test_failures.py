@@ -387,6 +387,15 @@ def test_unpicklable_function_raises_serialization_error(launcher):
     assert "lock" in str(caught.value)
 
 
+def test_input_on_a_rank_fails_at_once_saying_what_to_do(launcher, leak_guard):
+    run = nbtrain.start(lambda: input("epochs? "), devices=2)
+    result, error, _seen = collect(run)
+    assert isinstance(error, nbtrain.RankError) and error.exc_type == "EOFError", (result, error)
+    assert "input('epochs? ') cannot be answered on a rank" in str(error)
+    assert "ask in a cell before %%distributed" in str(error)
+    assert_nothing_left(run, leak_guard)
+
+
 def test_unpicklable_return_value_gives_a_clear_error(launcher, leak_guard):
     run = nbtrain.start(lambda: threading.Lock(), devices=2)
     result, error, _seen = collect(run)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import bdb
+import builtins
 import contextlib
 import datetime
 import faulthandler
@@ -179,6 +180,7 @@ def _begin(assignment: RankAssignment, stack_fd: int | None) -> None:
     _line_buffered_stdio()
     progressbars.print_as_text()  # a spawned rank's (a forked one has its launcher's): before any import
     displays.show_in_cell()
+    builtins.input = functools.partial(_no_input, builtins.input, sys.stdin)
 
 
 def _run(
@@ -231,6 +233,19 @@ def _run(
             debugger.hold_for_post_mortem(channel, start.run_id, spec.rank, traceback_, header)
         processes.exit_now(1)
     processes.exit_now(0)
+
+
+def _no_input(original: Any, stdin: Any, prompt: object = "") -> str:
+    """``input()`` on a rank: its stdin is empty, nobody can answer; say so, and what to do instead.
+
+    pdb's ``interact`` on a rank reads its relay, put in ``sys.stdin`` meanwhile: that one answers.
+    """
+    if sys.stdin is not stdin:
+        return original(prompt)  # type: ignore[no-any-return]
+    raise EOFError(
+        f"input({prompt!r}) cannot be answered on a rank (a rank has no keyboard): ask in a cell "
+        "before %%distributed and use the answer in this one (every rank gets the kernel's variables)"
+    )
 
 
 # How long a rank waits for the launcher to pass on a display (it goes on after that anyway).
