@@ -44,22 +44,34 @@ def test_a_kernel_that_touched_cuda_trains_a_cuda_cell_and_gets_its_weights_back
             "model = torch.nn.Linear(8, 1).cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
             "x, y = torch.randn(64, 8, device='cuda'), torch.randn(64, 1, device='cuda')\n"
             "before = model.weight.detach().clone()\n"
-            # The kernel's torch settings are the rank's (nbtrain.torchsettings).
+        )
+        kernel.run_ok(
+            "%%distributed --accelerator cuda --devices 1\n"
+            "for _ in range(5):\n"
+            "    loss = torch.nn.functional.mse_loss(model(x), y)\n"
+            "    opt.zero_grad(); loss.backward(); opt.step()\n"
+        )
+        moved, device = kernel.value("[(model.weight - before).abs().sum().item(), str(model.weight.device)]")
+        assert moved > 0 and device.startswith("cuda")
+
+
+def test_the_kernels_torch_settings_reach_a_cuda_rank():
+    """TF32, cuDNN's autotuner and a default CUDA device set in the kernel (nbtrain.torchsettings)."""
+    with NotebookKernel() as kernel:
+        kernel.run_ok(
+            "%load_ext nbtrain\nimport torch\nmodel = torch.nn.Linear(8, 1).cuda()\n"
             "torch.set_float32_matmul_precision('high')\ntorch.backends.cudnn.benchmark = True\n"
             "torch.set_default_device('cuda')\n"
         )
         kernel.run_ok(
             "%%distributed --accelerator cuda --devices 1\n"
             "import nbtrain\n"
-            "for _ in range(5):\n"
-            "    loss = torch.nn.functional.mse_loss(model(x), y)\n"
-            "    opt.zero_grad(); loss.backward(); opt.step()\n"
+            "loss = model(torch.randn(4, 8)).pow(2).mean()\n"  # torch.randn on the default device: the GPU
+            "loss.backward()\n"
+            "nbtrain.log(loss=loss)  # a CUDA scalar, copied to pinned host memory whatever the default device\n"
             "settings = [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark,\n"
             "            torch.empty(1).device.type]\n"
-            "nbtrain.log(loss=loss)  # a CUDA scalar, copied to pinned host memory whatever the default device\n"
         )
-        moved, device = kernel.value("[(model.weight - before).abs().sum().item(), str(model.weight.device)]")
-        assert moved > 0 and device.startswith("cuda")
         assert kernel.value("settings") == [True, True, "cuda"]
 
 
