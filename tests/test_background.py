@@ -98,7 +98,10 @@ class Session:
 
     def value(self, expression: str) -> Any:
         cell = self.run_ok(f"import json as _json\nprint(_json.dumps({expression}))")
-        return json.loads(cell.stdout.strip().splitlines()[-1])
+        # The printed line, waited for if it is not in at the cell's idle status: under ipykernel
+        # 6.17 (Colab's) it was once missing then, with a background run's thread publishing.
+        printed = self.wait_for(lambda: self.cell(cell.msg_id).stdout.strip(), 10.0, f"the value of {expression}")
+        return json.loads(printed.splitlines()[-1])
 
     def _idle(self, msg_id: str) -> bool:
         return any(
