@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -49,6 +51,14 @@ def launcher() -> launcher_connection.LauncherClient:
     client = launcher_connection.get_client()
     assert client.ready.wait(LAUNCHER_READY_SECONDS), f"the launcher was not ready in time: {client.exit_detail()}"
     return client
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[Any]:
+    """A real Jupyter kernel with nbtrain loaded, shared by a module's tests (a module may define its own)."""
+    from kernel_helpers import nbtrain_kernel  # nbclient and nbformat: only where a test asks for a kernel
+
+    yield from nbtrain_kernel()
 
 
 class LeakGuard:

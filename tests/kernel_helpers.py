@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from queue import Empty
 from typing import Any
@@ -183,6 +185,19 @@ class NotebookKernel:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def nbtrain_kernel(*cells: str) -> Iterator[NotebookKernel]:
+    """A kernel of this venv's python with nbtrain loaded and ``cells`` run; shut down after (a fixture's body)."""
+    kernel = NotebookKernel()
+    try:
+        assert kernel.value("__import__('sys').executable") == sys.executable  # the venv's python
+        kernel.run_ok("%load_ext nbtrain")
+        for cell in cells:
+            kernel.run_ok(cell)
+        yield kernel
+    finally:
+        kernel.shutdown()
 
 
 def outputs_of(cell: Any) -> CellOutput:

@@ -7,7 +7,6 @@ afterwards, which the tests after it rely on too.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import nbformat
@@ -38,17 +37,6 @@ for epoch in range(3):
         opt.zero_grad(); loss.backward(); opt.step()
     history.append(loss.item())
 """
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    k = NotebookKernel()
-    try:
-        assert k.value("__import__('sys').executable") == sys.executable  # the venv's python
-        k.run_ok("%load_ext nbtrain")
-        yield k
-    finally:
-        k.shutdown()
 
 
 def test_the_issue_cell_trains_and_updates_the_kernels_objects(kernel):

@@ -10,22 +10,11 @@ import types
 
 import pytest
 
-from kernel_helpers import NotebookKernel
 from nbtrain import events
 from nbtrain.kernel.cellrun import CellRun
 from nbtrain.kernel.display import cellout
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    k = NotebookKernel()
-    try:
-        k.run_ok("%load_ext nbtrain")
-        yield k
-    finally:
-        k.shutdown()
 
 
 def test_output_modes_and_shell_magics_inside_the_cell(kernel):

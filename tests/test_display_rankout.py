@@ -8,21 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_helpers import NotebookKernel
 from nbtrain import events
 from nbtrain.kernel.display import rankout
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    k = NotebookKernel()
-    try:
-        k.run_ok("%load_ext nbtrain")
-        yield k
-    finally:
-        k.shutdown()
 
 
 def test_each_output_mode_shows_whose_lines_it_says(capsys):

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from kernel_helpers import NotebookKernel
+from kernel_helpers import NotebookKernel, nbtrain_kernel
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -118,13 +118,7 @@ TEST_LINE = re.compile(
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = NotebookKernel()
-    try:
-        k.run_ok("%load_ext nbtrain")
-        k.run_ok(NOTEBOOK)
-        yield k
-    finally:
-        k.shutdown()
+    yield from nbtrain_kernel(NOTEBOOK)
 
 
 def printed_tests(text: str) -> list[tuple[int | None, float, int, int]]:

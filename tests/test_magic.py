@@ -7,24 +7,9 @@ the module (starting one costs seconds).
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from kernel_helpers import NotebookKernel
-
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    k = NotebookKernel()
-    try:
-        assert k.value("__import__('sys').executable") == sys.executable  # the venv's python
-        k.run_ok("%load_ext nbtrain")
-        yield k
-    finally:
-        k.shutdown()
 
 
 @pytest.mark.parametrize(

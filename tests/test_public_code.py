@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_helpers import NotebookKernel
+from kernel_helpers import nbtrain_kernel
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,13 +28,7 @@ loss_fn = nn.MSELoss()
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = NotebookKernel()
-    try:
-        k.run_ok("%load_ext nbtrain")
-        k.run_ok(SETUP)
-        yield k
-    finally:
-        k.shutdown()
+    yield from nbtrain_kernel(SETUP)
 
 
 def test_process_group_functions_imported_by_name_in_a_plain_cell_are_harmless_on_the_ranks(kernel):

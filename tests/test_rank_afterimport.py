@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from helpers import procs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -14,12 +14,7 @@ pytestmark = pytest.mark.timeout(120)
 def _run(tmp_path, code: str) -> str:
     (tmp_path / "libmod.py").write_text("value = 'original'\n\ndef read():\n    return value\n")
     (tmp_path / "user.py").write_text("from libmod import value\n")  # binds the name as it is imported
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    return procs.python_output(textwrap.dedent(code), cwd=tmp_path)
 
 
 def test_a_module_imported_later_is_changed_before_anything_binds_its_names(tmp_path):

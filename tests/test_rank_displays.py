@@ -8,27 +8,16 @@ cell's saved outputs (nbclient applies display updates to them as a frontend doe
 from __future__ import annotations
 
 import base64
-import subprocess
-import sys
 
 import pytest
 
+from helpers import procs
 from kernel_helpers import NotebookKernel
 
 pytestmark = pytest.mark.timeout(240)
 pytest.importorskip("matplotlib")
 
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    k = NotebookKernel()
-    try:
-        k.run_ok("%load_ext nbtrain\nimport matplotlib\nmatplotlib.use('module://matplotlib_inline.backend_inline')")
-        yield k
-    finally:
-        k.shutdown()
 
 
 def _outputs(kernel: NotebookKernel, cell: str) -> list[dict]:
@@ -175,11 +164,10 @@ def test_in_plain_python_a_ranks_display_prints_its_text_as_a_tagged_line():
         "watch(nbtrain.start(show, devices=2, accelerator='cpu'))\n"
         "nbtrain.launch(show, devices=2, accelerator='cpu')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+    out = procs.python_output(code)
+    lines = out.splitlines()
     for rank in (0, 1):
-        assert lines.count(f"[rank {rank}] {{'rank': {rank}}}") == 2, done.stdout  # watch(), then launch()
+        assert lines.count(f"[rank {rank}] {{'rank': {rank}}}") == 2, out  # watch(), then launch()
 
 
 def test_past_its_display_limit_a_rank_prints_the_rest_as_text_and_says_so_once(kernel):

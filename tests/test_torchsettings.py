@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from helpers import procs
 from kernel_helpers import NotebookKernel
 
 pytestmark = pytest.mark.timeout(240)
@@ -77,6 +75,4 @@ def test_a_tf32_setting_made_either_way_is_read_without_a_warning_and_set_on_a_r
         "torchsettings.take_on({**older, 'default_device': 'cuda'}, 'cpu')  # a CPU rank keeps the CPU\n"
         "print(newer, older, torch.get_float32_matmul_precision(), torch.get_default_device())\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["{'tf32_matmul':", "True}", "{'tf32_matmul':", "True}", "high", "cpu"]
+    assert procs.python_output(code).split() == ["{'tf32_matmul':", "True}", "{'tf32_matmul':", "True}", "high", "cpu"]

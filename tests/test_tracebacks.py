@@ -8,21 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_helpers import NotebookKernel
 from nbtrain.errors import RankError, RunStoppedError
 from nbtrain.kernel import tracebacks
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    k = NotebookKernel()
-    try:
-        k.run_ok("%load_ext nbtrain")
-        yield k
-    finally:
-        k.shutdown()
 
 
 def test_a_failure_on_rank_one_names_the_rank_and_the_cells_line(kernel):

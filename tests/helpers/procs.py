@@ -12,6 +12,7 @@ import os
 import selectors
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -285,3 +286,12 @@ def template_pids(folder: str) -> list[int]:
         if processes.TEMPLATE_MODULE in cmdline and any(arg.startswith(folder) for arg in cmdline):
             found.append(process.pid)
     return found
+
+
+def python_output(code: str, cwd: Any = None, timeout: float = 120.0) -> str:
+    """The stdout of ``code`` run by a fresh ``python -c`` (this venv's); its stderr fails the test if it fails."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout

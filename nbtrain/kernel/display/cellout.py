@@ -14,19 +14,16 @@ Example:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from nbtrain import events, runstate
-from nbtrain.kernel.display import live
+from nbtrain.kernel.display import live, show
 
 
 def write_text(text: str, stderr: bool = False) -> None:
     """Write ``text`` as it is to the cell's stdout (or stderr), at once (pdb's output, a prompt's lines)."""
-    stream = sys.stderr if stderr else sys.stdout
-    stream.write(text)
-    stream.flush()
+    show.write_stream("stderr" if stderr else "stdout", text)
 
 
 def print_line(text: str) -> None:

@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import re
-import sys
 import uuid
 from typing import Any
 
@@ -73,7 +72,7 @@ class OutputPrinter:
             text = "".join(self._tagged(event.rank, event.tag, event.stream, piece) for piece in pieces)
         elif text:
             self._ended(event.rank, event.stream, text)
-        _write(event.stream, text)
+        show.write_stream(event.stream, text)
 
     def _display(self, event: events.Display) -> None:
         """A rank's display: shown, or updated in place, named by its rank when tagged; else its text printed."""
@@ -87,7 +86,8 @@ class OutputPrinter:
             data["text/plain"] = "".join(f"{event.tag} {line}" for line in event.text.splitlines(keepends=True))
         if not event.update:
             if self.tagged and not text_only:  # "[rank 1] Figure:" above the figure
-                _write("stdout", self._line(event.rank, "stdout", f"{event.tag} {event.label or 'display'}:\n", False))
+                label = f"{event.tag} {event.label or 'display'}:\n"
+                show.write_stream("stdout", self._line(event.rank, "stdout", label, redraw=False))
             self._end_open_lines()  # the display starts below any line a rank left open
         show.show_bundle(data, event.metadata, f"{self._ids}-{event.rank}-{event.slot}", event.update)
 
@@ -96,12 +96,12 @@ class OutputPrinter:
         for (rank, stream), (tag, line) in list(self._redrawn.items()):
             del self._redrawn[rank, stream]
             if line.strip():
-                _write(stream, self._line(rank, stream, f"{tag} {line}\n", redraw=True))
+                show.write_stream(stream, self._line(rank, stream, f"{tag} {line}\n", redraw=True))
         self._end_open_lines()  # "print(x, end='')" last: the summary gets a line of its own
 
     def _end_open_lines(self) -> None:
         for stream in list(self._open):
-            _write(stream, self._ended(self._open[stream], stream, "\n"))
+            show.write_stream(stream, self._ended(self._open[stream], stream, "\n"))
 
     def _tagged(self, rank: int, tag: str, stream: str, piece: str) -> str:
         if not piece:
@@ -140,9 +140,3 @@ class OutputPrinter:
             self._open[stream] = rank
         return text
 
-
-def _write(stream_name: str, text: str) -> None:
-    if text:
-        stream = sys.stderr if stream_name == "stderr" else sys.stdout
-        stream.write(text)
-        stream.flush()

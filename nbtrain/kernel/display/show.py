@@ -1,5 +1,5 @@
-"""The small pieces a cell shows: text updated in place, a widget with a saved-notebook
-fallback, a Stop button.
+"""The small pieces a cell shows: text written to its streams, text updated in place, a
+widget with a saved-notebook fallback, a Stop button.
 
 Everything here goes through IPython's ``display`` (imported when first used, so a plain
 ``python`` caller never imports IPython's display machinery) and the shell module
@@ -24,6 +24,14 @@ from nbtrain.kernel import shell as kernel_shell
 def frontend_is_rich() -> bool:
     """True inside a Jupyter kernel (it can show HTML and images); False in a terminal or plain python."""
     return kernel_shell.is_notebook(kernel_shell.get_shell())
+
+
+def write_stream(stream_name: str, text: str) -> None:
+    """Write ``text`` as it is to the cell's ``"stdout"`` or ``"stderr"``, at once (nothing for no text)."""
+    if text:
+        stream = sys.stderr if stream_name == "stderr" else sys.stdout
+        stream.write(text)
+        stream.flush()
 
 
 def show_text(text: str, updatable: bool = False) -> Any:
