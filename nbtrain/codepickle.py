@@ -45,16 +45,54 @@ def _dispatch_table() -> Any:
 
 
 class Pickler(cloudpickle.Pickler):
-    """``cloudpickle.Pickler`` whose functions keep their ``co_filename``, and optimizers their attributes."""
+    """``cloudpickle.Pickler`` whose functions keep their ``co_filename``, optimizers their
+    attributes, and parametrized modules (``weight_norm``, ``spectral_norm``) travel."""
 
     dispatch_table = _dispatch_table()
 
     def reducer_override(self, obj: Any) -> Any:
-        """Optimizers by their plain attributes too (:func:`optimizer_reduce`); everything else as cloudpickle does."""
+        """Optimizers (:func:`optimizer_reduce`) and parametrized modules (:func:`parametrized_reduce`)
+        their own way; everything else as cloudpickle does."""
         reduced = optimizer_reduce(obj)
+        if reduced is None:
+            reduced = parametrized_reduce(obj)
         if reduced is not None:
             return reduced
         return super().reducer_override(obj)
+
+
+def parametrized_reduce(obj: Any) -> Any:
+    """A reduction of a module with torch parametrizations, or None for anything else.
+
+    ``register_parametrization`` (behind ``parametrizations.weight_norm``,
+    ``spectral_norm``, ``orthogonal``) swaps the module's class for a generated subclass
+    whose ``__getstate__`` refuses to pickle. Everything the module holds (the originals,
+    the parametrization modules) is ordinary: it travels as the module of its own class
+    and gets the generated class back on arrival, as ``register_parametrization`` made it.
+    The state is set after the object exists, so references back to it (a hook's closure)
+    come out as the same object.
+    """
+    nn = sys.modules.get("torch.nn")
+    if nn is None or not isinstance(obj, nn.Module):
+        return None
+    for cls in type(obj).__mro__[:3]:  # the generated class, under a one-rank run's class of its own
+        base = cls.__bases__[0] if cls.__bases__ else object
+        if cls.__name__ == f"Parametrized{base.__name__}" and "__getstate__" in vars(cls):
+            return _new_module, (base,), dict(vars(obj)), None, None, _set_parametrized_state
+    return None
+
+
+def _new_module(cls: type) -> Any:
+    return object.__new__(cls)  # a module's __dict__ comes next, from the state
+
+
+def _set_parametrized_state(module: Any, state: dict[str, Any]) -> None:
+    from torch.nn.utils import parametrize
+
+    module.__dict__.update(state)
+    parametrize._inject_new_class(module)
+    for name in module.parametrizations:
+        parametrize._inject_property(module, name)
 
 
 # What torch's Optimizer.__setstate__ makes anew, or an LR scheduler sets on the optimizer

@@ -365,3 +365,91 @@ def test_a_holder_that_refuses_the_prepared_model_is_named_with_why(kernel):
     out = kernel.run_ok("%%distributed --devices 2\nfor x, y in loader:\n    loss_fn(fixed.net(x), y).backward()\n")
     expected = "fixed.net: not prepared (its holder refused it: cannot assign to field 'net'; each rank trains"
     assert expected in out.stdout
+
+
+def test_a_model_with_weight_norm_and_spectral_norm_trains_on_the_ranks_and_comes_back(kernel):
+    """torch's parametrized modules refuse to be pickled; their state travels as an ordinary module's."""
+    kernel.run_ok(
+        "from torch.nn.utils.parametrizations import weight_norm, spectral_norm\n"
+        "torch.manual_seed(4)\n"
+        "normed = nn.Sequential(weight_norm(nn.Linear(8, 16)), nn.ReLU(), spectral_norm(nn.Linear(16, 1)))\n"
+        "normed_opt = torch.optim.Adam(normed.parameters(), lr=1e-2)\n"
+        "direction = normed[0].parametrizations.weight.original1\n"
+        "direction_before = direction.detach().clone()\n"
+    )
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "for x, y in loader:\n"
+        "    loss = loss_fn(normed(x), y)\n"
+        "    normed_opt.zero_grad(); loss.backward(); normed_opt.step()\n"
+        "rank0_state = {k: v.clone() for k, v in normed.state_dict().items()}\n"
+        "parametrized = type(normed[0]).__name__  # indexing the DDP-wrapped Sequential, as in the kernel\n"
+        "layers = (len(normed), [type(layer).__name__ for layer in normed], bool(normed))\n"
+    )
+    assert "normed (DistributedDataParallel)" in out.stdout, out.stdout
+    assert kernel.value("parametrized") == "ParametrizedLinear"
+    assert kernel.value("layers") == [3, ["ParametrizedLinear", "ReLU", "ParametrizedLinear"], True]
+    # The kernel's own tensors hold rank 0's trained state; the parametrization still works.
+    assert kernel.value("normed[0].parametrizations.weight.original1 is direction")
+    assert kernel.value("not torch.equal(direction, direction_before)")
+    assert kernel.value("all(torch.equal(v, rank0_state[k]) for k, v in normed.state_dict().items())")
+    assert kernel.value("normed(X).shape == (256, 1) and len(normed_opt.state) == 5")
+
+
+def test_an_averaged_model_is_moved_not_wrapped_and_its_average_comes_back(kernel):
+    """An EMA copy (torch's AveragedModel) is averaged from the model, not trained: no DDP for it."""
+    kernel.run_ok(
+        "from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn\n"
+        "torch.manual_seed(5)\n"
+        "student = nn.Linear(8, 1)\n"
+        "student_opt = torch.optim.SGD(student.parameters(), lr=0.05)\n"
+        "ema = AveragedModel(student, multi_avg_fn=get_ema_multi_avg_fn(0.9))\n"
+    )
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "for x, y in loader:\n"
+        "    loss = loss_fn(student(x), y)\n"
+        "    student_opt.zero_grad(); loss.backward(); student_opt.step()\n"
+        "    ema.update_parameters(student)\n"
+        "ema_type = type(ema).__name__\n"
+        "rank0_ema = ema.module.weight.detach().clone()\n"
+    )
+    assert "student (DistributedDataParallel)" in out.stdout, out.stdout
+    assert "ema (DistributedDataParallel)" not in out.stdout, out.stdout
+    assert kernel.value("ema_type") == "AveragedModel"
+    assert kernel.value("ema.n_averaged.item()") == 8  # rank 0's 8 steps of 16 x 2 ranks
+    assert kernel.value("torch.equal(ema.module.weight, rank0_ema)")
+    assert kernel.value("not torch.equal(ema.module.weight, student.weight)")
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_code_written_for_a_ddp_model_runs_on_one_rank_and_on_two(kernel, devices, tmp_path):
+    """Gradient accumulation with ``model.no_sync()``, saving ``model.module``'s state, saving
+    the whole model and ``copy.deepcopy(model)``: on two ranks the model is DDP's, on one it
+    is unwrapped, and the same cell works on both; what it saves or copies is the model."""
+    kernel.run_ok(
+        "import contextlib, copy, nbtrain\n"
+        "torch.manual_seed(6)\n"
+        "net6 = nn.Linear(8, 1)\n"
+        "opt6 = torch.optim.SGD(net6.parameters(), lr=0.05)\n"
+    )
+    out = kernel.run_ok(
+        f"%%distributed --devices {devices}\n"
+        "for i, (x, y) in enumerate(loader):\n"
+        "    accumulate = i % 2 == 0\n"
+        "    with net6.no_sync() if accumulate else contextlib.nullcontext():\n"
+        "        loss_fn(net6(x), y).backward()\n"
+        "    if not accumulate:\n"
+        "        opt6.step(); opt6.zero_grad()\n"
+        "best = copy.deepcopy(net6)\n"
+        "if nbtrain.rank() == 0:\n"
+        f"    torch.save(net6.module.state_dict(), {str(tmp_path / 'state.pt')!r})\n"
+        f"    torch.save(net6, {str(tmp_path / 'whole.pt')!r})\n"
+        "kind = type(net6).__name__\n"
+    )
+    assert kernel.value("kind") == ("Linear" if devices == 1 else "DistributedDataParallel"), out.stdout
+    assert kernel.value("type(best) is nn.Linear and torch.equal(best.weight, net6.weight)")
+    whole = f"torch.load({str(tmp_path / 'whole.pt')!r}, weights_only=False)"
+    assert kernel.value(f"type({whole}) is nn.Linear and torch.equal({whole}.weight, net6.weight)")
+    state = f"torch.load({str(tmp_path / 'state.pt')!r})"
+    assert kernel.value(f"torch.equal({state}['weight'], net6.weight)")

@@ -347,9 +347,9 @@ def _probe_pickler_class() -> type:
     """cloudpickle that skips tensor data: checking a 1 GB model copies nothing."""
     global _probe_pickler
     if _probe_pickler is None:
-        import cloudpickle
+        from nbtrain import codepickle
 
-        class ProbePickler(cloudpickle.Pickler):
+        class ProbePickler(codepickle.Pickler):
             def persistent_id(self, obj: Any) -> Any:
                 torch = sys.modules.get("torch")
                 if torch is not None and isinstance(obj, (torch.storage.TypedStorage, torch.UntypedStorage)):

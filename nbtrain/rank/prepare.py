@@ -219,7 +219,7 @@ def _describe(original: Any, prepared: Any) -> str:
         if type(original).__name__.startswith("FSDP"):
             return "sharded with fully_shard"
         torch = preparations.torch_module()
-        trains = isinstance(original, torch.nn.Module) and any(p.requires_grad for p in original.parameters())
+        trains = isinstance(original, torch.nn.Module) and wrapping.trains(original)
         if trains and preparations.one_rank():
             return f"on {api.device()}, not wrapped (one rank)"
         return "moved" if not _is_optimizer(original) else "bound"

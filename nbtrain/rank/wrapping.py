@@ -14,7 +14,10 @@ Example (outside a run a module is only moved to ``nbtrain.device()``):
 
 from __future__ import annotations
 
+import contextlib
+import copyreg
 import functools
+import operator
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -39,9 +42,11 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
         return module
     _move_module(module, api.device())
     wrapper = preparations.model_wrapper() if preparations.in_process_group() else "none"
-    trainable = any(p.requires_grad for p in module.parameters())
+    trainable = trains(module)
     _apply_precision_and_sync(module, wrapper)  # --sync-batchnorm as asked: over one rank, a plain BatchNorm's cost
     if preparations.one_rank():
+        if trainable and wrapper in preparations.DDP_WRAPPERS:
+            module.__class__ = one_rank_class(type(module), plain_module=_has_own_module(module))
         wrapper = "none"
         if trainable and api.device().type != "cpu":
             hook = functools.partial(_inputs_to_device, api.device())  # the rank's device, made once
@@ -57,6 +62,78 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
         prepared = module
     preparations.cell_registry().remember(module, prepared)
     return prepared
+
+
+def trains(module: Any) -> bool:
+    """Whether gradients train ``module``: it has a trainable parameter and is not an averaged copy.
+
+    torch's ``AveragedModel`` (EMA, SWA) holds a copy whose parameters ``update_parameters``
+    averages from the model; no optimizer steps them, so there is nothing to all-reduce.
+    """
+    swa_utils = sys.modules.get("torch.optim.swa_utils")
+    if swa_utils is not None and isinstance(module, swa_utils.AveragedModel):
+        return False
+    return any(p.requires_grad for p in module.parameters())
+
+
+_one_rank_classes: dict[tuple[type, bool], type] = {}
+
+
+def one_rank_class(cls: type, *, plain_module: bool = False) -> type:
+    """``cls`` plus what code written for a DDP-wrapped model calls on it: ``no_sync()`` and ``module``.
+
+    A one-rank run trains the model unwrapped, yet the same cell runs on two ranks, where
+    the model is DDP's: ``with model.no_sync():`` (gradient accumulation) and
+    ``model.module.state_dict()`` must work on one rank too. Here ``no_sync`` has nothing to
+    skip and ``module`` is the model itself (unless the model has an attribute of that name:
+    ``plain_module``). The class keeps ``cls``'s names, and pickles (``torch.save``,
+    ``copy.deepcopy``, the way back to the kernel) as ``cls``: nothing but the rank sees it.
+
+    >>> import copy, torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> model.__class__ = one_rank_class(torch.nn.Linear)
+    >>> model.module is model, type(model).__name__, type(copy.deepcopy(model)) is torch.nn.Linear
+    (True, 'Linear', True)
+    """
+    key = (cls, plain_module)
+    if key not in _one_rank_classes:
+        members: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        if not hasattr(cls, "no_sync"):
+            members["no_sync"] = _no_sync
+        if not plain_module and not hasattr(cls, "module"):
+            members["module"] = property(_itself)
+        made = type(cls.__name__, (cls,), members)
+        made.__reduce_ex__ = functools.partialmethod(_reduce_as, made, cls)  # type: ignore[assignment]
+        _one_rank_classes[key] = made
+    return _one_rank_classes[key]
+
+
+def _has_own_module(module: Any) -> bool:
+    return "module" in vars(module) or "module" in vars(module).get("_modules", {})
+
+
+def _no_sync(self: Any) -> Any:
+    """DDP's ``no_sync``: one rank never synchronises gradients, so there is nothing to skip."""
+    return contextlib.nullcontext()
+
+
+def _itself(self: Any) -> Any:
+    return self
+
+
+def _reduce_as(obj: Any, made: type, cls: type, protocol: Any) -> Any:
+    """``obj``'s reduction with ``made`` (the one-rank class) replaced by ``cls``.
+
+    pickle checks that ``copyreg.__newobj__`` makes an object of ``obj``'s own class, so
+    that form becomes ``copyreg._reconstructor``'s (what protocols 0 and 1 use): the
+    saved file needs nothing but ``cls`` to load.
+    """
+    reduced = getattr(cls, "__reduce_ex__")(obj, protocol)  # noqa: B009 - the class under the one-rank class; typeshed reads it as bound
+    if not isinstance(reduced, tuple) or len(reduced) < 2 or not reduced[1] or reduced[1][0] is not made:
+        return reduced
+    if reduced[0] is copyreg.__newobj__ and len(reduced[1]) == 1:  # type: ignore[attr-defined]  # typeshed lacks it
+        return (copyreg._reconstructor, (cls, object, None), *reduced[2:])  # type: ignore[attr-defined]
+    return (reduced[0], (cls, *reduced[1][1:]), *reduced[2:])
 
 
 def _inputs_to_device(device: Any, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -180,6 +257,24 @@ class _ReadThrough:
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load into the model with its own keys (a state saved from the kernel's model fits)."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # Indexing a Sequential or ModuleList model (``model[0]``, ``model[-1].weight``, ``len(model)``)
+    # goes through the type, never through __getattr__. __bool__ keeps ``if model:`` true
+    # once __len__ exists (a model that is no container has no len()).
+    def __getitem__(self, index: Any) -> Any:
+        return self.module[index]
+
+    def __len__(self) -> int:
+        return len(self.module)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled as the model: ``torch.save(model, path)`` saves it and ``copy.deepcopy(model)``
+        copies it, as in the kernel (a copy of the wrapper would be a second DDP on the
+        process group, and its generated class cannot be pickled by name)."""
+        return operator.itemgetter(0), ((self.module,),)  # stdlib's identity: loads anywhere, the memo keeps it shared
 
 
 _transparent_dp: type | None = None
