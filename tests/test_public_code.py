@@ -453,3 +453,38 @@ def test_code_written_for_a_ddp_model_runs_on_one_rank_and_on_two(kernel, device
     assert kernel.value(f"type({whole}) is nn.Linear and torch.equal({whole}.weight, net6.weight)")
     state = f"torch.load({str(tmp_path / 'state.pt')!r})"
     assert kernel.value(f"torch.equal({state}['weight'], net6.weight)")
+
+
+def test_a_model_made_in_the_cell_is_named_with_how_to_prepare_it_and_the_fix_works(kernel):
+    """Auto mode prepares what the kernel had: a model, optimizer and loader built in the
+    training cell train one copy per rank over all the data; the note says so and how to fix it."""
+    made_here = (
+        "torch.manual_seed(7)\n"
+        "net7 = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 1))\n"
+        "opt7 = torch.optim.SGD(net7.parameters(), lr=0.05)\n"
+        "loader7 = DataLoader(dataset, batch_size=16, shuffle=True)\n"
+        "frozen7 = nn.Linear(8, 8)  # made here, never stepped: nothing to say about it\n"
+    )
+    loop = (
+        "batches = 0\n"
+        "for x, y in loader7:\n"
+        "    loss = loss_fn(net7(x), y)\n"
+        "    opt7.zero_grad(); loss.backward(); opt7.step(); batches += 1\n"
+    )
+    out = kernel.run_ok("%%distributed --devices 2\n" + made_here + loop)
+    expected = (
+        "nbtrain note: `net7` was made in this cell, so auto mode did not prepare it (it prepares what the kernel "
+        "had before the cell): each rank trained its own copy, gradients not averaged, and read all of `loader7`. "
+        "Make it in an earlier cell, or prepare it in this one: "
+        "`net7, opt7, loader7 = nbtrain.prepare(net7, opt7, loader7)`."
+    )
+    assert expected in out.stderr, out.stderr
+    assert "frozen7" not in out.stderr
+    assert kernel.value("batches") == 16  # all 256 samples on rank 0
+    fixed = made_here + "import nbtrain\nnet7, opt7, loader7 = nbtrain.prepare(net7, opt7, loader7)\n"
+    out = kernel.run_ok("%%distributed --devices 2\n" + fixed + loop + "kind = type(net7).__name__\n")
+    assert "was made in this cell" not in out.stderr, out.stderr
+    assert kernel.value("batches") == 8 and kernel.value("kind") == "DistributedDataParallel"
+    # One rank has nothing to average: no note there.
+    out = kernel.run_ok("%%distributed --devices 1\n" + made_here + loop)
+    assert "was made in this cell" not in out.stderr, out.stderr

@@ -323,6 +323,9 @@ def _collect(
     skipped: list[tuple[str, str, str]] = []
     payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
     notes, loader_report = preparations.notes(), loaders.loader_report()
+    if spec.auto and api.world_size() > 1:
+        made_here = prepare.made_in_cell_note(cell_globals, outcome["bound"])
+        notes += [made_here] if made_here is not None else []
     return records.CellResult(payload, storages, deleted, skipped, prepared, notes, loader_report)
 
 
