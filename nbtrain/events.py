@@ -322,6 +322,19 @@ class RunEnded:
 
 
 @dataclass(frozen=True)
+class RanksWaiting:
+    """Launcher -> kernel, once in a run that goes on: some ranks finished the cell a while
+    ago, and the others wait in a collective (a backward's all-reduce) that a finished rank
+    will never join: the ranks ran different steps (a ``break`` or an ``if`` on the rank).
+    ``stacks``: (rank, faulthandler dump) of the waiting ranks."""
+
+    run_id: int
+    finished: tuple[int, ...]
+    seconds: float  # since the first of them finished
+    stacks: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True)
 class RankDone:
     """Rank -> launcher only (not forwarded): the rank's work is done and its result is safe.
 

@@ -146,19 +146,66 @@ def parse_dump(text: str) -> tuple[Frame, ...]:
 
 
 def waits_on_peers(frames: tuple[Frame, ...]) -> bool:
-    """Whether a rank's stack shows it blocked on the other ranks: in a collective, or in a backward pass
-    (where DDP all-reduces the gradients). A rank asleep or computing on its own is not.
+    """Whether a rank's stack shows it blocked on the other ranks: in a collective, in a backward pass
+    (where DDP all-reduces the gradients) or in DDP's forward (which syncs buffers and buckets with
+    the others). A rank asleep or computing on its own is not.
 
     >>> waits_on_peers((Frame("/x/site-packages/torch/autograd/graph.py", 1, "_engine_run_backward"),))
     True
     >>> waits_on_peers((Frame("/home/me/train.py", 3, "<module>"),))
     False
     """
-    return any(
-        frame.function == "_engine_run_backward" or f"{os.sep}distributed{os.sep}" in frame.filename
-        for frame in frames
-        if frame.in_library
+    return _peer_wait(frames) is not None
+
+
+def _peer_wait(frames: tuple[Frame, ...]) -> str | None:
+    """What a rank waits on its peers in, in words ("a backward (DDP's gradient all-reduce)"), or None."""
+    for frame in reversed(frames):
+        if not frame.in_library:
+            continue
+        if frame.function == "_engine_run_backward":
+            return "a backward (DDP's gradient all-reduce)"
+        if frame.filename.endswith(_DDP_FILE):
+            return "DDP's forward (it syncs with the other ranks)"
+        if f"{os.sep}distributed{os.sep}" in frame.filename:
+            return frame.function
+    return None
+
+
+_DDP_FILE = os.path.join("nn", "parallel", "distributed.py")
+
+
+def waiting_note(finished: Iterable[int], seconds: float, waiting: Iterable[RankStack], namer: Namer) -> str:
+    """What the cell says when ranks wait for ranks that finished (:class:`nbtrain.events.RanksWaiting`).
+
+    >>> stack = RankStack(1, (Frame("/x/site-packages/torch/autograd/graph.py", 1, "_engine_run_backward"),))
+    >>> print(waiting_note([0], 10.2, [stack], lambda f: None))  # doctest: +ELLIPSIS
+    nbtrain: rank 0 finished the cell 10 s ago, and rank 1 has begun no optimizer step since: it waits in a backward ...
+    """
+    stacks = sorted(waiting, key=lambda s: s.rank)
+    many = len(stacks) > 1
+    places = " · ".join(_waits(stack, f"rank {stack.rank}" if many else "it", namer) for stack in stacks)
+    return (
+        f"nbtrain: {_ranks(finished)} finished the cell {seconds:.0f} s ago, and {_ranks(s.rank for s in stacks)} "
+        f"{'have' if many else 'has'} begun no optimizer step since: {places}"
+        ". A rank that finished joins no collective again, so this waits until the run's timeout (with none, "
+        "for ever): the ranks ran different steps (a `break`, or an `if` on nbtrain.rank() that only some "
+        "take). Interrupt the kernel to stop the run, and make every rank run the same steps.\n"
     )
+
+
+def _waits(stack: RankStack, subject: str, namer: Namer) -> str:
+    """``it waits in a backward (DDP's gradient all-reduce), Cell In[3], line 5``."""
+    user = [f for f in stack.frames if not f.in_library and not f.in_nbtrain]
+    where = f", {_location(user[-1], namer)}" if user else ""
+    return f"{subject} waits in {_peer_wait(stack.frames) or 'a collective'}{where}"
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    listed = sorted(ranks)
+    if len(listed) == 1:
+        return f"rank {listed[0]}"
+    return "ranks " + ", ".join(map(str, listed[:-1])) + f" and {listed[-1]}"
 
 
 def in_backward(frames: tuple[Frame, ...]) -> bool:

@@ -56,6 +56,7 @@ EXAMPLES: list[object] = [
     events.RunEnded(3, events.FAILED, failure=FAILED, stacks=((0, "Thread 0x1 (most recent call first):"),)),
     events.RunEnded(3, events.STOPPED, result=b"r", stopped_at=412),
     events.RunEnded(3, events.STOPPED, stop_note="stopped hard (rank 1 did not reach step 412 within 2.0 s)"),
+    events.RanksWaiting(3, (0,), 10.4, ((1, "Current thread 0x00007f (most recent call first):\n"),)),
     events.RankDone(3, 0, result=b"42", regions=((0x7F00, 8, 0),), total_bytes=8),
     events.ResultOffer(3, 4242, b"r", ((0x7F00, 8, 0),), 8),
     events.ReleaseResult(3, send_file=True),

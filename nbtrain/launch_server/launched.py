@@ -45,6 +45,17 @@ class RankProcess:
 
 
 @dataclass
+class UnevenWatch:
+    """A run's watch for ranks left waiting by one that finished (nbtrain.launch_server.uneven)."""
+
+    first_done_at: float | None = None
+    steps_then: tuple[int, ...] = ()  # each rank's optimizer steps begun when the first finished
+    next_look: float = 0.0
+    asked_at: float | None = None  # stacks asked for, not read yet
+    said: bool = False
+
+
+@dataclass
 class LauncherRun:
     """What the launcher knows of one run: its ranks, its phase (``lifecycle``) and what it ends with."""
 
@@ -73,6 +84,7 @@ class LauncherRun:
     graceful: graceful.GracefulStop | None = None
     stop_note: str = ""  # why a stop could not keep the state (sent with RunEnded)
     late: list[int] = field(default_factory=list)  # the ranks a graceful stop gave up on
+    uneven: UnevenWatch = field(default_factory=UnevenWatch)  # ranks left waiting (launch_server.uneven)
 
     @property
     def state(self) -> RunPhase:

@@ -54,7 +54,7 @@ from nbtrain.events import (
     StopRun,
     StopStep,
 )
-from nbtrain.launch_server import graceful, heldranks, stackdumps, standby, tracker
+from nbtrain.launch_server import graceful, heldranks, stackdumps, standby, tracker, uneven
 from nbtrain.launch_server.forking import (
     bind_store,
     fork_standby,
@@ -407,6 +407,7 @@ class Launcher:
             self._stop(run, events.FAILED)
         elif isinstance(message, RankDone):
             rank.done = True
+            uneven.on_done(run, time.monotonic())
             if message.imported and run.plan is not None:  # the next standby ranks import them ahead
                 run.plan = dataclasses.replace(run.plan, preimport=message.imported)
             if message.regions:
@@ -582,6 +583,9 @@ class Launcher:
                 self._stop(run, events.TIMED_OUT)
             self._follow_graceful(run, now)
             self._note_steps(run)
+            waiting = uneven.look(run, now)
+            if waiting is not None:
+                self._send(waiting)
             self._tick_stop(run, now)
             self._sample_memory(run, now)
             for rank in run.ranks:

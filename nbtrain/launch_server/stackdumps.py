@@ -24,6 +24,7 @@ STACK_QUIET_SECONDS = 0.05
 def request_dumps(run: LauncherRun) -> bool:
     """Signal every live rank for its stack dump; False when none can answer."""
     for rank in run.ranks:
+        rank.stack = b""  # what an earlier look (nbtrain.launch_server.uneven) read is not this stop's
         rank.stack_asked = not rank.exited and processes.request_stack(rank.pid)
     return any(rank.stack_asked for rank in run.ranks)
 

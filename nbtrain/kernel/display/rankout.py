@@ -58,7 +58,14 @@ class OutputPrinter:
         self._ids = f"nbtrain-{uuid.uuid4().hex[:12]}"  # its displays' ids: another cell's never match
 
     def __call__(self, event: Any) -> None:
-        """Write ``event``'s lines, or show its display, if it is a rank's output this mode shows (else nothing)."""
+        """Write ``event``'s lines, or show its display, if it is a rank's output this mode shows (else nothing).
+
+        Ranks left waiting for one that finished (:class:`~nbtrain.events.RanksWaiting`) are
+        said whatever the mode: the run looks slow, and this says why.
+        """
+        if isinstance(event, events.RanksWaiting):
+            self._waiting(event)
+            return
         if not isinstance(event, (events.Output, events.Display)):
             return
         if self.mode == "none" or (self.mode == "rank0" and event.rank != 0):
@@ -90,6 +97,16 @@ class OutputPrinter:
                 show.write_stream("stdout", self._line(event.rank, "stdout", label, redraw=False))
             self._end_open_lines()  # the display starts below any line a rank left open
         show.show_bundle(data, event.metadata, f"{self._ids}-{event.rank}-{event.slot}", event.update)
+
+    def _waiting(self, event: events.RanksWaiting) -> None:
+        from nbtrain import stacks
+        from nbtrain.kernel import cellnames
+        from nbtrain.kernel import shell as kernel_shell
+
+        waiting = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in event.stacks]
+        namer = cellnames.cell_namer(kernel_shell.get_shell())
+        self._end_open_lines()
+        show.write_stream("stderr", stacks.waiting_note(event.finished, event.seconds, waiting, namer))
 
     def finish(self) -> None:
         """Show each line a rank other than 0 left mid-redraw (a progress bar the run ended in); end open lines."""
