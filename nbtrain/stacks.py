@@ -190,7 +190,8 @@ def waiting_note(finished: Iterable[int], seconds: float, waiting: Iterable[Rank
         f"{'have' if many else 'has'} begun no optimizer step since: {places}"
         ". A rank that finished joins no collective again, so this waits until the run's timeout (with none, "
         "for ever): the ranks ran different steps (a `break`, or an `if` on nbtrain.rank() that only some "
-        "take). Interrupt the kernel to stop the run, and make every rank run the same steps.\n"
+        "take). Stop the run (interrupt the kernel; a background run: its Stop), and make every rank run "
+        "the same steps."
     )
 
 

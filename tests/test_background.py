@@ -365,6 +365,25 @@ def test_a_failing_background_cell_shows_failed_and_wait_raises_naming_the_rank(
     assert session.value("[nbtrain.runs()[-1].state, 'value' in globals()]") == ["failed", False]
 
 
+def test_a_background_run_whose_ranks_wait_for_a_finished_rank_says_so_under_its_view(session):
+    from nbtrain.launch_server.uneven import UNEVEN_SECONDS
+
+    started = session.run_ok(
+        "%%distributed --devices 2 --background\n"
+        "for i, (x, y) in enumerate(loader):\n"
+        "    if nbtrain.rank() == 0 and i == 2:\n"
+        "        break\n"
+        "    loss = loss_fn(model(x), y)\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n"
+    )
+    view = session.view_id(started)
+    _, text, _ = session.wait_view(view, "begun no optimizer step since", timeout=UNEVEN_SECONDS + CELL_SECONDS)
+    assert "rank 0 finished the cell" in text and "(interrupt the kernel; a background run: its Stop)" in text
+    assert session.value("nbtrain.runs()[-1].state") == "running"  # said while the run goes on
+    session.run_ok("nbtrain.runs()[-1].stop()")
+    assert session.value("nbtrain.runs()[-1].state") == "stopped"
+
+
 def test_launch_in_the_background_returns_a_handle_and_its_value(session):
     cell = session.run_ok(
         "def add(a, b):\n"

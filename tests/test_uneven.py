@@ -55,7 +55,7 @@ def test_ranks_waiting_for_a_rank_that_finished_are_named_with_where_and_what_to
     waits = r"rank 1 has begun no optimizer step since: it waits in (DDP's forward|a backward) .*, Cell In\[\d+\], "
     waits += r"line (5|6)\. "
     assert re.search(waits, note), note
-    assert "Interrupt the kernel to stop the run, and make every rank run the same steps." in note
+    assert "Stop the run (interrupt the kernel; a background run: its Stop), and make every rank run the same" in note
     # The run is over: the kernel's model is as it was, and the next cell runs.
     out = kernel.run_ok("%%distributed --devices 2\nsteps = sum(1 for _ in loader)\n")
     assert "begun no optimizer step" not in out.text

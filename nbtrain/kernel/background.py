@@ -345,6 +345,9 @@ class BackgroundRun:
         if self.view is None:
             self._printer(event)
             return
+        if isinstance(event, events.RanksWaiting):  # the run looks slow: the note under the view says why
+            self._note(f"{self.view.note}\n{display.waiting_text(event)}")
+            return
         if isinstance(event, events.Display):  # the view's rank lines are text: a display's text, once
             if event.update or not event.text:
                 return

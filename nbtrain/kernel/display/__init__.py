@@ -38,7 +38,7 @@ from nbtrain.kernel.display.cellout import print_line, print_warning, write_text
 from nbtrain.kernel.display.chart import ChartFigure, render_charts_png
 from nbtrain.kernel.display.form import LauncherForm, Machine, show_launcher_form
 from nbtrain.kernel.display.live import FASTEST_FRAME_SECONDS, LiveView, NotedLiveView, watch
-from nbtrain.kernel.display.rankout import OutputPrinter
+from nbtrain.kernel.display.rankout import OutputPrinter, waiting_text
 from nbtrain.kernel.display.show import (
     enable_colab_widgets,
     frontend_is_rich,
@@ -66,6 +66,7 @@ __all__ = [
     "show_widget",
     "stop_button",
     "update_text",
+    "waiting_text",
     "watch",
     "write_text",
 ]

@@ -99,14 +99,8 @@ class OutputPrinter:
         show.show_bundle(data, event.metadata, f"{self._ids}-{event.rank}-{event.slot}", event.update)
 
     def _waiting(self, event: events.RanksWaiting) -> None:
-        from nbtrain import stacks
-        from nbtrain.kernel import cellnames
-        from nbtrain.kernel import shell as kernel_shell
-
-        waiting = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in event.stacks]
-        namer = cellnames.cell_namer(kernel_shell.get_shell())
         self._end_open_lines()
-        show.write_stream("stderr", stacks.waiting_note(event.finished, event.seconds, waiting, namer))
+        show.write_stream("stderr", waiting_text(event) + "\n")
 
     def finish(self) -> None:
         """Show each line a rank other than 0 left mid-redraw (a progress bar the run ended in); end open lines."""
@@ -157,3 +151,13 @@ class OutputPrinter:
             self._open[stream] = rank
         return text
 
+
+def waiting_text(event: events.RanksWaiting) -> str:
+    """What the cell says of ranks left waiting by ranks that finished, in the notebook's terms."""
+    from nbtrain import stacks
+    from nbtrain.kernel import cellnames
+    from nbtrain.kernel import shell as kernel_shell
+
+    waiting = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in event.stacks]
+    namer = cellnames.cell_namer(kernel_shell.get_shell())
+    return stacks.waiting_note(event.finished, event.seconds, waiting, namer)
