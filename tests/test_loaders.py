@@ -14,7 +14,14 @@ from nbtrain.rank import loaders
 
 
 def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(launcher):
-    from torch.utils.data import DistributedSampler, IterableDataset, WeightedRandomSampler
+    from torch.utils.data import (
+        BatchSampler,
+        DistributedSampler,
+        IterableDataset,
+        RandomSampler,
+        SequentialSampler,
+        WeightedRandomSampler,
+    )
 
     ten = TensorDataset(torch.arange(10.0))
     made = [
@@ -25,6 +32,8 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
         DataLoader(TensorDataset(torch.arange(12.0)), batch_size=4),
         DataLoader(ten, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 7)),  # custom: not sharded
         DataLoader(ten, batch_size=2, sampler=DistributedSampler(ten, num_replicas=5, rank=0)),  # the user's own
+        DataLoader(ten, batch_sampler=BatchSampler(SequentialSampler(ten), 3, drop_last=False)),  # batches of 3
+        DataLoader(ten, batch_sampler=BatchSampler(RandomSampler(ten), 3, drop_last=True)),  # 3 a rank, 1 batch
     ]
 
     def fn(made):
@@ -38,7 +47,7 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
     on_ranks = finish(nbtrain.start(fn, (made,), devices=3))
     in_kernel = [loaders.batches_per_rank(loader, 3, "ddp") for loader in made]
     assert on_ranks == [in_kernel] * 3
-    assert in_kernel == [2, 1, 2, 4, 1, 4, 1]
+    assert in_kernel == [2, 1, 2, 4, 1, 4, 1, 2, 1]
     assert [loaders.batches_per_rank(loader, 3, "none") for loader in made] == [len(x) for x in made]
 
     class Stream(IterableDataset):
@@ -50,6 +59,22 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
 
     assert loaders.batches_per_rank(DataLoader(Stream()), 3, "ddp") is None  # each rank reads what it reads
     assert loaders.batches_per_rank([1, 2, 3], 3, "ddp") is None  # not a DataLoader
+
+
+def test_a_loader_given_a_batch_sampler_is_sharded_in_its_batches(launcher):
+    """``DataLoader(dataset, batch_sampler=BatchSampler(...))``: batch size and drop_last are the batch sampler's."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    data = TensorDataset(torch.arange(12.0).unsqueeze(1), torch.arange(12))
+    loader = DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 4, drop_last=False))
+
+    def fn(loader):
+        with torch.enable_grad():
+            return [(tuple(x.shape), y.tolist()) for x, y in nbtrain.prepare(loader)]
+
+    batches = finish(nbtrain.start(fn, (loader,), devices=2))  # rank 0's
+    assert [shape for shape, _ in batches] == [(4, 1), (2, 1)]  # rank 0's 6 of 12, in batches of 4
+    assert len({i for _, ids in batches for i in ids}) == 6
 
 
 # -- training passes and evaluation passes -----------------------------------------------------

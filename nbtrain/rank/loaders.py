@@ -80,13 +80,22 @@ def _shardable(loader: Any) -> tuple[str, bool]:
     if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
         name = type(loader.batch_sampler).__name__
         return f"{what} was not sharded: its batch_sampler ({name}) is custom, so every rank reads all of it.", False
-    sampler = loader.sampler
+    sampler = _batching(loader)[0]
     if type(sampler) is SequentialSampler:
         return "", False
     if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
         return "", True
     name = type(sampler).__name__
     return f"{what} was not sharded: its sampler ({name}) is custom, so every rank reads all of it.", False
+
+
+def _batching(loader: Any) -> tuple[Any, int | None, bool]:
+    """(sampler, batch size, drop_last) as the loader batches: a ``batch_sampler=BatchSampler(...)``
+    passed to the DataLoader holds them (the loader's own ``batch_size`` is then None)."""
+    given = loader.batch_sampler if loader.batch_size is None else None
+    if given is not None:
+        return given.sampler, given.batch_size, given.drop_last
+    return loader.sampler, loader.batch_size, loader.drop_last
 
 
 def batches_per_rank(loader: Any, world_size: int, wrapper: str, *, evaluation: bool = False) -> int | None:
@@ -118,12 +127,13 @@ def batches_per_rank(loader: Any, world_size: int, wrapper: str, *, evaluation: 
             return unchanged  # the rank iterates its copy of this very loader
         if evaluation and evaluation_of(loader) == "whole":
             return unchanged
+        _, batch_size, drop_last = _batching(loader)
         share: DistributedSampler[Any] = DistributedSampler(
-            loader.dataset, num_replicas=world_size, rank=0, shuffle=False, drop_last=loader.drop_last
+            loader.dataset, num_replicas=world_size, rank=0, shuffle=False, drop_last=drop_last
         )
-        if loader.batch_size is None:
+        if batch_size is None:
             return len(share)
-        return len(BatchSampler(share, loader.batch_size, loader.drop_last))
+        return len(BatchSampler(share, batch_size, drop_last))
     except (TypeError, ValueError, AttributeError):  # no len(), or a loader torch would refuse
         return None
 
@@ -225,21 +235,22 @@ def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
         seed = int(loader.generator.initial_seed())
     else:  # every rank draws the same seed: they start from the kernel's RNG state
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    _, batch_size, drop_last = _batching(loader)
     sampler: DistributedSampler[Any] = DistributedSampler(
         loader.dataset,
         num_replicas=api.world_size(),
         rank=api.rank(),
         shuffle=shuffle,
         seed=seed,
-        drop_last=loader.drop_last,
+        drop_last=drop_last,
     )
     kwargs = {
-        "batch_size": loader.batch_size,
+        "batch_size": batch_size,
         "sampler": sampler,
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
         "pin_memory": loader.pin_memory,
-        "drop_last": loader.drop_last,
+        "drop_last": drop_last,
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
