@@ -244,3 +244,54 @@ def test_progress_total_of_a_cell_mixing_training_and_evaluation_loops(kernel):
     # 2 epochs x (12 training batches per rank + the 4 batches of the whole test set)
     assert kernel.value(f"{run}.total_steps") == 2 * (384 // 32 + 256 // 64)
     assert kernel.value(f"[row[0] for row in {run}.metrics[0]][-1]") == 32
+
+
+PHASES = """
+dataloaders = {"train": train_loader, "val": test_loader}
+dataset_sizes = {phase: len(loader.dataset) for phase, loader in dataloaders.items()}
+
+def train_model(model, criterion, optimizer, num_epochs):
+    # torchvision's fine-tuning tutorial's shape: gradients turned on and off inside the loop
+    best_acc = 0.0
+    for epoch in range(num_epochs):
+        for phase in ["train", "val"]:
+            model.train() if phase == "train" else model.eval()
+            corrects, seen = 0, 0
+            for inputs, labels in dataloaders[phase]:
+                optimizer.zero_grad()
+                with torch.set_grad_enabled(phase == "train"):
+                    outputs = model(inputs)
+                    loss = criterion(outputs, labels)
+                    if phase == "train":
+                        loss.backward()
+                        optimizer.step()
+                corrects += (outputs.argmax(1) == labels).sum().item()
+                seen += len(labels)
+            acc = corrects / dataset_sizes[phase]
+            print(f"{phase} acc {acc:.4f} seen {seen}")
+            if phase == "val" and acc > best_acc:
+                best_acc = acc
+    return model
+"""
+
+
+def test_a_loop_that_turns_gradients_off_inside_evaluates_whole_with_the_model_in_eval_mode(kernel):
+    """A pass begun with the model in eval mode reads the whole loader, gradients on or not; a size
+    taken from a dataset that training passes shard is named."""
+    kernel.run_ok("reset()\n" + PHASES)
+    cell = "%%distributed --devices 2 --accelerator cpu\nmodel = train_model(model, F.nll_loss, optimizer, 1)"
+    out = kernel.run_ok(cell)
+    val = re.findall(r"^\[rank (\d)\] val acc ([\d.]+) seen (\d+)$", out.stdout, re.MULTILINE)
+    assert sorted(rank for rank, _, _ in val) == ["0", "1"], out.stdout
+    assert {seen for _, _, seen in val} == {"256"}  # every rank scored the whole test set
+    assert len({acc for _, acc, _ in val}) == 1  # so every rank has the same accuracy (and best model)
+    (_, correct, n) = kernel_evaluation(kernel)
+    assert float(val[0][1]) == pytest.approx(correct / n, abs=1e-4)
+    assert "dataloaders['val']: evaluated whole on every rank (iterated with the model in eval mode)" in out.stdout
+    assert re.search(r"^\[rank 0\] train acc [\d.]+ seen 384$", out.stdout, re.MULTILINE), out.stdout
+    expected = (
+        "dataset_sizes['train'] is 768, the size of dataloaders['train']'s dataset, of which each rank's training "
+        "pass reads 384: a total over that pass divided by dataset_sizes['train'] is the rank's part, not the whole"
+    )
+    assert expected in out.stdout, out.stdout
+    assert "dataset_sizes['val'] is" not in out.stdout  # read whole: its size is the right divisor

@@ -479,6 +479,10 @@ def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: 
         report = ns.apply_result(outcome, shipped, kernel_shell.user_namespace(shell), result.deleted)
     record.prepared = list(result.prepared)
     record.loaders = list(result.loaders)
+    if record.derived:  # a dataset's size is only worth a note where a training pass read a share of it
+        from nbtrain.kernel import lengths
+
+        record.derived = lengths.read_in_training(record.derived, record.loaders)
     record.updated = report.updated + [f"del {n}" for n in report.deleted]
     record.skipped = list(result.skipped) + report.skipped
     warnings = [f"note: {note}" for note in result.notes]

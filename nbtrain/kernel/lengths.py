@@ -67,6 +67,7 @@ def derived_lengths(
     for name in sorted(objects):
         if re.split(r"[.\[]", name, maxsplit=1)[0] in rebound:
             continue
+        found += _dataset_sizes(name, objects[name], objects, world_size, wrapper)
         value = objects[name]
         counted = type(value) is int and (name in _LENGTH_NAMES or name.endswith("_steps"))
         expected = value if counted else expected_steps(value)
@@ -74,6 +75,50 @@ def derived_lengths(
         if expected and match is not None:
             found.append(_sentence(name, expected, *match, number=counted))
     return found
+
+
+def _dataset_sizes(name: str, value: Any, objects: Mapping[str, Any], world_size: int, wrapper: str) -> list[str]:
+    """Sentences for the numbers in ``value`` (an int, or a dict or list of them) that are the size of
+    a sharded loader's dataset: a total over a training pass divided by one is a rank's part."""
+    from nbtrain.rank import loaders
+
+    if type(value) is int:
+        numbers = [(name, value)]
+    elif isinstance(value, dict) and len(value) <= 16:
+        numbers = [(f"{name}[{k!r}]", v) for k, v in value.items() if isinstance(k, (str, int)) and type(v) is int]
+    else:
+        return []
+    found = []
+    for label, number in numbers:
+        for loader_name, loader in objects.items():
+            read = loaders.samples_per_rank(loader, world_size, wrapper)
+            if read is not None and number == len(loader.dataset) != read:
+                found.append(
+                    f"{label} is {number}, the size of {loader_name}{_DATASET_SIZE} {read}: a total over that "
+                    f"pass divided by {label} is the rank's part, not the whole; divide by the samples the pass "
+                    "read (count them in the loop) instead"
+                )
+                break
+    return found
+
+
+_DATASET_SIZE = "'s dataset, of which each rank's training pass reads"
+
+
+def read_in_training(sentences: list[str], loader_report: list[tuple[str, str]]) -> list[str]:
+    """``sentences`` without those on a dataset's size whose loader no training pass read (after the run).
+
+    >>> said = ["n is 8, the size of val's dataset, of which each rank's training pass reads 4: ..."]
+    >>> read_in_training(said, [("val", "evaluated whole on every rank (iterated without gradients)")])
+    []
+    """
+    sharded = {name for name, how in loader_report if how.startswith("sharded")}
+    kept = []
+    for sentence in sentences:
+        head, sep, _ = sentence.partition(_DATASET_SIZE)
+        if not sep or head.rsplit(", the size of ", 1)[-1] in sharded:
+            kept.append(sentence)
+    return kept
 
 
 def _sentence(name: str, expected: int, loader: str, whole: int, share: int, *, number: bool = False) -> str:

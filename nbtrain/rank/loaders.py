@@ -138,6 +138,30 @@ def batches_per_rank(loader: Any, world_size: int, wrapper: str, *, evaluation: 
         return None
 
 
+def samples_per_rank(loader: Any, world_size: int, wrapper: str) -> int | None:
+    """The samples a training pass over ``loader`` reads on each rank once auto mode prepared it,
+    or None when it is not sharded (or not a map-style DataLoader).
+
+    >>> import torch
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> samples_per_rank(DataLoader(TensorDataset(torch.zeros(9, 1)), batch_size=4), 2, "ddp")
+    5
+    """
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return None
+    if wrapper == "none" or world_size < 2 or _already_distributed(loader) or _shardable(loader)[0]:
+        return None
+    try:
+        share: DistributedSampler[Any] = DistributedSampler(
+            loader.dataset, num_replicas=world_size, rank=0, shuffle=False, drop_last=_batching(loader)[2]
+        )
+        return len(share)
+    except (TypeError, ValueError):
+        return None
+
+
 def loader_lengths(objects: Mapping[str, Any], world_size: int, wrapper: str) -> tuple[dict[str, int], dict[str, int]]:
     """Batches per rank of each DataLoader among ``objects``: in passes with gradients, and without.
 
@@ -172,8 +196,11 @@ class _PassAware(_LoaderBase):
     call: enabled, a training pass reads this rank's share (``set_epoch`` first, so
     every training pass shuffles anew); disabled, an evaluation pass reads the rank's
     copy of the user's own loader, whole and in its own order, unless the loader
-    was prepared with ``evaluation="shard"``. ``len()`` follows the same rule, so
-    ``len(loader)`` inside ``torch.no_grad()`` counts the batches that pass reads.
+    was prepared with ``evaluation="shard"``. A pass begun with every prepared model in
+    eval mode (``model.eval()``) is an evaluation pass too, grad mode aside: a loop that
+    turns gradients off inside itself (``with torch.set_grad_enabled(phase == "train")``,
+    as torchvision's fine-tuning tutorial does) evaluates. ``len()`` follows the same
+    rule, so ``len(loader)`` inside ``torch.no_grad()`` counts the batches that pass reads.
     (A mixin: :func:`_prepared_loader_class` puts it in front of torch's DataLoader.)
     """
 
@@ -181,6 +208,7 @@ class _PassAware(_LoaderBase):
     _nbtrain_whole: Any  # what an evaluation pass reads: the rank's copy of the user's loader
     _nbtrain_passes: dict[str, int]  # passes so far: "train", "whole", "shard"
     _nbtrain_one_rank = False  # every pass reads the user's loader, moved to the device
+    _nbtrain_by_mode = False  # an evaluation pass was one by the models' eval mode, gradients on
 
     # Not DataLoader's iterator type: a pass reads the user's own loader, or moves batches.
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -209,8 +237,20 @@ class _PassAware(_LoaderBase):
 
     def _nbtrain_pass_kind(self) -> str:
         if preparations.torch_module().is_grad_enabled():
-            return "train"
+            if not _models_evaluating():
+                return "train"
+            self._nbtrain_by_mode = True
         return "shard" if evaluation_of(self) == "shard" else "whole"
+
+
+def _models_evaluating() -> bool:
+    """Whether the cell's prepared models that train are all in eval mode (and there is one)."""
+    from nbtrain.rank import wrapping
+
+    nn = preparations.torch_module().nn
+    models = [o for o, _ in preparations.cell_registry().prepared.values() if isinstance(o, nn.Module)]
+    trained = [m for m in models if wrapping.trains(m)]
+    return bool(trained) and not any(m.training for m in trained)
 
 
 def _prepared_loader_class() -> type:
@@ -307,7 +347,8 @@ def describe_passes(loader: Any) -> str:
         also = " for training" if passes["whole"] or passes["shard"] else ""
         parts.append(f"sharded{also} ({share}{_effective_batch(loader)})")
     if passes["whole"]:
-        parts.append("evaluated whole on every rank (iterated without gradients)")
+        why = "iterated with the model in eval mode" if loader._nbtrain_by_mode else "iterated without gradients"
+        parts.append(f"evaluated whole on every rank ({why})")
     if passes["shard"]:
         parts.append(f"evaluated sharded ({share}; evaluation='shard')")
     if not parts:
