@@ -295,3 +295,25 @@ def test_a_loop_that_turns_gradients_off_inside_evaluates_whole_with_the_model_i
     )
     assert expected in out.stdout, out.stdout
     assert "dataset_sizes['val'] is" not in out.stdout  # read whole: its size is the right divisor
+
+
+def test_a_training_loop_begun_with_the_model_left_in_eval_mode_is_named_and_then_sharded(kernel):
+    """model.eval() in an earlier cell, a loop that never calls model.train(): its first pass reads the
+    whole loader (it looked like an evaluation); once it trained, the summary says so and passes shard."""
+    kernel.run_ok("reset()\nmodel.eval()")
+    out = kernel.run_ok(
+        "%%distributed --devices 2 --accelerator cpu\n"
+        "read = []\n"
+        "for epoch in range(2):\n"
+        "    read.append(0)\n"
+        "    for data, target in train_loader:\n"
+        "        optimizer.zero_grad(); F.nll_loss(model(data), target).backward(); optimizer.step()\n"
+        "        read[-1] += len(target)\n"
+    )
+    assert kernel.value("read") == [768, 384], out.stdout  # whole, then this rank's share
+    expected = (
+        "train_loader: sharded (DistributedSampler, 384 of 768 per rank; effective batch 64 = 32 per rank x 2 ranks)"
+        " and read whole on every rank in a pass that trained: the model was in eval mode when it began "
+        "(call model.train() before a training loop)."
+    )
+    assert expected in out.stdout, out.stdout

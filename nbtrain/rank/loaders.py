@@ -209,10 +209,15 @@ class _PassAware(_LoaderBase):
     _nbtrain_passes: dict[str, int]  # passes so far: "train", "whole", "shard"
     _nbtrain_one_rank = False  # every pass reads the user's loader, moved to the device
     _nbtrain_by_mode = False  # an evaluation pass was one by the models' eval mode, gradients on
+    _nbtrain_mode_pass_at: int | None = None  # the cell's step count when such a pass began
+    _nbtrain_trained_whole = False  # such a pass trained (a step began in it): grad mode alone decides now
 
     # Not DataLoader's iterator type: a pass reads the user's own loader, or moves batches.
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._nbtrain_check_trained()
         kind = self._nbtrain_pass_kind()
+        if kind == "whole" and preparations.torch_module().is_grad_enabled():  # by the models' eval mode
+            self._nbtrain_mode_pass_at = _cell_steps()
         if not any(self._nbtrain_passes.values()):
             preparations.cell_registry().first_iterated.append(self)  # the summary names loaders in this order
         self._nbtrain_passes[kind] += 1
@@ -237,10 +242,25 @@ class _PassAware(_LoaderBase):
 
     def _nbtrain_pass_kind(self) -> str:
         if preparations.torch_module().is_grad_enabled():
-            if not _models_evaluating():
+            if self._nbtrain_trained_whole or not _models_evaluating():
                 return "train"
             self._nbtrain_by_mode = True
         return "shard" if evaluation_of(self) == "shard" else "whole"
+
+    def _nbtrain_check_trained(self) -> None:
+        """Whether the last pass begun in eval mode trained after all (the model was left in eval
+        mode before a training loop): said in the summary, and grad mode alone decides from now on."""
+        began = self._nbtrain_mode_pass_at
+        if began is not None and _cell_steps() > began:
+            self._nbtrain_trained_whole = True
+            self._nbtrain_passes["whole"] -= 1  # no evaluation pass: said as what it was
+        self._nbtrain_mode_pass_at = None
+
+
+def _cell_steps() -> int:
+    """The cell's steps so far (the loss logging counts each backward)."""
+    context = api.current_context()
+    return context.step if context is not None else 0
 
 
 def _models_evaluating() -> bool:
@@ -340,6 +360,7 @@ def describe_passes(loader: Any) -> str:
     """What a prepared loader's passes so far read, in words."""
     if loader._nbtrain_one_rank:
         return f"its own order, batches moved to {api.device()} (one rank: not sharded)"
+    loader._nbtrain_check_trained()
     share = f"DistributedSampler, {loader.sampler.num_samples} of {len(loader.dataset)} per rank"
     passes = loader._nbtrain_passes
     parts = []
@@ -351,6 +372,11 @@ def describe_passes(loader: Any) -> str:
         parts.append(f"evaluated whole on every rank ({why})")
     if passes["shard"]:
         parts.append(f"evaluated sharded ({share}; evaluation='shard')")
+    if loader._nbtrain_trained_whole:
+        parts.append(
+            "read whole on every rank in a pass that trained: the model was in eval mode when it began "
+            "(call model.train() before a training loop)"
+        )
     if not parts:
         return f"not iterated (prepared: {share} when iterated with gradients)"
     return " and ".join(parts)
