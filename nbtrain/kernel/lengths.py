@@ -78,7 +78,7 @@ def derived_lengths(
 
 
 def _dataset_sizes(name: str, value: Any, objects: Mapping[str, Any], world_size: int, wrapper: str) -> list[str]:
-    """Sentences for the numbers in ``value`` (an int, or a dict or list of them) that are the size of
+    """Sentences for the numbers in ``value`` (an int, or a dict of them) that are the size of
     a sharded loader's dataset: a total over a training pass divided by one is a rank's part."""
     from nbtrain.rank import loaders
 

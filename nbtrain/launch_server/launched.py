@@ -49,7 +49,7 @@ class UnevenWatch:
     """A run's watch for ranks left waiting by one that finished (nbtrain.launch_server.uneven)."""
 
     first_done_at: float | None = None
-    steps_then: tuple[int, ...] = ()  # each rank's optimizer steps begun when the first finished
+    steps_then: tuple[int, ...] = ()  # each rank's optimizer steps begun, at the last look (or the first done)
     next_look: float = 0.0
     asked_at: float | None = None  # stacks asked for, not read yet
     said: bool = False

@@ -6,7 +6,7 @@ in a backward or an ``all_reduce``, waiting for it: it will never join, so they 
 the run's timeout, or for ever. From the notebook that looks like a slow run.
 :data:`UNEVEN_SECONDS` after the first rank finished, the launcher asks the others for
 their stacks (faulthandler, as before a stop; the run goes on). A rank whose stack waits
-on its peers and that began no optimizer step since the first one finished is stuck: the
+on its peers, with no optimizer step begun since the last look, is stuck: the
 kernel gets :class:`~nbtrain.events.RanksWaiting`, with where it waits. A rank busy on its
 own (the usual uneven end: one rank still evaluating or saving) is looked at again later.
 """
@@ -52,7 +52,8 @@ def look(run: LauncherRun, now: float) -> events.RanksWaiting | None:
     for rank in busy:
         rank.stack, rank.stack_asked = b"", False
     watch.asked_at, watch.next_look = None, now + UNEVEN_SECONDS
-    if not stuck or _steps(run) != watch.steps_then:
+    steps, watch.steps_then = watch.steps_then, _steps(run)
+    if not stuck or watch.steps_then != steps:  # a step since the last look: not stuck (yet)
         return None
     watch.said = True
     finished = tuple(rank.spec.rank for rank in run.ranks if rank.done)
