@@ -267,6 +267,7 @@ class RankFailed:
     message: str
     traceback: str
     node: str = ""  # the node's label on a cluster; empty on one machine
+    held: bool = True  # the rank waits for a post-mortem (not after sys.exit(): nothing to debug there)
 
 
 @dataclass(frozen=True)

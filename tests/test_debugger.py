@@ -287,6 +287,15 @@ def test_holding_off(kernel: NotebookKernel) -> None:
         kernel.run_ok("nbtrain.set_defaults(**_previous.as_dict())")
 
 
+def test_a_rank_that_calls_sys_exit_is_not_held(kernel: NotebookKernel) -> None:
+    """``sys.exit()`` ends a rank's cell as it ends a notebook cell (an error), but there is
+    nothing to debug in it: its memory is not kept for a post-mortem."""
+    out = kernel.run(f"%%distributed {FLAGS}\nimport sys\nif nbtrain.rank() == 1:\n    sys.exit(0)\n")
+    assert out.error is not None and out.error["ename"] == "RankError", out.text
+    assert "rank 1 raised SystemExit: 0" in out.text and "%nbtrain_debug" not in out.text, out.text
+    assert _released(kernel)
+
+
 def test_an_interrupt_at_the_prompt_ends_everything() -> None:
     with NotebookKernel() as kernel:
         kernel.run_ok("%load_ext nbtrain\nimport torch, nbtrain\n")

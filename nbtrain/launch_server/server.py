@@ -403,7 +403,9 @@ class Launcher:
             if run.failure is None:
                 run.failure = message
                 # The root cause stays alive, paused in its frames, for a post-mortem.
-                rank.held = run.debug_hold is not None and not run.lifecycle.has_been(RunPhase.TERMINATING)
+                rank.held = (
+                    message.held and run.debug_hold is not None and not run.lifecycle.has_been(RunPhase.TERMINATING)
+                )
             self._stop(run, events.FAILED)
         elif isinstance(message, RankDone):
             rank.done = True

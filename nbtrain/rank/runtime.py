@@ -226,8 +226,10 @@ def _run(
         _wait_for_release(channel, sent)
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we leave
         # No debugger reaches a cluster's rank (README): its traceback names the failing frame's locals.
-        traceback_ = _report_failure(channel, start.run_id, spec.rank, error, with_locals=start.node is not None)
-        if start.debug_hold is not None and not isinstance(error, bdb.BdbQuit):
+        # Nothing to debug after sys.exit() (nor pdb's own quit): the rank is not kept.
+        held = start.debug_hold is not None and not isinstance(error, (bdb.BdbQuit, SystemExit))
+        traceback_ = _report_failure(channel, start.run_id, spec.rank, error, start.node is not None, held)
+        if held:
             header = "".join(traceback.format_exception_only(type(error), error))
             del error  # the traceback holds its frames; nothing else is kept
             debugger.hold_for_post_mortem(channel, start.run_id, spec.rank, traceback_, header)
@@ -534,7 +536,7 @@ def _send_done(channel: socket.socket, context: api.RankContext, result: Any) ->
 
 
 def _report_failure(
-    channel: socket.socket, run_id: int, rank: int, error: BaseException, with_locals: bool = False
+    channel: socket.socket, run_id: int, rank: int, error: BaseException, with_locals: bool = False, held: bool = True
 ) -> Any:
     """Tell the launcher how this rank failed (``q`` in pdb: a stop); the user's part of the traceback."""
     if isinstance(error, bdb.BdbQuit):
@@ -553,7 +555,7 @@ def _report_failure(
     if with_locals:
         text += debugger.locals_summary(tb)
     try:
-        wire.send(channel, RankFailed(run_id, rank, type(error).__name__, str(error), text))
+        wire.send(channel, RankFailed(run_id, rank, type(error).__name__, str(error), text, held=held))
     except OSError:
         pass  # the launcher is gone: nobody is left to tell
     return tb
