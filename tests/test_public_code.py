@@ -396,6 +396,23 @@ def test_a_model_with_weight_norm_and_spectral_norm_trains_on_the_ranks_and_come
     assert kernel.value("normed(X).shape == (256, 1) and len(normed_opt.state) == 5")
 
 
+def test_a_module_dict_model_reads_as_itself_when_wrapped(kernel):
+    kernel.run_ok(
+        "torch.manual_seed(8)\n"
+        "parts = nn.ModuleDict({'enc': nn.Linear(8, 4), 'head': nn.Linear(4, 1)})\n"
+        "parts_opt = torch.optim.SGD(parts.parameters(), lr=0.05)\n"
+    )
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "for x, y in loader:\n"
+        "    loss = loss_fn(parts['head'](torch.relu(parts['enc'](x))), y)\n"
+        "    parts_opt.zero_grad(); loss.backward(); parts_opt.step()\n"
+        "seen = [list(parts), 'enc' in parts, 'nope' in parts, len(parts), sorted(parts.keys())]\n"
+    )
+    assert "parts (DistributedDataParallel)" in out.stdout, out.stdout
+    assert kernel.value("seen") == [["enc", "head"], True, False, 2, ["enc", "head"]]
+
+
 def test_an_averaged_model_is_moved_not_wrapped_and_its_average_comes_back(kernel):
     """An EMA copy (torch's AveragedModel) is averaged from the model, not trained: no DDP for it."""
     kernel.run_ok(

@@ -48,6 +48,9 @@ class _Registry:
         self.loader_names: dict[str, Any] = {}  # auto mode's loaders: kernel name -> prepared loader
         self.first_iterated: list[Any] = []  # prepared loaders, in the order of their first pass
         self.loss_scaling: Any = None  # precision.LossScaling under 16-mixed on CUDA
+        self.ddp_models: list[Any] = []  # the DDP wrappers made (nbtrain.rank.bypass)
+        self.step_models: dict[int, tuple[Any, list[Any]]] = {}  # id(optimizer) -> (it, the wrappers it steps)
+        self.bypassed: set[int] = set()  # wrappers whose gradients bypass averaged (said once)
 
     def remember(self, original: Any, prepared: Any) -> None:
         """``prepared`` is what ``original`` became (the same object when only moved)."""

@@ -23,7 +23,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from nbtrain import config
-from nbtrain.rank import api, optimizers, preparations
+from nbtrain.rank import api, bypass, optimizers, preparations
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel as _DDPBase
@@ -258,14 +258,21 @@ class _ReadThrough:
         """Load into the model with its own keys (a state saved from the kernel's model fits)."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    # Indexing a Sequential or ModuleList model (``model[0]``, ``model[-1].weight``, ``len(model)``)
-    # goes through the type, never through __getattr__. __bool__ keeps ``if model:`` true
-    # once __len__ exists (a model that is no container has no len()).
+    # A container model's own operations (``model[0]``, ``model["head"]``, ``len(model)``,
+    # ``for block in model``, ``"head" in model``) go through the type, never through
+    # __getattr__. __bool__ keeps ``if model:`` true once __len__ exists (a model that is
+    # no container has no len(), and says so as it does unwrapped).
     def __getitem__(self, index: Any) -> Any:
         return self.module[index]
 
     def __len__(self) -> int:
         return len(self.module)
+
+    def __iter__(self) -> Any:
+        return iter(self.module)
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self.module
 
     def __bool__(self) -> bool:
         return True
@@ -310,10 +317,14 @@ class _ReadsThrough(_ReadThrough, _DDPBase):
         # parameter got a gradient (see _check_first_backward).
         object.__setattr__(self, "_nbtrain_check_unused", not self.find_unused_parameters)
         object.__setattr__(self, "_nbtrain_ready", True)
+        bypass.average_when_bypassed(self)  # a step that calls the model's parts instead of it still averages
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """DDP's forward; the first one that syncs gradients arms the check of its backward."""
-        syncs = self.require_backward_grad_sync and preparations.torch_module().is_grad_enabled()
+        grads = preparations.torch_module().is_grad_enabled()
+        if grads:
+            self.__dict__["_nbtrain_forwards"] += 1  # DDP averages this step's gradients (nbtrain.rank.bypass)
+        syncs = self.require_backward_grad_sync and grads
         if self.__dict__["_nbtrain_check_unused"] and syncs:
             object.__setattr__(self, "_nbtrain_check_unused", False)
             _check_first_backward(self.module)

@@ -1,0 +1,96 @@
+"""Gradients DDP did not average: a wrapped model whose forward the training step never called.
+
+DDP averages gradients in the backward of its own forward, ``model(x)``. A loop that calls
+the model's parts or methods instead (``model["head"](x)``, ``model.encode_image(x)``,
+which the read-through wrapper lets through to the model) makes gradients DDP never sees:
+each rank would step with its own, and the ranks' weights would drift apart without a
+word. So before each (outermost) optimizer step, a wrapped model that the step trains and
+whose forward did not run since its previous step gets its gradients averaged here: one
+all-reduce saying which parameters have a gradient on any rank, then one of those
+gradients (flat, per device and dtype). The summary says so, once.
+
+A forward with gradients enabled counts (under ``no_sync`` too: DDP's own rule then holds).
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nbtrain.rank import api, preparations
+
+_state = {"hooked": False, "depth": 0}
+
+
+def average_when_bypassed(ddp: Any) -> None:
+    """Average ``ddp``'s gradients wherever a step bypassed its forward (called as it is wrapped)."""
+    object.__setattr__(ddp, "_nbtrain_forwards", 0)
+    object.__setattr__(ddp, "_nbtrain_forwards_at_step", 0)
+    preparations.cell_registry().ddp_models.append(ddp)
+    if not _state["hooked"]:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_before_step)
+        register_optimizer_step_post_hook(_after_step)
+        _state["hooked"] = True
+
+
+def _before_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    _state["depth"] += 1
+    registry = preparations.cell_registry()
+    if _state["depth"] > 1 or not registry.ddp_models:  # a step inside another's (ZeroRedundancyOptimizer)
+        return
+    for ddp in _models_of(optimizer, registry):
+        forwards = ddp.__dict__["_nbtrain_forwards"]
+        if forwards != ddp.__dict__["_nbtrain_forwards_at_step"]:
+            object.__setattr__(ddp, "_nbtrain_forwards_at_step", forwards)
+            continue
+        _average(ddp)
+        if id(ddp) not in registry.bypassed:
+            registry.bypassed.add(id(ddp))
+            registry.notes.append(
+                f"the {type(ddp.module).__name__} model's forward was not called in a training step (its parts "
+                "or methods were called instead, e.g. model['head'](x) or model.encode(x)), so DDP did not "
+                "average its gradients: nbtrain averaged them before each optimizer step, one all-reduce after "
+                "the backward (calling the model itself lets DDP overlap it with the backward)."
+            )
+
+
+def _after_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    _state["depth"] = max(0, _state["depth"] - 1)
+
+
+def _models_of(optimizer: Any, registry: Any) -> list[Any]:
+    """The wrapped models whose parameters ``optimizer`` steps (worked out once per optimizer)."""
+    cached = registry.step_models.get(id(optimizer))
+    if cached is None or cached[0] is not optimizer:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        models = [d for d in registry.ddp_models if any(id(p) in held for p in d.module.parameters())]
+        cached = registry.step_models[id(optimizer)] = (optimizer, models)
+    found: list[Any] = cached[1]
+    return found
+
+
+def _average(ddp: Any) -> None:
+    """Average the gradients of ``ddp``'s trainable parameters over its process group, as DDP would."""
+    torch = preparations.torch_module()
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    group, world = ddp.process_group, api.world_size()
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=api.device())
+    torch.distributed.all_reduce(present, op=torch.distributed.ReduceOp.MAX, group=group)
+    chosen = [p for p, there in zip(params, present.tolist(), strict=True) if there]
+    kinds: dict[tuple[Any, Any], list[Any]] = {}
+    for p in chosen:
+        kinds.setdefault((p.device, p.dtype), []).append(p)
+    for same in kinds.values():
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
+        flat = _flatten_dense_tensors(grads)
+        torch.distributed.all_reduce(flat, group=group)
+        flat.div_(world)
+        for p, averaged in zip(same, _unflatten_dense_tensors(flat, grads), strict=True):
+            if p.grad is None:
+                p.grad = averaged.clone()
+            else:
+                p.grad.copy_(averaged)

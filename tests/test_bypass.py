@@ -1,0 +1,88 @@
+"""A DDP-wrapped model whose forward a training step bypasses (a real kernel, 2 CPU ranks).
+
+Code that calls a model's parts or methods (``model.head(model.encode(x))``, a ModuleDict's
+entries) never runs DDP's forward, so DDP averages nothing; nbtrain.rank.bypass averages
+those gradients before the optimizer steps, and the summary says so once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel_helpers import nbtrain_kernel
+
+pytestmark = pytest.mark.timeout(300)
+
+SETUP = """
+import torch, torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+X = torch.randn(256, 8)
+Y = X @ torch.randn(8, 1)
+loader = DataLoader(TensorDataset(X, Y), batch_size=16, shuffle=True)
+loss_fn = nn.MSELoss()
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    yield from nbtrain_kernel(SETUP)
+
+
+TWO_TOWERS = """
+class TwoTowers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 4), nn.Linear(4, 1)
+    def encode(self, x):
+        return torch.relu(self.body(x))
+    def forward(self, x):
+        return self.head(self.encode(x))
+torch.manual_seed(9)
+called, bypassed = TwoTowers(), TwoTowers()
+bypassed.load_state_dict(called.state_dict())
+called_opt = torch.optim.SGD(called.parameters(), lr=0.05, momentum=0.9)
+bypassed_opt = torch.optim.SGD(bypassed.parameters(), lr=0.05, momentum=0.9)
+"""
+
+
+def test_a_model_whose_parts_are_called_instead_of_it_still_trains_as_ddp_would(kernel):
+    """``model.head(model.encode(x))`` never runs DDP's forward, so DDP averages nothing: the ranks'
+    gradients are averaged before each step instead, the same weights as through ``model(x)``."""
+    kernel.run_ok(TWO_TOWERS)
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "import torch.distributed as dist\n"
+        "for x, y in loader:\n"
+        "    loss_fn(called(x), y).backward(); called_opt.step(); called_opt.zero_grad()\n"
+        "    loss_fn(bypassed.head(bypassed.encode(x)), y).backward(); bypassed_opt.step(); bypassed_opt.zero_grad()\n"
+        "mine = bypassed.body.weight.detach().clone(); rank0s = mine.clone(); dist.broadcast(rank0s, 0)\n"
+        "agree = bool(torch.equal(mine, rank0s))\n"
+    )
+    assert kernel.value("agree"), out.stdout  # every rank stepped with the same, averaged gradients
+    same = "all(torch.allclose(a, b, atol=1e-6) for a, b in zip(called.parameters(), bypassed.parameters()))"
+    assert kernel.value(same)  # the same weights as DDP's own averaging gave through called(x)
+    expected = "nbtrain note: the TwoTowers model's forward was not called in a training step (its parts or methods"
+    assert expected in out.stderr and out.stderr.count("forward was not called") == 1, out.stderr
+
+
+def test_only_the_bypassed_model_of_two_is_averaged_by_nbtrain(kernel):
+    """Two models, two optimizers (a GAN's shape): the one called as itself is DDP's to average."""
+    kernel.run_ok(TWO_TOWERS)
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "import torch.distributed as dist\n"
+        "for x, y in loader:\n"
+        "    loss_fn(called(x), y).backward(); called_opt.step(); called_opt.zero_grad()\n"
+        "    loss_fn(bypassed.head(bypassed.encode(x)), y).backward(); bypassed_opt.step(); bypassed_opt.zero_grad()\n"
+        "    with torch.no_grad():\n"
+        "        called(x)  # an evaluation forward does not count as DDP's averaging\n"
+        "weights = [m.head.weight.detach().clone() for m in (called, bypassed)]\n"
+        "firsts = [w.clone() for w in weights]\n"
+        "for w in firsts:\n"
+        "    dist.broadcast(w, 0)\n"
+        "agree = [bool(torch.equal(a, b)) for a, b in zip(weights, firsts)]\n"
+    )
+    assert kernel.value("agree") == [True, True], out.text
+    assert "the TwoTowers model's forward was not called" in out.stderr
+    assert out.stderr.count("forward was not called") == 1, out.stderr  # the bypassed one only
