@@ -11,6 +11,7 @@ Every wait has a deadline; nothing sleeps to let something happen.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import sys
@@ -96,9 +97,24 @@ class NotebookKernel:
         return out
 
     def value(self, expression: str) -> Any:
-        """The JSON value of ``expression`` evaluated in the kernel."""
+        """The JSON value of ``expression`` evaluated in the kernel.
+
+        Under ipykernel 6.17 (Colab's) a cell's printed line was once not in by its idle
+        status (after an interrupt): the value is then read from an execute reply's
+        ``user_expressions``, which comes on the shell channel, not as printed output.
+        """
         out = self.run_ok(f"import json as _json\nprint(_json.dumps({expression}))")
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        lines = out.stdout.strip().splitlines()
+        if lines:
+            return json.loads(lines[-1])
+        return self._expression_value(f"__import__('json').dumps({expression})")
+
+    def _expression_value(self, expression: str) -> Any:
+        msg_id = self.client.kc.execute("", store_history=False, user_expressions={"v": expression})
+        reply, _ = self.wait_for_reply(msg_id, timeout=CELL_SECONDS)
+        result = reply["user_expressions"]["v"]
+        assert result["status"] == "ok", f"{expression} failed in the kernel: {result}"
+        return json.loads(ast.literal_eval(result["data"]["text/plain"]))
 
     def start_cell(self, source: str) -> str:
         """Send a cell without waiting for it (for interrupt tests); returns its msg_id."""

@@ -86,3 +86,18 @@ def test_only_the_bypassed_model_of_two_is_averaged_by_nbtrain(kernel):
     assert kernel.value("agree") == [True, True], out.text
     assert "the TwoTowers model's forward was not called" in out.stderr
     assert out.stderr.count("forward was not called") == 1, out.stderr  # the bypassed one only
+
+
+def test_two_optimizers_of_one_model_called_as_itself_average_nothing_more(kernel):
+    """A backbone's optimizer and a head's (two steps after one forward): DDP averaged both; no note."""
+    kernel.run_ok(
+        TWO_TOWERS + "body_opt = torch.optim.SGD(called.body.parameters(), lr=0.05)\n"
+        "head_opt = torch.optim.Adam(called.head.parameters(), lr=0.01)\n"
+    )
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "for x, y in loader:\n"
+        "    loss_fn(called(x), y).backward(); body_opt.step(); head_opt.step()\n"
+        "    body_opt.zero_grad(); head_opt.zero_grad()\n"
+    )
+    assert "forward was not called" not in out.text, out.text

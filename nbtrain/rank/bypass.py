@@ -5,7 +5,7 @@ the model's parts or methods instead (``model["head"](x)``, ``model.encode_image
 which the read-through wrapper lets through to the model) makes gradients DDP never sees:
 each rank would step with its own, and the ranks' weights would drift apart without a
 word. So before each (outermost) optimizer step, a wrapped model that the step trains and
-whose forward did not run since its previous step gets its gradients averaged here: one
+whose forward did not run since that optimizer's previous step gets its gradients averaged here: one
 all-reduce saying which parameters have a gradient on any rank, then one of those
 gradients (flat, per device and dtype). The summary says so, once.
 
@@ -25,7 +25,7 @@ _state = {"hooked": False, "depth": 0}
 def average_when_bypassed(ddp: Any) -> None:
     """Average ``ddp``'s gradients wherever a step bypassed its forward (called as it is wrapped)."""
     object.__setattr__(ddp, "_nbtrain_forwards", 0)
-    object.__setattr__(ddp, "_nbtrain_forwards_at_step", 0)
+    object.__setattr__(ddp, "_nbtrain_forwards_at_step", {})  # id(optimizer) -> forwards at its last step
     preparations.cell_registry().ddp_models.append(ddp)
     if not _state["hooked"]:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -41,9 +41,9 @@ def _before_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
     if _state["depth"] > 1 or not registry.ddp_models:  # a step inside another's (ZeroRedundancyOptimizer)
         return
     for ddp in _models_of(optimizer, registry):
-        forwards = ddp.__dict__["_nbtrain_forwards"]
-        if forwards != ddp.__dict__["_nbtrain_forwards_at_step"]:
-            object.__setattr__(ddp, "_nbtrain_forwards_at_step", forwards)
+        forwards, at_step = ddp.__dict__["_nbtrain_forwards"], ddp.__dict__["_nbtrain_forwards_at_step"]
+        if forwards != at_step.get(id(optimizer), 0):  # per optimizer: two may step one model's parts
+            at_step[id(optimizer)] = forwards
             continue
         _average(ddp)
         if id(ddp) not in registry.bypassed:
