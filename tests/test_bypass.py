@@ -47,27 +47,9 @@ bypassed_opt = torch.optim.SGD(bypassed.parameters(), lr=0.05, momentum=0.9)
 
 
 def test_a_model_whose_parts_are_called_instead_of_it_still_trains_as_ddp_would(kernel):
-    """``model.head(model.encode(x))`` never runs DDP's forward, so DDP averages nothing: the ranks'
-    gradients are averaged before each step instead, the same weights as through ``model(x)``."""
-    kernel.run_ok(TWO_TOWERS)
-    out = kernel.run_ok(
-        "%%distributed --devices 2\n"
-        "import torch.distributed as dist\n"
-        "for x, y in loader:\n"
-        "    loss_fn(called(x), y).backward(); called_opt.step(); called_opt.zero_grad()\n"
-        "    loss_fn(bypassed.head(bypassed.encode(x)), y).backward(); bypassed_opt.step(); bypassed_opt.zero_grad()\n"
-        "mine = bypassed.body.weight.detach().clone(); rank0s = mine.clone(); dist.broadcast(rank0s, 0)\n"
-        "agree = bool(torch.equal(mine, rank0s))\n"
-    )
-    assert kernel.value("agree"), out.stdout  # every rank stepped with the same, averaged gradients
-    same = "all(torch.allclose(a, b, atol=1e-6) for a, b in zip(called.parameters(), bypassed.parameters()))"
-    assert kernel.value(same)  # the same weights as DDP's own averaging gave through called(x)
-    expected = "nbtrain note: the TwoTowers model's forward was not called in a training step (its parts or methods"
-    assert expected in out.stderr and out.stderr.count("forward was not called") == 1, out.stderr
-
-
-def test_only_the_bypassed_model_of_two_is_averaged_by_nbtrain(kernel):
-    """Two models, two optimizers (a GAN's shape): the one called as itself is DDP's to average."""
+    """``bypassed.head(bypassed.encode(x))`` never runs DDP's forward, so DDP averages nothing: its
+    gradients are averaged before each step instead, giving the weights DDP gives ``called`` through
+    ``called(x)``. ``called`` (a GAN's second model, and its evaluation forwards) stays DDP's to average."""
     kernel.run_ok(TWO_TOWERS)
     out = kernel.run_ok(
         "%%distributed --devices 2\n"
@@ -83,9 +65,12 @@ def test_only_the_bypassed_model_of_two_is_averaged_by_nbtrain(kernel):
         "    dist.broadcast(w, 0)\n"
         "agree = [bool(torch.equal(a, b)) for a, b in zip(weights, firsts)]\n"
     )
-    assert kernel.value("agree") == [True, True], out.text
-    assert "the TwoTowers model's forward was not called" in out.stderr
-    assert out.stderr.count("forward was not called") == 1, out.stderr  # the bypassed one only
+    assert kernel.value("agree") == [True, True], out.text  # every rank stepped with the same gradients
+    same = "all(torch.allclose(a, b, atol=1e-6) for a, b in zip(called.parameters(), bypassed.parameters()))"
+    assert kernel.value(same)  # the same weights as DDP's own averaging gave through called(x)
+    expected = "nbtrain note: the TwoTowers model's forward was not called in a training step (its parts or methods"
+    assert expected in out.stderr, out.stderr
+    assert out.stderr.count("forward was not called") == 1, out.stderr  # the bypassed model only, once
 
 
 def test_two_optimizers_of_one_model_called_as_itself_average_nothing_more(kernel):

@@ -217,6 +217,7 @@ class _PassAware(_LoaderBase):
         self._nbtrain_check_trained()
         kind = self._nbtrain_pass_kind()
         if kind == "whole" and preparations.torch_module().is_grad_enabled():  # by the models' eval mode
+            self._nbtrain_by_mode = True
             self._nbtrain_mode_pass_at = _cell_steps()
         if not any(self._nbtrain_passes.values()):
             preparations.cell_registry().first_iterated.append(self)  # the summary names loaders in this order
@@ -241,10 +242,9 @@ class _PassAware(_LoaderBase):
         return super().__len__()
 
     def _nbtrain_pass_kind(self) -> str:
-        if preparations.torch_module().is_grad_enabled():
-            if self._nbtrain_trained_whole or not _models_evaluating():
-                return "train"
-            self._nbtrain_by_mode = True
+        grads = preparations.torch_module().is_grad_enabled()
+        if grads and (self._nbtrain_trained_whole or not _models_evaluating()):
+            return "train"
         return "shard" if evaluation_of(self) == "shard" else "whole"
 
     def _nbtrain_check_trained(self) -> None:
