@@ -86,3 +86,41 @@ def test_two_optimizers_of_one_model_called_as_itself_average_nothing_more(kerne
         "    body_opt.zero_grad(); head_opt.zero_grad()\n"
     )
     assert "forward was not called" not in out.text, out.text
+
+
+def test_a_sparse_embeddings_gradients_are_averaged_too(kernel):
+    """A recommender's ``Embedding(sparse=True)`` stepped by SparseAdam: its sparse gradients are
+    averaged beside the dense ones, giving the weights DDP gives the same model called as itself."""
+    kernel.run_ok(
+        "class Recommender(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.items, self.score = nn.Embedding(32, 4, sparse=True), nn.Linear(4, 1)\n"
+        "    def forward(self, ids):\n"
+        "        return self.score(self.items(ids).mean(1))\n"
+        "torch.manual_seed(10)\n"
+        "ids = torch.randint(0, 32, (256, 3))\n"
+        "id_loader = DataLoader(TensorDataset(ids, Y), batch_size=16, shuffle=True)\n"
+        "pair = [Recommender(), Recommender()]\n"
+        "pair[1].load_state_dict(pair[0].state_dict())\n"
+        "sparse_opts = [torch.optim.SparseAdam(m.items.parameters(), lr=0.05) for m in pair]\n"
+        "dense_opts = [torch.optim.SGD(m.score.parameters(), lr=0.05) for m in pair]\n"
+    )
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "import torch.distributed as dist\n"
+        "called, bypassed = pair\n"
+        "for x, y in id_loader:\n"
+        "    loss_fn(called(x), y).backward()\n"
+        "    loss_fn(bypassed.score(bypassed.items(x).mean(1)), y).backward()\n"
+        "    for opt in (*sparse_opts, *dense_opts):\n"
+        "        opt.step(); opt.zero_grad()\n"
+        "mine = bypassed.items.weight.detach().clone()\n"
+        "rank0s = mine.clone()\n"
+        "dist.broadcast(rank0s, 0)\n"
+        "agree = bool(torch.equal(mine, rank0s))\n"
+    )
+    assert kernel.value("agree"), out.text
+    same = "all(torch.allclose(a, b, atol=1e-6) for a, b in zip(pair[0].parameters(), pair[1].parameters()))"
+    assert kernel.value(same), out.text
+    assert "the Recommender model's forward was not called" in out.stderr, out.stderr

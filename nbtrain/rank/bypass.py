@@ -74,21 +74,37 @@ def _models_of(optimizer: Any, registry: Any) -> list[Any]:
 def _average(ddp: Any) -> None:
     """Average the gradients of ``ddp``'s trainable parameters over its process group, as DDP would."""
     torch = preparations.torch_module()
+    group = ddp.process_group
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    # 0: no gradient on any rank, 1: a dense one, 2: a sparse one (an Embedding's with sparse=True)
+    kinds = torch.tensor([_kind(p.grad) for p in params], dtype=torch.int32, device=api.device())
+    torch.distributed.all_reduce(kinds, op=torch.distributed.ReduceOp.MAX, group=group)
+    chosen = list(zip(params, kinds.tolist(), strict=True))
+    _average_dense([p for p, kind in chosen if kind == 1], group)
+    for p in (p for p, kind in chosen if kind == 2):
+        if p.grad is None:  # this rank's batch did not reach it: no rows
+            p.grad = torch.zeros_like(p).to_sparse(1)
+        torch.distributed.all_reduce(p.grad, group=group)  # gloo's sparse all-reduce (nccl has none, as for DDP)
+        p.grad.div_(api.world_size())
+
+
+def _kind(grad: Any) -> int:
+    return 0 if grad is None else 2 if grad.is_sparse else 1
+
+
+def _average_dense(params: list[Any], group: Any) -> None:
+    """One all-reduce per device and dtype, of these parameters' gradients flattened (zeros where missing)."""
+    torch = preparations.torch_module()
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    group, world = ddp.process_group, api.world_size()
-    params = [p for p in ddp.module.parameters() if p.requires_grad]
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=api.device())
-    torch.distributed.all_reduce(present, op=torch.distributed.ReduceOp.MAX, group=group)
-    chosen = [p for p, there in zip(params, present.tolist(), strict=True) if there]
     kinds: dict[tuple[Any, Any], list[Any]] = {}
-    for p in chosen:
+    for p in params:
         kinds.setdefault((p.device, p.dtype), []).append(p)
     for same in kinds.values():
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
         flat = _flatten_dense_tensors(grads)
         torch.distributed.all_reduce(flat, group=group)
-        flat.div_(world)
+        flat.div_(api.world_size())
         for p, averaged in zip(same, _unflatten_dense_tensors(flat, grads), strict=True):
             if p.grad is None:
                 p.grad = averaged.clone()

@@ -39,6 +39,7 @@ from nbtrain.rank import (
     optimizers,
     preparations,
     prepare,
+    schedulers,
     stopping,
     wrapping,
 )
@@ -86,6 +87,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     before = _Before(cell_globals, tracked) if rank0 else None
     hidden = _install_shell(cell_globals) if spec.needs_shell else set()
     preparations.configure(spec.model_wrapper)
+    preparations.cell_registry().ship(tracked.values())
     optimizers.know_optimizers(tracked.values())
     prepared = prepare.auto_prepare(cell_globals, spec.names) if spec.auto else []
     placed: list[tuple[Any, Any, Any]] = []
@@ -94,6 +96,8 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
         prepared += more
     logging = losslogging.loss_logging() if spec.log_loss else contextlib.nullcontext()
     stopping.hook_optimizer_steps()  # a graceful stop ends the cell at an optimizer step's boundary
+    if spec.auto and api.world_size() > 1:  # code for one device steps its schedulers alike on every rank
+        schedulers.agree_on_plateau_metrics()
     with logging:
         try:
             display = _execute(spec, cell_globals)
@@ -574,7 +578,6 @@ class _ResultReferences(_PicklerBase):
     typed_storage_type: Any = type(None)
     storage_types: Any = ()
     dtensor_type: Any = type(None)
-    ddp_type: Any = type(None)
 
     def __init__(self, file: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any], exempt: set[int]):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -620,9 +623,7 @@ class _ResultReferences(_PicklerBase):
         """DDP wrappers and prepared objects pickle as their originals; a sharded DTensor is refused."""
         if isinstance(obj, self.dtensor_type):
             raise ShardedTensorError("it holds a sharded DTensor, of which rank 0 has only its shard")
-        if isinstance(obj, self.ddp_type):
-            return (records.same, (obj.module,))
-        original = wrapping.original_of(obj)
+        original = wrapping.original_of(obj)  # a DDP wrapper: its model, or the DataParallel it stands for
         if original is not obj:
             return (records.same, (original,))
         return super().reducer_override(obj)
@@ -647,7 +648,6 @@ def _result_pickler_class() -> type[_ResultReferences]:
     if _result_pickler is None:
         import torch
         from torch.distributed.tensor import DTensor
-        from torch.nn.parallel import DistributedDataParallel
 
         from nbtrain import codepickle
 
@@ -655,7 +655,6 @@ def _result_pickler_class() -> type[_ResultReferences]:
             typed_storage_type = torch.storage.TypedStorage
             storage_types = (torch.storage.TypedStorage, torch.UntypedStorage)
             dtensor_type = DTensor
-            ddp_type = DistributedDataParallel
 
         _result_pickler = ResultPickler
     result_pickler: type[_ResultReferences] = _result_pickler

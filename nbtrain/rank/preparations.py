@@ -16,7 +16,9 @@ Example (outside a run nothing is prepared, and no wrapper is chosen):
 from __future__ import annotations
 
 import os
+import sys
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 from nbtrain.rank import api
@@ -51,6 +53,17 @@ class _Registry:
         self.ddp_models: list[Any] = []  # the DDP wrappers made (nbtrain.rank.bypass)
         self.step_models: dict[int, tuple[Any, list[Any]]] = {}  # id(optimizer) -> (it, the wrappers it steps)
         self.bypassed: set[int] = set()  # wrappers whose gradients bypass averaged (said once)
+        self.shipped: dict[int, Any] = {}  # id -> the kernel's wrappers (a DataParallel) the cell received
+
+    def ship(self, objects: Iterable[Any]) -> None:
+        """Note the kernel's wrappers among ``objects``: they go back as themselves, not as their model."""
+        nn = sys.modules.get("torch.nn")
+        if nn is not None:
+            self.shipped.update({id(o): o for o in objects if isinstance(o, nn.DataParallel)})
+
+    def is_original(self, obj: Any) -> bool:
+        """True for the notebook's own: a wrapper the kernel sent, or an object prepare made something of."""
+        return self.shipped.get(id(obj)) is obj or self.prepared.get(id(obj), (None,))[0] is obj
 
     def remember(self, original: Any, prepared: Any) -> None:
         """``prepared`` is what ``original`` became (the same object when only moved)."""

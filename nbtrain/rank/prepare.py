@@ -258,8 +258,13 @@ def _listed(names: list[str]) -> str:
 
 
 def _describe(original: Any, prepared: Any) -> str:
+    from torch.nn.parallel import DataParallel
     from torch.utils.data import DataLoader
 
+    inner = preparations.cell_registry().prepared_for(getattr(original, "module", None))
+    if isinstance(original, DataParallel) and inner is not None:  # set aside (wrapping.prepare_module)
+        kept = "on the rank's one device" if inner is original.module else "set aside: one process per device"
+        return f"{_describe(original.module, inner)}, its DataParallel {kept}"
     if prepared is original:
         if type(original).__name__.startswith("FSDP"):
             return "sharded with fully_shard"

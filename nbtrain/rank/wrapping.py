@@ -38,10 +38,12 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
     existing = preparations.cell_registry().prepared_for(module)
     if existing is not None:
         return existing
+    wrapper = preparations.model_wrapper() if preparations.in_process_group() else "none"
+    if _notebooks_data_parallel(module, wrapper):
+        return _data_parallel_set_aside(module, wrapper_options)
     if is_wrapped(module):  # the user wrapped it already (torchrun-style code)
         return module
     _move_module(module, api.device())
-    wrapper = preparations.model_wrapper() if preparations.in_process_group() else "none"
     trainable = trains(module)
     _apply_precision_and_sync(module, wrapper)  # --sync-batchnorm as asked: over one rank, a plain BatchNorm's cost
     if preparations.one_rank():
@@ -62,6 +64,47 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
         prepared = module
     preparations.cell_registry().remember(module, prepared)
     return prepared
+
+
+def _notebooks_data_parallel(module: Any, wrapper: str) -> bool:
+    """A DataParallel the notebook made, on a rank whose strategy runs one process per device."""
+    from torch.nn.parallel import DataParallel
+
+    return (
+        isinstance(module, DataParallel)
+        and "_nbtrain_ready" not in vars(module)
+        and wrapper in (*preparations.DDP_WRAPPERS, *preparations.FSDP_WRAPPERS)
+    )
+
+
+def _data_parallel_set_aside(dp: Any, wrapper_options: dict[str, Any]) -> Any:
+    """What stands for the notebook's ``nn.DataParallel(model)`` on a rank (see :func:`prepare_module`).
+
+    Code written for several GPUs in one process wraps its model so; on a rank, which has
+    one device, DataParallel would split each batch over GPUs other ranks use, and train
+    one copy per rank unaveraged. Its model is prepared instead: under DDP the rank uses
+    the DDP wrapper, which keeps the DataParallel's state-dict keys (``module.`` first) and
+    pickles as it; on one rank or under fsdp the DataParallel stays, driving the rank's
+    device alone. Either way the DataParallel, holding the trained model, goes back.
+    """
+    prepared = prepare_module(dp.module, **wrapper_options)
+    registry = preparations.cell_registry()
+    if prepared is dp.module:  # one rank, or sharded in place
+        _drive_one_device(dp, api.device())
+        registry.remember(dp, dp)
+        return dp
+    object.__setattr__(prepared, "_nbtrain_stands_for", dp)  # not a submodule: DDP is built
+    registry.remember(dp, prepared)
+    return prepared
+
+
+def _drive_one_device(dp: Any, device: Any) -> None:
+    """``dp`` runs its model on this rank's device alone: no scatter over others' GPUs, no copies."""
+    if device.type != "cuda":
+        dp.device_ids = []  # DataParallel then calls its module as it is
+        return
+    index = device.index if device.index is not None else preparations.torch_module().cuda.current_device()
+    dp.device_ids, dp.output_device, dp.src_device_obj = [index], index, device
 
 
 def trains(module: Any) -> bool:
@@ -176,10 +219,11 @@ def original_of(obj: Any) -> Any:
     A prepared DataLoader maps back to the loader it was built from. Anything else is
     returned as is. Safe to call before torch is imported.
     """
-    entry = preparations.cell_registry().originals.get(id(obj))
+    registry = preparations.cell_registry()
+    entry = registry.originals.get(id(obj))
     if entry is not None and entry[0] is obj:
         return entry[1]
-    if "torch" not in sys.modules:
+    if "torch" not in sys.modules or registry.is_original(obj):  # the notebook's own DataParallel goes back as one
         return obj
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
@@ -251,12 +295,17 @@ class _ReadThrough:
         super().__setattr__(name, value)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's own state dict (its keys, no ``module.`` prefix)."""
-        return self.module.state_dict(*args, **kwargs)
+        """The model's own state dict (its keys, no ``module.`` prefix; a DataParallel's own keys
+        where the wrapper stands for the notebook's DataParallel)."""
+        return self._nbtrain_kernels_module().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load into the model with its own keys (a state saved from the kernel's model fits)."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        return self._nbtrain_kernels_module().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _nbtrain_kernels_module(self) -> Any:
+        """The module the kernel had: the model, or the DataParallel around it this wrapper stands for."""
+        return self.__dict__.get("_nbtrain_stands_for") or self.module
 
     # A container model's own operations (``model[0]``, ``model["head"]``, ``len(model)``,
     # ``for block in model``, ``"head" in model``) go through the type, never through
@@ -281,7 +330,8 @@ class _ReadThrough:
         """Pickled as the model: ``torch.save(model, path)`` saves it and ``copy.deepcopy(model)``
         copies it, as in the kernel (a copy of the wrapper would be a second DDP on the
         process group, and its generated class cannot be pickled by name)."""
-        return operator.itemgetter(0), ((self.module,),)  # stdlib's identity: loads anywhere, the memo keeps it shared
+        # stdlib's identity: loads anywhere, the memo keeps it shared
+        return operator.itemgetter(0), ((self._nbtrain_kernels_module(),),)
 
 
 _transparent_dp: type | None = None
