@@ -6,8 +6,9 @@ which the read-through wrapper lets through to the model) makes gradients DDP ne
 each rank would step with its own, and the ranks' weights would drift apart without a
 word. So before each (outermost) optimizer step, a wrapped model that the step trains and
 whose forward did not run since that optimizer's previous step gets its gradients averaged here: one
-all-reduce saying which parameters have a gradient on any rank, then one of those
-gradients (flat, per device and dtype). The summary says so, once.
+all-reduce saying which parameters have a gradient on any rank (and which a sparse one),
+then one of the dense gradients (flat, per device and dtype) and one per sparse gradient
+(an ``Embedding(sparse=True)``'s, as DDP reduces them). The summary says so, once.
 
 A forward with gradients enabled counts (under ``no_sync`` too: DDP's own rule then holds).
 Importing this module does not import torch.

@@ -5,7 +5,9 @@
 - Two ranks sharing GPU 0 (``--devices 0,0``; gloo, since nccl refuses a GPU twice) run the
   multi-rank CUDA paths: DDP with device_ids equals one process on the whole batch, the
   kernel's CUDA model gets rank 0's weights back, a DistributedSampler's shares reach each
-  rank on CUDA, and each rank's CUDA memory reaches the live view.
+  rank on CUDA, and each rank's CUDA memory reaches the live view; a step that bypasses a
+  DDP model's forward has its CUDA gradients averaged as DDP averages them, and the
+  notebook's own ``nn.DataParallel`` trains as DDP's and comes back as itself.
 """
 
 from __future__ import annotations
@@ -154,3 +156,53 @@ def test_a_resnet_cell_on_one_gpu_brings_its_weights_back():
             "    opt.zero_grad(); loss.backward(); opt.step()\n"
         )
         assert kernel.value("(model.conv1.weight - before).abs().sum().item() > 0 and model.conv1.weight.is_cuda")
+
+
+class _TwoTowers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 1)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.body(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encode(x))
+
+
+def _called_and_bypassed() -> tuple[float, bool]:
+    """On a rank: one model trained through its forward (DDP averages), a copy through its parts
+    (nbtrain.rank.bypass averages, on the rank's GPU); their largest difference and whether the
+    ranks agree."""
+    torch.manual_seed(0)
+    called, bypassed = _TwoTowers().cuda(), _TwoTowers().cuda()
+    bypassed.load_state_dict(called.state_dict())
+    called, bypassed = nbtrain.prepare(called, bypassed)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (called, bypassed)]
+    x, y = torch.randn(64, 16, device="cuda"), torch.randn(64, 1, device="cuda")
+    share = slice(nbtrain.rank() * 32, (nbtrain.rank() + 1) * 32)
+    for _ in range(5):
+        torch.nn.functional.mse_loss(called(x[share]), y[share]).backward()
+        torch.nn.functional.mse_loss(bypassed.head(bypassed.encode(x[share])), y[share]).backward()
+        for opt in opts:
+            opt.step(); opt.zero_grad()
+    diff = max((a - b).abs().max().item() for a, b in zip(called.parameters(), bypassed.parameters(), strict=True))
+    mine = bypassed.head.weight.detach().clone()
+    rank0s = mine.clone()
+    torch.distributed.broadcast(rank0s, 0)
+    return diff, bool(torch.equal(mine, rank0s))
+
+
+def test_a_bypassed_forwards_cuda_gradients_are_averaged_as_ddp_averages_them(launcher):
+    diff, agree = finish(nbtrain.start(_called_and_bypassed, devices=SHARED, accelerator="cuda", timeout=RUN_TIMEOUT))
+    assert agree and diff < 1e-5, (diff, agree)
+
+
+def test_the_notebooks_cuda_data_parallel_trains_as_ddp_on_two_ranks_and_comes_back_as_itself():
+    with NotebookKernel() as kernel:
+        kernel.run_ok(KERNEL_SETUP + "model = torch.nn.DataParallel(model)\nkernels = id(model)\n")
+        out = kernel.run_ok("%%distributed --devices 0,0 --accelerator cuda\n" + KERNEL_LOOP)
+        assert "model (DistributedDataParallel, its DataParallel set aside" in out.stdout, out.stdout
+        assert kernel.value("id(model) == kernels and type(model).__name__") == "DataParallel"
+        moved = kernel.value("max((model.module.state_dict()[k] - v).abs().max().item() for k, v in start[0].items())")
+        assert moved > 0 and kernel.value("str(next(model.parameters()).device)") == "cuda:0"
