@@ -23,7 +23,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from nbtrain import config
-from nbtrain.rank import api, bypass, optimizers, preparations
+from nbtrain.rank import api, bypass, optimizers, preparations, samedata
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel as _DDPBase
@@ -374,6 +374,8 @@ class _ReadsThrough(_ReadThrough, _DDPBase):
         grads = preparations.torch_module().is_grad_enabled()
         if grads:
             self.__dict__["_nbtrain_forwards"] += 1  # DDP averages this step's gradients (nbtrain.rank.bypass)
+            if self.__dict__["_nbtrain_forwards"] == 1:  # do the ranks train on different data?
+                samedata.note_first_inputs(self, inputs, kwargs)
         syncs = self.require_backward_grad_sync and grads
         if self.__dict__["_nbtrain_check_unused"] and syncs:
             object.__setattr__(self, "_nbtrain_check_unused", False)

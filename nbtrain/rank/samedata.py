@@ -1,0 +1,51 @@
+"""Ranks that trained on the same batches: the one-device result, at the work of several.
+
+Auto mode shards the DataLoaders a cell reads. A loop that makes its batches itself (it
+slices tensors, ``x[i:i + 64]``, as introductory tutorials do, or draws ``torch.randn``
+data, a GAN's noise among them, the same on every rank since each starts from the kernel's
+random state) gives every rank the same batches: DDP averages identical gradients, and the run computes the
+one-device result on every rank, with no error and no gain. So at a DDP model's first
+training forward (:func:`note_first_inputs`) each rank adds up its inputs into one number,
+and one all-reduce (of its maximum and its negated minimum, left on the device: no sync
+in the loop) tells at the cell's end (:func:`same_data_notes`) whether every rank's was
+the same. The summary then says so and what to change.
+
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nbtrain.rank import api, preparations
+
+
+def note_first_inputs(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Start the comparison of ``ddp``'s first training inputs over the ranks (one all-reduce, every rank)."""
+    torch = preparations.torch_module()
+    device = api.device()
+    tensors = [t for t in (*inputs, *kwargs.values()) if isinstance(t, torch.Tensor) and t.numel()]
+    summed = torch.zeros((), dtype=torch.float64, device=device)
+    for place, tensor in enumerate(tensors, 1):  # weighted by place: inputs that differ anywhere differ in the sum
+        summed += place * tensor.detach().to(device=device, dtype=torch.float64).sum()
+    extremes = torch.stack([summed, -summed])
+    torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX, group=ddp.process_group)
+    preparations.cell_registry().first_inputs.append((ddp, extremes, bool(tensors)))
+
+
+def same_data_notes() -> list[str]:
+    """One note per DDP model every rank fed the same first training batch (read at the cell's end)."""
+    notes = []
+    for ddp, extremes, any_tensor in preparations.cell_registry().first_inputs:
+        largest, negated_smallest = extremes.tolist()
+        if any_tensor and largest == -negated_smallest:
+            ranks = api.world_size()
+            notes.append(
+                f"every rank fed the {type(ddp.module).__name__} model the same first training batch, so the {ranks} "
+                f"ranks trained it on the same data: the one-device result at {ranks} times the work. A loop that "
+                "makes its batches itself (slicing tensors, or drawing them with torch.randn: each rank starts from "
+                "the kernel's random state) gets no share of them: put the data in a DataLoader made before the "
+                "cell, which auto mode shards, or make each rank's differ by nbtrain.rank() "
+                "(torch.manual_seed(seed + nbtrain.rank()) for random batches)."
+            )
+    return notes

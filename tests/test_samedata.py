@@ -1,0 +1,49 @@
+"""Ranks fed the same batches are told they trained on the same data (a real kernel, 2 CPU ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel_helpers import nbtrain_kernel
+
+pytestmark = pytest.mark.timeout(300)
+
+SETUP = """
+import torch, torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+X = torch.randn(256, 8)
+Y = X @ torch.randn(8, 1)
+loader = DataLoader(TensorDataset(X, Y), batch_size=16, shuffle=True)
+loss_fn = nn.MSELoss()
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    yield from nbtrain_kernel(SETUP)
+
+
+def test_a_loop_that_slices_its_own_batches_is_told_every_rank_trained_on_the_same_data(kernel):
+    """A tutorial's first loop slices its tensors itself (``X[i:i + 32]``): auto mode has no
+    DataLoader to shard, so every rank trains on every batch. The summary says so and how to
+    fix it; the same loop over a DataLoader gets each rank its share and no note."""
+    kernel.run_ok("torch.manual_seed(11)\nnet11 = nn.Linear(8, 1)\nopt11 = torch.optim.SGD(net11.parameters(), lr=0.1)")
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "for i in range(0, len(X), 32):\n"
+        "    loss = loss_fn(net11(X[i:i + 32]), Y[i:i + 32])\n"
+        "    opt11.zero_grad(); loss.backward(); opt11.step()\n"
+    )
+    expected = (
+        "nbtrain note: every rank fed the Linear model the same first training batch, so the 2 ranks trained it on "
+        "the same data: the one-device result at 2 times the work."
+    )
+    assert expected in out.stderr, out.stderr
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "for x, y in loader:\n"
+        "    loss = loss_fn(net11(x), y)\n"
+        "    opt11.zero_grad(); loss.backward(); opt11.step()\n"
+    )
+    assert "same first training batch" not in out.stderr, out.stderr
