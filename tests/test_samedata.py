@@ -36,7 +36,7 @@ def test_a_loop_that_slices_its_own_batches_is_told_every_rank_trained_on_the_sa
         "    opt11.zero_grad(); loss.backward(); opt11.step()\n"
     )
     expected = (
-        "nbtrain note: every rank fed the Linear model the same first training batch, so the 2 ranks trained it on "
+        "nbtrain note: every rank fed `net11` the same first training batch, so the 2 ranks trained it on "
         "the same data: the one-device result at 2 times the work."
     )
     assert expected in out.stderr, out.stderr

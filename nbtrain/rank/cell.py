@@ -327,7 +327,7 @@ def _collect(
     exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
     skipped: list[tuple[str, str, str]] = []
     payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
-    notes, loader_report = preparations.notes() + samedata.same_data_notes(), loaders.loader_report()
+    notes, loader_report = preparations.notes() + samedata.same_data_notes(cell_globals), loaders.loader_report()
     if spec.auto and api.world_size() > 1:
         made_here = prepare.made_in_cell_note(cell_globals, outcome["bound"])
         notes += [made_here] if made_here is not None else []

@@ -15,6 +15,7 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from nbtrain.rank import api, preparations
@@ -33,15 +34,20 @@ def note_first_inputs(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any])
     preparations.cell_registry().first_inputs.append((ddp, extremes, bool(tensors)))
 
 
-def same_data_notes() -> list[str]:
-    """One note per DDP model every rank fed the same first training batch (read at the cell's end)."""
+def same_data_notes(cell_globals: Mapping[str, Any]) -> list[str]:
+    """One note per DDP model every rank fed the same first training batch (read at the cell's end).
+
+    A model is named as the cell's globals name it (``G``), else by its class.
+    """
     notes = []
     for ddp, extremes, any_tensor in preparations.cell_registry().first_inputs:
         largest, negated_smallest = extremes.tolist()
         if any_tensor and largest == -negated_smallest:
             ranks = api.world_size()
+            name = next((f"`{n}`" for n, v in cell_globals.items() if v is ddp), None)
+            model = name or f"the {type(ddp.module).__name__} model"
             notes.append(
-                f"every rank fed the {type(ddp.module).__name__} model the same first training batch, so the {ranks} "
+                f"every rank fed {model} the same first training batch, so the {ranks} "
                 f"ranks trained it on the same data: the one-device result at {ranks} times the work. A loop that "
                 "makes its batches itself (slicing tensors, or drawing them with torch.randn: each rank starts from "
                 "the kernel's random state) gets no share of them: put the data in a DataLoader made before the "
