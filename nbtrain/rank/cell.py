@@ -34,6 +34,7 @@ from nbtrain import records
 from nbtrain.rank import (
     api,
     displays,
+    kerneldevices,
     loaders,
     losslogging,
     optimizers,
@@ -86,6 +87,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     _rewrap_scheduled_optimizers(tracked.values())
     rank0 = api.rank() == 0
     before = _Before(cell_globals, tracked) if rank0 else None
+    devices = kerneldevices.as_rank_devices(cell_globals, namespace)  # `device = torch.device("cuda:0")` in the kernel
     hidden = _install_shell(cell_globals) if spec.needs_shell else set()
     preparations.configure(spec.model_wrapper)
     preparations.cell_registry().ship(tracked.values())
@@ -106,6 +108,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
             display = None  # stopped at the step every rank reached: what it holds goes back as at the end
     displays.show_open_figures()  # what the kernel's inline backend shows at a cell's end
     prepare.put_back(namespace, placed)  # so trainer.model is the kernel's model again on the way back
+    kerneldevices.restore(cell_globals, devices)
     context = api.current_context()
     if context is not None:
         context.flush()  # the cell's last metrics go out before the (slower) namespace-out

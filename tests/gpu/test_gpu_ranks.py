@@ -7,7 +7,8 @@
   kernel's CUDA model gets rank 0's weights back, a DistributedSampler's shares reach each
   rank on CUDA, and each rank's CUDA memory reaches the live view; a step that bypasses a
   DDP model's forward has its CUDA gradients averaged as DDP averages them, and the
-  notebook's own ``nn.DataParallel`` trains as DDP's and comes back as itself.
+  notebook's own ``nn.DataParallel`` trains as DDP's and comes back as itself; a kernel's
+  ``device`` global naming another GPU reads as each rank's own.
 """
 
 from __future__ import annotations
@@ -206,3 +207,19 @@ def test_the_notebooks_cuda_data_parallel_trains_as_ddp_on_two_ranks_and_comes_b
         assert kernel.value("id(model) == kernels and type(model).__name__") == "DataParallel"
         moved = kernel.value("max((model.module.state_dict()[k] - v).abs().max().item() for k, v in start[0].items())")
         assert moved > 0 and kernel.value("str(next(model.parameters()).device)") == "cuda:0"
+
+
+def test_a_kernels_device_global_reads_as_each_ranks_gpu():
+    """``device = torch.device("cuda:1")`` (another GPU than the ranks'; none here): each rank's
+    batches go to its own GPU, and the kernel's ``device`` keeps its value."""
+    with NotebookKernel() as kernel:
+        kernel.run_ok(KERNEL_SETUP + "device, device_name = torch.device('cuda:1'), 'cuda:1'\n")
+        kernel.run_ok(
+            "%%distributed --devices 0,0 --accelerator cuda\n"
+            "for _ in range(3):\n"
+            "    loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device_name))\n"
+            "    opt.zero_grad(); loss.backward(); opt.step()\n"
+            "seen = (str(device), device_name, str(loss.device))\n"
+        )
+        assert kernel.value("list(seen)") == ["cuda:0", "cuda:0", "cuda:0"]
+        assert kernel.value("[str(device), device_name]") == ["cuda:1", "cuda:1"]
