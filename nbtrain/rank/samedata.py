@@ -2,13 +2,14 @@
 
 Auto mode shards the DataLoaders a cell reads. A loop that makes its batches itself (it
 slices tensors, ``x[i:i + 64]``, as introductory tutorials do, or draws ``torch.randn``
-data, a GAN's noise among them, the same on every rank since each starts from the kernel's
-random state) gives every rank the same batches: DDP averages identical gradients, and the run computes the
-one-device result on every rank, with no error and no gain. So at a DDP model's first
-training forward (:func:`note_first_inputs`) each rank adds up its inputs into one number,
-and one all-reduce (of its maximum and its negated minimum, left on the device: no sync
-in the loop) tells at the cell's end (:func:`same_data_notes`) whether every rank's was
-the same. The summary then says so and what to change.
+data, a GAN's noise among them, the same on every rank since each starts from the
+kernel's random state) gives every rank the same batches: DDP averages identical
+gradients, and the run computes the one-device result on every rank, with no error and
+no gain. So at a DDP model's first training forward (:func:`note_first_inputs`) each rank
+adds up its inputs into one number, and one all-reduce (the maximum of that number and of
+its negation, left on the device: no sync in the loop) tells at the cell's end
+(:func:`same_data_notes`) whether every rank's was the same. The summary then says so and
+what to change.
 
 Importing this module does not import torch.
 """
@@ -28,7 +29,7 @@ def note_first_inputs(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any])
     tensors = [t for t in (*inputs, *kwargs.values()) if isinstance(t, torch.Tensor) and t.numel()]
     summed = torch.zeros((), dtype=torch.float64, device=device)
     for place, tensor in enumerate(tensors, 1):  # weighted by place: inputs that differ anywhere differ in the sum
-        summed += place * tensor.detach().to(device=device, dtype=torch.float64).sum()
+        summed += place * tensor.detach().sum(dtype=torch.float64).to(device)  # where it is: no copy of the batch
     extremes = torch.stack([summed, -summed])
     torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX, group=ddp.process_group)
     preparations.cell_registry().first_inputs.append((ddp, extremes, bool(tensors)))
