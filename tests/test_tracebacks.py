@@ -37,6 +37,39 @@ def test_a_failure_on_rank_one_names_the_rank_and_the_cells_line(kernel):
     assert kernel.value("value") == 10
 
 
+def test_an_error_in_a_prepared_models_forward_or_backward_reads_as_in_the_kernel(kernel):
+    """A shape mismatch in the model, and a second backward through a freed graph: the frames
+    are the kernel's own (the cell, torch's module calls and layers, autograd), with no DDP
+    wrapper or nbtrain frame between the cell's line and the error."""
+    kernel.run_ok(
+        "import torch, torch.nn as nn\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "shape_net = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 1))\n"
+        "shape_data = DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=8)\n"
+    )
+    for failing, error, after_the_cell in [
+        (
+            "shape_net(x[:, :5]).sum().backward()",
+            "mat1 and mat2 shapes cannot be multiplied",
+            ["module.py, _wrapped_call_impl", "module.py, _call_impl", "container.py, forward"],  # the Sequential's
+        ),
+        (
+            "loss = shape_net(x).sum()\n    loss.backward(); loss.backward()",
+            "Trying to backward through the graph",
+            ["_tensor.py, backward"],
+        ),
+    ]:
+        out = kernel.run(f"%%distributed --devices 2\nfor (x,) in shape_data:\n    {failing}\n")
+        assert out.error is not None
+        text = "\n".join(out.error["traceback"])
+        assert error in text, text
+        assert "nbtrain/" not in text and "distributed.py" not in text, text
+        frames = [line.strip() for line in text.splitlines() if line.startswith(("  File ", "  Cell In"))]
+        assert frames[0].startswith("Cell In"), text
+        called = [f"{f.split(chr(34))[1].rsplit('/', 1)[-1]}, {f.rsplit(' in ', 1)[1]}" for f in frames[1:]]
+        assert called[: len(after_the_cell)] == after_the_cell, text
+
+
 @pytest.mark.parametrize("strategy", ["ddp_notebook", "ddp_spawn"])
 def test_a_function_from_an_earlier_cell_shows_its_line_in_a_later_runs_traceback(kernel, strategy):
     """Each cell's lines go to the launcher once; its ranks (forked, standby or spawned) still have them."""

@@ -31,6 +31,7 @@ import sys
 import sysconfig
 import threading
 import traceback
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
@@ -547,11 +548,9 @@ def _report_failure(
     # Drop the runtime's own frames, and those of nbtrain functions that set
     # __tracebackhide__ (pytest's and IPython's convention): the user's traceback starts
     # in their code (for %%distributed, the cell's own line).
-    while tb is not None and (
-        tb.tb_frame.f_code.co_filename == __file__ or tb.tb_frame.f_locals.get("__tracebackhide__")
-    ):
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__ or _hidden(tb)):
         tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(error), error, tb))
+    text = "".join(traceback.format_exception(type(error), error, _users_frames(tb)))
     if with_locals:
         text += debugger.locals_summary(tb)
     try:
@@ -559,6 +558,37 @@ def _report_failure(
     except OSError:
         pass  # the launcher is gone: nobody is left to tell
     return tb
+
+
+def _hidden(tb: types.TracebackType) -> bool:
+    return bool(tb.tb_frame.f_locals.get("__tracebackhide__"))
+
+
+# DDP's own forward, called by the wrapper a prepared model is (hidden): not the user's code.
+_WRAPPER_FILES = (os.path.join("torch", "nn", "parallel", "distributed.py"),)
+_MODULE_CALLS = ("_wrapped_call_impl", "_call_impl")  # nn.Module.__call__ on its way to forward
+
+
+def _users_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without the prepared model's wrapper in the middle of it, as the kernel's traceback would read.
+
+    A shape error in the model showed five frames more than in the kernel: DDP's module
+    call, nbtrain's read-through ``forward`` (hidden) and DDP's own forward. Frames that
+    hide themselves, DDP's forward, and the module-call frames that led into a hidden one go.
+    """
+    frames = []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    hidden = [_hidden(t) or t.tb_frame.f_code.co_filename.endswith(_WRAPPER_FILES) for t in frames]
+    for i in range(len(frames) - 2, -1, -1):  # the calls into a hidden frame are the wrapper's too
+        if hidden[i + 1] and frames[i].tb_frame.f_code.co_name in _MODULE_CALLS:
+            hidden[i] = True
+    kept: types.TracebackType | None = None
+    for t, drop in zip(reversed(frames), reversed(hidden), strict=True):
+        if not drop:
+            kept = types.TracebackType(kept, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return kept
 
 
 def _wait_for_release(channel: socket.socket, sent: sharedtensors.InPlace | None) -> None:

@@ -371,6 +371,7 @@ class _ReadsThrough(_ReadThrough, _DDPBase):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """DDP's forward; the first one that syncs gradients arms the check of its backward."""
+        __tracebackhide__ = True  # an error in the model's forward reads as in the kernel (rank.runtime)
         grads = preparations.torch_module().is_grad_enabled()
         if grads:
             self.__dict__["_nbtrain_forwards"] += 1  # DDP averages this step's gradients (nbtrain.rank.bypass)
