@@ -46,6 +46,30 @@ def test_a_line_another_rank_left_open_is_ended_before_a_rank_writes(capsys):
     assert capsys.readouterr().out == "[rank 1] loading...\n[rank 0] step 1\n[rank 1] done\n[rank 0] a\r\n[rank 0] b\n"
 
 
+def test_a_bar_whose_line_another_rank_ended_is_not_shown_twice_at_its_close(capsys):
+    """Rank 0's bar reached 40/40 and rank 1's ended line cut it: tqdm's close redraws the same
+    state (another rate), which is not shown again; a bar cut part-way shows its end below."""
+    printer = rankout.OutputPrinter("all", world_size=2)
+    for rank, text in (
+        (0, "\repoch 0: 50%| 20/40 [00:00<00:00, 9.0it/s]"),
+        (0, "\repoch 0: 100%| 40/40 [00:00<00:00, 10.0it/s]"),
+        (1, "\repoch 0: 100%| 40/40 [00:00<00:00, 8.0it/s]\n"),
+        (0, "\repoch 0: 100%| 40/40 [00:01<00:00, 9.5it/s]"),
+        (0, "\n"),
+        (0, "\repoch 1: 50%| 20/40 [00:00<00:00, 9.0it/s]"),
+        (1, "\repoch 1: 100%| 40/40 [00:00<00:00, 8.0it/s]\n"),
+        (0, "\repoch 1: 100%| 40/40 [00:01<00:00, 9.5it/s]\n"),
+    ):
+        printer(events.Output(1, rank, "stderr", text))
+    assert capsys.readouterr().err == (
+        "[rank 0] epoch 0: 50%| 20/40 [00:00<00:00, 9.0it/s]\r[rank 0] epoch 0: 100%| 40/40 [00:00<00:00, 10.0it/s]\n"
+        "[rank 1] epoch 0: 100%| 40/40 [00:00<00:00, 8.0it/s]\n"
+        "[rank 0] epoch 1: 50%| 20/40 [00:00<00:00, 9.0it/s]\n"
+        "[rank 1] epoch 1: 100%| 40/40 [00:00<00:00, 8.0it/s]\n"
+        "[rank 0] epoch 1: 100%| 40/40 [00:01<00:00, 9.5it/s]\n"
+    )
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_the_end_of_a_run_ends_a_line_a_rank_left_open(capsys, world_size):
     printer = rankout.OutputPrinter("all", world_size)

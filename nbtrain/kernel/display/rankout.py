@@ -22,6 +22,17 @@ from nbtrain.kernel.display import show
 # A rank's text in pieces: each ends a line ("\n") or is followed by a carriage return that
 # redraws one (a progress bar's "\r" not part of a "\r\n").
 _PIECES = re.compile(r"(?<=\n)|(?=\r(?!\n))")
+_LINE_BREAKS = re.compile(r"[\r\n]")
+_TIMING = re.compile(r"\s*\[[^\]]*\]\s*$")  # a bar's last "[elapsed<left, rate]", as tqdm draws it
+
+
+def _untimed(line: str) -> str:
+    """``line`` without its trailing newline and a progress bar's timing: two draws of one state compare equal.
+
+    >>> _untimed("[rank 0] epoch 0: 100%|##| 40/40 [00:01<00:00, 38.2it/s]\\n")
+    '[rank 0] epoch 0: 100%|##| 40/40'
+    """
+    return _TIMING.sub("", line.rstrip("\n"))
 
 
 class OutputPrinter:
@@ -54,7 +65,8 @@ class OutputPrinter:
         self.rich = show.frontend_is_rich() if rich is None else rich  # False: a display shows as its text
         self._open: dict[str, int] = {}  # stream -> the rank whose line is open at its end
         self._redrawn: dict[tuple[int, str], tuple[str, str]] = {}  # (rank, stream) -> (tag, line so far)
-        self._cut: set[tuple[int, str]] = set()  # (rank, stream) whose open line another rank's ended
+        self._cut: dict[tuple[int, str], str] = {}  # (rank, stream) whose open line another rank's ended -> it
+        self._open_text: dict[str, str] = {}  # stream -> what its open line shows
         self._ids = f"nbtrain-{uuid.uuid4().hex[:12]}"  # its displays' ids: another cell's never match
 
     def __call__(self, event: Any) -> None:
@@ -119,9 +131,11 @@ class OutputPrinter:
             return ""
         redraw, key = piece.startswith("\r"), (rank, stream)
         if key in self._cut:  # its line was ended for it: its own end adds no empty line
-            self._cut.discard(key)
-            if piece == "\n":
+            if piece == "\n" or (redraw and _untimed(f"{tag} {piece[1:]}") == _untimed(self._cut[key])):
+                if piece.endswith("\n"):  # the end of the line shown already (a bar's last redraw, its close)
+                    del self._cut[key]
                 return ""
+            del self._cut[key]
         if rank != 0 and (redraw or key in self._redrawn):
             line = piece[1:] if redraw else self._redrawn[key][1] + piece
             if not line.endswith("\n"):
@@ -141,14 +155,17 @@ class OutputPrinter:
         if opened is not None:
             text = ("\r" if opened == rank and redraw else "\n") + text
             if opened != rank:
-                self._cut.add((opened, stream))
+                self._cut[opened, stream] = self._open_text.get(stream, "")
         return self._ended(rank, stream, text)
 
     def _ended(self, rank: int, stream: str, text: str) -> str:
         if text.endswith("\n"):
             self._open.pop(stream, None)
+            self._open_text.pop(stream, None)
         else:
             self._open[stream] = rank
+            *before, last = _LINE_BREAKS.split(text)
+            self._open_text[stream] = last if before else self._open_text.get(stream, "") + last
         return text
 
 
