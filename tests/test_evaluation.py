@@ -147,6 +147,12 @@ def test_the_accuracy_printed_on_the_ranks_is_the_kernels_own_evaluation(kernel)
     assert correct > 0.7 * 256  # it learned; a rank that read half the test set could score at most 128
     assert SUMMARY in out.stdout, out.stdout
     assert "Updated in the kernel: model, optimizer, scheduler" in out.stdout
+    # train()'s progress line counts to len(train_loader.dataset), the whole: named; test()'s is right
+    expected = (
+        "len(train_loader.dataset) in train() is 768, the size of train_loader's dataset, of which each rank's "
+        "training pass reads 384: "
+    )
+    assert expected in out.stdout and "in test()" not in out.stdout, out.stdout
     assert kernel.value("scheduler.last_epoch") == 2
     kernel.run_ok("whole_weights = copy.deepcopy(model.state_dict())")
 

@@ -53,3 +53,11 @@ def test_nothing_is_said_when_the_loader_is_not_sharded_or_the_cell_rebuilds_the
 def test_expected_steps_reads_only_what_it_knows():
     assert lengths.expected_steps(torch.optim.lr_scheduler.StepLR(_optimizer(), 10)) is None  # no length held
     assert lengths.expected_steps(42) is None and lengths.expected_steps(object()) is None
+
+
+def test_a_length_taken_of_a_sharded_loaders_dataset_in_the_cell_is_named():
+    train = _loader()
+    [said] = lengths.dataset_lengths("acc = correct / len(train.dataset)\n", {"train": train}, 2, "ddp")
+    assert said.startswith("len(train.dataset) is 64, the size of train's dataset, of which each rank's training pass")
+    assert lengths.dataset_lengths("n = len(train.dataset)", {"train": train}, 1, "ddp") == []  # one rank: whole
+    assert lengths.dataset_lengths("n = len(train)", {"train": train}, 2, "ddp") == []  # the rank's own length

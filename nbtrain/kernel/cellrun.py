@@ -164,8 +164,9 @@ def _derived_lengths(prepared: PreparedCell, code: str) -> list[str]:
 
     try:
         wrapper = prepared.cfg.strategy.model_wrapper
-        rebound = lengths.rebound_names(code)
-        return lengths.derived_lengths(prepared.targets, prepared.cfg.world_size, wrapper, rebound)
+        rebound, world = lengths.rebound_names(code), prepared.cfg.world_size
+        derived = lengths.derived_lengths(prepared.targets, world, wrapper, rebound)
+        return derived + lengths.dataset_lengths(code, prepared.targets, world, wrapper)
     except Exception:  # noqa: BLE001 - a hint must never stop a cell
         return []
 

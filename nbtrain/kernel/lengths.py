@@ -6,7 +6,9 @@ function is a ``functools.partial`` or a closure that holds it, as schedule buil
 them), a progress bar's ``total``. Once auto mode shards the loader, each rank runs fewer
 steps than that number, and the schedule never reaches its end. :func:`derived_lengths`
 finds those numbers among the objects a cell uses, before it runs, and says for each what
-is left and the fix; the summary prints it.
+is left and the fix; the summary prints it. Sizes taken of a sharded loader's dataset are
+named too: a number equal to one (:func:`_dataset_sizes`), and ``len(loader.dataset)`` in
+the cell or in a notebook function the cell passes the loader to (:func:`dataset_lengths`).
 
 Example:
     >>> import functools, torch
@@ -22,10 +24,12 @@ Example:
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import re
 import symtable
+import textwrap
 from collections.abc import Mapping
 from typing import Any
 
@@ -103,6 +107,77 @@ def _dataset_sizes(name: str, value: Any, objects: Mapping[str, Any], world_size
 
 
 _DATASET_SIZE = "'s dataset, of which each rank's training pass reads"
+
+
+def dataset_lengths(code: str, objects: Mapping[str, Any], world_size: int, wrapper: str) -> list[str]:
+    """Sentences for each ``len(loader.dataset)`` the cell takes of a loader auto mode shards,
+    itself or in a notebook function it calls with the loader (PyTorch's quickstart ``train()``).
+
+    A training pass reads the rank's share of that loader, while ``len(loader.dataset)`` counts
+    the whole dataset: a total over the pass divided by it is the rank's part, and a progress
+    line ``[current/size]`` ends at the share.
+
+    >>> import torch
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> train_dl = DataLoader(TensorDataset(torch.zeros(64, 1)), batch_size=8, shuffle=True)
+    >>> print(dataset_lengths("size = len(train_dl.dataset)", {"train_dl": train_dl}, 2, "ddp")[0])
+    len(train_dl.dataset) is 64, the size of train_dl's dataset, of which each rank's training pass reads 32: ...
+    """
+    from nbtrain.rank import loaders
+
+    found = []
+    for loader_name, taken in _dataset_lengths_taken(code, objects):
+        loader: Any = objects.get(loader_name)
+        if reach.torch_kind(loader) != "loader":
+            continue
+        read, whole = loaders.samples_per_rank(loader, world_size, wrapper), len(loader.dataset)
+        if read is not None and read != whole:
+            found.append(
+                f"{taken} is {whole}, the size of {loader_name}{_DATASET_SIZE} {read}: a total over that pass "
+                f"divided by it is the rank's part, not the whole (and a count of samples seen ends at {read}); "
+                "divide by the samples the pass read (count them in the loop) instead"
+            )
+    return list(dict.fromkeys(found))
+
+
+def _dataset_lengths_taken(code: str, objects: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(loader's name, how the code takes its dataset's length) for each ``len(x.dataset)``, in the
+    cell and in the notebook functions the cell calls with ``x`` as an argument."""
+    try:
+        cell = ast.parse(code)
+    except SyntaxError:
+        return []
+    taken = [(name, f"len({name}.dataset)") for name in _lengths_of_datasets(cell)]
+    for call in ast.walk(cell):
+        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+            continue
+        name, function = call.func.id, objects.get(call.func.id)
+        if getattr(function, "__module__", None) != "__main__" or not inspect.isfunction(function):
+            continue  # only the notebook's own functions: their source is the notebook's
+        try:
+            inner = ast.parse(textwrap.dedent(inspect.getsource(function)))
+            keywords = {k.arg: k.value for k in call.keywords if k.arg is not None}
+            passed = inspect.signature(function).bind_partial(*call.args, **keywords)
+        except (OSError, TypeError, ValueError, SyntaxError):
+            continue
+        arguments = {p: v.id for p, v in passed.arguments.items() if isinstance(v, ast.Name)}
+        found = [p for p in _lengths_of_datasets(inner) if p in arguments]
+        taken += [(arguments[p], f"len({p}.dataset) in {name}()") for p in found]
+    return taken
+
+
+def _lengths_of_datasets(tree: ast.AST) -> list[str]:
+    """The names ``x`` of each ``len(x.dataset)`` in ``tree``."""
+    names = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len"):
+            continue
+        if len(node.args) != 1:
+            continue
+        taken = node.args[0]
+        if isinstance(taken, ast.Attribute) and taken.attr == "dataset" and isinstance(taken.value, ast.Name):
+            names.append(taken.value.id)
+    return names
 
 
 def read_in_training(sentences: list[str], loader_report: list[tuple[str, str]]) -> list[str]:
