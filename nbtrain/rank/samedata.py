@@ -27,9 +27,11 @@ def note_first_inputs(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any])
     torch = preparations.torch_module()
     device = api.device()
     tensors = [t for t in (*inputs, *kwargs.values()) if isinstance(t, torch.Tensor) and t.numel()]
-    summed = torch.zeros((), dtype=torch.float64, device=device)
+    exact = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    summed = torch.zeros((), dtype=exact, device=device)
     for place, tensor in enumerate(tensors, 1):  # weighted by place: inputs that differ anywhere differ in the sum
-        summed += place * tensor.detach().sum(dtype=torch.float64).to(device)  # where it is: no copy of the batch
+        within = exact if tensor.device.type != "mps" else torch.float32
+        summed += place * tensor.detach().sum(dtype=within).to(device=device, dtype=exact)  # no copy of the batch
     extremes = torch.stack([summed, -summed])
     torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX, group=ddp.process_group)
     preparations.cell_registry().first_inputs.append((ddp, extremes, bool(tensors)))
