@@ -305,7 +305,8 @@ class _ReadThrough:
 
     def _nbtrain_kernels_module(self) -> Any:
         """The module the kernel had: the model, or the DataParallel around it this wrapper stands for."""
-        return self.__dict__.get("_nbtrain_stands_for") or self.module
+        stands_for = self.__dict__.get("_nbtrain_stands_for")
+        return self.module if stands_for is None else stands_for
 
     # A container model's own operations (``model[0]``, ``model["head"]``, ``len(model)``,
     # ``for block in model``, ``"head" in model``) go through the type, never through
