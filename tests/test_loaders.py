@@ -20,6 +20,7 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
         IterableDataset,
         RandomSampler,
         SequentialSampler,
+        SubsetRandomSampler,
         WeightedRandomSampler,
     )
 
@@ -34,6 +35,7 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
         DataLoader(ten, batch_size=2, sampler=DistributedSampler(ten, num_replicas=5, rank=0)),  # the user's own
         DataLoader(ten, batch_sampler=BatchSampler(SequentialSampler(ten), 3, drop_last=False)),  # batches of 3
         DataLoader(ten, batch_sampler=BatchSampler(RandomSampler(ten), 3, drop_last=True)),  # 3 a rank, 1 batch
+        DataLoader(ten, batch_size=2, sampler=SubsetRandomSampler([0, 2, 4, 6, 8, 9, 1])),  # 3 of 7 a rank: 2
     ]
 
     def fn(made):
@@ -47,7 +49,7 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
     on_ranks = finish(nbtrain.start(fn, (made,), devices=3))
     in_kernel = [loaders.batches_per_rank(loader, 3, "ddp") for loader in made]
     assert on_ranks == [in_kernel] * 3
-    assert in_kernel == [2, 1, 2, 4, 1, 4, 1, 2, 1]
+    assert in_kernel == [2, 1, 2, 4, 1, 4, 1, 2, 1, 2]
     assert [loaders.batches_per_rank(loader, 3, "none") for loader in made] == [len(x) for x in made]
 
     class Stream(IterableDataset):
@@ -75,6 +77,37 @@ def test_a_loader_given_a_batch_sampler_is_sharded_in_its_batches(launcher):
     batches = finish(nbtrain.start(fn, (loader,), devices=2))  # rank 0's
     assert [shape for shape, _ in batches] == [(4, 1), (2, 1)]  # rank 0's 6 of 12, in batches of 4
     assert len({i for _, ids in batches for i in ids}) == 6
+
+
+def test_a_train_validation_split_by_subset_samplers_shares_out_the_training_indices(launcher):
+    """``SubsetRandomSampler(train_idx)`` beside ``SubsetRandomSampler(val_idx)`` on one dataset:
+    a training pass gives each rank its share of the training indices (reshuffled each epoch);
+    a pass without gradients reads all the validation indices on every rank."""
+    from torch.utils.data import SubsetRandomSampler
+
+    data = TensorDataset(torch.arange(20))
+    train_idx, val_idx = list(range(0, 20, 2)), [1, 3, 5]
+    train = DataLoader(data, batch_size=2, sampler=SubsetRandomSampler(train_idx))
+    val = DataLoader(data, batch_size=2, sampler=SubsetRandomSampler(val_idx))
+
+    def fn(train, val):
+        import torch.distributed as dist
+
+        train, val = nbtrain.prepare(train, val)
+        with torch.enable_grad():
+            epochs = [[i for (b,) in train for i in b.tolist()] for _ in range(2)]
+        with torch.no_grad():
+            checked = sorted(i for (b,) in val for i in b.tolist())
+        every_rank = [None] * nbtrain.world_size()
+        dist.all_gather_object(every_rank, (epochs, checked, len(train)))
+        return every_rank
+
+    (epochs0, checked0, n0), (epochs1, checked1, n1) = finish(nbtrain.start(fn, (train, val), devices=2))
+    for first, second in zip(epochs0, epochs1, strict=True):
+        assert sorted(first + second) == train_idx  # each training index once, over the two ranks
+    assert epochs0[0] != epochs0[1]  # another order the next epoch
+    assert checked0 == checked1 == val_idx
+    assert n0 == n1 == loaders.batches_per_rank(train, 2, "ddp") == 3
 
 
 # -- training passes and evaluation passes -----------------------------------------------------

@@ -47,3 +47,24 @@ def test_a_loop_that_slices_its_own_batches_is_told_every_rank_trained_on_the_sa
         "    opt11.zero_grad(); loss.backward(); opt11.step()\n"
     )
     assert "same first training batch" not in out.stderr, out.stderr
+
+
+def test_a_loader_auto_mode_could_not_shard_has_its_own_note_and_no_other(kernel):
+    """A custom sampler's loader is read whole by every rank: its note says so; no second note."""
+    kernel.run_ok(
+        "from torch.utils.data import Sampler\n"
+        "class Reversed(Sampler):\n"
+        "    def __init__(self, n): self.n = n\n"
+        "    def __len__(self): return self.n\n"
+        "    def __iter__(self): return iter(range(self.n - 1, -1, -1))\n"
+        "backwards = DataLoader(TensorDataset(X, Y), batch_size=32, sampler=Reversed(len(X)))\n"
+        "net12 = nn.Linear(8, 1)\nopt12 = torch.optim.SGD(net12.parameters(), lr=0.1)\n"
+    )
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "for x, y in backwards:\n"
+        "    loss = loss_fn(net12(x), y)\n"
+        "    opt12.zero_grad(); loss.backward(); opt12.step()\n"
+    )
+    expected = "`backwards`, a DataLoader over TensorDataset was not sharded: its sampler (Reversed) is custom"
+    assert expected in out.stderr and "same first training batch" not in out.stderr, out.stderr

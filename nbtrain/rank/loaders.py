@@ -16,6 +16,7 @@ Example (outside a run a loader comes back as it is, remembering the evaluation 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,7 @@ def prepare_loader(loader: Any, evaluation: str | None = None) -> Any:
     reason, shuffle = _shardable(loader)
     if reason:
         preparations.cell_registry().notes.append(reason)
+        preparations.cell_registry().unsharded.append(loader)
         return loader
     prepared = _rebuild_loader(loader, shuffle)
     preparations.cell_registry().remember(loader, prepared)
@@ -72,7 +74,7 @@ def evaluation_of(loader: Any) -> str:
 
 def _shardable(loader: Any) -> tuple[str, bool]:
     """("", shuffle) when the loader can be rebuilt on a DistributedSampler, else (why not, _)."""
-    from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
+    from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler, SubsetRandomSampler
 
     what = f"a DataLoader over {type(loader.dataset).__name__}"
     if isinstance(loader.dataset, IterableDataset):
@@ -85,6 +87,8 @@ def _shardable(loader: Any) -> tuple[str, bool]:
         return "", False
     if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
         return "", True
+    if type(sampler) is SubsetRandomSampler:  # a train/validation split of one dataset: its indices are shared
+        return "", True
     name = type(sampler).__name__
     return f"{what} was not sharded: its sampler ({name}) is custom, so every rank reads all of it.", False
 
@@ -96,6 +100,44 @@ def _batching(loader: Any) -> tuple[Any, int | None, bool]:
     if given is not None:
         return given.sampler, given.batch_size, given.drop_last
     return loader.sampler, loader.batch_size, loader.drop_last
+
+
+def _subset_indices(loader: Any) -> Any:
+    """The indices a ``SubsetRandomSampler`` draws from (what a training pass shares out), or None."""
+    from torch.utils.data import SubsetRandomSampler
+
+    sampler = _batching(loader)[0]
+    return sampler.indices if type(sampler) is SubsetRandomSampler else None
+
+
+def _shared_count(loader: Any) -> int:
+    """How many samples a training pass shares out over the ranks: the dataset's, or the subset's."""
+    indices = _subset_indices(loader)
+    return len(loader.dataset) if indices is None else len(indices)
+
+
+def _share(count: int, world_size: int, drop_last: bool) -> Any:
+    """A DistributedSampler's share of ``count`` samples for rank 0, to count (nothing drawn)."""
+    from torch.utils.data import DistributedSampler
+
+    return DistributedSampler(range(count), num_replicas=world_size, rank=0, shuffle=False, drop_last=drop_last)  # type: ignore[arg-type]  # any sized object
+
+
+@functools.lru_cache(maxsize=1)
+def _subset_shard_class() -> type:
+    """A DistributedSampler over a SubsetRandomSampler's indices: its share of them, reshuffled each epoch."""
+    from torch.utils.data import DistributedSampler
+
+    class SubsetShard(DistributedSampler):  # type: ignore[type-arg]  # torch's class is generic only in stubs
+        def __init__(self, indices: Any, **kwargs: Any) -> None:
+            super().__init__(range(len(indices)), **kwargs)  # type: ignore[arg-type]  # any sized object
+            self.indices = indices
+
+        def __iter__(self) -> Iterator[Any]:
+            return (self.indices[i] for i in super().__iter__())
+
+    SubsetShard.__name__ = SubsetShard.__qualname__ = "DistributedSampler"
+    return SubsetShard
 
 
 def batches_per_rank(loader: Any, world_size: int, wrapper: str, *, evaluation: bool = False) -> int | None:
@@ -117,7 +159,7 @@ def batches_per_rank(loader: Any, world_size: int, wrapper: str, *, evaluation: 
         >>> batches_per_rank(loader, 2, "ddp", evaluation=True)  # under torch.no_grad(): all of it
         13
     """
-    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+    from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return None  # an iterable dataset's length is only a hint
@@ -128,9 +170,7 @@ def batches_per_rank(loader: Any, world_size: int, wrapper: str, *, evaluation: 
         if evaluation and evaluation_of(loader) == "whole":
             return unchanged
         _, batch_size, drop_last = _batching(loader)
-        share: DistributedSampler[Any] = DistributedSampler(
-            loader.dataset, num_replicas=world_size, rank=0, shuffle=False, drop_last=drop_last
-        )
+        share = _share(_shared_count(loader), world_size, drop_last)
         if batch_size is None:
             return len(share)
         return len(BatchSampler(share, batch_size, drop_last))
@@ -147,17 +187,14 @@ def samples_per_rank(loader: Any, world_size: int, wrapper: str) -> int | None:
     >>> samples_per_rank(DataLoader(TensorDataset(torch.zeros(9, 1)), batch_size=4), 2, "ddp")
     5
     """
-    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+    from torch.utils.data import DataLoader, IterableDataset
 
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return None
     if wrapper == "none" or world_size < 2 or _already_distributed(loader) or _shardable(loader)[0]:
         return None
     try:
-        share: DistributedSampler[Any] = DistributedSampler(
-            loader.dataset, num_replicas=world_size, rank=0, shuffle=False, drop_last=_batching(loader)[2]
-        )
-        return len(share)
+        return len(_share(_shared_count(loader), world_size, _batching(loader)[2]))
     except (TypeError, ValueError):
         return None
 
@@ -291,18 +328,18 @@ def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
     import torch
     from torch.utils.data import DistributedSampler
 
-    if loader.generator is not None:
-        seed = int(loader.generator.initial_seed())
+    user_sampler, batch_size, drop_last = _batching(loader)
+    generator = loader.generator if loader.generator is not None else getattr(user_sampler, "generator", None)
+    if generator is not None:
+        seed = int(generator.initial_seed())
     else:  # every rank draws the same seed: they start from the kernel's RNG state
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
-    _, batch_size, drop_last = _batching(loader)
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        loader.dataset,
-        num_replicas=api.world_size(),
-        rank=api.rank(),
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
+    shares: dict[str, Any] = {"num_replicas": api.world_size(), "rank": api.rank(), "shuffle": shuffle, "seed": seed}
+    indices = _subset_indices(loader)
+    sampler: DistributedSampler[Any] = (
+        DistributedSampler(loader.dataset, drop_last=drop_last, **shares)
+        if indices is None
+        else _subset_shard_class()(indices, drop_last=drop_last, **shares)
     )
     kwargs = {
         "batch_size": batch_size,
@@ -361,7 +398,7 @@ def describe_passes(loader: Any) -> str:
     if loader._nbtrain_one_rank:
         return f"its own order, batches moved to {api.device()} (one rank: not sharded)"
     loader._nbtrain_check_trained()
-    share = f"DistributedSampler, {loader.sampler.num_samples} of {len(loader.dataset)} per rank"
+    share = f"DistributedSampler, {loader.sampler.num_samples} of {len(loader.sampler.dataset)} per rank"
     passes = loader._nbtrain_passes
     parts = []
     if passes["train"]:

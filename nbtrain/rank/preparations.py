@@ -54,6 +54,7 @@ class _Registry:
         self.step_models: dict[int, tuple[Any, list[Any]]] = {}  # id(optimizer) -> (it, the wrappers it steps)
         self.bypassed: set[int] = set()  # wrappers whose gradients bypass averaged (said once)
         self.first_inputs: list[tuple[Any, Any, bool]] = []  # (DDP, its first inputs' extremes, any tensor)
+        self.unsharded: list[Any] = []  # loaders auto mode could not shard (each said in a note)
         self.shipped: dict[int, Any] = {}  # id -> the kernel's wrappers (a DataParallel) the cell received
 
     def ship(self, objects: Iterable[Any]) -> None:

@@ -131,7 +131,9 @@ def auto_prepare(namespace: dict[str, Any], names: Iterable[str]) -> list[tuple[
             obj = namespace[name]
             if not isinstance(obj, kind) or (kind is torch.nn.Module and id(obj) in inside):
                 continue
+            said = len(preparations.cell_registry().notes)
             prepared = prepare(obj)
+            _name_in_notes(said, name)
             namespace[name] = prepared
             done.append((name, _describe(obj, prepared)))
             if kind is DataLoader and prepared is not obj:
@@ -166,7 +168,9 @@ def auto_prepare_held(
             if h.fixed and kind == "module":
                 done.append((h.label, _not_prepared(h.fixed, kind)))
                 continue
+            said = len(preparations.cell_registry().notes)
             prepared = prepare(obj)
+            _name_in_notes(said, h.label)
             if prepared is not obj:
                 try:
                     reach.put(namespace, h, prepared)
@@ -178,6 +182,15 @@ def auto_prepare_held(
             if kind == "loader" and prepared is not obj:
                 preparations.cell_registry().loader_names[h.label] = prepared
     return done, placed
+
+
+def _name_in_notes(said: int, name: str) -> None:
+    """Name the object in the notes its preparation added (past the first ``said``): the user's
+    name says which loader "a DataLoader over TensorDataset" is."""
+    notes = preparations.cell_registry().notes
+    for i in range(said, len(notes)):
+        if notes[i].startswith("a DataLoader over "):
+            notes[i] = f"`{name}`, {notes[i]}"
 
 
 def resolved(namespace: Mapping[str, Any], held: Iterable[Any]) -> Iterator[tuple[Any, Any]]:

@@ -40,10 +40,14 @@ def note_first_inputs(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any])
 def same_data_notes(cell_globals: Mapping[str, Any]) -> list[str]:
     """One note per DDP model every rank fed the same first training batch (read at the cell's end).
 
-    A model is named as the cell's globals name it (``G``), else by its class.
+    A model is named as the cell's globals name it (``G``), else by its class. Nothing is
+    said where a loader could not be sharded: its own note says every rank reads all of it.
     """
+    registry = preparations.cell_registry()
+    if registry.unsharded:  # a loader read whole by every rank: its own note says why and what to do
+        return []
     notes = []
-    for ddp, extremes, any_tensor in preparations.cell_registry().first_inputs:
+    for ddp, extremes, any_tensor in registry.first_inputs:
         largest, negated_smallest = extremes.tolist()
         if any_tensor and largest == -negated_smallest:
             ranks = api.world_size()
