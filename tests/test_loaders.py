@@ -31,7 +31,8 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
         DataLoader(ten, batch_size=2),
         DataLoader(ten, batch_size=None),  # no batching: one item at a time
         DataLoader(TensorDataset(torch.arange(12.0)), batch_size=4),
-        DataLoader(ten, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 7)),  # custom: not sharded
+        DataLoader(ten, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 7)),  # 3 of the 7 draws: 2
+        DataLoader(ten, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 7, replacement=False)),  # as is
         DataLoader(ten, batch_size=2, sampler=DistributedSampler(ten, num_replicas=5, rank=0)),  # the user's own
         DataLoader(ten, batch_sampler=BatchSampler(SequentialSampler(ten), 3, drop_last=False)),  # batches of 3
         DataLoader(ten, batch_sampler=BatchSampler(RandomSampler(ten), 3, drop_last=True)),  # 3 a rank, 1 batch
@@ -49,7 +50,7 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
     on_ranks = finish(nbtrain.start(fn, (made,), devices=3))
     in_kernel = [loaders.batches_per_rank(loader, 3, "ddp") for loader in made]
     assert on_ranks == [in_kernel] * 3
-    assert in_kernel == [2, 1, 2, 4, 1, 4, 1, 2, 1, 2]
+    assert in_kernel == [2, 1, 2, 4, 1, 2, 4, 1, 2, 1, 2]
     assert [loaders.batches_per_rank(loader, 3, "none") for loader in made] == [len(x) for x in made]
 
     class Stream(IterableDataset):
@@ -108,6 +109,33 @@ def test_a_train_validation_split_by_subset_samplers_shares_out_the_training_ind
     assert epochs0[0] != epochs0[1]  # another order the next epoch
     assert checked0 == checked1 == val_idx
     assert n0 == n1 == loaders.batches_per_rank(train, 2, "ddp") == 3
+
+
+def test_a_weighted_sampler_for_imbalanced_classes_gives_each_rank_its_share_of_the_draws(launcher):
+    """``WeightedRandomSampler(weights, num_samples)`` (inverse class frequencies): each rank draws
+    its share of ``num_samples`` on its own generator, so the ranks' draws differ and, together,
+    are as balanced as one process's."""
+    from torch.utils.data import WeightedRandomSampler
+
+    labels = torch.tensor([1] * 40 + [0] * 360)  # a 1:9 imbalance
+    weights = torch.where(labels == 1, 1 / 40, 1 / 360).double()
+    data = TensorDataset(torch.arange(400), labels)
+    loader = DataLoader(data, batch_size=25, sampler=WeightedRandomSampler(weights, 400))
+
+    def fn(loader):
+        import torch.distributed as dist
+
+        with torch.enable_grad():
+            drawn = [(i.tolist(), y.tolist()) for i, y in nbtrain.prepare(loader)]
+        every_rank = [None] * nbtrain.world_size()
+        dist.all_gather_object(every_rank, drawn)
+        return every_rank
+
+    first, second = finish(nbtrain.start(fn, (loader,), devices=2))
+    assert len(first) == len(second) == loaders.batches_per_rank(loader, 2, "ddp") == 8  # 200 draws a rank
+    assert [i for b, _ in first for i in b] != [i for b, _ in second for i in b]
+    minority = sum(y for _, ys in first + second for y in ys) / 400
+    assert 0.35 < minority < 0.65, minority  # about half, where the data has a tenth
 
 
 # -- training passes and evaluation passes -----------------------------------------------------

@@ -1,7 +1,9 @@
 """Data loaders sharded for the ranks: training passes read a share, evaluation passes the whole.
 
 A loader is rebuilt on a ``DistributedSampler`` that keeps its batch size, shuffle,
-drop_last, collate_fn and workers; each pass decides when iteration starts what it is (with
+drop_last, collate_fn and workers (over a ``SubsetRandomSampler``'s indices where it had
+one; a ``WeightedRandomSampler`` drawing with replacement becomes one drawing the rank's
+share, on the rank's own generator); each pass decides when iteration starts what it is (with
 gradients: this rank's share; without: the whole dataset, unless prepared with
 ``evaluation="shard"``). The kernel asks :func:`batches_per_rank` how long each rank's
 loader will be. See :func:`nbtrain.prepare`.
@@ -89,6 +91,8 @@ def _shardable(loader: Any) -> tuple[str, bool]:
         return "", True
     if type(sampler) is SubsetRandomSampler:  # a train/validation split of one dataset: its indices are shared
         return "", True
+    if _weighted(loader) is not None:  # class weights for imbalanced data: each rank draws its share
+        return "", True
     name = type(sampler).__name__
     return f"{what} was not sharded: its sampler ({name}) is custom, so every rank reads all of it.", False
 
@@ -110,9 +114,19 @@ def _subset_indices(loader: Any) -> Any:
     return sampler.indices if type(sampler) is SubsetRandomSampler else None
 
 
+def _weighted(loader: Any) -> Any:
+    """The loader's ``WeightedRandomSampler`` if it draws with replacement (its draws can be shared out), else None."""
+    from torch.utils.data import WeightedRandomSampler
+
+    sampler = _batching(loader)[0]
+    return sampler if type(sampler) is WeightedRandomSampler and sampler.replacement else None
+
+
 def _shared_count(loader: Any) -> int:
-    """How many samples a training pass shares out over the ranks: the dataset's, or the subset's."""
-    indices = _subset_indices(loader)
+    """How many samples a training pass shares out over the ranks: the dataset's, the subset's, or the draws."""
+    indices, weighted = _subset_indices(loader), _weighted(loader)
+    if weighted is not None:
+        return int(weighted.num_samples)
     return len(loader.dataset) if indices is None else len(indices)
 
 
@@ -138,6 +152,33 @@ def _subset_shard_class() -> type:
 
     SubsetShard.__name__ = SubsetShard.__qualname__ = "DistributedSampler"
     return SubsetShard
+
+
+@functools.lru_cache(maxsize=1)
+def _weighted_shard_class() -> type:
+    """A WeightedRandomSampler drawing this rank's share of the draws, on its own generator."""
+    from torch.utils.data import WeightedRandomSampler
+
+    class WeightedShard(WeightedRandomSampler):
+        def set_epoch(self, epoch: int) -> None:
+            """Nothing: the rank's generator draws anew each pass, as the user's sampler did."""
+
+    WeightedShard.__name__ = WeightedShard.__qualname__ = "WeightedRandomSampler"
+    return WeightedShard
+
+
+def _weighted_share(weighted: Any, seed: int, drop_last: bool) -> Any:
+    """This rank's sampler for a ``WeightedRandomSampler``'s draws: the same weights, its share of
+    ``num_samples``, its own seed (the ranks draw independently, as one process's draws are)."""
+    import torch
+
+    total = int(weighted.num_samples)
+    generator = torch.Generator()
+    generator.manual_seed(seed + api.rank())
+    share = len(_share(total, api.world_size(), drop_last))
+    sampler = _weighted_shard_class()(weighted.weights, share, replacement=True, generator=generator)
+    sampler.dataset = range(total)  # what the summary counts the share of
+    return sampler
 
 
 def batches_per_rank(loader: Any, world_size: int, wrapper: str, *, evaluation: bool = False) -> int | None:
@@ -335,12 +376,14 @@ def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
     else:  # every rank draws the same seed: they start from the kernel's RNG state
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
     shares: dict[str, Any] = {"num_replicas": api.world_size(), "rank": api.rank(), "shuffle": shuffle, "seed": seed}
-    indices = _subset_indices(loader)
-    sampler: DistributedSampler[Any] = (
-        DistributedSampler(loader.dataset, drop_last=drop_last, **shares)
-        if indices is None
-        else _subset_shard_class()(indices, drop_last=drop_last, **shares)
-    )
+    indices, weighted = _subset_indices(loader), _weighted(loader)
+    sampler: Any
+    if weighted is not None:
+        sampler = _weighted_share(weighted, seed, drop_last)
+    elif indices is not None:
+        sampler = _subset_shard_class()(indices, drop_last=drop_last, **shares)
+    else:
+        sampler = DistributedSampler(loader.dataset, drop_last=drop_last, **shares)
     kwargs = {
         "batch_size": batch_size,
         "sampler": sampler,
@@ -398,7 +441,7 @@ def describe_passes(loader: Any) -> str:
     if loader._nbtrain_one_rank:
         return f"its own order, batches moved to {api.device()} (one rank: not sharded)"
     loader._nbtrain_check_trained()
-    share = f"DistributedSampler, {loader.sampler.num_samples} of {len(loader.sampler.dataset)} per rank"
+    share = f"{type(loader.sampler).__name__}, {loader.sampler.num_samples} of {len(loader.sampler.dataset)} per rank"
     passes = loader._nbtrain_passes
     parts = []
     if passes["train"]:
