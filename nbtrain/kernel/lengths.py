@@ -120,8 +120,8 @@ def dataset_lengths(code: str, objects: Mapping[str, Any], world_size: int, wrap
     >>> import torch
     >>> from torch.utils.data import DataLoader, TensorDataset
     >>> train_dl = DataLoader(TensorDataset(torch.zeros(64, 1)), batch_size=8, shuffle=True)
-    >>> print(dataset_lengths("size = len(train_dl.dataset)", {"train_dl": train_dl}, 2, "ddp")[0])
-    len(train_dl.dataset) is 64, the size of train_dl's dataset, of which each rank's training pass reads 32: ...
+    >>> print(dataset_lengths("size = len(train_dl.dataset)", {"train_dl": train_dl}, 2, "ddp")[0].split(":")[0])
+    len(train_dl.dataset) is 64, the size of train_dl's dataset, of which each rank's training pass reads 32
     """
     from nbtrain.rank import loaders
 
