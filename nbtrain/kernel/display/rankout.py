@@ -24,6 +24,7 @@ from nbtrain.kernel.display import show
 _PIECES = re.compile(r"(?<=\n)|(?=\r(?!\n))")
 _LINE_BREAKS = re.compile(r"[\r\n]")
 _TIMING = re.compile(r"\s*\[[^\]]*\]\s*$")  # a bar's last "[elapsed<left, rate]", as tqdm draws it
+_KEPT = 1024  # characters of an open line kept to compare a redraw with (a bar is shorter)
 
 
 def _untimed(line: str) -> str:
@@ -165,7 +166,8 @@ class OutputPrinter:
         else:
             self._open[stream] = rank
             *before, last = _LINE_BREAKS.split(text)
-            self._open_text[stream] = last if before else self._open_text.get(stream, "") + last
+            # Its end is enough to tell a bar's redraw; a line printed a dot at a time stays cheap.
+            self._open_text[stream] = (last if before else self._open_text.get(stream, "") + last)[-_KEPT:]
         return text
 
 
