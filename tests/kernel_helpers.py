@@ -237,6 +237,17 @@ def outputs_of(cell: Any) -> CellOutput:
 
 # In the kernel, between cells: until the standby ranks forked after the last run are ready
 # (every one joined its process group), at most ``bound`` seconds; [seconds waited, ready].
+# A small regression problem for kernel tests of training cells: X -> Y = X @ w, a shuffled loader, MSE.
+REGRESSION_SETUP = """
+import torch, torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+X = torch.randn(256, 8)
+Y = X @ torch.randn(8, 1)
+loader = DataLoader(TensorDataset(X, Y), batch_size=16, shuffle=True)
+loss_fn = nn.MSELoss()
+"""
+
 WAIT_FOR_STANDBY = """
 import time as _time, nbtrain as _nbtrain
 def _standby_ready():

@@ -4,24 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_helpers import nbtrain_kernel
+from kernel_helpers import REGRESSION_SETUP, nbtrain_kernel
 
 pytestmark = pytest.mark.timeout(300)
 
-SETUP = """
-import torch, torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-torch.manual_seed(0)
-X = torch.randn(256, 8)
-Y = X @ torch.randn(8, 1)
-loader = DataLoader(TensorDataset(X, Y), batch_size=16, shuffle=True)
-loss_fn = nn.MSELoss()
-"""
-
-
 @pytest.fixture(scope="module")
 def kernel():
-    yield from nbtrain_kernel(SETUP)
+    yield from nbtrain_kernel(REGRESSION_SETUP)
 
 
 def test_a_plateau_schedule_stepped_on_each_ranks_own_loss_keeps_one_learning_rate(kernel):
