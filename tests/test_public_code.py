@@ -345,6 +345,74 @@ def test_an_optimizer_that_keeps_its_own_attributes_and_wraps_another_round_trip
     kernel.run_ok("look.zero_grad(); loss_fn(net5(X), Y).backward(); look.step()")  # still steps in the kernel
 
 
+WRAPPING_OPTIMIZERS = """
+import copy
+class SAM(torch.optim.Optimizer):  # sharpness-aware: two backwards a step, a base optimizer steps
+    def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+    @torch.no_grad()
+    def first_step(self, zero_grad=False):
+        norm = torch.stack([p.grad.norm() for g in self.param_groups for p in g['params']]).norm()
+        for g in self.param_groups:
+            for p in g['params']:
+                self.state[p]['e_w'] = e_w = p.grad * g['rho'] / (norm + 1e-12)
+                p.add_(e_w)
+        if zero_grad: self.zero_grad()
+    @torch.no_grad()
+    def second_step(self, zero_grad=False):
+        for g in self.param_groups:
+            for p in g['params']:
+                p.sub_(self.state[p]['e_w'])
+        self.base_optimizer.step()
+        if zero_grad: self.zero_grad()
+class BareLookahead(torch.optim.Optimizer):  # never calls Optimizer.__init__, as many copies of it do
+    def __init__(self, base, k=3, alpha=0.5):
+        self.base, self.k, self.alpha, self.count = base, k, alpha, 0
+        self.param_groups, self.state, self.defaults = base.param_groups, base.state, base.defaults
+        self.slow = [p.detach().clone() for g in base.param_groups for p in g['params']]
+    def step(self, closure=None):
+        self.base.step(); self.count += 1
+        if self.count % self.k == 0:
+            with torch.no_grad():
+                for s, p in zip(self.slow, [p for g in self.param_groups for p in g['params']]):
+                    s += self.alpha * (p - s); p.copy_(s)
+    def zero_grad(self, set_to_none=True):
+        self.base.zero_grad(set_to_none)
+batches = [(X[i:i + 32], Y[i:i + 32]) for i in range(0, 256, 32)]
+def sam_epoch(net, opt):
+    for x, y in batches:
+        loss_fn(net(x), y).backward(); opt.first_step(zero_grad=True)
+        loss_fn(net(x), y).backward(); opt.second_step(zero_grad=True)
+def lookahead_epoch(net, opt):
+    for x, y in batches:
+        opt.zero_grad(); loss_fn(net(x), y).backward(); opt.step()
+torch.manual_seed(5)
+sam_net = nn.Linear(8, 1); sam_ref = copy.deepcopy(sam_net)
+sam_opt = SAM(sam_net.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+sam_ref_opt = SAM(sam_ref.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+look_net = nn.Linear(8, 1); look_ref = copy.deepcopy(look_net)
+look_opt = BareLookahead(torch.optim.Adam(look_net.parameters(), lr=1e-2))
+look_ref_opt = BareLookahead(torch.optim.Adam(look_ref.parameters(), lr=1e-2))
+"""
+
+
+def test_optimizers_that_wrap_another_come_back_with_its_momentum_and_train_on_as_in_the_kernel(kernel):
+    """SAM and a Lookahead step through an inner optimizer that shares their groups (and a Lookahead that
+    never called ``Optimizer.__init__``): two cells on one rank train exactly as two runs in the kernel."""
+    kernel.run_ok(WRAPPING_OPTIMIZERS)
+    for _ in range(2):
+        kernel.run_ok("%%distributed --devices 1\nsam_epoch(sam_net, sam_opt)\nlookahead_epoch(look_net, look_opt)\n")
+        kernel.run_ok("sam_epoch(sam_ref, sam_ref_opt)\nlookahead_epoch(look_ref, look_ref_opt)\n")
+    # The inner optimizers' momentum came back (the second cell started from it), so the weights agree.
+    assert kernel.value("torch.equal(sam_net.weight, sam_ref.weight) and torch.equal(look_net.weight, look_ref.weight)")
+    assert kernel.value("len(sam_opt.base_optimizer.state) == 2 and look_opt.count == 16")
+    # Still one set of groups and one state, shared with the inner optimizer: a changed lr reaches it.
+    assert kernel.value("sam_opt.param_groups is sam_opt.base_optimizer.param_groups")
+    assert kernel.value("look_opt.state is look_opt.base.state and look_opt.param_groups is look_opt.base.param_groups")
+
+
 def test_lbfgs_steps_on_the_ranks_without_auto_mode_too(kernel):
     kernel.run_ok(
         OPTIMIZER_SETUP + "net, inputs = make_run('LBFGS')\nopt = torch.optim.LBFGS(net.parameters(), lr=0.1)\n"

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import ast
 import dis
+import functools
 import io
 import pickle
 import symtable
 import sys
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -437,18 +438,15 @@ def apply_result(
                 report.updated.append(name)
         except Exception as error:  # noqa: BLE001 - one bad object must not stop the rest
             report.skipped.append((name, type_name(module), f"its weights could not be loaded ({error})"))
-    for kind in ("optimizers", "schedulers"):
-        for name, state in outcome.get(kind, {}).items():
-            target = shipped[name]
-            try:
-                if kind == "optimizers" or target.state_dict() != state:
-                    target.load_state_dict(state)
-                    report.updated.append(name)
-            except Exception as error:  # noqa: BLE001 - one bad object must not stop the rest
-                report.skipped.append((name, type_name(target), f"its state could not be loaded ({error})"))
-    for name, attributes in outcome.get("optimizer_attributes", {}).items():
-        for key, value in attributes.items():
-            set_attribute(shipped[name], key, value)
+    _apply_optimizers(outcome, shipped, report)
+    for name, state in outcome.get("schedulers", {}).items():
+        target = shipped[name]
+        try:
+            if target.state_dict() != state:
+                target.load_state_dict(state)
+                report.updated.append(name)
+        except Exception as error:  # noqa: BLE001 - one bad object must not stop the rest
+            report.skipped.append((name, type_name(target), f"its state could not be loaded ({error})"))
     for name, value in outcome.get("tensors", {}).items():
         _set_tensor(user_ns, name, shipped[name], value)
         report.updated.append(name)
@@ -466,6 +464,77 @@ def apply_result(
             report.deleted.append(name)
     set_rng_states(outcome.get("rng"))
     return report
+
+
+def _apply_optimizers(outcome: Mapping[str, Any], shipped: Mapping[str, Any], report: ApplyReport) -> None:
+    """Load each optimizer's state, the optimizers it wraps and its own attributes: all of them, or none."""
+    inner_states = outcome.get("inner_optimizers", {})
+    for name, state in outcome.get("optimizers", {}).items():
+        target = shipped[name]
+        try:
+            inner = inner_states.get(name, {})
+            loads = [optimizer_loader(target, state)]
+            loads += [optimizer_loader(getattr(target, key), held) for key, held in inner.items()]
+        except Exception as error:  # noqa: BLE001 - one bad object must not stop the rest
+            report.skipped.append((name, type_name(target), f"its state could not be loaded ({error})"))
+            continue
+        for load in loads:
+            load()
+        for key, value in outcome.get("optimizer_attributes", {}).get(name, {}).items():
+            set_attribute(target, key, value)
+        report.updated.append(name)
+
+
+def optimizer_loader(optimizer: Any, state: Mapping[str, Any]) -> Callable[[], None]:
+    """A function loading ``state`` (an ``Optimizer.state_dict()``) into ``optimizer``; raises now if it cannot.
+
+    ``Optimizer.load_state_dict`` binds new ``state`` and ``param_groups`` objects, so an
+    optimizer that shares them with one it wraps (SAM's base optimizer, a Lookahead's inner
+    one) would part from it, and it needs what ``Optimizer.__init__`` sets, which such a wrapper
+    may never have called. So the state is loaded into a stand-in over the same parameters
+    (torch's checks, and each tensor cast to its parameter's device and dtype), then copied into
+    the optimizer's own dicts. A class with its own ``load_state_dict`` is loaded its own way.
+
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    >>> groups = opt.param_groups
+    >>> saved = {**groups[0], "params": [0], "lr": 0.5}
+    >>> state = {"state": {0: {"momentum_buffer": torch.full((2,), 3.0)}}, "param_groups": [saved]}
+    >>> optimizer_loader(opt, state)()
+    >>> opt.param_groups is groups, groups[0]["lr"], opt.state[w]["momentum_buffer"].tolist()
+    (True, 0.5, [3.0, 3.0])
+    """
+    import torch
+
+    if type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+        return functools.partial(optimizer.load_state_dict, state)
+    stand_in = _stand_in_class()([{"params": group["params"]} for group in optimizer.param_groups])
+    stand_in.load_state_dict(state)
+    optimizer.state  # noqa: B018 - an optimizer without one fails here, before anything is loaded
+    return functools.partial(_copy_optimizer_state, optimizer, stand_in)
+
+
+@functools.cache
+def _stand_in_class() -> type:
+    """A bare optimizer class: what torch's ``load_state_dict`` needs, nothing of a step."""
+    import torch
+
+    class StandIn(torch.optim.Optimizer):
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, {})
+
+    return StandIn
+
+
+def _copy_optimizer_state(optimizer: Any, loaded: Any) -> None:
+    """``loaded``'s state and hyperparameters into ``optimizer``'s own dicts (their identities kept)."""
+    optimizer.state.clear()
+    optimizer.state.update(loaded.state)
+    for group, new in zip(optimizer.param_groups, loaded.param_groups, strict=True):
+        params = group["params"]
+        group.clear()
+        group.update(new)
+        group["params"] = params
 
 
 def module_differs(module: Any, state: Mapping[str, Any], modes: Iterable[tuple[str, bool]]) -> bool:

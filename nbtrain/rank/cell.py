@@ -313,6 +313,7 @@ def _collect(
         "modules": module_states,
         "optimizers": optimizer_states,
         "optimizer_attributes": _optimizer_attributes(optimizer_states, namespace),
+        "inner_optimizers": _inner_optimizer_states(optimizer_states, namespace, [m for _, m in modules]),
         "schedulers": {n: s.state_dict() for n, s in _unique(namespace, _is_scheduler)},
         "tensors": {
             n: v for n, v in before.objects.items() if before.kinds[n] == "tensor" and v._version != before.versions[n]
@@ -369,8 +370,8 @@ def _optimizer_states(
     states: dict[str, Any] = {}
     for name, optimizer in _unique(namespace, torch.optim.Optimizer):
         owner = _sharded_owner(optimizer, [m for _, m in modules])
-        zero = preparations.prepared_for(optimizer)
-        if zero is not None and type(zero).__name__ == "ZeroRedundancyOptimizer":  # ddp_sharded: each rank holds a part
+        zero = _zero_of(optimizer)
+        if zero is not None:  # ddp_sharded: each rank holds a part
             zero.consolidate_state_dict(to=0)  # every rank, always: it is a collective
             if before is not None:
                 states[name] = zero.state_dict()
@@ -383,6 +384,12 @@ def _optimizer_states(
     return states
 
 
+def _zero_of(optimizer: Any) -> Any | None:
+    """The ZeroRedundancyOptimizer ``ddp_sharded`` made of ``optimizer``, or None."""
+    zero = preparations.prepared_for(optimizer)
+    return zero if zero is not None and type(zero).__name__ == "ZeroRedundancyOptimizer" else None
+
+
 def _optimizer_attributes(optimizers: Mapping[str, Any], namespace: Mapping[str, Any]) -> dict[str, Any]:
     """The plain attributes (a counter, slow weights) of each optimizer whose state goes back."""
     from nbtrain import codepickle
@@ -393,6 +400,32 @@ def _optimizer_attributes(optimizers: Mapping[str, Any], namespace: Mapping[str,
         if own:
             attributes[name] = own
     return attributes
+
+
+def _inner_optimizer_states(
+    optimizers: Mapping[str, Any], namespace: Mapping[str, Any], modules: list[Any]
+) -> dict[str, dict[str, Any]]:
+    """The state of each optimizer another one whose state goes back holds in an attribute.
+
+    SAM's ``base_optimizer`` and a Lookahead's inner optimizer take the steps, so their
+    momentum is the training's own. (Not under ``fsdp`` or ``ddp_sharded``, whose optimizers
+    are rebuilt around the parameters: there the wrapper's full state is what there is.)
+    """
+    import torch
+
+    inner: dict[str, dict[str, Any]] = {}
+    for name in optimizers:
+        optimizer = namespace[name]
+        if _sharded_owner(optimizer, modules) is not None or _zero_of(optimizer) is not None:
+            continue
+        held = {
+            key: value.state_dict()
+            for key, value in vars(optimizer).items()
+            if isinstance(value, torch.optim.Optimizer) and value is not optimizer
+        }
+        if held:
+            inner[name] = held
+    return inner
 
 
 def _bound(cell_globals: dict[str, Any], before: _Before, hidden: set[str]) -> dict[str, Any]:
