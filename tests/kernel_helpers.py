@@ -235,8 +235,6 @@ def outputs_of(cell: Any) -> CellOutput:
     return out
 
 
-# In the kernel, between cells: until the standby ranks forked after the last run are ready
-# (every one joined its process group), at most ``bound`` seconds; [seconds waited, ready].
 # A small regression problem for kernel tests of training cells: X -> Y = X @ w, a shuffled loader, MSE.
 REGRESSION_SETUP = """
 import torch, torch.nn as nn
@@ -248,6 +246,8 @@ loader = DataLoader(TensorDataset(X, Y), batch_size=16, shuffle=True)
 loss_fn = nn.MSELoss()
 """
 
+# In the kernel, between cells: until the standby ranks forked after the last run are ready
+# (every one joined its process group), at most ``bound`` seconds; [seconds waited, ready].
 WAIT_FOR_STANDBY = """
 import time as _time, nbtrain as _nbtrain
 def _standby_ready():

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from nbtrain import records
 from nbtrain.rank import (
     api,
+    checkpoints,
     displays,
     kerneldevices,
     loaders,
@@ -99,6 +100,8 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
         prepared += more
     logging = losslogging.loss_logging() if spec.log_loss else contextlib.nullcontext()
     stopping.hook_optimizer_steps()  # a graceful stop ends the cell at an optimizer step's boundary
+    if api.world_size() > 1:  # every rank saving one checkpoint path: a reader never sees a torn file
+        checkpoints.write_whole()
     if spec.auto and api.world_size() > 1:  # code for one device steps its schedulers alike on every rank
         schedulers.agree_on_plateau_metrics()
     with logging:

@@ -1,0 +1,89 @@
+"""``torch.save`` to a path, on a run of several ranks, writes the file whole.
+
+Code written for one device saves its checkpoint by path (``torch.save(model.state_dict(),
+"best.pt")``, an early-stopping helper's "save the best") and often reads it back (the best
+weights restored after the loop). On the ranks the same line writes the same file at about
+the same time, and ``torch.save`` truncates the file and rewrites it in place: a rank loading
+it meanwhile read a torn archive (``PytorchStreamReader failed reading zip archive``), and two
+ranks writing it at once could leave a file of pieces of both. So on a run of several ranks
+:func:`write_whole` makes ``torch.save`` to a path write a new file beside it and rename it
+over the path, which is atomic: a reader opens the old file or a new one, complete. When
+several ranks write one path, the file is the last one's (under DDP their weights are the
+same). A file object, one rank, or a path whose directory does not exist is saved as torch
+saves it.
+
+Importing this module does not import torch.
+
+Example (outside a run a save is torch's own):
+    >>> import io, torch
+    >>> write_whole()
+    >>> buffer = io.BytesIO(); torch.save({"w": torch.ones(2)}, buffer)
+    >>> torch.load(io.BytesIO(buffer.getvalue()))["w"].tolist()
+    [1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import os
+from typing import Any
+
+from nbtrain.rank import api
+
+_PARTIAL = ".nbtrain-partial"  # a file being written: it has this suffix until it is renamed into place
+_numbers = itertools.count()
+
+
+def write_whole() -> None:
+    """Make ``torch.save`` to a path in this process write the file whole, when the run has several ranks (once)."""
+    import torch
+    import torch.serialization
+
+    own = torch.serialization.save
+    if getattr(own, "_nbtrain_whole", False):
+        return
+
+    @functools.wraps(own)
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        target = _replaced_path(f)
+        if target is None:
+            return own(obj, f, *args, **kwargs)
+        partial = _new_partial(target)
+        try:
+            own(obj, partial, *args, **kwargs)
+            os.replace(partial, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
+        return None
+
+    save._nbtrain_whole = True  # type: ignore[attr-defined]  # the mark of this wrapper
+    torch.save = torch.serialization.save = save  # a rank runs one cell: nothing else sees it
+
+
+def _replaced_path(f: Any) -> str | None:
+    """The file a save to ``f`` replaces whole, or None where torch's own save is what happens."""
+    if api.world_size() < 2 or not isinstance(f, (str, os.PathLike)):
+        return None
+    path = os.fspath(f)
+    if not isinstance(path, str):
+        return None
+    target = os.path.realpath(path)  # a link stays a link: the file it points to is replaced
+    if not os.path.isdir(os.path.dirname(target)) or os.path.isdir(target):
+        return None  # torch's own error says what is wrong
+    return target
+
+
+def _new_partial(target: str) -> str:
+    """A new empty file beside ``target``, made as ``open(target, "wb")`` would make it (the umask applies)."""
+    directory, name = os.path.split(target)
+    while True:
+        partial = os.path.join(directory, f".{name}.{os.getpid()}-{next(_numbers)}{_PARTIAL}")
+        try:
+            os.close(os.open(partial, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        except FileExistsError:
+            continue  # left by a process with the same pid, killed while writing
+        return partial
