@@ -51,3 +51,42 @@ def test_a_kernels_gpu_device_reads_as_each_ranks_own_and_stays_in_the_kernel(ke
     assert kernel.value("device == torch.device('cuda:0') and device_name == 'cuda:0'")
     updated = out.stdout.partition("Updated in the kernel: ")[2].split(".")[0].split(", ")
     assert "loss" in updated and "device" not in updated and "device_name" not in updated, out.stdout
+
+
+def test_a_device_kept_in_the_notebooks_settings_reads_as_each_ranks_own_and_stays_in_the_kernel(kernel):
+    """Settings one step inside a global: a class used as a namespace, a frozen dataclass, a dict,
+    a SimpleNamespace, and a model that keeps ``self.device`` for the tensors its forward makes."""
+    kernel.run_ok(
+        "import types\n"
+        "from dataclasses import dataclass\n"
+        "class CFG:\n"
+        "    device = torch.device('cuda:0')\n"
+        "    lr = 0.05\n"
+        "@dataclass(frozen=True)\n"
+        "class Config:\n"
+        "    device: str = 'cuda:0'\n"
+        "config = Config()\n"
+        "settings = {'device': 'cuda:0', 'epochs': 1}\n"
+        "args = types.SimpleNamespace(device=torch.device('cuda', 0))\n"
+        "class Shifted(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.fc = nn.Linear(8, 1); self.device = torch.device('cuda:0')\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x) + torch.ones(1, device=self.device)\n"
+        "shifted = Shifted()\n"
+        "shifted_opt = torch.optim.SGD(shifted.parameters(), lr=CFG.lr)\n"
+    )
+    out = kernel.run_ok(
+        "%%distributed --devices 2 --accelerator cpu\n"
+        "for x, y in loader:\n"
+        "    x, y = x.to(CFG.device), y.to(config.device)\n"
+        "    loss = nn.functional.mse_loss(shifted(x.to(settings['device'])), y.to(args.device))\n"
+        "    shifted_opt.zero_grad(); loss.backward(); shifted_opt.step()\n"
+        "seen = [str(CFG.device), config.device, settings['device'], str(args.device), str(shifted.device)]\n"
+    )
+    assert kernel.value("seen") == ["cpu"] * 5, out.text
+    kept = "CFG.device == torch.device('cuda:0') and config.device == 'cuda:0' and settings['device'] == 'cuda:0'"
+    kept += " and args.device == torch.device('cuda:0') and shifted.device == torch.device('cuda:0')"
+    assert kernel.value(kept)
+    updated = out.stdout.partition("Updated in the kernel: ")[2].split(".")[0].split(", ")
+    assert "shifted" in updated and not {"CFG", "config", "settings", "args"} & set(updated), out.stdout

@@ -111,7 +111,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
             display = None  # stopped at the step every rank reached: what it holds goes back as at the end
     displays.show_open_figures()  # what the kernel's inline backend shows at a cell's end
     prepare.put_back(namespace, placed)  # so trainer.model is the kernel's model again on the way back
-    kerneldevices.restore(cell_globals, devices)
+    kerneldevices.restore(devices)
     context = api.current_context()
     if context is not None:
         context.flush()  # the cell's last metrics go out before the (slower) namespace-out

@@ -7,35 +7,68 @@ every batch with ``x.to(device)``. On a rank whose device is another GPU (rank 1
 failed with "Expected all tensors to be on the same device"; on the CPU ranks of a kernel
 with a GPU they went to a GPU the run did not ask for. So for the cell, a shipped global
 naming an accelerator device other than the rank's (a ``torch.device``, or a string with an
-index such as ``"cuda:0"``) reads as the rank's device; the kernel's keeps its value. A
-``"cpu"`` device stays the CPU (code moves results back to it), and ``torch.device("cuda")``
-on a CUDA rank already means the rank's GPU. A string without an index (``"cuda"``, often
-an autocast ``device_type``) is left as it is.
+index such as ``"cuda:0"``) reads as the rank's device; the kernel's keeps its value. So does
+such a device one step inside a shipped global, where notebooks keep their settings: a
+class used as a namespace (``class CFG: device = "cuda:0"``), an instance of a notebook class
+(a trainer's or a model's ``self.device``), a dataclass, a ``SimpleNamespace`` or argparse
+``Namespace``, a dict (``config["device"]``). A ``"cpu"`` device stays the CPU (code moves
+results back to it), and ``torch.device("cuda")`` on a CUDA rank already means the rank's
+GPU. A string without an index (``"cuda"``, often an autocast ``device_type``) is left as it is.
 
 Example (outside a run the device is cuda:0 if present, else the CPU):
     >>> import torch
-    >>> cell_globals = {"device": torch.device("cuda:0"), "name": "cuda:0", "home": torch.device("cpu")}
-    >>> swapped = as_rank_devices(cell_globals, ["device", "name", "home"])
-    >>> sorted(name for name, _, _ in swapped) == ([] if torch.cuda.is_available() else ["device", "name"])
+    >>> cell_globals = {"device": torch.device("cuda:0"), "cfg": {"device": "cuda:0"}, "home": torch.device("cpu")}
+    >>> swapped = as_rank_devices(cell_globals, ["device", "cfg", "home"])
+    >>> sorted(swap.key for swap in swapped) == ([] if torch.cuda.is_available() else ["device", "device"])
     True
-    >>> restore(cell_globals, swapped); cell_globals["device"], cell_globals["name"]
-    (device(type='cuda', index=0), 'cuda:0')
+    >>> restore(swapped); cell_globals["device"], cell_globals["cfg"]
+    (device(type='cuda', index=0), {'device': 'cuda:0'})
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import itertools
 import re
 import sys
+import types
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from nbtrain.rank import api
 
 _INDEXED = re.compile(r"(cuda|xpu|mps):\d+")
+_ITEMS = 64  # the entries of one holder looked at: a dict of data is not a dict of settings
 
 
-def as_rank_devices(cell_globals: dict[str, Any], names: Iterable[str]) -> list[tuple[str, Any, Any]]:
-    """Rebind each of ``names`` that names another accelerator device to this rank's; (name, kernel's, rank's)."""
+@dataclass(frozen=True, eq=False)
+class Swap:
+    """A device put in for the cell: where (a mapping's key, or an attribute), the kernel's value, the rank's."""
+
+    holder: Any
+    key: Any
+    attribute: bool
+    kernels: Any
+    ranks: Any
+
+    def current(self) -> Any:
+        """What the place holds now."""
+        return getattr(self.holder, self.key, None) if self.attribute else self.holder.get(self.key)
+
+    def put(self, value: Any) -> None:
+        """Put ``value`` in the place."""
+        if not self.attribute:
+            self.holder[self.key] = value
+        elif isinstance(self.holder, type):
+            setattr(self.holder, self.key, value)
+        else:  # a frozen dataclass too: this is the rank's copy, and the kernel's value goes back
+            object.__setattr__(self.holder, self.key, value)
+
+
+def as_rank_devices(cell_globals: dict[str, Any], names: Iterable[str]) -> list[Swap]:
+    """Put this rank's device wherever ``names`` (or what they hold, one step in) name another accelerator device."""
     torch = sys.modules.get("torch")
     if torch is None:
         return []
@@ -43,11 +76,40 @@ def as_rank_devices(cell_globals: dict[str, Any], names: Iterable[str]) -> list[
     swapped = []
     for name in names:
         value = cell_globals.get(name)
-        replacement = _as_rank_device(value, mine, torch)
-        if replacement is not None:
-            cell_globals[name] = replacement
-            swapped.append((name, value, replacement))
+        places = [(cell_globals, name, False, value), *_settings(value)]
+        for holder, key, attribute, held in places:
+            replacement = _as_rank_device(held, mine, torch)
+            if replacement is not None:
+                swap = Swap(holder, key, attribute, held, replacement)
+                try:
+                    swap.put(replacement)
+                except (AttributeError, TypeError):
+                    continue  # a holder that refuses it keeps the kernel's device
+                swapped.append(swap)
     return swapped
+
+
+def _settings(value: Any) -> list[tuple[Any, Any, bool, Any]]:
+    """(holder, key, is an attribute, value) one step inside ``value``, where notebooks keep settings."""
+    if isinstance(value, dict):
+        return [(value, k, False, v) for k, v in itertools.islice(value.items(), _ITEMS) if isinstance(k, str)]
+    if isinstance(value, type):
+        if value.__module__ != "__main__":
+            return []
+        items = [(k, v) for k, v in vars(value).items() if not k.startswith("__")]
+    elif _holds_settings(value):
+        items = list(vars(value).items())
+    else:
+        return []
+    return [(value, k, True, v) for k, v in itertools.islice(items, _ITEMS)]
+
+
+def _holds_settings(value: Any) -> bool:
+    cls = type(value)
+    if not hasattr(value, "__dict__") or isinstance(value, types.ModuleType):
+        return False
+    plain = cls.__module__ == "__main__" or dataclasses.is_dataclass(cls)
+    return plain or isinstance(value, (types.SimpleNamespace, argparse.Namespace))
 
 
 def _as_rank_device(value: Any, mine: Any, torch: Any) -> Any:
@@ -65,8 +127,8 @@ def _as_rank_device(value: Any, mine: Any, torch: Any) -> Any:
     return mine if isinstance(value, torch.device) else str(mine)
 
 
-def restore(cell_globals: dict[str, Any], swapped: Iterable[tuple[str, Any, Any]]) -> None:
+def restore(swapped: Iterable[Swap]) -> None:
     """The kernel's values back where the cell left the rank's (so the kernel's ``device`` comes back unchanged)."""
-    for name, kernels, ranks in swapped:
-        if cell_globals.get(name) is ranks:
-            cell_globals[name] = kernels
+    for swap in swapped:
+        if swap.current() is swap.ranks:
+            swap.put(swap.kernels)

@@ -210,16 +210,19 @@ def test_the_notebooks_cuda_data_parallel_trains_as_ddp_on_two_ranks_and_comes_b
 
 
 def test_a_kernels_device_global_reads_as_each_ranks_gpu():
-    """``device = torch.device("cuda:1")`` (another GPU than the ranks'; none here): each rank's
-    batches go to its own GPU, and the kernel's ``device`` keeps its value."""
+    """``device = torch.device("cuda:1")`` and ``CFG.device = "cuda:1"`` (another GPU than the ranks';
+    none here): each rank's batches go to its own GPU, and the kernel's keep their values."""
     with NotebookKernel() as kernel:
-        kernel.run_ok(KERNEL_SETUP + "device, device_name = torch.device('cuda:1'), 'cuda:1'\n")
+        kernel.run_ok(
+            KERNEL_SETUP + "device, device_name = torch.device('cuda:1'), 'cuda:1'\n"
+            "class CFG:\n    device = 'cuda:1'\n"
+        )
         kernel.run_ok(
             "%%distributed --devices 0,0 --accelerator cuda\n"
             "for _ in range(3):\n"
-            "    loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device_name))\n"
+            "    loss = torch.nn.functional.mse_loss(model(x.to(device).to(CFG.device)), y.to(device_name))\n"
             "    opt.zero_grad(); loss.backward(); opt.step()\n"
-            "seen = (str(device), device_name, str(loss.device))\n"
+            "seen = (str(device), device_name, CFG.device, str(loss.device))\n"
         )
-        assert kernel.value("list(seen)") == ["cuda:0", "cuda:0", "cuda:0"]
-        assert kernel.value("[str(device), device_name]") == ["cuda:1", "cuda:1"]
+        assert kernel.value("list(seen)") == ["cuda:0", "cuda:0", "cuda:0", "cuda:0"]
+        assert kernel.value("[str(device), device_name, CFG.device]") == ["cuda:1", "cuda:1", "cuda:1"]
