@@ -32,7 +32,7 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
         DataLoader(ten, batch_size=None),  # no batching: one item at a time
         DataLoader(TensorDataset(torch.arange(12.0)), batch_size=4),
         DataLoader(ten, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 7)),  # 3 of the 7 draws: 2
-        DataLoader(ten, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 7, replacement=False)),  # as is
+        DataLoader(ten, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 7, replacement=False)),  # 3 of 7: 2
         DataLoader(ten, batch_size=2, sampler=DistributedSampler(ten, num_replicas=5, rank=0)),  # the user's own
         DataLoader(ten, batch_sampler=BatchSampler(SequentialSampler(ten), 3, drop_last=False)),  # batches of 3
         DataLoader(ten, batch_sampler=BatchSampler(RandomSampler(ten), 3, drop_last=True)),  # 3 a rank, 1 batch
@@ -50,7 +50,7 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
     on_ranks = finish(nbtrain.start(fn, (made,), devices=3))
     in_kernel = [loaders.batches_per_rank(loader, 3, "ddp") for loader in made]
     assert on_ranks == [in_kernel] * 3
-    assert in_kernel == [2, 1, 2, 4, 1, 2, 4, 1, 2, 1, 2]
+    assert in_kernel == [2, 1, 2, 4, 1, 2, 2, 1, 2, 1, 2]
     assert [loaders.batches_per_rank(loader, 3, "none") for loader in made] == [len(x) for x in made]
 
     class Stream(IterableDataset):
@@ -204,3 +204,30 @@ def test_evaluation_shard_keeps_evaluation_passes_sharded_and_all_reduce_adds_th
     assert result["mean"] == 1.5 and result["max"] == 1 and result["min"] == 0.5
     assert result["tensor"] == [1.0, 2.0] and result["probe_unchanged"]
     assert result["report"] == "evaluated sharded (DistributedSampler, 6 of 12 per rank; evaluation='shard')"
+
+
+def test_a_weighted_sampler_drawing_without_replacement_is_shared_out_as_parts_of_one_draw(launcher):
+    """``WeightedRandomSampler(weights, k, replacement=False)``: each epoch one draw of k distinct
+    samples, the same on every rank, of which each rank reads its part; another draw the next epoch."""
+    from torch.utils.data import WeightedRandomSampler
+
+    weights = torch.linspace(0.1, 1.0, 40).double()
+    sampler = WeightedRandomSampler(weights, 20, replacement=False)
+    loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=5, sampler=sampler)
+
+    def fn(loader):
+        import torch.distributed as dist
+
+        prepared = nbtrain.prepare(loader)
+        with torch.enable_grad():
+            epochs = [[i for (b,) in prepared for i in b.tolist()] for _ in range(2)]
+        every_rank = [None] * nbtrain.world_size()
+        dist.all_gather_object(every_rank, (epochs, type(prepared.sampler).__name__))
+        return every_rank
+
+    (first, name), (second, _) = finish(nbtrain.start(fn, (loader,), devices=2))
+    assert name == "WeightedRandomSampler"
+    for mine, theirs in zip(first, second, strict=True):
+        assert len(mine) == len(theirs) == 10 == 5 * loaders.batches_per_rank(loader, 2, "ddp")
+        assert len(set(mine + theirs)) == 20  # 20 distinct samples between them: no sample drawn twice
+    assert sorted(first[0] + second[0]) != sorted(first[1] + second[1])  # another draw the next epoch

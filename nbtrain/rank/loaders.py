@@ -2,11 +2,11 @@
 
 A loader is rebuilt on a ``DistributedSampler`` that keeps its batch size, shuffle,
 drop_last, collate_fn and workers (over a ``SubsetRandomSampler``'s indices where it had
-one; a ``WeightedRandomSampler`` drawing with replacement becomes one drawing the rank's
-share, on the rank's own generator); each pass decides when iteration starts what it is (with
-gradients: this rank's share; without: the whole dataset, unless prepared with
-``evaluation="shard"``). The kernel asks :func:`batches_per_rank` how long each rank's
-loader will be. See :func:`nbtrain.prepare`.
+one; a ``WeightedRandomSampler`` becomes one drawing the rank's share: with replacement on
+the rank's own generator, without it the same draw on every rank, each reading its part);
+each pass decides when iteration starts what it is (with gradients: this rank's share;
+without: the whole dataset, unless prepared with ``evaluation="shard"``). The kernel asks
+:func:`batches_per_rank` how long each rank's loader will be. See :func:`nbtrain.prepare`.
 
 Example (outside a run a loader comes back as it is, remembering the evaluation choice):
     >>> import torch
@@ -115,11 +115,11 @@ def _subset_indices(loader: Any) -> Any:
 
 
 def _weighted(loader: Any) -> Any:
-    """The loader's ``WeightedRandomSampler`` if it draws with replacement (its draws can be shared out), else None."""
+    """The loader's ``WeightedRandomSampler`` (its draws are shared out), else None."""
     from torch.utils.data import WeightedRandomSampler
 
     sampler = _batching(loader)[0]
-    return sampler if type(sampler) is WeightedRandomSampler and sampler.replacement else None
+    return sampler if type(sampler) is WeightedRandomSampler else None
 
 
 def _shared_count(loader: Any) -> int:
@@ -167,16 +167,43 @@ def _weighted_shard_class() -> type:
     return WeightedShard
 
 
+@functools.lru_cache(maxsize=1)
+def _distinct_shard_class() -> type:
+    """A WeightedRandomSampler drawing without replacement: every rank makes the same draw, and reads its share."""
+    from torch.utils.data import DistributedSampler
+
+    class DistinctShard(DistributedSampler):  # type: ignore[type-arg]  # torch's class is generic only in stubs
+        def __init__(self, weights: Any, **kwargs: Any) -> None:
+            self.weights = weights
+            super().__init__(range(int(kwargs.pop("num_samples"))), **kwargs)  # type: ignore[arg-type]  # sized
+
+        def __iter__(self) -> Iterator[Any]:
+            import torch
+
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)  # the same on every rank: one draw, shared out
+            drawn = torch.multinomial(self.weights, len(self.dataset), False, generator=generator).tolist()  # type: ignore[arg-type]
+            return (drawn[i] for i in super().__iter__())
+
+    DistinctShard.__name__ = DistinctShard.__qualname__ = "WeightedRandomSampler"
+    return DistinctShard
+
+
 def _weighted_share(weighted: Any, seed: int, drop_last: bool) -> Any:
-    """This rank's sampler for a ``WeightedRandomSampler``'s draws: the same weights, its share of
-    ``num_samples``, its own seed (the ranks draw independently, as one process's draws are)."""
+    """This rank's sampler for a ``WeightedRandomSampler``'s draws: the same weights and its share of
+    ``num_samples``. With replacement, on its own seed (the ranks draw independently, as one process's
+    draws are); without, the same draw on every rank, each reading its part (no sample twice)."""
     import torch
 
     total = int(weighted.num_samples)
+    weights = torch.as_tensor(weighted.weights, dtype=torch.double)
+    if not weighted.replacement:
+        shares = {"num_replicas": api.world_size(), "rank": api.rank(), "seed": seed, "drop_last": drop_last}
+        return _distinct_shard_class()(weights, num_samples=total, shuffle=False, **shares)
     generator = torch.Generator()
     generator.manual_seed(seed + api.rank())
     share = len(_share(total, api.world_size(), drop_last))
-    sampler = _weighted_shard_class()(weighted.weights, share, replacement=True, generator=generator)
+    sampler = _weighted_shard_class()(weights, share, replacement=True, generator=generator)
     sampler.dataset = range(total)  # what the summary counts the share of
     return sampler
 
