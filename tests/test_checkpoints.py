@@ -66,6 +66,7 @@ def test_the_saved_file_is_made_as_torch_makes_it_and_save_errors_read_as_torchs
         f"torch.save({{'x': nbtrain.rank()}}, {str(tmp_path / 'ranks.pt')!r})\n"
         f"torch.save({{'x': 1}}, {str(link)!r})\n"
         "import io; buffer = io.BytesIO(); torch.save({'x': 1}, buffer)\n"
+        "torch.save({'x': 1}, '/dev/null')  # written to, never replaced\n"
         f"torch.save({{'x': 1}}, {missing!r})\n"
     )
     # A missing directory fails as torch's own save fails there, naming the user's path.
@@ -75,3 +76,4 @@ def test_the_saved_file_is_made_as_torch_makes_it_and_save_errors_read_as_torchs
     assert os.stat(tmp_path / "ranks.pt").st_mode == mode  # the umask's permissions, not a temporary file's
     assert link.is_symlink() and torch.load(link) == {"x": 1}  # the link kept, the file it points to written
     assert sorted(os.listdir(tmp_path)) == ["kernel.pt", "latest.pt", "ranks.pt", "target.pt"]
+    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")

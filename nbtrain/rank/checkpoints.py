@@ -9,8 +9,8 @@ ranks writing it at once could leave a file of pieces of both. So on a run of se
 :func:`write_whole` makes ``torch.save`` to a path write a new file beside it and rename it
 over the path, which is atomic: a reader opens the old file or a new one, complete. When
 several ranks write one path, the file is the last one's (under DDP their weights are the
-same). A file object, one rank, or a path whose directory does not exist is saved as torch
-saves it.
+same). A file object, one rank, a path whose directory does not exist, or one that is no
+regular file (``/dev/null``, a pipe) is saved as torch saves it.
 
 Importing this module does not import torch.
 
@@ -72,8 +72,10 @@ def _replaced_path(f: Any) -> str | None:
     if not isinstance(path, str):
         return None
     target = os.path.realpath(path)  # a link stays a link: the file it points to is replaced
-    if not os.path.isdir(os.path.dirname(target)) or os.path.isdir(target):
+    if not os.path.isdir(os.path.dirname(target)):
         return None  # torch's own error says what is wrong
+    if os.path.exists(target) and not os.path.isfile(target):
+        return None  # a directory (torch's error), a device such as /dev/null, a pipe: written to as it is
     return target
 
 
