@@ -486,7 +486,7 @@ def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: 
         record.derived = lengths.read_in_training(record.derived, record.loaders)
     record.updated = report.updated + [f"del {n}" for n in report.deleted]
     record.skipped = list(result.skipped) + report.skipped
-    warnings = [f"note: {note}" for note in result.notes]
+    warnings = [f"note: {cellnames.name_cells(note, shell)}" for note in result.notes]  # Cell In[N], as IPython
     if record.skipped:
         described = ", ".join(f"{name} ({kind}: {why})" for name, kind, why in record.skipped)
         warnings.append(f"warning: not brought back to the kernel, so they keep their old values there: {described}.")

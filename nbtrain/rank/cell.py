@@ -38,6 +38,7 @@ from nbtrain.rank import (
     kerneldevices,
     loaders,
     losslogging,
+    madehere,
     optimizers,
     preparations,
     prepare,
@@ -93,6 +94,8 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     preparations.configure(spec.model_wrapper)
     preparations.cell_registry().ship(tracked.values())
     optimizers.know_optimizers(tracked.values())
+    if spec.auto and api.world_size() > 1:  # what the cell makes and trains itself, to name it if unprepared
+        madehere.record_optimizers_made()
     prepared = prepare.auto_prepare(cell_globals, spec.names) if spec.auto else []
     placed: list[tuple[Any, Any, Any]] = []
     if spec.auto:
@@ -336,8 +339,7 @@ def _collect(
     payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
     notes, loader_report = preparations.notes() + samedata.same_data_notes(cell_globals), loaders.loader_report()
     if spec.auto and api.world_size() > 1:
-        made_here = prepare.made_in_cell_note(cell_globals, outcome["bound"])
-        notes += [made_here] if made_here is not None else []
+        notes += madehere.made_here_notes(cell_globals, outcome["bound"])
     return records.CellResult(payload, storages, deleted, skipped, prepared, notes, loader_report)
 
 

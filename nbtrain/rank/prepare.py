@@ -225,51 +225,6 @@ def put_back(namespace: Mapping[str, Any], placed: Iterable[tuple[Any, Any, Any]
                 reach.put(namespace, h, original)
 
 
-def made_in_cell_note(cell_globals: Mapping[str, Any], bound: Iterable[str]) -> str | None:
-    """The note for models the cell made and trained itself, unprepared (None: there are none).
-
-    Auto mode prepares what the kernel had before the cell; a model built in the cell and
-    stepped by an optimizer trains one copy per rank, its gradients never averaged, and a
-    loader built there gives each rank all of its data. The result is the one-device
-    result, with nothing gained: the user is told, and how to fix it.
-    """
-    torch = preparations.torch_module()
-    from torch.utils.data import DataLoader
-
-    registry = preparations.cell_registry()
-    made = {n: cell_globals[n] for n in bound if n in cell_globals and registry.prepared_for(cell_globals[n]) is None}
-    optimizers_ = {n: v for n, v in made.items() if isinstance(v, torch.optim.Optimizer)}
-    stepped = {id(p) for opt in optimizers_.values() for group in opt.param_groups for p in group["params"]}
-    models = {
-        n: v
-        for n, v in made.items()
-        if isinstance(v, torch.nn.Module)
-        and not wrapping.is_wrapped(v)
-        and any(id(p) in stepped for p in v.parameters())
-    }
-    inside = {id(sub) for model in models.values() for sub in model.modules() if sub is not model}
-    models = {n: v for n, v in models.items() if id(v) not in inside}
-    if not models:
-        return None
-    params = {id(p) for model in models.values() for p in model.parameters()}
-    opts = [n for n, o in optimizers_.items() if any(id(p) in params for g in o.param_groups for p in g["params"])]
-    loaders_ = [n for n, v in made.items() if isinstance(v, DataLoader)]
-    names = [*models, *opts, *loaders_]
-    them = "it" if len(models) == 1 else "them"
-    read = f", and read all of {_listed(loaders_)}" if loaders_ else ""
-    return (
-        f"{_listed(list(models))} {'was' if len(models) == 1 else 'were'} made in this cell, so auto mode did not "
-        f"prepare {them} (it prepares what the kernel had before the cell): each rank trained its own copy, "
-        f"gradients not averaged{read}. Make {them} in an earlier cell, or prepare {them} in this one: "
-        f"`{', '.join(names)} = nbtrain.prepare({', '.join(names)})`."
-    )
-
-
-def _listed(names: list[str]) -> str:
-    quoted = [f"`{n}`" for n in names]
-    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
-
-
 def _describe(original: Any, prepared: Any) -> str:
     from torch.nn.parallel import DataParallel
     from torch.utils.data import DataLoader
