@@ -6,10 +6,10 @@ built there gives each rank all of its data: the one-device result at several ti
 with no error. Built at the top level of the cell they are globals, and
 :func:`made_here_notes` names them with the line that prepares them. Built in a function the
 cell calls (a k-fold loop's ``run_training(fold)``) they have no name the cell sees: so while
-an auto-mode cell of several ranks runs (:func:`record_optimizers_made`), each optimizer made records where
-(the user's function and line) and each DDP wrapper made marks its parameters averaged; an
-optimizer whose first step finds its parameters averaged by nothing (not prepared, not
-wrapped, not sharded) is named at the end by where it was made.
+an auto-mode cell of several ranks runs (:func:`record_optimizers_made`), each optimizer made
+records where (the user's function and line) and each DDP wrapper made marks its parameters
+averaged; an optimizer whose first step finds its parameters averaged by nothing (not
+prepared, not wrapped, not sharded) is named at the end by where it was made.
 
 Importing this module does not import torch.
 
@@ -37,7 +37,7 @@ _made: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # opti
 # parameters averaged by nothing: noted then, as such an optimizer is often gone by the cell's end.
 _unaveraged: list[tuple[str, str]] = []
 _averaged: set[int] = set()  # ids of parameters a DDP wrapper made in this process averages
-_watching = {"on": False}
+_recording = {"on": False}
 _LIBRARY_FILES = re.compile(r"[/\\](site|dist)-packages[/\\]|^<frozen ")
 # nbtrain's own files and the standard library's: no user's code.
 _HOMES = (
@@ -48,7 +48,7 @@ _HOMES = (
 
 def record_optimizers_made() -> None:
     """Record, from now on in this rank, the optimizers made and stepped and the parameters DDP averages (once)."""
-    if _watching["on"]:
+    if _recording["on"]:
         return
     import torch
     from torch.nn.parallel import DistributedDataParallel
@@ -70,7 +70,7 @@ def record_optimizers_made() -> None:
     torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign]
     DistributedDataParallel.__init__ = ddp_init  # type: ignore[method-assign]
     register_optimizer_step_pre_hook(_before_step)
-    _watching["on"] = True
+    _recording["on"] = True
 
 
 def _before_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
