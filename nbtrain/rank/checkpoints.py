@@ -9,8 +9,9 @@ ranks writing it at once could leave a file of pieces of both. So on a run of se
 :func:`write_whole` makes ``torch.save`` to a path write a new file beside it and rename it
 over the path, which is atomic: a reader opens the old file or a new one, complete. When
 several ranks write one path, the file is the last one's (under DDP their weights are the
-same). A file object, one rank, a path whose directory does not exist, or one that is no
-regular file (``/dev/null``, a pipe) is saved as torch saves it.
+same). A file object, one rank, a path whose directory does not exist, one that is no
+regular file (``/dev/null``, a pipe), a directory that takes no new file, and a file system
+that cannot rename over a file are saved as torch saves them.
 
 Importing this module does not import torch.
 
@@ -48,15 +49,17 @@ def write_whole() -> None:
     @functools.wraps(own)
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         target = _replaced_path(f)
-        if target is None:
+        partial = _new_partial(target) if target is not None else None
+        if target is None or partial is None:
             return own(obj, f, *args, **kwargs)
-        partial = _new_partial(target)
         try:
             own(obj, partial, *args, **kwargs)
             os.replace(partial, target)
+        except OSError:  # a file system that cannot rename over a file (some network mounts): torch's own write
+            _remove(partial)
+            return own(obj, f, *args, **kwargs)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(partial)
+            _remove(partial)
             raise
         return None
 
@@ -79,8 +82,9 @@ def _replaced_path(f: Any) -> str | None:
     return target
 
 
-def _new_partial(target: str) -> str:
-    """A new empty file beside ``target``, made as ``open(target, "wb")`` would make it (the umask applies)."""
+def _new_partial(target: str) -> str | None:
+    """A new empty file beside ``target``, made as ``open(target, "wb")`` would make it (the umask applies);
+    None where the directory takes no new file (the file itself may still be writable)."""
     directory, name = os.path.split(target)
     while True:
         partial = os.path.join(directory, f".{name}.{os.getpid()}-{next(_numbers)}{_PARTIAL}")
@@ -88,4 +92,11 @@ def _new_partial(target: str) -> str:
             os.close(os.open(partial, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
         except FileExistsError:
             continue  # left by a process with the same pid, killed while writing
+        except OSError:
+            return None
         return partial
+
+
+def _remove(partial: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(partial)
