@@ -70,6 +70,23 @@ def test_a_bar_whose_line_another_rank_ended_is_not_shown_twice_at_its_close(cap
     )
 
 
+def test_a_bar_that_clears_itself_at_its_close_leaves_no_tag_behind(capsys):
+    """tqdm's ``leave=False``: its close redraws the line with spaces, then returns to its start.
+    In the kernel nothing is left; here neither a lone ``[rank 0]`` nor an empty line."""
+    printer = rankout.OutputPrinter("all", world_size=2)
+    close = "\r" + " " * 12 + "\r"
+    for rank, text in ((0, "\rbar 1/2"), (0, "\rbar 2/2"), (0, close), (0, "epoch 0\n"), (0, "\rbar 1/2"), (0, close),
+                       (1, "rank 1 here\n"), (0, "\rbar 2/2"), (0, close)):
+        printer(events.Output(1, rank, "stderr", text))
+    printer.finish()
+    blank = "\r" + " " * len("[rank 0] bar 2/2") + "\r"
+    blank_first = "\r" + " " * len("[rank 0] bar 1/2") + "\r"
+    assert capsys.readouterr().err == (
+        "[rank 0] bar 1/2\r[rank 0] bar 2/2" + blank + "[rank 0] epoch 0\n"
+        "[rank 0] bar 1/2" + blank_first + "[rank 1] rank 1 here\n[rank 0] bar 2/2" + blank
+    )
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_the_end_of_a_run_ends_a_line_a_rank_left_open(capsys, world_size):
     printer = rankout.OutputPrinter("all", world_size)

@@ -125,6 +125,9 @@ class OutputPrinter:
 
     def _end_open_lines(self) -> None:
         for stream in list(self._open):
+            if self._open_text.get(stream) == "":  # a cleared line: what comes next is written over it
+                del self._open[stream], self._open_text[stream]
+                continue
             show.write_stream(stream, self._ended(self._open[stream], stream, "\n"))
 
     def _tagged(self, rank: int, tag: str, stream: str, piece: str) -> str:
@@ -145,15 +148,26 @@ class OutputPrinter:
             self._redrawn.pop(key, None)
             return self._line(rank, stream, f"{tag} {line}", redraw=True)
         if redraw:
+            if not piece[1:].strip():  # a bar that clears itself at its close (tqdm's leave=False)
+                return self._blank(rank, stream)
             return self._line(rank, stream, f"{tag} {piece[1:]}", redraw=True)
-        if self._open.get(stream) == rank:  # the rest of its own open line
-            return self._ended(rank, stream, piece)
+        if self._open.get(stream) == rank:  # the rest of its own open line (a blank one takes the tag anew)
+            return self._ended(rank, stream, piece if self._open_text.get(stream) else f"{tag} {piece}")
         return self._line(rank, stream, f"{tag} {piece}", redraw=False)
+
+    def _blank(self, rank: int, stream: str) -> str:
+        """The rank's open line cleared, its tag too, as the kernel would show a redraw to nothing."""
+        shown = self._open_text.get(stream)
+        if self._open.get(stream) != rank or not shown:
+            return ""  # nothing of its own to clear
+        return self._ended(rank, stream, "\r" + " " * len(shown) + "\r")
 
     def _line(self, rank: int, stream: str, text: str, redraw: bool) -> str:
         """Tagged ``text`` at the end of ``stream``: over the rank's open line if it redraws it, else on a new one."""
         opened = self._open.get(stream)
-        if opened is not None:
+        if opened is not None and self._open_text.get(stream) == "":
+            pass  # a cleared line: written over from its start
+        elif opened is not None:
             text = ("\r" if opened == rank and redraw else "\n") + text
             if opened != rank:
                 self._cut[opened, stream] = self._open_text.get(stream, "")
