@@ -54,13 +54,14 @@ def write_whole() -> None:
             return own(obj, f, *args, **kwargs)
         try:
             own(obj, partial, *args, **kwargs)
+        except BaseException:  # a full disk, say: the file at the path is left as it was
+            _remove(partial)
+            raise
+        try:
             os.replace(partial, target)
         except OSError:  # a file system that cannot rename over a file (some network mounts): torch's own write
             _remove(partial)
             return own(obj, f, *args, **kwargs)
-        except BaseException:
-            _remove(partial)
-            raise
         return None
 
     save._nbtrain_whole = True  # type: ignore[attr-defined]  # the mark of this wrapper
