@@ -67,6 +67,7 @@ def test_the_saved_file_is_made_as_torch_makes_it_and_save_errors_read_as_torchs
         f"torch.save({{'x': 1}}, {str(link)!r})\n"
         "import io; buffer = io.BytesIO(); torch.save({'x': 1}, buffer)\n"
         "torch.save({'x': 1}, '/dev/null')  # written to, never replaced\n"
+        "dist.barrier()  # every save above done: the failure below stops the other rank\n"
         f"torch.save({{'x': 1}}, {missing!r})\n"
     )
     # A missing directory fails as torch's own save fails there, naming the user's path.
@@ -77,3 +78,20 @@ def test_the_saved_file_is_made_as_torch_makes_it_and_save_errors_read_as_torchs
     assert link.is_symlink() and torch.load(link) == {"x": 1}  # the link kept, the file it points to written
     assert sorted(os.listdir(tmp_path)) == ["kernel.pt", "latest.pt", "ranks.pt", "target.pt"]
     assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+
+
+def test_a_partial_file_a_killed_rank_left_is_removed_by_the_next_save_of_the_path(kernel, tmp_path):
+    """A rank stopped in the middle of a save dies before it can tidy up: its hidden partial
+    file stays beside the intact checkpoint, until a save of that path clears it."""
+    import socket
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process of this machine that no longer exists
+    host = socket.gethostname().replace("-", "_")
+    left = tmp_path / f".best.pt.{host}-{gone.pid}-0.nbtrain-partial"
+    left.write_bytes(b"half a checkpoint")
+    live = tmp_path / f".best.pt.{host}-{os.getpid()}-0.nbtrain-partial"  # a live process's: kept
+    live.write_bytes(b"being written")
+    kernel.run_ok(f"%%distributed --devices 2\ntorch.save({{'x': 1}}, {str(tmp_path / 'best.pt')!r})\n")
+    assert sorted(os.listdir(tmp_path)) == sorted(["best.pt", live.name])

@@ -11,7 +11,9 @@ over the path, which is atomic: a reader opens the old file or a new one, comple
 several ranks write one path, the file is the last one's (under DDP their weights are the
 same). A file object, one rank, a path whose directory does not exist, one that is no
 regular file (``/dev/null``, a pipe), a directory that takes no new file, and a file system
-that cannot rename over a file are saved as torch saves them.
+that cannot rename over a file are saved as torch saves them. A rank killed in the middle of
+a save leaves its hidden partial file, never a torn checkpoint; the next save of the path
+removes it.
 
 Importing this module does not import torch.
 
@@ -27,14 +29,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import itertools
 import os
+import socket
 from typing import Any
 
 from nbtrain.rank import api
 
 _PARTIAL = ".nbtrain-partial"  # a file being written: it has this suffix until it is renamed into place
+_HOST = socket.gethostname().replace("-", "_")  # its processes' ids are the ones this machine can look up
 _numbers = itertools.count()
+_looked_at: set[tuple[str, str]] = set()  # (directory, name): left-over partial files removed already
 
 
 def write_whole() -> None:
@@ -87,8 +93,9 @@ def _new_partial(target: str) -> str | None:
     """A new empty file beside ``target``, made as ``open(target, "wb")`` would make it (the umask applies);
     None where the directory takes no new file (the file itself may still be writable)."""
     directory, name = os.path.split(target)
+    _remove_left_over(directory, name)
     while True:
-        partial = os.path.join(directory, f".{name}.{os.getpid()}-{next(_numbers)}{_PARTIAL}")
+        partial = os.path.join(directory, f".{name}.{_HOST}-{os.getpid()}-{next(_numbers)}{_PARTIAL}")
         try:
             os.close(os.open(partial, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
         except FileExistsError:
@@ -96,6 +103,33 @@ def _new_partial(target: str) -> str | None:
         except OSError:
             return None
         return partial
+
+
+def _remove_left_over(directory: str, name: str) -> None:
+    """Remove what a process of this machine killed while saving ``name`` left beside it (once per path).
+
+    A rank stopped in the middle of a save (another rank failed, the user pressed Stop) dies
+    before it can; its partial file is hidden (a dot file) and the checkpoint it would have
+    replaced is intact. The next save of that path clears it.
+    """
+    if (directory, name) in _looked_at:
+        return
+    _looked_at.add((directory, name))
+    pattern = glob.escape(os.path.join(directory, f".{name}.{_HOST}-")) + "*" + _PARTIAL
+    for path in glob.glob(pattern):
+        pid = os.path.basename(path)[len(f".{name}.{_HOST}-") :].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            _remove(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 def _remove(partial: str) -> None:
