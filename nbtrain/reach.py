@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import sys
@@ -121,11 +122,21 @@ def _listed_children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
 
 
 def _is_holder(value: Any) -> bool:
-    """An object whose attributes are the user's: a notebook class, a dataclass, a SimpleNamespace."""
-    if isinstance(value, type) or not hasattr(value, "__dict__") or torch_kind(value) is not None:
+    return torch_kind(value) is None and is_users_object(value)
+
+
+def is_users_object(value: Any) -> bool:
+    """An object whose attributes are the user's: a notebook class's instance, a dataclass, a
+    ``SimpleNamespace`` or argparse ``Namespace`` (not a class, not a module).
+
+    >>> is_users_object(types.SimpleNamespace(lr=0.1)), is_users_object(types)
+    (True, False)
+    """
+    if isinstance(value, (type, types.ModuleType)) or not hasattr(value, "__dict__"):
         return False
     cls = type(value)
-    return cls.__module__ == "__main__" or dataclasses.is_dataclass(cls) or cls is types.SimpleNamespace
+    plain = cls.__module__ == "__main__" or dataclasses.is_dataclass(cls)
+    return plain or isinstance(value, (types.SimpleNamespace, argparse.Namespace))
 
 
 def steps_as_python(steps: tuple[tuple[str, Any], ...]) -> str:

@@ -27,20 +27,17 @@ Example (outside a run the device is cuda:0 if present, else the CPU):
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import itertools
 import re
 import sys
-import types
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from nbtrain import reach
 from nbtrain.rank import api
 
 _INDEXED = re.compile(r"(cuda|xpu|mps):\d+")
-_ITEMS = 64  # the entries of one holder looked at: a dict of data is not a dict of settings
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,24 +89,16 @@ def as_rank_devices(cell_globals: dict[str, Any], names: Iterable[str]) -> list[
 def _settings(value: Any) -> list[tuple[Any, Any, bool, Any]]:
     """(holder, key, is an attribute, value) one step inside ``value``, where notebooks keep settings."""
     if isinstance(value, dict):
-        return [(value, k, False, v) for k, v in itertools.islice(value.items(), _ITEMS) if isinstance(k, str)]
+        return [(value, k, False, v) for k, v in itertools.islice(value.items(), reach.ITEMS) if isinstance(k, str)]
     if isinstance(value, type):
         if value.__module__ != "__main__":
             return []
         items = [(k, v) for k, v in vars(value).items() if not k.startswith("__")]
-    elif _holds_settings(value):
+    elif reach.is_users_object(value):  # a model's self.device too
         items = list(vars(value).items())
     else:
         return []
-    return [(value, k, True, v) for k, v in itertools.islice(items, _ITEMS)]
-
-
-def _holds_settings(value: Any) -> bool:
-    cls = type(value)
-    if not hasattr(value, "__dict__") or isinstance(value, types.ModuleType):
-        return False
-    plain = cls.__module__ == "__main__" or dataclasses.is_dataclass(cls)
-    return plain or isinstance(value, (types.SimpleNamespace, argparse.Namespace))
+    return [(value, k, True, v) for k, v in itertools.islice(items, reach.ITEMS)]
 
 
 def _as_rank_device(value: Any, mine: Any, torch: Any) -> Any:

@@ -195,8 +195,7 @@ def _weighted_share(weighted: Any, seed: int, drop_last: bool) -> Any:
     draws are); without, the same draw on every rank, each reading its part (no sample twice)."""
     import torch
 
-    total = int(weighted.num_samples)
-    weights = torch.as_tensor(weighted.weights, dtype=torch.double)
+    total, weights = int(weighted.num_samples), weighted.weights  # torch keeps them as a double tensor
     if not weighted.replacement:
         shares = {"num_replicas": api.world_size(), "rank": api.rank(), "seed": seed, "drop_last": drop_last}
         return _distinct_shard_class()(weights, num_samples=total, shuffle=False, **shares)
