@@ -6,8 +6,8 @@ pickle, and on which names mean a cell distributes itself. Neither side imports 
 both import this module, which imports only the standard library (torch is touched only
 through ``sys.modules``, or when RNG states that came from torch are set).
 
->>> is_internal("_3"), is_internal("In"), is_internal("model")
-(True, True, False)
+>>> is_internal("_3"), is_internal("In"), is_internal("model"), is_internal("__compiled_fn_1_0f47")
+(True, True, False, True)
 >>> type_name(1.5), type_name(CellResult(b"", []))
 ('float', 'nbtrain.records.CellResult')
 """
@@ -23,7 +23,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-_INTERNAL = re.compile(r"^(__\w*__|_+|_i+|_i?\d+|_oh|_ih|_dh|In|Out|get_ipython|exit|quit|_exit_code)$")
+_INTERNAL = re.compile(
+    r"^(__\w*__|_+|_i+|_i?\d+|_oh|_ih|_dh|In|Out|get_ipython|exit|quit|_exit_code"
+    # torch.compile's own globals, put in the globals of the code it compiled: the
+    # compiled code and the modules it reads, which belong to the process that compiled it.
+    r"|__(compiled_fn|resume_at|import|builtins_dict|comprehension|gen_rand_values|warnings_warn_wrapper)_\w*)$"
+)
 
 # Persistent ids of a rank's result pickle (made by nbtrain.rank.cell, read by nbtrain.kernel.namespace).
 STORAGE_TAG = "s"  # ("s", index into CellResult.storages, dtype or None)

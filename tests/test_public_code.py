@@ -507,6 +507,37 @@ def test_an_averaged_model_is_moved_not_wrapped_and_its_average_comes_back(kerne
     assert kernel.value("not torch.equal(ema.module.weight, student.weight)")
 
 
+def test_a_compiled_model_trains_on_the_ranks_and_torch_compiles_own_globals_stay_there(kernel):
+    """``model = torch.compile(model)`` before the training cell, as recent tutorials do: the ranks
+    compile and train it; the globals torch.compile puts beside the compiled code (the compiled
+    function, the modules it reads) belong to the rank and are neither sent back nor warned about."""
+    kernel.run_ok(
+        "class Small(nn.Module):  # defined in the notebook: its forward's globals are the notebook's\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.weight = nn.Parameter(torch.randn(1, 8) / 8)\n"
+        "    def forward(self, x):\n"
+        "        return torch.relu(x) @ self.weight.T + nn.functional.linear(x, self.weight)\n"
+        "torch.manual_seed(9)\n"
+        "cnet = torch.compile(Small())\n"
+        "copt = torch.optim.SGD(cnet.parameters(), lr=0.05)\n"
+        "cnet_before = cnet.weight.detach().clone()\n"
+    )
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "for x, y in loader:\n"
+        "    loss = loss_fn(cnet(x), y)\n"
+        "    copt.zero_grad(); loss.backward(); copt.step()\n"
+        "rank0_weight = cnet.weight.detach().clone()\n"
+    )
+    assert "cnet (DistributedDataParallel)" in out.stdout, out.stdout
+    assert "__compiled_fn" not in out.stdout + out.stderr and "__import" not in out.stdout, out.stdout
+    assert "not brought back" not in out.stderr, out.stderr
+    assert kernel.value("type(cnet).__name__") == "OptimizedModule"
+    assert kernel.value("torch.equal(cnet.weight, rank0_weight) and not torch.equal(cnet.weight, cnet_before)")
+    compilers = "[n for n in globals() if n.startswith(('__compiled_fn', '__import', '__builtins_dict'))]"
+    assert kernel.value(compilers) == []
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_code_written_for_a_ddp_model_runs_on_one_rank_and_on_two(kernel, devices, tmp_path):
     """Gradient accumulation with ``model.no_sync()``, saving ``model.module``'s state, saving

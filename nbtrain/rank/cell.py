@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from nbtrain import records
 from nbtrain.rank import (
     api,
+    cellloaders,
     checkpoints,
     displays,
     kerneldevices,
@@ -96,6 +97,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     optimizers.know_optimizers(tracked.values())
     if spec.auto and api.world_size() > 1:  # what the cell makes and trains itself, to name it if unprepared
         madehere.record_optimizers_made()
+        cellloaders.shard_loaders_made()  # a loader the cell makes is sharded, as the kernel's are
     prepared = prepare.auto_prepare(cell_globals, spec.names) if spec.auto else []
     placed: list[tuple[Any, Any, Any]] = []
     if spec.auto:
@@ -337,6 +339,7 @@ def _collect(
     exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
     skipped: list[tuple[str, str, str]] = []
     payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
+    preparations.cell_registry().loader_names.update(cellloaders.made_loader_names(cell_globals))
     notes, loader_report = preparations.notes() + samedata.same_data_notes(cell_globals), loaders.loader_report()
     if spec.auto and api.world_size() > 1:
         notes += madehere.made_here_notes(cell_globals, outcome["bound"])

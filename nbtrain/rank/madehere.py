@@ -33,6 +33,7 @@ from typing import Any
 from nbtrain.rank import api, preparations, wrapping
 
 _made: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # optimizer not stepped yet -> where made
+_every_made: weakref.WeakSet[Any] = weakref.WeakSet()  # every optimizer made in the cell, stepped or not
 # (where it was made, its class) of each optimizer made in the cell whose first step found its
 # parameters averaged by nothing: noted then, as such an optimizer is often gone by the cell's end.
 _unaveraged: list[tuple[str, str]] = []
@@ -60,6 +61,7 @@ def record_optimizers_made() -> None:
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         own_init(self, *args, **kwargs)
         _made[self] = _where(sys._getframe(1))
+        _every_made.add(self)
 
     @functools.wraps(own_ddp_init)
     def ddp_init(self: Any, module: Any, *args: Any, **kwargs: Any) -> None:
@@ -75,10 +77,33 @@ def record_optimizers_made() -> None:
 
 def _before_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
     where = _made.pop(optimizer, None)  # its first step: later steps find nothing here
-    if where is not None and preparations.cell_registry().prepared_for(optimizer) is None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if params and not any(id(p) in _averaged or _sharded(p) for p in params):
-            _unaveraged.append((where, type(optimizer).__name__))
+    if where is not None and _averages_nothing(optimizer):
+        _unaveraged.append((where, type(optimizer).__name__))
+
+
+def _averages_nothing(optimizer: Any) -> bool:
+    """Whether ``optimizer`` steps parameters that nothing averages: not prepared, no DDP, not sharded."""
+    if preparations.cell_registry().prepared_for(optimizer) is not None:
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return bool(params) and not any(id(p) in _averaged or _sharded(p) for p in params)
+
+
+def unaveraged_made() -> bool:
+    """Whether an optimizer made during this cell steps a model whose gradients nothing averages.
+
+    A loader made in the cell is then not sharded (:mod:`~nbtrain.rank.cellloaders`): each
+    rank trains its own copy of that model, so it reads all of the data, as in one process.
+    """
+    return any(_averages_nothing(optimizer) for optimizer in list(_every_made))
+
+
+def user_code_at(frame: types.FrameType | None) -> str | None:
+    """Where ``frame`` runs, as :func:`made_here_notes` says it, if it is the user's code (else None:
+    a library's, nbtrain's or the standard library's)."""
+    if frame is None or _library(frame.f_code.co_filename):
+        return None
+    return _where(frame)
 
 
 def _where(frame: types.FrameType | None) -> str:
@@ -121,7 +146,7 @@ def _sharded(param: Any) -> bool:
 
 def _elsewhere_note(where: str, kinds: list[str]) -> str:
     named = ", ".join(sorted(set(kinds)))
-    what = f"{len(kinds)} optimizers ({named})" if len(kinds) > 1 else f"a {named} optimizer"
+    what = f"{len(kinds)} optimizers ({named})" if len(kinds) > 1 else f"an optimizer ({named})"
     ranks = api.world_size()
     return (
         f"{what} made {'in ' + where if where else 'during the cell'} stepped a model auto mode did not prepare "

@@ -57,8 +57,8 @@ def same_data_notes(cell_globals: Mapping[str, Any]) -> list[str]:
                 f"every rank fed {model} the same first training batch, so the {ranks} "
                 f"ranks trained it on the same data: the one-device result at {ranks} times the work. A loop that "
                 "makes its batches itself (slicing tensors, or drawing them with torch.randn: each rank starts from "
-                "the kernel's random state) gets no share of them: put the data in a DataLoader made before the "
-                "cell, which auto mode shards, or make each rank's differ by nbtrain.rank() "
+                "the kernel's random state) gets no share of them: put the data in a DataLoader, which auto mode "
+                "shards (made before the cell or in it), or make each rank's differ by nbtrain.rank() "
                 "(torch.manual_seed(seed + nbtrain.rank()) for random batches)."
             )
     return notes
