@@ -1,9 +1,9 @@
 """A loader the cell makes itself is sharded as the kernel's are (a real kernel, 2 CPU ranks).
 
-Training cells often make their loader first and loop over it. While the model it trains is
-averaged (auto mode prepared the kernel's), each rank reads its share in passes with
-gradients and the whole without, and ``len()`` says what the pass reads; when the cell also
-made the model it trains (nothing averages it), every rank reads all of the data.
+Training cells often make their loader first and loop over it. Once the cell trains an
+averaged model (the kernel's, prepared, or one it made, kept one over the ranks), each rank
+reads its share in passes with gradients and the whole without, and ``len()`` says what the
+pass reads.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_an_evaluation_pass_reads_the_whole_loader_and_a_schedule_sized_in_the_c
     assert "val_dl: evaluated whole on every rank (iterated without gradients)" in out.stdout, out.stdout
 
 
-def test_a_function_s_loader_is_named_by_where_it_was_made_and_one_feeding_an_unaveraged_model_is_read_whole(kernel):
+def test_a_functions_loader_is_named_by_where_it_was_made_and_sharded_for_a_model_it_made_too(kernel):
     kernel.run_ok(
         FRESH_NET + "def fit(model, optimizer):\n"
         "    dl = DataLoader(TensorDataset(X, Y), batch_size=16, shuffle=True)\n"
@@ -84,8 +84,7 @@ def test_a_function_s_loader_is_named_by_where_it_was_made_and_one_feeding_an_un
     out = kernel.run_ok("%%distributed --devices 2\nseen = fit(net, opt)\n")
     assert kernel.value("seen") == 128
     assert "the DataLoader made in fit() (Cell In[" in out.stdout and "sharded (DistributedSampler" in out.stdout
-    # The kernel's net is prepared (the cell uses it), but the function trains a model it made:
-    # nothing averages that one, so each rank's copy reads all of the data.
-    out = kernel.run_ok("%%distributed --devices 2\nnet(X[:1])\nseen = fold_run()\n")
-    assert kernel.value("seen") == 256
-    assert "an optimizer (SGD) made in fold_run() (Cell In[" in out.stderr, out.stderr
+    # The function trains a model it made: kept one over the ranks, so its loader is sharded too.
+    out = kernel.run_ok("%%distributed --devices 2\nseen = fold_run()\n")
+    assert kernel.value("seen") == 128
+    assert "the model of the optimizer made in fold_run() (Cell In[" in out.stdout, out.stdout

@@ -571,14 +571,15 @@ def test_code_written_for_a_ddp_model_runs_on_one_rank_and_on_two(kernel, device
     assert kernel.value(f"torch.equal({state}['weight'], net6.weight)")
 
 
-def test_a_model_made_in_the_cell_is_named_with_how_to_prepare_it_and_the_fix_works(kernel):
-    """Auto mode prepares what the kernel had: a model, optimizer and loader built in the
-    training cell train one copy per rank over all the data; the note says so and how to fix it."""
+def test_a_model_made_in_the_cell_is_kept_one_over_the_ranks_and_its_loader_sharded(kernel):
+    """Auto mode prepares what the kernel had; a model, optimizer and loader built in the training
+    cell are kept one model over the ranks (gradients averaged before each step) and the loader
+    sharded, as the same objects made in an earlier cell would be."""
     made_here = (
         "torch.manual_seed(7)\n"
         "net7 = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 1))\n"
         "opt7 = torch.optim.SGD(net7.parameters(), lr=0.05)\n"
-        "loader7 = DataLoader(dataset, batch_size=16, shuffle=True)\n"
+        "loader7 = DataLoader(dataset, batch_size=16)\n"
         "frozen7 = nn.Linear(8, 8)  # made here, never stepped: nothing to say about it\n"
     )
     loop = (
@@ -588,22 +589,18 @@ def test_a_model_made_in_the_cell_is_named_with_how_to_prepare_it_and_the_fix_wo
         "    opt7.zero_grad(); loss.backward(); opt7.step(); batches += 1\n"
     )
     out = kernel.run_ok("%%distributed --devices 2\n" + made_here + loop)
-    expected = (
-        "nbtrain note: `net7` was made in this cell, so auto mode did not prepare it (it prepares what the kernel "
-        "had before the cell): each rank trained its own copy, gradients not averaged, and read all of `loader7`. "
-        "Make it in an earlier cell, or prepare it in this one: "
-        "`net7, opt7, loader7 = nbtrain.prepare(net7, opt7, loader7)`."
-    )
-    assert expected in out.stderr, out.stderr
-    assert "frozen7" not in out.stderr
-    assert kernel.value("batches") == 16  # all 256 samples on rank 0
-    fixed = made_here + "import nbtrain\nnet7, opt7, loader7 = nbtrain.prepare(net7, opt7, loader7)\n"
-    out = kernel.run_ok("%%distributed --devices 2\n" + fixed + loop + "kind = type(net7).__name__\n")
-    assert "was made in this cell" not in out.stderr, out.stderr
+    assert "Auto-prepared: net7 (made in the cell: gradients averaged before each step)." in out.stdout, out.stdout
+    assert "loader7: sharded (DistributedSampler, 128 of 256 per rank" in out.stdout, out.stdout
+    assert "frozen7 (" not in out.stdout and "nbtrain note" not in out.stderr, out.stderr
+    assert kernel.value("batches") == 8  # 128 of the 256 samples on rank 0
+    kernel.run_ok("kept7 = {k: v.clone() for k, v in net7.state_dict().items()}")
+    prepared = made_here + "import nbtrain\nnet7, opt7, loader7 = nbtrain.prepare(net7, opt7, loader7)\n"
+    out = kernel.run_ok("%%distributed --devices 2\n" + prepared + loop + "kind = type(net7).__name__\n")
     assert kernel.value("batches") == 8 and kernel.value("kind") == "DistributedDataParallel"
-    # One rank has nothing to average: no note there.
+    assert kernel.value("all(torch.allclose(v, net7.state_dict()[k], atol=1e-6) for k, v in kept7.items())")
+    # One rank has nothing to average: nothing is kept there.
     out = kernel.run_ok("%%distributed --devices 1\n" + made_here + loop)
-    assert "was made in this cell" not in out.stderr, out.stderr
+    assert "gradients averaged" not in out.stdout and kernel.value("batches") == 16, out.stdout
 
 
 @pytest.mark.parametrize("devices", [1, 2])

@@ -478,8 +478,8 @@ def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: 
         )
     with kernel_shell.interrupts_deferred():  # all of it or, if interrupted before, none of it
         report = ns.apply_result(outcome, shipped, kernel_shell.user_namespace(shell), result.deleted)
-    record.prepared = list(result.prepared)
-    # A loader made in a notebook function is named by where: Cell In[N], as IPython says it.
+    # What a notebook function made is named by where: Cell In[N], as IPython says it.
+    record.prepared = [(cellnames.name_cells(name, shell), how) for name, how in result.prepared]
     record.loaders = [(cellnames.name_cells(name, shell), how) for name, how in result.loaders]
     if record.derived:  # a dataset's size is only worth a note where a training pass read a share of it
         from nbtrain.kernel import lengths

@@ -74,9 +74,15 @@ def _models_of(optimizer: Any, registry: Any) -> list[Any]:
 
 def _average(ddp: Any) -> None:
     """Average the gradients of ``ddp``'s trainable parameters over its process group, as DDP would."""
+    average_gradients([p for p in ddp.module.parameters() if p.requires_grad], ddp.process_group)
+
+
+def average_gradients(params: list[Any], group: Any = None) -> None:
+    """Average the gradients of ``params`` over the ranks of ``group`` (None: all), as DDP would.
+
+    Every rank must call it with the same parameters in the same order: it is a collective.
+    """
     torch = preparations.torch_module()
-    group = ddp.process_group
-    params = [p for p in ddp.module.parameters() if p.requires_grad]
     # 0: no gradient on any rank, 1: a dense one, 2: a sparse one (an Embedding's with sparse=True)
     kinds = torch.tensor([_kind(p.grad) for p in params], dtype=torch.int32, device=api.device())
     torch.distributed.all_reduce(kinds, op=torch.distributed.ReduceOp.MAX, group=group)

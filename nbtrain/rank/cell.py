@@ -34,6 +34,7 @@ from nbtrain import records
 from nbtrain.rank import (
     api,
     cellloaders,
+    cellmodels,
     checkpoints,
     displays,
     kerneldevices,
@@ -97,6 +98,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     optimizers.know_optimizers(tracked.values())
     if spec.auto and api.world_size() > 1:  # what the cell makes and trains itself, to name it if unprepared
         madehere.record_optimizers_made()
+        cellmodels.watch_steps(madehere.first_step)  # a model the cell makes and trains is kept one
         cellloaders.shard_loaders_made()  # a loader the cell makes is sharded, as the kernel's are
     prepared = prepare.auto_prepare(cell_globals, spec.names) if spec.auto else []
     placed: list[tuple[Any, Any, Any]] = []
@@ -339,10 +341,10 @@ def _collect(
     exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
     skipped: list[tuple[str, str, str]] = []
     payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
-    preparations.cell_registry().loader_names.update(cellloaders.made_loader_names(cell_globals))
-    notes, loader_report = preparations.notes() + samedata.same_data_notes(cell_globals), loaders.loader_report()
-    if spec.auto and api.world_size() > 1:
-        notes += madehere.made_here_notes(cell_globals, outcome["bound"])
+    prepared = prepared + cellmodels.kept_summary(cell_globals)
+    notes = preparations.notes() + samedata.same_data_notes(cell_globals)
+    made = cellloaders.made_loader_report(cell_globals)  # a name the cell bound anew is its loader's
+    loader_report = [entry for entry in loaders.loader_report() if entry[0] not in dict(made)] + made
     return records.CellResult(payload, storages, deleted, skipped, prepared, notes, loader_report)
 
 

@@ -1,27 +1,25 @@
-"""Loaders the cell makes itself, sharded as the kernel's are when the model they train is averaged.
+"""Loaders the cell makes itself, sharded as the kernel's are.
 
 Auto mode prepares what the kernel had before the cell; but a training cell very often
 makes its own loader first (``loader = DataLoader(train_ds, batch_size=32, shuffle=True)``,
-then the loop), or calls a notebook function that does. Left alone, every rank would read
-all of it: DDP averages the same gradients on every rank, the one-device result at several
-times the work. So while an auto-mode cell of several ranks runs
+then the loop), or calls a notebook function that does (a k-fold loop's
+``run_training(fold)``). Left alone, every rank would read all of it: the one-device result
+at several times the work. So while an auto-mode cell of several ranks runs
 (:func:`shard_loaders_made`), each ``DataLoader`` the user's code makes is remembered, and
 each of its passes is read as a prepared loader's (:mod:`~nbtrain.rank.loaders`): with
 gradients, this rank's share; without, the whole. ``len(loader)`` follows the same rule, so
 a schedule sized in the cell from it (``total_steps=epochs * len(loader)``) ends where the
-rank's passes end.
-
-It is sharded only while what it trains is averaged: a model auto mode prepared trains
-and no optimizer made in the cell steps a model whose gradients nothing averages (a model
-made in the cell, unprepared, trains one copy per rank; that copy reads all of the data,
-and :mod:`~nbtrain.rank.madehere` names it). Loaders made by libraries (a trainer's own)
-are theirs to distribute.
+rank's passes end. That holds once the cell trains an averaged model (one auto mode
+prepared, or one an optimizer made in the cell steps, :mod:`~nbtrain.rank.cellmodels`);
+before that (statistics over the data at the top of a cell) a pass reads the whole loader.
+Loaders made by libraries (a trainer's own) are theirs to distribute. A loader made here is
+held weakly: a fold's loader, and the data it holds, go when the fold is done.
 
 Importing this module does not import torch.
 
 Example (outside a run nothing was made, so nothing is named):
-    >>> made_loader_names({})
-    {}
+    >>> made_loader_report({})
+    []
 """
 
 from __future__ import annotations
@@ -39,6 +37,7 @@ _prepared: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # 
 # Set while a rebuild reads: its evaluation passes iterate the user's loader itself.
 _reading = {"on": False}
 _installed = {"on": False}
+_gone: dict[str, str] = {}  # where a loader that is gone was made -> what its passes read
 
 
 def shard_loaders_made() -> None:
@@ -88,35 +87,62 @@ def _rebuild_to_read(loader: Any) -> Any | None:
         return None
     rebuild = _prepared.get(loader)
     if rebuild is None:
-        notes = preparations.cell_registry().notes
-        said = len(notes)
-        rebuild = loaders.prepare_loader(loader)
-        for i in range(said, len(notes)):  # "a DataLoader over Stream was not sharded: ..." says where it was made
-            notes[i] = notes[i].replace(" was not sharded", f" made in {_made[loader]} was not sharded", 1)
-        _prepared[loader] = rebuild
+        rebuild = _prepared[loader] = _prepare(loader)
     return None if rebuild is loader else rebuild
 
 
+def _prepare(loader: Any) -> Any:
+    """``loader`` prepared as the kernel's are, holding it weakly: a k-fold loop's loader, and the
+    data it holds, go when its fold is done (its summary line is written then)."""
+    registry = preparations.cell_registry()
+    said = len(registry.notes)
+    rebuild = loaders.prepare_loader(loader)
+    where = _made[loader]
+    for i in range(said, len(registry.notes)):  # "a DataLoader over Stream was not sharded: ..." says where
+        registry.notes[i] = registry.notes[i].replace(" was not sharded", f" made in {where} was not sharded", 1)
+    if rebuild is not loader:
+        registry.prepared.pop(id(loader), None)
+        registry.originals.pop(id(rebuild), None)
+        rebuild._nbtrain_whole = weakref.proxy(loader)
+        weakref.finalize(loader, _remember_gone, where, rebuild)
+    return rebuild
+
+
+def _remember_gone(where: str, rebuild: Any) -> None:
+    _gone[where] = loaders.describe_passes(rebuild)
+
+
 def _averaged_training() -> bool:
-    """Whether the cell trains an averaged model: one auto mode prepared that trains, and no
-    optimizer made in the cell steps a model whose gradients nothing averages."""
+    """Whether the cell trains averaged models: one auto mode prepared, or one an optimizer made in
+    the cell steps (kept one over the ranks, or wrapped in DDP)."""
+    if madehere.made_optimizers():
+        return True
     nn = preparations.torch_module().nn
     registry = preparations.cell_registry()
-    prepared = [p for _, p in registry.prepared.values() if isinstance(p, nn.Module) and wrapping.trains(p)]
-    return bool(prepared) and not madehere.unaveraged_made()
+    return any(isinstance(p, nn.Module) and wrapping.trains(p) for _, p in registry.prepared.values())
 
 
-def made_loader_names(cell_globals: Mapping[str, Any]) -> dict[str, Any]:
-    """Name -> rebuild for each loader the cell made and sharded, for the summary.
+def made_loader_report(cell_globals: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(name, what its passes read) for each loader the cell made and sharded, for the summary.
 
-    A global names it; one made in a function the cell called is named by where it was
-    made (``the DataLoader made in fit() (<file>, line 3)``), the last one made there.
+    A global names it; one made in a function the cell called (gone by now) is named by
+    where it was made (``the DataLoader made in fit() (<file>, line 3)``), the last one
+    made there, unless a global names a loader made at that place.
     """
-    names: dict[str, Any] = {}
+    report: dict[str, str] = {}
+    named: set[str] = set()
     by_id = {id(v): n for n, v in cell_globals.items() if not n.startswith("_")}
     for loader, rebuild in list(_prepared.items()):
-        if rebuild is loader:
-            continue
-        name = by_id.get(id(loader)) or f"the DataLoader made in {_made.get(loader, 'the cell')}"
-        names[name] = rebuild
-    return names
+        if rebuild is not loader:
+            name = by_id.get(id(loader))
+            if name is not None:
+                named.add(_made[loader])
+            report[name or _label(_made[loader])] = loaders.describe_passes(rebuild)
+    for where, passes in _gone.items():
+        if where not in named:
+            report.setdefault(_label(where), passes)
+    return list(report.items())
+
+
+def _label(where: str) -> str:
+    return f"the DataLoader made in {where}"

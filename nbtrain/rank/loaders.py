@@ -62,7 +62,7 @@ def prepare_loader(loader: Any, evaluation: str | None = None) -> Any:
     reason, shuffle = _shardable(loader)
     if reason:
         preparations.cell_registry().notes.append(reason)
-        preparations.cell_registry().unsharded.append(loader)
+        preparations.cell_registry().unsharded.append(id(loader))
         return loader
     prepared = _rebuild_loader(loader, shuffle)
     preparations.cell_registry().remember(loader, prepared)
@@ -324,7 +324,7 @@ class _PassAware(_LoaderBase):
             self._nbtrain_by_mode = True
             self._nbtrain_mode_pass_at = _cell_steps()
         if not any(self._nbtrain_passes.values()):
-            preparations.cell_registry().first_iterated.append(self)  # the summary names loaders in this order
+            preparations.cell_registry().first_iterated.append(id(self))  # the summary names loaders in this order
         self._nbtrain_passes[kind] += 1
         batches: Iterator[Any]
         if kind == "whole" or self._nbtrain_one_rank:
@@ -457,7 +457,7 @@ def loader_report() -> list[tuple[str, str]]:
     Example: ``("test_loader", "evaluated whole on every rank (iterated without gradients)")``.
     """
     registry = preparations.cell_registry()
-    order = {id(loader): i for i, loader in enumerate(registry.first_iterated)}
+    order = {loader_id: i for i, loader_id in enumerate(registry.first_iterated)}
     named = sorted(registry.loader_names.items(), key=lambda item: order.get(id(item[1]), len(order)))
     return [(name, describe_passes(loader)) for name, loader in named]
 

@@ -48,13 +48,13 @@ class _Registry:
         self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self.notes: list[str] = []
         self.loader_names: dict[str, Any] = {}  # auto mode's loaders: kernel name -> prepared loader
-        self.first_iterated: list[Any] = []  # prepared loaders, in the order of their first pass
+        self.first_iterated: list[int] = []  # ids of prepared loaders, in the order of their first pass
         self.loss_scaling: Any = None  # precision.LossScaling under 16-mixed on CUDA
         self.ddp_models: list[Any] = []  # the DDP wrappers made (nbtrain.rank.bypass)
         self.step_models: dict[int, tuple[Any, list[Any]]] = {}  # id(optimizer) -> (it, the wrappers it steps)
         self.bypassed: set[int] = set()  # wrappers whose gradients bypass averaged (said once)
         self.first_inputs: list[tuple[Any, Any, bool]] = []  # (DDP, its first inputs' extremes, any tensor)
-        self.unsharded: list[Any] = []  # loaders auto mode could not shard (each said in a note)
+        self.unsharded: list[int] = []  # ids of loaders auto mode could not shard (each said in a note)
         self.shipped: dict[int, Any] = {}  # id -> the kernel's wrappers (a DataParallel) the cell received
 
     def ship(self, objects: Iterable[Any]) -> None:

@@ -1,0 +1,201 @@
+"""Models the cell makes and trains itself: kept one model over the ranks, as DDP would keep it.
+
+Auto mode prepares what the kernel had before the cell. A k-fold loop's
+``run_training(fold)`` makes its model, optimizer and loader itself, as does a training cell
+that starts with ``model = Net()``: no DDP wraps that model, and each rank would train its
+own copy. So while an auto-mode cell of several ranks runs, an optimizer made in the cell
+whose parameters nothing averages (:mod:`~nbtrain.rank.madehere` tells) is kept here from its
+first step on (:func:`keep_averaged`): rank 0's parameters and buffers are broadcast then
+(the ranks may have made the model differently), and before every step the gradients are
+averaged (one all-reduce after the backward, :func:`nbtrain.rank.bypass.average_gradients`)
+and rank 0's buffers broadcast (BatchNorm's running statistics, as DDP's forward does), so
+every rank steps the same model with the same gradients. Under a ``GradScaler`` the average
+is taken when it unscales, before it looks for infinities: every rank skips the same steps.
+A step given a closure (LBFGS) makes its gradients inside the step: they are averaged as the
+closure returns, and the loss it returns is the ranks' mean, so every rank's step decides
+alike. A loader made in the cell for such a model is sharded
+(:mod:`~nbtrain.rank.cellloaders`). The averaging is not overlapped with the backward, as
+DDP's is: ``nbtrain.prepare`` on the model where it is made gets that.
+
+Importing this module does not import torch.
+
+Example (outside a run nothing is kept):
+    >>> kept_summary({})
+    []
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from nbtrain.rank import api, bypass, preparations
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """What keeps one optimizer's model one over the ranks: its parameters and the buffers beside them."""
+
+    params: tuple[Any, ...]
+    buffers: tuple[Any, ...]
+
+
+_kept: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
+# (where the optimizer was made, weak references to the models found holding its parameters), for
+# the summary: a k-fold loop's models are gone by the cell's end, and their memory with them.
+_said: list[tuple[str, tuple[Any, ...]]] = []
+_unscaled: weakref.WeakSet[Any] = weakref.WeakSet()  # averaged as the scaler unscaled: its step adds nothing
+_installed = {"on": False}
+
+
+def keep_averaged(optimizer: Any, where: str, frame: types.FrameType | None) -> None:
+    """Keep ``optimizer``'s model one over the ranks from now on: rank 0's weights now, gradients averaged.
+
+    ``frame`` is where the step was called: the models holding the parameters are looked
+    for there and in its callers (their locals, and one attribute in: ``self.model``).
+    """
+    params = tuple(p for group in optimizer.param_groups for p in group["params"])
+    modules = tuple(_holders(params, frame))
+    buffers = tuple({id(b): b for m in modules for b in m.buffers()}.values())
+    _broadcast(params + buffers)
+    _kept[optimizer] = _Kept(params, buffers)
+    _said.append((where, tuple(weakref.ref(m) for m in modules)))
+
+
+def kept(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s model is kept one over the ranks here."""
+    return optimizer in _kept
+
+
+def watch_steps(first_step: Callable[[Any, types.FrameType | None], None]) -> None:
+    """Average kept models' gradients at each step and as a GradScaler unscales them (once per rank;
+    a rank runs one cell). Installed before the cell runs: a step's hooks cannot be added during one.
+
+    ``first_step(optimizer, frame)`` (:func:`nbtrain.rank.madehere.first_step`) decides, at an
+    optimizer's first step, whether it is kept: a scaler's unscale comes before the step itself.
+    """
+    if _installed["on"]:
+        return
+    torch = preparations.torch_module()
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    scaler_class = torch.amp.GradScaler
+    own_unscale = scaler_class.unscale_
+
+    @functools.wraps(own_unscale)
+    def unscale_(self: Any, optimizer: Any) -> Any:
+        first_step(optimizer, sys._getframe(1))  # a first step under the scaler starts here
+        kept = _kept.get(optimizer)
+        if kept is not None:
+            _average(kept)
+            _unscaled.add(optimizer)
+        return own_unscale(self, optimizer)
+
+    scaler_class.unscale_ = unscale_
+    register_optimizer_step_pre_hook(_before_step)
+    _installed["on"] = True
+
+
+def _before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Average a kept model's gradients before its step; a closure's (its step makes them) as it returns."""
+    kept = _kept.get(optimizer)
+    if kept is None:
+        return None
+    # torch hands the hooks the step's arguments with the optimizer first: (optimizer, closure)
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if closure is not None:  # LBFGS, or any step(closure): the gradients are made inside the step
+        averaged = functools.partial(_averaged_closure, closure, kept)
+        if len(args) > 1:
+            return (args[0], averaged, *args[2:]), kwargs
+        return args, {**kwargs, "closure": averaged}
+    if optimizer in _unscaled:  # the scaler averaged these gradients before it unscaled them
+        _unscaled.discard(optimizer)
+        return None
+    _average(kept)
+    return None
+
+
+def _averaged_closure(closure: Any, kept: _Kept) -> Any:
+    """The closure's loss, its gradients averaged and the loss the ranks' mean: every rank's step
+    (LBFGS's line search and its stopping rule among it) then decides alike."""
+    torch = preparations.torch_module()
+    loss = closure()
+    _average(kept)
+    if loss is None:
+        return None
+    value = torch.as_tensor(loss.detach() if isinstance(loss, torch.Tensor) else loss, device=api.device())
+    mean = value.to(torch.float64 if value.device.type != "mps" else torch.float32).clone()
+    torch.distributed.all_reduce(mean)
+    mean /= api.world_size()
+    return mean.to(value.dtype) if isinstance(loss, torch.Tensor) else float(mean)
+
+
+def _average(kept: _Kept) -> None:
+    bypass.average_gradients([p for p in kept.params if p.requires_grad])
+    if kept.buffers:
+        _broadcast(kept.buffers)
+
+
+def _broadcast(tensors: tuple[Any, ...]) -> None:
+    """Rank 0's values of ``tensors`` on every rank: one broadcast per device and dtype."""
+    torch = preparations.torch_module()
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    kinds: dict[tuple[Any, Any], list[Any]] = {}
+    for t in tensors:
+        kinds.setdefault((t.device, t.dtype), []).append(t)
+    with torch.no_grad():
+        for same in kinds.values():
+            flat = _flatten_dense_tensors([t.detach() for t in same])
+            torch.distributed.broadcast(flat, src=0)
+            for t, value in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+                t.copy_(value)
+
+
+def _holders(params: tuple[Any, ...], frame: types.FrameType | None) -> list[Any]:
+    """The outermost modules holding any of ``params``, found in ``frame``'s and its callers' names."""
+    nn = preparations.torch_module().nn
+    wanted = {id(p) for p in params}
+    found: dict[int, Any] = {}
+    while frame is not None:
+        for value in _near(frame.f_locals.values()):
+            if isinstance(value, nn.Module) and any(id(p) in wanted for p in value.parameters()):
+                found[id(value)] = value
+        frame = frame.f_back
+    inside = {id(sub) for m in found.values() for sub in m.modules() if sub is not m}
+    return [m for i, m in found.items() if i not in inside]
+
+
+def _near(values: Any) -> Any:
+    """Each value, and the attributes of those that have some (a trainer's ``self.model``)."""
+    for value in list(values):
+        yield value
+        attributes = _attributes(value)
+        if isinstance(attributes, dict) and not isinstance(value, (type, types.ModuleType)):
+            yield from list(attributes.values())
+
+
+def _attributes(value: Any) -> Any:
+    try:
+        return getattr(value, "__dict__", None)
+    except Exception:  # noqa: BLE001 - a dead weak proxy, an object whose attribute lookup fails: none
+        return None
+
+
+def kept_summary(cell_globals: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(what, how) for the summary: each model kept one over the ranks here, by its global name, else
+    by where its optimizer was made (once per place: a k-fold loop makes one there per fold)."""
+    by_id = {id(v): n for n, v in cell_globals.items() if not n.startswith("_")}
+    places: dict[str, list[str]] = {}
+    for where, modules in _said:
+        names = places.setdefault(where, [])
+        alive = (ref() for ref in modules)
+        names += [by_id[id(m)] for m in alive if m is not None and id(m) in by_id and by_id[id(m)] not in names]
+    how = "made in the cell: gradients averaged before each step"
+    unnamed = "the model of the optimizer made in {}"
+    return [(name, how) for where, names in places.items() for name in names or [unnamed.format(where)]]

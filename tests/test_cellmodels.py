@@ -1,0 +1,103 @@
+"""A model the cell makes and trains itself is kept one over the ranks (a real kernel, 2 CPU ranks).
+
+No DDP wraps a model a cell's function makes (a k-fold loop's ``run_training(fold)``), so
+nbtrain averages its gradients before each step and shards the loader made with it: the
+result is the one a single process gets from the two ranks' batches together, and the one
+DDP gets; LBFGS's closure is averaged too; ranks that made the model differently train
+rank 0's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel_helpers import REGRESSION_SETUP, nbtrain_kernel
+
+pytestmark = pytest.mark.timeout(300)
+
+FIT = """
+import nbtrain
+def fit(wrap=lambda *made: made, make=torch.optim.SGD, batch=16, norm=False, seed=lambda: 4, **options):
+    torch.manual_seed(seed())
+    middle = nn.BatchNorm1d(16) if norm else nn.Identity()
+    net = nn.Sequential(nn.Linear(8, 16), middle, nn.Tanh(), nn.Linear(16, 1)).double()  # LBFGS amplifies rounding
+    opt = make(net.parameters(), **options)
+    dl = DataLoader(TensorDataset(X, Y), batch_size=batch)  # in order: rank r reads samples r, r + 2, ...
+    net, opt, dl = wrap(net, opt, dl)
+    losses = []
+    for epoch in range(2):
+        for x, y in dl:
+            x, y = x.double(), y.double()
+            def closure():
+                opt.zero_grad(); loss = loss_fn(net(x), y); loss.backward(); return loss
+            losses.append(float(opt.step(closure)))
+    model = getattr(net, "module", net)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+"""
+
+SCALED = """
+def fit_scaled(wrap=lambda *made: made):
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    dl = DataLoader(TensorDataset(X.double(), Y.double()), batch_size=16, shuffle=True)
+    net, opt, dl = wrap(net, opt, dl)
+    for x, y in dl:
+        opt.zero_grad()
+        scaler.scale(loss_fn(net(x), y)).backward()
+        scaler.unscale_(opt)  # gradient clipping reads them unscaled
+        nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        scaler.step(opt); scaler.update()
+    model = getattr(net, "module", net)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+"""
+
+SAME = "all(torch.allclose(a[k].double(), b[k].double(), atol=1e-6) for k in a)"
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    yield from nbtrain_kernel(REGRESSION_SETUP, FIT, SCALED)
+
+
+OPTIMIZERS = ["torch.optim.SGD, lr=0.05, momentum=0.9", "torch.optim.LBFGS, lr=0.1, max_iter=5"]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_two_ranks_train_a_functions_model_as_one_process_trains_on_both_ranks_batches(kernel, optimizer):
+    """Rank r reads samples r, r + 2, ... of each 32: the two ranks' batches of 16 together are one
+    batch of 32, and averaged gradients (and, for LBFGS, losses) are that batch's."""
+    kernel.run_ok(f"alone, alone_losses = fit(make={optimizer}, batch=32)")
+    out = kernel.run_ok(f"%%distributed --devices 2\nkept, kept_losses = fit(make={optimizer})\n")
+    assert "(made in the cell: gradients averaged before each step)" in out.stdout, out.stdout
+    assert "sharded (DistributedSampler, 128 of 256 per rank" in out.stdout, out.stdout
+    assert kernel.value(SAME.replace("a[", "kept[").replace("b[", "alone[").replace("in a)", "in kept)"))
+    assert kernel.value("len(kept_losses) == len(alone_losses) == 16")
+
+
+def test_a_model_with_batch_norm_trains_as_ddp_trains_it_and_the_ranks_start_from_rank_0s(kernel):
+    """BatchNorm's running statistics are rank 0's, as under DDP; a model each rank seeded by its
+    rank is rank 0's from the first step on."""
+    options = "make=torch.optim.SGD, lr=0.05, momentum=0.9, norm=True"
+    kernel.run_ok(f"%%distributed --devices 2\nwith_ddp, _ = fit(nbtrain.prepare, {options})\n")
+    kernel.run_ok(f"%%distributed --devices 2\nkept, _ = fit({options})\n")
+    assert kernel.value(SAME.replace("a[", "kept[").replace("b[", "with_ddp[").replace("in a)", "in kept)"))
+    kernel.run_ok(
+        "%%distributed --devices 2\n"
+        f"mixed, _ = fit({options}, seed=nbtrain.rank)\n"
+        "total = float(sum(v.double().sum() for v in mixed.values()))\n"
+        "agree = nbtrain.all_reduce(total, op='max') == nbtrain.all_reduce(total, op='min')\n"
+    )
+    assert kernel.value("agree")
+    kernel.run_ok(f"%%distributed --devices 2\nseeded_0, _ = fit({options}, seed=lambda: 0)\n")  # rank 0's seed
+    assert kernel.value(SAME.replace("a[", "mixed[").replace("b[", "seeded_0[").replace("in a)", "in mixed)"))
+
+
+def test_under_a_grad_scaler_the_gradients_are_averaged_before_it_unscales_and_clips_them(kernel):
+    """Clipping reads the unscaled gradients, and the scaler skips a step where one is infinite:
+    both must see the averaged gradients, as under DDP, so every rank decides alike."""
+    kernel.run_ok("%%distributed --devices 2\nscaled_ddp = fit_scaled(nbtrain.prepare)\n")
+    out = kernel.run_ok("%%distributed --devices 2\nscaled = fit_scaled()\n")
+    assert "(made in the cell: gradients averaged before each step)" in out.stdout, out.stdout
+    assert kernel.value(SAME.replace("a[", "scaled[").replace("b[", "scaled_ddp[").replace("in a)", "in scaled)"))
