@@ -101,3 +101,19 @@ def test_under_a_grad_scaler_the_gradients_are_averaged_before_it_unscales_and_c
     out = kernel.run_ok("%%distributed --devices 2\nscaled = fit_scaled()\n")
     assert "(made in the cell: gradients averaged before each step)" in out.stdout, out.stdout
     assert kernel.value(SAME.replace("a[", "scaled[").replace("b[", "scaled_ddp[").replace("in a)", "in scaled)"))
+
+
+def test_a_kept_model_in_eval_mode_predicts_on_the_whole_loader_even_with_gradients_on(kernel):
+    """``model.eval()`` then a prediction loop without ``torch.no_grad()``: an evaluation pass,
+    as for a model auto mode prepared, so every rank predicts every sample."""
+    kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "torch.manual_seed(1)\n"
+        "net_e = nn.Linear(8, 1); opt_e = torch.optim.SGD(net_e.parameters(), lr=0.05)\n"
+        "trained_on = 0\n"
+        "for x, y in DataLoader(TensorDataset(X, Y), batch_size=16, shuffle=True):\n"
+        "    opt_e.zero_grad(); loss_fn(net_e(x), y).backward(); opt_e.step(); trained_on += len(x)\n"
+        "net_e.eval()\n"
+        "predicted = sum(len(net_e(x)) for x, _ in DataLoader(TensorDataset(X, Y), batch_size=64))\n"
+    )
+    assert kernel.value("[trained_on, predicted]") == [128, 256]

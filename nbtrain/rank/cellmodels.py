@@ -187,6 +187,11 @@ def _attributes(value: Any) -> Any:
         return None
 
 
+def kept_models() -> list[Any]:
+    """The models kept one over the ranks that are still alive (a loader's pass asks whether they evaluate)."""
+    return [m for _, modules in _said for m in (ref() for ref in modules) if m is not None]
+
+
 def kept_summary(cell_globals: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(what, how) for the summary: each model kept one over the ranks here, by its global name, else
     by where its optimizer was made (once per place: a k-fold loop makes one there per fold)."""

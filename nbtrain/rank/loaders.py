@@ -368,12 +368,13 @@ def _cell_steps() -> int:
 
 
 def _models_evaluating() -> bool:
-    """Whether the cell's prepared models that train are all in eval mode (and there is one)."""
-    from nbtrain.rank import wrapping
+    """Whether the cell's models that train (prepared, or made in the cell and kept one over the
+    ranks) are all in eval mode (and there is one)."""
+    from nbtrain.rank import cellmodels, wrapping
 
     nn = preparations.torch_module().nn
     models = [o for o, _ in preparations.cell_registry().prepared.values() if isinstance(o, nn.Module)]
-    trained = [m for m in models if wrapping.trains(m)]
+    trained = [m for m in models + cellmodels.kept_models() if wrapping.trains(m)]
     return bool(trained) and not any(m.training for m in trained)
 
 
