@@ -117,3 +117,28 @@ def test_a_kept_model_in_eval_mode_predicts_on_the_whole_loader_even_with_gradie
         "predicted = sum(len(net_e(x)) for x, _ in DataLoader(TensorDataset(X, Y), batch_size=64))\n"
     )
     assert kernel.value("[trained_on, predicted]") == [128, 256]
+
+
+def test_a_trainer_made_in_the_cell_trains_its_model_as_one_and_is_named_by_its_attribute(kernel):
+    """A trainer object made in the cell makes its optimizer in ``__init__`` and its loader in
+    ``fit()``: the model is found through ``self`` and named as the cell reaches it."""
+    kernel.run_ok(
+        "class Trainer:\n"
+        "    def __init__(self, model):\n"
+        "        self.model, self.optimizer = model, torch.optim.SGD(model.parameters(), lr=0.05)\n"
+        "    def fit(self):\n"
+        "        self.seen = 0\n"
+        "        for x, y in DataLoader(TensorDataset(X, Y), batch_size=16, shuffle=True):\n"
+        "            self.optimizer.zero_grad(); loss_fn(self.model(x), y).backward(); self.optimizer.step()\n"
+        "            self.seen += len(x)\n"
+        "        return self\n"
+    )
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "torch.manual_seed(nbtrain.rank())  # each rank makes another model: rank 0's is trained\n"
+        "trainer = Trainer(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))).fit()\n"
+        "total = float(sum(t.double().sum() for t in trainer.model.state_dict().values()))\n"
+        "agree = nbtrain.all_reduce(total, op='max') == nbtrain.all_reduce(total, op='min')\n"
+    )
+    assert "Auto-prepared: trainer.model (made in the cell: gradients averaged before each step)." in out.stdout
+    assert kernel.value("[trainer.seen, agree]") == [128, True]

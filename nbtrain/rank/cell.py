@@ -341,7 +341,8 @@ def _collect(
     exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
     skipped: list[tuple[str, str, str]] = []
     payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
-    prepared = prepared + cellmodels.kept_summary(cell_globals)
+    kept = cellmodels.kept_summary(cell_globals)  # a name the cell bound anew is its own model's
+    prepared = [entry for entry in prepared if entry[0] not in dict(kept)] + kept
     notes = preparations.notes() + samedata.same_data_notes(cell_globals)
     made = cellloaders.made_loader_report(cell_globals)  # a name the cell bound anew is its loader's
     loader_report = [entry for entry in loaders.loader_report() if entry[0] not in dict(made)] + made

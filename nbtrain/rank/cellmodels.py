@@ -39,9 +39,9 @@ from nbtrain.rank import api, bypass, preparations
 
 @dataclass(frozen=True)
 class _Kept:
-    """What keeps one optimizer's model one over the ranks: its parameters and the buffers beside them."""
+    """The buffers of the models an optimizer steps (its parameters are read at each step:
+    ``add_param_group`` may add some, unfreezing a backbone)."""
 
-    params: tuple[Any, ...]
     buffers: tuple[Any, ...]
 
 
@@ -59,11 +59,13 @@ def keep_averaged(optimizer: Any, where: str, frame: types.FrameType | None) -> 
     ``frame`` is where the step was called: the models holding the parameters are looked
     for there and in its callers (their locals, and one attribute in: ``self.model``).
     """
-    params = tuple(p for group in optimizer.param_groups for p in group["params"])
-    modules = tuple(_holders(params, frame))
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    modules = tuple(_holders(stepped, frame))
+    # All of the models' weights, a frozen backbone's too (add_param_group may unfreeze it later).
+    params = {id(p): p for p in [*stepped, *(p for m in modules for p in m.parameters())]}
     buffers = tuple({id(b): b for m in modules for b in m.buffers()}.values())
-    _broadcast(params + buffers)
-    _kept[optimizer] = _Kept(params, buffers)
+    _broadcast((*params.values(), *buffers))
+    _kept[optimizer] = _Kept(buffers)
     _said.append((where, tuple(weakref.ref(m) for m in modules)))
 
 
@@ -92,7 +94,7 @@ def watch_steps(first_step: Callable[[Any, types.FrameType | None], None]) -> No
         first_step(optimizer, sys._getframe(1))  # a first step under the scaler starts here
         kept = _kept.get(optimizer)
         if kept is not None:
-            _average(kept)
+            _average(optimizer, kept)
             _unscaled.add(optimizer)
         return own_unscale(self, optimizer)
 
@@ -109,23 +111,23 @@ def _before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     # torch hands the hooks the step's arguments with the optimizer first: (optimizer, closure)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")
     if closure is not None:  # LBFGS, or any step(closure): the gradients are made inside the step
-        averaged = functools.partial(_averaged_closure, closure, kept)
+        averaged = functools.partial(_averaged_closure, closure, optimizer, kept)
         if len(args) > 1:
             return (args[0], averaged, *args[2:]), kwargs
         return args, {**kwargs, "closure": averaged}
     if optimizer in _unscaled:  # the scaler averaged these gradients before it unscaled them
         _unscaled.discard(optimizer)
         return None
-    _average(kept)
+    _average(optimizer, kept)
     return None
 
 
-def _averaged_closure(closure: Any, kept: _Kept) -> Any:
+def _averaged_closure(closure: Any, optimizer: Any, kept: _Kept) -> Any:
     """The closure's loss, its gradients averaged and the loss the ranks' mean: every rank's step
     (LBFGS's line search and its stopping rule among it) then decides alike."""
     torch = preparations.torch_module()
     loss = closure()
-    _average(kept)
+    _average(optimizer, kept)
     if loss is None:
         return None
     value = torch.as_tensor(loss.detach() if isinstance(loss, torch.Tensor) else loss, device=api.device())
@@ -135,8 +137,8 @@ def _averaged_closure(closure: Any, kept: _Kept) -> Any:
     return mean.to(value.dtype) if isinstance(loss, torch.Tensor) else float(mean)
 
 
-def _average(kept: _Kept) -> None:
-    bypass.average_gradients([p for p in kept.params if p.requires_grad])
+def _average(optimizer: Any, kept: _Kept) -> None:
+    bypass.average_gradients([p for group in optimizer.param_groups for p in group["params"] if p.requires_grad])
     if kept.buffers:
         _broadcast(kept.buffers)
 
@@ -157,7 +159,7 @@ def _broadcast(tensors: tuple[Any, ...]) -> None:
                 t.copy_(value)
 
 
-def _holders(params: tuple[Any, ...], frame: types.FrameType | None) -> list[Any]:
+def _holders(params: list[Any], frame: types.FrameType | None) -> list[Any]:
     """The outermost modules holding any of ``params``, found in ``frame``'s and its callers' names."""
     nn = preparations.torch_module().nn
     wanted = {id(p) for p in params}
@@ -193,9 +195,10 @@ def kept_models() -> list[Any]:
 
 
 def kept_summary(cell_globals: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """(what, how) for the summary: each model kept one over the ranks here, by its global name, else
-    by where its optimizer was made (once per place: a k-fold loop makes one there per fold)."""
-    by_id = {id(v): n for n, v in cell_globals.items() if not n.startswith("_")}
+    """(what, how) for the summary: each model kept one over the ranks here, by its global name
+    (``trainer.model`` one attribute in), else by where its optimizer was made (once per place: a
+    k-fold loop makes one there per fold)."""
+    by_id = _names(cell_globals)
     places: dict[str, list[str]] = {}
     for where, modules in _said:
         names = places.setdefault(where, [])
@@ -204,3 +207,17 @@ def kept_summary(cell_globals: Mapping[str, Any]) -> list[tuple[str, str]]:
     how = "made in the cell: gradients averaged before each step"
     unnamed = "the model of the optimizer made in {}"
     return [(name, how) for where, names in places.items() for name in names or [unnamed.format(where)]]
+
+
+def _names(cell_globals: Mapping[str, Any]) -> dict[int, str]:
+    """id -> name of the cell's globals, then of their attributes (``trainer.model``)."""
+    names: dict[int, str] = {}
+    for name, value in cell_globals.items():
+        if not name.startswith("_"):
+            names.setdefault(id(value), name)
+    for name, value in list(cell_globals.items()):
+        attributes = _attributes(value) if not name.startswith("_") else None
+        if isinstance(attributes, dict) and not isinstance(value, (type, types.ModuleType)):
+            for attribute, inner in attributes.items():
+                names.setdefault(id(inner), f"{name}.{attribute}")
+    return names

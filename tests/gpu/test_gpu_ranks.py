@@ -8,7 +8,8 @@
   rank on CUDA, and each rank's CUDA memory reaches the live view; a step that bypasses a
   DDP model's forward has its CUDA gradients averaged as DDP averages them, and the
   notebook's own ``nn.DataParallel`` trains as DDP's and comes back as itself; a kernel's
-  ``device`` global naming another GPU reads as each rank's own.
+  ``device`` global naming another GPU reads as each rank's own; a model and loader the cell
+  makes itself train as one process does on both ranks' batches.
 """
 
 from __future__ import annotations
@@ -226,3 +227,30 @@ def test_a_kernels_device_global_reads_as_each_ranks_gpu():
         )
         assert kernel.value("list(seen)") == ["cuda:0", "cuda:0", "cuda:0", "cuda:0"]
         assert kernel.value("[str(device), device_name, CFG.device]") == ["cuda:1", "cuda:1", "cuda:1"]
+
+
+MADE_IN_CELL = (
+    "torch.manual_seed(3)\n"
+    "net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(device)\n"
+    "opt_made = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)\n"
+    "for xb, yb in DataLoader(TensorDataset(xs, ys), batch_size={batch}):\n"
+    "    loss = torch.nn.functional.mse_loss(net(xb.to(device)), yb.to(device))\n"
+    "    opt_made.zero_grad(); loss.backward(); opt_made.step()\n"
+    "made = {{k: v.detach().cpu() for k, v in net.state_dict().items()}}\n"
+)
+
+
+def test_a_model_and_loader_the_cell_makes_train_on_two_ranks_as_one_process_on_both_batches():
+    """No DDP wraps a model the cell makes: its CUDA gradients are averaged before each step and
+    its loader sharded, so two ranks' batches of 16 train it as one process's batches of 32."""
+    with NotebookKernel() as kernel:
+        kernel.run_ok(
+            "%load_ext nbtrain\nimport torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+            "torch.manual_seed(0)\nxs, ys = torch.randn(256, 16), torch.randn(256, 1)\n"
+            "device = torch.device('cuda:0')\n"
+        )
+        kernel.run_ok(MADE_IN_CELL.format(batch=32) + "alone = made\n")
+        out = kernel.run_ok("%%distributed --devices 0,0 --accelerator cuda\n" + MADE_IN_CELL.format(batch=16))
+        assert "net (made in the cell: gradients averaged before each step)" in out.stdout, out.stdout
+        diff = kernel.value("max((made[k] - alone[k]).abs().max().item() for k in made)")
+        assert diff < 1e-5, diff
