@@ -1,8 +1,9 @@
-"""Every rank saving one checkpoint path writes it whole (a real kernel, 2 CPU ranks).
+"""Every rank saving one path writes it whole (a real kernel, 2 CPU ranks).
 
-Code written for one device saves "the best model" by path and reads it back; on the ranks
-the same line runs on each at about the same time. Each rank here writes its own numbers, so
-a file of pieces of both, or a torn one, shows.
+Code written for one device saves "the best model" by path and reads it back, saves its
+predictions with ``np.save`` and its plot with ``savefig``; on the ranks the same line runs
+on each at about the same time. Each rank here writes its own numbers, so a file of pieces
+of both, or a torn one, shows.
 """
 
 from __future__ import annotations
@@ -37,6 +38,36 @@ for round_ in range(40):
         continue
     mixed += len({{v for key, w in loaded.items() if key.endswith('weight') for v in w.unique().tolist()}}) > 1
 print('torn', len(torn), torn[:1], 'mixed', mixed)
+"""
+
+
+# The same for numpy's and matplotlib's saves: arrays of each rank's own length and value,
+# figures of each rank's own curve.
+SAVE_ARRAYS_AND_FIGURES = """%%distributed --devices 2 --no-auto
+import numpy as np, matplotlib
+matplotlib.use("agg")
+import matplotlib.pyplot as plt
+bad_arrays, bad_figures = [], []
+for round_ in range(40):
+    values = np.full(100_000 * (nbtrain.rank() + 1), nbtrain.rank() + 1.0)
+    dist.barrier()
+    np.save({stem!r}, values)  # numpy adds .npy
+    try:
+        got = np.load({stem!r} + ".npy")
+        if len(np.unique(got)) != 1 or len(got) != 100_000 * int(got[0]):
+            bad_arrays.append("a mix of both ranks' arrays")
+    except Exception as error:
+        bad_arrays.append(str(error)[:80])
+    figure = plt.figure()
+    plt.plot(np.arange(500) * (nbtrain.rank() + 1))
+    dist.barrier()
+    plt.savefig({figure!r}, dpi=150)
+    plt.close(figure)
+    try:
+        plt.imread({figure!r})
+    except Exception as error:
+        bad_figures.append(str(error)[:80])
+print('arrays', len(bad_arrays), bad_arrays[:1], 'figures', len(bad_figures), bad_figures[:1])
 """
 
 
@@ -95,3 +126,13 @@ def test_a_partial_file_a_killed_rank_left_is_removed_by_the_next_save_of_the_pa
     live.write_bytes(b"being written")
     kernel.run_ok(f"%%distributed --devices 2\ntorch.save({{'x': 1}}, {str(tmp_path / 'best.pt')!r})\n")
     assert sorted(os.listdir(tmp_path)) == sorted(["best.pt", live.name])
+
+
+def test_numpy_arrays_and_figures_every_rank_saves_to_one_path_are_whole(kernel, tmp_path):
+    stem, figure = str(tmp_path / "predictions"), str(tmp_path / "loss.png")
+    out = kernel.run_ok(SAVE_ARRAYS_AND_FIGURES.format(stem=stem, figure=figure))
+    assert "[rank 0] arrays 0 [] figures 0 []" in out.stdout, out.stdout
+    assert "[rank 1] arrays 0 [] figures 0 []" in out.stdout, out.stdout
+    assert sorted(os.listdir(tmp_path)) == ["loss.png", "predictions.npy"]  # no partial file left
+    kernel.run_ok(f"np.save({str(tmp_path / 'kernel.npy')!r}, np.zeros(3))")
+    assert os.stat(tmp_path / "predictions.npy").st_mode == os.stat(tmp_path / "kernel.npy").st_mode

@@ -1,19 +1,21 @@
-"""``torch.save`` to a path, on a run of several ranks, writes the file whole.
+"""Files saved by path on a run of several ranks are written whole: ``torch.save``, ``numpy.save``, ``savefig``.
 
 Code written for one device saves its checkpoint by path (``torch.save(model.state_dict(),
-"best.pt")``, an early-stopping helper's "save the best") and often reads it back (the best
-weights restored after the loop). On the ranks the same line writes the same file at about
-the same time, and ``torch.save`` truncates the file and rewrites it in place: a rank loading
-it meanwhile read a torn archive (``PytorchStreamReader failed reading zip archive``), and two
-ranks writing it at once could leave a file of pieces of both. So on a run of several ranks
-:func:`write_whole` makes ``torch.save`` to a path write a new file beside it and rename it
-over the path, which is atomic: a reader opens the old file or a new one, complete. When
-several ranks write one path, the file is the last one's (under DDP their weights are the
-same). A file object, one rank, a path whose directory does not exist, one that is no
-regular file (``/dev/null``, a pipe), a directory that takes no new file, and a file system
-that cannot rename over a file are saved as torch saves them. A rank killed in the middle of
-a save leaves its hidden partial file, never a torn checkpoint; the next save of the path
-removes it.
+"best.pt")``, an early-stopping helper's "save the best"), its predictions
+(``np.save("oof.npy", preds)``) and its plots (``plt.savefig("loss.png")``), and often reads
+a checkpoint back (the best weights restored after the loop). On the ranks the same line
+writes the same file at about the same time, and each of these truncates the file and
+rewrites it in place: a rank loading it meanwhile read a torn file (``PytorchStreamReader
+failed reading zip archive``), and two ranks writing it at once could leave a file of pieces
+of both. So on a run of several ranks :func:`write_whole` makes them write a new file beside
+the path and rename it over the path, which is atomic: a reader opens the old file or a new
+one, complete. When several ranks write one path, the file is the last one's (under DDP
+their weights are the same). A file object, one rank, a path whose directory does not
+exist, one that is no regular file (``/dev/null``, a pipe), a directory that takes no new
+file, a file system that cannot rename over a file, and a figure saved without a format
+(no extension: matplotlib picks one and names the file) are saved as the library saves them.
+A rank killed in the middle of a save leaves its hidden partial file, never a torn one; the
+next save of the path removes it.
 
 Importing this module does not import torch.
 
@@ -33,18 +35,23 @@ import glob
 import itertools
 import os
 import socket
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
-from nbtrain.rank import api
+from nbtrain.rank import afterimport, api
 
 _PARTIAL = ".nbtrain-partial"  # a file being written: it has this suffix until it is renamed into place
 _HOST = socket.gethostname().replace("-", "_")  # its processes' ids are the ones this machine can look up
 _numbers = itertools.count()
 _looked_at: set[tuple[str, str]] = set()  # (directory, name): left-over partial files removed already
+# What savefig writes to a file object as to a path.
+_FIGURE_FORMATS = frozenset({"png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp"})
 
 
 def write_whole() -> None:
-    """Make ``torch.save`` to a path in this process write the file whole, when the run has several ranks (once)."""
+    """Make ``torch.save``, ``numpy.save`` and a figure's ``savefig`` to a path in this process write
+    the file whole, when the run has several ranks (once; numpy and matplotlib as they are imported)."""
     import torch
     import torch.serialization
 
@@ -53,25 +60,73 @@ def write_whole() -> None:
         return
 
     @functools.wraps(own)
-    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        target = _replaced_path(f)
-        partial = _new_partial(target) if target is not None else None
-        if target is None or partial is None:
-            return own(obj, f, *args, **kwargs)
-        try:
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        def write(partial: str) -> None:
             own(obj, partial, *args, **kwargs)
-        except BaseException:  # a full disk, say: the file at the path is left as it was
-            _remove(partial)
-            raise
-        try:
-            os.replace(partial, target)
-        except OSError:  # a file system that cannot rename over a file (some network mounts): torch's own write
-            _remove(partial)
-            return own(obj, f, *args, **kwargs)
-        return None
+
+        return _save_whole(_replaced_path(f), write, lambda: own(obj, f, *args, **kwargs))
 
     save._nbtrain_whole = True  # type: ignore[attr-defined]  # the mark of this wrapper
     torch.save = torch.serialization.save = save  # a rank runs one cell: nothing else sees it
+    afterimport.when_imported("numpy", _numpy_saves_whole)
+    afterimport.when_imported("matplotlib.figure", _figures_save_whole)
+
+
+def _save_whole(target: str | None, write: Callable[[str], Any], own: Callable[[], Any]) -> Any:
+    """``write(partial)`` to a new file beside ``target``, renamed over it; ``own()`` (the library's
+    own save) where there is no such target or the file system cannot."""
+    partial = _new_partial(target) if target is not None else None
+    if target is None or partial is None:
+        return own()
+    try:
+        write(partial)
+    except BaseException:  # a full disk, say: the file at the path is left as it was
+        _remove(partial)
+        raise
+    try:
+        os.replace(partial, target)
+    except OSError:  # a file system that cannot rename over a file (some network mounts): the library's write
+        _remove(partial)
+        return own()
+    return None
+
+
+def _numpy_saves_whole(numpy: ModuleType) -> None:
+    own = numpy.save
+
+    @functools.wraps(own)
+    def save(file: Any, arr: Any, *args: Any, **kwargs: Any) -> None:
+        target = _replaced_path(file)
+        if target is not None and not target.endswith(".npy"):  # numpy names the file so itself
+            target = _replaced_path(os.fspath(file) + ".npy")
+
+        def write(partial: str) -> None:
+            with open(partial, "wb") as opened:
+                own(opened, arr, *args, **kwargs)
+
+        _save_whole(target, write, lambda: own(file, arr, *args, **kwargs))
+
+    numpy.save = save  # type: ignore[attr-defined]  # a rank runs one cell: nothing else sees it
+
+
+def _figures_save_whole(figure_module: ModuleType) -> None:
+    figure_class = figure_module.Figure
+    own = figure_class.savefig
+
+    @functools.wraps(own)
+    def savefig(self: Any, fname: Any, *args: Any, **kwargs: Any) -> Any:
+        target = _replaced_path(fname)
+        kind = kwargs.get("format") or (os.path.splitext(target)[1][1:].lower() if target else "")
+        if kind not in _FIGURE_FORMATS:  # no extension (matplotlib names the file), or a rare format
+            return own(self, fname, *args, **kwargs)
+
+        def write(partial: str) -> None:
+            with open(partial, "wb") as opened:
+                own(self, opened, *args, **{**kwargs, "format": kind})
+
+        return _save_whole(target, write, lambda: own(self, fname, *args, **kwargs))
+
+    figure_class.savefig = savefig  # a rank runs one cell: nothing else sees it
 
 
 def _replaced_path(f: Any) -> str | None:
