@@ -17,7 +17,10 @@ pytestmark = pytest.mark.timeout(300)
 
 FIT = """
 import nbtrain
-def fit(wrap=lambda *made: made, make=torch.optim.SGD, batch=16, norm=False, seed=lambda: 4, **options):
+def fit(
+    wrap=lambda *made: made, make=torch.optim.SGD, batch=16, norm=False, seed=lambda: 4, clip=None, clipper=None,
+    **options,
+):
     torch.manual_seed(seed())
     middle = nn.BatchNorm1d(16) if norm else nn.Identity()
     net = nn.Sequential(nn.Linear(8, 16), middle, nn.Tanh(), nn.Linear(16, 1)).double()  # LBFGS amplifies rounding
@@ -29,7 +32,10 @@ def fit(wrap=lambda *made: made, make=torch.optim.SGD, batch=16, norm=False, see
         for x, y in dl:
             x, y = x.double(), y.double()
             def closure():
-                opt.zero_grad(); loss = loss_fn(net(x), y); loss.backward(); return loss
+                opt.zero_grad(); loss = loss_fn(net(x), y); loss.backward()
+                if clip:  # reads the averaged gradients, as under DDP
+                    (clipper or torch.nn.utils.clip_grad_norm_)(net.parameters(), clip)
+                return loss
             losses.append(float(opt.step(closure)))
     model = getattr(net, "module", net)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
@@ -74,6 +80,18 @@ def test_two_ranks_train_a_functions_model_as_one_process_trains_on_both_ranks_b
     assert "sharded (DistributedSampler, 128 of 256 per rank" in out.stdout, out.stdout
     assert kernel.value(SAME.replace("a[", "kept[").replace("b[", "alone[").replace("in a)", "in kept)"))
     assert kernel.value("len(kept_losses) == len(alone_losses) == 16")
+
+
+def test_clipping_reads_the_averaged_gradients_as_under_ddp(kernel):
+    kernel.run_ok("%%distributed --devices 2\nclipped_ddp, _ = fit(nbtrain.prepare, lr=0.05, clip=0.05)\n")
+    kernel.run_ok("%%distributed --devices 2\nclipped, _ = fit(lr=0.05, clip=0.05)\n")
+    kernel.run_ok("%%distributed --devices 2\nunclipped, _ = fit(lr=0.05)\n")
+    assert kernel.value(SAME.replace("a[", "clipped[").replace("b[", "clipped_ddp[").replace("in a)", "in clipped)"))
+    assert not kernel.value(SAME.replace("a[", "clipped[").replace("b[", "unclipped[").replace("in a)", "in clipped)"))
+    # Imported by name in the kernel, as scripts do: the same.
+    kernel.run_ok("from torch.nn.utils import clip_grad_norm_")
+    kernel.run_ok("%%distributed --devices 2\nby_name, _ = fit(lr=0.05, clip=0.05, clipper=clip_grad_norm_)\n")
+    assert kernel.value(SAME.replace("a[", "by_name[").replace("b[", "clipped_ddp[").replace("in a)", "in by_name)"))
 
 
 def test_a_model_with_batch_norm_trains_as_ddp_trains_it_and_the_ranks_start_from_rank_0s(kernel):

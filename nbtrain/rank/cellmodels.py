@@ -10,7 +10,8 @@ first step on (:func:`keep_averaged`): rank 0's parameters and buffers are broad
 averaged (one all-reduce after the backward, :func:`nbtrain.rank.bypass.average_gradients`)
 and rank 0's buffers broadcast (BatchNorm's running statistics, as DDP's forward does), so
 every rank steps the same model with the same gradients. Under a ``GradScaler`` the average
-is taken when it unscales, before it looks for infinities: every rank skips the same steps.
+is taken when it unscales, before it looks for infinities (every rank skips the same steps),
+and ``clip_grad_norm_`` clips the averaged gradients, as under DDP.
 A step given a closure (LBFGS) makes its gradients inside the step: they are averaged as the
 closure returns, and the loss it returns is the ranks' mean, so every rank's step decides
 alike. A loader made in the cell for such a model is sharded
@@ -49,7 +50,7 @@ _kept: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
 # (where the optimizer was made, weak references to the models found holding its parameters), for
 # the summary: a k-fold loop's models are gone by the cell's end, and their memory with them.
 _said: list[tuple[str, tuple[Any, ...]]] = []
-_unscaled: weakref.WeakSet[Any] = weakref.WeakSet()  # averaged as the scaler unscaled: its step adds nothing
+_early: weakref.WeakSet[Any] = weakref.WeakSet()  # averaged before the step (unscaled, clipped): it adds nothing
 _installed = {"on": False}
 
 
@@ -74,16 +75,26 @@ def kept(optimizer: Any) -> bool:
     return optimizer in _kept
 
 
-def watch_steps(first_step: Callable[[Any, types.FrameType | None], None]) -> None:
-    """Average kept models' gradients at each step and as a GradScaler unscales them (once per rank;
-    a rank runs one cell). Installed before the cell runs: a step's hooks cannot be added during one.
+def watch_steps(
+    first_step: Callable[[Any, types.FrameType | None], None],
+    made: Callable[[], list[Any]],
+    cell_globals: dict[str, Any],
+) -> None:
+    """Average kept models' gradients at each step, and where they are read before it: as a
+    GradScaler unscales them and as ``clip_grad_norm_`` (or ``clip_grad_value_``) clips them (once
+    per rank; a rank runs one cell). Installed before the cell runs: a step's hooks cannot be added
+    during one.
 
     ``first_step(optimizer, frame)`` (:func:`nbtrain.rank.madehere.first_step`) decides, at an
-    optimizer's first step, whether it is kept: a scaler's unscale comes before the step itself.
+    optimizer's first step, whether it is kept: unscaling and clipping come before the step
+    itself. ``made()`` lists the optimizers made in the cell. ``cell_globals``' own references to
+    torch's clipping functions (``from torch.nn.utils import clip_grad_norm_`` in the kernel) are
+    pointed at the averaging ones.
     """
     if _installed["on"]:
         return
     torch = preparations.torch_module()
+    from torch.nn.utils import clip_grad
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     scaler_class = torch.amp.GradScaler
@@ -92,15 +103,47 @@ def watch_steps(first_step: Callable[[Any, types.FrameType | None], None]) -> No
     @functools.wraps(own_unscale)
     def unscale_(self: Any, optimizer: Any) -> Any:
         first_step(optimizer, sys._getframe(1))  # a first step under the scaler starts here
-        kept = _kept.get(optimizer)
-        if kept is not None:
-            _average(optimizer, kept)
-            _unscaled.add(optimizer)
+        _average_early(optimizer)
         return own_unscale(self, optimizer)
 
     scaler_class.unscale_ = unscale_
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        own = getattr(clip_grad, name)
+        averaging = _averaged_before(own, first_step, made)
+        for holder in (clip_grad, torch.nn.utils):
+            setattr(holder, name, averaging)
+        cell_globals.update({n: averaging for n, v in list(cell_globals.items()) if v is own})
     register_optimizer_step_pre_hook(_before_step)
     _installed["on"] = True
+
+
+def _averaged_before(own: Any, first_step: Callable[..., None], made: Callable[[], list[Any]]) -> Any:
+    """``own`` (torch's clip_grad_norm_ or clip_grad_value_) reading the kept models' averaged gradients."""
+    torch = preparations.torch_module()
+
+    @functools.wraps(own)
+    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        ids = {id(p) for p in params}
+        for optimizer in made():
+            if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
+                first_step(optimizer, sys._getframe(1))  # clipping before the first step
+                _average_early(optimizer)
+        return own(params, *args, **kwargs)
+
+    return clip
+
+
+def _average_early(optimizer: Any) -> None:
+    """Average a kept model's gradients before its step reads them (its step then adds nothing).
+
+    Every such read averages (twice is the same as once): a step the scaler skipped leaves
+    the mark set, and the next iteration's gradients still get averaged.
+    """
+    kept = _kept.get(optimizer)
+    if kept is not None:
+        _average(optimizer, kept)
+        _early.add(optimizer)
 
 
 def _before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -108,6 +151,8 @@ def _before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     kept = _kept.get(optimizer)
     if kept is None:
         return None
+    early = optimizer in _early  # averaged already, as a scaler unscaled them or clipping read them
+    _early.discard(optimizer)
     # torch hands the hooks the step's arguments with the optimizer first: (optimizer, closure)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")
     if closure is not None:  # LBFGS, or any step(closure): the gradients are made inside the step
@@ -115,10 +160,8 @@ def _before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         if len(args) > 1:
             return (args[0], averaged, *args[2:]), kwargs
         return args, {**kwargs, "closure": averaged}
-    if optimizer in _unscaled:  # the scaler averaged these gradients before it unscaled them
-        _unscaled.discard(optimizer)
-        return None
-    _average(optimizer, kept)
+    if not early:
+        _average(optimizer, kept)
     return None
 
 
@@ -128,6 +171,7 @@ def _averaged_closure(closure: Any, optimizer: Any, kept: _Kept) -> Any:
     torch = preparations.torch_module()
     loss = closure()
     _average(optimizer, kept)
+    _early.discard(optimizer)  # a clip inside the closure averaged them too: nothing is left for later
     if loss is None:
         return None
     value = torch.as_tensor(loss.detach() if isinstance(loss, torch.Tensor) else loss, device=api.device())

@@ -14,7 +14,7 @@ Importing this module does not import torch.
 
 Example (outside a cell nothing was made):
     >>> made_optimizers()
-    False
+    []
 """
 
 from __future__ import annotations
@@ -91,11 +91,11 @@ def _averages_nothing(optimizer: Any) -> bool:
     return bool(params) and not any(id(p) in _averaged or _sharded(p) for p in params)
 
 
-def made_optimizers() -> bool:
-    """Whether the cell made an optimizer of its own (one still alive): its model's gradients are
-    averaged, by DDP or :mod:`~nbtrain.rank.cellmodels`, so a loader made in the cell is sharded."""
+def made_optimizers() -> list[Any]:
+    """The optimizers the cell made of its own (still alive): their models' gradients are averaged,
+    by DDP or :mod:`~nbtrain.rank.cellmodels`, so a loader made in the cell is sharded."""
     registry = preparations.cell_registry()
-    return any(registry.prepared_for(o) is None for o in list(_every_made))
+    return [o for o in list(_every_made) if registry.prepared_for(o) is None]
 
 
 def _sharded(param: Any) -> bool:
