@@ -210,7 +210,7 @@ def _holders(params: list[Any], frame: types.FrameType | None) -> list[Any]:
     found: dict[int, Any] = {}
     while frame is not None:
         for value in _near(frame.f_locals.values()):
-            if isinstance(value, nn.Module) and any(id(p) in wanted for p in value.parameters()):
+            if _is_module(value, nn.Module) and any(id(p) in wanted for p in value.parameters()):
                 found[id(value)] = value
         frame = frame.f_back
     inside = {id(sub) for m in found.values() for sub in m.modules() if sub is not m}
@@ -224,6 +224,13 @@ def _near(values: Any) -> Any:
         attributes = _attributes(value)
         if isinstance(attributes, dict) and not isinstance(value, (type, types.ModuleType)):
             yield from list(attributes.values())
+
+
+def _is_module(value: Any, module_class: type) -> bool:
+    try:
+        return isinstance(value, module_class)
+    except ReferenceError:  # a weak proxy whose object is gone
+        return False
 
 
 def _attributes(value: Any) -> Any:
