@@ -323,3 +323,22 @@ def test_a_training_loop_begun_with_the_model_left_in_eval_mode_is_named_and_the
         "(call model.train() before a training loop)."
     )
     assert expected in out.stdout, out.stdout
+
+
+def test_an_evaluation_in_eval_mode_after_each_epoch_reads_the_whole_loader_every_epoch(kernel):
+    """model.eval() and a loop without torch.no_grad() after each training epoch: every such pass is an
+    evaluation pass; the training steps between them are not steps of the evaluation."""
+    kernel.run_ok("reset()")
+    out = kernel.run_ok(
+        "%%distributed --devices 2 --accelerator cpu\n"
+        "scored = []\n"
+        "for epoch in range(3):\n"
+        "    model.train()\n"
+        "    for data, target in train_loader:\n"
+        "        optimizer.zero_grad(); F.nll_loss(model(data), target).backward(); optimizer.step()\n"
+        "    model.eval()\n"
+        "    scored.append(sum(len(target) for _, target in test_loader))\n"
+    )
+    assert kernel.value("scored") == [256, 256, 256], out.stdout
+    assert "test_loader: evaluated whole on every rank (iterated with the model in eval mode)." in out.stdout
+    assert "in a pass that trained" not in out.stdout, out.stdout

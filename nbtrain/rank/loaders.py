@@ -314,15 +314,17 @@ class _PassAware(_LoaderBase):
     _nbtrain_one_rank = False  # every pass reads the user's loader, moved to the device
     _nbtrain_by_mode = False  # an evaluation pass was one by the models' eval mode, gradients on
     _nbtrain_mode_pass_at: int | None = None  # the cell's step count when such a pass began
+    _nbtrain_mode_pass_end: int | None = None  # ... and when it ended (None: still going)
     _nbtrain_trained_whole = False  # such a pass trained (a step began in it): grad mode alone decides now
 
     # Not DataLoader's iterator type: a pass reads the user's own loader, or moves batches.
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._nbtrain_check_trained()
         kind = self._nbtrain_pass_kind()
-        if kind == "whole" and preparations.torch_module().is_grad_enabled():  # by the models' eval mode
+        by_mode = kind == "whole" and preparations.torch_module().is_grad_enabled()  # by the models' eval mode
+        if by_mode:
             self._nbtrain_by_mode = True
-            self._nbtrain_mode_pass_at = _cell_steps()
+            self._nbtrain_mode_pass_at, self._nbtrain_mode_pass_end = _cell_steps(), None
         if not any(self._nbtrain_passes.values()):
             preparations.cell_registry().first_iterated.append(id(self))  # the summary names loaders in this order
         self._nbtrain_passes[kind] += 1
@@ -335,10 +337,20 @@ class _PassAware(_LoaderBase):
                 sampler.set_epoch(self._nbtrain_epoch)
                 self._nbtrain_epoch += 1
             batches = super().__iter__()
+        if by_mode:
+            batches = self._nbtrain_mode_pass(batches)
         device = api.device()
         if device.type == "cpu":
             return batches
         return (preparations.to_device(batch, device) for batch in batches)
+
+    def _nbtrain_mode_pass(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """A pass begun in eval mode, its step count taken as it ends (all read, or left by a
+        ``break``): steps in it mean it trained; steps after it (the next epoch's) do not."""
+        try:
+            yield from batches
+        finally:
+            self._nbtrain_mode_pass_end = _cell_steps()
 
     def __len__(self) -> int:
         if self._nbtrain_one_rank or self._nbtrain_pass_kind() == "whole":
@@ -354,8 +366,8 @@ class _PassAware(_LoaderBase):
     def _nbtrain_check_trained(self) -> None:
         """Whether the last pass begun in eval mode trained after all (the model was left in eval
         mode before a training loop): said in the summary, and grad mode alone decides from now on."""
-        began = self._nbtrain_mode_pass_at
-        if began is not None and _cell_steps() > began:
+        began, ended = self._nbtrain_mode_pass_at, self._nbtrain_mode_pass_end
+        if began is not None and (_cell_steps() if ended is None else ended) > began:
             self._nbtrain_trained_whole = True
             self._nbtrain_passes["whole"] -= 1  # no evaluation pass: said as what it was
         self._nbtrain_mode_pass_at = None
