@@ -57,3 +57,19 @@ def test_a_loader_auto_mode_could_not_shard_has_its_own_note_and_no_other(kernel
     )
     expected = "`backwards`, a DataLoader over TensorDataset was not sharded: its sampler (Reversed) is custom"
     assert expected in out.stderr and "same first training batch" not in out.stderr, out.stderr
+
+
+def test_a_model_the_cell_makes_and_feeds_the_same_batches_is_told_so_too(kernel):
+    """No DDP wraps a model the cell makes; its first gradients, the same on every rank, say the
+    ranks fed it the same batch. Over a loader made in the cell each rank reads its share: no note."""
+    made = "net13 = nn.Linear(8, 1); opt13 = torch.optim.SGD(net13.parameters(), lr=0.1)\n"
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n" + made + "for i in range(0, len(X), 32):\n"
+        "    loss = loss_fn(net13(X[i:i + 32]), Y[i:i + 32]); opt13.zero_grad(); loss.backward(); opt13.step()\n"
+    )
+    assert "nbtrain note: every rank fed `net13` the same first training batch" in out.stderr, out.stderr
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n" + made + "for x, y in DataLoader(TensorDataset(X, Y), batch_size=32):\n"
+        "    loss = loss_fn(net13(x), y); opt13.zero_grad(); loss.backward(); opt13.step()\n"
+    )
+    assert "same first training batch" not in out.stderr, out.stderr

@@ -35,15 +35,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nbtrain.rank import api, bypass, preparations
+from nbtrain.rank import api, bypass, preparations, samedata
 
 
 @dataclass(frozen=True)
 class _Kept:
     """The buffers of the models an optimizer steps (its parameters are read at each step:
-    ``add_param_group`` may add some, unfreezing a backbone)."""
+    ``add_param_group`` may add some, unfreezing a backbone), and how to name them."""
 
     buffers: tuple[Any, ...]
+    modules: tuple[Any, ...]  # weak references to the models
+    where: str  # where the optimizer was made
 
 
 _kept: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
@@ -52,6 +54,8 @@ _kept: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
 _said: list[tuple[str, tuple[Any, ...]]] = []
 _early: weakref.WeakSet[Any] = weakref.WeakSet()  # averaged before the step (unscaled, clipped): it adds nothing
 _installed = {"on": False}
+# Kept, and their first gradients not yet compared over the ranks (the same on every rank: the same batch).
+_unchecked: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def keep_averaged(optimizer: Any, where: str, frame: types.FrameType | None) -> None:
@@ -66,8 +70,10 @@ def keep_averaged(optimizer: Any, where: str, frame: types.FrameType | None) -> 
     params = {id(p): p for p in [*stepped, *(p for m in modules for p in m.parameters())]}
     buffers = tuple({id(b): b for m in modules for b in m.buffers()}.values())
     _broadcast((*params.values(), *buffers))
-    _kept[optimizer] = _Kept(buffers)
-    _said.append((where, tuple(weakref.ref(m) for m in modules)))
+    refs = tuple(weakref.ref(m) for m in modules)
+    _kept[optimizer] = _Kept(buffers, refs, where)
+    _said.append((where, refs))
+    _unchecked.add(optimizer)
 
 
 def kept(optimizer: Any) -> bool:
@@ -182,7 +188,12 @@ def _averaged_closure(closure: Any, optimizer: Any, kept: _Kept) -> Any:
 
 
 def _average(optimizer: Any, kept: _Kept) -> None:
-    bypass.average_gradients([p for group in optimizer.param_groups for p in group["params"] if p.requires_grad])
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if optimizer in _unchecked:  # its first gradients: the same on every rank means the same batch
+        _unchecked.discard(optimizer)
+        models = tuple(m for m in (ref() for ref in kept.modules) if m is not None)
+        samedata.note_first_gradients(models, _unnamed(kept.where), [p.grad for p in params])
+    bypass.average_gradients(params)
     if kept.buffers:
         _broadcast(kept.buffers)
 
@@ -256,8 +267,11 @@ def kept_summary(cell_globals: Mapping[str, Any]) -> list[tuple[str, str]]:
         alive = (ref() for ref in modules)
         names += [by_id[id(m)] for m in alive if m is not None and id(m) in by_id and by_id[id(m)] not in names]
     how = "made in the cell: gradients averaged before each step"
-    unnamed = "the model of the optimizer made in {}"
-    return [(name, how) for where, names in places.items() for name in names or [unnamed.format(where)]]
+    return [(name, how) for where, names in places.items() for name in names or [_unnamed(where)]]
+
+
+def _unnamed(where: str) -> str:
+    return f"the model of the optimizer made in {where}"
 
 
 def _names(cell_globals: Mapping[str, Any]) -> dict[int, str]:

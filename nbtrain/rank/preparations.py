@@ -53,7 +53,8 @@ class _Registry:
         self.ddp_models: list[Any] = []  # the DDP wrappers made (nbtrain.rank.bypass)
         self.step_models: dict[int, tuple[Any, list[Any]]] = {}  # id(optimizer) -> (it, the wrappers it steps)
         self.bypassed: set[int] = set()  # wrappers whose gradients bypass averaged (said once)
-        self.first_inputs: list[tuple[Any, Any, bool]] = []  # (DDP, its first inputs' extremes, any tensor)
+        # (the model's objects to name it by, else its words, its first inputs' or gradients' extremes, any tensor)
+        self.first_inputs: list[tuple[tuple[Any, ...], str, Any, bool]] = []
         self.unsharded: list[int] = []  # ids of loaders auto mode could not shard (each said in a note)
         self.shipped: dict[int, Any] = {}  # id -> the kernel's wrappers (a DataParallel) the cell received
 

@@ -25,20 +25,36 @@ from nbtrain.rank import api, preparations
 def note_first_inputs(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Start the comparison of ``ddp``'s first training inputs over the ranks (one all-reduce, every rank)."""
     torch = preparations.torch_module()
-    device = api.device()
     tensors = [t for t in (*inputs, *kwargs.values()) if isinstance(t, torch.Tensor) and t.numel()]
+    extremes = _compared(tensors, ddp.process_group)
+    fallback = f"the {type(ddp.module).__name__} model"
+    preparations.cell_registry().first_inputs.append(((ddp, ddp.module), fallback, extremes, bool(tensors)))
+
+
+def note_first_gradients(models: tuple[Any, ...], fallback: str, gradients: list[Any]) -> None:
+    """Start the comparison of a model's first gradients over the ranks (one all-reduce, every rank):
+    for a model no DDP wraps, the same gradients on every rank mean the same batch. ``models``
+    are looked for among the cell's globals to name it, else ``fallback`` names it."""
+    extremes = _compared([g for g in gradients if g is not None and g.numel()], None)
+    preparations.cell_registry().first_inputs.append((models, fallback, extremes, True))
+
+
+def _compared(tensors: list[Any], group: Any) -> Any:
+    """[max over ranks of s, max of -s], s the tensors' sum weighted by place, left on the device."""
+    torch = preparations.torch_module()
+    device = api.device()
     exact = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
     summed = torch.zeros((), dtype=exact, device=device)
-    for place, tensor in enumerate(tensors, 1):  # weighted by place: inputs that differ anywhere differ in the sum
+    for place, tensor in enumerate(tensors, 1):  # weighted by place: tensors that differ anywhere differ in the sum
         within = exact if tensor.device.type != "mps" else torch.float32
-        summed += place * tensor.detach().sum(dtype=within).to(device=device, dtype=exact)  # no copy of the batch
+        summed += place * tensor.detach().sum(dtype=within).to(device=device, dtype=exact)  # no copy
     extremes = torch.stack([summed, -summed])
-    torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX, group=ddp.process_group)
-    preparations.cell_registry().first_inputs.append((ddp, extremes, bool(tensors)))
+    torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX, group=group)
+    return extremes
 
 
 def same_data_notes(cell_globals: Mapping[str, Any]) -> list[str]:
-    """One note per DDP model every rank fed the same first training batch (read at the cell's end).
+    """One note per model every rank fed the same first training batch (read at the cell's end).
 
     A model is named as the cell's globals name it (``G``), else by its class. Nothing is
     said where a loader could not be sharded: its own note says every rank reads all of it.
@@ -47,12 +63,12 @@ def same_data_notes(cell_globals: Mapping[str, Any]) -> list[str]:
     if registry.unsharded:  # a loader read whole by every rank: its own note says why and what to do
         return []
     notes = []
-    for ddp, extremes, any_tensor in registry.first_inputs:
+    for models, fallback, extremes, any_tensor in registry.first_inputs:
         largest, negated_smallest = extremes.tolist()
         if any_tensor and largest == -negated_smallest:
             ranks = api.world_size()
-            name = next((f"`{n}`" for n, v in cell_globals.items() if v is ddp), None)
-            model = name or f"the {type(ddp.module).__name__} model"
+            name = next((f"`{n}`" for n, v in cell_globals.items() if any(v is m for m in models)), None)
+            model = name or fallback
             notes.append(
                 f"every rank fed {model} the same first training batch, so the {ranks} "
                 f"ranks trained it on the same data: the one-device result at {ranks} times the work. A loop that "
