@@ -128,13 +128,16 @@ def test_a_kept_model_in_eval_mode_predicts_on_the_whole_loader_even_with_gradie
         "%%distributed --devices 2\n"
         "torch.manual_seed(1)\n"
         "net_e = nn.Linear(8, 1); opt_e = torch.optim.SGD(net_e.parameters(), lr=0.05)\n"
+        "net_e.eval()  # a score before training, its optimizer not stepped yet\n"
+        "baseline = sum(len(net_e(x)) for x, _ in DataLoader(TensorDataset(X, Y), batch_size=64))\n"
+        "net_e.train()\n"
         "trained_on = 0\n"
         "for x, y in DataLoader(TensorDataset(X, Y), batch_size=16, shuffle=True):\n"
         "    opt_e.zero_grad(); loss_fn(net_e(x), y).backward(); opt_e.step(); trained_on += len(x)\n"
         "net_e.eval()\n"
         "predicted = sum(len(net_e(x)) for x, _ in DataLoader(TensorDataset(X, Y), batch_size=64))\n"
     )
-    assert kernel.value("[trained_on, predicted]") == [128, 256]
+    assert kernel.value("[baseline, trained_on, predicted]") == [256, 128, 256]
 
 
 def test_a_trainer_made_in_the_cell_trains_its_model_as_one_and_is_named_by_its_attribute(kernel):

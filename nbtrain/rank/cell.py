@@ -98,7 +98,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     optimizers.know_optimizers(tracked.values())
     if spec.auto and api.world_size() > 1:  # what the cell makes and trains itself, to name it if unprepared
         madehere.record_optimizers_made()
-        cellmodels.watch_steps(madehere.first_step, madehere.made_optimizers, cell_globals)  # kept one
+        cellmodels.watch_steps(madehere.first_step, madehere.unstepped_optimizers, cell_globals)  # kept one
         cellloaders.shard_loaders_made()  # a loader the cell makes is sharded, as the kernel's are
     prepared = prepare.auto_prepare(cell_globals, spec.names) if spec.auto else []
     placed: list[tuple[Any, Any, Any]] = []

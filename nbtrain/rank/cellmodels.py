@@ -54,6 +54,8 @@ _kept: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
 _said: list[tuple[str, tuple[Any, ...]]] = []
 _early: weakref.WeakSet[Any] = weakref.WeakSet()  # averaged before the step (unscaled, clipped): it adds nothing
 _installed = {"on": False}
+# "unstepped": the optimizers made in the cell that have not stepped yet (madehere's)
+_sources: dict[str, Callable[[], list[Any]]] = {}
 # Kept, and their first gradients not yet compared over the ranks (the same on every rank: the same batch).
 _unchecked: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -83,7 +85,7 @@ def kept(optimizer: Any) -> bool:
 
 def watch_steps(
     first_step: Callable[[Any, types.FrameType | None], None],
-    made: Callable[[], list[Any]],
+    unstepped: Callable[[], list[Any]],
     cell_globals: dict[str, Any],
 ) -> None:
     """Average kept models' gradients at each step, and where they are read before it: as a
@@ -93,12 +95,14 @@ def watch_steps(
 
     ``first_step(optimizer, frame)`` (:func:`nbtrain.rank.madehere.first_step`) decides, at an
     optimizer's first step, whether it is kept: unscaling and clipping come before the step
-    itself. ``made()`` lists the optimizers made in the cell. ``cell_globals``' own references to
+    itself. ``unstepped()`` lists the optimizers made in the cell that have not stepped yet.
+    ``cell_globals``' own references to
     torch's clipping functions (``from torch.nn.utils import clip_grad_norm_`` in the kernel) are
     pointed at the averaging ones.
     """
     if _installed["on"]:
         return
+    _sources["unstepped"] = unstepped
     torch = preparations.torch_module()
     from torch.nn.utils import clip_grad
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -115,7 +119,7 @@ def watch_steps(
     scaler_class.unscale_ = unscale_
     for name in ("clip_grad_norm_", "clip_grad_value_"):
         own = getattr(clip_grad, name)
-        averaging = _averaged_before(own, first_step, made)
+        averaging = _averaged_before(own, first_step, unstepped)
         for holder in (clip_grad, torch.nn.utils):
             setattr(holder, name, averaging)
         cell_globals.update({n: averaging for n, v in list(cell_globals.items()) if v is own})
@@ -123,7 +127,7 @@ def watch_steps(
     _installed["on"] = True
 
 
-def _averaged_before(own: Any, first_step: Callable[..., None], made: Callable[[], list[Any]]) -> Any:
+def _averaged_before(own: Any, first_step: Callable[..., None], unstepped: Callable[[], list[Any]]) -> Any:
     """``own`` (torch's clip_grad_norm_ or clip_grad_value_) reading the kept models' averaged gradients."""
     torch = preparations.torch_module()
 
@@ -131,7 +135,7 @@ def _averaged_before(own: Any, first_step: Callable[..., None], made: Callable[[
     def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         ids = {id(p) for p in params}
-        for optimizer in made():
+        for optimizer in {id(o): o for o in [*unstepped(), *_kept.keys()]}.values():
             if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
                 first_step(optimizer, sys._getframe(1))  # clipping before the first step
                 _average_early(optimizer)
@@ -252,8 +256,16 @@ def _attributes(value: Any) -> Any:
 
 
 def kept_models() -> list[Any]:
-    """The models kept one over the ranks that are still alive (a loader's pass asks whether they evaluate)."""
-    return [m for _, modules in _said for m in (ref() for ref in modules) if m is not None]
+    """The models the cell made that train (a loader's pass asks whether they evaluate): those kept
+    one over the ranks, and those whose optimizer has not stepped yet (a score taken in eval mode
+    before training), found in the caller's names."""
+    kept = [m for _, modules in _said for m in (ref() for ref in modules) if m is not None]
+    unstepped = _sources.get("unstepped")
+    pending = unstepped() if unstepped is not None else []
+    if not pending:
+        return kept
+    stepped = [p for o in pending for group in o.param_groups for p in group["params"]]
+    return kept + _holders(stepped, sys._getframe(1))
 
 
 def kept_summary(cell_globals: Mapping[str, Any]) -> list[tuple[str, str]]:

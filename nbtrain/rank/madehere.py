@@ -98,6 +98,11 @@ def made_optimizers() -> list[Any]:
     return [o for o in list(_every_made) if registry.prepared_for(o) is None]
 
 
+def unstepped_optimizers() -> list[Any]:
+    """The optimizers made in the cell that have not stepped yet (still alive)."""
+    return list(_made.keys())
+
+
 def _sharded(param: Any) -> bool:
     """A parameter sharded over the ranks (FSDP2's DTensor, FSDP1's FlatParameter): averaged its own way."""
     return type(param).__name__ in ("DTensor", "FlatParameter")
