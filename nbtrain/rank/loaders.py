@@ -380,8 +380,8 @@ def _cell_steps() -> int:
 
 
 def _models_evaluating() -> bool:
-    """Whether the cell's models that train (prepared, or made in the cell and kept one over the
-    ranks) are all in eval mode (and there is one)."""
+    """Whether the cell's models that train (prepared, or made in the cell) are all in eval mode
+    (and there is one)."""
     from nbtrain.rank import cellmodels, wrapping
 
     nn = preparations.torch_module().nn
