@@ -163,3 +163,29 @@ def test_a_trainer_made_in_the_cell_trains_its_model_as_one_and_is_named_by_its_
     )
     assert "Auto-prepared: trainer.model (made in the cell: gradients averaged before each step)." in out.stdout
     assert kernel.value("[trainer.seen, agree]") == [128, True]
+
+
+def test_a_gradient_one_rank_has_is_averaged_on_both_and_one_no_rank_has_stays_none(kernel):
+    """A branch only rank 1 runs gives its layer a gradient on rank 1 alone: both ranks step it with
+    the average (half of rank 1's); a layer no rank used keeps no gradient, so no step moves it."""
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "torch.manual_seed(0)\n"
+        "class Branches(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.a, self.b, self.unused = nn.Linear(8, 1), nn.Linear(8, 1), nn.Linear(8, 1)\n"
+        "    def forward(self, x):\n"
+        "        return self.a(x) + (self.b(x) if nbtrain.rank() == 1 else 0)\n"
+        "branches = Branches(); opt_b = torch.optim.SGD(branches.parameters(), lr=0.1, weight_decay=0.1)\n"
+        "loss = loss_fn(branches(X[:32]), Y[:32]); opt_b.zero_grad(); loss.backward()\n"
+        "local_b = None if branches.b.weight.grad is None else branches.b.weight.grad.clone()\n"
+        "unused_before = branches.unused.weight.detach().clone()\n"
+        "opt_b.step()\n"
+        "total = float(sum(t.double().sum() for t in branches.state_dict().values()))\n"
+        "agree = nbtrain.all_reduce(total, op='max') == nbtrain.all_reduce(total, op='min')\n"
+        "unused_kept = branches.unused.weight.grad is None and torch.equal(branches.unused.weight, unused_before)\n"
+        "b_grad = nbtrain.all_reduce(branches.b.weight.grad.abs().sum().item(), op='max')\n"
+        "rank1_b = nbtrain.all_reduce(0.0 if local_b is None else local_b.abs().sum().item(), op='max')\n"
+    )
+    assert kernel.value("[agree, unused_kept, local_b is None]") == [True, True, True], out.stdout  # rank 0's
+    assert kernel.value("abs(b_grad - rank1_b / 2) < 1e-6")

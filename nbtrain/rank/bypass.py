@@ -8,7 +8,8 @@ word. So before each (outermost) optimizer step, a wrapped model that the step t
 whose forward did not run since that optimizer's previous step gets its gradients averaged here: one
 all-reduce saying which parameters have a gradient on any rank (and which a sparse one),
 then one of the dense gradients (flat, per device and dtype) and one per sparse gradient
-(an ``Embedding(sparse=True)``'s, as DDP reduces them). The summary says so, once.
+(an ``Embedding(sparse=True)``'s, as DDP reduces them); a model with no sparse gradient needs
+only the dense all-reduce, which carries which gradients exist too. The summary says so, once.
 
 A forward with gradients enabled counts (under ``no_sync`` too: DDP's own rule then holds).
 Importing this module does not import torch.
@@ -74,14 +75,29 @@ def _models_of(optimizer: Any, registry: Any) -> list[Any]:
 
 def _average(ddp: Any) -> None:
     """Average the gradients of ``ddp``'s trainable parameters over its process group, as DDP would."""
-    average_gradients([p for p in ddp.module.parameters() if p.requires_grad], ddp.process_group)
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    average_gradients(params, ddp.process_group, sparse_parameters([ddp.module]))
 
 
-def average_gradients(params: list[Any], group: Any = None) -> None:
+def sparse_parameters(modules: list[Any]) -> frozenset[int]:
+    """The ids of the parameters of ``modules`` whose gradients are sparse (``Embedding(sparse=True)``'s)."""
+    nn = preparations.torch_module().nn
+    sparse = (nn.Embedding, nn.EmbeddingBag)
+    return frozenset(id(m.weight) for root in modules for m in root.modules() if isinstance(m, sparse) and m.sparse)
+
+
+def average_gradients(params: list[Any], group: Any = None, sparse: frozenset[int] | None = None) -> None:
     """Average the gradients of ``params`` over the ranks of ``group`` (None: all), as DDP would.
 
     Every rank must call it with the same parameters in the same order: it is a collective.
+    ``sparse``: the ids of those whose gradients are sparse (:func:`sparse_parameters`), None
+    where that is not known. With none sparse, one all-reduce per device and dtype carries the
+    gradients and which of them exist on any rank; otherwise which exist, and which are sparse,
+    is agreed on first.
     """
+    if sparse is not None and not sparse:
+        _average_dense(params, group)
+        return
     torch = preparations.torch_module()
     # 0: no gradient on any rank, 1: a dense one, 2: a sparse one (an Embedding's with sparse=True)
     kinds = torch.tensor([_kind(p.grad) for p in params], dtype=torch.int32, device=api.device())
@@ -100,19 +116,24 @@ def _kind(grad: Any) -> int:
 
 
 def _average_dense(params: list[Any], group: Any) -> None:
-    """One all-reduce per device and dtype, of these parameters' gradients flattened (zeros where missing)."""
+    """One all-reduce per device and dtype, of these parameters' gradients flattened (zeros where
+    missing) and, after them, how many ranks had each one: one that none had stays None."""
     torch = preparations.torch_module()
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     kinds: dict[tuple[Any, Any], list[Any]] = {}
     for p in params:
         kinds.setdefault((p.device, p.dtype), []).append(p)
-    for same in kinds.values():
+    for (device, dtype), same in kinds.items():
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
-        flat = _flatten_dense_tensors(grads)
+        had = torch.tensor([p.grad is not None for p in same], dtype=dtype, device=device)
+        flat = _flatten_dense_tensors([*grads, had])
         torch.distributed.all_reduce(flat, group=group)
+        counts = flat[-len(same) :].tolist()
         flat.div_(api.world_size())
-        for p, averaged in zip(same, _unflatten_dense_tensors(flat, grads), strict=True):
+        for p, averaged, count in zip(same, _unflatten_dense_tensors(flat, [*grads, had]), counts, strict=False):
+            if count == 0:
+                continue
             if p.grad is None:
                 p.grad = averaged.clone()
             else:

@@ -46,6 +46,7 @@ class _Kept:
     buffers: tuple[Any, ...]
     modules: tuple[Any, ...]  # weak references to the models
     where: str  # where the optimizer was made
+    sparse: frozenset[int] | None  # ids of sparse-gradient parameters (None: a parameter outside the models)
 
 
 _kept: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
@@ -73,7 +74,9 @@ def keep_averaged(optimizer: Any, where: str, frame: types.FrameType | None) -> 
     buffers = tuple({id(b): b for m in modules for b in m.buffers()}.values())
     _broadcast((*params.values(), *buffers))
     refs = tuple(weakref.ref(m) for m in modules)
-    _kept[optimizer] = _Kept(buffers, refs, where)
+    inside = {id(p) for m in modules for p in m.parameters()}
+    sparse = bypass.sparse_parameters(list(modules)) if all(id(p) in inside for p in stepped) else None
+    _kept[optimizer] = _Kept(buffers, refs, where, sparse)
     _said.append((where, refs))
     _unchecked.add(optimizer)
 
@@ -197,7 +200,7 @@ def _average(optimizer: Any, kept: _Kept) -> None:
         _unchecked.discard(optimizer)
         models = tuple(m for m in (ref() for ref in kept.modules) if m is not None)
         samedata.note_first_gradients(models, _unnamed(kept.where), [p.grad for p in params])
-    bypass.average_gradients(params)
+    bypass.average_gradients(params, sparse=kept.sparse)
     if kept.buffers:
         _broadcast(kept.buffers)
 
