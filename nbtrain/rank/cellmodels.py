@@ -99,9 +99,8 @@ def watch_steps(
     ``first_step(optimizer, frame)`` (:func:`nbtrain.rank.madehere.first_step`) decides, at an
     optimizer's first step, whether it is kept: unscaling and clipping come before the step
     itself. ``unstepped()`` lists the optimizers made in the cell that have not stepped yet.
-    ``cell_globals``' own references to
-    torch's clipping functions (``from torch.nn.utils import clip_grad_norm_`` in the kernel) are
-    pointed at the averaging ones.
+    ``cell_globals``' own references to torch's clipping functions (``from torch.nn.utils
+    import clip_grad_norm_`` in the kernel) are pointed at the averaging ones.
     """
     if _installed["on"]:
         return
