@@ -1,4 +1,4 @@
-"""What a cell's function makes and trains itself is kept one over the ranks, or named (a real kernel, 2 CPU ranks).
+"""What a cell's function makes and trains itself is kept one over the ranks and named (a real kernel, 2 CPU ranks).
 
 A k-fold loop calls ``run_training(fold)``, which makes its model, optimizer and loader: none
 of them is a global the cell sees, and auto mode prepares what the kernel had. Their
