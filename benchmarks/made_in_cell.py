@@ -32,6 +32,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # the tests' kernel driver
 
+from autoloop import LOOP  # the same timed loop: `net` and `opt` are what the cell trains
+
 from kernel_helpers import NotebookKernel
 
 STEPS = 300
@@ -50,28 +52,15 @@ STEPS, WARMUP = {STEPS}, {WARMUP}
 HAND_WRAPPER = "DistributedDataParallel"
 """
 
-# The loop, timed step by step; `net` and `optimizer` are what the cell trains.
-LOOP = """
-torch.set_num_threads(1)
-times = []
-for step in range(STEPS + WARMUP):
-    began = time.perf_counter()
-    loss = nn.functional.cross_entropy(net(x), y)
-    optimizer.zero_grad(); loss.backward(); optimizer.step()
-    times.append(time.perf_counter() - began)
-step_s = statistics.median(times[WARMUP:])
-"""
-
+FRESH_OPTIMIZER = "opt = torch.optim.SGD({model}.parameters(), lr=0.01)\n"
 TWO = "%%distributed --devices 2 --accelerator cpu"
 CELLS = {
-    "made before the cell (auto mode's DDP)": f"{TWO}\nnet, optimizer = model, opt\n" + LOOP,
-    "made in the cell (kept one)": (
-        f"{TWO}\nnet = make_model()\noptimizer = torch.optim.SGD(net.parameters(), lr=0.01)\n" + LOOP
-    ),
+    "made before the cell (auto mode's DDP)": f"{TWO}\nnet = model\n" + LOOP,
+    "made in the cell (kept one)": f"{TWO}\nnet = make_model()\n{FRESH_OPTIMIZER.format(model='net')}" + LOOP,
     # Named through a string: a cell that names DDP's class itself gets no auto mode at all.
     "DDP by hand (--no-auto)": (
         f"{TWO} --no-auto\nnet = getattr(torch.nn.parallel, HAND_WRAPPER)(make_model())\n"
-        "optimizer = torch.optim.SGD(net.parameters(), lr=0.01)\n" + LOOP
+        + FRESH_OPTIMIZER.format(model="net") + LOOP
     ),
 }
 
@@ -81,9 +70,10 @@ def step_times(kernel: NotebookKernel, rounds: int) -> dict[str, list[float]]:
     seen: dict[str, list[float]] = {name: [] for name in CELLS}
     for round_index in range(rounds):
         for name, cell in CELLS.items():
-            kernel.run_ok("model.load_state_dict(make_model().state_dict())")
+            # The kernel's model and optimizer afresh: a cell that makes its own sends them back as `opt`.
+            kernel.run_ok("model.load_state_dict(make_model().state_dict())\n" + FRESH_OPTIMIZER.format(model="model"))
             kernel.run_ok(cell)
-            seen[name].append(kernel.value("step_s"))
+            seen[name].append(kernel.value("step_s[0]"))  # the median step
         print(f"  round {round_index + 1}/{rounds} done", file=sys.stderr, flush=True)
     return seen
 
