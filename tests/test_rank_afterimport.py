@@ -25,12 +25,14 @@ def test_a_module_imported_later_is_changed_before_anything_binds_its_names(tmp_
         sys.path.insert(0, '.')
         from nbtrain.rank import afterimport
         afterimport.when_imported('libmod', lambda m: setattr(m, 'value', 'changed'))
-        afterimport.when_imported('libmod', lambda m: setattr(m, 'value', 'twice'))  # the first change stays
+        afterimport.when_imported('libmod', lambda m: setattr(m, 'value', m.value + '-twice'))  # in order
+        take_back = afterimport.when_imported('libmod', lambda m: setattr(m, 'value', 'taken back'))
+        take_back()
         import user, libmod
         print(user.value, libmod.read(), 'libmod' in sys.modules)
         """,
     )
-    assert out.split() == ["changed", "changed", "True"]
+    assert out.split() == ["changed-twice", "changed-twice", "True"]
 
 
 def test_a_module_already_imported_is_changed_at_once_and_forks_inherit_the_hook(tmp_path):

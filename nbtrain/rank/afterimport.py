@@ -13,7 +13,7 @@ such a module pays nothing.
 Example (a module changed as it is imported, here ``colorsys`` of the standard library):
     >>> import sys
     >>> sys.modules.pop("colorsys", None) and None
-    >>> when_imported("colorsys", lambda module: setattr(module, "changed", True))
+    >>> take_back = when_imported("colorsys", lambda module: setattr(module, "changed", True))
     >>> import colorsys
     >>> colorsys.changed
     True
@@ -29,23 +29,36 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-_changes: dict[str, Callable[[ModuleType], None]] = {}  # module name -> its change
+_changes: dict[str, list[Callable[[ModuleType], None]]] = {}  # module name -> its changes, in order
 
 
-def when_imported(name: str, change: Callable[[ModuleType], None]) -> None:
-    """Run ``change(module)`` when the module ``name`` is imported in this process (now, if it was)."""
-    if name in _changes:
-        return
-    _changes[name] = change
+def when_imported(name: str, change: Callable[[ModuleType], None]) -> Callable[[], None]:
+    """Run ``change(module)`` when the module ``name`` is imported in this process (now, if it was).
+
+    Returns what takes the change back if the module has not been imported by then (a change
+    given twice is kept once)."""
+    changes = _changes.setdefault(name, [])
+    if change in changes:
+        return lambda: None
+    changes.append(change)
     if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
     module = sys.modules.get(name)
     if module is not None:
         change(module)
+    return lambda: _take_back(name, change)
+
+
+def _take_back(name: str, change: Callable[[ModuleType], None]) -> None:
+    changes = _changes.get(name, [])
+    if change in changes:
+        changes.remove(change)
+    if not changes:
+        _forget(name)
 
 
 def _forget(name: str) -> None:
-    """Drop ``name``'s change, and the hook once none is left (this module's own example)."""
+    """Drop ``name``'s changes, and the hook once none is left (this module's own example)."""
     _changes.pop(name, None)
     if not _changes:
         sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _Finder)]
@@ -55,22 +68,22 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        change = _changes.get(fullname)
-        if change is None:
+        changes = _changes.get(fullname)
+        if not changes:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _ThenChange(spec.loader, change)
+        spec.loader = _ThenChange(spec.loader, changes)
         return spec
 
 
 class _ThenChange(importlib.abc.Loader):
     """The module's own loader, then its change."""
 
-    def __init__(self, loader: importlib.abc.Loader, change: Callable[[ModuleType], None]):
+    def __init__(self, loader: importlib.abc.Loader, changes: list[Callable[[ModuleType], None]]):
         self.loader = loader
-        self.change = change
+        self.changes = changes
 
     def __getattr__(self, name: str) -> Any:  # get_source and the rest, for tracebacks
         return getattr(self.loader, name)
@@ -80,4 +93,5 @@ class _ThenChange(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
-        self.change(module)
+        for change in list(self.changes):
+            change(module)
