@@ -209,7 +209,7 @@ def debug() -> None:
     """Open pdb in the frames of the rank kept alive after the last failed run: ``%nbtrain_debug``.
 
     Commands go in the notebook's input box; ``q`` or ``c`` ends it and releases the rank.
-    With no rank held it says why (README, "Debugging a rank").
+    With no rank held it says why (docs/debugging.md).
 
     Example:
         >>> import nbtrain

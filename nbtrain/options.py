@@ -6,7 +6,7 @@
 writes one, and the cluster engine plans from one. Each field carries an :class:`Option`
 in its metadata: the check that turns a value as the user gave it into the value kept
 (raising a ConfigurationError that names it), the flag that sets it in a cell, and its
-help, from which ``%%distributed --help`` and README's flag table are generated.
+help, from which ``%%distributed --help`` and docs/magic.md's flag table are generated.
 Constructing the record (or ``dataclasses.replace`` on it) checks every field, so a record
 that exists is a valid one. Pure: it imports no torch and starts nothing.
 
@@ -49,9 +49,10 @@ class Option:
     ``check`` turns a value as the user gave it into the value kept, or raises a
     ConfigurationError naming it. ``flag`` is the ``%%distributed`` flag ("": a session
     default only), ``parse`` what turns the flag's text into a value, ``no_flag`` the flag
-    that turns a boolean off. ``help`` is markdown: README's table shows it (with ``more``
-    after it), ``--help`` shows it without the backticks. ``shown_default`` is how the
-    built-in default reads. ``keyword``: ``nbtrain.launch`` and ``nbtrain.start`` take it.
+    that turns a boolean off. ``help`` is markdown: docs/magic.md's table shows it (with
+    ``more``, whose links are relative to docs/, after it), ``--help`` shows it without the
+    backticks. ``shown_default`` is how the built-in default reads. ``keyword``:
+    ``nbtrain.launch`` and ``nbtrain.start`` take it.
     ``rank_variable``: the environment variable the ranks read it from (set unless None).
 
     >>> Option("Seconds.", check=float, flag="--wait").plain_help()
@@ -297,7 +298,7 @@ class LaunchOptions:
     cluster: str = field(default="local", metadata={"option": Option(
         "where the ranks run: `local` (this machine), `ray` (the Ray cluster in `RAY_ADDRESS`, or the one this "
         "machine belongs to) or a Ray address (`host:6379`, `ray://host:10001`)",
-        _cluster, "--cluster", shown_default="`local`", more='; see "On a cluster"',
+        _cluster, "--cluster", shown_default="`local`", more="; see [On a cluster](cluster.md)",
     )})
     num_nodes: int = field(default=1, metadata={"option": Option(
         "with `--cluster`: how many nodes the run spans, `--devices` ranks on each",
@@ -450,7 +451,7 @@ def keywords() -> frozenset[str]:
 
 
 def flag_rows() -> list[tuple[str, str, str]]:
-    """(flags, values, default) of each launch option a flag sets: README's rows, in markdown.
+    """(flags, values, default) of each launch option a flag sets: docs/magic.md's rows, in markdown.
 
     >>> flag_rows()[0][0], flag_rows()[0][2]
     ('`--devices`', 'the session default (`auto`)')
@@ -464,7 +465,7 @@ def flag_rows() -> list[tuple[str, str, str]]:
 
 
 def session_rows() -> list[tuple[str, str, str]]:
-    """(keyword, what it sets, built-in default) of every option: README's table of ``nbtrain.set_defaults``.
+    """(keyword, what it sets, built-in default) of every option: docs/magic.md's table of ``nbtrain.set_defaults``.
 
     >>> session_rows()[0]
     ('`devices`', 'as `--devices`', '`auto`')

@@ -135,15 +135,15 @@ def test_the_new_strategies_are_in_the_form_with_their_help():
     assert form.status.value == "" and "CPUOffloadPolicy" in form.strategy_help.value
 
 
-def test_the_readme_flag_table_lists_every_flag_and_strategy():
+def test_the_magic_page_flag_table_lists_every_flag_and_strategy():
     import pathlib
     import re
 
     from nbtrain.kernel import magic
 
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "magic.md").read_text(encoding="utf-8")
     row = re.compile(r"^\| `(--[a-z-]+)`[^|]*\| (.*)$", re.MULTILINE)
-    rows = {match.group(1): match.group(2) for match in row.finditer(readme)}
+    rows = {match.group(1): match.group(2) for match in row.finditer(page)}
     flags = {a.option_strings[-1] for a in magic.DistributedMagics.distributed.parser._actions}
     assert flags - {"--help"} <= set(rows), flags - set(rows)
     strategies = set(re.findall(r"`([a-z_]+)`:", rows["--strategy"]))

@@ -2,7 +2,7 @@
 
 Every option is a field of LaunchOptions with one default, one check and one help text;
 constructing or replacing the record checks it, a cell's flags and a call's keywords are
-merged over the session's with it, and README's tables and ``%%distributed --help`` are
+merged over the session's with it, and docs/magic.md's tables and ``%%distributed --help`` are
 generated from it, so a field missing from either fails here.
 """
 
@@ -22,7 +22,7 @@ from nbtrain.kernel.magic import DistributedMagics
 from nbtrain.options import LaunchOptions
 from nbtrain.runstate import STALL_SECONDS
 
-README = pathlib.Path(__file__).parent.parent / "README.md"
+MAGIC_PAGE = pathlib.Path(__file__).parent.parent / "docs" / "magic.md"
 
 
 def test_every_option_has_one_default_a_check_and_help():
@@ -98,33 +98,33 @@ def test_the_keywords_of_launch_are_the_options_that_are_not_only_the_sessions()
     }
 
 
-def _readme_table(header: str) -> str:
-    text = README.read_text(encoding="utf-8")
+def _page_table(header: str) -> str:
+    text = MAGIC_PAGE.read_text(encoding="utf-8")
     start = text.index(header)
-    end = text.index("\n\n", start)
-    return text[start:end]
+    end = text.find("\n\n", start)  # a table ends at a blank line, or where the page ends
+    return text[start:end if end >= 0 else len(text.rstrip())]
 
 
-def _update_readme(old: str, new: str) -> str:
-    """The table README has; NBTRAIN_UPDATE_README=1 first writes the generated one there (after a new option)."""
-    if os.environ.get("NBTRAIN_UPDATE_README") == "1" and old != new:
-        README.write_text(README.read_text(encoding="utf-8").replace(old, new), encoding="utf-8")
+def _update_page(old: str, new: str) -> str:
+    """The table docs/magic.md has; NBTRAIN_UPDATE_DOCS=1 first writes the generated one there (after a new option)."""
+    if os.environ.get("NBTRAIN_UPDATE_DOCS") == "1" and old != new:
+        MAGIC_PAGE.write_text(MAGIC_PAGE.read_text(encoding="utf-8").replace(old, new), encoding="utf-8")
         return new
     return old
 
 
-def test_the_readme_flag_table_is_the_one_generated_from_the_record():
+def test_the_magic_page_flag_table_is_the_one_generated_from_the_record():
     generated = flags.flag_table()
-    table = _update_readme(_readme_table("| flag | values | default |"), generated)
-    assert table == generated, "README's flag table is stale: run this test with NBTRAIN_UPDATE_README=1"
+    table = _update_page(_page_table("| flag | values | default |"), generated)
+    assert table == generated, "docs/magic.md's flag table is stale: run this test with NBTRAIN_UPDATE_DOCS=1"
     listed = set(re.findall(r"^\| `(--[a-z-]+)`", table, re.MULTILINE))
     assert {info.flag for _, info in options.flagged()} <= listed
 
 
-def test_the_readme_session_table_is_the_one_generated_from_the_record():
+def test_the_magic_page_session_table_is_the_one_generated_from_the_record():
     generated = options.markdown_table(("keyword", "sets", "built-in default"), options.session_rows())
-    table = _update_readme(_readme_table("| keyword | sets | built-in default |"), generated)
-    assert table == generated, "README's table of session defaults is stale: run with NBTRAIN_UPDATE_README=1"
+    table = _update_page(_page_table("| keyword | sets | built-in default |"), generated)
+    assert table == generated, "docs/magic.md's table of session defaults is stale: run with NBTRAIN_UPDATE_DOCS=1"
     assert set(re.findall(r"^\| `([a-z_]+)`", table, re.MULTILINE)) == {name for name, _ in options.described()}
 
 

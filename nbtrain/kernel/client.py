@@ -153,8 +153,8 @@ class _StartMessage:
         from nbtrain.kernel import defaults
         from nbtrain.kernel import shell as kernel_shell
 
-        self.interactive = interactive and with_log  # a cluster's agents relay no prompt (README)
-        # A cluster's ranks cannot be held (README, cluster limits); a background run's failure
+        self.interactive = interactive and with_log  # a cluster's agents relay no prompt (docs/cluster.md)
+        # A cluster's ranks cannot be held (docs/cluster.md, its limits); a background run's failure
         # is read later, and a script (no IPython) has no %nbtrain_debug: they hold none.
         held = self.interactive and kernel_shell.get_shell() is not None
         self.debug_hold = defaults.get_defaults().debug_hold if held else None

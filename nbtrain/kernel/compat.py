@@ -1,7 +1,7 @@
 """What differs between the Jupyter stacks nbtrain runs on, owned here and nowhere else.
 
 Colab and Kaggle pin an older stack (IPython 7.34, ipykernel 6.17, ipywidgets 7.7, see
-README "Colab and Kaggle"); a current Jupyter has IPython 8/9, ipykernel 7 and ipywidgets 8.
+docs/colab-kaggle.md); a current Jupyter has IPython 8/9, ipykernel 7 and ipywidgets 8.
 The rest of nbtrain calls the functions below and never asks which version it runs with:
 
 - a widget's display data (:func:`widget_bundle`, :func:`widget_shown`): ipywidgets 8 gives it

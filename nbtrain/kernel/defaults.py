@@ -43,7 +43,7 @@ def set_defaults(**settings: Any) -> LaunchOptions:
     """Set the defaults of every later ``%%distributed`` cell that does not give the flag.
 
     Settings not passed keep their value. Each keyword is a field of
-    :class:`nbtrain.options.LaunchOptions` (README, "Session defaults", lists them with what
+    :class:`nbtrain.options.LaunchOptions` (docs/magic.md, "Session defaults", lists them with what
     they take): ``devices`` (2, -1, "auto", "0,2" or a list of GPU indices), ``accelerator``,
     ``strategy``, ``timeout``, ``stall_warning``, ``cluster`` and ``num_nodes``, ``precision``,
     ``sync_batchnorm``, ``backend``, ``debug_hold``, ``standby_idle``, ``on_stop``,

@@ -4,7 +4,7 @@ Each launch option with a flag in the record becomes an argparse argument here (
 is the record's), beside the flags that only a cell has (``--output``, ``--no-auto``,
 ``--background``). :func:`parse_flags` reads a cell's line into a frozen
 :class:`CellOptions`, the session defaults filled in for every flag the cell did not give;
-:func:`check_flags` plans the run once from it. :func:`flag_table` renders README's flag
+:func:`check_flags` plans the run once from it. :func:`flag_table` renders docs/magic.md's flag
 table from the same record, so the help, the table and the record cannot drift apart.
 
 Example:
@@ -47,11 +47,11 @@ _SESSION: Any = _SessionDefault()
 
 @dataclass(frozen=True)
 class CellFlag:
-    """A flag only a cell has (not a launch option): its argparse arguments and README's row."""
+    """A flag only a cell has (not a launch option): its argparse arguments and docs/magic.md's row."""
 
     flags: tuple[str, ...]
     arguments: dict[str, Any]
-    values: str  # README's text (markdown); --help shows it without the backticks
+    values: str  # docs/magic.md's text (markdown); --help shows it without the backticks
     shown_default: str
 
 
@@ -120,7 +120,7 @@ def flag_arguments(magic: Callable[..., Any]) -> Any:
 
 
 def flag_table() -> str:
-    """README's flag table (markdown), generated from the record and the cell's own flags.
+    """docs/magic.md's flag table (markdown), generated from the record and the cell's own flags.
 
     >>> flag_table().splitlines()[2].startswith("| `--devices` | how many ranks")
     True

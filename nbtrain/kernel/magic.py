@@ -95,7 +95,7 @@ class DistributedMagics(Magics):
 
     @line_magic
     def nbtrain_debug(self, line: str) -> None:
-        """Open pdb in the frames of the rank kept after the last failed run (see README, "Debugging a rank").
+        """Open pdb in the frames of the rank kept after the last failed run (see docs/debugging.md).
 
         Commands are typed in the input box, as for %debug; q or c ends it and releases the rank.
         """

@@ -226,7 +226,7 @@ def _run(
         del result  # the sent pickle holds what the kernel still has to read
         _wait_for_release(channel, sent)
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we leave
-        # No debugger reaches a cluster's rank (README): its traceback names the failing frame's locals.
+        # No debugger reaches a cluster's rank (docs/cluster.md): its traceback names the failing frame's locals.
         # Nothing to debug after sys.exit() (nor pdb's own quit): the rank is not kept.
         held = start.debug_hold is not None and not isinstance(error, (bdb.BdbQuit, SystemExit))
         traceback_ = _report_failure(channel, start.run_id, spec.rank, error, start.node is not None, held)

@@ -187,7 +187,7 @@ class LauncherForm:
         )
 
     def _add_cluster_controls(self, widgets: Any, current: LaunchOptions) -> None:
-        """Where the ranks run: this machine, or a Ray cluster's nodes (see README "On a cluster")."""
+        """Where the ranks run: this machine, or a Ray cluster's nodes (see docs/cluster.md)."""
         self.cluster = widgets.Combobox(
             options=["local", "ray"], value=current.cluster, placeholder="local, ray, or host:6379",
             description="cluster", ensure_option=False, style=_STYLE, layout=widgets.Layout(width="260px"),
