@@ -59,6 +59,7 @@ def _what_the_rank_was_told(model: torch.nn.Module) -> dict:
         "sharded": isinstance(prepared, FSDPModule),
         "norm": type(prepared[1]).__name__,
         "output": str(out.dtype),
+        "weights": str(prepared[0].weight.dtype),
         "variables": sorted(name for name in os.environ if name.startswith("NBTRAIN_")),
     }
 
@@ -68,20 +69,22 @@ def _model() -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(
-    ("options", "told", "sharded", "norm", "output"),
+    ("options", "told", "sharded", "norm", "dtypes"),
     [
         ({"precision": "bf16-mixed", "sync_batchnorm": True}, ("ddp", "bf16-mixed", True), False, "SyncBatchNorm",
-         "torch.bfloat16"),
-        ({"strategy": "fsdp"}, ("fsdp", "32-true", False), True, "FSDPBatchNorm1d", "torch.float32"),
+         ("torch.bfloat16", "torch.float32")),  # autocast; the weights stay float32
+        ({"strategy": "fsdp"}, ("fsdp", "32-true", False), True, "FSDPBatchNorm1d", ("torch.float32",) * 2),
+        ({"strategy": "ddp_spawn", "precision": "bf16-true"}, ("ddp", "bf16-true", False), False, "BatchNorm1d",
+         ("torch.float32", "torch.bfloat16")),  # a fresh interpreter's rank; -true casts the output back
     ],
-    ids=["bf16-mixed, sync BN", "fsdp"],
+    ids=["bf16-mixed, sync BN", "fsdp", "spawned, bf16-true"],
 )
 def test_the_runs_options_reach_every_rank_in_its_settings_not_its_environment(
-    launcher, options, told, sharded, norm, output
+    launcher, options, told, sharded, norm, dtypes
 ):
     run = nbtrain.start(_what_the_rank_was_told, (_model(),), devices=2, accelerator="cpu", **options)
     seen = finish(run)
     assert seen["told"] == told and seen["sharded"] is sharded
-    assert (seen["norm"], seen["output"]) == (norm, output)
+    assert (seen["norm"], (seen["output"], seen["weights"])) == (norm, dtypes)
     kernel = {name for name in os.environ if name.startswith("NBTRAIN_")}
     assert set(seen["variables"]) == (kernel - {"NBTRAIN_CONTROL_FD"}) | {"NBTRAIN_ROLE"}  # no option among them
