@@ -254,7 +254,8 @@ def test_the_form_renders_in_a_kernel_and_its_values_become_the_cells_defaults()
         )
         assert "[rank 1] bf16-mixed True" in told.stdout, told.text
         plain = kernel.run_ok(
-            "%%distributed --precision 32-true\nfrom nbtrain.rank import settings\nprint(settings.current().precision)\n"
+            "%%distributed --precision 32-true\nfrom nbtrain.rank import settings\n"
+            "print(settings.current().precision)\n"
         )
         assert "[rank 0] 32-true" in plain.stdout  # a flag wins
         unsynced = kernel.run_ok(

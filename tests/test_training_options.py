@@ -157,7 +157,9 @@ def test_dp_on_cpu_is_refused_before_launch_pointing_to_ddp_notebook(launcher, l
 
 def test_dp_refuses_sync_batchnorm():
     with pytest.raises(ConfigurationError, match="sync_batchnorm cannot go with strategy 'dp'"):
-        config.make_config(DevicePlan("cuda", (0, 1)), strategy="dp", timeout=None, rank_options={"sync_batchnorm": True})
+        config.make_config(
+            DevicePlan("cuda", (0, 1)), strategy="dp", timeout=None, rank_options={"sync_batchnorm": True}
+        )
 
 
 def test_fsdp_cpu_offload_matches_one_process_with_the_combined_batch(launcher):
