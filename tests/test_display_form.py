@@ -125,6 +125,20 @@ def test_precision_backend_batchnorm_sync_and_cluster_are_fields_of_the_form():
     assert nbtrain.get_defaults().cluster == "local" and form.num_nodes.disabled
 
 
+def test_every_option_with_a_control_is_in_the_form_under_its_name_and_sets_the_option():
+    from nbtrain import options
+
+    form = launcher_form.LauncherForm(launcher_form.Machine((), False, 2))
+    assert list(form.controls) == [name for name, info in options.described() if info.control is not None]
+    assert form.controls["precision"] is form.precision and form.strategy_help is form.helps["strategy_help"]
+    form.timeout.value = 45
+    assert nbtrain.get_defaults().timeout == 45.0 and form.option_value("timeout") == 45.0
+    form.backend.value = ""  # an empty control: the option's own empty value
+    assert nbtrain.get_defaults().backend is None and form.option_value("backend") is None
+    with pytest.raises(AttributeError, match="the launcher form has no control 'nope'; its options' controls: "):
+        _ = form.nope
+
+
 def test_the_new_strategies_are_in_the_form_with_their_help():
     form = launcher_form.LauncherForm(launcher_form.Machine((), False, 2))
     for name in ("ddp_sharded", "fsdp_cpu_offload", "dp"):
