@@ -421,8 +421,9 @@ class LaunchOptions:
     def rank_options(self) -> dict[str, Any]:
         """The options the ranks are told (``Option(rank=True)``), by name: the run's RankSettings carry them.
 
-        >>> LaunchOptions(precision="bf16").rank_options()
-        {'precision': 'bf16-mixed', 'sync_batchnorm': False}
+        >>> told = LaunchOptions(precision="bf16").rank_options()
+        >>> told["precision"], told["sync_batchnorm"]
+        ('bf16-mixed', False)
         """
         return {name: getattr(self, name) for name, info in described() if info.rank}
 
