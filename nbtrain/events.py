@@ -79,12 +79,11 @@ class RankSettings:
 
     def __getattr__(self, name: str) -> Any:
         options = self.__dict__.get("options", {})
-        if name in options:
-            return options[name]
-        raise AttributeError(
-            f"{name!r} is not a launch option the ranks are told; they are told {', '.join(sorted(options)) or 'none'}"
-            " (Option(rank=True) in nbtrain.options marks one)"
-        )
+        if name not in options:
+            told = ", ".join(sorted(options)) or "none"
+            raise AttributeError(f"{name!r} is not a launch option the ranks are told; they are told {told} "
+                                 "(Option(rank=True) in nbtrain.options marks one)")
+        return options[name]
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,7 @@ class LauncherForm:
         self.controls: dict[str, Any] = {}
         self._explained: dict[str, tuple[Any, Mapping[str, str]]] = {}  # name -> (its help, value -> text)
         rows = self._add_option_controls(widgets, current)
+        self.__dict__.update({**self.controls, **self.helps})  # form.precision, form.strategy_help
         self.magic_line = widgets.HTML()
         self.status = widgets.HTML()
         title = widgets.HTML(
@@ -114,16 +115,6 @@ class LauncherForm:
         for control in (self.accelerator, self.devices, *self.gpus, *self.controls.values()):
             control.observe(self._changed, names="value")
         self._changed()
-
-    def __getattr__(self, name: str) -> Any:
-        # form.precision, form.strategy_help: an option's control, or the help beside it
-        controls = self.__dict__.get("controls", {})
-        if name in controls:
-            return controls[name]
-        helps = self.__dict__.get("helps", {})
-        if name in helps:
-            return helps[name]
-        raise AttributeError(f"the launcher form has no control {name!r}; its options' controls: {sorted(controls)}")
 
     def _add_device_controls(self, widgets: Any, current: LaunchOptions, wide: Any) -> None:
         """The accelerator, the CPU processes and the GPUs, set as ``current`` says where this machine allows."""
