@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from nbtrain.devices import DevicePlan
 from nbtrain.errors import ConfigurationError
-from nbtrain.events import RankSpec
+from nbtrain.events import RankSettings, RankSpec
 
 
 @dataclass(frozen=True)
@@ -111,12 +112,10 @@ class LaunchConfig:
     strategy: Strategy
     backend: str
     timeout: float | None
-    precision: str = "32-true"
-    sync_batchnorm: bool = False
     on_stop: str = "keep"  # a stop or timeout: "keep" the state at one optimizer step, or "discard" it
     stop_grace: float = 2.0  # the least time ranks get to reach that step (3 x the median step if longer)
-    # (variable, value) for each launch option the ranks read from their environment (nbtrain.options)
-    rank_variables: tuple[tuple[str, str], ...] = ()
+    # What the ranks are told (the model wrapper, precision, sync BN...): StartRun carries it whole.
+    rank: RankSettings = field(default_factory=RankSettings)
 
     @property
     def world_size(self) -> int:
@@ -246,19 +245,30 @@ def make_config(
     strategy: str,
     timeout: float | None,
     backend: str | None = None,
-    precision: object = "32-true",
-    sync_batchnorm: bool = False,
+    rank_options: Mapping[str, Any] | None = None,
 ) -> LaunchConfig:
-    """Check and combine the settings of one launch."""
+    """Check and combine the settings of one launch.
+
+    ``rank_options``: the launch options the ranks are told (``LaunchOptions.rank_options()``),
+    checked here against the devices (a precision they can run; no BatchNorm sync under ``dp``)
+    and carried, with the strategy's model wrapper, in the config's :class:`RankSettings`.
+
+    >>> cfg = make_config(DevicePlan("cuda", (0, 2)), strategy="dp", timeout=None, rank_options={"precision": "bf16"})
+    >>> cfg.rank.model_wrapper, cfg.rank.dp_devices, cfg.rank.precision
+    ('dp', (0, 2), 'bf16-mixed')
+    """
     chosen = resolve_strategy(strategy, plan.world_size)
-    check_strategy_fits(chosen, plan, sync_batchnorm)
+    told = dict(rank_options or {})
+    check_strategy_fits(chosen, plan, bool(told.get("sync_batchnorm")))
+    if "precision" in told:
+        told["precision"] = resolve_precision(told["precision"], plan.accelerator)
+    dp_devices = tuple(plan.device_ids) if chosen.model_wrapper == "dp" else ()  # the rank's own GPU first
     return LaunchConfig(
         plan=plan,
         strategy=chosen,
         backend=_backend_for_plan(plan, backend),
         timeout=validate_timeout(timeout),
-        precision=resolve_precision(precision, plan.accelerator),
-        sync_batchnorm=bool(sync_batchnorm),
+        rank=RankSettings(chosen.model_wrapper, dp_devices, told),
     )
 
 
@@ -312,25 +322,3 @@ def check_cluster_strategy(strategy: str) -> None:
             "strategy 'dp' (DataParallel) is one process on one machine's GPUs and cannot span a cluster's "
             "nodes; use strategy 'ddp_notebook' (one rank per GPU on every node)."
         )
-
-
-def prepare_environment(cfg: LaunchConfig) -> dict[str, str]:
-    """What ``prepare`` on a rank reads: the model wrapper, precision and BatchNorm sync.
-
-    >>> from nbtrain.devices import DevicePlan
-    >>> cfg = make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None, precision="bf16")
-    >>> prepare_environment(cfg)["NBTRAIN_PRECISION"]
-    'bf16-mixed'
-    """
-    environ = {
-        "NBTRAIN_MODEL_WRAPPER": cfg.strategy.model_wrapper,
-        "NBTRAIN_PRECISION": cfg.precision,
-        "NBTRAIN_SYNC_BATCHNORM": "1" if cfg.sync_batchnorm else "0",
-    }
-    environ.update(cfg.rank_variables)
-    if cfg.strategy.model_wrapper == "dp":  # DataParallel's device_ids, the rank's own first
-        environ[DP_DEVICES_VARIABLE] = ",".join(str(index) for index in cfg.plan.device_ids)
-    return environ
-
-
-DP_DEVICES_VARIABLE = "NBTRAIN_DP_DEVICES"

@@ -59,6 +59,34 @@ class NodePlace:
 
 
 @dataclass(frozen=True)
+class RankSettings:
+    """What a run's launch options ask of its ranks: one record, built once by the kernel.
+
+    ``model_wrapper`` and ``dp_devices`` follow from the strategy and the devices;
+    ``options`` holds every launch option marked ``Option(rank=True)`` in
+    :mod:`nbtrain.options`, by name, and each reads as an attribute. :class:`StartRun`
+    carries the record whole; on a rank, :mod:`nbtrain.rank.settings` is its one reader.
+
+    >>> settings = RankSettings("ddp", options={"precision": "bf16-mixed"})
+    >>> settings.model_wrapper, settings.precision
+    ('ddp', 'bf16-mixed')
+    """
+
+    # "ddp", "fsdp", "dp", ... (nbtrain.config.Strategy); "": a run nbtrain did not plan (ddp over several ranks)
+    model_wrapper: str = ""
+    dp_devices: tuple[int, ...] = ()  # strategy dp: DataParallel's GPUs, the rank's own first
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        options = self.__dict__.get("options", {})
+        if name not in options:
+            told = ", ".join(sorted(options)) or "none"
+            raise AttributeError(f"{name!r} is not a launch option the ranks are told; they are told {told} "
+                                 "(Option(rank=True) in nbtrain.options marks one)")
+        return options[name]
+
+
+@dataclass(frozen=True)
 class StartRun:
     """Kernel -> launcher: start ``world_size`` ranks running ``payload``.
 
@@ -100,6 +128,8 @@ class StartRun:
     logging_setup: LoggingSetup = field(default_factory=LoggingSetup)
     # torch's settings the kernel changed from the defaults (nbtrain.torchsettings): each rank sets them.
     torch_settings: Mapping[str, Any] = field(default_factory=dict)
+    # What the launch options ask of the ranks (precision, sync BN, model wrapper): nbtrain.rank.settings reads it.
+    rank_settings: RankSettings = field(default_factory=RankSettings)
 
 
 @dataclass(frozen=True)

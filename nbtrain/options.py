@@ -6,7 +6,9 @@
 writes one, and the cluster engine plans from one. Each field carries an :class:`Option`
 in its metadata: the check that turns a value as the user gave it into the value kept
 (raising a ConfigurationError that names it), the flag that sets it in a cell, and its
-help, from which ``%%distributed --help`` and docs/magic.md's flag table are generated.
+help, from which ``%%distributed --help`` and docs/magic.md's flag table are generated; whether
+the ranks are told it (``rank``: it then travels in the run's
+:class:`~nbtrain.events.RankSettings`) and how the launcher form shows it (``control``).
 Constructing the record (or ``dataclasses.replace`` on it) checks every field, so a record
 that exists is a valid one. Pure: it imports no torch and starts nothing.
 
@@ -43,6 +45,35 @@ _DEVICE_FORMS = "pass a number of devices, -1, 'auto' or GPU indices"
 
 
 @dataclass(frozen=True)
+class Control:
+    """How the launcher form (:mod:`nbtrain.kernel.display.form`) shows an option: read from here.
+
+    ``kind``: ``dropdown`` (of ``choices``: values, or (label, value) pairs), ``combobox``
+    (``choices`` offered, anything typed in; ``placeholder`` when empty), ``checkbox``,
+    ``seconds`` (a number of seconds), ``count`` (a whole number from 1); "" picks a checkbox
+    for a boolean option, a dropdown for one with ``Option.choices``. ``label`` names it (the
+    option's name when empty), ``width`` in pixels (0: the control's own). Controls with the
+    same ``row`` sit side by side, rows in their numbers' order after the device controls;
+    an option that names no row comes last. ``note``: grey text beside it; ``explain``: what
+    the chosen value means, shown under it. ``empty``: the option's value for an empty
+    control ("", or 0 seconds): None unless said.
+
+    >>> Control(label="sync BatchNorm").row
+    100
+    """
+
+    kind: str = ""
+    label: str = ""
+    choices: tuple[Any, ...] = ()
+    width: int = 0
+    row: int = 100
+    note: str = ""
+    explain: Mapping[str, str] | None = None
+    empty: Any = None
+    placeholder: str = ""
+
+
+@dataclass(frozen=True)
 class Option:
     """What the record knows of one option besides its default.
 
@@ -51,9 +82,12 @@ class Option:
     default only), ``parse`` what turns the flag's text into a value, ``no_flag`` the flag
     that turns a boolean off. ``help`` is markdown: docs/magic.md's table shows it (with
     ``more``, whose links are relative to docs/, after it), ``--help`` shows it without the
-    backticks. ``shown_default`` is how the built-in default reads. ``keyword``:
-    ``nbtrain.launch`` and ``nbtrain.start`` take it.
-    ``rank_variable``: the environment variable the ranks read it from (set unless None).
+    backticks. ``shown_default`` is how the
+    built-in default reads. ``keyword``: ``nbtrain.launch`` and ``nbtrain.start`` take it.
+    ``rank``: the ranks are told it: it travels in the run's
+    :class:`~nbtrain.events.RankSettings` and rank code reads it from
+    :func:`nbtrain.rank.settings.current` (``current().precision``), with no other plumbing.
+    ``control``: how the launcher form shows it (:mod:`nbtrain.kernel.display.form`; None: not there).
 
     >>> Option("Seconds.", check=float, flag="--wait").plain_help()
     'Seconds.'
@@ -69,7 +103,8 @@ class Option:
     shown_default: str = ""
     more: str = ""
     keyword: bool = True
-    rank_variable: str = ""
+    rank: bool = False
+    control: Control | None = None
 
     def plain_help(self) -> str:
         """The help as a terminal shows it: the markdown's backticks left out."""
@@ -280,6 +315,8 @@ class LaunchOptions:
         "· `dp`: DataParallel, one process splitting each batch over the chosen GPUs (CUDA only) · `auto`: "
         "`ddp_notebook` for more than one device, a single worker for one",
         _strategy, "--strategy", shown_default="`ddp_notebook`",
+        control=Control("dropdown", "strategy", tuple(config.STRATEGIES), width=420, row=2,
+                        explain={name: each.when_to_use for name, each in config.STRATEGIES.items()}),
         more=". Without `ddp_find_unused_parameters_true` a model that skips parameters stops at its first step "
         "with an error naming them; `ddp_sharded`'s optimizer in the kernel gets the full state back; "
         "`fsdp_cpu_offload` is FSDP2's `CPUOffloadPolicy` (the GPU holds one block's gathered weights at a time; "
@@ -289,6 +326,7 @@ class LaunchOptions:
     timeout: float | None = field(default=None, metadata={"option": Option(
         "Stop every rank after this many seconds; `none`: no limit.",
         config.validate_timeout, "--timeout", parse=seconds_flag, shown_default="no limit",
+        control=Control("seconds", "timeout (s)", width=220, row=3, note="0: no limit"),
         more=" The stop ends at a step: see `--on-stop`.",
     )})
     stall_warning: float | None = field(default=STALL_SECONDS, metadata={"option": Option(
@@ -299,16 +337,20 @@ class LaunchOptions:
         "where the ranks run: `local` (this machine), `ray` (the Ray cluster in `RAY_ADDRESS`, or the one this "
         "machine belongs to) or a Ray address (`host:6379`, `ray://host:10001`)",
         _cluster, "--cluster", shown_default="`local`", more="; see [On a cluster](cluster.md)",
+        control=Control("combobox", "cluster", ("local", "ray"), width=260, row=6, empty="local",
+                        placeholder="local, ray, or host:6379"),
     )})
     num_nodes: int = field(default=1, metadata={"option": Option(
         "with `--cluster`: how many nodes the run spans, `--devices` ranks on each",
         _num_nodes, "--num-nodes", parse=num_nodes_flag, shown_default="1",
+        control=Control("count", "nodes", width=160, row=6),
     )})
     precision: str = field(default="32-true", metadata={"option": Option(
         "Lightning's names: `32-true` (`32`), `64-true`, `16-mixed` (`16`), `bf16-mixed` (`bf16`), `16-true`, "
         "`bf16-true`. `-mixed` runs the prepared model's forward under autocast (`16-mixed` on CUDA also scales "
         "the loss); `-true` casts the model on the ranks. The kernel's objects keep their dtype",
-        _precision, "--precision", shown_default="`32-true`",
+        _precision, "--precision", shown_default="`32-true`", rank=True,
+        control=Control("dropdown", "precision", config.PRECISIONS, width=260, row=4),
         more=". `16-mixed` unscales before each optimizer step, skipping a step whose gradients overflowed; "
         "gradients are still scaled before that step, so clip them with `torch.nn.utils.clip_grad_norm_` only "
         "without `16-mixed`, or use `bf16-mixed`. Under `-true` float inputs are cast to the model's dtype and "
@@ -317,7 +359,8 @@ class LaunchOptions:
     sync_batchnorm: bool = field(default=False, metadata={"option": Option(
         "BatchNorm statistics over every rank's batch (SyncBatchNorm on the ranks); the kernel's model keeps its "
         "plain BatchNorm and gets the synced running statistics",
-        _flag("sync_batchnorm"), "--sync-batchnorm", shown_default="off",
+        _flag("sync_batchnorm"), "--sync-batchnorm", shown_default="off", rank=True,
+        control=Control("checkbox", "sync BatchNorm statistics across ranks", row=5),
         no_flag="--no-sync-batchnorm", no_help="plain BatchNorm on each rank, over a session default of "
         "`--sync-batchnorm`",
         more=". On CPU an all-reduce of the batch statistics (torch's SyncBatchNorm is CUDA-only). Refused with "
@@ -326,6 +369,8 @@ class LaunchOptions:
     backend: str | None = field(default=None, metadata={"option": Option(
         "process-group backend: `gloo`, `nccl`, `mpi`, `cpu:gloo,cuda:nccl`",
         _backend, "--backend", shown_default="gloo on CPU, nccl on CUDA",
+        control=Control("dropdown", "backend", (("default (gloo on CPU, nccl on CUDA)", ""), *config.BACKENDS),
+                        width=260, row=4),
     )})
     debug_hold: float | None = field(default=DEBUG_HOLD_SECONDS, metadata={"option": Option(
         "seconds a failed run's root-cause rank is kept, idle, for `%nbtrain_debug`; `None`: not kept",
@@ -370,15 +415,18 @@ class LaunchOptions:
         nbtrain.errors.ConfigurationError: strategy 'dp' (DataParallel) splits each batch over CUDA GPUs ...
         """
         cfg = config.make_config(
-            plan, strategy=self.strategy, timeout=self.timeout, backend=self.backend, precision=self.precision,
-            sync_batchnorm=self.sync_batchnorm,
+            plan, strategy=self.strategy, timeout=self.timeout, backend=self.backend, rank_options=self.rank_options()
         )
-        told = tuple(
-            (info.rank_variable, _flag_text(getattr(self, name)))
-            for name, info in described()
-            if info.rank_variable and getattr(self, name) is not None
-        )
-        return dataclasses.replace(cfg, on_stop=self.on_stop, stop_grace=self.stop_grace, rank_variables=told)
+        return dataclasses.replace(cfg, on_stop=self.on_stop, stop_grace=self.stop_grace)
+
+    def rank_options(self) -> dict[str, Any]:
+        """The options the ranks are told (``Option(rank=True)``), by name: the run's RankSettings carry them.
+
+        >>> told = LaunchOptions(precision="bf16").rank_options()
+        >>> told["precision"], told["sync_batchnorm"]
+        ('bf16-mixed', False)
+        """
+        return {name: getattr(self, name) for name, info in described() if info.rank}
 
     def magic_line(self) -> str:
         """The ``%%distributed`` line that asks for exactly these settings, to copy into a cell.

@@ -152,9 +152,14 @@ def test_ranks_sharing_a_gpu_get_gloo_and_nccl_is_refused_with_what_to_do():
     )
 
 
-def test_the_ranks_are_told_each_option_they_read_from_their_environment():
-    import dataclasses
+def test_the_ranks_are_told_the_wrapper_and_the_options_they_read_in_one_record():
+    from nbtrain.events import RankSettings
 
-    cfg = make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None)
-    told = config.prepare_environment(dataclasses.replace(cfg, rank_variables=(("NBTRAIN_EXAMPLE", "7"),)))
-    assert told["NBTRAIN_EXAMPLE"] == "7" and told["NBTRAIN_PRECISION"] == "32-true"
+    given = {"precision": "bf16", "sync_batchnorm": True, "example": 7}
+    cfg = make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None, rank_options=given)
+    assert cfg.rank == RankSettings("ddp", (), {"precision": "bf16-mixed", "sync_batchnorm": True, "example": 7})
+    assert given["precision"] == "bf16"  # the caller's mapping is left as it was
+    single = make_config(DevicePlan("cpu", (0,)), strategy="auto", timeout=None)
+    assert (single.rank.model_wrapper, single.rank.options) == ("none", {})  # auto over one rank: no wrapper
+    with pytest.raises(ConfigurationError, match="precision '16-mixed' cannot run on the cpu accelerator"):
+        make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None, rank_options={"precision": "16"})

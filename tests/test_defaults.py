@@ -53,7 +53,7 @@ def test_reset_goes_back_to_the_built_in_defaults():
 def test_defaults_are_a_frozen_record():
     with pytest.raises(AttributeError):
         get_defaults().devices = "4"  # type: ignore[misc]  # frozen: what the test checks
-    assert set(get_defaults().as_dict()) == {
+    assert set(get_defaults().as_dict()) >= {  # these stay; an option added later joins them
         "devices",
         "accelerator",
         "strategy",

@@ -125,6 +125,18 @@ def test_precision_backend_batchnorm_sync_and_cluster_are_fields_of_the_form():
     assert nbtrain.get_defaults().cluster == "local" and form.num_nodes.disabled
 
 
+def test_every_option_with_a_control_is_in_the_form_under_its_name_and_sets_the_option():
+    from nbtrain import options
+
+    form = launcher_form.LauncherForm(launcher_form.Machine((), False, 2))
+    assert list(form.controls) == [name for name, info in options.described() if info.control is not None]
+    assert form.controls["precision"] is form.precision and form.strategy_help is form.helps["strategy_help"]
+    form.timeout.value = 45
+    assert nbtrain.get_defaults().timeout == 45.0 and form.option_value("timeout") == 45.0
+    form.backend.value = ""  # an empty control: the option's own empty value
+    assert nbtrain.get_defaults().backend is None and form.option_value("backend") is None
+
+
 def test_the_new_strategies_are_in_the_form_with_their_help():
     form = launcher_form.LauncherForm(launcher_form.Machine((), False, 2))
     for name in ("ddp_sharded", "fsdp_cpu_offload", "dp"):
@@ -230,8 +242,10 @@ def test_the_form_renders_in_a_kernel_and_its_values_become_the_cells_defaults()
         assert form["_model_name"] == "VBoxModel"
         children = {cid: _state_of(notebook, cid) for cid in _child_ids(form)}
         kinds = [state["_model_name"] for state in children.values()]
-        assert kinds == ["HTMLModel", "DropdownModel", "VBoxModel", "DropdownModel", "HTMLModel", "HBoxModel",
-                         "HBoxModel", "CheckboxModel", "HBoxModel", "HTMLModel", "HTMLModel"]
+        # An option given a control later adds its row before the last two (the line and the status).
+        assert kinds[:9] == ["HTMLModel", "DropdownModel", "VBoxModel", "DropdownModel", "HTMLModel", "HBoxModel",
+                             "HBoxModel", "CheckboxModel", "HBoxModel"]
+        assert kinds[-2:] == ["HTMLModel", "HTMLModel"]
         _, accelerator, devices_box, strategy, strategy_help, timeout_row, *_, line, status = children.values()
         cores = hardware.cpu_count()
         assert accelerator["_options_labels"] == [f"cpu: {cores} core" + ("s" if cores != 1 else "")]
@@ -249,16 +263,20 @@ def test_the_form_renders_in_a_kernel_and_its_values_become_the_cells_defaults()
         # The training fields become the cells' defaults as well: the ranks are told them.
         kernel.run_ok("w.precision.value = 'bf16-mixed'\nw.sync_batchnorm.value = True\nw.devices.value = 2")
         told = kernel.run_ok(
-            "%%distributed\nimport os\n"
-            "print(os.environ['NBTRAIN_PRECISION'], os.environ['NBTRAIN_SYNC_BATCHNORM'])\n"
+            "%%distributed\nfrom nbtrain.rank import settings\n"
+            "print(settings.current().precision, settings.current().sync_batchnorm)\n"
         )
-        assert "[rank 1] bf16-mixed 1" in told.stdout, told.text
-        plain = kernel.run_ok("%%distributed --precision 32-true\nimport os\nprint(os.environ['NBTRAIN_PRECISION'])\n")
+        assert "[rank 1] bf16-mixed True" in told.stdout, told.text
+        plain = kernel.run_ok(
+            "%%distributed --precision 32-true\nfrom nbtrain.rank import settings\n"
+            "print(settings.current().precision)\n"
+        )
         assert "[rank 0] 32-true" in plain.stdout  # a flag wins
         unsynced = kernel.run_ok(
-            "%%distributed --no-sync-batchnorm\nimport os\nprint('sync', os.environ['NBTRAIN_SYNC_BATCHNORM'])\n"
+            "%%distributed --no-sync-batchnorm\nfrom nbtrain.rank import settings\n"
+            "print('sync', settings.current().sync_batchnorm)\n"
         )
-        assert "[rank 0] sync 0" in unsynced.stdout
+        assert "[rank 0] sync False" in unsynced.stdout
         kernel.run_ok("w.precision.value = '32-true'\nw.sync_batchnorm.value = False")
 
         # The flags' help says where defaults come from; --timeout none beats a session timeout.

@@ -25,6 +25,7 @@ START = events.StartRun(
     source_lines={"<cell 1>": ("x = 1\n",)},
     timeout=None,
     node=events.NodePlace(0, 2, 2, "10.0.0.7", label="node 0 (10.0.0.7)"),
+    rank_settings=events.RankSettings("ddp", options={"precision": "bf16-mixed", "sync_batchnorm": True}),
 )
 FAILED = events.RankFailed(3, 1, "ValueError", "bad batch", "Traceback ...\nValueError: bad batch\n")
 
@@ -33,6 +34,7 @@ EXAMPLES: list[object] = [
     SPEC,
     START,
     START.node,
+    START.rank_settings,
     events.StoreListening(3, 29500),
     events.RanksDone(3),
     events.ReleaseRanks(3),
@@ -143,3 +145,11 @@ def test_the_module_imports_only_the_standard_library():
     code = f"import sys, nbtrain.events; print(sorted(m for m in {heavy} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_rank_settings_read_each_option_they_carry_as_an_attribute():
+    told = START.rank_settings
+    assert (told.model_wrapper, told.precision, told.sync_batchnorm, told.dp_devices) == ("ddp", "bf16-mixed", True, ())
+    with pytest.raises(AttributeError, match=r"'nope' is not a launch option the ranks are told; they are told "
+                                             r"precision, sync_batchnorm \(Option\(rank=True\)"):
+        _ = told.nope

@@ -18,7 +18,7 @@ def test_a_run_on_this_machine_gets_its_launcher_and_the_options_config():
     options = LaunchOptions(devices=2, accelerator="cpu", precision="bf16", on_stop="discard", stop_grace=5)
     engine, cfg = launchplan.plan_run(options)
     assert engine is None  # this machine's launcher
-    assert (cfg.world_size, cfg.backend, cfg.precision) == (2, "gloo", "bf16-mixed")
+    assert (cfg.world_size, cfg.backend, cfg.rank.precision) == (2, "gloo", "bf16-mixed")
     assert (cfg.on_stop, cfg.stop_grace, cfg.strategy.name) == ("discard", 5.0, "ddp_notebook")
 
 

@@ -8,24 +8,22 @@ from __future__ import annotations
 
 import collections
 
-import pytest
 import torch
 
-from nbtrain.rank import preparations
+from nbtrain.events import RankSettings
+from nbtrain.rank import preparations, settings
 
 
-def test_configure_starts_a_fresh_registry_and_refuses_an_unknown_wrapper():
-    preparations.configure("ddp")
+def test_configure_starts_a_fresh_registry():
+    preparations.configure()
     first = preparations.cell_registry()
     first.notes.append("a note of the last cell")
-    preparations.configure(None)
+    preparations.configure()
     assert preparations.cell_registry() is not first and preparations.notes() == []
-    with pytest.raises(ValueError, match=r"unknown model wrapper 'ddq'; expected one of \('ddp', "):
-        preparations.configure("ddq")
 
 
 def test_the_registry_maps_originals_to_prepared_objects_both_ways():
-    preparations.configure(None)
+    preparations.configure()
     original, prepared, stranger = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     preparations.cell_registry().remember(original, prepared)
     assert preparations.prepared_for(original) is prepared
@@ -33,14 +31,13 @@ def test_the_registry_maps_originals_to_prepared_objects_both_ways():
     assert preparations.prepared_for(stranger) is None
 
 
-def test_the_wrapper_comes_from_the_cell_then_the_environment_then_the_world_size(monkeypatch):
-    preparations.configure("fsdp")
-    assert preparations.model_wrapper() == "fsdp"
-    preparations.configure(None)
-    monkeypatch.setenv(preparations.WRAPPER_VARIABLE, "ddp_sharded")
-    assert preparations.model_wrapper() == "ddp_sharded"
-    monkeypatch.setenv(preparations.WRAPPER_VARIABLE, "not a wrapper")
-    assert preparations.model_wrapper() == "none"  # the kernel is one process
+def test_the_wrapper_comes_from_the_runs_settings_else_the_world_size():
+    try:
+        settings.adopt(RankSettings("ddp_sharded"))
+        assert preparations.model_wrapper() == "ddp_sharded"
+    finally:
+        settings.adopt(RankSettings())
+    assert preparations.model_wrapper() == "none"  # a run nbtrain did not plan, of one process
     assert not preparations.in_process_group() and not preparations.one_rank()
 
 

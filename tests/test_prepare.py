@@ -23,7 +23,7 @@ from nbtrain.rank import loaders, preparations, prepare, wrapping
 
 
 def test_prepare_outside_a_run_behaves_as_one_process():
-    preparations.configure(None)
+    preparations.configure()
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(TensorDataset(torch.zeros(4, 2)), batch_size=2)
@@ -114,7 +114,7 @@ def test_auto_prepare_wraps_root_modules_only(launcher):
             "loader": DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=2),
             "n": 3,
         }
-        preparations.configure("ddp")
+        preparations.configure()
         done = prepare.auto_prepare(namespace, list(namespace))
         return done, type(namespace["model"]).__name__, namespace["head"] is model[1]
 

@@ -1,7 +1,8 @@
 """Standby ranks (nbtrain.launch_server.standby): the next run's ranks, waiting after a run.
 
 Cells run in a real kernel: a matching cell takes the waiting ranks (their pids, started
-before the cell was sent), a changed plan, environment variable or sys.path discards them,
+before the cell was sent; a cell that changes only its precision too, with its own settings),
+a changed plan, environment variable or sys.path discards them,
 ``nbtrain.release()`` and the idle limit end them, one killed while waiting is replaced
 without the next cell noticing, and no cell sees what an earlier one left in its ranks.
 The re-run soak launches from this process, where its descriptors and memory can be read.
@@ -95,6 +96,18 @@ def test_a_changed_environment_sys_path_or_plan_discards_them(kernel, change, un
         kernel.run_ok(undo)
     assert not set(pids) & set(waiting)  # fresh ranks, forked for this cell
     assert wait_gone(waiting, GONE_SECONDS) == []
+
+
+def test_a_cell_that_changes_only_what_the_ranks_are_told_takes_them_with_its_own_settings(kernel):
+    run_two(kernel)
+    waiting = standby(kernel)
+    told = (
+        "from nbtrain.rank import settings\n"
+        "print('told', settings.current().precision, settings.current().sync_batchnorm)\n"
+    )
+    out = kernel.run_ok(TWO_RANKS.rstrip() + " --precision bf16-mixed --sync-batchnorm\n" + GATHER_PIDS + told)
+    assert sorted(kernel.value("pids")) == sorted(waiting)  # the ranks forked after a 32-true run
+    assert "[rank 1] told bf16-mixed True" in out.stdout, out.text  # ... read this run's settings
 
 
 def test_release_ends_them_and_the_next_run_starts_fresh_ones(kernel):

@@ -17,6 +17,7 @@ from kernel_helpers import NotebookKernel
 from nbtrain import config
 from nbtrain.devices import DevicePlan
 from nbtrain.errors import ConfigurationError
+from nbtrain.options import LaunchOptions
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -46,11 +47,9 @@ def test_fp16_on_cpu_is_refused_with_bf16_pointed_to():
 
 
 def test_the_ranks_are_told_precision_and_batchnorm_sync():
-    cfg = config.make_config(
-        DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None, precision="bf16-true", sync_batchnorm=True
-    )
-    environ = config.prepare_environment(cfg)
-    assert environ == {"NBTRAIN_MODEL_WRAPPER": "ddp", "NBTRAIN_PRECISION": "bf16-true", "NBTRAIN_SYNC_BATCHNORM": "1"}
+    options = LaunchOptions(devices=2, accelerator="cpu", precision="bf16-true", sync_batchnorm=True)
+    told = options.config_for(DevicePlan("cpu", (0, 1))).rank
+    assert (told.model_wrapper, told.precision, told.sync_batchnorm, told.dp_devices) == ("ddp", "bf16-true", True, ())
 
 
 # -- the magic -----------------------------------------------------------------------------
@@ -143,7 +142,7 @@ def test_dp_is_one_rank_driving_every_chosen_gpu():
     cfg = config.make_config(DevicePlan("cuda", (0, 2)), strategy="dp", timeout=None)
     (spec,) = cfg.rank_specs()
     assert (spec.rank, spec.world_size, spec.device_type, spec.device_index) == (0, 1, "cuda", 0)
-    assert config.prepare_environment(cfg)["NBTRAIN_DP_DEVICES"] == "0,2"
+    assert cfg.rank.dp_devices == (0, 2) and cfg.rank.model_wrapper == "dp"
     assert cfg.world_size == 1
 
 
@@ -158,7 +157,9 @@ def test_dp_on_cpu_is_refused_before_launch_pointing_to_ddp_notebook(launcher, l
 
 def test_dp_refuses_sync_batchnorm():
     with pytest.raises(ConfigurationError, match="sync_batchnorm cannot go with strategy 'dp'"):
-        config.make_config(DevicePlan("cuda", (0, 1)), strategy="dp", timeout=None, sync_batchnorm=True)
+        config.make_config(
+            DevicePlan("cuda", (0, 1)), strategy="dp", timeout=None, rank_options={"sync_batchnorm": True}
+        )
 
 
 def test_fsdp_cpu_offload_matches_one_process_with_the_combined_batch(launcher):

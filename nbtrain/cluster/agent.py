@@ -81,6 +81,7 @@ class NodeRun:
     stop_grace: float = 2.0
     logging_setup: LoggingSetup = field(default_factory=LoggingSetup)
     torch_settings: Mapping[str, Any] = field(default_factory=dict)
+    rank_settings: events.RankSettings = field(default_factory=events.RankSettings)  # the run's, for every node
 
 
 @dataclass(frozen=True)
@@ -327,6 +328,7 @@ def _start_run(
         stop_grace=request.stop_grace,
         logging_setup=request.logging_setup,
         torch_settings=request.torch_settings,
+        rank_settings=request.rank_settings,
     )
 
 

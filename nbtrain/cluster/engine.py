@@ -414,7 +414,7 @@ class _Relay:
             timeout=template.timeout,
             threads_per_rank=nodes.threads_per_rank(info.cpus, plan.per_node, template.environ),
             on_stop=template.on_stop, stop_grace=template.stop_grace, logging_setup=template.logging_setup,
-            torch_settings=template.torch_settings,
+            torch_settings=template.torch_settings, rank_settings=template.rank_settings,
         )
 
     # -- following -----------------------------------------------------------------------

@@ -123,7 +123,6 @@ def prepare_cell(shell: Any, line: str, cell: str, options: Any, plan: Planner) 
         names=analysis.names,
         auto=auto,
         log_loss=auto and not analysis.calls_log,
-        model_wrapper=cfg.strategy.model_wrapper,
         needs_shell=analysis.needs_shell,
         display_last=analysis.display_last,
         rng=records.rng_states(),

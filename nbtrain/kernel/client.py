@@ -179,8 +179,7 @@ class _StartMessage:
             ranks=cfg.rank_specs(),
             start_method=cfg.strategy.start_method,
             backend=cfg.backend,
-            # prepare() on a rank wraps models for this strategy and precision (nbtrain.rank.prepare).
-            environ={**_caller_environment(), **config_module.prepare_environment(cfg)},
+            environ=_caller_environment(),
             cwd=os.getcwd(),
             sys_path=tuple(sys.path),
             source_lines=_notebook_source_lines(self.known_sources),
@@ -196,6 +195,7 @@ class _StartMessage:
             stop_grace=cfg.stop_grace,
             logging_setup=self.logging_setup,
             torch_settings=torchsettings.changed_from_defaults(),
+            rank_settings=cfg.rank,  # what prepare() and the cell on a rank read (nbtrain.rank.settings)
         )
 
 

@@ -86,6 +86,7 @@ PRELOAD = (
     "nbtrain.rank.runtime",
     "nbtrain.rank.cell",
     "nbtrain.rank.precision",
+    "nbtrain.rank.settings",
     "nbtrain.rank.syncbn",
     "nbtrain.reach",
 )

@@ -1,8 +1,10 @@
 """Standby ranks: the next run's ranks, forked and waiting before its cell is sent.
 
 After a run, the launcher forks the ranks of a run with the same plan (ranks and devices,
-backend, threads, and the caller's environment, cwd and sys.path, which carry the strategy
-and precision): fresh from the clean launcher, as for any run. Each adopts the plan's state,
+backend, threads, strategy, and the caller's environment, cwd and sys.path): fresh from the
+clean launcher, as for any run. What the options ask of a rank (precision, BatchNorm sync:
+``StartRun.rank_settings``) is not the plan's: it comes with the run that takes them, so a
+cell that changes only those still takes them. Each adopts the plan's state,
 sets its device (on CUDA: its context, cuDNN and cuBLAS loaded, NCCL's communicator built
 when there are several ranks),
 joins its process group (rank 0 hosting the store on a socket the launcher bound) and waits

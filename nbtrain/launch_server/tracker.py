@@ -104,7 +104,7 @@ class Board:
     ) -> None:
         """A run's ranks are forked: write its first record at once (pids and their start times)."""
         ranks = tuple((rank, pid, processes.start_time(pid) or 0) for rank, pid in pids)
-        wrapper = start.environ.get("NBTRAIN_MODEL_WRAPPER", "")
+        wrapper = start.rank_settings.model_wrapper
         record = registry.RunRecord(
             id=record_id or f"{self.prefix}-{start.run_id}",
             world_size=len(start.ranks),

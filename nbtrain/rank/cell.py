@@ -65,7 +65,6 @@ class CellSpec:
     names: tuple[str, ...]  # the kernel globals shipped with the cell
     auto: bool = True  # prepare the kernel's modules, optimizers and loaders
     log_loss: bool = True  # log the scalar passed to .backward() as "loss"
-    model_wrapper: str = "ddp"  # "ddp" | "fsdp" | "none"
     needs_shell: bool = False
     display_last: bool = False
     rng: Mapping[str, Any] | None = None
@@ -93,7 +92,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     before = _Before(cell_globals, tracked) if rank0 else None
     devices = kerneldevices.as_rank_devices(cell_globals, namespace)  # `device = torch.device("cuda:0")` in the kernel
     hidden = _install_shell(cell_globals) if spec.needs_shell else set()
-    preparations.configure(spec.model_wrapper)
+    preparations.configure()
     preparations.cell_registry().ship(tracked.values())
     optimizers.know_optimizers(tracked.values())
     if spec.auto and api.world_size() > 1:  # what the cell makes and trains itself, to name it if unprepared
@@ -288,9 +287,9 @@ def _state_marks(obj: Any) -> Any:
 def _signature(module: Any) -> tuple[Any, ...]:
     # Under a -true precision the rank cast the model itself: its dtype changing is ours,
     # not the cell's, and the kernel's model keeps its own dtype (loaded by state).
-    from nbtrain.rank import precision
+    from nbtrain.rank import precision, settings
 
-    ours = precision.casts_model(precision.current())
+    ours = precision.casts_model(settings.current().precision)
     return tuple(
         (key, tuple(t.shape), "" if ours else str(t.dtype)) for key, t in module.state_dict().items()
     )

@@ -20,17 +20,10 @@ Example (on a rank, or anywhere outside a run):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
-PRECISION_VARIABLE = "NBTRAIN_PRECISION"
 _DTYPES = {"16": "float16", "bf16": "bfloat16", "64": "float64", "32": "float32"}
-
-
-def current() -> str:
-    """The precision this rank was launched with (``32-true`` when none was asked)."""
-    return os.environ.get(PRECISION_VARIABLE, "32-true")
 
 
 def casts_model(precision: str) -> bool:

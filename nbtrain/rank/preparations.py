@@ -8,24 +8,20 @@ loaders (:mod:`~nbtrain.rank.loaders`) all read it through :func:`cell_registry`
 Importing this module does not import torch.
 
 Example (outside a run nothing is prepared, and no wrapper is chosen):
-    >>> configure(None)
+    >>> configure()
     >>> model_wrapper(), in_process_group(), notes()
     ('none', False, [])
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from nbtrain.rank import api
+from nbtrain.rank import api, settings
 
-# What ``prepare`` wraps a model in when the caller did not say: the magic sets it from
-# --strategy; nbtrain.launch passes it in the environment.
-WRAPPER_VARIABLE = "NBTRAIN_MODEL_WRAPPER"
 WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded", "fsdp", "fsdp_offload", "dp", "none")
 # The second searches every step for unused parameters; the third shards optimizer state.
 DDP_WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded")
@@ -40,7 +36,6 @@ class _Registry:
     """What this rank prepared: original <-> prepared, and FSDP's parameter swaps."""
 
     def __init__(self) -> None:
-        self.wrapper: str | None = None
         self.prepared: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, prepared)
         self.originals: dict[int, tuple[Any, Any]] = {}  # id(prepared) -> (prepared, original)
         self.param_swaps: dict[int, tuple[Any, Any]] = {}  # id(old param) -> (old, new DTensor param)
@@ -92,13 +87,10 @@ def cell_registry() -> _Registry:
     return _registry
 
 
-def configure(wrapper: str | None) -> None:
-    """Start a fresh registry for one cell and set the strategy's model wrapper."""
+def configure() -> None:
+    """Start a fresh registry for one cell."""
     global _registry
-    if wrapper is not None and wrapper not in WRAPPERS:
-        raise ValueError(f"unknown model wrapper {wrapper!r}; expected one of {WRAPPERS}")
     _registry = _Registry()
-    _registry.wrapper = wrapper
 
 
 def notes() -> list[str]:
@@ -107,13 +99,11 @@ def notes() -> list[str]:
 
 
 def model_wrapper() -> str:
-    """ "ddp", "ddp_find_unused", "fsdp" or "none": what a module is wrapped in on this rank."""
-    if _registry.wrapper is not None:
-        return _registry.wrapper
-    requested = os.environ.get(WRAPPER_VARIABLE)
-    if requested in WRAPPERS:
-        return requested
-    return "ddp" if api.world_size() > 1 else "none"
+    """One of ``WRAPPERS``: what a module is wrapped in on this rank (the run's --strategy says).
+
+    A run nbtrain did not plan (a script under torchrun) wraps in DDP over several ranks.
+    """
+    return settings.current().model_wrapper or ("ddp" if api.world_size() > 1 else "none")
 
 
 def one_rank() -> bool:

@@ -46,7 +46,7 @@ from nbtrain.events import (
     StandbyReady,
     StartRun,
 )
-from nbtrain.rank import api, debugger, displays, progressbars
+from nbtrain.rank import api, debugger, displays, progressbars, settings
 
 STORE_TIMEOUT = datetime.timedelta(minutes=5)
 _hosted_store: Any = None  # rank 0's TCPStore server; must live as long as the rank
@@ -201,6 +201,7 @@ def _run(
         send_in_order=functools.partial(_send_in_order, channel, sending),
     )
     api._set_context(context)
+    settings.adopt(start.rank_settings)  # the run's: a standby rank was forked for an earlier one
     try:
         if not prepared:
             _adopt_caller_state(assignment)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Any
 
-SYNC_VARIABLE = "NBTRAIN_SYNC_BATCHNORM"
 _sync_class: type | None = None
 
 

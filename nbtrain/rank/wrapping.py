@@ -18,12 +18,10 @@ import contextlib
 import copyreg
 import functools
 import operator
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from nbtrain import config
-from nbtrain.rank import api, bypass, optimizers, preparations, samedata
+from nbtrain.rank import api, bypass, optimizers, preparations, samedata, settings
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel as _DDPBase
@@ -194,9 +192,9 @@ def _apply_precision_and_sync(module: Any, wrapper: str) -> None:
     from nbtrain.rank import precision, syncbn
 
     device = api.device()
-    if wrapper != "none" and os.environ.get(syncbn.SYNC_VARIABLE) == "1":
+    if wrapper != "none" and settings.current().sync_batchnorm:
         syncbn.convert(module, device.type)
-    chosen = precision.current()
+    chosen = settings.current().precision
     precision.apply(module, chosen, device)
     if chosen == "16-mixed" and device.type == "cuda" and preparations.cell_registry().loss_scaling is None:
         preparations.cell_registry().loss_scaling = precision.LossScaling("cuda")
@@ -254,8 +252,7 @@ def _wrap_dp(module: Any, options: dict[str, Any]) -> Any:
     """DataParallel over the launch's GPUs; this rank's own GPU (the first) holds the model and outputs."""
     kwargs = dict(options)
     if "device_ids" not in kwargs:
-        chosen = os.environ.get(config.DP_DEVICES_VARIABLE, "")
-        kwargs["device_ids"] = [int(index) for index in chosen.split(",") if index] or None
+        kwargs["device_ids"] = list(settings.current().dp_devices) or None
     return transparent_dp_class()(module, **kwargs)
 
 

@@ -150,6 +150,22 @@ def test_ranks_run_their_bundles_cpus_as_threads_unless_the_kernel_sets_omp_num_
     assert result == [(threads, str(threads))] * 4
 
 
+def _told() -> list[tuple[str, str, bool]]:
+    import torch.distributed as dist
+
+    from nbtrain.rank import settings
+
+    told = settings.current()
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (told.model_wrapper, told.precision, told.sync_batchnorm))
+    return gathered
+
+
+def test_the_runs_options_reach_the_ranks_of_every_node(ray_cluster: Any) -> None:
+    run = start(_told, devices=1, strategy="fsdp", precision="bf16-mixed", sync_batchnorm=True)
+    assert procs.finish(run, RUN_SECONDS) == [("fsdp", "bf16-mixed", True)] * 2
+
+
 def _at_a_breakpoint() -> None:
     breakpoint()  # noqa: T100 - what a rank's breakpoint does is the test
 

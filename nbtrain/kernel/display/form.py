@@ -26,20 +26,22 @@ Example (outside a notebook IPython prints the form's bundle; a notebook shows t
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nbtrain import config
+from nbtrain import options as options_module
 from nbtrain.devices import GpuInfo
 from nbtrain.errors import ConfigurationError
 from nbtrain.kernel import defaults
 from nbtrain.kernel import shell as kernel_shell
 from nbtrain.kernel.display.show import enable_colab_widgets, show_widget
-from nbtrain.options import LaunchOptions, devices_text
+from nbtrain.options import LaunchOptions, Option, devices_text
 
 CPU_PROCESSES_PER_CORE = 2  # the slider goes up to twice the cores
 DEFAULT_CPU_PROCESSES = 2
 MAX_TIMEOUT_SECONDS = 30 * 24 * 3600.0
+MAX_COUNT = 1024  # a count control's top (nodes)
 _ERROR_COLOUR = "#c62828"
 _STYLE = {"description_width": "90px"}  # the controls' labels line up
 
@@ -78,15 +80,17 @@ class LauncherForm:
     - ``accelerator``: Dropdown of the accelerators found (``"cuda"``, ``"mps"``, ``"cpu"``);
     - ``devices``: IntSlider, the number of CPU processes (shown for ``cpu``);
     - ``gpus``: one Checkbox per GPU, with its name and free memory (shown for ``cuda``);
-    - ``strategy``: Dropdown, with ``strategy_help`` under it saying when to use it;
-    - ``timeout``: BoundedFloatText, seconds (0: no limit);
-    - ``precision``: Dropdown of Lightning's precisions; ``backend``: Dropdown (``""``: gloo
-      on CPU, nccl on CUDA); ``sync_batchnorm``: Checkbox;
-    - ``cluster``: Combobox, ``local``, ``ray`` or a Ray address typed in; ``num_nodes``:
-      BoundedIntText, the nodes a cluster run spans (1, and disabled, for ``local``);
+    - then one control per launch option whose ``Option.control`` says how to show it
+      (:mod:`nbtrain.options`), named as the option: ``strategy`` (Dropdown, with
+      ``strategy_help`` under it saying when to use it), ``timeout`` (seconds, 0: no limit),
+      ``precision`` and ``backend`` (Dropdowns; ``""``: gloo on CPU, nccl on CUDA),
+      ``sync_batchnorm`` (Checkbox), ``cluster`` (Combobox: ``local``, ``ray`` or a Ray
+      address typed in) and ``num_nodes`` (the nodes a cluster run spans: 1, and disabled,
+      for ``local``); a new option with a control appears without a change here;
     - ``magic_line``: HTML, the equivalent ``%%distributed`` line; ``status``: HTML, any problem.
 
-    ``form`` is the ipywidgets box that is shown; ``settings`` the defaults it set.
+    ``form`` is the ipywidgets box that is shown; ``settings`` the defaults it set;
+    ``controls`` the options' controls by option name.
     """
 
     def __init__(self, machine: Machine | None = None) -> None:
@@ -94,37 +98,21 @@ class LauncherForm:
 
         self.machine = machine or Machine.probe()
         current = defaults.get_defaults()
-        wide = widgets.Layout(width="420px")  # one layout, shared by the full-width controls
-        self._add_device_controls(widgets, current, wide)
-        self._add_run_controls(widgets, current, wide)
-        self._add_training_controls(widgets, current)
-        self._add_cluster_controls(widgets, current)
+        self._add_device_controls(widgets, current, widgets.Layout(width="420px"))
+        self.controls: dict[str, Any] = {}
+        self._explained: dict[str, tuple[Any, Mapping[str, str]]] = {}  # name -> (its help, value -> text)
+        rows = self._add_option_controls(widgets, current)
+        self.__dict__.update({**self.controls, **self.helps})  # form.precision, form.strategy_help
         self.magic_line = widgets.HTML()
         self.status = widgets.HTML()
         title = widgets.HTML(
             "<b>nbtrain launcher</b>: the defaults of every <code>%%distributed</code> cell "
             "(a flag written on a cell still wins)"
         )
-        self.form = widgets.VBox(
-            [
-                title,
-                self.accelerator,
-                self.devices_box,
-                self.strategy,
-                self.strategy_help,
-                widgets.HBox([self.timeout, self.timeout_help]),
-                widgets.HBox([self.precision, self.backend]),
-                self.sync_batchnorm,
-                widgets.HBox([self.cluster, self.num_nodes]),
-                self.magic_line,
-                self.status,
-            ]
-        )
+        self.form = widgets.VBox([title, self.accelerator, self.devices_box, *rows, self.magic_line, self.status])
         self.settings: LaunchOptions = current
         self._shown_in: Any = None
-        controls = (self.accelerator, self.devices, self.strategy, self.timeout, *self.gpus)
-        extra = (self.precision, self.backend, self.sync_batchnorm, self.cluster, self.num_nodes)
-        for control in (*controls, *extra):
+        for control in (self.accelerator, self.devices, *self.gpus, *self.controls.values()):
             control.observe(self._changed, names="value")
         self._changed()
 
@@ -153,68 +141,43 @@ class LauncherForm:
         self.devices_help = widgets.HTML()
         self.devices_box = widgets.VBox()
 
-    def _add_run_controls(self, widgets: Any, current: LaunchOptions, wide: Any) -> None:
-        """The strategy and the timeout, set as ``current`` says."""
-        strategy = current.strategy if current.strategy in config.STRATEGIES else "ddp_notebook"
-        self.strategy = widgets.Dropdown(
-            options=list(config.STRATEGIES), value=strategy, description="strategy", style=_STYLE, layout=wide
-        )
-        self.strategy_help = widgets.HTML()
-        self.timeout = widgets.BoundedFloatText(
-            value=current.timeout or 0.0,
-            min=0.0,
-            max=MAX_TIMEOUT_SECONDS,
-            step=60.0,
-            description="timeout (s)",
-            style=_STYLE,
-            layout=widgets.Layout(width="220px"),
-        )
-        self.timeout_help = widgets.HTML('<span style="color:#757575">0: no limit</span>')
-
-    def _add_training_controls(self, widgets: Any, current: LaunchOptions) -> None:
-        """Precision, process-group backend and BatchNorm sync, set as ``current`` says."""
-        half = widgets.Layout(width="260px")
-        self.precision = widgets.Dropdown(
-            options=list(config.PRECISIONS), value=current.precision, description="precision", style=_STYLE,
-            layout=half,
-        )
-        self.backend = widgets.Dropdown(
-            options=[("default (gloo on CPU, nccl on CUDA)", ""), *((name, name) for name in config.BACKENDS)],
-            value=current.backend or "", description="backend", layout=half,
-        )
-        self.sync_batchnorm = widgets.Checkbox(
-            value=current.sync_batchnorm, description="sync BatchNorm statistics across ranks", indent=False
-        )
-
-    def _add_cluster_controls(self, widgets: Any, current: LaunchOptions) -> None:
-        """Where the ranks run: this machine, or a Ray cluster's nodes (see docs/cluster.md)."""
-        self.cluster = widgets.Combobox(
-            options=["local", "ray"], value=current.cluster, placeholder="local, ray, or host:6379",
-            description="cluster", ensure_option=False, style=_STYLE, layout=widgets.Layout(width="260px"),
-        )
-        self.num_nodes = widgets.BoundedIntText(
-            value=current.num_nodes, min=1, max=1024, description="nodes", layout=widgets.Layout(width="160px"),
-        )
+    def _add_option_controls(self, widgets: Any, current: LaunchOptions) -> list[Any]:
+        """A control per option that has one (``Option.control``), set as ``current`` says: the form's rows."""
+        self.helps: dict[str, Any] = {}  # "strategy_help": the grey text beside or under a control
+        rows: dict[int, list[Any]] = {}
+        under: dict[int, list[Any]] = {}  # what each row explains under it
+        for name, info in options_module.described():
+            shown = info.control
+            if shown is None:
+                continue
+            first = shown.row not in rows  # the row's first control: its label lines up with the others'
+            control = self.controls[name] = _control(widgets, name, info, getattr(current, name), first)
+            rows.setdefault(shown.row, []).append(control)
+            if shown.note:
+                note = self.helps[f"{name}_help"] = widgets.HTML(_note_html(shown.note))
+                rows[shown.row].append(note)
+            if shown.explain is not None:
+                help_ = self.helps[f"{name}_help"] = widgets.HTML()
+                self._explained[name] = (help_, shown.explain)
+                under.setdefault(shown.row, []).append(help_)
+        laid: list[Any] = []
+        for number, row in sorted(rows.items()):
+            laid += [row[0] if len(row) == 1 else widgets.HBox(row), *under.get(number, [])]
+        return laid
 
     # -- reacting to the controls ------------------------------------------------------
     def _changed(self, _change: Any = None) -> None:
         accelerator = self.accelerator.value
         self._show_devices(accelerator)
-        self.strategy_help.value = _help_html(config.STRATEGIES[self.strategy.value].when_to_use)
-        cluster = self.cluster.value.strip() or "local"
-        self.num_nodes.disabled = cluster == "local"
+        for name, (shown, meanings) in self._explained.items():
+            shown.value = _help_html(meanings.get(self.controls[name].value, ""))
+        chosen = {name: self.option_value(name) for name in self.controls}
+        local = chosen.get("cluster", "local") == "local"
+        if "num_nodes" in self.controls:  # the nodes go with a cluster: one here
+            self.controls["num_nodes"].disabled = local
+            chosen["num_nodes"] = 1 if local else chosen["num_nodes"]
         try:
-            self.settings = defaults.set_defaults(
-                devices=self.devices_value(),
-                accelerator=accelerator,
-                strategy=self.strategy.value,
-                timeout=self.timeout.value or None,
-                precision=self.precision.value,
-                backend=self.backend.value or None,
-                sync_batchnorm=self.sync_batchnorm.value,
-                cluster=cluster,
-                num_nodes=1 if cluster == "local" else self.num_nodes.value,
-            )
+            self.settings = defaults.set_defaults(devices=self.devices_value(), accelerator=accelerator, **chosen)
             self.status.value = ""
         except ConfigurationError as error:
             # The last good defaults stay; the line below shows them.
@@ -222,6 +185,15 @@ class LauncherForm:
         self.magic_line.value = (
             '<code style="user-select:all;white-space:pre">' + html.escape(self.settings.magic_line()) + "</code>"
         )
+
+    def option_value(self, name: str) -> Any:
+        """The value option ``name``'s control asks for (an empty control: the option's ``Control.empty``)."""
+        value = self.controls[name].value
+        if isinstance(value, str):
+            value = value.strip()
+        if isinstance(value, bool) or value not in ("", 0):
+            return value
+        return _CONTROLS[name].empty
 
     def devices_value(self) -> str:
         """The ``--devices`` value the controls ask for."""
@@ -337,3 +309,39 @@ def _gpus_of(current: LaunchOptions, gpus: tuple[GpuInfo, ...]) -> set[int]:
         elif text.isdigit() and 0 < int(text) <= len(visible):
             return set(visible[: int(text)])
     return set(visible)
+
+
+_CONTROLS = {name: info.control for name, info in options_module.described() if info.control is not None}
+
+
+def _control(widgets: Any, name: str, info: Option, value: Any, first: bool) -> Any:
+    """The ipywidgets control showing option ``name`` at ``value``, as its ``Option.control`` says."""
+    shown = _CONTROLS[name]
+    kind = shown.kind or ("checkbox" if isinstance(value, bool) else "dropdown" if info.choices else "combobox")
+    label = shown.label or name
+    look: dict[str, Any] = {"layout": widgets.Layout(width=f"{shown.width}px")} if shown.width else {}
+    if kind == "checkbox":
+        return widgets.Checkbox(value=bool(value), description=label, indent=False, **look)
+    if first:
+        look["style"] = _STYLE
+    if kind == "seconds":
+        return widgets.BoundedFloatText(
+            value=value or 0.0, min=0.0, max=MAX_TIMEOUT_SECONDS, step=60.0, description=label, **look
+        )
+    if kind == "count":
+        return widgets.BoundedIntText(value=value or 1, min=1, max=MAX_COUNT, description=label, **look)
+    pairs = [each if isinstance(each, tuple) else (str(each), each) for each in shown.choices or info.choices or ()]
+    text = "" if value is None else value
+    if kind == "combobox":
+        return widgets.Combobox(
+            options=[each for _, each in pairs], value=str(text), placeholder=shown.placeholder,
+            description=label, ensure_option=False, **look,
+        )
+    values = [each for _, each in pairs]
+    given = list(shown.choices or info.choices or ())
+    options = pairs if any(isinstance(each, tuple) for each in given) else given  # ipywidgets takes either, not both
+    return widgets.Dropdown(options=options, value=text if text in values else values[0], description=label, **look)
+
+
+def _note_html(text: str) -> str:
+    return f'<span style="color:#757575">{html.escape(text)}</span>'
