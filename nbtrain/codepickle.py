@@ -27,6 +27,8 @@ from typing import Any, cast
 
 import cloudpickle
 
+from nbtrain import trackerruns
+
 _ERASED = "<dynamic-code>"
 # The module inside cloudpickle that holds its reducers (``_code_reduce`` among them).
 _INTERNALS = importlib.import_module("cloudpickle.cloudpickle")
@@ -56,6 +58,8 @@ class Pickler(cloudpickle.Pickler):
         reduced = optimizer_reduce(obj)
         if reduced is None:
             reduced = parametrized_reduce(obj)
+        if reduced is None:  # a tracker's run the kernel opened: a stand-in that calls it back
+            reduced = trackerruns.stand_in(obj)
         if reduced is not None:
             return reduced
         return super().reducer_override(obj)

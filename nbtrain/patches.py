@@ -162,6 +162,10 @@ TRACKER_PATCHES: tuple[Patch, ...] = (
         _ONE_RUN + "the other ranks get a disabled run (and no wandb service process)", on_import=True,
     ),
     Patch(
+        "trackers", "wandb", "log", _TRACKERS + "wandb_module_log", Lifetime.CELL,
+        "wandb.log reaches the run the kernel opened (rank 0's calls, sent to the kernel)", on_import=True,
+    ),
+    Patch(
         "trackers", "wandb.sdk.wandb_run:Run", "log", _TRACKERS + "wandb_log", Lifetime.CELL,
         "rank 0's scalars are charted in the live view", on_import=True,
     ),

@@ -258,7 +258,7 @@ def test_an_interrupt_mid_run_leaves_one_run_no_tracker_process_and_the_next_cel
 
 def test_the_live_views_last_frame_charts_a_tracker_scalar_beside_the_loss(tracking):
     pytest.importorskip("tensorboard")
-    kernel, root = tracking
+    kernel, _ = tracking
     out = kernel.run(
         HEAD + "from torch.utils.tensorboard import SummaryWriter\nwriter = SummaryWriter(ROOT + '/live')\n"
         + LOOP.format(log="writer.add_scalar('accuracy', 0.5 + 0.01 * step, step)")
@@ -266,3 +266,50 @@ def test_the_live_views_last_frame_charts_a_tracker_scalar_beside_the_loss(track
     )
     assert out.error is None, out.text
     assert "accuracy" in out.live_view and "loss" in out.live_view, out.live_view
+
+
+def test_a_summary_writer_opened_in_the_kernel_gets_rank_0s_scalars_and_stays_open(tracking):
+    pytest.importorskip("tensorboard")
+    kernel, root = tracking
+    kernel.run_ok("from torch.utils.tensorboard import SummaryWriter\nkernel_writer = SummaryWriter(ROOT + '/ktb')")
+    out = kernel.run(
+        HEAD
+        + LOOP.format(log="kernel_writer.add_scalar('rank_value', 10.0 * r + step, step)")
+        + "kernel_writer.add_histogram('weights', model.weight, step)\n"
+        + "kernel_writer.flush()\n"
+        + "seen_dir = kernel_writer.log_dir\n"
+    )
+    assert out.error is None, out.text
+    assert kernel.value("seen_dir") == f"{root}/ktb"
+    kernel.run_ok("kernel_writer.add_scalar('after', 1.0, 0)\nkernel_writer.flush()")  # still the kernel's, open
+    assert len(glob.glob(f"{root}/ktb/events.out.tfevents*")) == 1
+    assert _scalars(f"{root}/ktb", "rank_value") == [(s, float(s)) for s in RANK0_STEPS]
+    assert _scalars(f"{root}/ktb", "after") == [(0, 1.0)]
+    charted = kernel.value("sorted({n for row in nbtrain.last_run().metrics[0] for n in row[2]})")
+    assert "rank_value" in charted, charted
+    kernel.run_ok("kernel_writer.close()")
+
+
+def test_a_wandb_run_opened_in_the_kernel_gets_rank_0s_logs_and_stays_open(tracking):
+    pytest.importorskip("wandb")
+    kernel, root = tracking
+    before = set(glob.glob(f"{root}/wandb/offline-run-*"))
+    kernel.run_ok("import wandb\nkernel_run = wandb.init(project='kernel')")
+    out = kernel.run(
+        HEAD
+        + "kernel_run.config.update({'lr': 0.01})\n"
+        + LOOP.format(log="wandb.log({'rank_value': 10.0 * r + step}, step=step)")
+        + "kernel_run.log({'last': 10.0 * r}, step=step)\n"
+        + "kernel_run.summary['best'] = 10.0 * r\n"
+        + "seen_id = kernel_run.id\n"
+    )
+    assert out.error is None, out.text
+    assert kernel.value("seen_id") == kernel.value("kernel_run.id")
+    assert kernel.value("kernel_run.config['lr']") == 0.01
+    assert kernel.value("kernel_run.summary['best']") == 0.0
+    kernel.run_ok("kernel_run.log({'after': 1.0}, step=100)\nkernel_run.finish()\nwandb.teardown()")  # it was open
+    [made] = set(glob.glob(f"{root}/wandb/offline-run-*")) - before
+    assert _wandb_history(made, "rank_value") == [(s, float(s)) for s in RANK0_STEPS]
+    assert _wandb_history(made, "after") == [(100, 1.0)]
+    procs.wait_gone([p.pid for p in _tracker_processes(kernel)], 30.0)
+    assert not _tracker_processes(kernel)

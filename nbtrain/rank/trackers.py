@@ -19,11 +19,9 @@ At the cell's end (also after a failure or an interrupt) rank 0 closes the runs 
 left open, each named by one note in the summary, and wandb's service process is stopped.
 Nothing here imports a tracker: the patches wait for the cell to import it.
 
-Example (outside a run nothing is patched; a scalar as the live view takes it):
+Example (outside a run nothing is patched):
     >>> with tracked_cell():
     ...     pass
-    >>> scalars({"acc": 0.5, "name": "x", "nested": {"loss": 1}})
-    {'acc': 0.5, 'nested/loss': 1.0}
 """
 
 from __future__ import annotations
@@ -32,14 +30,13 @@ import contextlib
 import shutil
 import sys
 import tempfile
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain import patches
+from nbtrain import patches, trackerruns
 from nbtrain.rank import api, preparations
 
 GROUP = "trackers"
@@ -74,6 +71,8 @@ def tracked_cell() -> Iterator[None]:
         finally:
             if api.rank() == 0:
                 _close_left_open()
+                trackerruns.send_calls()  # the cell's last calls on the kernel's runs
+            trackerruns.kernel_wandb_run = None
 
 
 def stays_on_rank(obj: Any) -> str | None:
@@ -85,44 +84,6 @@ def stays_on_rank(obj: Any) -> str | None:
         f"{what} made in the cell stays on rank 0, where it wrote its run (its files and threads are "
         "that process's); read the run with the tracker's own tools"
     )
-
-
-def scalars(values: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """The numbers in ``values`` (one level of nesting named ``outer/inner``), as floats."""
-    out: dict[str, float] = {}
-    for name, value in values.items():
-        if isinstance(value, Mapping) and not prefix:
-            out.update(scalars(value, f"{name}/"))
-            continue
-        number = _number(value)
-        if number is not None:
-            out[f"{prefix}{name}"] = number
-    return out
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, (str, bytes, bool)) or value is None:
-        return None
-    if hasattr(value, "numel"):
-        return float(value.detach().float().item()) if value.numel() == 1 else None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def chart(values: Mapping[str, Any], step: Any = None) -> None:
-    """Send rank 0's logged scalars to the live view (the step: the tracker's, else the cell's)."""
-    context = api.current_context()
-    if context is None or context.rank != 0:
-        return
-    row = scalars(values)
-    if not row:
-        return
-    at = context.step if step is None else int(step)
-    context.pending.append((at, time.time(), dict(row)))
-    if len(context.pending) >= api.FLUSH_ROWS or time.monotonic() - context.last_flush >= api.FLUSH_SECONDS:
-        context.flush(wait=False)
 
 
 def _note(what: str) -> None:
@@ -214,7 +175,7 @@ def tensorboard_add_scalar(original: Any) -> Any:
         return original
 
     def add_scalar(self: Any, tag: str, scalar_value: Any, global_step: Any = None, *args: Any, **kwargs: Any) -> Any:
-        chart({tag: scalar_value}, global_step)
+        trackerruns.chart({tag: scalar_value}, global_step)
         return original(self, tag, scalar_value, global_step, *args, **kwargs)
 
     return add_scalar
@@ -228,7 +189,7 @@ def tensorboard_add_scalars(original: Any) -> Any:
     def add_scalars(
         self: Any, main_tag: str, tag_scalar_dict: Any, global_step: Any = None, *args: Any, **kwargs: Any
     ) -> Any:
-        chart({f"{main_tag}/{tag}": value for tag, value in tag_scalar_dict.items()}, global_step)
+        trackerruns.chart({f"{main_tag}/{tag}": value for tag, value in tag_scalar_dict.items()}, global_step)
         return original(self, main_tag, tag_scalar_dict, global_step, *args, **kwargs)
 
     return add_scalars
@@ -261,8 +222,20 @@ def wandb_log(original: Any) -> Any:
         return original
 
     def log(self: Any, data: Mapping[str, Any], step: Any = None, *args: Any, **kwargs: Any) -> Any:
-        chart(data, step)
+        trackerruns.chart(data, step)
         return original(self, data, step, *args, **kwargs)
+
+    return log
+
+
+def wandb_module_log(original: Any) -> Any:
+    """Patch factory: ``wandb.log`` reaches the kernel's active run when the cell opened none of its own."""
+
+    def log(*args: Any, **kwargs: Any) -> Any:
+        kernel_run = trackerruns.kernel_wandb_run
+        if kernel_run is not None and getattr(sys.modules.get("wandb"), "run", None) is None:
+            return kernel_run.log(*args, **kwargs)
+        return original(*args, **kwargs)
 
     return log
 
@@ -291,7 +264,7 @@ def mlflow_log_metric(original: Any) -> Any:
     def log_metric(
         self: Any, run_id: str, key: str, value: Any, timestamp: Any = None, step: Any = None, *args: Any, **kwargs: Any
     ) -> Any:
-        chart({key: value}, step)
+        trackerruns.chart({key: value}, step)
         return original(self, run_id, key, value, timestamp, step, *args, **kwargs)
 
     return log_metric
@@ -304,7 +277,7 @@ def mlflow_log_batch(original: Any) -> Any:
 
     def log_batch(self: Any, run_id: str, metrics: Any = (), *args: Any, **kwargs: Any) -> Any:
         for metric in metrics:
-            chart({metric.key: metric.value}, metric.step)
+            trackerruns.chart({metric.key: metric.value}, metric.step)
         return original(self, run_id, metrics, *args, **kwargs)
 
     return log_batch
@@ -347,7 +320,7 @@ def trackio_log(original: Any) -> Any:
         return original
 
     def log(self: Any, metrics: Mapping[str, Any], step: Any = None, *args: Any, **kwargs: Any) -> Any:
-        chart(metrics, step)
+        trackerruns.chart(metrics, step)
         return original(self, metrics, step, *args, **kwargs)
 
     return log
