@@ -47,7 +47,7 @@ def tracking(tmp_path_factory):
     kernel = NotebookKernel(env=env)
     try:
         kernel.run_ok("%load_ext nbtrain")
-        kernel.run_ok(REGRESSION_SETUP + f"ROOT = {str(root)!r}\n")
+        kernel.run_ok(REGRESSION_SETUP + f"import nbtrain\nROOT = {str(root)!r}\n")
         yield kernel, root
     finally:
         kernel.shutdown()
@@ -84,6 +84,8 @@ def test_a_summary_writer_in_the_cell_writes_one_event_file_of_rank_0s_steps(tra
         + LOOP.format(log="writer.add_scalar('rank_value', 10.0 * r + step, step)")
         + "writer.add_scalars('pair', {'a': 1.0 * step, 'b': 2.0}, step)\n"
         + "writer.add_histogram('weights', model.weight, step)\n"
+        + "writer.add_image('image', torch.rand(3, 4, 4), step)\n"
+        + "writer.flush()\n"
         + "writer.close()\n"
     )
     assert out.error is None, out.text
@@ -107,6 +109,8 @@ def test_wandb_in_the_cell_makes_one_offline_run_and_no_service_is_left(tracking
         + "import wandb\n"
         + "run = wandb.init(project='one', config={'lr': 0.01})\n"
         + "run_id, run_dir = run.id, run.dir\n"
+        + "wandb.watch(model := nn.Linear(8, 1))\n"
+        + "wandb.config.update({'batch': 16})\n"
         + LOOP.format(log="wandb.log({'rank_value': 10.0 * r + step}, step=step)")
         + "run.summary['final'] = 10.0 * r\n"
         + "run.finish()\n"
@@ -232,26 +236,32 @@ def test_a_failing_rank_leaves_no_tracker_process_and_the_next_cell_logs(trackin
     assert [v for _, v in _wandb_history(made, "v")] == [0.0]
 
 
-def test_an_interrupt_mid_run_leaves_one_run_no_tracker_process_and_the_next_cell_logs(tracking):
+def test_an_interrupt_stops_at_a_step_with_rank_0s_run_flushed_and_no_tracker_process_left(tracking):
     pytest.importorskip("wandb")
     kernel, root = tracking
     before = set(glob.glob(f"{root}/wandb/offline-run-*"))
     msg_id = kernel.start_cell(
         HEAD + "import time, wandb\nrun = wandb.init(project='interrupted')\n"
+        "model = nn.Linear(8, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
         "for step in range(100000):\n"
+        "    opt.zero_grad()\n    loss_fn(model(X[:16]), Y[:16]).backward()\n    opt.step()\n"
         "    wandb.log({'v': 10.0 * r + step}, step=step)\n"
         "    if step == 3:\n        print('logging', r, flush=True)\n"
         "    time.sleep(0.01)\n"
     )
     kernel.wait_for_stream(msg_id, ["logging 0", "logging 1"], timeout=120)
-    kernel.interrupt()
+    kernel.interrupt()  # a stop at the next step every rank reaches
     _, out = kernel.wait_for_reply(msg_id, timeout=120)
     assert out.error is not None, out.text
     procs.wait_gone([p.pid for p in _tracker_processes(kernel)], 30.0)
     assert not _tracker_processes(kernel)
-    assert len(set(glob.glob(f"{root}/wandb/offline-run-*")) - before) == 1  # rank 0's only
-    out = kernel.run(HEAD + "from torch.utils.tensorboard import SummaryWriter\nw = SummaryWriter(ROOT + '/next')\n"
-                     "w.add_scalar('v', 10.0 * r, 0)\nw.close()")
+    [made] = set(glob.glob(f"{root}/wandb/offline-run-*")) - before
+    history = _wandb_history(made, "v")
+    assert len(history) > 3 and history == [(s, float(s)) for s in range(len(history))], history  # rank 0's, flushed
+    out = kernel.run(
+        HEAD + "from torch.utils.tensorboard import SummaryWriter\nw = SummaryWriter(ROOT + '/next')\n"
+        "w.add_scalar('v', 10.0 * r, 0)\nw.close()"
+    )
     assert out.error is None, out.text
     assert _scalars(f"{root}/next", "v") == [(0, 0.0)]
 
@@ -313,3 +323,22 @@ def test_a_wandb_run_opened_in_the_kernel_gets_rank_0s_logs_and_stays_open(track
     assert _wandb_history(made, "after") == [(100, 1.0)]
     procs.wait_gone([p.pid for p in _tracker_processes(kernel)], 30.0)
     assert not _tracker_processes(kernel)
+
+
+def test_a_background_run_logs_one_run_and_reaches_a_kernel_writer_as_a_foreground_one(tracking):
+    pytest.importorskip("tensorboard")
+    kernel, root = tracking
+    kernel.run_ok("from torch.utils.tensorboard import SummaryWriter\nback_writer = SummaryWriter(ROOT + '/bk')")
+    out = kernel.run(
+        "%%distributed --devices 2 --accelerator cpu --background\nimport nbtrain\nr = nbtrain.rank()\n"
+        "from torch.utils.tensorboard import SummaryWriter\nown = SummaryWriter(ROOT + '/bown')\n"
+        + LOOP.format(log="own.add_scalar('rank_value', 10.0 * r + step, step)")
+        + "    back_writer.add_scalar('rank_value', 10.0 * r + step, step)\n"
+        + "own.close()\n"
+    )
+    assert out.error is None, out.text
+    kernel.run_ok("nbtrain.runs()[-1].wait()\nback_writer.flush()")
+    for name in ("bk", "bown"):
+        assert len(glob.glob(f"{root}/{name}/events.out.tfevents*")) == 1, name
+        assert _scalars(f"{root}/{name}", "rank_value") == [(s, float(s)) for s in RANK0_STEPS], name
+    kernel.run_ok("back_writer.close()")
