@@ -48,7 +48,8 @@ def _dispatch_table() -> Any:
 
 class Pickler(cloudpickle.Pickler):
     """``cloudpickle.Pickler`` whose functions keep their ``co_filename``, optimizers their
-    attributes, and parametrized modules (``weight_norm``, ``spectral_norm``) travel."""
+    attributes, parametrized modules (``weight_norm``, ``spectral_norm``) travel, and a
+    tracker's run the kernel opened travels as a stand-in (:mod:`nbtrain.trackerruns`)."""
 
     dispatch_table = _dispatch_table()
 
