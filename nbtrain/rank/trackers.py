@@ -103,7 +103,9 @@ def _close_left_open() -> None:
         if not getattr(run, "_is_finished", True):
             _closing(f"wandb run {run.id!r}", run.finish)
     if wandb is not None and _cell.wandb_runs:
-        wandb.teardown()  # its service process ends with the cell, not with the rank
+        # Its service process ends with the cell, not with the rank (a failed rank 0 is held).
+        with contextlib.suppress(Exception):  # a service already gone has nothing to stop
+            wandb.teardown()
     mlflow = sys.modules.get("mlflow")
     if mlflow is not None and mlflow.active_run() is not None:
         _closing(f"MLflow run {mlflow.active_run().info.run_id!r}", mlflow.end_run)
