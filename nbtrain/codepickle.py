@@ -27,6 +27,8 @@ from typing import Any, cast
 
 import cloudpickle
 
+from nbtrain import trackerruns
+
 _ERASED = "<dynamic-code>"
 # The module inside cloudpickle that holds its reducers (``_code_reduce`` among them).
 _INTERNALS = importlib.import_module("cloudpickle.cloudpickle")
@@ -46,7 +48,8 @@ def _dispatch_table() -> Any:
 
 class Pickler(cloudpickle.Pickler):
     """``cloudpickle.Pickler`` whose functions keep their ``co_filename``, optimizers their
-    attributes, and parametrized modules (``weight_norm``, ``spectral_norm``) travel."""
+    attributes, parametrized modules (``weight_norm``, ``spectral_norm``) travel, and a
+    tracker's run the kernel opened travels as a stand-in (:mod:`nbtrain.trackerruns`)."""
 
     dispatch_table = _dispatch_table()
 
@@ -56,6 +59,8 @@ class Pickler(cloudpickle.Pickler):
         reduced = optimizer_reduce(obj)
         if reduced is None:
             reduced = parametrized_reduce(obj)
+        if reduced is None:  # a tracker's run the kernel opened: a stand-in that calls it back
+            reduced = trackerruns.stand_in(obj)
         if reduced is not None:
             return reduced
         return super().reducer_override(obj)

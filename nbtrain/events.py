@@ -274,6 +274,19 @@ class Metrics:
 
 
 @dataclass(frozen=True)
+class TrackerCalls:
+    """Calls rank 0 made on a tracker's run the kernel opened (``writer.add_scalar``, ``run.log``), in order.
+
+    ``calls`` holds (token, attribute path, args, kwargs); the kernel makes each on its own
+    object (:func:`nbtrain.trackerruns.replay`).
+    """
+
+    run_id: int
+    rank: int
+    calls: tuple[tuple[int, tuple[str, ...], tuple[Any, ...], dict[str, Any]], ...]
+
+
+@dataclass(frozen=True)
 class MemorySample:
     """A rank's memory: host RSS always, CUDA allocated/peak/reserved when on GPU (bytes)."""
 

@@ -135,7 +135,63 @@ def _when_imported(patch: Patch, stack: ExitStack) -> Callable[[], None]:
     return afterimport.when_imported(patch.module, lambda module: _apply(patch, module, stack))
 
 
-TABLE: tuple[Patch, ...] = ()
+_TRACKERS = "nbtrain.rank.trackers:"
+_ONE_RUN = "a cell of several ranks writes one run, rank 0's; "
+# Experiment trackers (nbtrain.rank.trackers): installed for a cell on every rank; each factory
+# leaves rank 0's tracker writing (and charting its scalars) and quiets the other ranks'.
+TRACKER_PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "trackers", "torch.utils.tensorboard.writer", "FileWriter", _TRACKERS + "tensorboard_file_writer",
+        Lifetime.CELL, _ONE_RUN + "the other ranks' SummaryWriters write no event file", on_import=True,
+    ),
+    Patch(
+        "trackers", "torch.utils.tensorboard.writer:SummaryWriter", "__init__", _TRACKERS + "tensorboard_init",
+        Lifetime.CELL, "a writer the cell leaves open is closed (flushed) at its end", on_import=True,
+    ),
+    Patch(
+        "trackers", "torch.utils.tensorboard.writer:SummaryWriter", "add_scalar", _TRACKERS + "tensorboard_add_scalar",
+        Lifetime.CELL, "rank 0's scalars are charted in the live view", on_import=True,
+    ),
+    Patch(
+        "trackers", "torch.utils.tensorboard.writer:SummaryWriter", "add_scalars",
+        _TRACKERS + "tensorboard_add_scalars", Lifetime.CELL, "rank 0's scalars are charted in the live view",
+        on_import=True,
+    ),
+    Patch(
+        "trackers", "wandb", "init", _TRACKERS + "wandb_init", Lifetime.CELL,
+        _ONE_RUN + "the other ranks get a disabled run (and no wandb service process)", on_import=True,
+    ),
+    Patch(
+        "trackers", "wandb", "log", _TRACKERS + "wandb_module_log", Lifetime.CELL,
+        "wandb.log reaches the run the kernel opened (rank 0's calls, sent to the kernel)", on_import=True,
+    ),
+    Patch(
+        "trackers", "wandb.sdk.wandb_run:Run", "log", _TRACKERS + "wandb_log", Lifetime.CELL,
+        "rank 0's scalars are charted in the live view", on_import=True,
+    ),
+    Patch(
+        "trackers", "mlflow.tracking._tracking_service.utils", "_get_store", _TRACKERS + "mlflow_store",
+        Lifetime.CELL, _ONE_RUN + "the other ranks track into a throwaway store", on_import=True,
+    ),
+    Patch(
+        "trackers", "mlflow.tracking.client:MlflowClient", "log_metric", _TRACKERS + "mlflow_log_metric",
+        Lifetime.CELL, "rank 0's metrics are charted in the live view", on_import=True,
+    ),
+    Patch(
+        "trackers", "mlflow.tracking.client:MlflowClient", "log_batch", _TRACKERS + "mlflow_log_batch",
+        Lifetime.CELL, "rank 0's metrics are charted in the live view", on_import=True,
+    ),
+    Patch(
+        "trackers", "trackio", "init", _TRACKERS + "trackio_init", Lifetime.CELL,
+        _ONE_RUN + "the other ranks get a run that writes nothing", on_import=True,
+    ),
+    Patch(
+        "trackers", "trackio.run:Run", "log", _TRACKERS + "trackio_log", Lifetime.CELL,
+        "rank 0's scalars are charted in the live view", on_import=True,
+    ),
+)
+
+TABLE: tuple[Patch, ...] = TRACKER_PATCHES
 """Every patch nbtrain installs, in the order each group installs them. docs/architecture.md
 shows this table; ``tests/test_structure.py`` checks that nothing else replaces a library's
 attribute."""

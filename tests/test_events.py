@@ -50,6 +50,7 @@ EXAMPLES: list[object] = [
     events.Displayed(3),
     events.OutputSkipped(3, 1, 5000, (("stdout", "line 5000"),)),
     events.Metrics(3, 0, ((1, 1700000000.0, {"loss": 0.5}),)),
+    events.TrackerCalls(3, 0, ((140000, ("add_scalar",), ("accuracy", 0.5, 1), {}),)),
     events.MemorySample(3, 0, 200 << 20, cuda_allocated_bytes=1 << 20, time=1.5),
     FAILED,
     events.RankExited(3, 1, exit_code=None, signal_number=9, reported=False),

@@ -48,15 +48,17 @@ import atexit
 import contextlib
 import contextvars
 import datetime
+import functools
 import itertools
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nbtrain import events, runstate
+from nbtrain import events, runstate, trackerruns
 from nbtrain.errors import RunFailedError, RunNotEndedError, RunStoppedError
 from nbtrain.kernel import display
 from nbtrain.kernel import shell as kernel_shell
@@ -518,6 +520,8 @@ class CellBackgroundRun(BackgroundRun):
     def _observe(self, event: Any) -> None:
         if isinstance(event, events.Metrics):
             self.callbacks.keep_metrics(self.record, event)
+        elif isinstance(event, events.TrackerCalls):  # rank 0 logged to a run the kernel opened
+            trackerruns.replay(event, functools.partial(print, file=sys.stderr))
 
     def _stops_at_a_step(self) -> bool:
         return bool(getattr(self.run.config, "on_stop", "keep") == "keep")

@@ -25,7 +25,7 @@ from typing import Any, TypeAlias
 
 from IPython.core.error import UsageError
 
-from nbtrain import config, events, processes, reach, records
+from nbtrain import config, events, processes, reach, records, trackerruns
 from nbtrain.errors import (
     ConfigurationError,
     RunFailedError,
@@ -346,6 +346,8 @@ def _follow(
             view.show(event)
             if isinstance(event, events.Metrics):
                 keep_metrics(record, event)
+            elif isinstance(event, events.TrackerCalls):  # rank 0 logged to a run the kernel opened
+                trackerruns.replay(event, functools.partial(print, file=sys.stderr))
             elif event is not None:
                 show(event)
             relay.handle(event)  # a rank's pdb: its output, and its prompt in the input box

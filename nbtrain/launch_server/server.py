@@ -53,6 +53,7 @@ from nbtrain.events import (
     StartRun,
     StopRun,
     StopStep,
+    TrackerCalls,
 )
 from nbtrain.launch_server import graceful, heldranks, stackdumps, standby, tracker, uneven
 from nbtrain.launch_server.forking import (
@@ -385,7 +386,7 @@ class Launcher:
             return
         if isinstance(message, (DebugOutput, DebugPrompt, DebugEnded, DebugQuit)):
             self._on_debug_event(run, rank, message)
-        elif isinstance(message, (Metrics, MemorySample)):
+        elif isinstance(message, (Metrics, MemorySample, TrackerCalls)):  # TrackerCalls: for the kernel's run
             if isinstance(message, MemorySample) and message.cuda_allocated_bytes is not None:
                 rank.cuda_bytes = message.cuda_reserved_bytes or message.cuda_allocated_bytes
             self._send(message)

@@ -47,6 +47,7 @@ from nbtrain.rank import (
     samedata,
     schedulers,
     stopping,
+    trackers,
     wrapping,
 )
 
@@ -110,7 +111,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
         checkpoints.write_whole()
     if spec.auto and api.world_size() > 1:  # code for one device steps its schedulers alike on every rank
         schedulers.agree_on_plateau_metrics()
-    with logging:
+    with logging, trackers.tracked_cell():  # one run per tracker, rank 0's; charted live
         try:
             display = _execute(spec, cell_globals)
         except stopping.StopAtStep:
@@ -670,6 +671,9 @@ class _ResultReferences(_PicklerBase):
         """DDP wrappers and prepared objects pickle as their originals; a sharded DTensor is refused."""
         if isinstance(obj, self.dtensor_type):
             raise ShardedTensorError("it holds a sharded DTensor, of which rank 0 has only its shard")
+        refused = trackers.stays_on_rank(obj)  # a tracker's run: its files and threads are rank 0's
+        if refused:
+            raise pickle.PicklingError(refused)
         original = wrapping.original_of(obj)  # a DDP wrapper: its model, or the DataParallel it stands for
         if original is not obj:
             return (records.same, (original,))
