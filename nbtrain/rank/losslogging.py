@@ -26,7 +26,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from nbtrain.rank import api, preparations
+from nbtrain import patches
+from nbtrain.rank import api
 
 MAX_ROWS_PER_SECOND = 100  # the live view draws about 4 times a second
 FIRST_STEPS = 32  # each one logged; their pace sets the stride (and again at 64, 128, ... steps)
@@ -85,10 +86,24 @@ def loss_logging() -> Iterator[None]:
     if context is None:
         yield
         return
-    torch = preparations.torch_module()
-    original = torch.Tensor.backward
+    _samplers.append(_Sampler(context))
+    try:
+        with contextlib.ExitStack() as stack:
+            patches.install("loss logging", stack)  # torch.Tensor.backward: logged_backward
+            yield
+    finally:
+        sampler = _samplers.pop()
+    sampler.finish()  # not after a failure: the cell's error is what it shows then
+
+
+_samplers: list[_Sampler] = []  # the sampler of the cell logging its loss now
+
+
+def logged_backward(original: Any) -> Any:
+    """``Tensor.backward`` while a cell logs its loss (the patch table's): a scalar's backward is a step."""
     busy = threading.local()
-    sampler = _Sampler(context)
+    sampler = _samplers[-1]
+    context = sampler.context
 
     def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # an error in the backward reads as in the kernel (rank.runtime)
@@ -104,9 +119,4 @@ def loss_logging() -> Iterator[None]:
 
     backward.__doc__ = original.__doc__
     backward.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps would set it
-    torch.Tensor.backward = backward
-    try:
-        yield
-    finally:
-        torch.Tensor.backward = original
-    sampler.finish()  # not after a failure: the cell's error is what it shows then
+    return backward

@@ -15,6 +15,7 @@ Example (outside a run nothing is prepared, and no wrapper is chosen):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import weakref
@@ -57,6 +58,9 @@ class _Registry:
         self.first_inputs: list[tuple[tuple[Any, ...], str, Any, bool]] = []
         self.unsharded: list[int] = []  # ids of loaders auto mode could not shard (each said in a note)
         self.shipped: dict[int, Any] = {}  # id -> the kernel's wrappers (a DataParallel) the cell received
+        # The cell's patches (nbtrain.patches) and step hooks, undone in reverse as the cell ends
+        # (nbtrain.rank.cell); also those prepare installs during the cell (16-mixed's loss scaling).
+        self.patches = contextlib.ExitStack()
 
     def ship(self, objects: Iterable[Any]) -> None:
         """Note the kernel's wrappers among ``objects``: they go back as themselves, not as their model."""

@@ -1,0 +1,28 @@
+"""The cell's one pair of optimizer step hooks (nbtrain.rank.stephooks): registered for a cell, removed after it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from nbtrain.rank import stephooks
+
+
+def test_one_pre_hook_and_one_post_hook_while_the_stack_is_open():
+    before, after = len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with contextlib.ExitStack() as stack:
+        stephooks.hook_steps(stack)
+        assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == (before + 1, after + 1)
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()  # outside a run every step has nothing to do: the step is torch's own
+    assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == (before, after)
+
+
+def test_every_step_is_named_and_resolves():
+    names = [name for name, _ in stephooks.BEFORE]
+    assert names == ["first step", "kept models", "bypassed DDP", "loss scaling", "stop check"]
+    assert all(callable(step) for step in stephooks._resolved(stephooks.BEFORE + stephooks.AFTER))
