@@ -16,7 +16,6 @@ import sys
 import textwrap
 import threading
 import traceback
-import types
 from collections.abc import Iterator
 
 import pytest

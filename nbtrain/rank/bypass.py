@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbtrain.rank import api, preparations
+from nbtrain.rank import api, preparations, stephooks
 
 _state = {"depth": 0}  # an optimizer's step inside another's (ZeroRedundancyOptimizer's) is left alone
 
@@ -29,6 +29,7 @@ def average_when_bypassed(ddp: Any) -> None:
     object.__setattr__(ddp, "_nbtrain_forwards", 0)
     object.__setattr__(ddp, "_nbtrain_forwards_at_step", {})  # id(optimizer) -> forwards at its last step
     preparations.cell_registry().ddp_models.append(ddp)
+    stephooks.for_prepared_models()  # average_bypassed before each step
 
 
 def average_bypassed(optimizer: Any, _args: Any, _kwargs: Any) -> None:

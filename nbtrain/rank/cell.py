@@ -115,7 +115,7 @@ def _run_patched(
     preparations.cell_registry().ship(tracked.values())
     optimizers.know_optimizers(tracked.values())
     if "torch" in sys.modules or stopping.counting():  # a cell without torch has no optimizer to hook
-        stephooks.hook_steps(stack)  # one step pre-hook and post-hook, in nbtrain.rank.stephooks' order
+        stephooks.for_the_cell()  # one step pre-hook and post-hook, in nbtrain.rank.stephooks' order
     if spec.auto and several:  # what the cell makes and trains itself, to name it if unprepared
         patches.install("made in the cell", stack)  # optimizers, DDP, clipping, loaders, plateau schedulers
         cellmodels.watch_steps(madehere.first_step, madehere.unstepped_optimizers, cell_globals)  # kept one

@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nbtrain.rank import preparations
+from nbtrain import patches
+from nbtrain.rank import preparations, stephooks
 
 PRECISION_VARIABLE = "NBTRAIN_PRECISION"
 _DTYPES = {"16": "float16", "bf16": "bfloat16", "64": "float64", "32": "float32"}
@@ -186,6 +187,15 @@ class LossScaling:
         self._depth = max(0, self._depth - 1)
         if self._depth == 0 and self._unscaled:
             self.scaler.update()
+
+
+def scale_losses(device_type: str) -> LossScaling:
+    """From now on in this cell (this run, outside one), scale each scalar loss's backward and
+    unscale before each optimizer step: the cell registry's :class:`LossScaling`."""
+    scaling = preparations.cell_registry().loss_scaling = LossScaling(device_type)
+    patches.install("loss scaling", preparations.cell_registry().patches)  # a scalar's backward is scaled
+    stephooks.for_prepared_models()  # unscale_before_step and update_scale around each step
+    return scaling
 
 
 def scaled_backward(plain_backward: Any) -> Any:

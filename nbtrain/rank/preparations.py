@@ -61,6 +61,7 @@ class _Registry:
         # The cell's patches (nbtrain.patches) and step hooks, undone in reverse as the cell ends
         # (nbtrain.rank.cell); also those prepare installs during the cell (16-mixed's loss scaling).
         self.patches = contextlib.ExitStack()
+        self.steps_hooked = False  # nbtrain.rank.stephooks' pair of step hooks is on self.patches
 
     def ship(self, objects: Iterable[Any]) -> None:
         """Note the kernel's wrappers among ``objects``: they go back as themselves, not as their model."""

@@ -4,8 +4,10 @@ Several parts of a rank act at an optimizer's step: a model the cell made is kep
 the ranks, a DDP model whose forward the step bypassed gets its gradients averaged, 16-mixed
 unscales, a graceful stop ends the cell. Each is a named step in :data:`BEFORE` (before
 ``optimizer.step()`` runs) or :data:`AFTER` (after it), called in that order by the one
-global pre-hook and the one post-hook :func:`install` registers for a cell; the hooks are
-removed as the cell ends. A step that has nothing to do for the cell returns at once.
+global pre-hook and the one post-hook :func:`for_the_cell` registers for a cell; the hooks are
+removed as the cell ends. A step that has nothing to do for the cell returns at once. A
+function run (``nbtrain.start``) has them from the first model ``prepare`` wraps
+(:func:`for_prepared_models`), without the stop check, for the rest of the run.
 
 The order, and why (docs/architecture.md shows it):
 
@@ -33,9 +35,11 @@ Example (the order, by name):
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from typing import Any
+
+from nbtrain.rank import preparations
 
 Step = Callable[[Any, Any, Any], Any]
 
@@ -56,11 +60,30 @@ AFTER: tuple[tuple[str, str], ...] = (
 """The steps after ``optimizer.step()``, in order."""
 
 
-def hook_steps(stack: ExitStack) -> None:
-    """Register the one step pre-hook and post-hook for every optimizer; closing ``stack`` removes them."""
+def for_the_cell() -> None:
+    """Hook the steps for the cell now running (:func:`nbtrain.rank.cell.run_cell`), until it ends."""
+    registry = preparations.cell_registry()
+    if not registry.steps_hooked:
+        registry.steps_hooked = True
+        hook_steps(registry.patches)
+
+
+def for_prepared_models() -> None:
+    """Hook the steps for a model ``prepare`` wrapped (a bypassed DDP's averaging, 16-mixed's
+    unscaling): in a cell they are hooked already; in a function run (``nbtrain.start``) from now
+    on, without the stop check (a graceful stop ends cells)."""
+    registry = preparations.cell_registry()
+    if not registry.steps_hooked:
+        registry.steps_hooked = True
+        hook_steps(registry.patches, [step for step in BEFORE if step[0] != "stop check"])
+
+
+def hook_steps(stack: ExitStack, steps: Iterable[tuple[str, str]] = BEFORE) -> None:
+    """Register the one step pre-hook (calling ``steps``) and post-hook for every optimizer; closing
+    ``stack`` removes them."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    before, after = _resolved(BEFORE), _resolved(AFTER)
+    before, after = _resolved(tuple(steps)), _resolved(AFTER)
 
     def before_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
         changed = None

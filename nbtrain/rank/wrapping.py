@@ -22,7 +22,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from nbtrain import config, patches
+from nbtrain import config
 from nbtrain.rank import api, bypass, optimizers, preparations, samedata
 
 if TYPE_CHECKING:
@@ -199,8 +199,7 @@ def _apply_precision_and_sync(module: Any, wrapper: str) -> None:
     chosen = precision.current()
     precision.apply(module, chosen, device)
     if chosen == "16-mixed" and device.type == "cuda" and preparations.cell_registry().loss_scaling is None:
-        preparations.cell_registry().loss_scaling = precision.LossScaling("cuda")
-        patches.install("loss scaling", preparations.cell_registry().patches)  # a scalar's backward is scaled
+        precision.scale_losses("cuda")
 
 
 def is_wrapped(module: Any) -> bool:
