@@ -106,6 +106,18 @@ def uninstall_from_process(group: str) -> None:
         stack.close()
 
 
+def replacements(lifetime: Lifetime, table: Iterable[Patch] | None = None) -> list[tuple[Any, Any, str]]:
+    """(what replaces it now, owner, attribute) for each patch of ``lifetime`` whose module is
+    imported: so that, once they are undone, a name bound to a replacement can name the original."""
+    found = []
+    for patch in TABLE if table is None else table:
+        module = sys.modules.get(patch.module)
+        if patch.lifetime is lifetime and module is not None:
+            owner = _owner(patch, module)
+            found.append((getattr(owner, patch.attribute, None), owner, patch.attribute))
+    return found
+
+
 _for_the_process: dict[str, ExitStack] = {}  # group -> its undo, for the groups a process keeps
 
 

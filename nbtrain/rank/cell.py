@@ -95,7 +95,8 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     preparations.configure(spec.model_wrapper)
     with preparations.cell_registry().patches as cell_patches:  # undone in reverse as the cell ends
         display, prepared, placed = _run_patched(spec, cell_globals, namespace, tracked, cell_patches)
-    _originals_back(cell_globals)
+        ours = patches.replacements(patches.Lifetime.CELL)
+    _originals_back(cell_globals, ours)
     displays.show_open_figures()  # what the kernel's inline backend shows at a cell's end
     prepare.put_back(namespace, placed)  # so trainer.model is the kernel's model again on the way back
     kerneldevices.restore(devices)
@@ -126,7 +127,7 @@ def _run_patched(
         prepared += more
     if several:  # every rank saving one checkpoint path: a reader never sees a torn file
         patches.install("whole files", stack)
-    logging = losslogging.loss_logging() if spec.log_loss else contextlib.nullcontext()
+    logging = losslogging.loss_logging(stack) if spec.log_loss else contextlib.nullcontext()
     with logging:
         try:
             display = _execute(spec, cell_globals)
@@ -135,19 +136,15 @@ def _run_patched(
     return display, prepared, placed
 
 
-def _originals_back(cell_globals: dict[str, Any]) -> None:
-    """A global the cell bound to a patched library function (``from torch import save``) names
-    the library's own again, now that the patch is undone: it goes back to the kernel as torch's."""
+def _originals_back(cell_globals: dict[str, Any], ours: list[tuple[Any, Any, str]]) -> None:
+    """A global the cell bound to a cell patch's replacement (``from torch import save``, a clip
+    function pointed at the averaging one) names the library's own again, now that the patch is
+    undone: it goes back to the kernel as torch's. ``ours``: (replacement, owner, attribute)."""
+    by_id = {id(replacement): (replacement, owner, attribute) for replacement, owner, attribute in ours}
     for name, value in list(cell_globals.items()):
-        wrapped = getattr(value, "__wrapped__", None) if callable(value) else None
-        if wrapped is None or not isinstance(getattr(value, "__qualname__", None), str):
-            continue
-        module = sys.modules.get(getattr(value, "__module__", None) or "")
-        found: Any = module
-        for part in value.__qualname__.split("."):
-            found = getattr(found, part, None)
-        if found is wrapped and found is not value:
-            cell_globals[name] = wrapped
+        replacement, owner, attribute = by_id.get(id(value), (None, None, ""))
+        if replacement is value:
+            cell_globals[name] = getattr(owner, attribute, value)
 
 
 def _rewrap_scheduled_optimizers(values: Iterable[Any]) -> None:

@@ -76,11 +76,13 @@ def _true_loss(loss: Any) -> Any:
 
 
 @contextlib.contextmanager
-def loss_logging() -> Iterator[None]:
+def loss_logging(stack: contextlib.ExitStack | None = None) -> Iterator[None]:
     """While active, ``scalar.backward()`` logs the scalar as ``loss`` unless the user logs.
 
     The live view then has a loss curve with no code change. It stops as soon as the cell
-    calls ``nbtrain.log`` itself, and does nothing outside a run.
+    calls ``nbtrain.log`` itself, and does nothing outside a run. The patch goes on ``stack``
+    (the cell's, which 16-mixed's loss scaling may join during the cell: undone in reverse as
+    the cell ends), else on one of its own, undone as this ends.
     """
     context = api.current_context()
     if context is None:
@@ -88,8 +90,8 @@ def loss_logging() -> Iterator[None]:
         return
     _samplers.append(_Sampler(context))
     try:
-        with contextlib.ExitStack() as stack:
-            patches.install("loss logging", stack)  # torch.Tensor.backward: logged_backward
+        with contextlib.ExitStack() as own:
+            patches.install("loss logging", own if stack is None else stack)  # Tensor.backward: logged_backward
             yield
     finally:
         sampler = _samplers.pop()
