@@ -26,3 +26,39 @@ def test_every_step_is_named_and_resolves():
     names = [name for name, _ in stephooks.BEFORE]
     assert names == ["first step", "kept models", "bypassed DDP", "loss scaling", "stop check"]
     assert all(callable(step) for step in stephooks._resolved(stephooks.BEFORE + stephooks.AFTER))
+
+
+PROBE = '''
+seen = []
+
+
+def first(optimizer, args, kwargs):
+    seen.append("first")
+
+
+def changed():
+    seen.append("the changed closure ran")
+
+
+def second(optimizer, args, kwargs):
+    seen.append("second")
+    return args, {**kwargs, "closure": changed}
+
+
+def third(optimizer, args, kwargs):
+    seen.append(("third", kwargs.get("closure") is changed))
+'''
+
+
+def test_the_steps_run_in_their_order_and_a_changed_closure_reaches_the_later_ones(tmp_path, monkeypatch):
+    (tmp_path / "stepprobe.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import stepprobe
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = [("a", "stepprobe:first"), ("b", "stepprobe:second"), ("c", "stepprobe:third")]
+    with contextlib.ExitStack() as stack:
+        stephooks.hook_steps(stack, steps)
+        optimizer.step()
+    assert stepprobe.seen == ["first", "second", ("third", True), "the changed closure ran"]
