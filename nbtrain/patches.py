@@ -59,7 +59,8 @@ class Patch:
     ``target`` is a module (``"torch.serialization"``) or a class in one
     (``"torch.utils.data:DataLoader"``); ``replacement`` names a factory
     (``"nbtrain.rank.checkpoints:whole_torch_save"``) called with the original attribute
-    (``None`` where the target had none of its own) that returns what replaces it.
+    (``None`` where the target had none of its own) that returns what replaces it, or that
+    same object to leave the target as it is.
     """
 
     group: str  # the patches installed together, by the code that owns the group
@@ -131,6 +132,8 @@ def _apply(patch: Patch, module: ModuleType, stack: ExitStack) -> None:
     original = vars(owner).get(patch.attribute, _MISSING)
     current = getattr(owner, patch.attribute, None)
     replacement = _factory(patch.replacement)(current)
+    if replacement is current:  # the factory keeps what is there (the target lacks it, or has ours)
+        return
     setattr(owner, patch.attribute, replacement)
     stack.callback(_undo, owner, patch.attribute, original, replacement)
 

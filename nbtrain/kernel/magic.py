@@ -121,7 +121,7 @@ def nbtrain_debug() -> None:
 def load_ipython_extension(ip: Any) -> None:
     """``%load_ext nbtrain``: register ``%%distributed`` (and ``%debug`` after a rank's error)."""
     ip.register_magics(DistributedMagics)
-    original = ip.magics_manager.magics["line"].get("debug")
+    original = ip.find_line_magic("debug")  # IPython's own, loaded (IPython 9 registers it lazily)
     if original is not None and not getattr(original, "nbtrain_wrapped", False):
         ip.register_magic_function(_debug_rank_first(original), "line", "debug")
 

@@ -22,7 +22,7 @@ each one's text is printed. The functions keep IPython's names, so a cell that b
 
 Example (outside a rank nothing is changed):
     >>> from nbtrain import patches
-    >>> "notebook only" in patches._for_the_process
+    >>> "notebook only" in patches._for_the_process  # installed by the launcher and a rank
     False
 """
 
@@ -36,17 +36,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from nbtrain import events, patches
+from nbtrain import events
 from nbtrain.rank import api
 
 DISPLAYS_PER_RUN = 200
 # A bundle larger than this is shown as its text (a frontend slows down on such outputs).
 BUNDLE_BYTES = 16 << 20
-
-
-def show_in_cell() -> None:
-    """In this process (a rank, or the launcher ranks are forked from), IPython's display goes to the cell."""
-    patches.install_for_process("notebook only")
 
 
 def show_open_figures() -> None:
@@ -84,8 +79,8 @@ def shell_class() -> Any:
 def in_the_cell(original: Callable[..., Any]) -> Callable[..., Any]:
     """IPython's ``display`` or ``clear_output`` on a rank (the patch table's): to the cell in a
     run, IPython's own elsewhere. IPython 8's ``core.display`` binds ``display_functions``' as it
-    is imported, changed already: that one is kept."""
-    if getattr(original, "__code__", None) is _CHOSEN:
+    is imported, changed already: that one is kept; IPython 9's has none: nothing is added."""
+    if original is None or getattr(original, "__code__", None) is _CHOSEN:
         return original
     if original.__name__ == "clear_output":
         return _outside_a_run(original, _clear_output)

@@ -9,7 +9,7 @@ module, so a cell that binds ``tqdm`` gives the kernel back its own notebook cla
 
 Example (outside a rank nothing is changed):
     >>> from nbtrain import patches
-    >>> "notebook only" in patches._for_the_process
+    >>> "notebook only" in patches._for_the_process  # installed by the launcher and a rank
     False
 """
 
@@ -19,14 +19,7 @@ import functools
 import importlib
 from typing import Any
 
-from nbtrain import patches
-
 _MODULE = "tqdm.notebook"
-
-
-def print_as_text() -> None:
-    """In this process (a rank, or the launcher ranks are forked from), tqdm.notebook is imported with a text bar."""
-    patches.install_for_process("notebook only")
 
 
 def text_bar(_original: Any) -> type:
