@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
+from kernel_helpers import REGRESSION_SETUP, nbtrain_kernel
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from nbtrain.rank import stephooks
@@ -62,3 +64,26 @@ def test_the_steps_run_in_their_order_and_a_changed_closure_reaches_the_later_on
         stephooks.hook_steps(stack, steps)
         optimizer.step()
     assert stepprobe.seen == ["first", "second", ("third", True), "the changed closure ran"]
+
+
+ONE_STEP = """%%distributed --devices 2
+import torch.distributed as dist
+torch.manual_seed(nbtrain.rank())  # each rank makes a different model: rank 0's is broadcast at the first step
+net = nn.Linear(8, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.5)
+x = X[nbtrain.rank() :: 2][:16]  # each rank its own batch: the step is the same only if averaged
+loss_fn(net(x), Y[nbtrain.rank() :: 2][:16]).backward()
+opt.step()
+both = [torch.zeros_like(net.weight) for _ in range(2)]
+dist.all_gather(both, net.weight.detach())
+same_after_one_step = bool(torch.equal(both[0], both[1]))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_on_real_ranks_the_first_step_keeps_a_cell_made_model_before_its_gradients_are_averaged():
+    """'first step' (rank 0's weights broadcast, the model kept) comes before 'kept models' (its
+    gradients averaged): the first step itself is averaged, so both ranks hold one model after it."""
+    for kernel in nbtrain_kernel(REGRESSION_SETUP, "import nbtrain"):
+        kernel.run_ok(ONE_STEP)
+        assert kernel.value("same_after_one_step") is True
