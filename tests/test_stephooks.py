@@ -6,9 +6,9 @@ import contextlib
 
 import pytest
 import torch
-from kernel_helpers import REGRESSION_SETUP, nbtrain_kernel
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from kernel_helpers import REGRESSION_SETUP, nbtrain_kernel
 from nbtrain.rank import stephooks
 
 
