@@ -247,6 +247,13 @@ def load_ipython_extension(ip: object) -> None:
         prewarm()
 
 
+def unload_ipython_extension(ip: object) -> None:
+    """``%unload_ext nbtrain``: gives IPython's own ``%debug`` back."""
+    from nbtrain.kernel.magic import unload_ipython_extension as _unload
+
+    _unload(ip)
+
+
 def _should_prewarm() -> bool:
     # Only the caller warms a launcher: never the launcher itself or a rank.
     # A Jupyter server imports nbtrain for its server extension (nbtrain.serverext): it runs no cell.

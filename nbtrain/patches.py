@@ -49,6 +49,7 @@ class Lifetime(enum.Enum):
     CELL = "one cell"  # installed as a cell starts on a rank, undone as it ends
     LAUNCHER = "the launcher"  # installed by the warm launcher; its forked ranks inherit it
     KERNEL = "the kernel"  # installed by %load_ext nbtrain, undone by %unload_ext nbtrain
+    PROMPT = "one pdb prompt"  # installed as a rank's pdb prompts, undone as it returns
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ class Patch:
     ``target`` is a module (``"torch.serialization"``) or a class in one
     (``"torch.utils.data:DataLoader"``); ``replacement`` names a factory
     (``"nbtrain.rank.checkpoints:whole_torch_save"``) called with the original attribute
-    (``None`` where the target had none of its own) that returns what replaces it.
+    (``None`` where the target had none of its own) that returns what replaces it, or that
+    same object to leave the target as it is.
     """
 
     group: str  # the patches installed together, by the code that owns the group
@@ -90,6 +92,36 @@ def install(group: str, stack: ExitStack, table: Iterable[Patch] | None = None) 
             _apply(patch, importlib.import_module(patch.module), stack)
 
 
+def install_for_process(group: str) -> None:
+    """Install ``group`` for the rest of this process and the processes it forks (a rank's, the
+    launcher's): once, as the first caller asks; a forked rank's own call finds it installed."""
+    if group not in _for_the_process:
+        _for_the_process[group] = stack = ExitStack()
+        install(group, stack)
+
+
+def uninstall_from_process(group: str) -> None:
+    """Undo what :func:`install_for_process` installed of ``group`` (``%unload_ext nbtrain``)."""
+    stack = _for_the_process.pop(group, None)
+    if stack is not None:
+        stack.close()
+
+
+def replacements(lifetime: Lifetime, table: Iterable[Patch] | None = None) -> list[tuple[Any, Any, str]]:
+    """(what replaces it now, owner, attribute) for each patch of ``lifetime`` whose module is
+    imported: so that, once they are undone, a name bound to a replacement can name the original."""
+    found = []
+    for patch in TABLE if table is None else table:
+        module = sys.modules.get(patch.module)
+        if patch.lifetime is lifetime and module is not None:
+            owner = _owner(patch, module)
+            found.append((getattr(owner, patch.attribute, None), owner, patch.attribute))
+    return found
+
+
+_for_the_process: dict[str, ExitStack] = {}  # group -> its undo, for the groups a process keeps
+
+
 def groups(table: Iterable[Patch] | None = None) -> set[str]:
     """The groups of ``table`` (:data:`TABLE`)."""
     return {patch.group for patch in (TABLE if table is None else table)}
@@ -100,6 +132,8 @@ def _apply(patch: Patch, module: ModuleType, stack: ExitStack) -> None:
     original = vars(owner).get(patch.attribute, _MISSING)
     current = getattr(owner, patch.attribute, None)
     replacement = _factory(patch.replacement)(current)
+    if replacement is current:  # the factory keeps what is there (the target lacks it, or has ours)
+        return
     setattr(owner, patch.attribute, replacement)
     stack.callback(_undo, owner, patch.attribute, original, replacement)
 
@@ -191,7 +225,166 @@ TRACKER_PATCHES: tuple[Patch, ...] = (
     ),
 )
 
-TABLE: tuple[Patch, ...] = TRACKER_PATCHES
+_RANK, _CELL, _LAUNCHER = Lifetime.RANK, Lifetime.CELL, Lifetime.LAUNCHER
+_C10D = "torch.distributed.distributed_c10d"  # where torch defines init_process_group; torch.distributed re-exports it
+_TORCHRUN = "code written for torchrun runs unchanged: its own init_process_group joins nothing new"
+_TORCHRUN_END = "its destroy_process_group leaves the group (a gloo group destroyed under DDP can hang)"
+_AVERAGED_CLIP = "clipping reads a cell-made model's averaged gradients, as under DDP"
+_WHOLE = "ranks saving one path at once: a reader never sees a torn file"
+_SHOWN = "IPython's {} on a rank goes to the cell (the kernel's own outside a run)"
+_TEXT_BAR = "tqdm.notebook's widget bar on a rank (no frontend there) prints as text"
+
+TABLE: tuple[Patch, ...] = (
+    # A rank's process, installed as it starts (nbtrain.rank.runtime).
+    Patch(
+        "rank", "sys", "stdout", "nbtrain.rank.runtime:line_buffered_stdout", _RANK, "each print reaches the cell live"
+    ),
+    Patch(
+        "rank",
+        "sys",
+        "stderr",
+        "nbtrain.rank.runtime:line_buffered_stderr",
+        _RANK,
+        "each warning reaches the cell live",
+    ),
+    Patch("rank", "builtins", "input", "nbtrain.rank.runtime:no_input", _RANK, "input() says why a rank can't answer"),
+    Patch(
+        "torchrun", "torch.distributed", "init_process_group", "nbtrain.rank.runtime:harmless_init", _RANK, _TORCHRUN
+    ),
+    Patch("torchrun", _C10D, "init_process_group", "nbtrain.rank.runtime:harmless_init", _RANK, _TORCHRUN),
+    Patch(
+        "torchrun",
+        "torch.distributed",
+        "destroy_process_group",
+        "nbtrain.rank.runtime:harmless_destroy",
+        _RANK,
+        _TORCHRUN_END,
+    ),
+    Patch("torchrun", _C10D, "destroy_process_group", "nbtrain.rank.runtime:harmless_destroy", _RANK, _TORCHRUN_END),
+    Patch(
+        "debugger",
+        "sys",
+        "breakpointhook",
+        "nbtrain.rank.debugger:relayed_hook",
+        _RANK,
+        "breakpoint() opens pdb in the cell",
+    ),
+    Patch(
+        "debugger",
+        "pdb",
+        "set_trace",
+        "nbtrain.rank.debugger:relayed_set_trace",
+        _RANK,
+        "pdb.set_trace() opens pdb in the cell",
+    ),
+    # The launcher, before it forks ranks (a spawned rank installs them itself): as each module is imported.
+    *(
+        Patch("notebook only", module, name, "nbtrain.rank.displays:in_the_cell", _LAUNCHER, _SHOWN.format(name), True)
+        for module in ("IPython.core.display_functions", "IPython.core.display")  # IPython 8 and later, then 7.x
+        for name in ("display", "clear_output")
+    ),
+    Patch(
+        "notebook only",
+        "tqdm.notebook",
+        "tqdm_notebook",
+        "nbtrain.rank.progressbars:text_bar",
+        _LAUNCHER,
+        _TEXT_BAR,
+        True,
+    ),
+    Patch("notebook only", "tqdm.notebook", "tqdm", "nbtrain.rank.progressbars:text_bar", _LAUNCHER, _TEXT_BAR, True),
+    # One pdb prompt on a rank (nbtrain.rank.debugger): interact's input() and print() use the relay.
+    Patch("pdb prompt", "sys", "stdin", "nbtrain.rank.debugger:the_relay", Lifetime.PROMPT, "interact reads the relay"),
+    Patch(
+        "pdb prompt", "sys", "stdout", "nbtrain.rank.debugger:the_relay", Lifetime.PROMPT, "interact writes the relay"
+    ),
+    # One auto-mode cell of several ranks (nbtrain.rank.cell): what the cell makes and trains itself.
+    Patch(
+        "made in the cell",
+        "torch.optim:Optimizer",
+        "__init__",
+        "nbtrain.rank.madehere:recording_optimizers",
+        _CELL,
+        "an optimizer made in the cell records where, so its model can be kept averaged",
+    ),
+    Patch(
+        "made in the cell",
+        "torch.nn.parallel:DistributedDataParallel",
+        "__init__",
+        "nbtrain.rank.madehere:recording_averaged",
+        _CELL,
+        "a DDP made in the cell marks its parameters averaged",
+    ),
+    Patch(
+        "made in the cell",
+        "torch.amp:GradScaler",
+        "unscale_",
+        "nbtrain.rank.cellmodels:averaging_unscale",
+        _CELL,
+        "a scaler looks for infinities in a cell-made model's averaged gradients: every rank skips alike",
+    ),
+    *(
+        Patch("made in the cell", module, name, "nbtrain.rank.cellmodels:averaging_clip", _CELL, _AVERAGED_CLIP)
+        for module in ("torch.nn.utils.clip_grad", "torch.nn.utils")
+        for name in ("clip_grad_norm_", "clip_grad_value_")
+    ),
+    *(
+        Patch(
+            "made in the cell",
+            "torch.utils.data:DataLoader",
+            name,
+            f"nbtrain.rank.cellloaders:{factory}",
+            _CELL,
+            "a DataLoader made in the cell reads this rank's share, as the kernel's do",
+        )
+        for name, factory in (
+            ("__init__", "recording_loaders"),
+            ("__iter__", "sharded_iter"),
+            ("__len__", "sharded_len"),
+        )
+    ),
+    Patch(
+        "made in the cell",
+        "torch.optim.lr_scheduler:ReduceLROnPlateau",
+        "step",
+        "nbtrain.rank.schedulers:agreed_step",
+        _CELL,
+        "every rank steps on the ranks' agreed metric, so all keep the same learning rate",
+    ),
+    # One cell of several ranks: a file saved to one path by every rank is written whole.
+    Patch("whole files", "torch", "save", "nbtrain.rank.checkpoints:whole_torch_save", _CELL, _WHOLE),
+    Patch("whole files", "torch.serialization", "save", "nbtrain.rank.checkpoints:whole_torch_save", _CELL, _WHOLE),
+    Patch("whole files", "numpy", "save", "nbtrain.rank.checkpoints:whole_numpy_save", _CELL, _WHOLE, True),
+    Patch(
+        "whole files",
+        "matplotlib.figure:Figure",
+        "savefig",
+        "nbtrain.rank.checkpoints:whole_savefig",
+        _CELL,
+        _WHOLE,
+        True,
+    ),
+    # One cell that prepared a model for 16-mixed on CUDA (nbtrain.rank.wrapping).
+    Patch(
+        "loss scaling",
+        "torch:Tensor",
+        "backward",
+        "nbtrain.rank.precision:scaled_backward",
+        _CELL,
+        "16-mixed scales a scalar loss's backward with no code change",
+    ),
+    # One cell that logs its loss (nbtrain.rank.cell): installed after loss scaling, so it sees the true loss.
+    Patch(
+        "loss logging",
+        "torch:Tensor",
+        "backward",
+        "nbtrain.rank.losslogging:logged_backward",
+        _CELL,
+        "scalar.backward() logs the loss for the live view with no code change",
+    ),
+    # One cell that imports an experiment tracker (nbtrain.rank.trackers).
+    *TRACKER_PATCHES,
+)
 """Every patch nbtrain installs, in the order each group installs them. docs/architecture.md
 shows this table; ``tests/test_structure.py`` checks that nothing else replaces a library's
 attribute."""

@@ -92,6 +92,8 @@ def test_clipping_reads_the_averaged_gradients_as_under_ddp(kernel):
     kernel.run_ok("from torch.nn.utils import clip_grad_norm_")
     kernel.run_ok("%%distributed --devices 2\nby_name, _ = fit(lr=0.05, clip=0.05, clipper=clip_grad_norm_)\n")
     assert kernel.value(SAME.replace("a[", "by_name[").replace("b[", "clipped_ddp[").replace("in a)", "in by_name)"))
+    # The cell's averaging clip was given back as the cell ended: the kernel keeps torch's own.
+    assert kernel.value("clip_grad_norm_ is torch.nn.utils.clip_grad.clip_grad_norm_")
 
 
 def test_a_model_with_batch_norm_trains_as_ddp_trains_it_and_the_ranks_start_from_rank_0s(kernel):

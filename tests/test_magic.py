@@ -65,6 +65,15 @@ def test_load_ext_registers_the_magics_once_and_wraps_debug_once(kernel):
     assert kernel.value(f"getattr({debug}, 'nbtrain_wrapped', False)") is True
 
 
+def test_unload_ext_gives_ipythons_debug_back_and_load_ext_wraps_it_again(kernel):
+    debug = "get_ipython().magics_manager.magics['line']['debug']"
+    kernel.run_ok("%unload_ext nbtrain")
+    assert kernel.value(f"getattr({debug}, 'nbtrain_wrapped', False)") is False
+    assert kernel.value(f"{debug}.__self__.__class__.__name__") == "ExecutionMagics"  # IPython's own
+    kernel.run_ok("%load_ext nbtrain")
+    assert kernel.value(f"getattr({debug}, 'nbtrain_wrapped', False)") is True
+
+
 def test_nbtrain_debug_without_a_held_rank_says_how_to_get_one(kernel):
     out = kernel.run("%nbtrain_debug")
     lines = out.stderr.strip().splitlines()

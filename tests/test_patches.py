@@ -117,3 +117,16 @@ def test_a_patch_on_import_that_never_came_is_taken_back(library: str) -> None:
 def test_an_unknown_group_is_named_with_the_known_ones() -> None:
     with contextlib.ExitStack() as stack, pytest.raises(ValueError, match="no patch belongs to group 'nope'"):
         patches.install("nope", stack, (_patch("g", "colorsys", "rgb_to_hsv", "constant_one"),))
+
+
+def keep_it(original):
+    return original
+
+
+def test_a_factory_that_returns_what_is_there_changes_nothing(library: str) -> None:
+    table = (_patch("g", library, "missing", "keep_it"), _patch("g", f"{library}:Child", "name", "keep_it"))
+    module = importlib.import_module(library)
+    with contextlib.ExitStack() as stack:
+        patches.install("g", stack, table=table)
+        assert not hasattr(module, "missing") and "name" not in vars(module.Child)
+    assert not hasattr(module, "missing") and "name" not in vars(module.Child)

@@ -56,8 +56,7 @@ def test_loss_scaling_unscales_every_optimizer_and_skips_an_overflowed_step(laun
                 opt.step()
 
         train(models[2], torch.optim.Adam(models[2].parameters(), lr=0.1))  # the reference, before scaling
-        scaling = rank_precision.LossScaling("cpu")
-        scaling.install()
+        scaling = rank_precision.scale_losses("cpu")
         adam = torch.optim.Adam(models[0].parameters(), lr=0.1)
         train(models[0], adam)
         train(models[1], ZeroRedundancyOptimizer(models[1].parameters(), optimizer_class=torch.optim.Adam, lr=0.1))

@@ -1,7 +1,6 @@
 """A stop at a step boundary on a rank (nbtrain.rank.stopping): optimizer steps counted on the board.
 
-The hooks are global to a process (torch's optimizer step hooks cannot be removed one by
-one), so each test runs in a fresh interpreter: a real StepBoard in shared memory, a real
+The board is the process's, so each test runs in a fresh interpreter: a real StepBoard in shared memory, a real
 optimizer, and the launcher's part (choosing the stop step) played by the script.
 The graceful stop of a whole run is tested in test_graceful_stop.py.
 """
@@ -14,14 +13,15 @@ import subprocess
 import sys
 
 SCRIPT = """
-import json, torch
+import contextlib, json, torch
 from nbtrain import stopboard
-from nbtrain.rank import stopping
+from nbtrain.rank import stephooks, stopping
 
 board = stopboard.StepBoard.create(2)
-seen = {"without_board": stopping.hook_optimizer_steps()}
+seen = {"without_board": stopping.counting()}
 stopping.attach(board, 1)
-seen["hooked"] = stopping.hook_optimizer_steps()
+seen["hooked"] = stopping.counting()
+stephooks.hook_steps(contextlib.ExitStack())  # a cell's, left open: the script is the cell
 model = torch.nn.Linear(2, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for _ in range(3):

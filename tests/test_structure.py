@@ -175,7 +175,8 @@ def test_the_public_api_is_what_all_lists():
     public = {name for name in vars(nbtrain) if not name.startswith("_")}
     modules = {name for name in public if type(getattr(nbtrain, name)).__name__ == "module"}
     # Submodules appear as attributes once imported; everything else public is in __all__.
-    assert public - modules - {"load_ipython_extension", "annotations"} == set(nbtrain.__all__)
+    hooks = {"load_ipython_extension", "unload_ipython_extension", "annotations"}  # IPython's, not the API
+    assert public - modules - hooks == set(nbtrain.__all__)
     assert {"last_run", "watch", "prewarm", "launch", "start", "runs"} <= set(nbtrain.__all__)
 
 
@@ -382,3 +383,158 @@ def test_the_server_config_the_install_wrote_enables_the_server_extension_packag
     assert installed.read_text() == source.read_text(), (
         f"{installed} is not the one this tree installs: reinstall nbtrain (bash .ci/setup, or pip install -e .)"
     )
+
+
+# --- every change to a library's attribute is in the patch table ----------------------------------
+
+PATCH_TABLE = "patches.py"  # nbtrain/patches.py: the one module that may replace a library's attribute
+# What hands out a library's module by name.
+_LOOKUPS = {("sys", "modules"), ("importlib", "import_module"), ("preparations", "torch_module")}
+# Attributes set through a library's own API for it, not replacements of its code: ctypes'
+# declaration of a foreign function's types, and torch's cuDNN switches set as the kernel has them.
+_NOT_PATCHES = {("processes.py", "restype"), ("processes.py", "argtypes"), ("sharedtensors.py", "argtypes")}
+_SETTINGS = {"torchsettings.py"}
+
+
+def _root(node: ast.expr) -> ast.expr:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def _library_names(tree: ast.Module) -> set[str]:
+    """Names in ``tree`` that stand for a library's module or class (anywhere in the file): bound by
+    an import of a module other than nbtrain's, a parameter annotated ``ModuleType``, a module looked
+    up by name, a loop over such things, or an attribute of one (``owner = torch.amp.GradScaler``)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.partition(".")[0] != "nbtrain":
+                    names.add(alias.asname or alias.name.partition(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.partition(".")[0] not in ("nbtrain", "__future__"):
+                names.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.arg) and isinstance(node.annotation, ast.Name) and node.annotation.id == "ModuleType":
+            names.add(node.arg)
+    before = -1
+    while len(names) != before:  # aliases of aliases
+        before = len(names)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                if _stands_for_a_library(node.value, names):
+                    names.add(node.targets[0].id)
+            elif isinstance(node, ast.For) and isinstance(node.target, ast.Name):
+                items = node.iter.elts if isinstance(node.iter, (ast.Tuple, ast.List)) else []
+                if items and all(_stands_for_a_library(item, names) for item in items):
+                    names.add(node.target.id)
+    return names
+
+
+def _stands_for_a_library(value: ast.expr, names: set[str]) -> bool:
+    if isinstance(value, ast.Call):
+        func = value.func
+        lookup = func.value if isinstance(func, ast.Attribute) and func.attr == "get" else func
+        chain = (getattr(lookup, "value", None), getattr(lookup, "attr", None))
+        return isinstance(chain[0], ast.Name) and (chain[0].id, chain[1]) in _LOOKUPS
+    if isinstance(value, ast.Subscript):
+        return _stands_for_a_library(ast.Call(func=ast.Attribute(value=value.value, attr="get")), names)
+    while isinstance(value, ast.Attribute):  # an attribute of one (a call's result is no module's)
+        value = value.value
+    return isinstance(value, ast.Name) and value.id in names
+
+
+def _library_assignments_in(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, code) of each replacement of a library's attribute in ``tree``: ``torch.save = ...``,
+    ``setattr(DataLoader, ...)``, ``vars(module).update(...)``; an item (``os.environ[...]``) is not one."""
+    names = _library_names(tree)
+
+    def library(node: ast.expr) -> bool:
+        root = _root(node)
+        return isinstance(root, ast.Name) and root.id in names
+
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [t for each in node.targets for t in (each.elts if isinstance(each, ast.Tuple) else [each])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and node.args:
+            targets = [node.args[0]] if library(node.args[0]) else []
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update":
+            owner = node.func.value
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "vars":
+                targets = [owner.args[0]] if owner.args and library(owner.args[0]) else []
+        for target in targets:
+            if isinstance(target, ast.Attribute) and library(target) or isinstance(node, ast.Call):
+                found.append((node.lineno, ast.unparse(node).splitlines()[0]))
+                break
+    return found
+
+
+def library_assignments(package: Path) -> list[str]:
+    """Every replacement of a library's attribute in ``package`` outside its patch table: ``file:line: code``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).as_posix() == PATCH_TABLE:
+            continue
+        if path.name in _SETTINGS:
+            continue
+        for line, code in _library_assignments_in(ast.parse(path.read_text())):
+            if any(path.name == name and f".{attribute} =" in code for name, attribute in _NOT_PATCHES):
+                continue
+            found.append(f"{path.relative_to(package.parent).as_posix()}:{line}: {code}")
+    return found
+
+
+def test_nothing_outside_the_patch_table_replaces_a_librarys_attribute():
+    assert library_assignments(PACKAGE) == []
+
+
+def test_the_patch_finder_finds_each_way_of_replacing_a_librarys_attribute(tmp_path):
+    package = tmp_path / "nbtrain"
+    package.mkdir()
+    (package / "patches.py").write_text("import torch\ntorch.save = print\n")  # the table's own: allowed
+    (package / "each.py").write_text(
+        "import builtins, os, sys, torch\n"
+        "from torch.utils.data import DataLoader\n"
+        "from nbtrain import records\n"
+        "from types import ModuleType\n"
+        "torch.save = print\n"
+        "DataLoader.__iter__ = iter\n"
+        "sys.stdout = None\n"
+        "builtins.input = input\n"
+        "os.environ['X'] = '1'\n"  # an item, not an attribute
+        "records.x = 1\n"  # nbtrain's own
+        "def f(numpy: ModuleType, obj):\n"
+        "    numpy.save = print\n"
+        "    scaler = torch.amp.GradScaler\n"
+        "    scaler.unscale_ = print\n"
+        "    setattr(sys.modules['pdb'], 'set_trace', print)\n"
+        "    vars(numpy).update(load=print)\n"
+        "    obj.step = print\n"  # an object's own attribute
+    )
+    found = [line.split(": ", 1)[1] for line in library_assignments(package)]
+    assert found == [
+        "torch.save = print",
+        "DataLoader.__iter__ = iter",
+        "sys.stdout = None",
+        "builtins.input = input",
+        "numpy.save = print",
+        "scaler.unscale_ = print",
+        "setattr(sys.modules['pdb'], 'set_trace', print)",
+        "vars(numpy).update(load=print)",
+    ]
+
+
+def test_docs_list_every_patch_of_the_table():
+    from nbtrain import patches
+
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    missing = [
+        f"{patch.target} {patch.attribute}"
+        for patch in patches.TABLE
+        if f"| {patch.group} | `{patch.target}` | `{patch.attribute}` | {patch.lifetime.value} |" not in text
+    ]
+    assert missing == []

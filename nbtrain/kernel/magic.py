@@ -121,9 +121,18 @@ def nbtrain_debug() -> None:
 def load_ipython_extension(ip: Any) -> None:
     """``%load_ext nbtrain``: register ``%%distributed`` (and ``%debug`` after a rank's error)."""
     ip.register_magics(DistributedMagics)
-    original = ip.magics_manager.magics["line"].get("debug")
+    original = ip.find_line_magic("debug")  # IPython's own, loaded (IPython 9 registers it lazily)
     if original is not None and not getattr(original, "nbtrain_wrapped", False):
         ip.register_magic_function(_debug_rank_first(original), "line", "debug")
+
+
+def unload_ipython_extension(ip: Any) -> None:
+    """``%unload_ext nbtrain``: IPython's own ``%debug`` again (``%%distributed`` stays registered:
+    IPython keeps no way to take a magic back)."""
+    debug = ip.magics_manager.magics["line"].get("debug")
+    original = getattr(debug, "__wrapped__", None) if getattr(debug, "nbtrain_wrapped", False) else None
+    if original is not None:
+        ip.magics_manager.magics["line"]["debug"] = original
 
 
 def _debug_rank_first(original: Any) -> Any:
@@ -139,4 +148,5 @@ def _debug_rank_first(original: Any) -> Any:
     debug.needs_local_scope = True  # type: ignore[attr-defined]  # IPython's flag, as on its own %debug
     debug.nbtrain_wrapped = True  # type: ignore[attr-defined]  # a second %load_ext does not wrap twice
     debug.__doc__ = original.__doc__
+    debug.__wrapped__ = original  # type: ignore[attr-defined]  # what %unload_ext nbtrain puts back
     return debug

@@ -757,12 +757,12 @@ def preload() -> tuple[str, ...]:
 
     First installs what every rank forked from here has, here once rather than in each rank
     just forked (0.15 ms there), and before anything imports the modules it changes:
-    tqdm.notebook's bars printing as text, IPython's display showing in the cell.
+    tqdm.notebook's bars printing as text, IPython's display showing in the cell (the patch
+    table's ``notebook only``).
     """
-    from nbtrain.rank import displays, progressbars
+    from nbtrain import patches
 
-    progressbars.print_as_text()
-    displays.show_in_cell()
+    patches.install_for_process("notebook only")
     loaded = []
     for module in PRELOAD:
         with contextlib.suppress(Exception):  # a missing optional module only costs speed

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbtrain.rank import api, preparations
+from nbtrain.rank import api, preparations, stephooks
 
-_state = {"hooked": False, "depth": 0}
+_state = {"depth": 0}  # an optimizer's step inside another's (ZeroRedundancyOptimizer's) is left alone
 
 
 def average_when_bypassed(ddp: Any) -> None:
@@ -29,15 +29,11 @@ def average_when_bypassed(ddp: Any) -> None:
     object.__setattr__(ddp, "_nbtrain_forwards", 0)
     object.__setattr__(ddp, "_nbtrain_forwards_at_step", {})  # id(optimizer) -> forwards at its last step
     preparations.cell_registry().ddp_models.append(ddp)
-    if not _state["hooked"]:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        register_optimizer_step_pre_hook(_before_step)
-        register_optimizer_step_post_hook(_after_step)
-        _state["hooked"] = True
+    stephooks.for_prepared_models()  # average_bypassed before each step
 
 
-def _before_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+def average_bypassed(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    """The step hook's (:mod:`~nbtrain.rank.stephooks`): average a wrapped model's gradients its forward did not."""
     _state["depth"] += 1
     registry = preparations.cell_registry()
     if _state["depth"] > 1 or not registry.ddp_models:  # a step inside another's (ZeroRedundancyOptimizer)
@@ -58,7 +54,8 @@ def _before_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
             )
 
 
-def _after_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+def leave_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    """The step hook's: the step ended."""
     _state["depth"] = max(0, _state["depth"] - 1)
 
 

@@ -30,12 +30,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nbtrain import records
+from nbtrain import patches, records
 from nbtrain.rank import (
     api,
     cellloaders,
     cellmodels,
-    checkpoints,
     displays,
     kerneldevices,
     loaders,
@@ -45,7 +44,7 @@ from nbtrain.rank import (
     preparations,
     prepare,
     samedata,
-    schedulers,
+    stephooks,
     stopping,
     trackers,
     wrapping,
@@ -94,28 +93,10 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     devices = kerneldevices.as_rank_devices(cell_globals, namespace)  # `device = torch.device("cuda:0")` in the kernel
     hidden = _install_shell(cell_globals) if spec.needs_shell else set()
     preparations.configure()
-    preparations.cell_registry().ship(tracked.values())
-    optimizers.know_optimizers(tracked.values())
-    if spec.auto and api.world_size() > 1:  # what the cell makes and trains itself, to name it if unprepared
-        madehere.record_optimizers_made()
-        cellmodels.watch_steps(madehere.first_step, madehere.unstepped_optimizers, cell_globals)  # kept one
-        cellloaders.shard_loaders_made()  # a loader the cell makes is sharded, as the kernel's are
-    prepared = prepare.auto_prepare(cell_globals, spec.names) if spec.auto else []
-    placed: list[tuple[Any, Any, Any]] = []
-    if spec.auto:
-        more, placed = prepare.auto_prepare_held(namespace, spec.held)
-        prepared += more
-    logging = losslogging.loss_logging() if spec.log_loss else contextlib.nullcontext()
-    stopping.hook_optimizer_steps()  # a graceful stop ends the cell at an optimizer step's boundary
-    if api.world_size() > 1:  # every rank saving one checkpoint path: a reader never sees a torn file
-        checkpoints.write_whole()
-    if spec.auto and api.world_size() > 1:  # code for one device steps its schedulers alike on every rank
-        schedulers.agree_on_plateau_metrics()
-    with logging, trackers.tracked_cell():  # one run per tracker, rank 0's; charted live
-        try:
-            display = _execute(spec, cell_globals)
-        except stopping.StopAtStep:
-            display = None  # stopped at the step every rank reached: what it holds goes back as at the end
+    with preparations.cell_registry().patches as cell_patches:  # undone in reverse as the cell ends
+        display, prepared, placed = _run_patched(spec, cell_globals, namespace, tracked, cell_patches)
+        ours = patches.replacements(patches.Lifetime.CELL)
+    _originals_back(cell_globals, ours)
     displays.show_open_figures()  # what the kernel's inline backend shows at a cell's end
     prepare.put_back(namespace, placed)  # so trainer.model is the kernel's model again on the way back
     kerneldevices.restore(devices)
@@ -123,6 +104,47 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     if context is not None:
         context.flush()  # the cell's last metrics go out before the (slower) namespace-out
     return _collect(spec, cell_globals, tracked, before, display, prepared, hidden)
+
+
+def _run_patched(
+    spec: CellSpec, cell_globals: dict[str, Any], namespace: dict[str, Any], tracked: dict[str, Any], stack: Any
+) -> tuple[tuple[Any] | None, list[Any], list[tuple[Any, Any, Any]]]:
+    """Prepare and run the cell with the patches (nbtrain.patches) and step hooks it needs on ``stack``:
+    (what it displays last, what auto mode prepared, what it placed inside held objects)."""
+    __tracebackhide__ = True  # the rank runtime drops frames that say so
+    several = api.world_size() > 1
+    preparations.cell_registry().ship(tracked.values())
+    optimizers.know_optimizers(tracked.values())
+    if "torch" in sys.modules or stopping.counting():  # a cell without torch has no optimizer to hook
+        stephooks.for_the_cell()  # one step pre-hook and post-hook, in nbtrain.rank.stephooks' order
+    if spec.auto and several:  # what the cell makes and trains itself, to name it if unprepared
+        patches.install("made in the cell", stack)  # optimizers, DDP, clipping, loaders, plateau schedulers
+        cellmodels.watch_steps(madehere.first_step, madehere.unstepped_optimizers, cell_globals)  # kept one
+    prepared = prepare.auto_prepare(cell_globals, spec.names) if spec.auto else []
+    placed: list[tuple[Any, Any, Any]] = []
+    if spec.auto:
+        more, placed = prepare.auto_prepare_held(namespace, spec.held)
+        prepared += more
+    if several:  # every rank saving one checkpoint path: a reader never sees a torn file
+        patches.install("whole files", stack)
+    logging = losslogging.loss_logging(stack) if spec.log_loss else contextlib.nullcontext()
+    with logging, trackers.tracked_cell():  # one run per tracker, rank 0's; charted live
+        try:
+            display = _execute(spec, cell_globals)
+        except stopping.StopAtStep:
+            display = None  # stopped at the step every rank reached: what it holds goes back as at the end
+    return display, prepared, placed
+
+
+def _originals_back(cell_globals: dict[str, Any], ours: list[tuple[Any, Any, str]]) -> None:
+    """A global the cell bound to a cell patch's replacement (``from torch import save``, a clip
+    function pointed at the averaging one) names the library's own again, now that the patch is
+    undone: it goes back to the kernel as torch's. ``ours``: (replacement, owner, attribute)."""
+    by_id = {id(replacement): (replacement, owner, attribute) for replacement, owner, attribute in ours}
+    for name, value in list(cell_globals.items()):
+        replacement, owner, attribute = by_id.get(id(value), (None, None, ""))
+        if replacement is value:
+            cell_globals[name] = getattr(owner, attribute, value)
 
 
 def _rewrap_scheduled_optimizers(values: Iterable[Any]) -> None:

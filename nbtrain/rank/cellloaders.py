@@ -5,7 +5,7 @@ makes its own loader first (``loader = DataLoader(train_ds, batch_size=32, shuff
 then the loop), or calls a notebook function that does (a k-fold loop's
 ``run_training(fold)``). Left alone, every rank would read all of it: the one-device result
 at several times the work. So while an auto-mode cell of several ranks runs
-(:func:`shard_loaders_made`), each ``DataLoader`` the user's code makes is remembered, and
+(the patch table's ``made in the cell``), each ``DataLoader`` the user's code makes is remembered, and
 each of its passes is read as a prepared loader's (:mod:`~nbtrain.rank.loaders`): with
 gradients, this rank's share; without, the whole. ``len(loader)`` follows the same rule, so
 a schedule sized in the cell from it (``total_steps=epochs * len(loader)``) ends where the
@@ -36,17 +36,13 @@ _made: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # load
 _prepared: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # -> its rebuild (itself: unshardable)
 # Set while a rebuild reads: its evaluation passes iterate the user's loader itself.
 _reading = {"on": False}
-_installed = {"on": False}
 _gone: dict[str, str] = {}  # where a loader that is gone was made -> what its passes read
 
 
-def shard_loaders_made() -> None:
-    """From now on in this rank, shard the training passes of DataLoaders the user's code makes (once)."""
-    if _installed["on"]:
-        return
+def recording_loaders(own_init: Any) -> Any:
+    """``DataLoader.__init__`` while an auto-mode cell runs (the patch table's): remembers a loader
+    the user's code makes, and where."""
     from torch.utils.data import DataLoader
-
-    own_init, own_iter, own_len = DataLoader.__init__, DataLoader.__iter__, DataLoader.__len__
 
     @functools.wraps(own_init)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -55,21 +51,30 @@ def shard_loaders_made() -> None:
         if where is not None:
             _made[self] = where
 
+    return init
+
+
+def sharded_iter(own_iter: Any) -> Any:
+    """``DataLoader.__iter__`` while an auto-mode cell runs (the patch table's): a pass over a loader
+    the cell made reads as a prepared loader's."""
+
     @functools.wraps(own_iter)
     def iterate(self: Any) -> Any:
         rebuild = _rebuild_to_read(self)
         return own_iter(self) if rebuild is None else _read(iter, rebuild)
+
+    return iterate
+
+
+def sharded_len(own_len: Any) -> Any:
+    """``DataLoader.__len__`` while an auto-mode cell runs (the patch table's): as its passes read."""
 
     @functools.wraps(own_len)
     def length(self: Any) -> int:
         rebuild = _rebuild_to_read(self)
         return own_len(self) if rebuild is None else int(_read(len, rebuild))
 
-    # A rank runs one cell: nothing else sees these.
-    DataLoader.__init__ = init  # type: ignore[method-assign]
-    DataLoader.__iter__ = iterate  # type: ignore[method-assign]
-    DataLoader.__len__ = length  # type: ignore[method-assign]
-    _installed["on"] = True
+    return length
 
 
 def _read(how: Callable[[Any], Any], rebuild: Any) -> Any:

@@ -54,9 +54,8 @@ _kept: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
 # the summary: a k-fold loop's models are gone by the cell's end, and their memory with them.
 _said: list[tuple[str, tuple[Any, ...]]] = []
 _early: weakref.WeakSet[Any] = weakref.WeakSet()  # averaged before the step (unscaled, clipped): it adds nothing
-_installed = {"on": False}
-# "unstepped": the optimizers made in the cell that have not stepped yet (madehere's)
-_sources: dict[str, Callable[[], list[Any]]] = {}
+# "first_step": madehere's first_step; "unstepped": the optimizers made in the cell that have not stepped yet
+_sources: dict[str, Callable[..., Any]] = {}
 # Kept, and their first gradients not yet compared over the ranks (the same on every rank: the same batch).
 _unchecked: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -91,10 +90,9 @@ def watch_steps(
     unstepped: Callable[[], list[Any]],
     cell_globals: dict[str, Any],
 ) -> None:
-    """Average kept models' gradients at each step, and where they are read before it: as a
-    GradScaler unscales them and as ``clip_grad_norm_`` (or ``clip_grad_value_``) clips them (once
-    per rank; a rank runs one cell). Installed before the cell runs: a step's hooks cannot be added
-    during one.
+    """Average kept models' gradients where they are read before the step, as a GradScaler unscales
+    them and as ``clip_grad_norm_`` (or ``clip_grad_value_``) clips them: called as the cell starts,
+    after the patch table's ``made in the cell`` is installed.
 
     ``first_step(optimizer, frame)`` (:func:`nbtrain.rank.madehere.first_step`) decides, at an
     optimizer's first step, whether it is kept: unscaling and clipping come before the step
@@ -102,44 +100,41 @@ def watch_steps(
     ``cell_globals``' own references to torch's clipping functions (``from torch.nn.utils
     import clip_grad_norm_`` in the kernel) are pointed at the averaging ones.
     """
-    if _installed["on"]:
-        return
-    _sources["unstepped"] = unstepped
-    torch = preparations.torch_module()
+    _sources.update(first_step=first_step, unstepped=unstepped)
     from torch.nn.utils import clip_grad
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    scaler_class = torch.amp.GradScaler
-    own_unscale = scaler_class.unscale_
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        averaging = getattr(clip_grad, name)
+        own = getattr(averaging, "__wrapped__", averaging)
+        cell_globals.update({n: averaging for n, v in list(cell_globals.items()) if v is own})
+
+
+def averaging_unscale(own_unscale: Any) -> Any:
+    """``GradScaler.unscale_`` in an auto-mode cell (the patch table's): a kept model's gradients
+    are averaged first, so every rank finds the same infinities."""
 
     @functools.wraps(own_unscale)
     def unscale_(self: Any, optimizer: Any) -> Any:
-        first_step(optimizer, sys._getframe(1))  # a first step under the scaler starts here
+        _sources["first_step"](optimizer, sys._getframe(1))  # a first step under the scaler starts here
         _average_early(optimizer)
         return own_unscale(self, optimizer)
 
-    scaler_class.unscale_ = unscale_
-    for name in ("clip_grad_norm_", "clip_grad_value_"):
-        own = getattr(clip_grad, name)
-        averaging = _averaged_before(own, first_step, unstepped)
-        for holder in (clip_grad, torch.nn.utils):
-            setattr(holder, name, averaging)
-        cell_globals.update({n: averaging for n, v in list(cell_globals.items()) if v is own})
-    register_optimizer_step_pre_hook(_before_step)
-    _installed["on"] = True
+    return unscale_
 
 
-def _averaged_before(own: Any, first_step: Callable[..., None], unstepped: Callable[[], list[Any]]) -> Any:
-    """``own`` (torch's clip_grad_norm_ or clip_grad_value_) reading the kept models' averaged gradients."""
+@functools.cache
+def averaging_clip(own: Any) -> Any:
+    """``own`` (torch's clip_grad_norm_ or clip_grad_value_) reading the kept models' averaged gradients
+    (the patch table's; one per function, wherever torch names it)."""
     torch = preparations.torch_module()
 
     @functools.wraps(own)
     def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         ids = {id(p) for p in params}
-        for optimizer in {id(o): o for o in [*unstepped(), *_kept.keys()]}.values():
+        for optimizer in {id(o): o for o in [*_sources["unstepped"](), *_kept.keys()]}.values():
             if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
-                first_step(optimizer, sys._getframe(1))  # clipping before the first step
+                _sources["first_step"](optimizer, sys._getframe(1))  # clipping before the first step
                 _average_early(optimizer)
         return own(params, *args, **kwargs)
 
@@ -158,8 +153,9 @@ def _average_early(optimizer: Any) -> None:
         _early.add(optimizer)
 
 
-def _before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Average a kept model's gradients before its step; a closure's (its step makes them) as it returns."""
+def average_kept(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The step hook's (:mod:`~nbtrain.rank.stephooks`): average a kept model's gradients before
+    its step; a closure's (its step makes them) as it returns. Returns changed (args, kwargs) or None."""
     kept = _kept.get(optimizer)
     if kept is None:
         return None

@@ -7,7 +7,7 @@ a checkpoint back (the best weights restored after the loop). On the ranks the s
 writes the same file at about the same time, and each of these truncates the file and
 rewrites it in place: a rank loading it meanwhile read a torn file (``PytorchStreamReader
 failed reading zip archive``), and two ranks writing it at once could leave a file of pieces
-of both. So on a run of several ranks :func:`write_whole` makes them write a new file beside
+of both. So while a cell of several ranks runs, the patch table's ``whole files`` makes them write a new file beside
 the path and rename it over the path, which is atomic: a reader opens the old file or a new
 one, complete. When several ranks write one path, the file is the last one's (under DDP
 their weights are the same). A file object, one rank, a path whose directory does not
@@ -21,8 +21,8 @@ Importing this module does not import torch.
 
 Example (outside a run a save is torch's own):
     >>> import io, torch
-    >>> write_whole()
-    >>> buffer = io.BytesIO(); torch.save({"w": torch.ones(2)}, buffer)
+    >>> save = whole_torch_save(torch.save)
+    >>> buffer = io.BytesIO(); save({"w": torch.ones(2)}, buffer)
     >>> torch.load(io.BytesIO(buffer.getvalue()))["w"].tolist()
     [1.0, 1.0]
 """
@@ -36,10 +36,9 @@ import itertools
 import os
 import socket
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
-from nbtrain.rank import afterimport, api
+from nbtrain.rank import api
 
 _PARTIAL = ".nbtrain-partial"  # a file being written: it has this suffix until it is renamed into place
 _HOST = socket.gethostname().replace("-", "_")  # its processes' ids are the ones this machine can look up
@@ -49,15 +48,10 @@ _looked_at: set[tuple[str, str]] = set()  # (directory, name): left-over partial
 _FIGURE_FORMATS = frozenset({"png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp"})
 
 
-def write_whole() -> None:
-    """Make ``torch.save``, ``numpy.save`` and a figure's ``savefig`` to a path in this process write
-    the file whole, when the run has several ranks (once; numpy and matplotlib as they are imported)."""
-    import torch
-    import torch.serialization
-
-    own = torch.serialization.save
-    if getattr(own, "_nbtrain_whole", False):
-        return
+@functools.cache
+def whole_torch_save(own: Any) -> Any:
+    """``torch.save`` (and ``torch.serialization.save``: one for both) in a cell of several ranks
+    (the patch table's ``whole files``): a save to a path writes the file whole."""
 
     @functools.wraps(own)
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
@@ -66,10 +60,7 @@ def write_whole() -> None:
 
         return _save_whole(_replaced_path(f), write, lambda: own(obj, f, *args, **kwargs))
 
-    save._nbtrain_whole = True  # type: ignore[attr-defined]  # the mark of this wrapper
-    torch.save = torch.serialization.save = save  # a rank runs one cell: nothing else sees it
-    afterimport.when_imported("numpy", _numpy_saves_whole)
-    afterimport.when_imported("matplotlib.figure", _figures_save_whole)
+    return save
 
 
 def _save_whole(target: str | None, write: Callable[[str], Any], own: Callable[[], Any]) -> Any:
@@ -91,8 +82,8 @@ def _save_whole(target: str | None, write: Callable[[str], Any], own: Callable[[
     return None
 
 
-def _numpy_saves_whole(numpy: ModuleType) -> None:
-    own = numpy.save
+def whole_numpy_save(own: Any) -> Any:
+    """``numpy.save`` in a cell of several ranks (the patch table's ``whole files``)."""
 
     @functools.wraps(own)
     def save(file: Any, arr: Any, *args: Any, **kwargs: Any) -> None:
@@ -106,12 +97,11 @@ def _numpy_saves_whole(numpy: ModuleType) -> None:
 
         _save_whole(target, write, lambda: own(file, arr, *args, **kwargs))
 
-    numpy.save = save  # type: ignore[attr-defined]  # a rank runs one cell: nothing else sees it
+    return save
 
 
-def _figures_save_whole(figure_module: ModuleType) -> None:
-    figure_class = figure_module.Figure
-    own = figure_class.savefig
+def whole_savefig(own: Any) -> Any:
+    """``Figure.savefig`` in a cell of several ranks (the patch table's ``whole files``)."""
 
     @functools.wraps(own)
     def savefig(self: Any, fname: Any, *args: Any, **kwargs: Any) -> Any:
@@ -126,7 +116,7 @@ def _figures_save_whole(figure_module: ModuleType) -> None:
 
         return _save_whole(target, write, lambda: own(self, fname, *args, **kwargs))
 
-    figure_class.savefig = savefig  # a rank runs one cell: nothing else sees it
+    return savefig
 
 
 def _replaced_path(f: Any) -> str | None:

@@ -20,6 +20,7 @@ Example (outside a rank, the selection alone):
 from __future__ import annotations
 
 import bdb
+import contextlib
 import io
 import os
 import pdb  # noqa: T100 - relaying pdb is this module's purpose
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any, cast
 
-from nbtrain import wire
+from nbtrain import patches, wire
 from nbtrain.events import AttachHeld, DebugEnded, DebugInput, DebugOutput, DebugPrompt, Release
 
 HOOK = "nbtrain.rank.debugger.breakpointhook"  # PYTHONBREAKPOINT in a rank
@@ -55,10 +56,27 @@ def install_breakpoint_hook(channel: socket.socket, run_id: int, rank: int, inte
     """Make ``breakpoint()`` and ``pdb.set_trace()`` in this rank open the relayed pdb."""
     global _place
     _place = _Place(channel, run_id, rank, os.getpid(), interactive)
-    sys.breakpointhook = breakpointhook
+    patches.install_for_process("debugger")  # sys.breakpointhook and pdb.set_trace, relayed
     # Also for code that puts back sys.__breakpointhook__, which reads the variable.
     os.environ["PYTHONBREAKPOINT"] = HOOK
-    pdb.set_trace = _pdb_set_trace  # same call, relayed
+
+
+def relayed_hook(_original: Any) -> Any:
+    """A rank's ``sys.breakpointhook`` (the patch table's): :func:`breakpointhook`."""
+    return breakpointhook
+
+
+def relayed_set_trace(_original: Any) -> Any:
+    """A rank's ``pdb.set_trace`` (the patch table's): the same call, relayed."""
+    return _pdb_set_trace
+
+
+def the_relay(_original: Any) -> Any:
+    """``sys.stdin`` and ``sys.stdout`` while a rank's pdb prompts (the patch table's): its relay."""
+    return _prompting[-1]
+
+
+_prompting: list[Any] = []  # the relays of the prompts open now, innermost last
 
 
 def selected(this_rank: int, rank: Ranks) -> bool:
@@ -196,12 +214,13 @@ class RankPdb(pdb.Pdb):
 
     def interaction(self, frame: FrameType | None, traceback: TracebackType | None) -> None:
         """pdb's prompt loop, with ``sys.stdin``/``sys.stdout`` on the relay meanwhile (for ``interact``)."""
-        saved = sys.stdin, sys.stdout
-        sys.stdin = sys.stdout = self.relay  # for interact (code.interact reads input())
+        _prompting.append(self.relay)
         try:
-            super().interaction(frame, traceback)
+            with contextlib.ExitStack() as stack:
+                patches.install("pdb prompt", stack)  # for interact (code.interact reads input())
+                super().interaction(frame, traceback)
         finally:
-            sys.stdin, sys.stdout = saved
+            _prompting.pop()
             self.relay.flush()
 
     def set_continue(self) -> None:

@@ -21,8 +21,8 @@ each one's text is printed. The functions keep IPython's names, so a cell that b
 ``display`` gives the kernel back its own. Outside a run they are IPython's.
 
 Example (outside a rank nothing is changed):
-    >>> from nbtrain.rank import afterimport
-    >>> MODULES[0] in afterimport._changes
+    >>> from nbtrain import patches
+    >>> "notebook only" in patches._for_the_process  # installed by the launcher and a rank
     False
 """
 
@@ -34,23 +34,14 @@ import itertools
 import os
 import sys
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from nbtrain import events
-from nbtrain.rank import afterimport, api
+from nbtrain.rank import api
 
-# Where IPython defines display and clear_output: IPython 8 and later, then 7.x (Colab's 7.34).
-MODULES = ("IPython.core.display_functions", "IPython.core.display")
 DISPLAYS_PER_RUN = 200
 # A bundle larger than this is shown as its text (a frontend slows down on such outputs).
 BUNDLE_BYTES = 16 << 20
-
-
-def show_in_cell() -> None:
-    """In this process (a rank, or the launcher ranks are forked from), IPython's display goes to the cell."""
-    for name in MODULES:
-        afterimport.when_imported(name, _send_to_cell)
 
 
 def show_open_figures() -> None:
@@ -85,15 +76,16 @@ def shell_class() -> Any:
     return RankShell
 
 
-def _send_to_cell(module: ModuleType) -> None:
-    display, clear_output = getattr(module, "display", None), getattr(module, "clear_output", None)
-    if display is None or clear_output is None or getattr(display, "_nbtrain", False):
-        return  # IPython 8's core.display imports them from display_functions, changed already
-    handle_class = getattr(module, "DisplayHandle", None)
-    vars(module).update(
-        display=_outside_a_run(display, functools.partial(_display, handle_class)),
-        clear_output=_outside_a_run(clear_output, _clear_output),
-    )
+def in_the_cell(original: Callable[..., Any]) -> Callable[..., Any]:
+    """IPython's ``display`` or ``clear_output`` on a rank (the patch table's): to the cell in a
+    run, IPython's own elsewhere. IPython 8's ``core.display`` binds ``display_functions``' as it
+    is imported, changed already: that one is kept; IPython 9's has none: nothing is added."""
+    if original is None or getattr(original, "__code__", None) is _CHOSEN:
+        return original
+    if original.__name__ == "clear_output":
+        return _outside_a_run(original, _clear_output)
+    handle_class = getattr(sys.modules[original.__module__], "DisplayHandle", None)
+    return _outside_a_run(original, functools.partial(_display, handle_class))
 
 
 def _outside_a_run(original: Callable[..., Any], on_a_rank: Callable[..., Any]) -> Callable[..., Any]:
@@ -106,8 +98,10 @@ def _outside_a_run(original: Callable[..., Any], on_a_rank: Callable[..., Any]) 
             return original(*args, **kwargs)
         return on_a_rank(context, *args, **kwargs)
 
-    chosen._nbtrain = True  # type: ignore[attr-defined]  # changed once, whichever module imports it
     return chosen
+
+
+_CHOSEN = _outside_a_run(print, print).__code__  # what a function of _outside_a_run's runs
 
 
 def _display(

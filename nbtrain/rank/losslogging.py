@@ -26,7 +26,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from nbtrain.rank import api, preparations
+from nbtrain import patches
+from nbtrain.rank import api
 
 MAX_ROWS_PER_SECOND = 100  # the live view draws about 4 times a second
 FIRST_STEPS = 32  # each one logged; their pace sets the stride (and again at 64, 128, ... steps)
@@ -75,20 +76,36 @@ def _true_loss(loss: Any) -> Any:
 
 
 @contextlib.contextmanager
-def loss_logging() -> Iterator[None]:
+def loss_logging(stack: contextlib.ExitStack | None = None) -> Iterator[None]:
     """While active, ``scalar.backward()`` logs the scalar as ``loss`` unless the user logs.
 
     The live view then has a loss curve with no code change. It stops as soon as the cell
-    calls ``nbtrain.log`` itself, and does nothing outside a run.
+    calls ``nbtrain.log`` itself, and does nothing outside a run. The patch goes on ``stack``
+    (the cell's, which 16-mixed's loss scaling may join during the cell: undone in reverse as
+    the cell ends), else on one of its own, undone as this ends.
     """
     context = api.current_context()
     if context is None:
         yield
         return
-    torch = preparations.torch_module()
-    original = torch.Tensor.backward
+    _samplers.append(_Sampler(context))
+    try:
+        with contextlib.ExitStack() as own:
+            patches.install("loss logging", own if stack is None else stack)  # Tensor.backward: logged_backward
+            yield
+    finally:
+        sampler = _samplers.pop()
+    sampler.finish()  # not after a failure: the cell's error is what it shows then
+
+
+_samplers: list[_Sampler] = []  # the sampler of the cell logging its loss now
+
+
+def logged_backward(original: Any) -> Any:
+    """``Tensor.backward`` while a cell logs its loss (the patch table's): a scalar's backward is a step."""
     busy = threading.local()
-    sampler = _Sampler(context)
+    sampler = _samplers[-1]
+    context = sampler.context
 
     def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # an error in the backward reads as in the kernel (rank.runtime)
@@ -104,9 +121,4 @@ def loss_logging() -> Iterator[None]:
 
     backward.__doc__ = original.__doc__
     backward.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps would set it
-    torch.Tensor.backward = backward
-    try:
-        yield
-    finally:
-        torch.Tensor.backward = original
-    sampler.finish()  # not after a failure: the cell's error is what it shows then
+    return backward

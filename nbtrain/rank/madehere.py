@@ -4,7 +4,7 @@ Auto mode prepares what the kernel had before the cell. A model built during the
 stepped by an optimizer made there (a training cell that starts with ``model = Net()``, a
 k-fold loop's ``run_training(fold)``) would train one copy per rank, its gradients never
 averaged: the one-device result at several times the work, with no error. So while an
-auto-mode cell of several ranks runs (:func:`record_optimizers_made`), each optimizer made
+auto-mode cell of several ranks runs (the patch table's ``made in the cell``), each optimizer made
 records where (the user's function and line) and each DDP wrapper made marks its parameters
 averaged. At an optimizer's first step (:func:`first_step`), one whose parameters nothing
 averages (not prepared, not wrapped, not sharded) is kept one over the ranks from then on
@@ -33,7 +33,6 @@ from nbtrain.rank import cellmodels, preparations
 _made: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # optimizer not stepped yet -> where made
 _every_made: weakref.WeakSet[Any] = weakref.WeakSet()  # every optimizer made in the cell, stepped or not
 _averaged: set[int] = set()  # ids of parameters a DDP wrapper made in this process averages
-_recording = {"on": False}
 _LIBRARY_FILES = re.compile(r"[/\\](site|dist)-packages[/\\]|^<frozen ")
 # nbtrain's own files and the standard library's: no user's code.
 _HOMES = (
@@ -42,15 +41,8 @@ _HOMES = (
 )
 
 
-def record_optimizers_made() -> None:
-    """Record, from now on in this rank, the optimizers made and stepped and the parameters DDP averages (once)."""
-    if _recording["on"]:
-        return
-    import torch
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    own_init, own_ddp_init = torch.optim.Optimizer.__init__, DistributedDataParallel.__init__
+def recording_optimizers(own_init: Any) -> Any:
+    """``Optimizer.__init__`` while an auto-mode cell runs (the patch table's): records where each is made."""
 
     @functools.wraps(own_init)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -58,20 +50,24 @@ def record_optimizers_made() -> None:
         _made[self] = _where(sys._getframe(1))
         _every_made.add(self)
 
+    return init
+
+
+def recording_averaged(own_ddp_init: Any) -> Any:
+    """``DistributedDataParallel.__init__`` while an auto-mode cell runs (the patch table's): marks
+    the parameters it averages."""
+
     @functools.wraps(own_ddp_init)
     def ddp_init(self: Any, module: Any, *args: Any, **kwargs: Any) -> None:
         own_ddp_init(self, module, *args, **kwargs)
         _averaged.update(id(p) for p in module.parameters())
 
-    # A rank runs one cell: nothing else sees these.
-    torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign]
-    DistributedDataParallel.__init__ = ddp_init  # type: ignore[method-assign]
-    register_optimizer_step_pre_hook(_before_step)
-    _recording["on"] = True
+    return ddp_init
 
 
-def _before_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
-    first_step(optimizer, sys._getframe(1))
+def at_first_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    """The step hook's (:mod:`~nbtrain.rank.stephooks`): an optimizer's first step decides whether it is kept."""
+    first_step(optimizer, sys._getframe(2))  # past the dispatcher: where the step was called
 
 
 def first_step(optimizer: Any, frame: types.FrameType | None) -> None:

@@ -23,6 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from nbtrain import patches
+from nbtrain.rank import preparations, stephooks
+
 _DTYPES = {"16": "float16", "bf16": "bfloat16", "64": "float64", "32": "float32"}
 
 
@@ -106,8 +109,9 @@ def _cast_floating(data: Any, dtype: Any) -> Any:
 class LossScaling:
     """``16-mixed`` on CUDA: scale each scalar loss's backward, unscale before every optimizer step.
 
-    Installed by ``prepare`` for the rest of the rank's life (a rank runs one cell), for
-    every optimizer, also one the cell builds after ``prepare`` and never hands it:
+    Made by ``prepare``, which installs the patch table's ``loss scaling`` for the rest of the
+    cell; the cell's step hooks (:mod:`~nbtrain.rank.stephooks`) call it for every optimizer,
+    also one the cell builds after ``prepare`` and never hands it:
     ``optimizer.step()`` and ``loss.backward()`` in the user's code are unchanged. Before a
     step the gradients are unscaled; a step whose gradients overflowed changes nothing
     (every torch optimizer skips a parameter without a gradient) and lowers the scale, as
@@ -134,24 +138,12 @@ class LossScaling:
             return scaled
         return loss
 
-    def install(self) -> None:
-        """Scale ``loss.backward()`` and hook every optimizer step of this rank."""
-        import torch
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        plain_backward: Callable[..., Any] = torch.Tensor.backward  # torch leaves it unannotated
-        scale = self.scale
-
-        def backward(tensor: Any, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
-            self._depth = 0  # no step is under way at a backward; a step that raised left it counted
-            if gradient is None and not hasattr(tensor, "_nbtrain_unscaled"):
-                tensor = scale(tensor)
-            return plain_backward(tensor, gradient, *args, **kwargs)
-
-        backward.__doc__ = plain_backward.__doc__
-        torch.Tensor.backward = backward  # type: ignore[method-assign,assignment]  # loss scaling, by design
-        register_optimizer_step_pre_hook(self.before_step)
-        register_optimizer_step_post_hook(self.after_step)
+    def backward(self, plain_backward: Any, tensor: Any, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """``plain_backward`` of the scaled loss (:func:`scaled_backward`'s)."""
+        self._depth = 0  # no step is under way at a backward; a step that raised left it counted
+        if gradient is None and not hasattr(tensor, "_nbtrain_unscaled"):
+            tensor = self.scale(tensor)
+        return plain_backward(tensor, gradient, *args, **kwargs)
 
     def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Unscale the gradients; drop them all when one overflowed (the step then skips)."""
@@ -189,3 +181,39 @@ class LossScaling:
         self._depth = max(0, self._depth - 1)
         if self._depth == 0 and self._unscaled:
             self.scaler.update()
+
+
+def scale_losses(device_type: str) -> LossScaling:
+    """From now on in this cell (this run, outside one), scale each scalar loss's backward and
+    unscale before each optimizer step: the cell registry's :class:`LossScaling`."""
+    scaling = preparations.cell_registry().loss_scaling = LossScaling(device_type)
+    patches.install("loss scaling", preparations.cell_registry().patches)  # a scalar's backward is scaled
+    stephooks.for_prepared_models()  # unscale_before_step and update_scale around each step
+    return scaling
+
+
+def scaled_backward(plain_backward: Any) -> Any:
+    """``Tensor.backward`` in a cell that prepared a model for 16-mixed on CUDA (the patch table's):
+    a scalar loss's backward is scaled by the cell's :class:`LossScaling`."""
+    def backward(tensor: Any, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
+        scaling = preparations.cell_registry().loss_scaling
+        if scaling is None:
+            return plain_backward(tensor, gradient, *args, **kwargs)
+        return scaling.backward(plain_backward, tensor, gradient, *args, **kwargs)
+
+    backward.__doc__ = plain_backward.__doc__
+    return backward
+
+
+def unscale_before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The step hook's (:mod:`~nbtrain.rank.stephooks`): the cell's loss scaling unscales, if any."""
+    scaling = preparations.cell_registry().loss_scaling
+    if scaling is not None:
+        scaling.before_step(optimizer, args, kwargs)
+
+
+def update_scale(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The step hook's: the cell's loss scaling updates its scale, if any."""
+    scaling = preparations.cell_registry().loss_scaling
+    if scaling is not None:
+        scaling.after_step(optimizer, args, kwargs)

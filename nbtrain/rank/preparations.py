@@ -15,6 +15,7 @@ Example (outside a run nothing is prepared, and no wrapper is chosen):
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from collections.abc import Iterable
@@ -52,6 +53,10 @@ class _Registry:
         self.first_inputs: list[tuple[tuple[Any, ...], str, Any, bool]] = []
         self.unsharded: list[int] = []  # ids of loaders auto mode could not shard (each said in a note)
         self.shipped: dict[int, Any] = {}  # id -> the kernel's wrappers (a DataParallel) the cell received
+        # The cell's patches (nbtrain.patches) and step hooks, undone in reverse as the cell ends
+        # (nbtrain.rank.cell); also those prepare installs during the cell (16-mixed's loss scaling).
+        self.patches = contextlib.ExitStack()
+        self.steps_hooked = False  # nbtrain.rank.stephooks' pair of step hooks is on self.patches
 
     def ship(self, objects: Iterable[Any]) -> None:
         """Note the kernel's wrappers among ``objects``: they go back as themselves, not as their model."""

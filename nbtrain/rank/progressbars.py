@@ -8,32 +8,26 @@ shows as each rank's line; ``tnrange``/``trange`` use it too. The class keeps it
 module, so a cell that binds ``tqdm`` gives the kernel back its own notebook class.
 
 Example (outside a rank nothing is changed):
-    >>> from nbtrain.rank import afterimport
-    >>> _MODULE in afterimport._changes
+    >>> from nbtrain import patches
+    >>> "notebook only" in patches._for_the_process  # installed by the launcher and a rank
     False
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-from types import ModuleType
 from typing import Any
-
-from nbtrain.rank import afterimport
 
 _MODULE = "tqdm.notebook"
 
 
-def print_as_text() -> None:
-    """In this process (a rank, or the launcher ranks are forked from), tqdm.notebook is imported with a text bar."""
-    afterimport.when_imported(_MODULE, _with_text_bar)
+def text_bar(_original: Any) -> type:
+    """``tqdm.notebook``'s ``tqdm`` and ``tqdm_notebook`` on a rank (the patch table's): one text bar class."""
+    return _text_bar()
 
 
-def _with_text_bar(module: ModuleType) -> None:
-    bar = _text_bar()
-    vars(module).update(tqdm_notebook=bar, tqdm=bar)
-
-
+@functools.cache
 def _text_bar() -> type:
     std: Any = importlib.import_module("tqdm.std")
 

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import bdb
-import builtins
 import contextlib
 import datetime
 import faulthandler
@@ -35,7 +34,7 @@ import types
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
-from nbtrain import config, logsetup, processes, records, sharedtensors, stacks, torchsettings, wire
+from nbtrain import config, logsetup, patches, processes, records, sharedtensors, stacks, torchsettings, wire
 from nbtrain.events import (
     DebugQuit,
     RankAssignment,
@@ -46,7 +45,7 @@ from nbtrain.events import (
     StandbyReady,
     StartRun,
 )
-from nbtrain.rank import api, debugger, displays, progressbars, settings
+from nbtrain.rank import api, debugger, settings
 
 STORE_TIMEOUT = datetime.timedelta(minutes=5)
 _hosted_store: Any = None  # rank 0's TCPStore server; must live as long as the rank
@@ -81,7 +80,7 @@ def run_standby(plan: RankAssignment, channel: socket.socket, listen_fd: int | N
         _select_device(plan.spec.device_type, plan.spec.device_index)
         _warm_device(plan.spec.device_type)
         _join_process_group(plan, listen_fd, eager=True)
-        _tolerate_torchrun_style_calls(_distributed())  # as _run would, off the run's way
+        patches.install_for_process("torchrun")  # as _run would, off the run's way
         _warm_the_way()
         _import_ahead(plan.start.preimport)
         wire.send(channel, StandbyReady(plan.spec.rank))
@@ -178,10 +177,8 @@ def _begin(assignment: RankAssignment, stack_fd: int | None) -> None:
     # Orphans of this rank's subtree (a double fork, say) become its children, and the
     # launcher's once it exits: so nothing it started outlives the run (nbtrain.processes).
     processes.become_subreaper()
-    _line_buffered_stdio()
-    progressbars.print_as_text()  # a spawned rank's (a forked one has its launcher's): before any import
-    displays.show_in_cell()
-    builtins.input = functools.partial(_no_input, builtins.input, sys.stdin)
+    patches.install_for_process("rank")  # stdout, stderr, input()
+    patches.install_for_process("notebook only")  # a spawned rank's (a forked one has its launcher's)
 
 
 def _run(
@@ -210,7 +207,7 @@ def _run(
         debugger.install_breakpoint_hook(channel, start.run_id, spec.rank, start.interactive)
         if not prepared:
             _select_device(spec.device_type, spec.device_index)
-        _tolerate_torchrun_style_calls(_distributed())  # before the payload: its names resolve to ours
+        patches.install_for_process("torchrun")  # before the payload: its names resolve to ours
         known = len(sys.modules)
         fn, args, kwargs = sharedtensors.loads(start.payload, tensor_fd, map_location=spec.device_type)
         if spec.rank == 0 and start.standby_seconds:  # what the next standby ranks import ahead
@@ -237,6 +234,11 @@ def _run(
             debugger.hold_for_post_mortem(channel, start.run_id, spec.rank, traceback_, header)
         processes.exit_now(1)
     processes.exit_now(0)
+
+
+def no_input(original: Any) -> Any:
+    """``input()`` on a rank (the patch table's): ``original`` where ``sys.stdin`` is not the rank's own."""
+    return functools.partial(_no_input, original, sys.stdin)
 
 
 def _no_input(original: Any, stdin: Any, prompt: object = "") -> str:
@@ -288,10 +290,15 @@ def register_stack_dump(stack_fd: int | None, environ: Mapping[str, str]) -> Non
     faulthandler.register(stacks.DUMP_SIGNAL, file=stack_fd, all_threads=True, chain=False)
 
 
-def _line_buffered_stdio() -> None:
-    # fds 1 and 2 are pipes to the launcher; line buffering makes each print appear live.
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, errors="replace")
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="replace")
+def line_buffered_stdout(_original: Any) -> io.TextIOWrapper:
+    """A rank's ``sys.stdout`` (the patch table's): fd 1, a pipe to the launcher, line-buffered so
+    that each print appears live."""
+    return io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, errors="replace")
+
+
+def line_buffered_stderr(_original: Any) -> io.TextIOWrapper:
+    """A rank's ``sys.stderr`` (the patch table's): fd 2, line-buffered as ``sys.stdout``."""
+    return io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="replace")
 
 
 def _adopt_caller_state(assignment: RankAssignment) -> None:
@@ -465,52 +472,40 @@ def _join_process_group(assignment: RankAssignment, listen_fd: int | None, eager
     dist.init_process_group(assignment.start.backend, rank=spec.rank, world_size=spec.world_size, device_id=device)
 
 
-def _distributed() -> Any:
-    import torch.distributed as dist
+# Code written for torchrun runs unchanged: its own init/destroy of the group become harmless.
+# Destroying the group is skipped because a gloo group destroyed while DDP still holds it can
+# hang in its destructor; the rank exits without teardown anyway. The table sets them in the
+# module that defines them too (torch.distributed.distributed_c10d), one replacement for both
+# (made once per original): so a name the notebook bound in the kernel (``from torch.distributed
+# import init_process_group as setup``), which travels as a reference to that module's
+# attribute, arrives as the replacement; and the replacement, which takes the original's module
+# and name, travels back to the kernel as torch's own function.
 
-    return dist
 
+@functools.cache
+def harmless_init(original: Any) -> Any:
+    """``init_process_group`` on a rank (the patch table's): joins nothing when the rank has joined."""
 
-def _tolerate_torchrun_style_calls(dist: Any) -> None:
-    """Let code written for torchrun run unchanged: its own init/destroy become harmless.
-
-    Destroying the group is skipped because a gloo group destroyed while DDP still holds
-    it can hang in its destructor; the rank exits without teardown anyway.
-
-    The replacements take the originals' module and name, and are set in the module that
-    defines them too (``torch.distributed.distributed_c10d``). So a name the notebook bound
-    in the kernel (``from torch.distributed import init_process_group as setup``), which
-    travels as a reference to that module's attribute, arrives as the replacement; and the
-    replacement travels back to the kernel as torch's own function.
-    """
-    original_init = dist.init_process_group
-    original_destroy = dist.destroy_process_group
-    if getattr(original_init, _HARMLESS, False):
-        return  # installed already
-
-    @functools.wraps(original_init)
+    @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> None:
-        if not dist.is_initialized():
-            original_init(*args, **kwargs)
+        if not sys.modules["torch.distributed"].is_initialized():
+            original(*args, **kwargs)
 
-    @functools.wraps(original_destroy)
+    return init_process_group
+
+
+@functools.cache
+def harmless_destroy(original: Any) -> Any:
+    """``destroy_process_group`` on a rank (the patch table's): destroys a subgroup only."""
+
+    @functools.wraps(original)
     def destroy_process_group(group: Any = None) -> None:
         if group is not None:
-            original_destroy(group)
+            original(group)
 
-    pairs = (
-        ("init_process_group", original_init, init_process_group),
-        ("destroy_process_group", original_destroy, destroy_process_group),
-    )
-    for name, original, replacement in pairs:
-        setattr(replacement, _HARMLESS, True)
-        setattr(dist, name, replacement)
-        home = sys.modules.get(getattr(original, "__module__", None) or "")
-        if home is not None and getattr(home, name, None) is original:
-            setattr(home, name, replacement)
+    return destroy_process_group
 
 
-_HARMLESS = "_nbtrain_harmless"
 
 
 def _send_done(channel: socket.socket, context: api.RankContext, result: Any) -> sharedtensors.InPlace | None:

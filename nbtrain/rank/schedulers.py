@@ -6,7 +6,7 @@ data, so they passed different numbers: one rank cut its learning rate while ano
 not, DDP went on averaging their gradients, each applied them at its own rate, and the
 weights drifted apart with no error. In an auto-mode run of several ranks (code written
 for one device, which never asks which rank it is on, so every rank steps its schedulers
-at the same points), :func:`agree_on_plateau_metrics` makes ``step(metrics)`` gather the
+at the same points), :func:`agreed_step` (the patch table's) makes ``step(metrics)`` gather the
 number from every rank first (one collective of one number per call, usually once an
 epoch). Where they differ, every rank steps on their mean, which is what the number
 would have been over the whole data with equal shares, and the summary says so once;
@@ -30,20 +30,15 @@ NOTE = (
 )
 
 
-def agree_on_plateau_metrics() -> None:
-    """Make every ``ReduceLROnPlateau.step(metrics)`` in this process step on the ranks' agreed number (once)."""
-    from torch.optim.lr_scheduler import ReduceLROnPlateau
-
-    own = ReduceLROnPlateau.step
-    if getattr(own, "_nbtrain_agreed", False):
-        return
+def agreed_step(own: Any) -> Any:
+    """``ReduceLROnPlateau.step`` in an auto-mode cell of several ranks (the patch table's): steps on
+    the ranks' agreed number."""
 
     @functools.wraps(own)
     def step(self: Any, metrics: Any, *args: Any, **kwargs: Any) -> Any:
         return own(self, agreed(metrics), *args, **kwargs)
 
-    step._nbtrain_agreed = True  # type: ignore[attr-defined]  # the mark of this wrapper
-    ReduceLROnPlateau.step = step  # type: ignore[method-assign]  # a rank runs one cell: nothing else sees it
+    return step
 
 
 def agreed(metric: Any) -> Any:

@@ -1,8 +1,8 @@
 """A stop at a step boundary, on a rank: count optimizer steps, and end the cell at the step the launcher chose.
 
 The launcher forks each rank with the run's :class:`nbtrain.stopboard.StepBoard` and its
-slot (:func:`attach`). A ``%%distributed`` cell installs two global optimizer step hooks
-(:func:`hook_optimizer_steps`, once per rank): before each outermost step the rank counts it on the
+slot (:func:`attach`). A ``%%distributed`` cell's step hooks (:mod:`~nbtrain.rank.stephooks`)
+call :func:`check_stop` and :func:`leave_counted_step`: before each outermost step the rank counts it on the
 board and looks at the stop step; when the launcher has chosen one and this step would go
 past it, the hook raises :class:`StopAtStep` instead, and :func:`nbtrain.rank.cell.run_cell`
 ends the cell there as if it had finished: its models, optimizers and schedulers hold the
@@ -73,25 +73,27 @@ class _Counter:
         self.depth = max(0, self.depth - 1)
 
 
-_attached: tuple[stopboard.StepBoard, int] | None = None
-_counter: _Counter | None = None
+_counter: _Counter | None = None  # this rank's count on the run's board (None: no board, a spawned rank)
 
 
 def attach(board: stopboard.StepBoard | None, slot: int) -> None:
     """Called by the launcher in a forked rank: the run's board and this rank's slot on it."""
-    global _attached
-    _attached = None if board is None else (board, slot)
-
-
-def hook_optimizer_steps() -> bool:
-    """Hook every optimizer step of this rank (once); False where the launcher gave no board (a spawned rank)."""
     global _counter
-    if _attached is None:
-        return False
-    if _counter is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    _counter = None if board is None else _Counter(board, slot)
 
-        _counter = _Counter(*_attached)
-        register_optimizer_step_pre_hook(_counter.before_step)
-        register_optimizer_step_post_hook(_counter.after_step)
-    return True
+
+def counting() -> bool:
+    """Whether this rank counts its steps on a board (a forked rank; a spawned one has none)."""
+    return _counter is not None
+
+
+def check_stop(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The step hook's (:mod:`~nbtrain.rank.stephooks`): count the step; raise :class:`StopAtStep` past the stop."""
+    if _counter is not None:
+        _counter.before_step(optimizer, args, kwargs)
+
+
+def leave_counted_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The step hook's: the step ended."""
+    if _counter is not None:
+        _counter.after_step(optimizer, args, kwargs)

@@ -197,8 +197,7 @@ def _apply_precision_and_sync(module: Any, wrapper: str) -> None:
     chosen = settings.current().precision
     precision.apply(module, chosen, device)
     if chosen == "16-mixed" and device.type == "cuda" and preparations.cell_registry().loss_scaling is None:
-        preparations.cell_registry().loss_scaling = precision.LossScaling("cuda")
-        preparations.cell_registry().loss_scaling.install()
+        precision.scale_losses("cuda")
 
 
 def is_wrapped(module: Any) -> bool:
