@@ -20,7 +20,6 @@ Example (on a rank, or anywhere outside a run):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from nbtrain import patches
