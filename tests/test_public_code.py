@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_helpers import nbtrain_kernel
+from kernel_helpers import NotebookKernel, nbtrain_kernel
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -637,3 +637,94 @@ def test_the_notebooks_data_parallel_trains_one_process_per_device_and_comes_bac
     saved = f"torch.load({str(tmp_path / 'dp8.pt')!r}, weights_only=False)"
     assert kernel.value(f"type({saved}) is nn.DataParallel and torch.equal({saved}.module[0].weight, mine)")
 
+
+
+# -- a trainer whose class lives in a module beside the notebook (minGPT's demo, a project's train_utils.py) --
+
+TRAIN_UTILS = '''
+import torch
+from torch.utils.data import DataLoader
+
+
+class Trainer:
+    """Makes its optimizer and loader in run(), as minGPT's Trainer does."""
+
+    def __init__(self, config, model, train_dataset):
+        self.config, self.model, self.train_dataset = config, model, train_dataset
+        self.optimizer = None
+        self.iter_num = 0
+
+    def run(self):
+        model, config = self.model, self.config
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=0.9)
+        loader = DataLoader(self.train_dataset, batch_size=config.batch_size, shuffle=False)
+        model.train()
+        for _ in range(config.epochs):
+            for x, y in loader:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+                self.iter_num += 1
+'''
+
+BESIDE_SETUP = """
+import types, torch
+from torch.utils.data import TensorDataset
+from train_utils import Trainer
+def setup(batch_size):
+    global model, config, dataset, trainer, kernel_ids
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    X = torch.randn(32, 4)
+    dataset = TensorDataset(X, X.sum(1, keepdim=True))
+    config = types.SimpleNamespace(batch_size=batch_size, learning_rate=0.05, epochs=2)
+    trainer = Trainer(config, model, dataset)
+    kernel_ids = id(trainer), id(model), id(config), id(dataset)
+setup(8)
+trainer.run()  # the one-process reference: batches of 8
+reference = [p.detach().clone() for p in model.parameters()]
+reference_momentum = [trainer.optimizer.state[p]['momentum_buffer'].clone() for p in model.parameters()]
+"""
+
+# What one process leaves: the same objects under the same names, the optimizer keyed by the model's parameters.
+SAME_GRAPH = (
+    "trainer.model is model and trainer.config is config and trainer.train_dataset is dataset"
+    " and (id(trainer), id(model), id(config), id(dataset)) == kernel_ids"
+    " and all(p is q for p, q in zip(trainer.optimizer.param_groups[0]['params'], model.parameters()))"
+    " and all(p in trainer.optimizer.state for p in model.parameters())"
+)
+
+
+@pytest.fixture(scope="module")
+def beside(tmp_path_factory):
+    """A kernel whose working directory holds train_utils.py, as a project's notebook folder does."""
+    folder = tmp_path_factory.mktemp("project")
+    (folder / "train_utils.py").write_text(TRAIN_UTILS)
+    kernel = NotebookKernel(cwd=str(folder))
+    try:
+        kernel.run_ok("%load_ext nbtrain")
+        kernel.run_ok(BESIDE_SETUP)
+        yield kernel
+    finally:
+        kernel.shutdown()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_trainer_of_a_module_beside_the_notebook_trains_the_kernels_own_model(beside, devices):
+    """minGPT's pattern: ``trainer = Trainer(config, model, dataset)`` before, ``trainer.run()`` in the cell.
+
+    Afterwards the kernel holds what one process would: ``trainer.model is model``, trained as
+    one process trains it on the union of the ranks' batches (two ranks of 4 are one batch of 8:
+    no shuffle, a mean loss), the optimizer made in the cell stepping the kernel's parameters.
+    """
+    beside.run_ok(f"setup({8 // devices})")
+    out = beside.run_ok(f"%%distributed --devices {devices} --accelerator cpu\ntrainer.run()\n")
+    assert beside.value(SAME_GRAPH), out.stdout
+    assert beside.value("trainer.iter_num") == 32 // 8 * 2
+    close = "torch.equal" if devices == 1 else "(lambda a, b: torch.allclose(a, b, atol=1e-6))"
+    assert beside.value(f"all({close}(p, q) for p, q in zip(model.parameters(), reference))"), out.stdout
+    assert beside.value(
+        f"all({close}(trainer.optimizer.state[p]['momentum_buffer'], m)"
+        " for p, m in zip(model.parameters(), reference_momentum))"
+    )

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nbtrain import records
+from nbtrain import reach, records
 from nbtrain.rank import (
     api,
     cellloaders,
@@ -69,7 +69,7 @@ class CellSpec:
     needs_shell: bool = False
     display_last: bool = False
     rng: Mapping[str, Any] | None = None
-    held: tuple[Any, ...] = ()  # nbtrain.reach.Held: torch objects inside the shipped globals
+    held: tuple[Any, ...] = ()  # nbtrain.reach.Held: the objects inside the shipped globals, by where they are
 
 
 def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> records.CellResult | None:
@@ -86,7 +86,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     cell_globals.setdefault("__builtins__", builtins)
     cell_globals.setdefault("__name__", "__main__")
     records.set_rng_states(spec.rng)
-    # The torch objects held inside globals (trainer.model) are tracked like globals, by label.
+    # The objects inside globals (trainer.model, trainer.config) are tracked like globals, by label.
     tracked = {**namespace, **{h.label: obj for h, obj in prepare.resolved(namespace, spec.held)}}
     _rewrap_scheduled_optimizers(tracked.values())
     rank0 = api.rank() == 0
@@ -232,13 +232,13 @@ class _Before:
         self.objects = dict(namespace)
         self.bindings = dict(cell_globals)  # holds the objects, so identity checks stay valid
         self.kinds = {name: _kind(value) for name, value in self.objects.items()}
-        tracked_apart = ("module", "optimizer", "scheduler", "loader")
-        special = {id(v) for n, v in self.objects.items() if self.kinds[n] in tracked_apart}
-        self.special = special  # by reference in fingerprints: their changes are tracked apart
+        # Every object the kernel has is by reference in the others' fingerprints: its changes are its own.
+        special = {id(v) for n, v in self.objects.items() if self.kinds[n] != "static"}
+        self.special = special
         self.refs = _kernel_refs(self.objects)
         self.keep: list[Any] = []  # tensors the fingerprints name by id (see _fingerprint)
         self.fingerprints = {
-            name: _fingerprint(value, special, self.keep)
+            name: _fingerprint(value, special, self.keep, root=value)
             for name, value in self.objects.items()
             if self.kinds[name] == "plain"
         }
@@ -319,6 +319,7 @@ def _collect(
     for name, module in modules:  # FSDP swapped the parameters: map the new ones too
         if name not in changed_modules:
             _add_module_parts(refs, name, module)
+    contents, whole = _changed_objects(before, changed_modules)
     outcome: dict[str, Any] = {
         "modules": module_states,
         "optimizers": optimizer_states,
@@ -326,21 +327,24 @@ def _collect(
         "inner_optimizers": _inner_optimizer_states(optimizer_states, namespace, [m for _, m in modules]),
         "schedulers": {n: s.state_dict() for n, s in _unique(namespace, _is_scheduler)},
         "tensors": {
-            n: v for n, v in before.objects.items() if before.kinds[n] == "tensor" and v._version != before.versions[n]
+            n: _Whole(v)
+            for n, v in before.objects.items()
+            if before.kinds[n] == "tensor" and v._version != before.versions[n]
         },
-        "changed": _changed_objects(before, changed_modules),
+        "contents": contents,
+        "changed": {name: _Whole(value) for name, value in whole.items()},
+        "places": {h.label: h for h in spec.held},  # where a label's object is, should it be replaced
         "bound": _bound(cell_globals, before, hidden),
         "display": display,
         "rng": records.rng_states(),
     }
     for name in outcome["bound"]:  # bound anew: it travels as a binding, not as a change
         outcome["changed"].pop(name, None)
+        outcome["contents"].pop(name, None)
     # Held objects' labels (trainer.model) are no names: never deleted.
     deleted = sorted(n for n in before.objects if n.isidentifier() and n not in cell_globals)
-    # A changed kernel object travels by value, not as a reference to itself.
-    exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
     skipped: list[tuple[str, str, str]] = []
-    payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
+    payload, storages = _dump_outcome(outcome, refs, cell_globals, skipped)
     kept = cellmodels.kept_summary(cell_globals)  # a name the cell bound anew is its own model's
     prepared = [entry for entry in prepared if entry[0] not in dict(kept)] + kept
     notes = preparations.notes() + samedata.same_data_notes(cell_globals)
@@ -451,16 +455,47 @@ def _bound(cell_globals: dict[str, Any], before: _Before, hidden: set[str]) -> d
     return bound
 
 
-def _changed_objects(before: _Before, changed_modules: set[str]) -> dict[str, Any]:
-    """The kernel's plain objects the cell changed in place, and modules whose architecture it changed."""
-    changed = {
-        name: value
-        for name, value in before.objects.items()
-        if before.kinds[name] == "plain" and _fingerprint(value, before.special) != before.fingerprints[name]
-    }
+def _changed_objects(before: _Before, changed_modules: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The kernel's objects the cell changed: (what each holds now, one step deep, where that
+    says it all: reach.contents; those that travel whole, and modules whose architecture changed).
+
+    What an object holds travels with the kernel's objects in it as references: the
+    kernel refills its own object, and what it shared stays shared.
+    """
+    contents: dict[str, Any] = {}
+    whole: dict[str, Any] = {}
+    for name, value in before.objects.items():
+        if before.kinds[name] != "plain" or _fingerprint(value, before.special, root=value) == before.fingerprints[name]:
+            continue
+        held = reach.contents(value)
+        if held is None:
+            whole[name] = value
+        else:
+            contents[name] = held
     for name in sorted(changed_modules):
-        changed[name] = before.objects[name]
-    return changed
+        whole[name] = before.objects[name]
+    return contents, whole
+
+
+def _reduction(value: Any) -> Any:
+    """``value``'s reduction, made without ``copyreg.__newobj__``: pickle checks that one's class against the
+    object it pickles, which here is the :class:`_Whole` standing for ``value``."""
+    import copyreg
+
+    reduced = value.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj__:  # type: ignore[attr-defined]
+        cls, *args = reduced[1]
+        return (records.made, (cls, tuple(args), {}), *reduced[2:])
+    if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj_ex__:  # type: ignore[attr-defined]
+        return (records.made, reduced[1], *reduced[2:])
+    return reduced
+
+
+class _Whole:
+    """A kernel object that travels by value here (its new state), and as a reference everywhere else."""
+
+    def __init__(self, value: Any):
+        self.value = value
 
 
 def _unique(namespace: Mapping[str, Any], kind: Any) -> list[tuple[str, Any]]:
@@ -550,28 +585,28 @@ def _dump_outcome(
     outcome: dict[str, Any],
     refs: dict[int, tuple[Any, ...]],
     cell_globals: dict[str, Any],
-    exempt: set[int],
     skipped: list[tuple[str, str, str]],
 ) -> tuple[bytes, list[Any]]:
     """Pickle the outcome; a value that cannot travel is left out and named in ``skipped``."""
     with contextlib.suppress(Exception):  # find the culprits below
-        return _dump(outcome, refs, cell_globals, exempt)
-    for section in ("bound", "changed", "tensors"):
+        return _dump(outcome, refs, cell_globals)
+    for section in ("bound", "contents", "changed", "tensors"):
         for name in sorted(outcome[section]):
             value = outcome[section][name]
             try:
-                _dump(value, refs, cell_globals, exempt)
+                _dump(value, refs, cell_globals)
             except Exception as error:  # noqa: BLE001 - whatever stops it, it is named in skipped
                 del outcome[section][name]
+                value = value.value if isinstance(value, _Whole) else value
                 skipped.append((name, records.type_name(value), _why_not_sent(name, value, error)))
     if outcome["display"] is not None:
         try:
-            _dump(outcome["display"], refs, cell_globals, exempt)
+            _dump(outcome["display"], refs, cell_globals)
         except Exception as error:  # noqa: BLE001 - whatever stops it, it is named in skipped
             value = outcome["display"][0]
             skipped.append(("the cell's value", records.type_name(value), _why_not_sent("", value, error)))
             outcome["display"] = None
-    return _dump(outcome, refs, cell_globals, exempt)
+    return _dump(outcome, refs, cell_globals)
 
 
 def _why_not_sent(name: str, value: Any, error: BaseException) -> str:
@@ -596,13 +631,11 @@ def _short(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
-def _dump(
-    obj: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any], exempt: set[int]
-) -> tuple[bytes, list[Any]]:
+def _dump(obj: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any]) -> tuple[bytes, list[Any]]:
     import io
 
     buffer = io.BytesIO()
-    pickler = _result_pickler_class()(buffer, refs, cell_globals, exempt)
+    pickler = _result_pickler_class()(buffer, refs, cell_globals)
     pickler.dump(obj)
     return buffer.getvalue(), pickler.storages
 
@@ -627,11 +660,10 @@ class _ResultReferences(_PicklerBase):
     storage_types: Any = ()
     dtensor_type: Any = type(None)
 
-    def __init__(self, file: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any], exempt: set[int]):
+    def __init__(self, file: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any]):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.refs = refs
         self.cell_globals = cell_globals
-        self.exempt = exempt
         self.storages: list[Any] = []
         self._storage_index: dict[tuple[str, int, int], int] = {}
 
@@ -646,13 +678,10 @@ class _ResultReferences(_PicklerBase):
             return (records.GLOBALS_TAG,)
         if isinstance(obj, self.storage_types):
             return self._storage_id(obj)
-        key = id(obj)
-        if key in self.exempt:
-            return None
-        ref = self.refs.get(key)
+        ref = self.refs.get(id(obj))
         if ref is None:
             original = wrapping.original_of(obj)
-            if original is not obj and id(original) not in self.exempt:
+            if original is not obj:
                 ref = self.refs.get(id(original))
         return ref
 
@@ -669,6 +698,8 @@ class _ResultReferences(_PicklerBase):
 
     def reducer_override(self, obj: Any) -> Any:
         """DDP wrappers and prepared objects pickle as their originals; a sharded DTensor is refused."""
+        if type(obj) is _Whole:  # the object's own reduction, not a reference to it
+            return _reduction(obj.value)
         if isinstance(obj, self.dtensor_type):
             raise ShardedTensorError("it holds a sharded DTensor, of which rank 0 has only its shard")
         original = wrapping.original_of(obj)  # a DDP wrapper: its model, or the DataParallel it stands for
@@ -714,8 +745,9 @@ def _result_pickler_class() -> type[_ResultReferences]:
 _fingerprint_pickler: type | None = None
 
 
-def _fingerprint(value: Any, special: set[int], keep: list[Any] | None = None) -> bytes | None:
-    """A digest of ``value``'s pickle; tensors count by identity and version, not by data.
+def _fingerprint(value: Any, special: set[int], keep: list[Any] | None = None, root: Any = None) -> bytes | None:
+    """A digest of ``value``'s pickle; tensors count by identity and version, not by data, and the
+    objects in ``special`` (but ``root``, whose own state this is) by identity alone.
 
     ``keep`` collects the tensors seen: holding them keeps their ids from being reused by
     a new tensor while the cell runs (a replaced layer's weights freed, a new one's
@@ -726,16 +758,17 @@ def _fingerprint(value: Any, special: set[int], keep: list[Any] | None = None) -
         import cloudpickle
 
         class FingerprintPickler(cloudpickle.Pickler):
-            def __init__(self, file: Any, special: set[int], keep: list[Any] | None):
+            def __init__(self, file: Any, special: set[int], keep: list[Any] | None, root: Any):
                 super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
                 self.special = special
                 self.keep = keep
+                self.root = root
                 self.torch = sys.modules.get("torch")
 
             def persistent_id(self, obj: Any) -> Any:
                 if type(obj) in _ATOMIC:
                     return None
-                if id(obj) in self.special:
+                if id(obj) in self.special and obj is not self.root:
                     return ("k", id(obj))
                 torch = self.torch
                 if torch is not None and isinstance(obj, torch.Tensor):
@@ -753,7 +786,7 @@ def _fingerprint(value: Any, special: set[int], keep: list[Any] | None = None) -
             return len(data)
 
     try:
-        _fingerprint_pickler(Sink(), special, keep).dump(value)
+        _fingerprint_pickler(Sink(), special, keep, root).dump(value)
     except Exception:  # noqa: BLE001 - cannot tell: treat as changed
         return None
     return digest.digest()

@@ -155,7 +155,7 @@ def auto_prepare_held(
     from nbtrain import reach
 
     torch = preparations.torch_module()
-    found = list(resolved(namespace, held))
+    found = [(h, obj) for h, obj in resolved(namespace, held) if h.kind in reach.TORCH_KINDS]
     roots = [v for v in namespace.values() if isinstance(v, torch.nn.Module)]
     roots += [obj for h, obj in found if h.kind == "module"]
     inside = {id(sub) for root in roots for sub in root.modules() if sub is not root}
@@ -194,7 +194,7 @@ def _name_in_notes(said: int, name: str) -> None:
 
 
 def resolved(namespace: Mapping[str, Any], held: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
-    """(held, this rank's object) for each place that still holds an object of its kind."""
+    """(held, this rank's object) for each place that still holds an object of its kind (its class)."""
     from nbtrain import reach
 
     for h in held:
@@ -202,7 +202,7 @@ def resolved(namespace: Mapping[str, Any], held: Iterable[Any]) -> Iterator[tupl
             obj = reach.resolve(namespace, h)
         except (LookupError, AttributeError, TypeError):
             continue
-        if reach.torch_kind(obj) == h.kind:
+        if reach.kind_of(obj) == h.kind:
             yield h, obj
 
 
