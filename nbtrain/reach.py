@@ -106,8 +106,6 @@ def find_reached(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:
     found: list[tuple[Held, Any]] = []
     for name in sorted(namespace):
         value = namespace[name]
-        if torch_kind(value) is not None:
-            continue
         for steps, obj, fixed in _inside(value, (), {id(value)}):
             if isinstance(obj, (_ATOMIC, _STATIC)) or id(obj) in tops or id(obj) in seen:
                 continue
@@ -129,8 +127,7 @@ def _inside(
             continue  # a cycle
         here = (*steps, step)
         yield here, child, "a tuple cannot hold another object" if isinstance(value, tuple) else ""
-        if torch_kind(child) is None and not isinstance(child, (_ATOMIC, _STATIC)):
-            yield from _inside(child, here, path | {id(child)})
+        yield from _inside(child, here, path | {id(child)})
 
 
 def _children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
@@ -141,12 +138,19 @@ def _children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
 
 
 def _listed_children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
+    if isinstance(value, (_ATOMIC, _STATIC)):
+        return []
+    kind = torch_kind(value)
+    if kind == "loader":  # the data set it reads: the cell's own code may hold it too
+        return [(("attr", "dataset"), value.dataset)]
+    if kind is not None:  # a model's parts come back by their own names; an optimizer's state is loaded
+        return []
     if isinstance(value, dict) and type(value).__module__ in ("builtins", "collections"):
         items = [(k, v) for k, v in itertools.islice(value.items(), ITEMS) if isinstance(k, (str, int))]
         return [(("key", k), v) for k, v in items]
     if type(value) in (list, tuple) or (isinstance(value, tuple) and hasattr(value, "_fields")):
         return [(("index", i), v) for i, v in enumerate(itertools.islice(value, ITEMS))]
-    if torch_kind(value) is None and is_users_object(value):
+    if is_users_object(value):
         return [(("attr", k), v) for k, v in itertools.islice(attributes(value).items(), ITEMS)]
     return []
 

@@ -666,6 +666,29 @@ class Trainer:
                 loss.backward()
                 self.optimizer.step()
                 self.iter_num += 1
+
+
+class Holder:
+    """Holds the model and an optimizer made before the cell, in slots."""
+
+    __slots__ = ("model", "optimizer", "steps")
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer, self.steps = model, optimizer, 0
+
+
+class TiedNet(torch.nn.Module):
+    """Its head's weight is its embedding's, as GPT-2's and nanoGPT's are."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Linear(4, 4, bias=False)
+        self.head = torch.nn.Linear(4, 4, bias=False)
+        self.head.weight = self.emb.weight
+        self.out = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.head(torch.tanh(self.emb(x)))))
 '''
 
 BESIDE_SETUP = """
@@ -728,3 +751,75 @@ def test_a_trainer_of_a_module_beside_the_notebook_trains_the_kernels_own_model(
         f"all({close}(trainer.optimizer.state[p]['momentum_buffer'], m)"
         " for p, m in zip(model.parameters(), reference_momentum))"
     )
+
+
+NEIGHBOURS = """
+from torch.utils.data import DataLoader
+from train_utils import Holder, TiedNet
+def build(batch_size):
+    global model, opt, models, holder, w, loader, config, before_ids
+    torch.manual_seed(1)
+    model = TiedNet()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    models = {'net': model}
+    holder = Holder(model, opt)
+    w = model.emb.weight
+    X = torch.randn(32, 4)
+    loader = DataLoader(TensorDataset(X, X.sum(1, keepdim=True)), batch_size=batch_size, shuffle=False)
+    config = types.SimpleNamespace(batch_size=batch_size, learning_rate=0.05, epochs=1)
+    before_ids = [id(o) for o in (model, opt, models, holder, w, config)]
+"""
+
+NEIGHBOUR_CELL = """
+for _ in range(2):
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(models['net'](x), y)
+        holder.optimizer.zero_grad(); loss.backward(); holder.optimizer.step()
+        holder.steps += 1
+"""
+
+NEIGHBOUR_GRAPH = (
+    "models['net'] is model and holder.model is model and holder.optimizer is opt and w is model.emb.weight"
+    " and model.head.weight is model.emb.weight"
+    " and [id(o) for o in (model, opt, models, holder, w, config)] == before_ids"
+    " and all(p is q for p, q in zip(opt.param_groups[0]['params'], model.parameters()))"
+    " and all(p in opt.state for p in model.parameters())"
+)
+
+
+def _as_one_process(kernel, devices, cell, expression):
+    """Run ``cell`` in the kernel itself on batches of 8, then on ``devices`` ranks of 8 // devices each:
+    ``expression``'s values must agree (exactly on one rank, within float rounding on two)."""
+    kernel.run_ok("build(8)\n" + cell + f"\nreference = [t.detach().clone() for t in {expression}]")
+    kernel.run_ok(f"build({8 // devices})")
+    out = kernel.run_ok(f"%%distributed --devices {devices} --accelerator cpu\n" + cell)
+    close = "torch.equal" if devices == 1 else "(lambda a, b: torch.allclose(a, b, atol=1e-6))"
+    assert kernel.value(f"all({close}(a, b) for a, b in zip({expression}, reference))"), out.stdout
+    return out
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_model_in_a_dict_by_name_in_slots_with_tied_weights_and_a_name_for_a_parameter_stays_one_object(
+    beside, devices
+):
+    """Every place that held the model, its tied weight or its optimizer holds it after the cell,
+    trained as one process would train it; the optimizer's state is keyed by the live parameters."""
+    beside.run_ok(NEIGHBOURS)
+    moments = "[opt.state[p]['exp_avg'] for p in model.parameters()]"
+    out = _as_one_process(beside, devices, NEIGHBOUR_CELL, f"list(model.parameters()) + {moments}")
+    assert beside.value(NEIGHBOUR_GRAPH), out.stdout
+    assert beside.value("holder.steps") == 2 * 32 // 8
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_trainer_of_a_module_made_in_the_cell_holds_the_kernels_model_and_config(beside, devices):
+    """``Trainer(config, model, dataset)`` made in the cell: it comes back holding the kernel's own
+    objects, and the kernel's model is trained as one process trains it."""
+    beside.run_ok(NEIGHBOURS)
+    cell = "made = Trainer(config, model, loader.dataset)\nmade.run()\n"
+    out = _as_one_process(beside, devices, cell, "list(model.parameters())")
+    assert beside.value(
+        "made.model is model and made.config is config and made.train_dataset is loader.dataset"
+        " and all(p in made.optimizer.state for p in model.parameters())"
+    ), out.stdout
+    assert beside.value("made.iter_num") == 32 // 8

@@ -95,7 +95,7 @@ def _settings(value: Any) -> list[tuple[Any, Any, bool, Any]]:
             return []
         items = [(k, v) for k, v in vars(value).items() if not k.startswith("__")]
     elif reach.is_users_object(value):  # a model's self.device too
-        items = list(vars(value).items())
+        items = list(reach.attributes(value).items())
     else:
         return []
     return [(value, k, True, v) for k, v in itertools.islice(items, reach.ITEMS)]
