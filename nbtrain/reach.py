@@ -39,6 +39,9 @@ ITEMS = 64  # the items of one container looked at: a list of data is not a list
 REACHED = 1024  # objects listed at most: what lies further travels by value, as a copy
 TORCH_KINDS = ("module", "optimizer", "scheduler", "loader")
 _ATOMIC = (int, float, complex, str, bytes, bool, type(None), range)
+# Typed Any: mypy reads a class's and object's reductions as different callables, always unequal.
+_OBJECT_REDUCE_EX: Any = object.__reduce_ex__
+_OBJECT_REDUCE: Any = object.__reduce__
 _STATIC = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
@@ -171,8 +174,8 @@ def is_users_object(value: Any) -> bool:
     ):
         return False
     return (
-        cls.__reduce_ex__ is object.__reduce_ex__
-        and cls.__reduce__ is object.__reduce__
+        cls.__reduce_ex__ is _OBJECT_REDUCE_EX
+        and cls.__reduce__ is _OBJECT_REDUCE
         and getattr(cls, "__getstate__", None) is getattr(object, "__getstate__", None)
         and not hasattr(cls, "__setstate__")
     )

@@ -79,8 +79,11 @@ class CellResult:
 
     ``payload`` unpickles (see :func:`nbtrain.kernel.namespace.decode_result`) to a dict with
     the keys ``modules`` {name: (state_dict, [(submodule path, training)])}, ``optimizers``
-    and ``schedulers`` {name: state_dict}, ``tensors`` / ``changed`` / ``bound`` {name:
-    value}, ``display`` (a 1-tuple or None) and ``rng`` (RNG states or None).
+    and ``schedulers`` {name: state_dict}, ``contents`` {name: what the object holds, one
+    step deep}, ``tensors`` / ``changed`` / ``bound`` {name: value}, ``places`` {label:
+    nbtrain.reach.Held}, ``display`` (a 1-tuple or None) and ``rng`` (RNG states or None).
+    A name is a global's, or the label of an object inside one (``trainer.model``); the
+    kernel's objects inside any value are references to them (``KERNEL_TAG``, ``PART_TAG``).
     """
 
     payload: bytes

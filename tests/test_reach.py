@@ -34,7 +34,8 @@ def test_objects_up_to_four_steps_inside_are_found_with_the_expression_that_reac
     assert set(found) == {"trainer.model", "trainer.optimizer", "trainer.parts['g']"}  # five steps is too deep
     assert found["trainer.model"] == ("module", model) and found["trainer.optimizer"][0] == "optimizer"
     reached = [h.label for h, _ in reach.find_reached({"trainer": trainer})]
-    assert "trainer.parts['deep']['too']['far']" in reached and "trainer.parts['deep']['too']['far']['off']" not in reached
+    assert "trainer.parts['deep']['too']['far']" in reached
+    assert "trainer.parts['deep']['too']['far']['off']" not in reached
 
 
 class Slotted:

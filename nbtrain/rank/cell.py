@@ -465,7 +465,9 @@ def _changed_objects(before: _Before, changed_modules: set[str]) -> tuple[dict[s
     contents: dict[str, Any] = {}
     whole: dict[str, Any] = {}
     for name, value in before.objects.items():
-        if before.kinds[name] != "plain" or _fingerprint(value, before.special, root=value) == before.fingerprints[name]:
+        if before.kinds[name] != "plain":
+            continue
+        if _fingerprint(value, before.special, root=value) == before.fingerprints[name]:
             continue
         held = reach.contents(value)
         if held is None:

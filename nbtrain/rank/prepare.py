@@ -146,11 +146,12 @@ def auto_prepare_held(
 ) -> tuple[list[tuple[str, str]], list[tuple[Any, Any, Any]]]:
     """Prepare the torch objects held inside the cell's globals (``trainer.model``), in their places.
 
-    ``held`` is :func:`nbtrain.reach.find_held`'s list, made in the kernel. Each prepared
-    object replaces the original where it is held, so the cell's ``trainer.run()`` trains
-    the wrapped model. Returns (label, what was done) for the summary, a place that could
-    not take the prepared object saying ``not prepared (why)``, and (held, original,
-    prepared) for each place changed: the cell puts the originals back after it ran.
+    ``held`` is :func:`nbtrain.reach.find_reached`'s list, made in the kernel: its torch
+    objects are prepared. Each prepared object replaces the original where it is held, so
+    the cell's ``trainer.run()`` trains the wrapped model. Returns (label, what was done)
+    for the summary, a place that could not take the prepared object saying ``not prepared
+    (why)``, and (held, original, prepared) for each place changed: the cell puts the
+    originals back after it ran.
     """
     from nbtrain import reach
 
