@@ -54,6 +54,12 @@ class Held:
     steps: tuple[tuple[str, Any], ...]  # ("attr", name) | ("key", key) | ("index", i), from the global
     kind: str  # "module" | "optimizer" | "scheduler" | "loader" | "tensor" | the class's name (kind_of)
     fixed: str = ""  # why its place cannot hold another object (a tuple), else ""
+    in_model: bool = False  # a model's attribute, or inside one: the model's, never prepared on its own
+
+    @property
+    def preparable(self) -> bool:
+        """A model, optimizer, scheduler or loader of its own: the ranks prepare it in its place."""
+        return self.kind in TORCH_KINDS and not self.in_model
 
 
 def torch_kind(obj: Any) -> str | None:
@@ -94,7 +100,7 @@ def find_held(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:
     """The torch objects (models, optimizers, schedulers, loaders) among :func:`find_reached`'s."""
     if "torch" not in sys.modules:
         return []  # no torch object can exist
-    return [(h, obj) for h, obj in find_reached(namespace) if h.kind in TORCH_KINDS]
+    return [(h, obj) for h, obj in find_reached(namespace) if h.preparable]
 
 
 def find_reached(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:
@@ -109,28 +115,28 @@ def find_reached(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:
     found: list[tuple[Held, Any]] = []
     for name in sorted(namespace):
         value = namespace[name]
-        for steps, obj, fixed in _inside(value, (), {id(value)}):
+        for steps, obj, fixed, in_model in _inside(value, (), {id(value)}, torch_kind(value) == "module"):
             if isinstance(obj, (_ATOMIC, _STATIC)) or id(obj) in tops or id(obj) in seen:
                 continue
             seen.add(id(obj))
-            found.append((Held(name + steps_as_python(steps), name, steps, kind_of(obj), fixed), obj))
+            found.append((Held(name + steps_as_python(steps), name, steps, kind_of(obj), fixed, in_model), obj))
             if len(found) >= REACHED:
                 return found
     return found
 
 
 def _inside(
-    value: Any, steps: tuple[tuple[str, Any], ...], path: set[int]
-) -> Iterator[tuple[tuple[tuple[str, Any], ...], Any, str]]:
-    """(steps, object, why its place is fixed) for what ``value`` holds, up to DEPTH steps."""
+    value: Any, steps: tuple[tuple[str, Any], ...], path: set[int], in_model: bool
+) -> Iterator[tuple[tuple[tuple[str, Any], ...], Any, str, bool]]:
+    """(steps, object, why its place is fixed, inside a model) for what ``value`` holds, up to DEPTH steps."""
     if len(steps) >= DEPTH:
         return
     for step, child in _children(value):
         if id(child) in path:
             continue  # a cycle
         here = (*steps, step)
-        yield here, child, "a tuple cannot hold another object" if isinstance(value, tuple) else ""
-        yield from _inside(child, here, path | {id(child)})
+        yield here, child, "a tuple cannot hold another object" if isinstance(value, tuple) else "", in_model
+        yield from _inside(child, here, path | {id(child)}, in_model or torch_kind(child) == "module")
 
 
 def _children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
@@ -146,7 +152,10 @@ def _listed_children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
     kind = torch_kind(value)
     if kind == "loader":  # the data set it reads: the cell's own code may hold it too
         return [(("attr", "dataset"), value.dataset)]
-    if kind is not None:  # a model's parts come back by their own names; an optimizer's state is loaded
+    if kind == "module":  # its own attributes, and its submodules (whose weights are its state dict's)
+        found = [(("attr", k), v) for k, v in attributes(value).items()]
+        return found + [(("attr", k), v) for k, v in vars(value).get("_modules", {}).items() if v is not None]
+    if kind is not None:  # an optimizer's state and a scheduler's are loaded whole
         return []
     if isinstance(value, dict) and type(value).__module__ in ("builtins", "collections"):
         items = [(k, v) for k, v in itertools.islice(value.items(), ITEMS) if isinstance(k, (str, int))]
@@ -187,7 +196,10 @@ def _slots(cls: type) -> list[str]:
 
 
 def attributes(value: Any) -> dict[str, Any]:
-    """A users object's attributes, in ``__dict__`` and ``__slots__`` (see :func:`is_users_object`)."""
+    """A users object's attributes, in ``__dict__`` and ``__slots__`` (see :func:`is_users_object`);
+    a model's own public ones (``model.epoch``, ``model.config``: torch's registries are its state dict's)."""
+    if torch_kind(value) == "module":
+        return {k: v for k, v in vars(value).items() if not k.startswith("_") and k != "training"}
     found = {k: v for k, v in getattr(value, "__dict__", {}).items() if not k.startswith("__")}
     for name in _slots(type(value)):
         if hasattr(value, name):
@@ -206,7 +218,8 @@ def contents(value: Any) -> Any:
         return list(value)
     if type(value) is dict:
         return dict(value)
-    if torch_kind(value) is None and is_users_object(value):
+    kind = torch_kind(value)
+    if kind == "module" or (kind is None and is_users_object(value)):
         return attributes(value)
     return None
 
@@ -222,6 +235,11 @@ def refill(target: Any, held: Any) -> None:
     elif type(target) is dict:
         target.clear()
         target.update(held)
+    elif torch_kind(target) == "module":  # through its setattr: a name it registered stops being one
+        for name in [k for k in attributes(target) if k not in held]:
+            delattr(target, name)
+        for name, value in held.items():
+            setattr(target, name, value)
     else:
         slots = set(_slots(type(target)))
         own = getattr(target, "__dict__", None)

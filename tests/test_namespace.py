@@ -267,6 +267,17 @@ def test_a_list_shared_by_two_objects_and_a_new_one_stays_one_list_and_slots_are
     assert slotted.count == 1 and kernel_ns["c"][0] is shared and kernel_ns["c"][1] is slotted
 
 
+def test_a_models_own_attributes_and_its_layers_come_back_into_the_kernels_model():
+    model = nn.Sequential(nn.Linear(3, 1))
+    model.epoch, model.log, model[0].calls = 0, [], 0
+    log, layer = model.log, model[0]
+    kernel_ns: dict = {"__name__": "__main__", "model": model}
+    _, report, _ = _run_here(kernel_ns, "model.epoch = 5\nmodel.log.append(1)\nmodel[0].calls += 1\nmodel.new = [2]\n")
+    assert model.epoch == 5 and model.log is log and log == [1] and model.new == [2]
+    assert model[0] is layer and layer.calls == 1
+    assert {"model", "model.log", "model.0"} <= set(report.updated)
+
+
 def test_unchanged_plain_objects_are_left_alone_and_unpicklable_values_skipped():
     config = {"lr": 0.1, "nested": [1, 2]}
     kernel_ns: dict = {"__name__": "__main__", "config": config}

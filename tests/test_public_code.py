@@ -776,6 +776,7 @@ for _ in range(2):
         loss = torch.nn.functional.mse_loss(models['net'](x), y)
         holder.optimizer.zero_grad(); loss.backward(); holder.optimizer.step()
         holder.steps += 1
+    models['net'].epochs_done = _ + 1  # an attribute of the model itself
 """
 
 NEIGHBOUR_GRAPH = (
@@ -808,7 +809,7 @@ def test_a_model_in_a_dict_by_name_in_slots_with_tied_weights_and_a_name_for_a_p
     moments = "[opt.state[p]['exp_avg'] for p in model.parameters()]"
     out = _as_one_process(beside, devices, NEIGHBOUR_CELL, f"list(model.parameters()) + {moments}")
     assert beside.value(NEIGHBOUR_GRAPH), out.stdout
-    assert beside.value("holder.steps") == 2 * 32 // 8
+    assert beside.value("holder.steps") == 2 * 32 // 8 and beside.value("model.epochs_done") == 2
 
 
 @pytest.mark.parametrize("devices", [1, 2])

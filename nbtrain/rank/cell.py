@@ -90,7 +90,8 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     tracked = {**namespace, **{h.label: obj for h, obj in prepare.resolved(namespace, spec.held)}}
     _rewrap_scheduled_optimizers(tracked.values())
     rank0 = api.rank() == 0
-    before = _Before(cell_globals, tracked) if rank0 else None
+    parts = _submodules(tracked)  # before the cell: a layer it replaces was the model's
+    before = _Before(cell_globals, tracked, parts) if rank0 else None
     devices = kerneldevices.as_rank_devices(cell_globals, namespace)  # `device = torch.device("cuda:0")` in the kernel
     hidden = _install_shell(cell_globals) if spec.needs_shell else set()
     preparations.configure(spec.model_wrapper)
@@ -122,7 +123,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     context = api.current_context()
     if context is not None:
         context.flush()  # the cell's last metrics go out before the (slower) namespace-out
-    return _collect(spec, cell_globals, tracked, before, display, prepared, hidden)
+    return _collect(spec, cell_globals, tracked, before, display, prepared, hidden, parts)
 
 
 def _rewrap_scheduled_optimizers(values: Iterable[Any]) -> None:
@@ -228,10 +229,10 @@ def _is_scheduler(obj: Any) -> bool:
 class _Before:
     """Rank 0's record of the shipped objects before the cell ran, to tell what changed."""
 
-    def __init__(self, cell_globals: dict[str, Any], namespace: Mapping[str, Any]):
+    def __init__(self, cell_globals: dict[str, Any], namespace: Mapping[str, Any], parts: set[int]):
         self.objects = dict(namespace)
         self.bindings = dict(cell_globals)  # holds the objects, so identity checks stay valid
-        self.kinds = {name: _kind(value) for name, value in self.objects.items()}
+        self.kinds = {name: "part" if id(v) in parts else _kind(v) for name, v in self.objects.items()}
         # Every object the kernel has is by reference in the others' fingerprints: its changes are its own.
         special = {id(v) for n, v in self.objects.items() if self.kinds[n] != "static"}
         self.special = special
@@ -252,6 +253,21 @@ class _Before:
             for name, v in self.objects.items()
             if self.kinds[name] in ("module", "optimizer")
         }
+        # A model's own attributes (model.epoch): a model is an object too.
+        self.attributes = {
+            name: _fingerprint(reach.contents(v), special, self.keep)
+            for name, v in self.objects.items()
+            if self.kinds[name] in ("module", "part")
+        }
+
+
+def _submodules(objects: Mapping[str, Any]) -> set[int]:
+    """The ids of the modules inside another of ``objects``: their weights are the outer one's state."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return set()
+    modules = [v for v in objects.values() if isinstance(v, torch.nn.Module)]
+    return {id(sub) for module in modules for sub in module.modules() if sub is not module}
 
 
 def _kernel_refs(objects: Mapping[str, Any]) -> dict[int, tuple[Any, ...]]:
@@ -304,11 +320,12 @@ def _collect(
     display: tuple[Any] | None,
     prepared: list[tuple[str, str]],
     hidden: set[str],
+    parts: set[int],
 ) -> records.CellResult | None:
     """Gather full states (every rank: FSDP needs collectives); rank 0 builds the result."""
     import torch
 
-    modules = _unique(namespace, torch.nn.Module)
+    modules = [(name, m) for name, m in _unique(namespace, torch.nn.Module) if id(m) not in parts]
     for _, module in modules:
         _reshard(module)
     module_states, changed_modules = _module_states(modules, before)
@@ -465,6 +482,10 @@ def _changed_objects(before: _Before, changed_modules: set[str]) -> tuple[dict[s
     contents: dict[str, Any] = {}
     whole: dict[str, Any] = {}
     for name, value in before.objects.items():
+        if before.kinds[name] in ("module", "part") and name not in changed_modules:
+            if _fingerprint(reach.contents(value), before.special) != before.attributes[name]:
+                contents[name] = reach.contents(value)
+            continue
         if before.kinds[name] != "plain":
             continue
         if _fingerprint(value, before.special, root=value) == before.fingerprints[name]:

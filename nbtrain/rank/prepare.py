@@ -156,7 +156,7 @@ def auto_prepare_held(
     from nbtrain import reach
 
     torch = preparations.torch_module()
-    found = [(h, obj) for h, obj in resolved(namespace, held) if h.kind in reach.TORCH_KINDS]
+    found = [(h, obj) for h, obj in resolved(namespace, held) if h.preparable]
     roots = [v for v in namespace.values() if isinstance(v, torch.nn.Module)]
     roots += [obj for h, obj in found if h.kind == "module"]
     inside = {id(sub) for root in roots for sub in root.modules() if sub is not root}
