@@ -234,7 +234,7 @@ class ModuleTrainer:  # a class of a module (this one), as a project's train_uti
 
 
 class Slotted:
-    __slots__ = ("items", "count")
+    __slots__ = ("count", "items")
 
 
 def test_an_object_of_a_modules_class_comes_back_as_the_kernels_own_holding_the_kernels_own():

@@ -336,20 +336,13 @@ def _collect(
     for name, module in modules:  # FSDP swapped the parameters: map the new ones too
         if name not in changed_modules:
             _add_module_parts(refs, name, module)
-    contents, whole = _changed_objects(before, changed_modules)
     outcome: dict[str, Any] = {
         "modules": module_states,
         "optimizers": optimizer_states,
         "optimizer_attributes": _optimizer_attributes(optimizer_states, namespace),
         "inner_optimizers": _inner_optimizer_states(optimizer_states, namespace, [m for _, m in modules]),
         "schedulers": {n: s.state_dict() for n, s in _unique(namespace, _is_scheduler)},
-        "tensors": {
-            n: _Whole(v)
-            for n, v in before.objects.items()
-            if before.kinds[n] == "tensor" and v._version != before.versions[n]
-        },
-        "contents": contents,
-        "changed": {name: _Whole(value) for name, value in whole.items()},
+        **_changed_objects(before, changed_modules),  # tensors, contents, changed
         "places": {h.label: h for h in spec.held},  # where a label's object is, should it be replaced
         "bound": _bound(cell_globals, before, hidden),
         "display": display,
@@ -472,9 +465,10 @@ def _bound(cell_globals: dict[str, Any], before: _Before, hidden: set[str]) -> d
     return bound
 
 
-def _changed_objects(before: _Before, changed_modules: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The kernel's objects the cell changed: (what each holds now, one step deep, where that
-    says it all: reach.contents; those that travel whole, and modules whose architecture changed).
+def _changed_objects(before: _Before, changed_modules: set[str]) -> dict[str, dict[str, Any]]:
+    """The kernel's objects the cell changed: ``contents``, what each holds now, one step deep,
+    where that says it all (reach.contents); ``tensors`` and ``changed``, those that travel
+    whole (modules whose architecture changed among them).
 
     What an object holds travels with the kernel's objects in it as references: the
     kernel refills its own object, and what it shared stays shared.
@@ -497,7 +491,12 @@ def _changed_objects(before: _Before, changed_modules: set[str]) -> tuple[dict[s
             contents[name] = held
     for name in sorted(changed_modules):
         whole[name] = before.objects[name]
-    return contents, whole
+    tensors = {
+        n: _Whole(v)
+        for n, v in before.objects.items()
+        if before.kinds[n] == "tensor" and v._version != before.versions[n]
+    }
+    return {"tensors": tensors, "contents": contents, "changed": {n: _Whole(v) for n, v in whole.items()}}
 
 
 def _reduction(value: Any) -> Any:
