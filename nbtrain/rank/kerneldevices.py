@@ -94,7 +94,7 @@ def _settings(value: Any) -> list[tuple[Any, Any, bool, Any]]:
         if value.__module__ != "__main__":
             return []
         items = [(k, v) for k, v in vars(value).items() if not k.startswith("__")]
-    elif reach.is_users_object(value):  # a model's self.device too
+    elif reach.is_users_object(value) or reach.torch_kind(value) == "module":  # a model's self.device too
         items = list(reach.attributes(value).items())
     else:
         return []
