@@ -107,8 +107,9 @@ def find_reached(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:
     """Each object inside ``namespace``'s values (not the values themselves), with its label.
 
     Numbers, strings, functions, classes and modules are no places' own. An object reached
-    along several paths, or also a global itself, is listed once (its first place); globals
-    are visited in sorted order, so both sides of a run agree.
+    along several paths, or also a global itself, is listed once (its first place), but a
+    model, optimizer or loader at each place, since each place must hold the prepared one;
+    globals are visited in sorted order, so both sides of a run agree.
     """
     tops = {id(value) for value in namespace.values()}
     seen: set[int] = set()
@@ -116,10 +117,13 @@ def find_reached(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:
     for name in sorted(namespace):
         value = namespace[name]
         for steps, obj, fixed, in_model in _inside(value, (), {id(value)}, torch_kind(value) == "module"):
-            if isinstance(obj, (_ATOMIC, _STATIC)) or id(obj) in tops or id(obj) in seen:
+            if isinstance(obj, (_ATOMIC, _STATIC)):
+                continue
+            held = Held(name + steps_as_python(steps), name, steps, kind_of(obj), fixed, in_model)
+            if (id(obj) in tops or id(obj) in seen) and not held.preparable:
                 continue
             seen.add(id(obj))
-            found.append((Held(name + steps_as_python(steps), name, steps, kind_of(obj), fixed, in_model), obj))
+            found.append((held, obj))
             if len(found) >= REACHED:
                 return found
     return found

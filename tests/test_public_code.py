@@ -757,7 +757,7 @@ NEIGHBOURS = """
 from torch.utils.data import DataLoader
 from train_utils import Holder, TiedNet
 def build(batch_size):
-    global model, opt, models, holder, w, loader, config, before_ids
+    global model, opt, models, holder, w, loader, feed, config, before_ids
     torch.manual_seed(1)
     model = TiedNet()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -766,6 +766,7 @@ def build(batch_size):
     w = model.emb.weight
     X = torch.randn(32, 4)
     loader = DataLoader(TensorDataset(X, X.sum(1, keepdim=True)), batch_size=batch_size, shuffle=False)
+    feed = types.SimpleNamespace(loader=loader)
     config = types.SimpleNamespace(batch_size=batch_size, learning_rate=0.05, epochs=1)
     before_ids = [id(o) for o in (model, opt, models, holder, w, config)]
 """
@@ -788,11 +789,11 @@ NEIGHBOUR_GRAPH = (
 )
 
 
-def _as_one_process(kernel, devices, cell, expression):
+def _as_one_process(kernel, devices, cell, expression, build="build"):
     """Run ``cell`` in the kernel itself on batches of 8, then on ``devices`` ranks of 8 // devices each:
     ``expression``'s values must agree (exactly on one rank, within float rounding on two)."""
-    kernel.run_ok("build(8)\n" + cell + f"\nreference = [t.detach().clone() for t in {expression}]")
-    kernel.run_ok(f"build({8 // devices})")
+    kernel.run_ok(f"{build}(8)\n" + cell + f"\nreference = [t.detach().clone() for t in {expression}]")
+    kernel.run_ok(f"{build}({8 // devices})")
     out = kernel.run_ok(f"%%distributed --devices {devices} --accelerator cpu\n" + cell)
     close = "torch.equal" if devices == 1 else "(lambda a, b: torch.allclose(a, b, atol=1e-6))"
     assert kernel.value(f"all({close}(a, b) for a, b in zip({expression}, reference))"), out.stdout
@@ -824,3 +825,23 @@ def test_a_trainer_of_a_module_made_in_the_cell_holds_the_kernels_model_and_conf
         " and all(p in made.optimizer.state for p in model.parameters())"
     ), out.stdout
     assert beside.value("made.iter_num") == 32 // 8
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_cell_using_the_model_by_name_and_through_its_trainer_trains_one_averaged_model(beside, devices):
+    """``model`` prepared by its name and ``trainer.model`` holding it: both places hold the one
+    prepared model on the ranks, so the trainer's steps average the gradients as the name's would."""
+    cell = "trainer.run()\nfinal = float(model(dataset.tensors[0]).sum())\n"
+    out = _as_one_process(beside, devices, cell, "list(model.parameters())", build="setup")
+    assert beside.value(SAME_GRAPH), out.stdout
+    prepared = out.stdout.partition("Auto-prepared: ")[2].partition(". ")[0]
+    assert prepared.startswith("model") and "trainer.model" not in prepared, out.stdout  # named once
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_loader_used_by_name_and_through_a_holder_reads_one_share_at_both_places(beside, devices):
+    """``len(loader)`` by name and ``feed.loader`` iterated: both places hold the one sharded loader."""
+    beside.run_ok(NEIGHBOURS)
+    cell = NEIGHBOUR_CELL.replace("for x, y in loader:", "for x, y in feed.loader:") + "batches = len(loader)\n"
+    out = _as_one_process(beside, devices, cell, "list(model.parameters())")
+    assert beside.value("holder.steps") == 2 * 32 // 8 and beside.value("feed.loader is loader"), out.stdout

@@ -68,11 +68,13 @@ def test_what_an_object_holds_refills_the_kernels_object_keeping_its_identity():
     assert reach.contents(slotted) == {"steps": 3} and reach.contents(torch.zeros(1)) is None
 
 
-def test_a_global_itself_or_a_second_path_to_the_same_object_is_not_listed_again():
-    model = nn.Linear(2, 1)
-    box = types.SimpleNamespace(model=model, again=[model])
-    assert reach.find_held({"box": box, "model": model}) == []
-    assert [h.label for h, _ in reach.find_held({"box": box})] == ["box.model"]
+def test_a_model_is_listed_at_every_place_and_any_other_object_once():
+    """Each place of a model must hold the prepared one on a rank: ``model`` and ``box.model`` alike."""
+    model, shared = nn.Linear(2, 1), [1]
+    box = types.SimpleNamespace(model=model, again=[model], items=shared, same=shared)
+    assert [h.label for h, _ in reach.find_held({"box": box, "model": model})] == ["box.model", "box.again[0]"]
+    reached = [h.label for h, _ in reach.find_reached({"box": box, "shared": shared})]
+    assert reached == ["box.model", "box.again", "box.again[0]"]  # a global, or a second place: once
 
 
 def test_a_tuple_item_is_found_but_its_place_is_fixed_and_a_cycle_ends():

@@ -473,6 +473,7 @@ def apply_result(
             del user_ns[name]
             report.deleted.append(name)
     set_rng_states(outcome.get("rng"))
+    report.updated = list(dict.fromkeys(report.updated))  # a model's weights and its attributes: named once
     return report
 
 

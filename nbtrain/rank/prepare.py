@@ -151,7 +151,8 @@ def auto_prepare_held(
     the cell's ``trainer.run()`` trains the wrapped model. Returns (label, what was done)
     for the summary, a place that could not take the prepared object saying ``not prepared
     (why)``, and (held, original, prepared) for each place changed: the cell puts the
-    originals back after it ran.
+    originals back after it ran. Every place of an object holds the same prepared one
+    (``model`` and ``trainer.model``), which the summary names once.
     """
     from nbtrain import reach
 
@@ -170,6 +171,7 @@ def auto_prepare_held(
                 done.append((h.label, _not_prepared(h.fixed, kind)))
                 continue
             said = len(preparations.cell_registry().notes)
+            again = preparations.cell_registry().prepared_for(obj) is not None  # at another place, said there
             prepared = prepare(obj)
             _name_in_notes(said, h.label)
             if prepared is not obj:
@@ -179,7 +181,8 @@ def auto_prepare_held(
                     done.append((h.label, _not_prepared(h.fixed or f"its holder refused it: {error}", kind)))
                     continue
                 placed.append((h, obj, prepared))
-            done.append((h.label, _describe(obj, prepared)))
+            if not again:
+                done.append((h.label, _describe(obj, prepared)))
             if kind == "loader" and prepared is not obj:
                 preparations.cell_registry().loader_names[h.label] = prepared
     return done, placed
