@@ -778,6 +778,7 @@ for _ in range(2):
         holder.optimizer.zero_grad(); loss.backward(); holder.optimizer.step()
         holder.steps += 1
     models['net'].epochs_done = _ + 1  # an attribute of the model itself
+tied_norm = float(w.norm())  # the name kept for the tied weight, used in the cell
 """
 
 NEIGHBOUR_GRAPH = (

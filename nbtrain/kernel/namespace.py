@@ -210,9 +210,6 @@ def _notebook_code(value: Any, user_ns: Mapping[str, Any]) -> list[types.CodeTyp
     return codes
 
 
-# Typed Any: mypy takes a class's __reduce_ex__ for a bound method, object's for an unbound
-# one, and would call the identity check below always false.
-_DEFAULT_REDUCE_EX: Any = object.__reduce_ex__
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
 _GLOBAL_WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
 
@@ -575,6 +572,9 @@ def load_module_state(module: Any, state: Mapping[str, Any], modes: Iterable[tup
 def update_in_place(target: Any, value: Any) -> bool:
     """Make ``target`` equal ``value`` keeping its identity; False when only rebinding can.
 
+    For what travels whole (a set, an array, a dict of a subclass): a list, a dict or an
+    object whose state is its attributes travels as what it holds (:func:`nbtrain.reach.refill`).
+
     >>> history = [1]; update_in_place(history, [1, 2]), history
     (True, [1, 2])
     """
@@ -590,14 +590,6 @@ def update_in_place(target: Any, value: Any) -> bool:
         target.update(value) if isinstance(target, set) else target.extend(value)
     elif type(target).__name__ == "ndarray" and getattr(target, "shape", None) == getattr(value, "shape", ()):
         target[...] = value
-    elif (
-        hasattr(target, "__dict__")
-        and not hasattr(type(target), "__slots__")
-        and type(target).__reduce_ex__ is _DEFAULT_REDUCE_EX
-        and not hasattr(type(target), "__setstate__")
-    ):
-        target.__dict__.clear()
-        target.__dict__.update(value.__dict__)
     else:
         return False
     return True

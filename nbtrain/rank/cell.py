@@ -200,30 +200,14 @@ _STATIC_TYPES = (
 
 
 def _kind(obj: Any) -> str:
-    torch = sys.modules.get("torch")
     if isinstance(obj, _STATIC_TYPES):
         return "static"
-    if torch is not None:
-        from torch.utils.data import DataLoader
-
-        if isinstance(obj, torch.nn.Module):
-            return "module"
-        if isinstance(obj, torch.optim.Optimizer):
-            return "optimizer"
-        if _is_scheduler(obj):
-            return "scheduler"
-        if isinstance(obj, DataLoader):
-            return "loader"
-        if isinstance(obj, torch.Tensor):
-            return "tensor"
-    return "plain"
+    kind = reach.kind_of(obj)
+    return kind if kind in (*reach.TORCH_KINDS, "tensor") else "plain"
 
 
 def _is_scheduler(obj: Any) -> bool:
-    from torch.optim import lr_scheduler
-
-    kinds = tuple(k for k in (getattr(lr_scheduler, "LRScheduler", None), lr_scheduler.ReduceLROnPlateau) if k)
-    return isinstance(obj, kinds)
+    return reach.torch_kind(obj) == "scheduler"
 
 
 class _Before:
@@ -343,7 +327,6 @@ def _collect(
         "inner_optimizers": _inner_optimizer_states(optimizer_states, namespace, [m for _, m in modules]),
         "schedulers": {n: s.state_dict() for n, s in _unique(namespace, _is_scheduler)},
         **_changed_objects(before, changed_modules),  # tensors, contents, changed
-        "places": {h.label: h for h in spec.held},  # where a label's object is, should it be replaced
         "bound": _bound(cell_globals, before, hidden),
         "display": display,
         "rng": records.rng_states(),
@@ -351,6 +334,8 @@ def _collect(
     for name in outcome["bound"]:  # bound anew: it travels as a binding, not as a change
         outcome["changed"].pop(name, None)
         outcome["contents"].pop(name, None)
+    whole = {*outcome["changed"], *outcome["tensors"]}  # where such a label's object is, should it be replaced
+    outcome["places"] = {h.label: h for h in spec.held if h.label in whole}
     # Held objects' labels (trainer.model) are no names: never deleted.
     deleted = sorted(n for n in before.objects if n.isidentifier() and n not in cell_globals)
     skipped: list[tuple[str, str, str]] = []
