@@ -31,7 +31,7 @@ import dataclasses
 import itertools
 import sys
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 DEPTH = 4  # steps inside a global: trainer.model (1), trainer.models["g"] (2), trainer.cfg.opt.betas (3)...
@@ -114,33 +114,25 @@ def find_reached(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:
     tops = {id(value) for value in namespace.values()}
     seen: set[int] = set()
     found: list[tuple[Held, Any]] = []
+
+    def visit(name: str, value: Any, steps: tuple[tuple[str, Any], ...], path: set[int], in_model: bool) -> None:
+        fixed = "a tuple cannot hold another object" if isinstance(value, tuple) else ""
+        for step, child in _children(value):
+            if isinstance(child, (_ATOMIC, _STATIC)) or id(child) in path or len(found) >= REACHED:
+                continue  # no place's own, a cycle, or enough
+            here, kind = (*steps, step), kind_of(child)
+            again = id(child) in tops or id(child) in seen  # its inside is listed where it was first
+            if again and (kind not in TORCH_KINDS or in_model):
+                continue
+            seen.add(id(child))
+            found.append((Held(name + steps_as_python(here), name, here, kind, fixed, in_model), child))
+            if not again and len(here) < DEPTH:
+                visit(name, child, here, path | {id(child)}, in_model or kind == "module")
+
     for name in sorted(namespace):
         value = namespace[name]
-        for steps, obj, fixed, in_model in _inside(value, (), {id(value)}, torch_kind(value) == "module"):
-            if isinstance(obj, (_ATOMIC, _STATIC)):
-                continue
-            held = Held(name + steps_as_python(steps), name, steps, kind_of(obj), fixed, in_model)
-            if (id(obj) in tops or id(obj) in seen) and not held.preparable:
-                continue
-            seen.add(id(obj))
-            found.append((held, obj))
-            if len(found) >= REACHED:
-                return found
+        visit(name, value, (), {id(value)}, torch_kind(value) == "module")
     return found
-
-
-def _inside(
-    value: Any, steps: tuple[tuple[str, Any], ...], path: set[int], in_model: bool
-) -> Iterator[tuple[tuple[tuple[str, Any], ...], Any, str, bool]]:
-    """(steps, object, why its place is fixed, inside a model) for what ``value`` holds, up to DEPTH steps."""
-    if len(steps) >= DEPTH:
-        return
-    for step, child in _children(value):
-        if id(child) in path:
-            continue  # a cycle
-        here = (*steps, step)
-        yield here, child, "a tuple cannot hold another object" if isinstance(value, tuple) else "", in_model
-        yield from _inside(child, here, path | {id(child)}, in_model or torch_kind(child) == "module")
 
 
 def _children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
