@@ -47,7 +47,7 @@ _STATIC = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType
 
 @dataclasses.dataclass(frozen=True)
 class Held:
-    """One torch object held inside a global: where it is, and what it is."""
+    """One object held inside a global: where it is, and what it is."""
 
     label: str  # the expression that reaches it: "trainer.model", "models['g']"
     root: str  # the global it is inside
