@@ -64,14 +64,26 @@ def same(value: Any) -> Any:
     return value
 
 
+def made(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A new ``cls`` object, as ``copyreg.__newobj__`` makes one: a value sent whole is rebuilt with it.
+
+    >>> type(made(CopiedResult, (), {})).__name__
+    'CopiedResult'
+    """
+    return cls.__new__(cls, *args, **kwargs)
+
+
 @dataclass(frozen=True)
 class CellResult:
     """What rank 0 sends back after the cell ran (tensors travel in ``storages``, zero-copy).
 
     ``payload`` unpickles (see :func:`nbtrain.kernel.namespace.decode_result`) to a dict with
     the keys ``modules`` {name: (state_dict, [(submodule path, training)])}, ``optimizers``
-    and ``schedulers`` {name: state_dict}, ``tensors`` / ``changed`` / ``bound`` {name:
-    value}, ``display`` (a 1-tuple or None) and ``rng`` (RNG states or None).
+    and ``schedulers`` {name: state_dict}, ``contents`` {name: what the object holds, one
+    step deep}, ``tensors`` / ``changed`` / ``bound`` {name: value}, ``places`` {label:
+    nbtrain.reach.Held}, ``display`` (a 1-tuple or None) and ``rng`` (RNG states or None).
+    A name is a global's, or the label of an object inside one (``trainer.model``); the
+    kernel's objects inside any value are references to them (``KERNEL_TAG``, ``PART_TAG``).
     """
 
     payload: bytes

@@ -7,7 +7,9 @@ with the same pickling round trip as the engine.
 
 from __future__ import annotations
 
+import copy
 import threading
+import types
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from torch import nn
 
 import nbtrain
 from helpers.procs import roundtrip
+from nbtrain import reach
 from nbtrain.errors import SerializationError
 from nbtrain.kernel import namespace as ns
 from nbtrain.rank import cell as rank_cell
@@ -162,13 +165,20 @@ def _run_here(kernel_ns: dict, code: str, **spec_options):
     """Run ``code`` the way a rank would (one process, no process group) and apply the result."""
     analysis = ns.analyse_cell(code, kernel_ns)
     shipped = {n: kernel_ns[n] for n in analysis.names}
+    held = reach.find_reached(shipped)  # as the kernel's cellrun does
     spec = rank_cell.CellSpec(
-        code=code, filename="<cell>", names=analysis.names, display_last=analysis.display_last, **spec_options
+        code=code,
+        filename="<cell>",
+        names=analysis.names,
+        display_last=analysis.display_last,
+        held=tuple(h for h, _ in held),
+        **spec_options,
     )
     namespace, anchor = _travel((shipped, ns.anchor_function(kernel_ns)))
     result = rank_cell.run_cell(spec, namespace, anchor)
-    outcome = ns.decode_result(_travel(result), shipped, kernel_ns)
-    report = ns.apply_result(outcome, shipped, kernel_ns, result.deleted)
+    targets = {**shipped, **{h.label: obj for h, obj in held}}
+    outcome = ns.decode_result(_travel(result), targets, kernel_ns)
+    report = ns.apply_result(outcome, targets, kernel_ns, result.deleted)
     return outcome, report, result
 
 
@@ -208,6 +218,66 @@ def test_namespace_out_updates_kernel_objects_in_place():
     assert {"model", "opt", "history", "x", "loss", "twice", "alias"} <= set(report.updated)
 
 
+class ModuleTrainer:  # a class of a module (this one), as a project's train_utils.Trainer is
+    def __init__(self, config, model):
+        self.config, self.model, self.optimizer, self.steps, self.history = config, model, None, 0, []
+        self.scale = torch.ones(1)
+
+    def run(self):
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.config.lr, momentum=0.9)
+        for _ in range(2):
+            loss = self.model(torch.ones(4, 3)).pow(2).mean()
+            self.optimizer.zero_grad(); loss.backward(); self.optimizer.step()
+            self.steps += 1
+            self.history.append(loss.item())
+            self.scale.mul_(2)
+
+
+class Slotted:
+    __slots__ = ("count", "items")
+
+
+def test_an_object_of_a_modules_class_comes_back_as_the_kernels_own_holding_the_kernels_own():
+    """What one process leaves: the same trainer, holding the same model, config, list and tensor,
+    changed as running the cell here changes them (a twin run here is the reference)."""
+    torch.manual_seed(0)
+    model, config = nn.Linear(3, 1), types.SimpleNamespace(lr=0.1)
+    trainer = ModuleTrainer(config, model)
+    twin = copy.deepcopy(trainer)
+    twin.run()
+    history, scale = trainer.history, trainer.scale
+    kernel_ns: dict = {"__name__": "__main__", "trainer": trainer}
+    _, report, _ = _run_here(kernel_ns, "trainer.run()\n")
+    assert kernel_ns["trainer"] is trainer and trainer.model is model and trainer.config is config
+    assert trainer.history is history and trainer.scale is scale and scale.tolist() == [4.0]
+    assert trainer.steps == 2 and history == twin.history and torch.equal(model.weight, twin.model.weight)
+    assert all(p in trainer.optimizer.state for p in model.parameters())  # keyed by the live parameters
+    momentum = trainer.optimizer.state[model.weight]["momentum_buffer"]
+    assert torch.equal(momentum, twin.optimizer.state[twin.model.weight]["momentum_buffer"])
+    assert {"trainer.model", "trainer"} <= set(report.updated)
+
+
+def test_a_list_shared_by_two_objects_and_a_new_one_stays_one_list_and_slots_are_refilled():
+    shared = [1]
+    a, b, slotted = types.SimpleNamespace(items=shared), types.SimpleNamespace(items=shared), Slotted()
+    slotted.items, slotted.count = shared, 0
+    kernel_ns: dict = {"__name__": "__main__", "a": a, "b": b, "slotted": slotted}
+    _run_here(kernel_ns, "a.items.append(2)\nslotted.count += 1\nc = [b.items, slotted]\n")
+    assert a.items is b.items is slotted.items is shared and shared == [1, 2]
+    assert slotted.count == 1 and kernel_ns["c"][0] is shared and kernel_ns["c"][1] is slotted
+
+
+def test_a_models_own_attributes_and_its_layers_come_back_into_the_kernels_model():
+    model = nn.Sequential(nn.Linear(3, 1))
+    model.epoch, model.log, model[0].calls = 0, [], 0
+    log, layer = model.log, model[0]
+    kernel_ns: dict = {"__name__": "__main__", "model": model}
+    _, report, _ = _run_here(kernel_ns, "model.epoch = 5\nmodel.log.append(1)\nmodel[0].calls += 1\nmodel.new = [2]\n")
+    assert model.epoch == 5 and model.log is log and log == [1] and model.new == [2]
+    assert model[0] is layer and layer.calls == 1
+    assert {"model", "model.log", "model.0"} <= set(report.updated)
+
+
 def test_unchanged_plain_objects_are_left_alone_and_unpicklable_values_skipped():
     config = {"lr": 0.1, "nested": [1, 2]}
     kernel_ns: dict = {"__name__": "__main__", "config": config}
@@ -228,12 +298,7 @@ def test_module_whose_architecture_changed_is_rebound():
 
 
 def test_update_in_place_keeps_identity_where_it_can():
-    class Box:
-        def __init__(self, v):
-            self.v = v
-
-    box, values, table, found = Box(1), [1], {"a": 1}, {1}
-    assert ns.update_in_place(box, Box(2)) and box.v == 2
+    values, table, found = [1], {"a": 1}, {1}
     assert ns.update_in_place(values, [1, 2]) and values == [1, 2]
     assert ns.update_in_place(table, {"b": 2}) and table == {"b": 2}
     assert ns.update_in_place(found, {3}) and found == {3}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_helpers import nbtrain_kernel
+from kernel_helpers import NotebookKernel, nbtrain_kernel
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -637,3 +637,212 @@ def test_the_notebooks_data_parallel_trains_one_process_per_device_and_comes_bac
     saved = f"torch.load({str(tmp_path / 'dp8.pt')!r}, weights_only=False)"
     assert kernel.value(f"type({saved}) is nn.DataParallel and torch.equal({saved}.module[0].weight, mine)")
 
+
+
+# -- a trainer whose class lives in a module beside the notebook (minGPT's demo, a project's train_utils.py) --
+
+TRAIN_UTILS = '''
+import torch
+from torch.utils.data import DataLoader
+
+
+class Trainer:
+    """Makes its optimizer and loader in run(), as minGPT's Trainer does."""
+
+    def __init__(self, config, model, train_dataset):
+        self.config, self.model, self.train_dataset = config, model, train_dataset
+        self.optimizer = None
+        self.iter_num = 0
+
+    def run(self):
+        model, config = self.model, self.config
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=0.9)
+        loader = DataLoader(self.train_dataset, batch_size=config.batch_size, shuffle=False)
+        model.train()
+        for _ in range(config.epochs):
+            for x, y in loader:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+                self.iter_num += 1
+
+
+class Holder:
+    """Holds the model and an optimizer made before the cell, in slots."""
+
+    __slots__ = ("model", "optimizer", "steps")
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer, self.steps = model, optimizer, 0
+
+
+class TiedNet(torch.nn.Module):
+    """Its head's weight is its embedding's, as GPT-2's and nanoGPT's are."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Linear(4, 4, bias=False)
+        self.head = torch.nn.Linear(4, 4, bias=False)
+        self.head.weight = self.emb.weight
+        self.out = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.head(torch.tanh(self.emb(x)))))
+'''
+
+BESIDE_SETUP = """
+import types, torch
+from torch.utils.data import TensorDataset
+from train_utils import Trainer
+def setup(batch_size):
+    global model, config, dataset, trainer, kernel_ids
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    X = torch.randn(32, 4)
+    dataset = TensorDataset(X, X.sum(1, keepdim=True))
+    config = types.SimpleNamespace(batch_size=batch_size, learning_rate=0.05, epochs=2)
+    trainer = Trainer(config, model, dataset)
+    kernel_ids = id(trainer), id(model), id(config), id(dataset)
+setup(8)
+trainer.run()  # the one-process reference: batches of 8
+reference = [p.detach().clone() for p in model.parameters()]
+reference_momentum = [trainer.optimizer.state[p]['momentum_buffer'].clone() for p in model.parameters()]
+"""
+
+# What one process leaves: the same objects under the same names, the optimizer keyed by the model's parameters.
+SAME_GRAPH = (
+    "trainer.model is model and trainer.config is config and trainer.train_dataset is dataset"
+    " and (id(trainer), id(model), id(config), id(dataset)) == kernel_ids"
+    " and all(p is q for p, q in zip(trainer.optimizer.param_groups[0]['params'], model.parameters()))"
+    " and all(p in trainer.optimizer.state for p in model.parameters())"
+)
+
+
+@pytest.fixture(scope="module")
+def beside(tmp_path_factory):
+    """A kernel whose working directory holds train_utils.py, as a project's notebook folder does."""
+    folder = tmp_path_factory.mktemp("project")
+    (folder / "train_utils.py").write_text(TRAIN_UTILS)
+    kernel = NotebookKernel(cwd=str(folder))
+    try:
+        kernel.run_ok("%load_ext nbtrain")
+        kernel.run_ok(BESIDE_SETUP)
+        yield kernel
+    finally:
+        kernel.shutdown()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_trainer_of_a_module_beside_the_notebook_trains_the_kernels_own_model(beside, devices):
+    """minGPT's pattern: ``trainer = Trainer(config, model, dataset)`` before, ``trainer.run()`` in the cell.
+
+    Afterwards the kernel holds what one process would: ``trainer.model is model``, trained as
+    one process trains it on the union of the ranks' batches (two ranks of 4 are one batch of 8:
+    no shuffle, a mean loss), the optimizer made in the cell stepping the kernel's parameters.
+    """
+    beside.run_ok(f"setup({8 // devices})")
+    out = beside.run_ok(f"%%distributed --devices {devices} --accelerator cpu\ntrainer.run()\n")
+    assert beside.value(SAME_GRAPH), out.stdout
+    assert beside.value("trainer.iter_num") == 32 // 8 * 2
+    close = "torch.equal" if devices == 1 else "(lambda a, b: torch.allclose(a, b, atol=1e-6))"
+    assert beside.value(f"all({close}(p, q) for p, q in zip(model.parameters(), reference))"), out.stdout
+    assert beside.value(
+        f"all({close}(trainer.optimizer.state[p]['momentum_buffer'], m)"
+        " for p, m in zip(model.parameters(), reference_momentum))"
+    )
+
+
+NEIGHBOURS = """
+from torch.utils.data import DataLoader
+from train_utils import Holder, TiedNet
+def build(batch_size):
+    global model, opt, models, holder, w, loader, feed, config, before_ids
+    torch.manual_seed(1)
+    model = TiedNet()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    models = {'net': model}
+    holder = Holder(model, opt)
+    w = model.emb.weight
+    X = torch.randn(32, 4)
+    loader = DataLoader(TensorDataset(X, X.sum(1, keepdim=True)), batch_size=batch_size, shuffle=False)
+    feed = types.SimpleNamespace(loader=loader)
+    config = types.SimpleNamespace(batch_size=batch_size, learning_rate=0.05, epochs=1)
+    before_ids = [id(o) for o in (model, opt, models, holder, w, config)]
+"""
+
+NEIGHBOUR_CELL = """
+for _ in range(2):
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(models['net'](x), y)
+        holder.optimizer.zero_grad(); loss.backward(); holder.optimizer.step()
+        holder.steps += 1
+    models['net'].epochs_done = _ + 1  # an attribute of the model itself
+tied_norm = float(w.norm())  # the name kept for the tied weight, used in the cell
+"""
+
+NEIGHBOUR_GRAPH = (
+    "models['net'] is model and holder.model is model and holder.optimizer is opt and w is model.emb.weight"
+    " and model.head.weight is model.emb.weight"
+    " and [id(o) for o in (model, opt, models, holder, w, config)] == before_ids"
+    " and all(p is q for p, q in zip(opt.param_groups[0]['params'], model.parameters()))"
+    " and all(p in opt.state for p in model.parameters())"
+)
+
+
+def _as_one_process(kernel, devices, cell, expression, build="build"):
+    """Run ``cell`` in the kernel itself on batches of 8, then on ``devices`` ranks of 8 // devices each:
+    ``expression``'s values must agree (exactly on one rank, within float rounding on two)."""
+    kernel.run_ok(f"{build}(8)\n" + cell + f"\nreference = [t.detach().clone() for t in {expression}]")
+    kernel.run_ok(f"{build}({8 // devices})")
+    out = kernel.run_ok(f"%%distributed --devices {devices} --accelerator cpu\n" + cell)
+    close = "torch.equal" if devices == 1 else "(lambda a, b: torch.allclose(a, b, atol=1e-6))"
+    assert kernel.value(f"all({close}(a, b) for a, b in zip({expression}, reference))"), out.stdout
+    return out
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_model_in_a_dict_by_name_in_slots_with_tied_weights_and_a_name_for_a_parameter_stays_one_object(
+    beside, devices
+):
+    """Every place that held the model, its tied weight or its optimizer holds it after the cell,
+    trained as one process would train it; the optimizer's state is keyed by the live parameters."""
+    beside.run_ok(NEIGHBOURS)
+    moments = "[opt.state[p]['exp_avg'] for p in model.parameters()]"
+    out = _as_one_process(beside, devices, NEIGHBOUR_CELL, f"list(model.parameters()) + {moments}")
+    assert beside.value(NEIGHBOUR_GRAPH), out.stdout
+    assert beside.value("holder.steps") == 2 * 32 // 8 and beside.value("model.epochs_done") == 2
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_trainer_of_a_module_made_in_the_cell_holds_the_kernels_model_and_config(beside, devices):
+    """``Trainer(config, model, dataset)`` made in the cell: it comes back holding the kernel's own
+    objects, and the kernel's model is trained as one process trains it."""
+    beside.run_ok(NEIGHBOURS)
+    cell = "made = Trainer(config, model, loader.dataset)\nmade.run()\n"
+    out = _as_one_process(beside, devices, cell, "list(model.parameters())")
+    assert beside.value(
+        "made.model is model and made.config is config and made.train_dataset is loader.dataset"
+        " and all(p in made.optimizer.state for p in model.parameters())"
+    ), out.stdout
+    assert beside.value("made.iter_num") == 32 // 8
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_cell_using_the_model_by_name_and_through_its_trainer_trains_one_averaged_model(beside, devices):
+    """``model`` prepared by its name and ``trainer.model`` holding it: both places hold the one
+    prepared model on the ranks, so the trainer's steps average the gradients as the name's would."""
+    cell = "trainer.run()\nfinal = float(model(dataset.tensors[0]).sum())\n"
+    out = _as_one_process(beside, devices, cell, "list(model.parameters())", build="setup")
+    assert beside.value(SAME_GRAPH), out.stdout
+    prepared = out.stdout.partition("Auto-prepared: ")[2].partition(". ")[0]
+    assert prepared.startswith("model") and "trainer.model" not in prepared, out.stdout  # named once
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_loader_used_by_name_and_through_a_holder_reads_one_share_at_both_places(beside, devices):
+    """``len(loader)`` by name and ``feed.loader`` iterated: both places hold the one sharded loader."""
+    beside.run_ok(NEIGHBOURS)
+    cell = NEIGHBOUR_CELL.replace("for x, y in loader:", "for x, y in feed.loader:") + "batches = len(loader)\n"
+    out = _as_one_process(beside, devices, cell, "list(model.parameters())")
+    assert beside.value("holder.steps") == 2 * 32 // 8 and beside.value("feed.loader is loader"), out.stdout

@@ -14,11 +14,8 @@ from nbtrain import reach
 from nbtrain.kernel import lengths
 
 
-class Holder:  # a class of the test module: only notebook classes, dataclasses and namespaces are looked into
+class Holder:  # a class of the test module, as a trainer of a module beside the notebook is
     pass
-
-
-Holder.__module__ = "__main__"
 
 
 @dataclasses.dataclass
@@ -27,22 +24,57 @@ class Pair:
     second: object
 
 
-def test_objects_one_and_two_steps_inside_are_found_with_the_expression_that_reaches_them():
+def test_objects_up_to_four_steps_inside_are_found_with_the_expression_that_reaches_them():
     model, other = nn.Linear(2, 1), nn.Linear(2, 1)
     trainer = Holder()
     trainer.model = model
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer.parts = {"g": other, "deep": {"too": nn.Linear(1, 1)}}
+    trainer.parts = {"g": other, "deep": {"too": {"far": {"off": nn.Linear(1, 1)}}}}
     found = {h.label: (h.kind, obj) for h, obj in reach.find_held({"trainer": trainer})}
-    assert set(found) == {"trainer.model", "trainer.optimizer", "trainer.parts['g']"}  # three steps is too deep
+    assert set(found) == {"trainer.model", "trainer.optimizer", "trainer.parts['g']"}  # five steps is too deep
     assert found["trainer.model"] == ("module", model) and found["trainer.optimizer"][0] == "optimizer"
+    reached = [h.label for h, _ in reach.find_reached({"trainer": trainer})]
+    assert "trainer.parts['deep']['too']['far']" in reached
+    assert "trainer.parts['deep']['too']['far']['off']" not in reached
 
 
-def test_a_global_itself_or_a_second_path_to_the_same_object_is_not_listed_again():
-    model = nn.Linear(2, 1)
-    box = types.SimpleNamespace(model=model, again=[model])
-    assert reach.find_held({"box": box, "model": model}) == []
-    assert [h.label for h, _ in reach.find_held({"box": box})] == ["box.model"]
+class Slotted:
+    __slots__ = ("model", "steps")
+
+
+def test_objects_of_any_class_whose_state_is_their_attributes_are_looked_into_slots_too():
+    slotted = Slotted()
+    slotted.model, slotted.steps = nn.Linear(2, 1), 0
+    frozen = functools.partial(print, nn.Linear(1, 1))  # pickles its own way: not looked into
+    loader = DataLoader(TensorDataset(torch.zeros(4, 1)), batch_size=2)
+    found = {h.label: h.kind for h, _ in reach.find_reached({"slotted": slotted, "frozen": frozen, "loader": loader})}
+    assert found == {
+        "slotted.model": "module",
+        "loader.dataset": "torch.utils.data.dataset.TensorDataset",  # the data set a loader reads is a place
+        "loader.dataset.tensors": "builtins.tuple",
+        "loader.dataset.tensors[0]": "tensor",
+    }
+
+
+def test_what_an_object_holds_refills_the_kernels_object_keeping_its_identity():
+    slotted, box, items = Slotted(), Holder(), [1]
+    slotted.model = box.kept = nn.Linear(1, 1)
+    box.gone = 1
+    held = {"kept": items, "new": 2}
+    reach.refill(box, held)
+    assert vars(box) == held and box.kept is items
+    reach.refill(slotted, {"steps": 3})
+    assert slotted.steps == 3 and not hasattr(slotted, "model")
+    assert reach.contents(slotted) == {"steps": 3} and reach.contents(torch.zeros(1)) is None
+
+
+def test_a_model_is_listed_at_every_place_and_any_other_object_once():
+    """Each place of a model must hold the prepared one on a rank: ``model`` and ``box.model`` alike."""
+    model, shared = nn.Linear(2, 1), [1]
+    box = types.SimpleNamespace(model=model, again=[model], items=shared, same=shared)
+    assert [h.label for h, _ in reach.find_held({"box": box, "model": model})] == ["box.model", "box.again[0]"]
+    reached = [h.label for h, _ in reach.find_reached({"box": box, "shared": shared})]
+    assert reached == ["box.model", "box.again", "box.again[0]"]  # a global, or a second place: once
 
 
 def test_a_tuple_item_is_found_but_its_place_is_fixed_and_a_cycle_ends():

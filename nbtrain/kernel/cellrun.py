@@ -83,7 +83,7 @@ class PreparedCell:
     record: CellRun
     total_steps: int | None = None  # the steps rank 0 will log, when the cell's code tells (the bar's total)
     engine: Any = None  # a cluster's warm client, planned with cfg; None: this machine's launcher
-    held: dict[str, Any] = field(default_factory=dict)  # label ("trainer.model") -> the kernel's object
+    held: dict[str, Any] = field(default_factory=dict)  # label ("trainer.model") -> the kernel's object inside a global
     analysis: Any = None  # nbtrain.kernel.namespace's reading of the cell (for count_steps)
 
     @property
@@ -115,7 +115,7 @@ def prepare_cell(shell: Any, line: str, cell: str, options: Any, plan: Planner) 
     user_ns = kernel_shell.user_namespace(shell)
     analysis = ns.analyse_cell(code, user_ns, kernel_shell.hidden_names(shell), raw_cell=body)
     shipped = {name: user_ns[name] for name in analysis.names}
-    held = reach.find_held(shipped)
+    held = reach.find_reached(shipped)  # every object inside them, tracked by where it is
     auto = options.auto and not analysis.self_distributes
     spec = rank_cell.CellSpec(
         code=code,

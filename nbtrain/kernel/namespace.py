@@ -7,11 +7,14 @@ the notebook functions and classes it uses: the same names cloudpickle ships wit
 Only those travel. :func:`explain_unpicklable` names the one that cannot.
 
 Coming back (:func:`decode_result`, :func:`apply_result`): rank 0 sends a
-:class:`CellResult`. The kernel's own Modules, Optimizers and LR schedulers are updated
-in place from it (same objects, same devices and dtypes); other names the cell bound or
-changed are set as if the cell had run in the kernel. References to the kernel's objects
-come back as those objects, never as copies, and functions the cell defined get the
-kernel's globals.
+:class:`CellResult`. Every object the ranks received, a global or an object inside one
+(``trainer.model``, ``trainer.config``: :func:`nbtrain.reach.find_reached`), comes back as
+a reference to the kernel's own object, never as a copy, and the kernel's object is changed
+in place to what the cell left: Modules, Optimizers and LR schedulers load their state
+(same objects, same devices and dtypes), tensors are copied into, lists, dicts and objects
+are refilled with what they hold. So what was shared stays shared (``trainer.model is
+model``), as if the cell had run in the kernel. Names the cell bound are set, and functions
+the cell defined get the kernel's globals.
 
 Pure apart from the objects it is handed: it starts nothing and imports torch only to
 load state into torch objects that already exist.
@@ -24,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import ast
+import contextlib
 import dis
 import functools
 import io
@@ -35,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain import reach
 from nbtrain.errors import SerializationError
 from nbtrain.records import (
     GLOBALS_TAG,
@@ -205,9 +210,6 @@ def _notebook_code(value: Any, user_ns: Mapping[str, Any]) -> list[types.CodeTyp
     return codes
 
 
-# Typed Any: mypy takes a class's __reduce_ex__ for a bound method, object's for an unbound
-# one, and would call the identity check below always false.
-_DEFAULT_REDUCE_EX: Any = object.__reduce_ex__
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
 _GLOBAL_WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
 
@@ -447,12 +449,17 @@ def apply_result(
                 report.updated.append(name)
         except Exception as error:  # noqa: BLE001 - one bad object must not stop the rest
             report.skipped.append((name, type_name(target), f"its state could not be loaded ({error})"))
+    places = outcome.get("places", {})
+    for name, held in outcome.get("contents", {}).items():
+        reach.refill(shipped[name], held)  # what it held, the kernel's own objects by reference
+        report.updated.append(name)
     for name, value in outcome.get("tensors", {}).items():
-        _set_tensor(user_ns, name, shipped[name], value)
+        if not _copy_tensor(shipped[name], value):
+            _rebind(user_ns, shipped, places.get(name), name, value)
         report.updated.append(name)
     for name, value in outcome.get("changed", {}).items():
         if not update_in_place(shipped[name], value):
-            user_ns[name] = value
+            _rebind(user_ns, shipped, places.get(name), name, value)
         report.updated.append(name)
     for name, value in outcome.get("bound", {}).items():
         user_ns[name] = value
@@ -463,6 +470,7 @@ def apply_result(
             del user_ns[name]
             report.deleted.append(name)
     set_rng_states(outcome.get("rng"))
+    report.updated = list(dict.fromkeys(report.updated))  # a model's weights and its attributes: named once
     return report
 
 
@@ -564,6 +572,9 @@ def load_module_state(module: Any, state: Mapping[str, Any], modes: Iterable[tup
 def update_in_place(target: Any, value: Any) -> bool:
     """Make ``target`` equal ``value`` keeping its identity; False when only rebinding can.
 
+    For what travels whole (a set, an array, a dict of a subclass): a list, a dict or an
+    object whose state is its attributes travels as what it holds (:func:`nbtrain.reach.refill`).
+
     >>> history = [1]; update_in_place(history, [1, 2]), history
     (True, [1, 2])
     """
@@ -579,14 +590,6 @@ def update_in_place(target: Any, value: Any) -> bool:
         target.update(value) if isinstance(target, set) else target.extend(value)
     elif type(target).__name__ == "ndarray" and getattr(target, "shape", None) == getattr(value, "shape", ()):
         target[...] = value
-    elif (
-        hasattr(target, "__dict__")
-        and not hasattr(type(target), "__slots__")
-        and type(target).__reduce_ex__ is _DEFAULT_REDUCE_EX
-        and not hasattr(type(target), "__setstate__")
-    ):
-        target.__dict__.clear()
-        target.__dict__.update(value.__dict__)
     else:
         return False
     return True
@@ -624,11 +627,21 @@ def _copy_into(current: Any, value: Any, *, check: bool) -> bool:
     return current == value if type(current) is type(value) and isinstance(value, (int, float, str)) else False
 
 
-def _set_tensor(user_ns: dict[str, Any], name: str, target: Any, value: Any) -> None:
+def _copy_tensor(target: Any, value: Any) -> bool:
+    """Copy ``value`` into the kernel's tensor ``target``; False where it does not fit."""
     import torch
 
     if isinstance(target, torch.Tensor) and target.shape == value.shape and target.dtype == value.dtype:
         with torch.no_grad():
             target.copy_(value)
-    else:
+        return True
+    return False
+
+
+def _rebind(user_ns: dict[str, Any], shipped: Mapping[str, Any], held: Any, name: str, value: Any) -> None:
+    """Put ``value`` where the kernel's object ``name`` was: a global, or the place ``held`` inside one."""
+    if held is None:
         user_ns[name] = value
+    else:
+        with contextlib.suppress(Exception):  # a holder that refuses it keeps its object, as it would have
+            reach.put(shipped, held, value)

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nbtrain import patches, records
+from nbtrain import patches, reach, records
 from nbtrain.rank import (
     api,
     cellloaders,
@@ -68,7 +68,7 @@ class CellSpec:
     needs_shell: bool = False
     display_last: bool = False
     rng: Mapping[str, Any] | None = None
-    held: tuple[Any, ...] = ()  # nbtrain.reach.Held: torch objects inside the shipped globals
+    held: tuple[Any, ...] = ()  # nbtrain.reach.Held: the objects inside the shipped globals, by where they are
 
 
 def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> records.CellResult | None:
@@ -85,11 +85,12 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     cell_globals.setdefault("__builtins__", builtins)
     cell_globals.setdefault("__name__", "__main__")
     records.set_rng_states(spec.rng)
-    # The torch objects held inside globals (trainer.model) are tracked like globals, by label.
+    # The objects inside globals (trainer.model, trainer.config) are tracked like globals, by label.
     tracked = {**namespace, **{h.label: obj for h, obj in prepare.resolved(namespace, spec.held)}}
     _rewrap_scheduled_optimizers(tracked.values())
     rank0 = api.rank() == 0
-    before = _Before(cell_globals, tracked) if rank0 else None
+    parts = _submodules(tracked)  # before the cell: a layer it replaces was the model's
+    before = _Before(cell_globals, tracked, parts) if rank0 else None
     devices = kerneldevices.as_rank_devices(cell_globals, namespace)  # `device = torch.device("cuda:0")` in the kernel
     hidden = _install_shell(cell_globals) if spec.needs_shell else set()
     preparations.configure()
@@ -103,7 +104,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     context = api.current_context()
     if context is not None:
         context.flush()  # the cell's last metrics go out before the (slower) namespace-out
-    return _collect(spec, cell_globals, tracked, before, display, prepared, hidden)
+    return _collect(spec, cell_globals, tracked, before, display, prepared, hidden, parts)
 
 
 def _run_patched(
@@ -221,46 +222,30 @@ _STATIC_TYPES = (
 
 
 def _kind(obj: Any) -> str:
-    torch = sys.modules.get("torch")
     if isinstance(obj, _STATIC_TYPES):
         return "static"
-    if torch is not None:
-        from torch.utils.data import DataLoader
-
-        if isinstance(obj, torch.nn.Module):
-            return "module"
-        if isinstance(obj, torch.optim.Optimizer):
-            return "optimizer"
-        if _is_scheduler(obj):
-            return "scheduler"
-        if isinstance(obj, DataLoader):
-            return "loader"
-        if isinstance(obj, torch.Tensor):
-            return "tensor"
-    return "plain"
+    kind = reach.kind_of(obj)
+    return kind if kind in (*reach.TORCH_KINDS, "tensor") else "plain"
 
 
 def _is_scheduler(obj: Any) -> bool:
-    from torch.optim import lr_scheduler
-
-    kinds = tuple(k for k in (getattr(lr_scheduler, "LRScheduler", None), lr_scheduler.ReduceLROnPlateau) if k)
-    return isinstance(obj, kinds)
+    return reach.torch_kind(obj) == "scheduler"
 
 
 class _Before:
     """Rank 0's record of the shipped objects before the cell ran, to tell what changed."""
 
-    def __init__(self, cell_globals: dict[str, Any], namespace: Mapping[str, Any]):
+    def __init__(self, cell_globals: dict[str, Any], namespace: Mapping[str, Any], parts: set[int]):
         self.objects = dict(namespace)
         self.bindings = dict(cell_globals)  # holds the objects, so identity checks stay valid
-        self.kinds = {name: _kind(value) for name, value in self.objects.items()}
-        tracked_apart = ("module", "optimizer", "scheduler", "loader")
-        special = {id(v) for n, v in self.objects.items() if self.kinds[n] in tracked_apart}
-        self.special = special  # by reference in fingerprints: their changes are tracked apart
+        self.kinds = {name: "part" if id(v) in parts else _kind(v) for name, v in self.objects.items()}
+        # Every object the kernel has is by reference in the others' fingerprints: its changes are its own.
+        special = {id(v) for n, v in self.objects.items() if self.kinds[n] != "static"}
+        self.special = special
         self.refs = _kernel_refs(self.objects)
         self.keep: list[Any] = []  # tensors the fingerprints name by id (see _fingerprint)
         self.fingerprints = {
-            name: _fingerprint(value, special, self.keep)
+            name: _fingerprint(value, special, self.keep, root=value)
             for name, value in self.objects.items()
             if self.kinds[name] == "plain"
         }
@@ -274,6 +259,21 @@ class _Before:
             for name, v in self.objects.items()
             if self.kinds[name] in ("module", "optimizer")
         }
+        # A model's own attributes (model.epoch): a model is an object too.
+        self.attributes = {
+            name: _fingerprint(reach.contents(v), special, self.keep)
+            for name, v in self.objects.items()
+            if self.kinds[name] in ("module", "part")
+        }
+
+
+def _submodules(objects: Mapping[str, Any]) -> set[int]:
+    """The ids of the modules inside another of ``objects``: their weights are the outer one's state."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return set()
+    modules = [v for v in objects.values() if isinstance(v, torch.nn.Module)]
+    return {id(sub) for module in modules for sub in module.modules() if sub is not module}
 
 
 def _kernel_refs(objects: Mapping[str, Any]) -> dict[int, tuple[Any, ...]]:
@@ -326,11 +326,12 @@ def _collect(
     display: tuple[Any] | None,
     prepared: list[tuple[str, str]],
     hidden: set[str],
+    parts: set[int],
 ) -> records.CellResult | None:
     """Gather full states (every rank: FSDP needs collectives); rank 0 builds the result."""
     import torch
 
-    modules = _unique(namespace, torch.nn.Module)
+    modules = [(name, m) for name, m in _unique(namespace, torch.nn.Module) if id(m) not in parts]
     for _, module in modules:
         _reshard(module)
     module_states, changed_modules = _module_states(modules, before)
@@ -347,22 +348,20 @@ def _collect(
         "optimizer_attributes": _optimizer_attributes(optimizer_states, namespace),
         "inner_optimizers": _inner_optimizer_states(optimizer_states, namespace, [m for _, m in modules]),
         "schedulers": {n: s.state_dict() for n, s in _unique(namespace, _is_scheduler)},
-        "tensors": {
-            n: v for n, v in before.objects.items() if before.kinds[n] == "tensor" and v._version != before.versions[n]
-        },
-        "changed": _changed_objects(before, changed_modules),
+        **_changed_objects(before, changed_modules),  # tensors, contents, changed
         "bound": _bound(cell_globals, before, hidden),
         "display": display,
         "rng": records.rng_states(),
     }
     for name in outcome["bound"]:  # bound anew: it travels as a binding, not as a change
         outcome["changed"].pop(name, None)
+        outcome["contents"].pop(name, None)
+    whole = {*outcome["changed"], *outcome["tensors"]}  # where such a label's object is, should it be replaced
+    outcome["places"] = {h.label: h for h in spec.held if h.label in whole}
     # Held objects' labels (trainer.model) are no names: never deleted.
     deleted = sorted(n for n in before.objects if n.isidentifier() and n not in cell_globals)
-    # A changed kernel object travels by value, not as a reference to itself.
-    exempt = {id(v) for section in ("changed", "tensors") for v in outcome[section].values()}
     skipped: list[tuple[str, str, str]] = []
-    payload, storages = _dump_outcome(outcome, refs, cell_globals, exempt, skipped)
+    payload, storages = _dump_outcome(outcome, refs, cell_globals, skipped)
     kept = cellmodels.kept_summary(cell_globals)  # a name the cell bound anew is its own model's
     prepared = [entry for entry in prepared if entry[0] not in dict(kept)] + kept
     notes = preparations.notes() + samedata.same_data_notes(cell_globals)
@@ -473,16 +472,59 @@ def _bound(cell_globals: dict[str, Any], before: _Before, hidden: set[str]) -> d
     return bound
 
 
-def _changed_objects(before: _Before, changed_modules: set[str]) -> dict[str, Any]:
-    """The kernel's plain objects the cell changed in place, and modules whose architecture it changed."""
-    changed = {
-        name: value
-        for name, value in before.objects.items()
-        if before.kinds[name] == "plain" and _fingerprint(value, before.special) != before.fingerprints[name]
-    }
+def _changed_objects(before: _Before, changed_modules: set[str]) -> dict[str, dict[str, Any]]:
+    """The kernel's objects the cell changed: ``contents``, what each holds now, one step deep,
+    where that says it all (reach.contents); ``tensors`` and ``changed``, those that travel
+    whole (modules whose architecture changed among them).
+
+    What an object holds travels with the kernel's objects in it as references: the
+    kernel refills its own object, and what it shared stays shared.
+    """
+    contents: dict[str, Any] = {}
+    whole: dict[str, Any] = {}
+    for name, value in before.objects.items():
+        if before.kinds[name] in ("module", "part") and name not in changed_modules:
+            if _fingerprint(reach.contents(value), before.special) != before.attributes[name]:
+                contents[name] = reach.contents(value)
+            continue
+        if before.kinds[name] != "plain":
+            continue
+        if _fingerprint(value, before.special, root=value) == before.fingerprints[name]:
+            continue
+        held = reach.contents(value)
+        if held is None:
+            whole[name] = value
+        else:
+            contents[name] = held
     for name in sorted(changed_modules):
-        changed[name] = before.objects[name]
-    return changed
+        whole[name] = before.objects[name]
+    tensors = {
+        n: _Whole(v)
+        for n, v in before.objects.items()
+        if before.kinds[n] == "tensor" and v._version != before.versions[n]
+    }
+    return {"tensors": tensors, "contents": contents, "changed": {n: _Whole(v) for n, v in whole.items()}}
+
+
+def _reduction(value: Any) -> Any:
+    """``value``'s reduction, made without ``copyreg.__newobj__``: pickle checks that one's class against the
+    object it pickles, which here is the :class:`_Whole` standing for ``value``."""
+    import copyreg
+
+    reduced = value.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj__:  # type: ignore[attr-defined]
+        cls, *args = reduced[1]
+        return (records.made, (cls, tuple(args), {}), *reduced[2:])
+    if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj_ex__:  # type: ignore[attr-defined]
+        return (records.made, reduced[1], *reduced[2:])
+    return reduced
+
+
+class _Whole:
+    """A kernel object that travels by value here (its new state), and as a reference everywhere else."""
+
+    def __init__(self, value: Any):
+        self.value = value
 
 
 def _unique(namespace: Mapping[str, Any], kind: Any) -> list[tuple[str, Any]]:
@@ -572,28 +614,28 @@ def _dump_outcome(
     outcome: dict[str, Any],
     refs: dict[int, tuple[Any, ...]],
     cell_globals: dict[str, Any],
-    exempt: set[int],
     skipped: list[tuple[str, str, str]],
 ) -> tuple[bytes, list[Any]]:
     """Pickle the outcome; a value that cannot travel is left out and named in ``skipped``."""
     with contextlib.suppress(Exception):  # find the culprits below
-        return _dump(outcome, refs, cell_globals, exempt)
-    for section in ("bound", "changed", "tensors"):
+        return _dump(outcome, refs, cell_globals)
+    for section in ("bound", "contents", "changed", "tensors"):
         for name in sorted(outcome[section]):
             value = outcome[section][name]
             try:
-                _dump(value, refs, cell_globals, exempt)
+                _dump(value, refs, cell_globals)
             except Exception as error:  # noqa: BLE001 - whatever stops it, it is named in skipped
                 del outcome[section][name]
+                value = value.value if isinstance(value, _Whole) else value
                 skipped.append((name, records.type_name(value), _why_not_sent(name, value, error)))
     if outcome["display"] is not None:
         try:
-            _dump(outcome["display"], refs, cell_globals, exempt)
+            _dump(outcome["display"], refs, cell_globals)
         except Exception as error:  # noqa: BLE001 - whatever stops it, it is named in skipped
             value = outcome["display"][0]
             skipped.append(("the cell's value", records.type_name(value), _why_not_sent("", value, error)))
             outcome["display"] = None
-    return _dump(outcome, refs, cell_globals, exempt)
+    return _dump(outcome, refs, cell_globals)
 
 
 def _why_not_sent(name: str, value: Any, error: BaseException) -> str:
@@ -618,13 +660,11 @@ def _short(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
-def _dump(
-    obj: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any], exempt: set[int]
-) -> tuple[bytes, list[Any]]:
+def _dump(obj: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any]) -> tuple[bytes, list[Any]]:
     import io
 
     buffer = io.BytesIO()
-    pickler = _result_pickler_class()(buffer, refs, cell_globals, exempt)
+    pickler = _result_pickler_class()(buffer, refs, cell_globals)
     pickler.dump(obj)
     return buffer.getvalue(), pickler.storages
 
@@ -649,11 +689,10 @@ class _ResultReferences(_PicklerBase):
     storage_types: Any = ()
     dtensor_type: Any = type(None)
 
-    def __init__(self, file: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any], exempt: set[int]):
+    def __init__(self, file: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any]):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.refs = refs
         self.cell_globals = cell_globals
-        self.exempt = exempt
         self.storages: list[Any] = []
         self._storage_index: dict[tuple[str, int, int], int] = {}
 
@@ -668,13 +707,10 @@ class _ResultReferences(_PicklerBase):
             return (records.GLOBALS_TAG,)
         if isinstance(obj, self.storage_types):
             return self._storage_id(obj)
-        key = id(obj)
-        if key in self.exempt:
-            return None
-        ref = self.refs.get(key)
+        ref = self.refs.get(id(obj))
         if ref is None:
             original = wrapping.original_of(obj)
-            if original is not obj and id(original) not in self.exempt:
+            if original is not obj:
                 ref = self.refs.get(id(original))
         return ref
 
@@ -691,6 +727,8 @@ class _ResultReferences(_PicklerBase):
 
     def reducer_override(self, obj: Any) -> Any:
         """DDP wrappers and prepared objects pickle as their originals; a sharded DTensor is refused."""
+        if type(obj) is _Whole:  # the object's own reduction, not a reference to it
+            return _reduction(obj.value)
         if isinstance(obj, self.dtensor_type):
             raise ShardedTensorError("it holds a sharded DTensor, of which rank 0 has only its shard")
         refused = trackers.stays_on_rank(obj)  # a tracker's run: its files and threads are rank 0's
@@ -739,8 +777,9 @@ def _result_pickler_class() -> type[_ResultReferences]:
 _fingerprint_pickler: type | None = None
 
 
-def _fingerprint(value: Any, special: set[int], keep: list[Any] | None = None) -> bytes | None:
-    """A digest of ``value``'s pickle; tensors count by identity and version, not by data.
+def _fingerprint(value: Any, special: set[int], keep: list[Any] | None = None, root: Any = None) -> bytes | None:
+    """A digest of ``value``'s pickle; tensors count by identity and version, not by data, and the
+    objects in ``special`` (but ``root``, whose own state this is) by identity alone.
 
     ``keep`` collects the tensors seen: holding them keeps their ids from being reused by
     a new tensor while the cell runs (a replaced layer's weights freed, a new one's
@@ -751,16 +790,17 @@ def _fingerprint(value: Any, special: set[int], keep: list[Any] | None = None) -
         import cloudpickle
 
         class FingerprintPickler(cloudpickle.Pickler):
-            def __init__(self, file: Any, special: set[int], keep: list[Any] | None):
+            def __init__(self, file: Any, special: set[int], keep: list[Any] | None, root: Any):
                 super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
                 self.special = special
                 self.keep = keep
+                self.root = root
                 self.torch = sys.modules.get("torch")
 
             def persistent_id(self, obj: Any) -> Any:
                 if type(obj) in _ATOMIC:
                     return None
-                if id(obj) in self.special:
+                if id(obj) in self.special and obj is not self.root:
                     return ("k", id(obj))
                 torch = self.torch
                 if torch is not None and isinstance(obj, torch.Tensor):
@@ -778,7 +818,7 @@ def _fingerprint(value: Any, special: set[int], keep: list[Any] | None = None) -
             return len(data)
 
     try:
-        _fingerprint_pickler(Sink(), special, keep).dump(value)
+        _fingerprint_pickler(Sink(), special, keep, root).dump(value)
     except Exception:  # noqa: BLE001 - cannot tell: treat as changed
         return None
     return digest.digest()

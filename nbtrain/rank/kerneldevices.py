@@ -94,8 +94,8 @@ def _settings(value: Any) -> list[tuple[Any, Any, bool, Any]]:
         if value.__module__ != "__main__":
             return []
         items = [(k, v) for k, v in vars(value).items() if not k.startswith("__")]
-    elif reach.is_users_object(value):  # a model's self.device too
-        items = list(vars(value).items())
+    elif reach.is_users_object(value) or reach.torch_kind(value) == "module":  # a model's self.device too
+        items = list(reach.attributes(value).items())
     else:
         return []
     return [(value, k, True, v) for k, v in itertools.islice(items, reach.ITEMS)]

@@ -146,16 +146,18 @@ def auto_prepare_held(
 ) -> tuple[list[tuple[str, str]], list[tuple[Any, Any, Any]]]:
     """Prepare the torch objects held inside the cell's globals (``trainer.model``), in their places.
 
-    ``held`` is :func:`nbtrain.reach.find_held`'s list, made in the kernel. Each prepared
-    object replaces the original where it is held, so the cell's ``trainer.run()`` trains
-    the wrapped model. Returns (label, what was done) for the summary, a place that could
-    not take the prepared object saying ``not prepared (why)``, and (held, original,
-    prepared) for each place changed: the cell puts the originals back after it ran.
+    ``held`` is :func:`nbtrain.reach.find_reached`'s list, made in the kernel: its torch
+    objects are prepared. Each prepared object replaces the original where it is held, so
+    the cell's ``trainer.run()`` trains the wrapped model. Returns (label, what was done)
+    for the summary, a place that could not take the prepared object saying ``not prepared
+    (why)``, and (held, original, prepared) for each place changed: the cell puts the
+    originals back after it ran. Every place of an object holds the same prepared one
+    (``model`` and ``trainer.model``), which the summary names once.
     """
     from nbtrain import reach
 
     torch = preparations.torch_module()
-    found = list(resolved(namespace, held))
+    found = [(h, obj) for h, obj in resolved(namespace, held) if h.preparable]
     roots = [v for v in namespace.values() if isinstance(v, torch.nn.Module)]
     roots += [obj for h, obj in found if h.kind == "module"]
     inside = {id(sub) for root in roots for sub in root.modules() if sub is not root}
@@ -169,6 +171,7 @@ def auto_prepare_held(
                 done.append((h.label, _not_prepared(h.fixed, kind)))
                 continue
             said = len(preparations.cell_registry().notes)
+            again = preparations.cell_registry().prepared_for(obj) is not None  # at another place, said there
             prepared = prepare(obj)
             _name_in_notes(said, h.label)
             if prepared is not obj:
@@ -178,7 +181,8 @@ def auto_prepare_held(
                     done.append((h.label, _not_prepared(h.fixed or f"its holder refused it: {error}", kind)))
                     continue
                 placed.append((h, obj, prepared))
-            done.append((h.label, _describe(obj, prepared)))
+            if not again:
+                done.append((h.label, _describe(obj, prepared)))
             if kind == "loader" and prepared is not obj:
                 preparations.cell_registry().loader_names[h.label] = prepared
     return done, placed
@@ -194,7 +198,7 @@ def _name_in_notes(said: int, name: str) -> None:
 
 
 def resolved(namespace: Mapping[str, Any], held: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
-    """(held, this rank's object) for each place that still holds an object of its kind."""
+    """(held, this rank's object) for each place that still holds an object of its kind (its class)."""
     from nbtrain import reach
 
     for h in held:
@@ -202,7 +206,7 @@ def resolved(namespace: Mapping[str, Any], held: Iterable[Any]) -> Iterator[tupl
             obj = reach.resolve(namespace, h)
         except (LookupError, AttributeError, TypeError):
             continue
-        if reach.torch_kind(obj) == h.kind:
+        if reach.kind_of(obj) == h.kind:
             yield h, obj
 
 

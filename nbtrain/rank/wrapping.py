@@ -262,7 +262,8 @@ class _ReadThrough:
     attribute the wrapper lacks falls back to ``self.module``), the wrapper's own methods
     stay reachable, and ``state_dict``/``load_state_dict`` use the model's keys (no
     ``module.`` prefix), so a state saved in a cell loads into the kernel's model.
-    Setting an attribute the model has and the wrapper lacks sets it on the model.
+    Setting a public attribute the wrapper lacks sets it on the model (``model.epoch = 3``, as
+    it would be unwrapped).
     """
 
     module: Any
@@ -284,7 +285,6 @@ class _ReadThrough:
             and not name.startswith("_")
             and name not in self.__dict__
             and not hasattr(type(self), name)
-            and hasattr(inner, name)
         ):
             setattr(inner, name, value)
             return
