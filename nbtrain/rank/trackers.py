@@ -27,7 +27,9 @@ Example (outside a run nothing is patched):
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import socket
 import sys
 import tempfile
 import weakref
@@ -71,6 +73,7 @@ def tracked_cell() -> Iterator[None]:
         finally:
             if api.rank() == 0:
                 _close_left_open()
+                _say_where_written()
                 trackerruns.send_calls()  # the cell's last calls on the kernel's runs
             trackerruns.kernel_wandb_run = None
 
@@ -97,7 +100,7 @@ def _close_left_open() -> None:
     """Close (flush) the runs the cell opened on rank 0 and did not close; one note each."""
     for writer in list(_cell.writers):
         if getattr(writer, "all_writers", None) is not None:
-            _closing(f"SummaryWriter({writer.log_dir!r})", writer.close)
+            _closing(f"SummaryWriter({_log_dir(writer)!r})", writer.close)
     wandb = sys.modules.get("wandb")
     for run in _cell.wandb_runs:
         if not getattr(run, "_is_finished", True):
@@ -112,6 +115,35 @@ def _close_left_open() -> None:
     trackio, current = sys.modules.get("trackio"), sys.modules.get("trackio.context_vars")
     if trackio is not None and current is not None and current.current_run.get() is not None:
         _closing(f"trackio run {current.current_run.get().name!r}", trackio.finish)
+
+
+def _say_where_written() -> None:
+    """On the cluster engine: one note per run rank 0 wrote, naming its node, host and directory."""
+    node = os.environ.get("NBTRAIN_NODE")
+    if not node:
+        return
+    host = socket.gethostname()
+    for what, made in _cell.made.values():
+        where = _written_in(what, made)
+        if where:
+            preparations.cell_registry().notes.append(
+                f"{what} wrote its run on rank 0's {node}, host {host!r}, in {where!r}: "
+                "it is there, not on the kernel's machine unless that directory is shared; read it on that node."
+            )
+
+
+def _written_in(what: str, made: Any) -> str | None:
+    """The directory a run rank 0 made was written to (absolute), if it has one."""
+    if what == "a SummaryWriter":
+        where = _log_dir(made)
+    else:
+        where = getattr(getattr(made, "settings", None), "sync_dir", None) or getattr(made, "dir", None)
+    return os.path.abspath(where) if where else None
+
+
+def _log_dir(writer: Any) -> str | None:
+    """A SummaryWriter's directory: ``log_dir`` (torch.utils.tensorboard) or ``logdir`` (tensorboardX)."""
+    return getattr(writer, "log_dir", None) or getattr(writer, "logdir", None)
 
 
 def _closing(what: str, close: Callable[[], Any]) -> None:
@@ -132,14 +164,14 @@ def _rank_zero() -> bool:
     return api.rank() == 0
 
 
-# --- TensorBoard (torch.utils.tensorboard) -------------------------------------------------
+# --- TensorBoard (torch.utils.tensorboard, and tensorboardX alike) -----------------------------
 
 
 class _SilentFileWriter:
-    """TensorBoard's FileWriter on a rank other than 0: it takes every event and writes nothing."""
+    """TensorBoard's (or tensorboardX's) FileWriter on a rank other than 0: it takes every event and writes nothing."""
 
-    def __init__(self, log_dir: str, *args: Any, **kwargs: Any) -> None:
-        self.log_dir = str(log_dir)
+    def __init__(self, log_dir: str | None = None, *args: Any, logdir: str | None = None, **kwargs: Any) -> None:
+        self.log_dir = str(log_dir if logdir is None else logdir)  # tensorboardX names it logdir
 
     def get_logdir(self) -> str:
         """The directory rank 0 writes to."""

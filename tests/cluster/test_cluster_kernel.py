@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -106,6 +107,31 @@ def test_interrupting_the_kernel_stops_every_rank_on_every_node(kernel: Notebook
     assert took < FAULT_SECONDS, f"{took:.2f} s"
     assert not procs.wait_gone(ranks, GONE_SECONDS, reaped=False)
     kernel.run_ok(TRAIN)  # the next run works
+
+
+def test_a_summary_writer_in_a_cell_writes_one_run_on_rank_0s_node_and_the_summary_says_where(
+    kernel: NotebookKernel, tmp_path: Any
+) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    kernel.run_ok(f"TB_DIR = {str(tmp_path / 'tb')!r}")
+    msg_id = kernel.start_cell(
+        "%%distributed --cluster ray --num-nodes 2 --devices 1\n"
+        "from torch.utils.tensorboard import SummaryWriter\n"
+        "writer = SummaryWriter(TB_DIR)\n"
+        "for step in range(3):\n"
+        "    writer.add_scalar('rank_value', 10.0 * int(os.environ['RANK']) + step, step)\n"
+        "writer.close()\n"
+    )
+    _reply, out = kernel.wait_for_reply(msg_id, CELL_SECONDS)
+    assert out.error is None, out.text
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents*"))) == 1  # rank 0's only, both nodes on this machine
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("rank_value")] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    where = re.escape(f"host {socket.gethostname()!r}, in {str(tmp_path / 'tb')!r}")
+    assert re.search(r"a SummaryWriter wrote its run on rank 0's node 0 \([0-9.]+\), " + where, out.text), out.text
 
 
 def test_killing_the_kernel_ends_its_agents_and_every_rank(kernel: NotebookKernel) -> None:
