@@ -92,12 +92,43 @@ def test_a_summary_writer_in_the_cell_writes_one_event_file_of_rank_0s_steps(tra
     files = glob.glob(f"{root}/tb/events.out.tfevents*")
     assert len(files) == 1, files  # rank 0's; add_scalars' own sub-writers are rank 0's too
     assert _scalars(f"{root}/tb", "rank_value") == [(s, float(s)) for s in RANK0_STEPS]
+    assert _tags(f"{root}/tb", "histograms") == ["weights"] and _tags(f"{root}/tb", "images") == ["image"]
     metrics = kernel.value("[sorted(row[2]) for row in nbtrain.last_run().metrics[0] if 'rank_value' in row[2]][:1]")
     assert metrics == [["rank_value"]]
     charted = kernel.value("sorted({n for row in nbtrain.last_run().metrics[0] for n in row[2]})")
     assert {"loss", "rank_value", "pair/a", "pair/b"} <= set(charted), charted  # the loss is still captured
     rank_1 = kernel.value("sorted({n for row in nbtrain.last_run().metrics.get(1, ()) for n in row[2]})")
     assert "rank_value" not in rank_1, rank_1  # rank 1's writer logged nothing anywhere
+
+
+def test_a_tensorboardx_summary_writer_in_the_cell_writes_one_event_file_of_rank_0s_steps(tracking):
+    pytest.importorskip("tensorboardX")
+    kernel, root = tracking
+    out = kernel.run(
+        HEAD
+        + "from tensorboardX import SummaryWriter\n"
+        + "writer = SummaryWriter(ROOT + '/tbx')\n"
+        + "made_dir = writer.logdir\n"
+        + LOOP.format(log="writer.add_scalar('rank_value', 10.0 * r + step, step)")
+        + "writer.add_histogram('weights', model.weight.detach().numpy(), step)\n"
+        + "writer.add_image('image', torch.rand(3, 4, 4).numpy(), step)\n"
+    )  # left open: closed (flushed) at the cell's end, with a note
+    assert out.error is None, out.text
+    assert "SummaryWriter(" in out.text and "was still open at the cell's end" in out.text, out.text
+    assert len(glob.glob(f"{root}/tbx/events.out.tfevents*")) == 1
+    assert _scalars(f"{root}/tbx", "rank_value") == [(s, float(s)) for s in RANK0_STEPS]
+    assert _tags(f"{root}/tbx", "histograms") == ["weights"] and _tags(f"{root}/tbx", "images") == ["image"]
+    assert kernel.value("made_dir") == f"{root}/tbx"
+    charted = kernel.value("sorted({n for row in nbtrain.last_run().metrics[0] for n in row[2]})")
+    assert {"loss", "rank_value"} <= set(charted), charted
+
+
+def _tags(log_dir: str, kind: str) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(log_dir, size_guidance={"images": 0, "histograms": 0})
+    events.Reload()
+    return sorted(events.Tags()[kind])
 
 
 def test_wandb_in_the_cell_makes_one_offline_run_and_no_service_is_left(tracking):
