@@ -417,6 +417,20 @@ def test_a_wandb_run_opened_in_the_kernel_gets_rank_0s_logs_and_stays_open(track
     assert not _tracker_processes(kernel)
 
 
+def test_wandb_log_in_a_cell_that_imports_wandb_itself_reaches_the_kernels_run(tracking):
+    pytest.importorskip("wandb")
+    kernel, root = tracking
+    before = set(glob.glob(f"{root}/wandb/offline-run-*"))
+    kernel.run_ok("import wandb\nkernel_run = wandb.init(project='imported')")
+    out = kernel.run(HEAD + "import wandb\n" + LOOP.format(log="wandb.log({'rank_value': 10.0 * r + step}, step=step)"))
+    assert out.error is None, out.text
+    kernel.run_ok("kernel_run.finish()\nwandb.teardown()")
+    [made] = set(glob.glob(f"{root}/wandb/offline-run-*")) - before  # the kernel's: the cell opened none
+    assert _wandb_history(made, "rank_value") == [(s, float(s)) for s in RANK0_STEPS]
+    procs.wait_gone([p.pid for p in _tracker_processes(kernel)], 30.0)
+    assert not _tracker_processes(kernel)
+
+
 def test_a_background_run_logs_one_run_and_reaches_a_kernel_writer_as_a_foreground_one(tracking):
     pytest.importorskip("tensorboard")
     kernel, root = tracking
