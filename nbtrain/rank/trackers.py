@@ -1,6 +1,6 @@
 """Experiment trackers on the ranks: one run, written by rank 0, charted in the live view.
 
-A notebook's own tracker code (TensorBoard's ``SummaryWriter``, ``wandb.init``/``wandb.log``,
+A notebook's own tracker code (TensorBoard's or tensorboardX's ``SummaryWriter``, ``wandb.init``/``wandb.log``,
 ``mlflow.start_run``/``log_metric``, ``trackio.init``/``trackio.log``) runs unchanged in a
 ``%%distributed`` cell. Left alone, each rank would open its own run (N runs, N event files,
 N writers migrating one SQLite store at once). While :func:`tracked_cell` is active the
@@ -17,6 +17,8 @@ N writers migrating one SQLite store at once). While :func:`tracked_cell` is act
 
 At the cell's end (also after a failure or an interrupt) rank 0 closes the runs the cell
 left open, each named by one note in the summary, and wandb's service process is stopped.
+On the cluster engine (``NBTRAIN_NODE`` set by the runtime) one more note per run rank 0 wrote
+says on which node and host, and in which directory: that node's disk, not the kernel's.
 Nothing here imports a tracker: the patches wait for the cell to import it.
 
 Example (outside a run nothing is patched):
@@ -123,13 +125,28 @@ def _say_where_written() -> None:
     if not node:
         return
     host = socket.gethostname()
-    for what, made in _cell.made.values():
-        where = _written_in(what, made)
+    written = [(what, _written_in(what, made)) for what, made in _cell.made.values()]
+    for what, where in [*written, *_mlflow_written()]:
         if where:
             preparations.cell_registry().notes.append(
-                f"{what} wrote its run on rank 0's {node}, host {host!r}, in {where!r}: "
+                f"{what} wrote on rank 0's {node}, host {host!r}, in {where!r}: "
                 "it is there, not on the kernel's machine unless that directory is shared; read it on that node."
             )
+
+
+def _mlflow_written() -> list[tuple[str, str]]:
+    """The MLflow run rank 0 wrote in the cell to a store on its own disk (SQLite, files), if any."""
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None:
+        return []
+    try:
+        run, uri = mlflow.last_active_run(), mlflow.get_tracking_uri()
+    except Exception:  # noqa: BLE001 - a store that cannot answer names no place; the cell's outcome stands
+        return []
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    if run is None or scheme not in ("", "sqlite", "file") or uri.startswith("databricks"):
+        return []  # none, or a tracking server: reachable from the kernel as it is
+    return [(f"MLflow run {run.info.run_id!r}", f"{uri} (artifacts {run.info.artifact_uri})")]
 
 
 def _written_in(what: str, made: Any) -> str | None:
