@@ -191,6 +191,23 @@ TRACKER_PATCHES: tuple[Patch, ...] = (
         _TRACKERS + "tensorboard_add_scalars", Lifetime.CELL, "rank 0's scalars are charted in the live view",
         on_import=True,
     ),
+    # tensorboardX's SummaryWriter: the same treatment as torch.utils.tensorboard's.
+    Patch(
+        "trackers", "tensorboardX.writer", "FileWriter", _TRACKERS + "tensorboard_file_writer",
+        Lifetime.CELL, _ONE_RUN + "the other ranks' tensorboardX SummaryWriters write no event file", on_import=True,
+    ),
+    Patch(
+        "trackers", "tensorboardX.writer:SummaryWriter", "__init__", _TRACKERS + "tensorboard_init",
+        Lifetime.CELL, "a writer the cell leaves open is closed (flushed) at its end", on_import=True,
+    ),
+    Patch(
+        "trackers", "tensorboardX.writer:SummaryWriter", "add_scalar", _TRACKERS + "tensorboard_add_scalar",
+        Lifetime.CELL, "rank 0's scalars are charted in the live view", on_import=True,
+    ),
+    Patch(
+        "trackers", "tensorboardX.writer:SummaryWriter", "add_scalars", _TRACKERS + "tensorboard_add_scalars",
+        Lifetime.CELL, "rank 0's scalars are charted in the live view", on_import=True,
+    ),
     Patch(
         "trackers", "wandb", "init", _TRACKERS + "wandb_init", Lifetime.CELL,
         _ONE_RUN + "the other ranks get a disabled run (and no wandb service process)", on_import=True,

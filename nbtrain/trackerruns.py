@@ -46,6 +46,7 @@ _CHARTED = {"add_scalar", "add_scalars", "log"}  # calls whose scalars also go t
 kernel_wandb_run: KernelRunStandIn | None = None
 
 _TENSORBOARD = ("torch.utils.tensorboard.writer", "SummaryWriter", "a SummaryWriter", ("log_dir",))
+_TENSORBOARDX = ("tensorboardX.writer", "SummaryWriter", "a SummaryWriter", ("logdir",))
 _WANDB = ("wandb.sdk.wandb_run", "Run", "a wandb run", ("id", "name", "project", "dir", "entity", "group"))
 
 
@@ -54,7 +55,7 @@ def stand_in(obj: Any) -> tuple[Any, ...] | None:
     wandb = sys.modules.get("wandb")
     if wandb is not None and obj is wandb and getattr(wandb, "run", None) is not None:
         return (with_kernel_wandb_run, (wandb.__name__, _reduction(wandb.run, _WANDB)[1]))
-    for kind in (_TENSORBOARD, _WANDB):
+    for kind in (_TENSORBOARD, _TENSORBOARDX, _WANDB):
         module = sys.modules.get(kind[0])
         if module is not None and isinstance(obj, getattr(module, kind[1])):
             return _reduction(obj, kind)
@@ -104,8 +105,8 @@ class KernelRunStandIn:
         attributes = object.__getattribute__(self, "_attributes")
         if name in attributes:
             return attributes[name]
-        if name == "get_logdir" and "log_dir" in attributes:
-            return lambda: attributes["log_dir"]
+        if name == "get_logdir" and ("log_dir" in attributes or "logdir" in attributes):
+            return lambda: attributes.get("log_dir", attributes.get("logdir"))
         return _Path(self._token, (name,))
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -48,3 +48,22 @@ def test_rank_0s_calls_are_made_on_the_kernels_writer_in_order(writer):
 
 def test_only_numbers_go_to_the_live_view():
     assert trackerruns.scalars({"a": 1, "b": "text", "c": None, "d": {"e": 2.5}, "f": True}) == {"a": 1.0, "d/e": 2.5}
+
+
+def test_a_kernel_tensorboardx_writer_travels_as_a_stand_in_and_gets_rank_0s_calls(tmp_path):
+    pytest.importorskip("tensorboardX")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboardX import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "tbx"))
+    try:
+        sent = pickle.loads(codepickle.dumps_keeping_filenames(writer))
+        assert isinstance(sent, trackerruns.KernelRunStandIn)
+        assert sent.logdir == writer.logdir and sent.get_logdir() == writer.logdir
+        calls = ((id(writer), ("add_scalar",), ("x", 2.0, 5), {}), (id(writer), ("flush",), (), {}))
+        trackerruns.replay(events.TrackerCalls(1, 0, calls), pytest.fail)
+    finally:
+        writer.close()
+    accumulator = EventAccumulator(writer.logdir)
+    accumulator.Reload()
+    assert [(e.step, e.value) for e in accumulator.Scalars("x")] == [(5, 2.0)]

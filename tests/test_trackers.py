@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import sqlite3
 import struct
 
@@ -92,12 +93,43 @@ def test_a_summary_writer_in_the_cell_writes_one_event_file_of_rank_0s_steps(tra
     files = glob.glob(f"{root}/tb/events.out.tfevents*")
     assert len(files) == 1, files  # rank 0's; add_scalars' own sub-writers are rank 0's too
     assert _scalars(f"{root}/tb", "rank_value") == [(s, float(s)) for s in RANK0_STEPS]
+    assert _tags(f"{root}/tb", "histograms") == ["weights"] and _tags(f"{root}/tb", "images") == ["image"]
     metrics = kernel.value("[sorted(row[2]) for row in nbtrain.last_run().metrics[0] if 'rank_value' in row[2]][:1]")
     assert metrics == [["rank_value"]]
     charted = kernel.value("sorted({n for row in nbtrain.last_run().metrics[0] for n in row[2]})")
     assert {"loss", "rank_value", "pair/a", "pair/b"} <= set(charted), charted  # the loss is still captured
     rank_1 = kernel.value("sorted({n for row in nbtrain.last_run().metrics.get(1, ()) for n in row[2]})")
     assert "rank_value" not in rank_1, rank_1  # rank 1's writer logged nothing anywhere
+
+
+def test_a_tensorboardx_summary_writer_in_the_cell_writes_one_event_file_of_rank_0s_steps(tracking):
+    pytest.importorskip("tensorboardX")
+    kernel, root = tracking
+    out = kernel.run(
+        HEAD
+        + "from tensorboardX import SummaryWriter\n"
+        + "writer = SummaryWriter(ROOT + '/tbx')\n"
+        + "made_dir = writer.logdir\n"
+        + LOOP.format(log="writer.add_scalar('rank_value', 10.0 * r + step, step)")
+        + "writer.add_histogram('weights', model.weight.detach().numpy(), step)\n"
+        + "writer.add_image('image', torch.rand(3, 4, 4).numpy(), step)\n"
+    )  # left open: closed (flushed) at the cell's end, with a note
+    assert out.error is None, out.text
+    assert "SummaryWriter(" in out.text and "was still open at the cell's end" in out.text, out.text
+    assert len(glob.glob(f"{root}/tbx/events.out.tfevents*")) == 1
+    assert _scalars(f"{root}/tbx", "rank_value") == [(s, float(s)) for s in RANK0_STEPS]
+    assert _tags(f"{root}/tbx", "histograms") == ["weights"] and _tags(f"{root}/tbx", "images") == ["image"]
+    assert kernel.value("made_dir") == f"{root}/tbx"
+    charted = kernel.value("sorted({n for row in nbtrain.last_run().metrics[0] for n in row[2]})")
+    assert {"loss", "rank_value"} <= set(charted), charted
+
+
+def _tags(log_dir: str, kind: str) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(log_dir, size_guidance={"images": 0, "histograms": 0})
+    events.Reload()
+    return sorted(events.Tags()[kind])
 
 
 def test_wandb_in_the_cell_makes_one_offline_run_and_no_service_is_left(tracking):
@@ -108,9 +140,10 @@ def test_wandb_in_the_cell_makes_one_offline_run_and_no_service_is_left(tracking
         + "import wandb\n"
         + "run = wandb.init(project='one', config={'lr': 0.01})\n"
         + "run_id, run_dir = run.id, run.dir\n"
-        + "wandb.watch(model := nn.Linear(8, 1))\n"
         + "wandb.config.update({'batch': 16})\n"
-        + LOOP.format(log="wandb.log({'rank_value': 10.0 * r + step}, step=step)")
+        + LOOP.replace("opt = ", "wandb.watch(model, log='all', log_freq=1)\nopt = ").format(
+            log="wandb.log({'rank_value': 10.0 * r + step}, step=step)"
+        )
         + "run.summary['final'] = 10.0 * r\n"
         + "run.finish()\n"
     )
@@ -118,7 +151,57 @@ def test_wandb_in_the_cell_makes_one_offline_run_and_no_service_is_left(tracking
     runs = glob.glob(f"{root}/wandb/offline-run-*")
     assert len(runs) == 1, runs
     assert _wandb_history(runs[0], "rank_value") == [(s, float(s)) for s in RANK0_STEPS]
+    watched = {key for key in _wandb_keys(runs[0]) if key.startswith(("gradients/", "parameters/"))}
+    assert {"gradients/weight/values", "parameters/weight/values"} <= watched, watched  # wandb.watch's histograms
     assert not _tracker_processes(kernel)
+
+
+def _wandb_keys(run_dir: str) -> set[str]:
+    """Every key logged to an offline run's history."""
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = glob.glob(f"{run_dir}/*.wandb")
+    keys = set()
+    for data in _log_records(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            keys |= {item.key or "/".join(item.nested_key) for item in record.history.item}
+    return keys
+
+
+def test_rank_1_starts_no_wandb_service_while_rank_0s_runs(tracking):
+    pytest.importorskip("wandb")
+    kernel, root = tracking
+    go = root / "service-go"
+    msg_id = kernel.start_cell(
+        HEAD + "import os, time, wandb\nrun = wandb.init(project='service')\nwandb.log({'v': 1.0})\n"
+        "print('pid', r, os.getpid(), flush=True)\n"
+        f"deadline = time.monotonic() + 120\nwhile not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"  # the test looks at the ranks' processes meanwhile
+        "run.finish()\n"
+    )
+    try:
+        text = kernel.wait_for_stream(msg_id, ["pid 0 ", "pid 1 "], timeout=120)
+        pids = {int(rank): int(pid) for rank, pid in re.findall(r"pid (\d) (\d+)", text)}
+        procs.wait_for(lambda: _wandb_descendants(pids[0]), 30.0, "rank 0's wandb service")  # the check can see one
+        assert _wandb_descendants(pids[1]) == [], "rank 1 started a wandb service"
+    finally:
+        go.touch()
+    _, out = kernel.wait_for_reply(msg_id, timeout=120)
+    assert out.error is None, out.text
+
+
+def _wandb_descendants(pid: int) -> list[str]:
+    found = []
+    for process in psutil.Process(pid).children(recursive=True):
+        try:
+            command = " ".join(process.cmdline())
+        except psutil.Error:
+            continue
+        if "wandb" in command:
+            found.append(command)
+    return found
 
 
 def _wandb_history(run_dir: str, key: str) -> list[tuple[int, float]]:
@@ -163,23 +246,33 @@ def test_mlflow_in_the_cell_makes_one_run_in_the_sqlite_store(tracking):
     kernel, root = tracking
     out = kernel.run(
         HEAD
-        + "import mlflow\n"
-        + "active = mlflow.start_run(run_name='one')\n"
+        + "import mlflow, os\n"
+        # artifacts under ROOT, not the kernel's working directory (MLflow's default ./mlruns)
+        + "experiment = mlflow.create_experiment('one', artifact_location=ROOT + '/mlartifacts')\n"
+        + "active = mlflow.start_run(run_name='one', experiment_id=experiment)\n"
         + "run_id = active.info.run_id\n"
         + "mlflow.log_param('lr', 0.01)\n"
+        + "mlflow.log_params({'rank': r, 'batch': 16})\n"
         + LOOP.format(log="mlflow.log_metric('rank_value', 10.0 * r + step, step=step)")
-        + "mlflow.log_metrics({'last': 10.0 * r}, step=step)\n"
+        + "mlflow.log_metrics({'last': 10.0 * r, 'twice': 20.0 * r}, step=step)\n"
+        + "os.makedirs(f'{ROOT}/rank{r}', exist_ok=True)\n"
+        + "open(f'{ROOT}/rank{r}/note.txt', 'w').write(f'rank {r}')\n"
+        + "mlflow.log_artifact(f'{ROOT}/rank{r}/note.txt')\n"
         + "mlflow.end_run()\n"
     )
     assert out.error is None, out.text
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{root}/mlflow.db")
-    runs = client.search_runs(["0"])
+    runs = client.search_runs([client.get_experiment_by_name("one").experiment_id])
     assert len(runs) == 1, runs
     history = client.get_metric_history(runs[0].info.run_id, "rank_value")
     assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in RANK0_STEPS]
-    assert runs[0].data.params == {"lr": "0.01"} and runs[0].data.metrics["last"] == 0.0
+    assert runs[0].data.params == {"lr": "0.01", "rank": "0", "batch": "16"}
+    assert (runs[0].data.metrics["last"], runs[0].data.metrics["twice"]) == (0.0, 0.0)
+    assert [a.path for a in client.list_artifacts(runs[0].info.run_id)] == ["note.txt"]
+    with open(client.download_artifacts(runs[0].info.run_id, "note.txt", str(root))) as note:
+        assert note.read() == "rank 0"
     assert kernel.value("run_id") == runs[0].info.run_id  # the kernel holds rank 0's run id
 
 
@@ -320,6 +413,20 @@ def test_a_wandb_run_opened_in_the_kernel_gets_rank_0s_logs_and_stays_open(track
     [made] = set(glob.glob(f"{root}/wandb/offline-run-*")) - before
     assert _wandb_history(made, "rank_value") == [(s, float(s)) for s in RANK0_STEPS]
     assert _wandb_history(made, "after") == [(100, 1.0)]
+    procs.wait_gone([p.pid for p in _tracker_processes(kernel)], 30.0)
+    assert not _tracker_processes(kernel)
+
+
+def test_wandb_log_in_a_cell_that_imports_wandb_itself_reaches_the_kernels_run(tracking):
+    pytest.importorskip("wandb")
+    kernel, root = tracking
+    before = set(glob.glob(f"{root}/wandb/offline-run-*"))
+    kernel.run_ok("import wandb\nkernel_run = wandb.init(project='imported')")
+    out = kernel.run(HEAD + "import wandb\n" + LOOP.format(log="wandb.log({'rank_value': 10.0 * r + step}, step=step)"))
+    assert out.error is None, out.text
+    kernel.run_ok("kernel_run.finish()\nwandb.teardown()")
+    [made] = set(glob.glob(f"{root}/wandb/offline-run-*")) - before  # the kernel's: the cell opened none
+    assert _wandb_history(made, "rank_value") == [(s, float(s)) for s in RANK0_STEPS]
     procs.wait_gone([p.pid for p in _tracker_processes(kernel)], 30.0)
     assert not _tracker_processes(kernel)
 

@@ -337,6 +337,8 @@ def _torchrun_variables(assignment: RankAssignment) -> Mapping[str, str]:
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": "0",
         "NBTRAIN_ROLE": "rank",
+        # On a cluster: the node's label, so that what rank 0 writes there says where (trackers).
+        **({} if node is None else {"NBTRAIN_NODE": node.label}),
         # On a cluster the node's agent names the interface holding the node's address.
         **(_loopback_variables() if node is None else {}),
     }

@@ -1,6 +1,6 @@
 """Experiment trackers on the ranks: one run, written by rank 0, charted in the live view.
 
-A notebook's own tracker code (TensorBoard's ``SummaryWriter``, ``wandb.init``/``wandb.log``,
+A notebook's own tracker code (TensorBoard's or tensorboardX's ``SummaryWriter``, ``wandb.init``/``wandb.log``,
 ``mlflow.start_run``/``log_metric``, ``trackio.init``/``trackio.log``) runs unchanged in a
 ``%%distributed`` cell. Left alone, each rank would open its own run (N runs, N event files,
 N writers migrating one SQLite store at once). While :func:`tracked_cell` is active the
@@ -17,6 +17,8 @@ N writers migrating one SQLite store at once). While :func:`tracked_cell` is act
 
 At the cell's end (also after a failure or an interrupt) rank 0 closes the runs the cell
 left open, each named by one note in the summary, and wandb's service process is stopped.
+On the cluster engine (``NBTRAIN_NODE`` set by the runtime) one more note per run rank 0 wrote
+says on which node and host, and in which directory: that node's disk, not the kernel's.
 Nothing here imports a tracker: the patches wait for the cell to import it.
 
 Example (outside a run nothing is patched):
@@ -27,7 +29,9 @@ Example (outside a run nothing is patched):
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import socket
 import sys
 import tempfile
 import weakref
@@ -71,6 +75,7 @@ def tracked_cell() -> Iterator[None]:
         finally:
             if api.rank() == 0:
                 _close_left_open()
+                _say_where_written()
                 trackerruns.send_calls()  # the cell's last calls on the kernel's runs
             trackerruns.kernel_wandb_run = None
 
@@ -97,7 +102,7 @@ def _close_left_open() -> None:
     """Close (flush) the runs the cell opened on rank 0 and did not close; one note each."""
     for writer in list(_cell.writers):
         if getattr(writer, "all_writers", None) is not None:
-            _closing(f"SummaryWriter({writer.log_dir!r})", writer.close)
+            _closing(f"SummaryWriter({_log_dir(writer)!r})", writer.close)
     wandb = sys.modules.get("wandb")
     for run in _cell.wandb_runs:
         if not getattr(run, "_is_finished", True):
@@ -112,6 +117,50 @@ def _close_left_open() -> None:
     trackio, current = sys.modules.get("trackio"), sys.modules.get("trackio.context_vars")
     if trackio is not None and current is not None and current.current_run.get() is not None:
         _closing(f"trackio run {current.current_run.get().name!r}", trackio.finish)
+
+
+def _say_where_written() -> None:
+    """On the cluster engine: one note per run rank 0 wrote, naming its node, host and directory."""
+    node = os.environ.get("NBTRAIN_NODE")
+    if not node:
+        return
+    host = socket.gethostname()
+    written = [(what, _written_in(what, made)) for what, made in _cell.made.values()]
+    for what, where in [*written, *_mlflow_written()]:
+        if where:
+            preparations.cell_registry().notes.append(
+                f"{what} wrote on rank 0's {node}, host {host!r}, in {where!r}: "
+                "it is there, not on the kernel's machine unless that directory is shared; read it on that node."
+            )
+
+
+def _mlflow_written() -> list[tuple[str, str]]:
+    """The MLflow run rank 0 wrote in the cell to a store on its own disk (SQLite, files), if any."""
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None:
+        return []
+    try:
+        run, uri = mlflow.last_active_run(), mlflow.get_tracking_uri()
+    except Exception:  # noqa: BLE001 - a store that cannot answer names no place; the cell's outcome stands
+        return []
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    if run is None or scheme not in ("", "sqlite", "file") or uri.startswith("databricks"):
+        return []  # none, or a tracking server: reachable from the kernel as it is
+    return [(f"MLflow run {run.info.run_id!r}", f"{uri} (artifacts {run.info.artifact_uri})")]
+
+
+def _written_in(what: str, made: Any) -> str | None:
+    """The directory a run rank 0 made was written to (absolute), if it has one."""
+    if what == "a SummaryWriter":
+        where = _log_dir(made)
+    else:
+        where = getattr(getattr(made, "settings", None), "sync_dir", None) or getattr(made, "dir", None)
+    return os.path.abspath(where) if where else None
+
+
+def _log_dir(writer: Any) -> str | None:
+    """A SummaryWriter's directory: ``log_dir`` (torch.utils.tensorboard) or ``logdir`` (tensorboardX)."""
+    return getattr(writer, "log_dir", None) or getattr(writer, "logdir", None)
 
 
 def _closing(what: str, close: Callable[[], Any]) -> None:
@@ -132,14 +181,14 @@ def _rank_zero() -> bool:
     return api.rank() == 0
 
 
-# --- TensorBoard (torch.utils.tensorboard) -------------------------------------------------
+# --- TensorBoard (torch.utils.tensorboard, and tensorboardX alike) -----------------------------
 
 
 class _SilentFileWriter:
-    """TensorBoard's FileWriter on a rank other than 0: it takes every event and writes nothing."""
+    """TensorBoard's (or tensorboardX's) FileWriter on a rank other than 0: it takes every event and writes nothing."""
 
-    def __init__(self, log_dir: str, *args: Any, **kwargs: Any) -> None:
-        self.log_dir = str(log_dir)
+    def __init__(self, log_dir: str | None = None, *args: Any, logdir: str | None = None, **kwargs: Any) -> None:
+        self.log_dir = str(log_dir if logdir is None else logdir)  # tensorboardX names it logdir
 
     def get_logdir(self) -> str:
         """The directory rank 0 writes to."""

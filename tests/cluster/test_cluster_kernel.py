@@ -1,7 +1,8 @@
 """``%%distributed --cluster ray --num-nodes 2`` from a real kernel (nbclient) on the test cluster.
 
 One kernel for the module (each cold start places agents and imports torch on every
-node): a cell trains on two nodes and its state comes back; an interrupt stops every rank
+node): a cell trains on two nodes and its state comes back; trackers write one run on rank 0's
+node and the summary says where; an interrupt stops every rank
 on every node; killing the kernel (Ray's driver) ends its agents and their ranks.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -106,6 +108,45 @@ def test_interrupting_the_kernel_stops_every_rank_on_every_node(kernel: Notebook
     assert took < FAULT_SECONDS, f"{took:.2f} s"
     assert not procs.wait_gone(ranks, GONE_SECONDS, reaped=False)
     kernel.run_ok(TRAIN)  # the next run works
+
+
+def test_trackers_in_a_cell_write_one_run_on_rank_0s_node_and_the_summary_says_where(
+    kernel: NotebookKernel, tmp_path: Any
+) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    kernel.run_ok(f"TB_DIR, ROOT = {str(tmp_path / 'tb')!r}, {str(tmp_path)!r}")
+    msg_id = kernel.start_cell(
+        "%%distributed --cluster ray --num-nodes 2 --devices 1\n"
+        "import mlflow\n"
+        "from torch.utils.tensorboard import SummaryWriter\n"
+        "writer = SummaryWriter(TB_DIR)\n"
+        "mlflow.set_tracking_uri(f'sqlite:///{ROOT}/mlflow.db')\n"
+        "experiment = mlflow.create_experiment('cluster', artifact_location=ROOT + '/mlartifacts')\n"
+        "with mlflow.start_run(experiment_id=experiment):\n"
+        "    for step in range(3):\n"
+        "        writer.add_scalar('rank_value', 10.0 * int(os.environ['RANK']) + step, step)\n"
+        "        mlflow.log_metric('rank_value', 10.0 * int(os.environ['RANK']) + step, step=step)\n"
+        "writer.close()\n"
+    )
+    _reply, out = kernel.wait_for_reply(msg_id, CELL_SECONDS)
+    assert out.error is None, out.text
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents*"))) == 1  # rank 0's only, both nodes on this machine
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("rank_value")] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    where = re.escape(f"host {socket.gethostname()!r}, in {str(tmp_path / 'tb')!r}")
+    assert re.search(r"a SummaryWriter wrote on rank 0's node 0 \([0-9.]+\), " + where, out.text), out.text
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    [run] = client.search_runs([client.get_experiment_by_name("cluster").experiment_id])  # one run, rank 0's
+    history = client.get_metric_history(run.info.run_id, "rank_value")
+    assert sorted((m.step, m.value) for m in history) == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    where = re.escape(f"host {socket.gethostname()!r}, in 'sqlite:///{tmp_path}/mlflow.db (artifacts ")
+    assert re.search(rf"MLflow run '{run.info.run_id}' wrote on rank 0's node 0 \([0-9.]+\), " + where, out.text)
 
 
 def test_killing_the_kernel_ends_its_agents_and_every_rank(kernel: NotebookKernel) -> None:
