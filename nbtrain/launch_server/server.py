@@ -305,13 +305,12 @@ class Launcher:
             self._start_taken(run, start, taken, tensor_fd)
             return
         run.board = step_board(start)
-        store_socket = None
+        store = None
         try:
-            store_socket, port = bind_store(start, self._send)
+            store = bind_store(start, self._send)
             for slot, spec in enumerate(start.ranks):
-                assignment = RankAssignment(start, spec, port, os.getpid())
-                listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
-                run.ranks.append(self._start_rank(run, assignment, listen_fd, tensor_fd, slot))
+                assignment = RankAssignment(start, spec, store.port, os.getpid())
+                run.ranks.append(self._start_rank(run, assignment, store.fd_for(spec.rank), tensor_fd, slot))
         except OSError as error:
             # On a cluster a node's first rank is not rank 0: name the global rank.
             first = start.ranks[len(run.ranks)].rank if len(run.ranks) < len(start.ranks) else len(run.ranks)
@@ -323,10 +322,10 @@ class Launcher:
             self._stop(run, events.FAILED)
         finally:
             self.board.start(start, [(rank.spec.rank, rank.pid) for rank in run.ranks])
-            # The store's port stayed bound from here until rank 0 took the socket over:
-            # no other process could take it in between.
-            if store_socket is not None:
-                store_socket.close()
+            # On a cluster the store's port stayed bound from here until rank 0 took the
+            # socket over: no other process could take it in between.
+            if store is not None:
+                store.close()
             if tensor_fd is not None:
                 os.close(tensor_fd)
 
