@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nbtrain import processes, rendezvous, stopboard, wire
+from nbtrain import privatenet, processes, rendezvous, stopboard, wire
 from nbtrain.events import RankAssignment, StartRun, StoreListening
 from nbtrain.launch_server import standby
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
@@ -177,7 +177,8 @@ def _rank_main(
     os.dup2(devnull, 0)
     os.dup2(fds.out, 1)
     os.dup2(fds.err, 2)
-    close_all_but({0, 1, 2, *fds.kept})
+    close_all_but({0, 1, 2, *fds.kept, *privatenet.inherited_fds()})
+    privatenet.enter(assignment.start)  # while this is the process's only thread
     from nbtrain.rank import runtime, stopping
 
     stopping.attach(*steps)

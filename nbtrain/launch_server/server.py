@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from nbtrain import events, logsetup, processes, wire
+from nbtrain import events, logsetup, privatenet, processes, wire
 from nbtrain.events import (
     AttachHeld,
     DebugEnded,
@@ -112,6 +112,7 @@ class Launcher:
         self.control = control
         self.parent_pid = parent_pid
         self.watch_parent = kernel_pidfd is None
+        privatenet.namespaces()  # made now, once (~10 ms), not on a run's way; ranks inherit them
         self.selector = selectors.DefaultSelector()
         self.selector.register(control, selectors.EVENT_READ, ("control", None, None))
         if kernel_pidfd is not None:

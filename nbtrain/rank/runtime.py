@@ -36,7 +36,18 @@ import types
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
-from nbtrain import config, logsetup, processes, records, rendezvous, sharedtensors, stacks, torchsettings, wire
+from nbtrain import (
+    config,
+    logsetup,
+    privatenet,
+    processes,
+    records,
+    rendezvous,
+    sharedtensors,
+    stacks,
+    torchsettings,
+    wire,
+)
 from nbtrain.events import (
     DebugQuit,
     RankAssignment,
@@ -466,8 +477,16 @@ def _join_process_group(assignment: RankAssignment, listen_fd: int | None, eager
     if eager and spec.world_size > 1 and spec.device_type == "cuda" and "nccl" in assignment.start.backend:
         device = torch.device("cuda", torch.cuda.current_device())
     join = {"store": store} if store is not None else {}  # else env:// (a cluster's TCPStore)
-    dist.init_process_group(
-        assignment.start.backend, rank=spec.rank, world_size=spec.world_size, device_id=device, **join
+    # gloo's listener and pairs are made in the rank's private network where it joined one.
+    privatenet.in_private_network(
+        functools.partial(
+            dist.init_process_group,
+            assignment.start.backend,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            device_id=device,
+            **join,
+        )
     )
 
 
