@@ -47,6 +47,12 @@ while not os.path.exists({marker!r}) and time.monotonic() < deadline:
         dist.all_reduce(p.grad)
     time.sleep(0.01)
 finished = os.path.exists({marker!r})
+group = dist.new_group([0, 1])  # a group the cell makes itself, from its own thread
+total = torch.ones(1)
+dist.all_reduce(total, group=group)
+gathered = [None, None]
+dist.all_gather_object(gathered, dist.get_rank())
+grouped = [total.item(), gathered]
 """
 
 
@@ -196,6 +202,7 @@ def test_another_user_reaches_no_socket_of_a_run_and_the_rank_still_reaches_the_
         assert out.error is None, out.text
         assert kernel.value("finished") is True
         assert kernel.value("reached") == [s.name for s in servers]
+        assert kernel.value("grouped") == [2.0, [0, 1]]
         _waited, ready = wait_for_standby(kernel, 120.0)
         assert ready, "no standby ranks were ready in time"
         tried_standby, reached_standby = attack(kernel, jupyters, attacker)
@@ -207,3 +214,67 @@ def test_another_user_reaches_no_socket_of_a_run_and_the_rank_still_reaches_the_
     assert tried_training and tried_standby, "found no socket to try: the search itself is broken"
     assert reached_training == [], f"another user reached the run while it trained: {reached_training}"
     assert reached_standby == [], f"another user reached the standby ranks: {reached_standby}"
+
+
+# --- saying what stays reachable (nbtrain.sharedhost), namespaces refused at their one boundary ---
+
+REFUSE_IN_THE_KERNEL = """
+import errno
+from nbtrain import privatenet, sharedhost
+def _refuse():
+    raise OSError(errno.EPERM, "unshare(CLONE_NEWUSER|CLONE_NEWNET): Operation not permitted")
+privatenet.make_namespaces = _refuse
+sharedhost.PASSWD = {passwd!r}
+"""
+
+TWO_RANKS = """%%distributed --devices 2 --accelerator cpu
+import torch
+total = torch.ones(1).sum().item()
+"""
+
+SAID = "this run's process-group sockets"
+
+
+def passwd_with(tmp_path, people: int) -> str:
+    path = tmp_path / "passwd"
+    lines = ["root:x:0:0:root:/root:/bin/bash", "daemon:x:1:1::/usr/sbin:/usr/sbin/nologin"]
+    lines += [f"user{n}:x:{1000 + n}:{1000 + n}::/home/user{n}:/bin/bash" for n in range(people)]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_on_a_machine_of_several_people_the_first_run_says_once_what_stayed_reachable(tmp_path):
+    with NotebookKernel() as kernel:
+        kernel.run_ok("%load_ext nbtrain")
+        kernel.run_ok(REFUSE_IN_THE_KERNEL.format(passwd=passwd_with(tmp_path, 3)))
+        first = kernel.run_ok(TWO_RANKS)
+        assert SAID in first.stderr, first.text
+        assert "this machine has 3 user accounts" in first.stderr
+        assert "refuses unprivileged user namespaces" in first.stderr
+        assert "Ask the machine's administrator" in first.stderr
+        second = kernel.run_ok(TWO_RANKS)
+        assert SAID not in second.text  # once
+        assert SAID not in kernel.run_ok("import nbtrain; nbtrain.runs()").text
+
+
+def test_on_a_machine_of_ones_own_it_is_said_only_when_runs_are_asked(tmp_path):
+    with NotebookKernel() as kernel:
+        kernel.run_ok("%load_ext nbtrain")
+        kernel.run_ok(REFUSE_IN_THE_KERNEL.format(passwd=passwd_with(tmp_path, 1)))
+        assert SAID not in kernel.run_ok(TWO_RANKS).text
+        asked = kernel.run_ok("import nbtrain; nbtrain.runs()")
+        assert SAID in asked.stderr and "refuses unprivileged user namespaces" in asked.stderr, asked.text
+        assert SAID not in kernel.run_ok("nbtrain.runs()").text
+
+
+def test_people_are_accounts_with_a_login_shell_and_a_uid_of_a_person(tmp_path):
+    from nbtrain import sharedhost
+
+    assert sharedhost.human_accounts(passwd_with(tmp_path, 0)) == 0
+    assert sharedhost.human_accounts(passwd_with(tmp_path, 2)) == 2
+    assert sharedhost.human_accounts(str(tmp_path / "missing")) == 0
+    switched_off = sharedhost.run_gap("cpu", "ddp", False, {"NBTRAIN_PRIVATE_NETWORK": "0"})
+    assert switched_off == "NBTRAIN_PRIVATE_NETWORK=0 is set"
+    assert "Unset NBTRAIN_PRIVATE_NETWORK=0" in sharedhost.sentence(switched_off, 2)
+    assert "nccl backend" in (sharedhost.run_gap("cuda", "ddp", False, {}) or "")
+    assert sharedhost.run_gap("cuda", "ddp", True, {}) is None  # a cluster's model is its own
