@@ -53,7 +53,8 @@ GROUP = textwrap.dedent(
             mine = listeners.listeners_of(os.getpid())
             in_host = [found.port for found in mine if found.kind == "tcp"]
             reached = socket.create_connection(("127.0.0.1", port), timeout=10).recv(5).decode()
-            print(rank, total.item(), len(mine), all(str(p) not in host for p in in_host), reached, flush=True)
+            fields = (rank, total.item(), len(mine), all(str(p) not in host for p in in_host), reached)
+            os.write(1, (" ".join(map(str, fields)) + "\\n").encode())  # one write: the ranks' lines never mix
             os._exit(0)
         pids.append(pid)
     for _ in range(2):

@@ -112,7 +112,7 @@ class Launcher:
         self.control = control
         self.parent_pid = parent_pid
         self.watch_parent = kernel_pidfd is None
-        privatenet.namespaces()  # made now, once (~10 ms), not on a run's way; ranks inherit them
+        privatenet.namespaces()  # made before LauncherReady (main, the template): then this does nothing
         self.selector = selectors.DefaultSelector()
         self.selector.register(control, selectors.EVENT_READ, ("control", None, None))
         if kernel_pidfd is not None:
@@ -776,6 +776,7 @@ def main() -> None:
     processes.become_subreaper()
     parent_pid = os.getppid()
     loaded = preload()
+    privatenet.namespaces()  # ~10 ms, while the kernel waits for the launcher anyway, not on a run's way
     wire.send(control, events.LauncherReady(os.getpid(), loaded, logsetup.capture()))
     if processes.thread_count() != 1:
         print(f"nbtrain launcher: {processes.thread_count()} threads after preload; fork is unsafe", file=sys.stderr)
