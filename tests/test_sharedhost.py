@@ -57,6 +57,7 @@ dist.all_reduce(total, group=group)
 gathered = [None, None]
 dist.all_gather_object(gathered, dist.get_rank())
 grouped = [total.item(), gathered]
+big = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: the kernel reads it out of rank 0's memory
 """
 
 
@@ -207,6 +208,7 @@ def attacked_run(people, monkeypatch, extra: dict[str, str] | None = None) -> tu
         assert kernel.value("finished") is True
         assert kernel.value("reached") == [s.name for s in servers]
         assert kernel.value("grouped") == [2.0, [0, 1]]
+        assert kernel.value("[big.numel(), big[-1].item()]") == [1 << 18, (1 << 18) - 1]
         _waited, ready = wait_for_standby(kernel, 120.0)
         assert ready, "no standby ranks were ready in time"
         tried_standby, reached_standby = attack(kernel, jupyters, attacker)
