@@ -117,7 +117,22 @@ def runs() -> list[BackgroundRun | StandbyRanks]:
     from nbtrain.kernel.background import runs as _runs
 
     client = _connection._client
+    _say_what_stays_reachable()
     return [*_standby.listed(client.standby if client is not None else None), *_runs()]
+
+
+def _say_what_stays_reachable() -> None:
+    """Once, after a run whose process group other users of the machine could reach (nbtrain.sharedhost)."""
+    import sys as _sys
+
+    from nbtrain import sharedhost as _sharedhost
+    from nbtrain.kernel import cellrun as _cellrun
+
+    record = _cellrun.last_run
+    if record is not None:
+        reachable = _sharedhost.when_asked(record.accelerator, record.strategy, False)
+        if reachable is not None:
+            print(reachable, file=_sys.stderr)
 
 
 def release() -> int:

@@ -258,8 +258,8 @@ def test_ranks_see_torchrun_variables_and_the_callers_state(launcher, tmp_path, 
     ranks = finish(nbtrain.start(fn, devices=2))
 
     assert "MASTER_PORT" not in os.environ and "MASTER_ADDR" not in os.environ
-    ports = {r["env"]["MASTER_PORT"] for r in ranks}
-    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
+    # One machine's ranks meet through a store file (nbtrain.rendezvous): no port is listened on.
+    assert {r["env"]["MASTER_PORT"] for r in ranks} == {"0"}
     for index, r in enumerate(ranks):
         env = r["env"]
         assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (

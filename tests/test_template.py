@@ -360,3 +360,23 @@ def test_a_template_that_does_not_answer_in_time_is_given_up_and_forks_nothing_l
                 assert psutil.Process(template).children() == [psutil.Process(other_launcher)]
     finally:
         os.kill(template, signal.SIGCONT)
+
+
+def test_a_launcher_from_the_template_gives_its_ranks_the_templates_private_network(template_env, tmp_path):
+    from nbtrain import privatenet
+
+    if privatenet.probe() is not None:
+        pytest.skip(f"no namespaces here: {privatenet.probe()}")
+    kernel, launcher = loaded_kernel(template_env)
+    with kernel:
+        assert parent_of(launcher) in templates(template_env[naming.DIRECTORY_VARIABLE])
+        msg_id = kernel.start_cell(WAIT_FOR_FILE.format(marker=str(tmp_path / "go")))
+        kernel.wait_for_stream(msg_id, ["waiting"])
+        ranks = [child.pid for child in psutil.Process(launcher).children()]
+        namespaces = {os.readlink(f"/proc/{pid}/ns/user") for pid in ranks}
+        (tmp_path / "go").touch()
+        _reply, out = kernel.wait_for_reply(msg_id, 120.0)
+        assert out.error is None, out.text
+    # Both ranks joined one user namespace (the template's, made once), not the kernel's.
+    assert len(ranks) == 2 and len(namespaces) == 1
+    assert namespaces != {os.readlink("/proc/self/ns/user")}

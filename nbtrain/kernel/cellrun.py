@@ -25,7 +25,7 @@ from typing import Any, TypeAlias
 
 from IPython.core.error import UsageError
 
-from nbtrain import config, events, processes, reach, records, trackerruns
+from nbtrain import config, events, processes, reach, records, sharedhost, trackerruns
 from nbtrain.errors import (
     ConfigurationError,
     RunFailedError,
@@ -372,7 +372,7 @@ def _follow(
     record.seconds = time.monotonic() - started  # the summary _bring_back prints states it
     record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None  # and names it
     view.finish(events.FINISHED)
-    value = _bring_back(shell, result, prepared.targets, record, options.output)
+    value = _bring_back(shell, result, prepared.targets, record, options.output, prepared.engine is not None)
     if held.received or asked:  # it came while the results went in, or as the run finished: they are in, all of them
         raise RunInterrupted(_LATE)
     return value
@@ -412,7 +412,7 @@ def _kept(
     record.state, record.stopped_at, record.stopped = run.state, run.stopped_at, "at a step"
     record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
     view.finish(run.state)
-    _bring_back(shell, result, prepared.targets, record, options.output)
+    _bring_back(shell, result, prepared.targets, record, options.output, prepared.engine is not None)
     if interrupted:
         message = kept_message(run.stopped_at, record.updated, prepared.targets)
         return RunInterrupted(f"the cell was interrupted and {message} The kernel is ready.")
@@ -495,12 +495,17 @@ def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: 
     return Applied(outcome.get("display"), warnings, loaded=True)
 
 
-def _bring_back(shell: Any, result: Any, shipped: dict[str, Any], record: CellRun, output: str) -> Any:
+def _bring_back(
+    shell: Any, result: Any, shipped: dict[str, Any], record: CellRun, output: str, on_cluster: bool = False
+) -> Any:
     applied = apply_cell_result(shell, result, shipped, record)
     for warning in applied.warnings:
         cellout.print_warning(f"nbtrain {warning}")
     if applied.loaded and output != "none":
         cellout.show_summary(record)
+        reachable = sharedhost.after_run(record.accelerator, record.strategy, on_cluster)  # once, several users
+        if reachable is not None:
+            cellout.print_warning(reachable)
     return applied.shown
 
 

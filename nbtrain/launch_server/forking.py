@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nbtrain import processes, stopboard, wire
+from nbtrain import privatenet, processes, rendezvous, stopboard, wire
 from nbtrain.events import RankAssignment, StartRun, StoreListening
 from nbtrain.launch_server import standby
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
@@ -73,8 +73,9 @@ class RankEnds:
 
 @dataclass(frozen=True)
 class RankFds:
-    """The descriptors a new rank gets: its channel, stdout/stderr pipes, the store's
-    listening socket (rank 0), the payload's tensors, and the pipe for its stack dumps."""
+    """The descriptors a new rank gets: its channel, stdout/stderr pipes, the store (its file on
+    one machine; on a cluster, rank 0's listening socket), the payload's tensors, and the pipe
+    for its stack dumps."""
 
     channel: int
     out: int
@@ -176,7 +177,8 @@ def _rank_main(
     os.dup2(devnull, 0)
     os.dup2(fds.out, 1)
     os.dup2(fds.err, 2)
-    close_all_but({0, 1, 2, *fds.kept})
+    close_all_but({0, 1, 2, *fds.kept, *privatenet.inherited_fds()})
+    privatenet.enter(assignment.start)  # while this is the process's only thread
     from nbtrain.rank import runtime, stopping
 
     stopping.attach(*steps)
@@ -242,21 +244,42 @@ def step_board(start: StartRun) -> stopboard.StepBoard | None:
     return None
 
 
-def bind_store(start: StartRun, send: Callable[[Any], None]) -> tuple[socket.socket | None, int]:
-    """The bound socket rank 0 will host the store on, and its port.
+class RunStore:
+    """What a run's ranks meet through, held by the launcher until its ranks have it (then ``close``).
 
-    On a cluster only the node holding global rank 0 binds one (on the address the
-    other nodes reach it at) and reports its port; the other nodes are given it.
+    On one machine: a nameless store file every rank inherits (nbtrain.rendezvous), and no
+    port (``port`` 0). On a cluster the node holding global rank 0 binds a socket (on the
+    address the other nodes reach it at) that rank 0 hosts a TCPStore on, and reports its
+    port; the other nodes are given it and hold nothing.
     """
+
+    def __init__(self, fd: int | None, port: int, every_rank: bool, held: socket.socket | None = None):
+        self.fd, self.port, self.every_rank, self.held = fd, port, every_rank, held
+
+    def fd_for(self, rank: int) -> int | None:
+        """The descriptor global rank ``rank`` inherits: the store file (each), or the bound socket (rank 0)."""
+        return self.fd if self.every_rank or rank == 0 else None
+
+    def close(self) -> None:
+        """The ranks have their copies: the launcher's goes."""
+        if self.held is not None:
+            self.held.close()
+        elif self.fd is not None:
+            os.close(self.fd)
+        self.fd = None
+
+
+def bind_store(start: StartRun, send: Callable[[Any], None]) -> RunStore:
+    """The store ``start``'s ranks will meet through (see :class:`RunStore`)."""
     node = start.node
-    if node is not None and node.master_port is not None:
-        return None, node.master_port
-    address = "127.0.0.1" if node is None else node.master_addr
-    store_socket = socket.create_server((address, 0), backlog=max(128, 2 * len(start.ranks)))
+    if node is None:
+        return RunStore(rendezvous.store_file(), 0, every_rank=True)
+    if node.master_port is not None:
+        return RunStore(None, node.master_port, every_rank=False)
+    store_socket = socket.create_server((node.master_addr, 0), backlog=max(128, 2 * len(start.ranks)))
     port = store_socket.getsockname()[1]
-    if node is not None:
-        send(StoreListening(start.run_id, port))
-    return store_socket, port
+    send(StoreListening(start.run_id, port))
+    return RunStore(store_socket.fileno(), port, every_rank=False, held=store_socket)
 
 
 def watch_rank(selector: selectors.BaseSelector, run: LauncherRun, rank: RankProcess) -> None:
@@ -276,14 +299,13 @@ def fork_standby(
 ) -> list[RankProcess]:
     """Fork ``plan``'s ranks to wait for a run; only their exit and channel are watched meanwhile
     (their output waits in their pipes for the run that takes them)."""
-    store_socket, port = bind_store(plan, send)
+    store = bind_store(plan, send)
     board = step_board(plan)  # the run that takes them stops on it
     ranks: list[RankProcess] = []
     try:
         for slot, spec in enumerate(plan.ranks):
-            listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
-            assignment = RankAssignment(plan, spec, port, os.getpid())
-            rank = start_rank_process(assignment, listen_fd, None, None, True, (board, slot))
+            assignment = RankAssignment(plan, spec, store.port, os.getpid())
+            rank = start_rank_process(assignment, store.fd_for(spec.rank), None, None, True, (board, slot))
             rank.step_board = board
             ranks.append(rank)
             selector.register(rank.pidfd, selectors.EVENT_READ, ("standby-exit", generation, rank))
@@ -300,6 +322,5 @@ def fork_standby(
                     os.close(fd)
         raise
     finally:
-        if store_socket is not None:
-            store_socket.close()
+        store.close()
     return ranks

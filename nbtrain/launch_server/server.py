@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from nbtrain import events, logsetup, processes, wire
+from nbtrain import events, logsetup, privatenet, processes, wire
 from nbtrain.events import (
     AttachHeld,
     DebugEnded,
@@ -114,6 +114,7 @@ class Launcher:
         self.control = control
         self.parent_pid = parent_pid
         self.watch_parent = kernel_pidfd is None
+        privatenet.namespaces()  # made before LauncherReady (main, the template): then this does nothing
         self.selector = selectors.DefaultSelector()
         self.selector.register(control, selectors.EVENT_READ, ("control", None, None))
         if kernel_pidfd is not None:
@@ -307,13 +308,12 @@ class Launcher:
             self._start_taken(run, start, taken, tensor_fd)
             return
         run.board = step_board(start)
-        store_socket = None
+        store = None
         try:
-            store_socket, port = bind_store(start, self._send)
+            store = bind_store(start, self._send)
             for slot, spec in enumerate(start.ranks):
-                assignment = RankAssignment(start, spec, port, os.getpid())
-                listen_fd = store_socket.fileno() if store_socket is not None and spec.rank == 0 else None
-                run.ranks.append(self._start_rank(run, assignment, listen_fd, tensor_fd, slot))
+                assignment = RankAssignment(start, spec, store.port, os.getpid())
+                run.ranks.append(self._start_rank(run, assignment, store.fd_for(spec.rank), tensor_fd, slot))
         except OSError as error:
             # On a cluster a node's first rank is not rank 0: name the global rank.
             first = start.ranks[len(run.ranks)].rank if len(run.ranks) < len(start.ranks) else len(run.ranks)
@@ -325,10 +325,10 @@ class Launcher:
             self._stop(run, events.FAILED)
         finally:
             self.board.start(start, [(rank.spec.rank, rank.pid) for rank in run.ranks])
-            # The store's port stayed bound from here until rank 0 took the socket over:
-            # no other process could take it in between.
-            if store_socket is not None:
-                store_socket.close()
+            # On a cluster the store's port stayed bound from here until rank 0 took the
+            # socket over: no other process could take it in between.
+            if store is not None:
+                store.close()
             if tensor_fd is not None:
                 os.close(tensor_fd)
 
@@ -778,6 +778,7 @@ def main() -> None:
     processes.become_subreaper()
     parent_pid = os.getppid()
     loaded = preload()
+    privatenet.namespaces()  # ~10 ms, while the kernel waits for the launcher anyway, not on a run's way
     wire.send(control, events.LauncherReady(os.getpid(), loaded, logsetup.capture()))
     if processes.thread_count() != 1:
         print(f"nbtrain launcher: {processes.thread_count()} threads after preload; fork is unsafe", file=sys.stderr)

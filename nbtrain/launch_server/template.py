@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from nbtrain import events, logsetup, processes, wire
+from nbtrain import events, logsetup, privatenet, processes, wire
 from nbtrain import templatesocket as naming
 from nbtrain.launch_server import forking, server
 
@@ -151,7 +151,9 @@ class _Child:
 
     def main(self) -> None:
         """The private launcher, just forked: the kernel's environment, cwd and stderr; then serve."""
-        forking.close_all_but({0, 1, 2, self.control_fd, self.stderr_fd, self.kernel_pidfd})
+        # The template's private namespaces (made once) are its launchers' too: none waits for its own.
+        keep = {0, 1, 2, self.control_fd, self.stderr_fd, self.kernel_pidfd}
+        forking.close_all_but(keep | privatenet.inherited_fds())
         null = os.open(os.devnull, os.O_RDWR)
         os.dup2(null, 0)
         os.dup2(null, 1)
@@ -232,6 +234,7 @@ def main() -> None:
     if processes.thread_count() != 1:
         _unlink_own(path, os.stat(path).st_ino)
         processes.exit_now(1)  # forking would be unsafe; kernels then start their own launchers
+    privatenet.namespaces()  # once, for every launcher forked from here (nbtrain.privatenet)
     Template(listener, path, loaded).serve()
     processes.exit_now(0)
 

@@ -4,8 +4,9 @@
    plus the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT).
 2. Set intra-op threads to physical cores / ranks before any torch op starts an OpenMP pool.
 3. Load the payload (cloudpickled; tensors mapped copy-on-write from shared memory).
-4. Join the process group: rank 0 hosts the TCPStore on the socket the launcher bound,
-   so the port was never free for anyone else to take.
+4. Join the process group: on one machine through the store file every rank inherited
+   (nbtrain.rendezvous: no port another user could reach); on a cluster rank 0 hosts the
+   TCPStore on the socket the launcher bound, so the port was never free for anyone else.
 5. Run the function; send the result (rank 0) or the failure; wait for the launcher's
    release (a barrier that needs no process group); exit without interpreter teardown.
    Rank 0's tensors stay in its memory until the kernel has copied them, which is why
@@ -34,7 +35,19 @@ import types
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
-from nbtrain import config, logsetup, patches, processes, records, sharedtensors, stacks, torchsettings, wire
+from nbtrain import (
+    config,
+    logsetup,
+    patches,
+    privatenet,
+    processes,
+    records,
+    rendezvous,
+    sharedtensors,
+    stacks,
+    torchsettings,
+    wire,
+)
 from nbtrain.events import (
     DebugQuit,
     RankAssignment,
@@ -458,7 +471,10 @@ def _join_process_group(assignment: RankAssignment, listen_fd: int | None, eager
     import torch.distributed as dist
 
     spec = assignment.spec
-    if listen_fd is not None:
+    store = None
+    if assignment.start.node is None and listen_fd is not None:
+        store = rendezvous.open_store(listen_fd, spec.world_size)  # every rank's: no port for anyone to reach
+    elif listen_fd is not None:
         _hosted_store = dist.TCPStore(  # type: ignore[attr-defined]  # re-exported by torch.distributed, not marked public
             _master_address(assignment),
             assignment.master_port,
@@ -471,7 +487,18 @@ def _join_process_group(assignment: RankAssignment, listen_fd: int | None, eager
     device = None
     if eager and spec.world_size > 1 and spec.device_type == "cuda" and "nccl" in assignment.start.backend:
         device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(assignment.start.backend, rank=spec.rank, world_size=spec.world_size, device_id=device)
+    join = {"store": store} if store is not None else {}  # else env:// (a cluster's TCPStore)
+    # gloo's listener and pairs are made in the rank's private network where it joined one.
+    privatenet.in_private_network(
+        functools.partial(
+            dist.init_process_group,
+            assignment.start.backend,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            device_id=device,
+            **join,
+        )
+    )
 
 
 # Code written for torchrun runs unchanged: its own init/destroy of the group become harmless.
