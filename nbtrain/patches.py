@@ -173,40 +173,18 @@ _TRACKERS = "nbtrain.rank.trackers:"
 _ONE_RUN = "a cell of several ranks writes one run, rank 0's; "
 # Experiment trackers (nbtrain.rank.trackers): installed for a cell on every rank; each factory
 # leaves rank 0's tracker writing (and charting its scalars) and quiets the other ranks'.
+_CHARTED = "rank 0's scalars are charted in the live view"
+_SUMMARY_WRITER = (  # (owner in the writer's module, attribute, factory, why) of a SummaryWriter's patches
+    ("", "FileWriter", "tensorboard_file_writer", _ONE_RUN + "the other ranks' SummaryWriters write no event file"),
+    (":SummaryWriter", "__init__", "tensorboard_init", "a writer the cell leaves open is closed (flushed) at its end"),
+    (":SummaryWriter", "add_scalar", "tensorboard_add_scalar", _CHARTED),
+    (":SummaryWriter", "add_scalars", "tensorboard_add_scalars", _CHARTED),
+)
 TRACKER_PATCHES: tuple[Patch, ...] = (
-    Patch(
-        "trackers", "torch.utils.tensorboard.writer", "FileWriter", _TRACKERS + "tensorboard_file_writer",
-        Lifetime.CELL, _ONE_RUN + "the other ranks' SummaryWriters write no event file", on_import=True,
-    ),
-    Patch(
-        "trackers", "torch.utils.tensorboard.writer:SummaryWriter", "__init__", _TRACKERS + "tensorboard_init",
-        Lifetime.CELL, "a writer the cell leaves open is closed (flushed) at its end", on_import=True,
-    ),
-    Patch(
-        "trackers", "torch.utils.tensorboard.writer:SummaryWriter", "add_scalar", _TRACKERS + "tensorboard_add_scalar",
-        Lifetime.CELL, "rank 0's scalars are charted in the live view", on_import=True,
-    ),
-    Patch(
-        "trackers", "torch.utils.tensorboard.writer:SummaryWriter", "add_scalars",
-        _TRACKERS + "tensorboard_add_scalars", Lifetime.CELL, "rank 0's scalars are charted in the live view",
-        on_import=True,
-    ),
-    # tensorboardX's SummaryWriter: the same treatment as torch.utils.tensorboard's.
-    Patch(
-        "trackers", "tensorboardX.writer", "FileWriter", _TRACKERS + "tensorboard_file_writer",
-        Lifetime.CELL, _ONE_RUN + "the other ranks' tensorboardX SummaryWriters write no event file", on_import=True,
-    ),
-    Patch(
-        "trackers", "tensorboardX.writer:SummaryWriter", "__init__", _TRACKERS + "tensorboard_init",
-        Lifetime.CELL, "a writer the cell leaves open is closed (flushed) at its end", on_import=True,
-    ),
-    Patch(
-        "trackers", "tensorboardX.writer:SummaryWriter", "add_scalar", _TRACKERS + "tensorboard_add_scalar",
-        Lifetime.CELL, "rank 0's scalars are charted in the live view", on_import=True,
-    ),
-    Patch(
-        "trackers", "tensorboardX.writer:SummaryWriter", "add_scalars", _TRACKERS + "tensorboard_add_scalars",
-        Lifetime.CELL, "rank 0's scalars are charted in the live view", on_import=True,
+    *(
+        Patch("trackers", module + owner, attribute, _TRACKERS + factory, Lifetime.CELL, why, on_import=True)
+        for module in ("torch.utils.tensorboard.writer", "tensorboardX.writer")  # tensorboardX's: the same
+        for owner, attribute, factory, why in _SUMMARY_WRITER
     ),
     Patch(
         "trackers", "wandb", "init", _TRACKERS + "wandb_init", Lifetime.CELL,
@@ -218,7 +196,7 @@ TRACKER_PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "trackers", "wandb.sdk.wandb_run:Run", "log", _TRACKERS + "wandb_log", Lifetime.CELL,
-        "rank 0's scalars are charted in the live view", on_import=True,
+        _CHARTED, on_import=True,
     ),
     Patch(
         "trackers", "mlflow.tracking._tracking_service.utils", "_get_store", _TRACKERS + "mlflow_store",
@@ -238,7 +216,7 @@ TRACKER_PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "trackers", "trackio.run:Run", "log", _TRACKERS + "trackio_log", Lifetime.CELL,
-        "rank 0's scalars are charted in the live view", on_import=True,
+        _CHARTED, on_import=True,
     ),
 )
 
