@@ -53,6 +53,7 @@ class _Cell:
     writers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # TensorBoard SummaryWriters
     wandb_runs: list[Any] = field(default_factory=list)
     made: dict[int, tuple[str, Any]] = field(default_factory=dict)  # id -> (what, a run object rank 0 made)
+    trackio_runs: dict[str, str] = field(default_factory=dict)  # what -> where: trackio runs rank 0 logged to
     throwaway: str | None = None  # the other ranks' MLflow store, removed at the cell's end
 
 
@@ -126,7 +127,7 @@ def _say_where_written() -> None:
         return
     host = socket.gethostname()
     written = [(what, _written_in(what, made)) for what, made in _cell.made.values()]
-    for what, where in [*written, *_mlflow_written()]:
+    for what, where in [*written, *_mlflow_written(), *_cell.trackio_runs.items()]:
         if where:
             preparations.cell_registry().notes.append(
                 f"{what} wrote on rank 0's {node}, host {host!r}, in {where!r}: "
@@ -372,6 +373,8 @@ def trackio_log(original: Any) -> Any:
 
     def log(self: Any, metrics: Mapping[str, Any], step: Any = None, *args: Any, **kwargs: Any) -> Any:
         trackerruns.chart(metrics, step)
+        what = f"trackio run {getattr(self, 'name', '')!r} of project {getattr(self, 'project', '')!r}"
+        _cell.trackio_runs.setdefault(what, str(sys.modules["trackio.utils"].TRACKIO_DIR))  # its local store
         return original(self, metrics, step, *args, **kwargs)
 
     return log

@@ -119,10 +119,12 @@ def test_trackers_in_a_cell_write_one_run_on_rank_0s_node_and_the_summary_says_w
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 
+    pytest.importorskip("trackio")
     kernel.run_ok(f"TB_DIR, ROOT = {str(tmp_path / 'tb')!r}, {str(tmp_path)!r}")
     msg_id = kernel.start_cell(
         "%%distributed --cluster ray --num-nodes 2 --devices 1\n"
-        "import mlflow\n"
+        "os.environ['TRACKIO_DIR'] = ROOT + '/trackio'\n"
+        "import mlflow, trackio\n"
         "from torch.utils.tensorboard import SummaryWriter\n"
         "writer = SummaryWriter(TB_DIR)\n"
         "mlflow.set_tracking_uri(f'sqlite:///{ROOT}/mlflow.db')\n"
@@ -132,6 +134,9 @@ def test_trackers_in_a_cell_write_one_run_on_rank_0s_node_and_the_summary_says_w
         "        writer.add_scalar('rank_value', 10.0 * int(os.environ['RANK']) + step, step)\n"
         "        mlflow.log_metric('rank_value', 10.0 * int(os.environ['RANK']) + step, step=step)\n"
         "writer.close()\n"
+        "trackio.init(project='cluster', name='where')\n"
+        "trackio.log({'rank_value': 1.0})\n"
+        "trackio.finish()\n"
     )
     _reply, out = kernel.wait_for_reply(msg_id, CELL_SECONDS)
     assert out.error is None, out.text
@@ -147,6 +152,9 @@ def test_trackers_in_a_cell_write_one_run_on_rank_0s_node_and_the_summary_says_w
     assert sorted((m.step, m.value) for m in history) == [(0, 0.0), (1, 1.0), (2, 2.0)]
     where = re.escape(f"host {socket.gethostname()!r}, in 'sqlite:///{tmp_path}/mlflow.db (artifacts ")
     assert re.search(rf"MLflow run '{run.info.run_id}' wrote on rank 0's node 0 \([0-9.]+\), " + where, out.text)
+    where = re.escape(f"host {socket.gethostname()!r}, in {str(tmp_path / 'trackio')!r}")
+    said = r"trackio run 'where' of project 'cluster' wrote on rank 0's node 0 \([0-9.]+\), "
+    assert re.search(said + where, out.text), out.text
 
 
 def test_killing_the_kernel_ends_its_agents_and_every_rank(kernel: NotebookKernel) -> None:
