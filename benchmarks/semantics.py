@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1000)
     parser.add_argument("--ways", default="1,2,2-no-auto")
     parser.add_argument("--json", default="")
+    parser.add_argument("--budget", type=float, default=0.0, help="seconds: start no case after this (0: none)")
     args = parser.parse_args()
     ways = tuple(args.ways.split(","))
     began = time.monotonic()
@@ -41,6 +42,10 @@ def main() -> None:
     divergent: Counter[str] = Counter()
     try:
         for number, case in enumerate(cases):
+            if args.budget and time.monotonic() - began > args.budget:
+                print(f"budget of {args.budget:.0f} s spent: {number} of {len(cases)} cases run", flush=True)
+                cases = cases[:number]
+                break
             found = runner.check(run, case, ways)
             names = []
             for divergence in found:

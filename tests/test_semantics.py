@@ -83,3 +83,12 @@ def test_the_tester_finds_the_module_trainer_divergence_on_todays_code(run):
     found = runner.check(run, _cases()[0], ("2",))
     paths = {d.path for divergence in found for d in divergence.differences if d.kind == "identity"}
     assert "trainer.model" in paths, found
+
+
+@pytest.mark.parametrize("module", ["snapshot", "compare", "grammar", "shrink", "report"])
+def test_the_testers_own_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(f"difftest.{module}"))
+    assert result.attempted and not result.failed, result
