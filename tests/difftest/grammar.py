@@ -42,6 +42,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "second": ("none", "again", "eval"),
     "epochs": ("1", "2"),
     "shuffle": ("no", "yes"),
+    "via": ("name", "holder"),
+    "dropout": ("none", "dropout"),
+    "wrapper": ("none", "namespace"),
 }
 TRAINERS = ("nb_trainer", "mod_trainer")
 # Rules a trainer's run() decides itself (it makes its optimizer and loader, as minGPT's does).
@@ -97,6 +100,8 @@ def normalize(case: Case) -> Case:
         chosen["trainer_where"] = "before"
     if chosen["model_where"] == "cell":
         chosen["opt_where"] = "cell" if not trainer else chosen["opt_where"]
+    if chosen["holder"] not in ("dict", "list") and chosen["wrapper"] == "none" or trainer:
+        chosen["via"] = "name"
     if chosen["alias"] == "buffer" and chosen["model_kind"] != "bn":
         chosen["alias"] = "none"
     if chosen["groups"] == "add_group" and chosen["opt_where"] == "before" and chosen["freeze"] != "none":
@@ -104,7 +109,7 @@ def normalize(case: Case) -> Case:
     return replace(case, choices=tuple((rule, chosen[rule]) for rule in RULES))
 
 
-DATA = """import random, torch, torch.nn as nn
+DATA = """import random, types, torch, torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 torch.set_num_threads(1)
 torch.manual_seed(0); random.seed(0)
@@ -171,9 +176,10 @@ SCHEDULERS = {
 def _model(case: Case) -> list[str]:
     kind = case.get("model_kind")
     norm = "nn.BatchNorm1d(8), " if kind == "bn" else ""
+    drop = "nn.Dropout(0.2), " if case.get("dropout") == "dropout" else ""
     lines = [
         "torch.manual_seed(1)",
-        f"model = nn.Sequential(nn.Linear(8, 8), {norm}nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))",
+        f"model = nn.Sequential(nn.Linear(8, 8), {norm}nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), {drop}nn.Linear(8, 1))",
     ]
     if kind == "tied":
         lines.append("model[2].weight = model[0].weight  # tied, as GPT-2's head and embedding")
@@ -191,6 +197,8 @@ def _model(case: Case) -> list[str]:
         lines.append('held = {"net": model}')
     elif holder == "list":
         lines.append("held = [model]")
+    if case.get("wrapper") == "namespace":
+        lines.append("ns = types.SimpleNamespace(model=model, note='a notebook namespace holding the model')")
     return lines
 
 
@@ -235,9 +243,18 @@ def _state(case: Case) -> list[str]:
     return lines
 
 
+def _net(case: Case) -> str:
+    """How the loop reaches the model: by its name, or through what else holds it."""
+    if case.get("via") == "name":
+        return "model"
+    if case.get("wrapper") == "namespace":
+        return "ns.model"
+    return 'held["net"]' if case.get("holder") == "dict" else "held[0]"
+
+
 def _step(case: Case) -> list[str]:
     accum = int(case.get("accum"))
-    loss = "compute_loss(x, y)" if case.get("fn") == "notebook_fn" else "loss_fn(model(x), y)"
+    loss = "compute_loss(x, y)" if case.get("fn") == "notebook_fn" else f"loss_fn({_net(case)}(x), y)"
     lines = [f"loss = {loss}" + (f" / {accum}" if accum > 1 else "")]
     scaler = case.get("scaler") != "none"
     lines.append("scaler.scale(loss).backward()" if scaler else "loss.backward()")

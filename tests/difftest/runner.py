@@ -35,6 +35,7 @@ INHERENT = {
     "per-rank batch": "x, y, loss and the losses list hold rank 0's own batch and loss: compared by type and length",
     "batchnorm": "without sync BN each rank normalises by its own batch's statistics, so every weight "
     "differs from the union batch's: floats compared only for a lost update (unchanged where the reference moved)",
+    "dropout": "each rank draws its own masks: floats compared only for a lost update, as for BatchNorm",
     "rng after the cell": "rank 0's generators advanced by its own draws: not compared for 2 ranks",
     "shuffle": "the reference cannot reproduce DistributedSampler's permutation: 2-rank runs use unshuffled loaders",
 }
@@ -59,7 +60,7 @@ class Way:
             rng=False,
             before=before,
             type_only=DATA_NAMES if auto else frozenset(),
-            loose_floats=auto and case.get("model_kind") == "bn",
+            loose_floats=auto and (case.get("model_kind") == "bn" or case.get("dropout") == "dropout"),
         )
 
     def shuffle(self) -> bool | None:
