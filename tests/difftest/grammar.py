@@ -346,7 +346,10 @@ def render(case: Case, magic: str, shuffle: bool | None = None) -> Cells:
     before += _state(case)
     if before:
         setup.append("\n".join(before))
-    body = _trainer_cell(case, shuffle) if trainer else _loop_cell(case, shuffle)
+    # A rank sets its own thread count (2 for one rank on 2 cores): the reference's is 1, and
+    # BatchNorm's sums differ in the last bits with the thread count.
+    body = ["torch.set_num_threads(1)"]
+    body += _trainer_cell(case, shuffle) if trainer else _loop_cell(case, shuffle)
     if case.get("save") == "torch_save":
         body.append(f'torch.save({"trainer.model" if trainer else "model"}.state_dict(), "ckpt.pt")')
     train = (magic + "\n" if magic else "") + "\n".join(body) + "\n"
