@@ -33,6 +33,19 @@ KNOWN = [
         for way in WAYS
         for kind in ("lost-update", "error", "structure")
     ),
+    # notebook-trainer-dataset: a trainer of a notebook class made before the cell keeps its model, but
+    # its dataset comes back as a copy (trainer.dataset is not the kernel's data any more).
+    *(shrink.Class(way, "identity", ("holder=nb_trainer",), "notebook-trainer-dataset") for way in WAYS),
+    # grads-left: gradients a loop leaves on the parameters (a trainer that zeroes them before the
+    # backward) do not come back.
+    *(
+        shrink.Class(way, "structure", (f"holder={holder}", "trainer_where=cell"), "grads-left")
+        for way in WAYS
+        for holder in ("nb_trainer", "mod_trainer")
+    ),
+    # rng-shift: under 2 ranks the cell's own draws (torch.rand) differ from one process's: preparing
+    # the kernel's loader draws its sampler's seed from the generator first.
+    shrink.Class("2", "value", ("rng=draws",), "rng-shift"),
     # requires-grad: requires_grad_(False) in the cell does not come back (2 ranks: the run fails).
     *(
         shrink.Class(way, kind, ("freeze=bias",), "requires-grad")
