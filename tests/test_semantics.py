@@ -46,6 +46,17 @@ KNOWN = [
     # rng-shift: under 2 ranks the cell's own draws (torch.rand) differ from one process's: preparing
     # the kernel's loader draws its sampler's seed from the generator first.
     shrink.Class("2", "value", ("rng=draws",), "rng-shift"),
+    # clip-before-average: a loop that calls the model through what else holds it (held["net"](x),
+    # ns.model(x)) bypasses DDP; nbtrain averages the gradients at the optimizer's step, after the
+    # cell's clip_grad_norm_ has clipped each rank's own gradients.
+    *(
+        shrink.Class("2", "value", rules, "clip-before-average")
+        for rules in (
+            ("holder=dict", "clip=clip", "via=holder"),
+            ("holder=list", "clip=clip", "via=holder"),
+            ("clip=clip", "via=holder", "wrapper=namespace"),
+        )
+    ),
     # requires-grad: requires_grad_(False) in the cell does not come back (2 ranks: the run fails).
     *(
         shrink.Class(way, kind, ("freeze=bias",), "requires-grad")
