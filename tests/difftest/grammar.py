@@ -1,0 +1,369 @@
+"""Training cells from a grammar of what notebooks do: seeded, deterministic, each rule small.
+
+A :class:`Case` is one choice per rule (its first option is the rule's absence or plain form);
+:func:`render` turns it into the cells a notebook would hold: setup cells, the training cell
+(under a ``%%distributed`` line or none) and maybe a second cell. The batch size is the kernel's
+``BS``: the 2-rank reference runs the same cells with ``BS`` twice as large and an unshuffled
+loader, so that each of its batches is the union of what the two ranks read at that step
+(DistributedSampler deals indices alternately: rank 0 reads 0, 2, 4, ..., rank 1 reads 1, 3, 5, ...).
+
+>>> case = generate(7)
+>>> case == generate(7) and render(case, "").train == render(case, "").train
+True
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+# rule -> options; the first option is the rule's absence (what shrinking falls back to).
+RULES: dict[str, tuple[str, ...]] = {
+    "holder": ("name", "dict", "list", "nb_trainer", "mod_trainer"),
+    "trainer_where": ("before", "cell"),
+    "model_where": ("before", "cell"),
+    "model_kind": ("mlp", "tied", "bn"),
+    "opt": ("sgd", "momentum", "adam", "adamw"),
+    "opt_where": ("before", "cell"),
+    "groups": ("one", "two", "add_group"),
+    "sched": ("none", "steplr", "lambdalr"),
+    "scaler": ("none", "gradscaler"),
+    "clip": ("none", "clip"),
+    "accum": ("1", "2"),
+    "loader_where": ("before", "cell"),
+    "alias": ("none", "param", "buffer", "submodule"),
+    "freeze": ("none", "bias"),
+    "values": ("none", "counter"),
+    "tensors": ("none", "mutated"),
+    "rng": ("none", "draws"),
+    "fn": ("inline", "notebook_fn"),
+    "save": ("none", "torch_save"),
+    "fail": ("none", "raises"),
+    "second": ("none", "again", "eval"),
+    "epochs": ("1", "2"),
+    "shuffle": ("no", "yes"),
+    "via": ("name", "holder"),
+    "dropout": ("none", "dropout"),
+    "wrapper": ("none", "namespace"),
+}
+TRAINERS = ("nb_trainer", "mod_trainer")
+# Rules a trainer's run() decides itself (it makes its optimizer and loader, as minGPT's does).
+TRAINER_OWNS = ("opt_where", "groups", "sched", "scaler", "accum", "loader_where", "fn", "tensors")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One generated case: its seed and one option per rule (``choices`` in RULES' order)."""
+
+    seed: int
+    choices: tuple[tuple[str, str], ...]
+
+    def get(self, rule: str) -> str:
+        return dict(self.choices)[rule]
+
+    def with_choice(self, rule: str, option: str) -> Case:
+        return normalize(replace(self, choices=tuple((r, option if r == rule else o) for r, o in self.choices)))
+
+    def present(self) -> list[str]:
+        """The rules whose option is not their absence, as ``rule=option``."""
+        return [f"{rule}={option}" for rule, option in self.choices if option != RULES[rule][0]]
+
+
+@dataclass(frozen=True)
+class Cells:
+    """What a notebook holds for one case: setup cells, the training cell, maybe a second cell."""
+
+    setup: tuple[str, ...]
+    train: str
+    second: str | None
+
+
+def generate(seed: int) -> Case:
+    """The case of ``seed``: each rule absent with probability 1/2, else one of its other options; made consistent."""
+    draw = random.Random(seed)
+    picks = tuple(
+        (rule, options[0] if draw.random() < 0.5 else draw.choice(options[1:])) for rule, options in RULES.items()
+    )
+    return normalize(Case(seed, picks))
+
+
+def normalize(case: Case) -> Case:
+    """Options a case cannot hold set back to their absence (so equal cells have equal choices)."""
+    chosen = dict(case.choices)
+    trainer = chosen["holder"] in TRAINERS
+    if trainer:
+        for rule in TRAINER_OWNS:
+            chosen[rule] = RULES[rule][0]
+        if chosen["model_where"] == "cell":
+            chosen["trainer_where"] = "cell"
+    else:
+        chosen["trainer_where"] = "before"
+    if chosen["model_where"] == "cell":
+        chosen["opt_where"] = "cell" if not trainer else chosen["opt_where"]
+    if chosen["holder"] not in ("dict", "list") and chosen["wrapper"] == "none" or trainer:
+        chosen["via"] = "name"
+    if chosen["alias"] == "buffer" and chosen["model_kind"] != "bn":
+        chosen["alias"] = "none"
+    if chosen["groups"] == "add_group" and chosen["opt_where"] == "before" and chosen["freeze"] != "none":
+        chosen["freeze"] = "none"
+    return replace(case, choices=tuple((rule, chosen[rule]) for rule in RULES))
+
+
+DATA = """import random, types, torch, torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+torch.set_num_threads(1)
+torch.manual_seed(0); random.seed(0)
+X = torch.randn(32, 8)
+Y = X @ torch.randn(8, 1) + 0.1 * torch.randn(32, 1)
+data = TensorDataset(X, Y)
+loss_fn = nn.MSELoss()
+LR = 0.05"""
+
+# The trainer class, as a module beside the notebook (train_utils.py) or pasted in a notebook cell.
+TRAINER = '''import torch
+from torch.utils.data import DataLoader
+
+
+def make_optimizer(kind, params, lr):
+    """The optimizer ``kind`` names over ``params``."""
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if kind == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(params, lr=lr)
+
+
+class Trainer:
+    """Holds a model; run() makes its optimizer and loader and trains (as minGPT's Trainer does)."""
+
+    def __init__(self, model, dataset, batch_size, opt="sgd", lr=0.05, clip=None, epochs=1, shuffle=False,
+                 fail_at=None):
+        self.model, self.dataset, self.batch_size = model, dataset, batch_size
+        self.opt, self.lr, self.clip, self.epochs, self.shuffle, self.fail_at = opt, lr, clip, epochs, shuffle, fail_at
+        self.optimizer = None
+        self.iter_num = 0
+
+    def run(self):
+        model = self.model
+        self.optimizer = make_optimizer(self.opt, model.parameters(), self.lr)
+        loader = DataLoader(self.dataset, batch_size=self.batch_size, shuffle=self.shuffle)
+        model.train()
+        for _ in range(self.epochs):
+            for x, y in loader:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                self.optimizer.zero_grad()
+                loss.backward()
+                if self.clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
+                self.optimizer.step()
+                self.iter_num += 1
+                if self.fail_at == self.iter_num:
+                    raise RuntimeError("the run fails part-way")
+'''
+
+OPTIMIZERS = {
+    "sgd": "torch.optim.SGD({params}, lr=LR)",
+    "momentum": "torch.optim.SGD({params}, lr=LR, momentum=0.9)",
+    "adam": "torch.optim.Adam({params}, lr=LR)",
+    "adamw": "torch.optim.AdamW({params}, lr=LR)",
+}
+SCHEDULERS = {
+    "steplr": "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)",
+    "lambdalr": "sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))",
+}
+
+
+def _model(case: Case) -> list[str]:
+    kind = case.get("model_kind")
+    norm = "nn.BatchNorm1d(8), " if kind == "bn" else ""
+    drop = "nn.Dropout(0.2), " if case.get("dropout") == "dropout" else ""
+    lines = [
+        "torch.manual_seed(1)",
+        f"model = nn.Sequential(nn.Linear(8, 8), {norm}nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), {drop}nn.Linear(8, 1))",
+    ]
+    if kind == "tied":
+        lines.append("model[2].weight = model[0].weight  # tied, as GPT-2's head and embedding")
+    alias = case.get("alias")
+    if alias != "none":
+        lines.append(
+            {
+                "param": "first_weight = model[0].weight",
+                "buffer": "running_mean = model[1].running_mean",
+                "submodule": "first_layer = model[0]",
+            }[alias]
+        )
+    holder = case.get("holder")
+    if holder == "dict":
+        lines.append('held = {"net": model}')
+    elif holder == "list":
+        lines.append("held = [model]")
+    if case.get("wrapper") == "namespace":
+        lines.append("ns = types.SimpleNamespace(model=model, note='a notebook namespace holding the model')")
+    return lines
+
+
+def _optimizer(case: Case) -> list[str]:
+    make = OPTIMIZERS[case.get("opt")]
+    groups = case.get("groups")
+    if groups == "one":
+        lines = ["opt = " + make.format(params="model.parameters()")]
+    elif groups == "two":
+        lines = [
+            "weights = [p for n, p in model.named_parameters() if n.endswith('weight')]",
+            "others = [p for n, p in model.named_parameters() if not n.endswith('weight')]",
+            "opt = " + make.format(params="[{'params': weights}, {'params': others, 'lr': LR / 2}]"),
+        ]
+    else:
+        lines = [
+            "opt = " + make.format(params="model[0].parameters()"),
+            (
+                "opt.add_param_group({'params': [p for p in model.parameters()"
+                " if all(p is not q for q in model[0].parameters())]})"
+            ),
+        ]
+    if case.get("sched") != "none":
+        lines.append(SCHEDULERS[case.get("sched")])
+    if case.get("scaler") != "none":
+        lines.append('scaler = torch.amp.GradScaler("cpu", enabled=False)')
+    return lines
+
+
+def _loader(case: Case, shuffle: bool) -> list[str]:
+    return [f"loader = DataLoader(data, batch_size=BS, shuffle={shuffle})"]
+
+
+def _state(case: Case) -> list[str]:
+    lines = []
+    if case.get("values") == "counter":
+        lines.append("step = 0\nlosses = []")
+    if case.get("tensors") == "mutated":
+        lines.append("scale = torch.ones(2)\nticks = torch.zeros(())")
+    if case.get("fn") == "notebook_fn":
+        lines.append("def compute_loss(x, y):\n    return loss_fn(model(x), y)")
+    return lines
+
+
+def _net(case: Case) -> str:
+    """How the loop reaches the model: by its name, or through what else holds it."""
+    if case.get("via") == "name":
+        return "model"
+    if case.get("wrapper") == "namespace":
+        return "ns.model"
+    return 'held["net"]' if case.get("holder") == "dict" else "held[0]"
+
+
+def _step(case: Case) -> list[str]:
+    accum = int(case.get("accum"))
+    loss = "compute_loss(x, y)" if case.get("fn") == "notebook_fn" else f"loss_fn({_net(case)}(x), y)"
+    lines = [f"loss = {loss}" + (f" / {accum}" if accum > 1 else "")]
+    scaler = case.get("scaler") != "none"
+    lines.append("scaler.scale(loss).backward()" if scaler else "loss.backward()")
+    update = []
+    if case.get("clip") == "clip":
+        update += ["scaler.unscale_(opt)"] if scaler else []
+        update.append("nn.utils.clip_grad_norm_(model.parameters(), 0.5)")
+    update += ["scaler.step(opt)", "scaler.update()"] if scaler else ["opt.step()"]
+    update.append("opt.zero_grad()")
+    if case.get("sched") != "none":
+        update.append("sched.step()")
+    if accum > 1:
+        lines.append(f"if (i + 1) % {accum} == 0:")
+        lines += ["    " + line for line in update]
+    else:
+        lines += update
+    if case.get("values") == "counter":
+        lines += ["step += 1", "losses.append(loss.item())"]
+    if case.get("tensors") == "mutated":
+        lines.append("ticks += 1")
+    if case.get("fail") == "raises":
+        lines.append('if epoch == 0 and i == 2:\n    raise RuntimeError("the cell fails part-way")')
+    return lines
+
+
+def _loop_cell(case: Case, shuffle: bool) -> list[str]:
+    lines = []
+    if case.get("model_where") == "cell":
+        lines += _model(case)
+    if case.get("freeze") == "bias":
+        lines.append("model[0].bias.requires_grad_(False)")
+    if case.get("opt_where") == "cell":
+        lines += _optimizer(case)
+    if case.get("loader_where") == "cell":
+        lines += _loader(case, shuffle)
+    if case.get("rng") == "draws":
+        lines.append("noise = torch.rand(2)\npick = random.random()")
+    if case.get("tensors") == "mutated":
+        lines.append("scale.mul_(0.5)")
+    lines.append(f"for epoch in range({case.get('epochs')}):")
+    lines.append("    for i, (x, y) in enumerate(loader):")
+    lines += ["        " + line.replace("\n", "\n        ") for line in _step(case)]
+    return lines
+
+
+def _trainer(case: Case, shuffle: bool) -> str:
+    clip = "0.5" if case.get("clip") == "clip" else "None"
+    fail = "3" if case.get("fail") == "raises" else "None"
+    return (
+        f"trainer = Trainer(model, data, batch_size=BS, opt={case.get('opt')!r}, lr=LR, clip={clip}, "
+        f"epochs={case.get('epochs')}, shuffle={shuffle}, fail_at={fail})"
+    )
+
+
+def _trainer_cell(case: Case, shuffle: bool) -> list[str]:
+    lines = []
+    if case.get("model_where") == "cell":
+        lines += _model(case)
+    if case.get("freeze") == "bias":
+        lines.append("model[0].bias.requires_grad_(False)")
+    if case.get("rng") == "draws":
+        lines.append("noise = torch.rand(2)\npick = random.random()")
+    if case.get("trainer_where") == "cell":
+        lines.append(_trainer(case, shuffle))
+    lines.append("trainer.run()")
+    if case.get("values") == "counter":
+        lines.append("step = trainer.iter_num")
+    return lines
+
+
+def render(case: Case, magic: str, shuffle: bool | None = None) -> Cells:
+    """The cells of ``case``; ``magic`` is the training cell's first line ("" for none)."""
+    shuffle = case.get("shuffle") == "yes" if shuffle is None else shuffle
+    trainer = case.get("holder") in TRAINERS
+    setup = [DATA]
+    if case.get("holder") == "mod_trainer":
+        setup.append("from train_utils import Trainer")
+    elif case.get("holder") == "nb_trainer":
+        setup.append(TRAINER)
+    before: list[str] = []
+    if case.get("model_where") == "before":
+        before += _model(case)
+    if not trainer and case.get("opt_where") == "before":
+        before += _optimizer(case)
+    if not trainer and case.get("loader_where") == "before":
+        before += _loader(case, shuffle)
+    if trainer and case.get("trainer_where") == "before":
+        before.append(_trainer(case, shuffle))
+    before += _state(case)
+    if before:
+        setup.append("\n".join(before))
+    # A rank sets its own thread count (2 for one rank on 2 cores): the reference's is 1, and
+    # BatchNorm's sums differ in the last bits with the thread count.
+    body = ["torch.set_num_threads(1)"]
+    body += _trainer_cell(case, shuffle) if trainer else _loop_cell(case, shuffle)
+    if case.get("save") == "torch_save":
+        body.append(f'torch.save({"trainer.model" if trainer else "model"}.state_dict(), "ckpt.pt")')
+    train = (magic + "\n" if magic else "") + "\n".join(body) + "\n"
+    second = {"none": None, "again": train, "eval": "with torch.no_grad():\n    pred = model(X[:4])\n"}[
+        case.get("second")
+    ]
+    return Cells(tuple(setup), train, second)
+
+
+def text(case: Case, magic: str = "%%distributed --devices 2 --accelerator cpu") -> str:
+    """The case's cells as a notebook would show them (the training cell under ``magic``)."""
+    cells = render(case, magic)
+    parts = [f"# [setup {n}]\n{cell}" for n, cell in enumerate(cells.setup, 1)]
+    parts.append(f"# [training cell]\n{cells.train}")
+    if cells.second:
+        parts.append(f"# [second cell]\n{cells.second}")
+    return "\n".join(parts)
