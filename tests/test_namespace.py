@@ -480,3 +480,71 @@ def test_decoding_a_result_leaves_the_kernels_builtins_as_they_were():
     _run_here(kernel_ns, "def times(v):\n    return v * k\n")
     assert kernel_ns["__builtins__"] == "ipython's"
     assert kernel_ns["times"](3) == 6 and kernel_ns["times"].__globals__ is kernel_ns
+
+
+# -- a parameter's own state beyond its values, in a real kernel -------------------------------
+
+PARAMETER_SETUP = """
+import torch, torch.nn as nn
+torch.set_num_threads(1)
+def fresh():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    return net, torch.optim.SGD(net.parameters(), lr=0.1)
+X = torch.arange(32.0).reshape(8, 4) / 32
+Y = X.sum(1, keepdim=True)
+"""
+
+# One step on the whole batch (bias of the first layer frozen at the end, last layer's grads dropped).
+PARAMETER_CELL = """
+torch.set_num_threads(1)
+loss = (model(X) - Y).pow(2).mean()
+opt.zero_grad(); loss.backward(); opt.step()
+model[0].bias.requires_grad_(False)
+model[2].weight.grad = None
+"""
+
+
+@pytest.fixture(scope="module")
+def parameter_kernel():
+    from kernel_helpers import nbtrain_kernel
+
+    yield from nbtrain_kernel(PARAMETER_SETUP)
+
+
+GRADS = "[None if p.grad is None else p.grad.tolist() for p in {0}.parameters()]"
+FLAGS = "[p.requires_grad for p in {0}.parameters()]"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("magic", ["--devices 1", "--devices 1 --no-auto", "--devices 2 --no-auto"])
+def test_gradients_and_requires_grad_the_cell_leaves_come_back_into_the_kernels_parameters(parameter_kernel, magic):
+    """What one process leaves (the cell run in the kernel is the reference): each parameter's
+    ``.grad`` as the loop left it (None where the cell dropped it) and its ``requires_grad``, on
+    the kernel's own parameters. ``--no-auto`` on 2 ranks: each rank runs the whole batch, rank 0's come back."""
+    kernel = parameter_kernel
+    kernel.run_ok("model, opt = fresh()\n" + PARAMETER_CELL + "ref = model\nmodel, opt = fresh()\nparams = list(model.parameters())")
+    kernel.run_ok(f"%%distributed {magic} --accelerator cpu\n{PARAMETER_CELL}")
+    assert kernel.value("all(a is b for a, b in zip(params, model.parameters()))")
+    assert kernel.value(FLAGS.format("model")) == kernel.value(FLAGS.format("ref")) == [True, False, True, True]
+    grads = kernel.value(GRADS.format("model"))
+    assert grads == kernel.value(GRADS.format("ref")) and grads[2] is None and grads[0] is not None
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_leave_the_averaged_gradients_on_the_kernels_parameters(parameter_kernel):
+    """Auto mode on 2 ranks: the gradient each parameter keeps is the average of the ranks' (the
+    union batch's), as one process on the whole batch leaves it; the flags as the cell set them."""
+    kernel = parameter_kernel
+    kernel.run_ok("model, opt = fresh()\n" + PARAMETER_CELL + "ref = model\nmodel, opt = fresh()")
+    loader_cell = PARAMETER_CELL.replace(
+        "loss = (model(X) - Y).pow(2).mean()",
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "for x, y in DataLoader(TensorDataset(X, Y), batch_size=4):\n    loss = (model(x) - y).pow(2).mean()",
+    )
+    kernel.run_ok(f"%%distributed --devices 2 --accelerator cpu\n{loader_cell}")
+    assert kernel.value(FLAGS.format("model")) == [True, False, True, True]
+    close = "all((a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-6)) for a, b in zip({0}, {1}))"
+    grads = "[p.grad for p in {0}.parameters()]"
+    assert kernel.value(close.format(grads.format("model"), grads.format("ref")))
+    assert kernel.value("model[2].weight.grad is None and model[0].weight.grad is not None")

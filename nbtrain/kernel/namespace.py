@@ -432,11 +432,12 @@ def apply_result(
     in-place update of the object it used to hold.
     """
     report = ApplyReport()
-    for name, (state, modes) in outcome.get("modules", {}).items():
-        module = shipped[name]
+    for name, (state, modes, *own) in outcome.get("modules", {}).items():
+        module, params = shipped[name], own[0] if own else None
         try:
-            if module_differs(module, state, modes):
+            if module_differs(module, state, modes) or parameters_differ(module, params):
                 load_module_state(module, state, modes)
+                load_parameter_states(module, params)
                 report.updated.append(name)
         except Exception as error:  # noqa: BLE001 - one bad object must not stop the rest
             report.skipped.append((name, type_name(module), f"its weights could not be loaded ({error})"))
@@ -567,6 +568,36 @@ def load_module_state(module: Any, state: Mapping[str, Any], modes: Iterable[tup
     module.load_state_dict(state, strict=True)  # copy_ under no_grad, per tensor
     for path, training in modes:
         module.get_submodule(path).training = training
+
+
+def parameters_differ(module: Any, params: Iterable[tuple[str, bool, Any]] | None) -> bool:
+    """Whether ``params`` (path, requires_grad, grad or None per parameter) differ from ``module``'s own."""
+    import torch
+
+    for path, requires_grad, grad in params or ():
+        own = module.get_parameter(path)
+        if own.requires_grad != requires_grad or (own.grad is None) != (grad is None):
+            return True
+        if grad is not None and (own.grad.shape != grad.shape or not torch.equal(own.grad, grad.to(own.grad))):
+            return True
+    return False
+
+
+def load_parameter_states(module: Any, params: Iterable[tuple[str, bool, Any]] | None) -> None:
+    """Set each parameter's ``requires_grad`` and ``.grad`` as the cell left them, in the kernel's own
+    parameters (a grad of the same shape is copied into, keeping its tensor; None stays None)."""
+    import torch
+
+    for path, requires_grad, grad in params or ():
+        own = module.get_parameter(path)
+        own.requires_grad_(requires_grad)
+        if grad is None:
+            own.grad = None
+        elif own.grad is not None and own.grad.shape == grad.shape:
+            with torch.no_grad():
+                own.grad.copy_(grad)
+        else:
+            own.grad = grad.to(device=own.device, dtype=own.dtype)
 
 
 def update_in_place(target: Any, value: Any) -> bool:

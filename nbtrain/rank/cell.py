@@ -302,8 +302,9 @@ def _add_module_parts(refs: dict[int, tuple[Any, ...]], name: str, module: Any) 
 
 def _state_marks(obj: Any) -> Any:
     """What identifies a module's or optimizer's state without reading its data."""
-    if hasattr(obj, "named_modules"):
-        return (obj.state_dict(keep_vars=True), [m.training for _, m in obj.named_modules()])
+    if hasattr(obj, "named_modules"):  # a backward or a freeze alone changes its parameters' own state
+        own = [(p.requires_grad, p.grad) for p in obj.parameters()]
+        return (obj.state_dict(keep_vars=True), [m.training for _, m in obj.named_modules()], own)
     return obj.state_dict()
 
 
@@ -389,8 +390,23 @@ def _module_states(modules: list[tuple[str, Any]], before: _Before | None) -> tu
             changed_modules.add(name)  # its architecture changed: it travels as an object
             continue
         if rank0:
-            module_states[name] = (state, [(path, sub.training) for path, sub in module.named_modules()])
+            modes = [(path, sub.training) for path, sub in module.named_modules()]
+            module_states[name] = (state, modes, None if _is_sharded(module) else _parameter_states(module))
     return module_states, changed_modules
+
+
+def _parameter_states(module: Any) -> list[tuple[str, bool, Any]]:
+    """Each parameter's own state beyond its values: its ``requires_grad`` and its ``.grad`` (None
+    where it has none, so only gradients that exist travel; under DDP the averaged ones)."""
+    return [
+        (path, p.requires_grad, None if p.grad is None else _own_grad(p.grad))
+        for path, p in module.named_parameters()
+    ]
+
+
+def _own_grad(grad: Any) -> Any:
+    # A DDP bucket view would carry the whole bucket's storage with it.
+    return grad.detach().clone() if grad._is_view() else grad.detach()
 
 
 def _optimizer_states(
