@@ -523,7 +523,8 @@ def test_gradients_and_requires_grad_the_cell_leaves_come_back_into_the_kernels_
     ``.grad`` as the loop left it (None where the cell dropped it) and its ``requires_grad``, on
     the kernel's own parameters. ``--no-auto`` on 2 ranks: each rank runs the whole batch, rank 0's come back."""
     kernel = parameter_kernel
-    kernel.run_ok("model, opt = fresh()\n" + PARAMETER_CELL + "ref = model\nmodel, opt = fresh()\nparams = list(model.parameters())")
+    fresh = "ref = model\nmodel, opt = fresh()\nparams = list(model.parameters())"
+    kernel.run_ok("model, opt = fresh()\n" + PARAMETER_CELL + fresh)
     kernel.run_ok(f"%%distributed {magic} --accelerator cpu\n{PARAMETER_CELL}")
     assert kernel.value("all(a is b for a, b in zip(params, model.parameters()))")
     assert kernel.value(FLAGS.format("model")) == kernel.value(FLAGS.format("ref")) == [True, False, True, True]
@@ -544,7 +545,10 @@ def test_two_ranks_leave_the_averaged_gradients_on_the_kernels_parameters(parame
     )
     kernel.run_ok(f"%%distributed --devices 2 --accelerator cpu\n{loader_cell}")
     assert kernel.value(FLAGS.format("model")) == [True, False, True, True]
-    close = "all((a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-6)) for a, b in zip({0}, {1}))"
+    close = (
+        "all((a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-6))"
+        " for a, b in zip({0}, {1}))"
+    )
     grads = "[p.grad for p in {0}.parameters()]"
     assert kernel.value(close.format(grads.format("model"), grads.format("ref")))
     assert kernel.value("model[2].weight.grad is None and model[0].weight.grad is not None")
