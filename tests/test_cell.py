@@ -116,9 +116,20 @@ def test_modules_and_optimizers_come_back_as_full_states():
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     code = "loss = model(torch.ones(1, 2)).sum()\nloss.backward()\nopt.step()\nmodel.eval()\n"
     _, outcome = run(code, {"model": model, "opt": opt, "torch": torch})
-    state, modes = outcome["modules"]["model"]
+    state, modes, params = outcome["modules"]["model"]
     assert set(state) == {"weight", "bias"} and modes == [("", False)]
+    assert [(path, flag) for path, flag, _ in params] == [("weight", True), ("bias", True)]
+    assert all(torch.equal(grad, p.grad) for (_, _, grad), p in zip(params, model.parameters(), strict=True))
     assert set(outcome["optimizers"]["opt"]["state"]) == {0, 1}  # momentum buffers of both parameters
+
+
+def test_a_backward_alone_or_a_freeze_alone_brings_the_parameters_state_back():
+    model = nn.Linear(2, 1)
+    _, outcome = run("model(torch.ones(1, 2)).sum().backward()\n", {"model": model, "torch": torch})
+    assert [grad.tolist() for _, _, grad in outcome["modules"]["model"][2]] == [[[1.0, 1.0]], [1.0]]
+    _, outcome = run("model.bias.requires_grad_(False)\nmodel.weight.grad = None\n", {"model": model, "torch": torch})
+    (_, weight_flag, weight_grad), (_, bias_flag, bias_grad) = outcome["modules"]["model"][2]
+    assert (weight_flag, weight_grad, bias_flag, bias_grad.tolist()) == (True, None, False, [1.0])
 
 
 def test_a_module_and_optimizer_the_cell_only_reads_do_not_come_back():
