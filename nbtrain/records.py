@@ -64,6 +64,13 @@ def same(value: Any) -> Any:
     return value
 
 
+def with_grad(param: Any, grad: Any) -> Any:
+    """``param`` holding ``grad``: a parameter made in the cell comes back with the gradient the cell left
+    on it (pickling a tensor keeps ``requires_grad`` but drops ``.grad``)."""
+    param.grad = grad
+    return param
+
+
 def made(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A new ``cls`` object, as ``copyreg.__newobj__`` makes one: a value sent whole is rebuilt with it.
 

@@ -552,3 +552,27 @@ def test_two_ranks_leave_the_averaged_gradients_on_the_kernels_parameters(parame
     grads = "[p.grad for p in {0}.parameters()]"
     assert kernel.value(close.format(grads.format("model"), grads.format("ref")))
     assert kernel.value("model[2].weight.grad is None and model[0].weight.grad is not None")
+
+
+MADE_CELL = """
+torch.set_num_threads(1)
+made, _ = fresh()
+held = {"first": made[0]}
+made_opt = torch.optim.SGD(made.parameters(), lr=0.1)
+made_opt.zero_grad(); (made(X) - Y).pow(2).mean().backward(); made_opt.step()
+made[0].bias.requires_grad_(False)
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("magic", ["--devices 1", "--devices 2 --no-auto"])
+def test_a_model_made_in_the_cell_comes_back_with_its_gradients(parameter_kernel, magic):
+    """A model the cell makes travels whole: its parameters keep the gradients the loop left on them
+    (pickling a parameter drops ``.grad``) and their ``requires_grad``, bit for bit as in one process."""
+    kernel = parameter_kernel
+    kernel.run_ok(MADE_CELL + "made_ref = made")
+    kernel.run_ok(f"%%distributed {magic} --accelerator cpu\n{MADE_CELL}")
+    assert kernel.value(FLAGS.format("made")) == kernel.value(FLAGS.format("made_ref"))
+    grads = kernel.value(GRADS.format("made"))
+    assert grads == kernel.value(GRADS.format("made_ref")) and grads[0] is not None
+    assert kernel.value("held['first'] is made[0] and made_opt.param_groups[0]['params'][0] is made[0].weight")

@@ -704,6 +704,7 @@ class _ResultReferences(_PicklerBase):
     typed_storage_type: Any = type(None)
     storage_types: Any = ()
     dtensor_type: Any = type(None)
+    parameter_type: Any = type(None)
 
     def __init__(self, file: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any]):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -747,6 +748,8 @@ class _ResultReferences(_PicklerBase):
             return _reduction(obj.value)
         if isinstance(obj, self.dtensor_type):
             raise ShardedTensorError("it holds a sharded DTensor, of which rank 0 has only its shard")
+        if isinstance(obj, self.parameter_type) and obj.grad is not None:  # the cell's own: its grad too
+            return (records.with_grad, (_Whole(obj), _own_grad(obj.grad)))
         refused = trackers.stays_on_rank(obj)  # a tracker's run: its files and threads are rank 0's
         if refused:
             raise pickle.PicklingError(refused)
@@ -782,6 +785,7 @@ def _result_pickler_class() -> type[_ResultReferences]:
             typed_storage_type = torch.storage.TypedStorage
             storage_types = (torch.storage.TypedStorage, torch.UntypedStorage)
             dtensor_type = DTensor
+            parameter_type = torch.nn.Parameter
 
         _result_pickler = ResultPickler
     result_pickler: type[_ResultReferences] = _result_pickler
