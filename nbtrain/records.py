@@ -85,7 +85,8 @@ class CellResult:
     """What rank 0 sends back after the cell ran (tensors travel in ``storages``, zero-copy).
 
     ``payload`` unpickles (see :func:`nbtrain.kernel.namespace.decode_result`) to a dict with
-    the keys ``modules`` {name: (state_dict, [(submodule path, training)])}, ``optimizers``
+    the keys ``modules`` {name: (state_dict, [(submodule path, training)], [(parameter path,
+    requires_grad, grad or None)] or None where sharded)}, ``optimizers``
     and ``schedulers`` {name: state_dict}, ``contents`` {name: what the object holds, one
     step deep}, ``tensors`` / ``changed`` / ``bound`` {name: value}, ``places`` {label:
     nbtrain.reach.Held}, ``display`` (a 1-tuple or None) and ``rng`` (RNG states or None).
