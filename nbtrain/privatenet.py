@@ -18,9 +18,10 @@ Not covered, and said so (nbtrain.sharedhost): NCCL (its communicators may be bu
 from the rank's main thread, and no GPU was at hand to prove a split namespace there),
 ``ddp_spawn`` (a fresh interpreter), cluster runs (nodes must reach each other), groups the
 cell makes itself (``dist.new_group``: made from its own thread, in the host's network),
-and any machine whose OS refuses unprivileged user namespaces. ``NBTRAIN_PRIVATE_NETWORK=0``
-in the caller's environment switches it off (a rank then sees files of users outside the
-namespace, root's among them, as owned by ``nobody``, which some tools mind).
+and any machine whose OS refuses unprivileged user namespaces. What it costs a covered rank:
+inside its user namespace, files of users outside it (root's among them) show as owned by
+``nobody``, which some tools mind, and set-uid programs do not raise privileges;
+``NBTRAIN_PRIVATE_NETWORK=0`` in the caller's environment switches it off.
 
 >>> import dataclasses
 >>> from nbtrain.events import RankSpec, StartRun
