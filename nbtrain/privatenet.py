@@ -36,12 +36,16 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
 import os
+import select
 import socket
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -49,6 +53,7 @@ from typing import Any, TypeVar
 
 from nbtrain.events import StartRun
 
+MAKER_SECONDS = 10.0  # a fresh interpreter answers in ~50 ms; past this it is taken for refused
 SWITCH_VARIABLE = "NBTRAIN_PRIVATE_NETWORK"  # "0": the process group in the host's network, as before
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
@@ -82,33 +87,38 @@ def _call(result: int, what: str) -> None:
 def make_namespaces() -> Namespaces:
     """The one boundary with the OS: a user namespace of this user's and a network namespace in it.
 
-    A child (one thread) unshares both, maps this user's uid and gid to themselves, brings
-    its loopback up and waits; the caller opens the two namespaces (they live while a
-    descriptor does) and lets it go. Raises OSError where the OS refuses (no unprivileged
-    user namespaces, a container's seccomp, ``max_user_namespaces`` 0).
+    A child unshares both, maps this user's uid and gid to themselves, brings its loopback up
+    and waits; the caller opens the two namespaces (they live while a descriptor does) and
+    lets it go. The child is a fresh interpreter, never a fork of the caller: the kernel asks
+    too, and a fork of a process with threads (a kernel's) can hang on a lock another thread
+    held. Raises OSError where the OS refuses (no unprivileged user namespaces, a container's
+    seccomp, ``max_user_namespaces`` 0).
     """
-    ready_read, ready_write = os.pipe()
-    go_read, go_write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child: says "y" when made, or why not
-        os.close(ready_read)
-        os.write(ready_write, _unshare_here().encode()[:500])
-        os.read(go_read, 1)
-        os._exit(0)
-    os.close(ready_write)
-    os.close(go_read)
+    code = "import sys; from nbtrain import privatenet as p; print(p._unshare_here(), flush=True); sys.stdin.read(1)"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
     try:
-        said = os.read(ready_read, 512).decode(errors="replace")
+        said = _said_by(child)
         if said != "y":
             raise OSError(errno.EPERM, said or "the namespace maker died")
-        user = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-        net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        user = os.open(f"/proc/{child.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        net = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         return Namespaces(user, net)
     finally:
-        os.write(go_write, b"g")
-        os.close(ready_read)
-        os.close(go_write)
-        os.waitpid(pid, 0)
+        with contextlib.suppress(OSError):
+            child.communicate(b"g", timeout=MAKER_SECONDS)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def _said_by(child: subprocess.Popen[bytes]) -> str:
+    """The namespace maker's first line ("y", or why not), within :data:`MAKER_SECONDS`."""
+    assert child.stdout is not None
+    if not select.select([child.stdout], [], [], MAKER_SECONDS)[0]:
+        return f"the namespace maker did not answer within {MAKER_SECONDS:.0f} s"
+    return child.stdout.readline().decode(errors="replace").strip()[:500]
 
 
 def _unshare_here() -> str:
