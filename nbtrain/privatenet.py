@@ -4,7 +4,7 @@ gloo's listener (one per rank, open for the process group's life: for standby ra
 their idle limit and then the whole run) accepts anyone's connection on loopback, and
 loopback is shared by every user of the machine. Here each launcher makes, once, a user
 namespace of its user's own and a network namespace in it (only a loopback, brought up),
-through a short-lived child: this user needs no privilege for that where the OS allows
+through a short-lived fresh interpreter (~130 ms, off a run's way): this user needs no privilege for that where the OS allows
 unprivileged user namespaces. Each rank of a run it covers joins the user namespace when it
 is forked (still one thread), and joins its process group from a thread that enters the
 private network: every socket gloo makes there (its listener, its pairs) lives in that
