@@ -4,14 +4,14 @@ gloo's listener (one per rank, open for the process group's life: for standby ra
 their idle limit and then the whole run) accepts anyone's connection on loopback, and
 loopback is shared by every user of the machine. Here each launcher makes, once, a user
 namespace of its user's own and a network namespace in it (only a loopback, brought up),
-through a short-lived fresh interpreter (~130 ms, off a run's way): this user needs no privilege for that where the OS allows
-unprivileged user namespaces. Each rank of a run it covers joins the user namespace when it
-is forked (still one thread), and joins its process group from a thread that enters the
-private network: every socket gloo makes there (its listener, its pairs) lives in that
-namespace, where no other user's process is, while the rank's main thread, and so the
-cell's code, stays in the host's network (the internet, the host's 127.0.0.1 services,
-trackers). A socket keeps the namespace it was made in, so the group's pairs keep working
-from any thread.
+through a short-lived fresh interpreter (~130 ms, off a run's way): this user needs no
+privilege for that where the OS allows unprivileged user namespaces. Each rank of a run it
+covers joins the user namespace when it is forked (still one thread), and joins its process
+group from a thread that enters the private network: every socket gloo makes there (its
+listener, its pairs) lives in that namespace, where no other user's process is, while the
+rank's main thread, and so the cell's code, stays in the host's network (the internet, the
+host's 127.0.0.1 services, trackers). A socket keeps the namespace it was made in, so the
+group's pairs keep working from any thread.
 
 Covered: single-machine CPU runs on gloo forked by the launcher (``fork`` start method).
 Not covered, and said so (nbtrain.sharedhost): NCCL (its communicators may be built later,
