@@ -145,6 +145,22 @@ def is_zombie(pid: int) -> bool:
         return False
 
 
+_PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def dying(pid: int) -> bool:
+    """Whether ``pid`` has a SIGKILL pending or is already exiting (its files may be closed, it is not a zombie yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            flags = int(f.read().rsplit(")", 1)[1].split()[6])
+        with open(f"/proc/{pid}/status") as f:
+            pending = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (OSError, IndexError, ValueError):
+        return not alive(pid)
+    return bool(flags & _PF_EXITING) or any(mask & _SIGKILL_BIT for mask in pending)
+
+
 def kill_pids(pids: Iterable[int]) -> None:
     """Cleanup: SIGKILL each pid still present (by pid, never by name)."""
     for pid in pids:
