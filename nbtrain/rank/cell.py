@@ -36,6 +36,7 @@ from nbtrain.rank import (
     cellloaders,
     cellmodels,
     displays,
+    inherent,
     kerneldevices,
     loaders,
     losslogging,
@@ -365,10 +366,19 @@ def _collect(
     payload, storages = _dump_outcome(outcome, refs, cell_globals, skipped)
     kept = cellmodels.kept_summary(cell_globals)  # a name the cell bound anew is its own model's
     prepared = [entry for entry in prepared if entry[0] not in dict(kept)] + kept
-    notes = preparations.notes() + samedata.same_data_notes(cell_globals)
+    notes = preparations.notes() + samedata.same_data_notes(cell_globals) + _inherent_notes(outcome, modules)
     made = cellloaders.made_loader_report(cell_globals)  # a name the cell bound anew is its loader's
     loader_report = [entry for entry in loaders.loader_report() if entry[0] not in dict(made)] + made
     return records.CellResult(payload, storages, deleted, skipped, prepared, notes, loader_report)
+
+
+def _inherent_notes(outcome: Mapping[str, Any], modules: list[tuple[str, Any]]) -> list[str]:
+    """What data parallelism left different from one process in the models the cell trained (nbtrain.rank.inherent)."""
+    import torch
+
+    trained = [(name, module) for name, module in modules if name in outcome["modules"]]
+    trained += [(name, value) for name, value in outcome["bound"].items() if isinstance(value, torch.nn.Module)]
+    return inherent.model_notes(trained, api.world_size())
 
 
 def _module_states(modules: list[tuple[str, Any]], before: _Before | None) -> tuple[dict[str, Any], set[str]]:

@@ -91,7 +91,7 @@ def _cpu_sync_forward(layer: Any, x: Any) -> Any:
     mean = totals[:channels] / n
     var = totals[channels : 2 * channels] / n - mean * mean
     if layer.track_running_stats and layer.running_mean is not None:
-        _update_running(layer, mean.detach(), var.detach(), float(n))
+        _update_running(layer, mean.detach(), var.detach(), float(n.detach()))  # no autograd warning
     shape = [1, channels] + [1] * (x.dim() - 2)
     out = (x - mean.view(shape)) / torch.sqrt(var.view(shape) + layer.eps)
     if layer.affine:
