@@ -38,6 +38,9 @@ class Rules:
     type_only: frozenset[str] = frozenset()  # names whose values are a rank's own (its batch, its loss)
     loose_floats: bool = False  # per-rank BatchNorm statistics: floats compared only for a lost update
     strict: frozenset[str] = frozenset()  # names compared in full even then (they do not depend on the model)
+    # Names whose numbers a schedule sized before the cell decides (its total and phases, learning rates,
+    # momenta): under several ranks each takes a share of the steps it was sized for. Compared by type.
+    scheduled: frozenset[str] = frozenset()
     before: dict[str, Any] = field(default_factory=dict)  # the pre-cell description, path -> values
 
 
@@ -132,7 +135,7 @@ class _Pair:
             isinstance(got, dict) and ("id" in got or "ref" in got),
         )
         if not (ref_obj or got_obj):
-            if ref != got:
+            if ref != got and not self.scheduled(ref, got, path):
                 self.add("value", path, f"{ref!r} != {got!r}")
             return
         if ref_obj != got_obj:
@@ -151,6 +154,13 @@ class _Pair:
             if key in ref and ref.get(key) != got.get(key) and key != "repr":
                 self.add("value", path, f"{ref.get(key)!r} != {got.get(key)!r}")
         self.children(ref, got, path)
+
+    def scheduled(self, ref: Any, got: Any, path: str) -> bool:
+        """A number the schedule sized before the cell decides (its total, phases, rates): the same kinds of
+        values. The steps it took (``last_epoch``, ``_step_count``) stay exact."""
+        if _root(path) not in self.rules.scheduled or path.endswith((".last_epoch", "._step_count")):
+            return False
+        return _number_shape(ref) == _number_shape(got)
 
     def reference(self, ref: dict[str, Any], got: dict[str, Any], path: str) -> None:
         if "ref" in ref and "ref" in got:
@@ -197,6 +207,15 @@ class _Pair:
             self.rules.loose_floats and ref["dtype"].startswith("torch.float") and _root(path) not in self.rules.strict
         ):
             self.add("value", path, f"max |difference| {worst:.3g} over {len(a)} values")
+
+
+def _number_shape(value: Any) -> Any:
+    """``value`` with each int and float replaced by its type (in lists and tuples too)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return type(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_number_shape(item) for item in value)
+    return value
 
 
 def _root(path: str) -> str:

@@ -45,10 +45,11 @@ RULES: dict[str, tuple[str, ...]] = {
     "via": ("name", "holder"),
     "dropout": ("none", "dropout"),
     "wrapper": ("none", "namespace"),
+    "sized": ("none", "onecycle"),  # a OneCycleLR sized from len(loader) before the cell
 }
 TRAINERS = ("nb_trainer", "mod_trainer")
 # Rules a trainer's run() decides itself (it makes its optimizer and loader, as minGPT's does).
-TRAINER_OWNS = ("opt_where", "groups", "sched", "scaler", "accum", "loader_where", "fn", "tensors")
+TRAINER_OWNS = ("opt_where", "groups", "sched", "scaler", "accum", "loader_where", "fn", "tensors", "sized")
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ def normalize(case: Case) -> Case:
         chosen["opt_where"] = "cell" if not trainer else chosen["opt_where"]
     if chosen["holder"] not in ("dict", "list") and chosen["wrapper"] == "none" or trainer:
         chosen["via"] = "name"
+    if chosen["sized"] != "none":  # sized before the cell: the model, optimizer and loader are there already
+        chosen.update(model_where="before", opt_where="before", loader_where="before", sched="none")
     if chosen["alias"] == "buffer" and chosen["model_kind"] != "bn":
         chosen["alias"] = "none"
     if chosen["groups"] == "add_group" and chosen["opt_where"] == "before" and chosen["freeze"] != "none":
@@ -170,7 +173,13 @@ OPTIMIZERS = {
 SCHEDULERS = {
     "steplr": "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)",
     "lambdalr": "sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))",
+    # Sized for two runs of the training cell (a second cell may run it again).
+    "onecycle": "sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=2 * {epochs} * len(loader))",
 }
+
+
+def _scheduled(case: Case) -> bool:
+    return case.get("sched") != "none" or case.get("sized") != "none"
 
 
 def _model(case: Case) -> list[str]:
@@ -264,7 +273,7 @@ def _step(case: Case) -> list[str]:
         update.append("nn.utils.clip_grad_norm_(model.parameters(), 0.5)")
     update += ["scaler.step(opt)", "scaler.update()"] if scaler else ["opt.step()"]
     update.append("opt.zero_grad()")
-    if case.get("sched") != "none":
+    if _scheduled(case):
         update.append("sched.step()")
     if accum > 1:
         lines.append(f"if (i + 1) % {accum} == 0:")
@@ -341,6 +350,8 @@ def render(case: Case, magic: str, shuffle: bool | None = None) -> Cells:
         before += _optimizer(case)
     if not trainer and case.get("loader_where") == "before":
         before += _loader(case, shuffle)
+    if case.get("sized") != "none":
+        before.append(SCHEDULERS[case.get("sized")].format(epochs=case.get("epochs")))
     if trainer and case.get("trainer_where") == "before":
         before.append(_trainer(case, shuffle))
     before += _state(case)
