@@ -25,15 +25,9 @@ WAYS = ("1", "2", "2-no-auto")
 # Fixed, so no longer here: module-trainer (a trainer of a module's class came back as a copy, the
 # kernel's model untrained), notebook-trainer-dataset (a notebook trainer's dataset came back as a copy),
 # grads-left (the gradients a loop left did not come back) and requires-grad (a freeze in the cell did not;
-# under 2 ranks auto mode see freeze-after-wrap below).
+# under 2 ranks auto mode see freeze-after-wrap below), failed-cell (a cell that raised part-way left the
+# kernel as before the cell: now it holds the state of the rank that raised, at the raise).
 KNOWN = [
-    # failed-cell: a cell that raises part-way leaves the kernel as before the cell (no partial update;
-    # names it set are missing, and a later cell that uses them fails).
-    *(
-        shrink.Class(way, kind, ("fail=raises",), "failed-cell")
-        for way in WAYS
-        for kind in ("lost-update", "error", "structure")
-    ),
     # freeze-after-wrap: under 2 ranks auto mode a cell that freezes a parameter (requires_grad_(False))
     # fails with DDP's "Expected to have finished reduction": the model was wrapped before the cell froze
     # it, and DDP waits for that parameter's gradient. What comes back after a run is fixed (requires-grad).

@@ -365,14 +365,12 @@ def _follow(
     try:
         result = run.result()
     except RunFailedError as error:
-        record.state = run.state
+        record.state, record.seconds = run.state, time.monotonic() - started  # a kept state's summary states it
         view.finish(run.state)
         if asked:  # the interrupt's stop could not keep the state: the launcher said why
             _stopped_hard(record, None)
             raise _interrupted(prepared, run, run.stop_note) from None
-        record.seconds = time.monotonic() - started  # the summary of a state kept at the raise states it
-        note = _kept_at_failure(shell, run, failed, error, prepared, options)
-        raise tracebacks.explain_failure(error, shell, note) from None
+        raise _failed(shell, run, failed, error, prepared, options) from None
     record.state = events.FINISHED
     record.seconds = time.monotonic() - started  # the summary _bring_back prints states it
     record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None  # and names it
@@ -389,6 +387,14 @@ def _state_at_failure(run: Any) -> tuple[int, Any] | None | str:
         return run.state_at_failure()  # type: ignore[no-any-return]
     except Exception as error:  # noqa: BLE001 - the cell's own error is what the user must see
         return f"it could not be loaded in the kernel ({type(error).__name__}: {error})"
+
+
+def _failed(
+    shell: Any, run: Any, failed: tuple[int, Any] | None | str, error: RunFailedError, prepared: PreparedCell,
+    options: Any,
+) -> BaseException:
+    """The failed cell's error, as the notebook shows it, once its state at the raise is in the kernel."""
+    return tracebacks.explain_failure(error, shell, _kept_at_failure(shell, run, failed, error, prepared, options))
 
 
 def _kept_at_failure(
@@ -451,7 +457,7 @@ def failed_message(rank: int, where: str, updated: list[str], shipped: dict[str,
         parts.append(f"{names} as {'it was' if len(held) == 1 else 'they were'} there")
     if others:
         listed = ", ".join(others[:8]) + (", ..." if len(others) > 8 else "")
-        parts.append(f"{listed} as the cell had set them")
+        parts.append(f"{listed} as the cell had set {'it' if len(others) == 1 else 'them'}")
     return f"{head}: {', and '.join(parts)}."
 
 

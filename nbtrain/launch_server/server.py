@@ -406,25 +406,7 @@ class Launcher:
             self._send(message)
             send_quietly(rank.channel, Displayed(run.run_id))  # the rank, waiting for this, goes on
         elif isinstance(message, RankFailed):
-            rank.failed = True
-            fd = fds[0] if fds else None
-            if self._stopped_from_outside(run):
-                if fd is not None:
-                    os.close(fd)
-                return  # a peer's signal broke its collective: not a failure of the run
-            if message.state is not None or message.state_note:  # a cell's state at the raise (failed_state)
-                run.failed_states[rank.spec.rank] = (message, fd)
-            elif fd is not None:
-                os.close(fd)
-            message = dataclasses.replace(message, state=None)  # the state goes once, with RunEnded
-            self._send(message)
-            if run.failure is None:
-                run.failure = message
-                # The root cause stays alive, paused in its frames, for a post-mortem.
-                rank.held = (
-                    message.held and run.debug_hold is not None and not run.lifecycle.has_been(RunPhase.TERMINATING)
-                )
-            self._stop(run, events.FAILED)
+            self._on_rank_failed(run, rank, message, fds[0] if fds else None)
         elif isinstance(message, RankDone):
             rank.done = True
             uneven.on_done(run, time.monotonic())
@@ -442,6 +424,25 @@ class Launcher:
                 stopped = run.graceful is not None and not run.graceful.gave_up
                 run.outcome = run.graceful.state if stopped and run.graceful else events.FINISHED
                 self._hand_over(run)
+
+    def _on_rank_failed(self, run: LauncherRun, rank: RankProcess, message: RankFailed, fd: int | None) -> None:
+        """A rank raised: the run fails (its first failure is the cause); ``fd``: its state's tensor file."""
+        rank.failed = True
+        if self._stopped_from_outside(run):
+            if fd is not None:
+                os.close(fd)
+            return  # a peer's signal broke its collective: not a failure of the run
+        if message.state is not None or message.state_note:  # a cell's state at the raise (failed_state)
+            run.failed_states[rank.spec.rank] = (message, fd)
+        elif fd is not None:
+            os.close(fd)
+        message = dataclasses.replace(message, state=None)  # the state goes once, with RunEnded
+        self._send(message)
+        if run.failure is None:
+            run.failure = message
+            # The root cause stays alive, paused in its frames, for a post-mortem.
+            rank.held = message.held and run.debug_hold is not None and not run.lifecycle.has_been(RunPhase.TERMINATING)
+        self._stop(run, events.FAILED)
 
     def _hand_over(self, run: LauncherRun) -> None:
         """Every rank is done: release them all, or first offer rank 0's result to the kernel.
