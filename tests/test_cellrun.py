@@ -412,3 +412,21 @@ def test_a_cell_failing_part_way_leaves_what_one_process_would_hold_at_the_raise
         assert kernel.value("gap(state(net, opt), reference)") == 0.0
     else:  # one process on the union batch
         assert kernel.value("gap(state(net, opt), reference)") < 1e-6
+
+
+def test_a_sharded_cell_failing_part_way_leaves_the_kernel_as_before_and_says_why(kernel):
+    """Under fsdp each rank holds a slice of every weight: a rank alone cannot gather them at its raise, so no
+    coherent state exists; the kernel keeps its objects, and the error says why."""
+    kernel.run_ok(FAILING)
+    kernel.run_ok("net, opt, loader = fresh(4)\nbefore_net = [p.detach().clone() for p in net.parameters()]")
+    out = kernel.run("%%distributed --devices 2 --accelerator cpu --strategy fsdp\n" + FAILING_CELL.format(who="True"))
+    assert out.error is not None and out.error["ename"] == "RankError"
+    text = "\n".join(out.error["traceback"])
+    assert "RuntimeError: the cell fails at its third step" in text
+    assert re.search(
+        r"Nothing in the kernel was changed: .*net.* before the cell\. The state at the failing line did not come "
+        r"back \(rank [01]: its weights are sharded over the ranks \(fsdp\), and one rank alone cannot gather them\)",
+        text,
+    ), text
+    assert kernel.value("'seen' in globals()") is False
+    assert kernel.value("all(torch.equal(a, b) for a, b in zip(net.parameters(), before_net))")

@@ -386,7 +386,7 @@ def _state_at_failure(run: Any) -> tuple[int, Any] | None | str:
     try:
         return run.state_at_failure()  # type: ignore[no-any-return]
     except Exception as error:  # noqa: BLE001 - the cell's own error is what the user must see
-        return f"it could not be loaded in the kernel ({type(error).__name__}: {error})"
+        return f"the kernel could not load it: {type(error).__name__}: {error}"
 
 
 def _failed(
@@ -409,7 +409,7 @@ def _kept_at_failure(
     """
     if not isinstance(failed, tuple):
         why = failed or run.no_state_note
-        return prepared.unchanged + (f" Its state at the failing line did not come back: {why}." if why else "")
+        return prepared.unchanged + (f" The state at the failing line did not come back ({why})." if why else "")
     rank, result = failed
     record = prepared.record
     record.failed_rank = rank

@@ -159,7 +159,7 @@ def failed_state(run: LauncherRun) -> tuple[int | None, str]:
         return min(same), ""
     own = run.failed_states.get(failure.rank)
     note = own[0].state_note if own is not None else ""
-    return None, (f"rank {failure.rank}'s state at the raise could not come back: {note}" if note else "")
+    return None, (f"rank {failure.rank}: {note}" if note else "")
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
