@@ -173,7 +173,12 @@ def _error(out: Any) -> str | None:
     raised = RANK_RAISED.match(message) if name == "RankError" else None
     if raised is not None:
         name, message = raised.group(1), raised.group(2)
+    if name in INTERRUPTED:  # the stop rule: RunInterrupted under %%distributed, KeyboardInterrupt in the kernel
+        return "interrupted"
     return f"{name}: {message[:80]}"
+
+
+INTERRUPTED = frozenset({"KeyboardInterrupt", "RunInterrupted"})
 
 
 # "rank 0 raised RuntimeError: the cell fails part-way" (nbtrain.errors.RankError's first line)
