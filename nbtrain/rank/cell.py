@@ -425,7 +425,8 @@ def _collect(
     payload, storages = _dump_outcome(outcome, refs, cell_globals, skipped)
     kept = cellmodels.kept_summary(cell_globals)  # a name the cell bound anew is its own model's
     prepared = [entry for entry in prepared if entry[0] not in dict(kept)] + kept
-    notes = preparations.notes() + samedata.same_data_notes(cell_globals)
+    # Alone, no note on the ranks' first batches: it reads a collective's result the others may never join.
+    notes = preparations.notes() + ([] if alone else samedata.same_data_notes(cell_globals))
     made = cellloaders.made_loader_report(cell_globals)  # a name the cell bound anew is its loader's
     loader_report = [entry for entry in loaders.loader_report() if entry[0] not in dict(made)] + made
     return records.CellResult(payload, storages, deleted, skipped, prepared, notes, loader_report)
