@@ -31,7 +31,16 @@ KNOWN = [
     # freeze-after-wrap: under 2 ranks auto mode a cell that freezes a parameter (requires_grad_(False))
     # fails with DDP's "Expected to have finished reduction": the model was wrapped before the cell froze
     # it, and DDP waits for that parameter's gradient. What comes back after a run is fixed (requires-grad).
-    *(shrink.Class("2", kind, ("freeze=bias",), "freeze-after-wrap") for kind in ("structure", "lost-update")),
+    # Since a failed cell brings back the state at its raise, the failure also shows as an error, or as values
+    # the reference trained further.
+    *(
+        shrink.Class("2", kind, ("freeze=bias",), "freeze-after-wrap")
+        for kind in ("structure", "lost-update", "error", "value")
+    ),
+    # grads-in: gradients the kernel holds before a cell (left by a cell that raised between a backward and
+    # its optimizer step, with gradient accumulation) do not travel to the ranks: a second cell's first
+    # step misses them (a Parameter pickles without its .grad).
+    *(shrink.Class(way, "value", ("accum=2", "fail=raises", "second=again"), "grads-in") for way in WAYS),
     # rng-shift: under 2 ranks the cell's own draws (torch.rand) differ from one process's: preparing
     # the kernel's loader draws its sampler's seed from the generator first.
     shrink.Class("2", "value", ("rng=draws",), "rng-shift"),
