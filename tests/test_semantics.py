@@ -41,6 +41,16 @@ KNOWN = [
     # its optimizer step, with gradient accumulation) do not travel to the ranks: a second cell's first
     # step misses them (a Parameter pickles without its .grad).
     *(shrink.Class(way, "value", ("accum=2", "fail=raises", "second=again"), "grads-in") for way in WAYS),
+    # grads-at-raise: under 2 ranks a model nbtrain averages at the optimizer step (made in the cell, or called
+    # past its DDP wrapper) holds each rank's own gradients between a backward and its step; a cell raising
+    # there brings rank 0's own back, where one process holds the union batch's.
+    *(
+        shrink.Class("2", "value", rules, "grads-at-raise")
+        for rules in (
+            ("model_where=cell", "opt_where=cell", "accum=2", "fail=raises"),
+            ("accum=2", "fail=raises", "via=holder"),
+        )
+    ),
     # rng-shift: under 2 ranks the cell's own draws (torch.rand) differ from one process's: preparing
     # the kernel's loader draws its sampler's seed from the generator first.
     shrink.Class("2", "value", ("rng=draws",), "rng-shift"),
