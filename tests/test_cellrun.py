@@ -418,7 +418,10 @@ def test_a_sharded_cell_failing_part_way_leaves_the_kernel_as_before_and_says_wh
     """Under fsdp each rank holds a slice of every weight: a rank alone cannot gather them at its raise, so no
     coherent state exists; the kernel keeps its objects, and the error says why."""
     kernel.run_ok(FAILING)
-    kernel.run_ok("net, opt, loader = fresh(4)\nbefore_net = [p.detach().clone() for p in net.parameters()]")
+    kernel.run_ok(
+        "net, opt, loader = fresh(4)\nbefore_net = [p.detach().clone() for p in net.parameters()]\n"
+        "globals().pop('seen', None)"  # an earlier test's cell set it
+    )
     out = kernel.run("%%distributed --devices 2 --accelerator cpu --strategy fsdp\n" + FAILING_CELL.format(who="True"))
     assert out.error is not None and out.error["ename"] == "RankError"
     text = "\n".join(out.error["traceback"])
