@@ -38,9 +38,13 @@ KNOWN = [
         for kind in ("structure", "lost-update", "error", "value")
     ),
     # grads-in: gradients the kernel holds before a cell (left by a cell that raised between a backward and
-    # its optimizer step, with gradient accumulation) do not travel to the ranks: a second cell's first
-    # step misses them (a Parameter pickles without its .grad).
-    *(shrink.Class(way, "value", ("accum=2", "fail=raises", "second=again"), "grads-in") for way in WAYS),
+    # its optimizer step, with gradient accumulation, or by a stop, whose next step's backward ran) do not
+    # travel to the ranks: a second cell's first step misses them (a Parameter pickles without its .grad).
+    *(
+        shrink.Class(way, "value", rules, "grads-in")
+        for way in WAYS
+        for rules in (("accum=2", "fail=raises", "second=again"), ("second=again", "stop=interrupt"))
+    ),
     # grads-at-raise: under 2 ranks a model nbtrain averages at the optimizer step (made in the cell, or called
     # past its DDP wrapper) holds each rank's own gradients between a backward and its step; a cell raising
     # there brings rank 0's own back, where one process holds the union batch's.
