@@ -311,6 +311,10 @@ class RankFailed:
     traceback: str
     node: str = ""  # the node's label on a cluster; empty on one machine
     held: bool = True  # the rank waits for a post-mortem (not after sys.exit(): nothing to debug there)
+    # Rank -> launcher only (the kernel gets them in RunEnded): a cell's state at the raise, pickled
+    # with its tensors in the shared-memory file sent beside this record; or why the rank has none.
+    state: bytes | None = None
+    state_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -363,6 +367,10 @@ class RunEnded:
     # or, for one that could not keep the state, why (``stop_note``).
     stopped_at: int | None = None
     stop_note: str = ""
+    # A failed cell: the rank whose state at its raise ``result`` holds (its tensors in the file beside
+    # this record), or, for a failed cell with none, why (``failed_state_note``).
+    failed_state_rank: int | None = None
+    failed_state_note: str = ""
 
 
 @dataclass(frozen=True)

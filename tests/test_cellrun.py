@@ -7,6 +7,7 @@ afterwards, which the tests after it rely on too.
 
 from __future__ import annotations
 
+import re
 import time
 
 import nbformat
@@ -344,3 +345,91 @@ def test_the_issue_notebook_executes_in_a_fresh_kernel(tmp_path):
     print(f"--- {ISSUE_CELL.strip()}\n{trained.text}\n--- after\n{after.text}")
     assert "nbtrain: 2 ranks (cpu, ddp_notebook)" in trained.stdout
     assert after.stdout.startswith("[") and "torch.Size([16, 8]) cpu" in after.stdout
+
+
+FAILING = """
+import re, torch, torch.nn as nn, nbtrain
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+FX = torch.randn(64, 8)
+FY = FX @ torch.randn(8, 1)
+failing_data = TensorDataset(FX, FY)
+
+def fresh(batch_size):
+    torch.manual_seed(1)
+    net = nn.Linear(8, 1)
+    return net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), DataLoader(failing_data, batch_size)
+
+def state(net, optimizer):
+    momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in net.parameters()]
+    return [p.detach().clone() for p in net.parameters()], momentum
+
+def gap(one, other):
+    return max((a - b).abs().max().item() for a, b in zip(one[0] + one[1], other[0] + other[1]))
+"""
+
+# Fails after its third optimizer step (``who``: every rank, or the rank that raises alone).
+FAILING_CELL = """torch.set_num_threads(1)
+for i, (x, y) in enumerate(loader):
+    loss = nn.functional.mse_loss(net(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    seen = i + 1
+    if i == 2 and {who}:
+        raise RuntimeError("the cell fails at its third step")
+after_the_loop = "never reached"
+"""
+
+
+def _reference(kernel, batch_size: int) -> None:
+    """The cell run in the kernel itself on ``batch_size`` (the union of the ranks' batches): ``reference``."""
+    kernel.run_ok(f"net, opt, loader = fresh({batch_size})")
+    out = kernel.run(FAILING_CELL.format(who="True"))
+    assert out.error is not None and out.error["evalue"] == "the cell fails at its third step"
+    kernel.run_ok("reference = state(net, opt)\ndel seen, i, x, y, loss")
+
+
+@pytest.mark.parametrize("devices, who", [(1, "True"), (2, "True"), (2, "nbtrain.rank() == 1")])
+def test_a_cell_failing_part_way_leaves_what_one_process_would_hold_at_the_raise(kernel, devices, who):
+    """Issue 45's failed-cell class: the error is raised as before, and the kernel then holds the state at
+    the raise (the model and its optimizer trained up to the failing step, the names bound before it), as
+    the cell run in the kernel itself leaves it. Where one rank raises and the other waits in the next
+    step's collective (then broken by the first one's end), the state is that of the rank that raised."""
+    kernel.run_ok(FAILING)
+    _reference(kernel, 4 * devices)
+    kernel.run_ok("net, opt, loader = fresh(4)\nnet_id, opt_id = id(net), id(opt)")
+    out = kernel.run(f"%%distributed --devices {devices} --accelerator cpu\n" + FAILING_CELL.format(who=who))
+    assert out.error is not None and out.error["ename"] == "RankError"
+    text = "\n".join(out.error["traceback"])
+    assert "RuntimeError: the cell fails at its third step" in text and ", line 8, in <module>" in text
+    raised = "[01]" if who == "True" else "1"
+    kept = rf"The kernel holds rank {raised}'s state at the failing line \(Cell In\[\d+\], line 8\), as one process"
+    assert re.search(kept, text), text
+    assert "Nothing in the kernel was changed" not in text
+    assert re.search(rf"failed \(the state rank {raised} held at its error came back\)", out.stdout), out.stdout
+    assert kernel.value("(seen, i, type(loss).__name__, 'after_the_loop' in globals())") == [3, 2, "Tensor", False]
+    assert kernel.value("id(net) == net_id and id(opt) == opt_id")
+    if devices == 1:  # bit for bit, as the cell in the kernel
+        assert kernel.value("gap(state(net, opt), reference)") == 0.0
+    else:  # one process on the union batch
+        assert kernel.value("gap(state(net, opt), reference)") < 1e-6
+
+
+def test_a_sharded_cell_failing_part_way_leaves_the_kernel_as_before_and_says_why(kernel):
+    """Under fsdp each rank holds a slice of every weight: a rank alone cannot gather them at its raise, so no
+    coherent state exists; the kernel keeps its objects, and the error says why."""
+    kernel.run_ok(FAILING)
+    kernel.run_ok(
+        "net, opt, loader = fresh(4)\nbefore_net = [p.detach().clone() for p in net.parameters()]\n"
+        "globals().pop('seen', None)"  # an earlier test's cell set it
+    )
+    out = kernel.run("%%distributed --devices 2 --accelerator cpu --strategy fsdp\n" + FAILING_CELL.format(who="True"))
+    assert out.error is not None and out.error["ename"] == "RankError"
+    text = "\n".join(out.error["traceback"])
+    assert "RuntimeError: the cell fails at its third step" in text
+    assert re.search(
+        r"Nothing in the kernel was changed: .*net.* before the cell\. The state at the failing line did not come "
+        r"back \(rank [01]: its weights are sharded over the ranks \(fsdp\), and one rank alone cannot gather them\)",
+        text,
+    ), text
+    assert kernel.value("'seen' in globals()") is False
+    assert kernel.value("all(torch.equal(a, b) for a, b in zip(net.parameters(), before_net))")

@@ -25,19 +25,36 @@ WAYS = ("1", "2", "2-no-auto")
 # Fixed, so no longer here: module-trainer (a trainer of a module's class came back as a copy, the
 # kernel's model untrained), notebook-trainer-dataset (a notebook trainer's dataset came back as a copy),
 # grads-left (the gradients a loop left did not come back) and requires-grad (a freeze in the cell did not;
-# under 2 ranks auto mode see freeze-after-wrap below).
+# under 2 ranks auto mode see freeze-after-wrap below), failed-cell (a cell that raised part-way left the
+# kernel as before the cell: now it holds the state of the rank that raised, at the raise).
 KNOWN = [
-    # failed-cell: a cell that raises part-way leaves the kernel as before the cell (no partial update;
-    # names it set are missing, and a later cell that uses them fails).
-    *(
-        shrink.Class(way, kind, ("fail=raises",), "failed-cell")
-        for way in WAYS
-        for kind in ("lost-update", "error", "structure")
-    ),
     # freeze-after-wrap: under 2 ranks auto mode a cell that freezes a parameter (requires_grad_(False))
     # fails with DDP's "Expected to have finished reduction": the model was wrapped before the cell froze
     # it, and DDP waits for that parameter's gradient. What comes back after a run is fixed (requires-grad).
-    *(shrink.Class("2", kind, ("freeze=bias",), "freeze-after-wrap") for kind in ("structure", "lost-update")),
+    # Since a failed cell brings back the state at its raise, the failure also shows as an error, or as values
+    # the reference trained further.
+    *(
+        shrink.Class("2", kind, ("freeze=bias",), "freeze-after-wrap")
+        for kind in ("structure", "lost-update", "error", "value")
+    ),
+    # grads-in: gradients the kernel holds before a cell (left by a cell that raised between a backward and
+    # its optimizer step, with gradient accumulation, or by a stop, whose next step's backward ran) do not
+    # travel to the ranks: a second cell's first step misses them (a Parameter pickles without its .grad).
+    *(
+        shrink.Class(way, "value", rules, "grads-in")
+        for way in WAYS
+        for rules in (("accum=2", "fail=raises", "second=again"), ("second=again", "stop=interrupt"))
+    ),
+    # grads-at-raise: under 2 ranks a model nbtrain averages at the optimizer step (made in the cell, or called
+    # past its DDP wrapper) holds each rank's own gradients between a backward and its step; a cell raising
+    # there brings rank 0's own back, where one process holds the union batch's.
+    *(
+        shrink.Class("2", "value", rules, "grads-at-raise")
+        for rules in (
+            ("model_where=cell", "opt_where=cell", "accum=2", "fail=raises"),
+            ("accum=2", "fail=raises", "via=holder"),
+        )
+    ),
     # rng-shift: under 2 ranks the cell's own draws (torch.rand) differ from one process's: preparing
     # the kernel's loader draws its sampler's seed from the generator first.
     shrink.Class("2", "value", ("rng=draws",), "rng-shift"),

@@ -31,10 +31,14 @@ def test_a_failure_on_rank_one_names_the_rank_and_the_cells_line(kernel):
     assert "raise ValueError('only rank 1 fails')" in text
     assert "nbtrain/" not in text  # no frames of ours
     # The failed rank is held for a post-mortem (tests/test_debugger.py): the last line says so.
-    unchanged, held = text.rsplit("\n", 1)
-    assert unchanged.endswith("Nothing in the kernel was changed: value is as it was before the cell.")
+    kept, held = text.rsplit("\n", 1)
+    # Rank 1 raised alone: the kernel holds what it held there (value + 1 done), as its error says.
+    assert kept.endswith(
+        f"The kernel holds rank 1's state at the failing line (Cell In[{number}], line 5), as one process would: "
+        "value, nbtrain as the cell had set them."
+    ), kept
     assert held.startswith("%nbtrain_debug opens the debugger in rank 1's frames (held for 10 min")
-    assert kernel.value("value") == 10
+    assert kernel.value("value") == 11
 
 
 def test_an_error_in_a_prepared_models_forward_or_backward_reads_as_in_the_kernel(kernel):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -67,6 +68,7 @@ class CellRun:
     derived: list[str] = field(default_factory=list)
     stopped_at: int | None = None  # the optimizer step a stop kept: the kernel's objects hold it
     stopped: str = ""  # how a stop (interrupt, Stop, timeout) ended the run: "at a step", "hard"; "": not stopped
+    failed_rank: int | None = None  # a failed cell: the rank whose state at its raise the kernel holds
 
 
 last_run: CellRun | None = None
@@ -359,15 +361,16 @@ def _follow(
     if run.stopped_at is not None:
         record.seconds = time.monotonic() - started  # the summary states it
         raise _kept(shell, run, prepared, options, view, asked)
+    failed = _state_at_failure(run) if run.state == events.FAILED and not asked else None
     try:
         result = run.result()
     except RunFailedError as error:
-        record.state = run.state
+        record.state, record.seconds = run.state, time.monotonic() - started  # a kept state's summary states it
         view.finish(run.state)
         if asked:  # the interrupt's stop could not keep the state: the launcher said why
             _stopped_hard(record, None)
             raise _interrupted(prepared, run, run.stop_note) from None
-        raise tracebacks.explain_failure(error, shell, prepared.unchanged) from None
+        raise _failed(shell, run, failed, error, prepared, options) from None
     record.state = events.FINISHED
     record.seconds = time.monotonic() - started  # the summary _bring_back prints states it
     record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None  # and names it
@@ -376,6 +379,86 @@ def _follow(
     if held.received or asked:  # it came while the results went in, or as the run finished: they are in, all of them
         raise RunInterrupted(_LATE)
     return value
+
+
+def _state_at_failure(run: Any) -> tuple[int, Any] | None | str:
+    """A failed cell's state at the raise as the run brought it ((rank, result), None), or why it cannot load."""
+    try:
+        return run.state_at_failure()  # type: ignore[no-any-return]
+    except Exception as error:  # noqa: BLE001 - the cell's own error is what the user must see
+        return f"the kernel could not load it: {type(error).__name__}: {error}"
+
+
+def _failed(
+    shell: Any, run: Any, failed: tuple[int, Any] | None | str, error: RunFailedError, prepared: PreparedCell,
+    options: Any,
+) -> BaseException:
+    """The failed cell's error, as the notebook shows it, once its state at the raise is in the kernel."""
+    return tracebacks.explain_failure(error, shell, _kept_at_failure(shell, run, failed, error, prepared, options))
+
+
+def _kept_at_failure(
+    shell: Any, run: Any, failed: tuple[int, Any] | None | str, error: RunFailedError, prepared: PreparedCell,
+    options: Any,
+) -> str:
+    """Put a failed cell's state at the raise into the kernel, as one process would hold it; what its error says of it.
+
+    What came back is applied as after a finished cell (its summary, then the error): the names the
+    cell bound before the raise, the models and optimizers as they were at that line. Without it,
+    the kernel is as before the cell, and the note says why.
+    """
+    if not isinstance(failed, tuple):
+        why = failed or run.no_state_note
+        return prepared.unchanged + (f" The state at the failing line did not come back ({why})." if why else "")
+    rank, result = failed
+    record = prepared.record
+    record.failed_rank = rank
+    _bring_back(shell, result, prepared.targets, record, options.output, prepared.engine is not None)
+    where = _failing_line(error, shell)
+    return failed_message(rank, where, record.updated, prepared.targets)
+
+
+def _failing_line(error: RunFailedError, shell: Any) -> str:
+    """Where the rank raised, as the notebook names it ("Cell In[7], line 12"), or ""."""
+    text = getattr(error, "remote_traceback", "")
+    if not text:
+        return ""
+    named = tracebacks.cell_traceback(text, shell)
+    found = _CELL_LINE.findall(named) or _FILE_LINE.findall(named)
+    return found[-1] if found else ""
+
+
+_CELL_LINE = re.compile(r"Cell In\[\d+\], line \d+")
+_FILE_LINE = re.compile(r'File "[^"]+", line \d+')
+
+
+def failed_message(rank: int, where: str, updated: list[str], shipped: dict[str, Any]) -> str:
+    """The line a failed cell's error ends with once the state at its raise is in: whose state, from where.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> shipped = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
+    >>> print(failed_message(0, "Cell In[7], line 12", ["model", "opt", "epoch", "loss"], shipped))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    The kernel holds rank 0's state at the failing line (Cell In[7], line 12), as one process would:
+    model and opt as they were there, and epoch, loss as the cell had set them.
+    >>> failed_message(1, "", [], shipped)
+    "The kernel holds rank 1's state at the failing line, as one process would: nothing in it had changed there."
+    """
+    at = f" ({where})" if where else ""
+    head = f"The kernel holds rank {rank}'s state at the failing line{at}, as one process would"
+    if not updated:
+        return f"{head}: nothing in it had changed there."
+    held = [name for name in updated if hasattr(shipped.get(name), "state_dict")]
+    others = [name for name in updated if name not in held]
+    parts = []
+    if held:
+        names = held[0] if len(held) == 1 else ", ".join(held[:-1]) + " and " + held[-1]
+        parts.append(f"{names} as {'it was' if len(held) == 1 else 'they were'} there")
+    if others:
+        listed = ", ".join(others[:8]) + (", ..." if len(others) > 8 else "")
+        parts.append(f"{listed} as the cell had set {'it' if len(others) == 1 else 'them'}")
+    return f"{head}: {', and '.join(parts)}."
 
 
 def _debugger_relay(run: Any, held: processes.HeldInterrupts) -> Any:

@@ -323,7 +323,25 @@ class Run:
             )
         if ended.state == FINISHED or ended.stopped_at is not None:
             return self._load_result(ended)  # a graceful stop's result: the state at the stop step
+        self._close_ended_fds()  # a failed cell's state at its raise, not taken (state_at_failure): freed
         raise self._failure(ended)
+
+    def state_at_failure(self) -> tuple[int, Any] | None:
+        """A failed cell's state at the raise: (the rank that held it, its CellResult), or None.
+
+        The lowest rank that raised the run's error itself sent what it held there (the launcher
+        chose it: :func:`nbtrain.launch_server.launched.failed_state`). Call it before
+        :meth:`result`, which frees that state as it raises the failure.
+        """
+        ended = self._ended
+        if ended is None or ended.state == FINISHED or ended.failed_state_rank is None or ended.result is None:
+            return None
+        return ended.failed_state_rank, self._load_result(ended)
+
+    @property
+    def no_state_note(self) -> str:
+        """Why a failed cell brought no state at its raise back ("": it did, or it had none to bring)."""
+        return "" if self._ended is None else self._ended.failed_state_note
 
     def _load_result(self, ended: RunEnded) -> Any:
         fd = self._ended_fds[0] if self._ended_fds else None

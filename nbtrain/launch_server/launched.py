@@ -7,6 +7,7 @@ signals a process.
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import time
@@ -85,6 +86,8 @@ class LauncherRun:
     stop_note: str = ""  # why a stop could not keep the state (sent with RunEnded)
     late: list[int] = field(default_factory=list)  # the ranks a graceful stop gave up on
     uneven: UnevenWatch = field(default_factory=UnevenWatch)  # ranks left waiting (launch_server.uneven)
+    # rank -> (its failure, with the cell's state at its raise; that state's tensor file): see failed_state
+    failed_states: dict[int, tuple[RankFailed, int | None]] = field(default_factory=dict)
 
     @property
     def state(self) -> RunPhase:
@@ -121,3 +124,52 @@ def stop_began(run: LauncherRun) -> bool:
 def took_a_step(run: LauncherRun) -> bool:
     """Whether a rank of ``run`` has begun an optimizer step that a stop could keep."""
     return run.board is not None and run.on_stop == "keep" and any(run.board.counts())
+
+
+def failed_state(run: LauncherRun) -> tuple[int | None, str]:
+    """The rank whose state at its raise a failed run brings back (None: none), and why none.
+
+    The state kept is that of the lowest rank that raised the run's error itself: the same
+    exception at the same line (every rank of a deterministic cell raises there). Another
+    rank's error then is the first one's consequence (a collective it broke, in the middle of
+    a step), and a rank that died without raising leaves no rank with a state at a raise.
+
+    >>> boom = RankFailed(1, 1, "RuntimeError", "boom", 'File "c.py", line 4', state=b"s")
+    >>> broken = RankFailed(1, 0, "RuntimeError", "Connection closed by peer", 'File "c.py", line 2', state=b"s")
+    >>> run = LauncherRun(1, [], None, Lifecycle(1, 0.0), failure=boom)
+    >>> run.failed_states = {0: (broken, None), 1: (boom, None)}
+    >>> failed_state(run)
+    (1, '')
+    >>> run.failed_states[0] = (RankFailed(1, 0, "RuntimeError", "boom", 'File "c.py", line 4', state=b"s"), None)
+    >>> failed_state(run)
+    (0, '')
+    """
+    failure = run.failure
+    if isinstance(failure, RankExited):
+        if not run.failed_states:
+            return None, ""
+        return None, (
+            f"rank {failure.rank} ended without raising an error, so no rank holds a state at a raise "
+            "(the others' errors came from its end, in the middle of a step)"
+        )
+    if not isinstance(failure, RankFailed):
+        return None, ""
+    same = [rank for rank, (m, _) in run.failed_states.items() if m.state is not None and _same_raise(m, failure)]
+    if same:
+        return min(same), ""
+    own = run.failed_states.get(failure.rank)
+    note = own[0].state_note if own is not None else ""
+    return None, (f"rank {failure.rank}: {note}" if note else "")
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _same_raise(one: RankFailed, other: RankFailed) -> bool:
+    """Whether two ranks raised the same error at the same line (their tracebacks' last frames)."""
+    def where(text: str) -> tuple[str, str] | None:
+        frames = _FRAME.findall(text)
+        return frames[-1] if frames else None
+
+    same_error = (one.exc_type, one.message) == (other.exc_type, other.message)
+    return same_error and where(one.traceback) == where(other.traceback)

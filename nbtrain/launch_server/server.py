@@ -66,7 +66,15 @@ from nbtrain.launch_server.forking import (
     step_board,
     watch_rank,
 )
-from nbtrain.launch_server.launched import LauncherRun, RankProcess, kept_step, our_signal, stop_began, took_a_step
+from nbtrain.launch_server.launched import (
+    LauncherRun,
+    RankProcess,
+    failed_state,
+    kept_step,
+    our_signal,
+    stop_began,
+    took_a_step,
+)
 from nbtrain.launch_server.lifecycle import ACTIVE, CAN_DRAIN, STOPPABLE, Lifecycle, RunPhase
 from nbtrain.launch_server.output import STREAMS, RunLog
 
@@ -398,17 +406,7 @@ class Launcher:
             self._send(message)
             send_quietly(rank.channel, Displayed(run.run_id))  # the rank, waiting for this, goes on
         elif isinstance(message, RankFailed):
-            rank.failed = True
-            if self._stopped_from_outside(run):
-                return  # a peer's signal broke its collective: not a failure of the run
-            self._send(message)
-            if run.failure is None:
-                run.failure = message
-                # The root cause stays alive, paused in its frames, for a post-mortem.
-                rank.held = (
-                    message.held and run.debug_hold is not None and not run.lifecycle.has_been(RunPhase.TERMINATING)
-                )
-            self._stop(run, events.FAILED)
+            self._on_rank_failed(run, rank, message, fds[0] if fds else None)
         elif isinstance(message, RankDone):
             rank.done = True
             uneven.on_done(run, time.monotonic())
@@ -426,6 +424,25 @@ class Launcher:
                 stopped = run.graceful is not None and not run.graceful.gave_up
                 run.outcome = run.graceful.state if stopped and run.graceful else events.FINISHED
                 self._hand_over(run)
+
+    def _on_rank_failed(self, run: LauncherRun, rank: RankProcess, message: RankFailed, fd: int | None) -> None:
+        """A rank raised: the run fails (its first failure is the cause); ``fd``: its state's tensor file."""
+        rank.failed = True
+        if self._stopped_from_outside(run):
+            if fd is not None:
+                os.close(fd)
+            return  # a peer's signal broke its collective: not a failure of the run
+        if message.state is not None or message.state_note:  # a cell's state at the raise (failed_state)
+            run.failed_states[rank.spec.rank] = (message, fd)
+        elif fd is not None:
+            os.close(fd)
+        message = dataclasses.replace(message, state=None)  # the state goes once, with RunEnded
+        self._send(message)
+        if run.failure is None:
+            run.failure = message
+            # The root cause stays alive, paused in its frames, for a post-mortem.
+            rank.held = message.held and run.debug_hold is not None and not run.lifecycle.has_been(RunPhase.TERMINATING)
+        self._stop(run, events.FAILED)
 
     def _hand_over(self, run: LauncherRun) -> None:
         """Every rank is done: release them all, or first offer rank 0's result to the kernel.
@@ -669,13 +686,28 @@ class Launcher:
         else:
             dumps = stackdumps.dumps_of(run)
             failed = RunEnded(run.run_id, state, failure=run.failure, detail=run.detail, stacks=dumps)
-            self._send(dataclasses.replace(failed, stop_note=run.stop_note))
+            failed, state_fds = self._with_failed_state(run, failed) if state == events.FAILED else (failed, ())
+            self._send(dataclasses.replace(failed, stop_note=run.stop_note), state_fds)
         if run.result_fd is not None:
             os.close(run.result_fd)
+        for _, state_fd in run.failed_states.values():
+            if state_fd is not None:
+                os.close(state_fd)
         # After a stop or a timeout the user wants things to stop: no new processes until a run
         # asks. While other runs go on, none either: forking would take CPU from them.
         if run.plan is not None and state in (events.FINISHED, events.FAILED) and not self.runs:
             self.standby.after_run(run.plan)
+
+    def _with_failed_state(self, run: LauncherRun, ended: RunEnded) -> tuple[RunEnded, tuple[int, ...]]:
+        """A failed cell's RunEnded with the state one rank held at its raise (launched.failed_state), and its file."""
+        kept, note = failed_state(run)
+        if kept is None:
+            return dataclasses.replace(ended, failed_state_note=note), ()
+        message, fd = run.failed_states[kept]
+        with_state = dataclasses.replace(
+            ended, result=message.state, has_tensor_file=fd is not None, failed_state_rank=kept
+        )
+        return with_state, () if fd is None else (fd,)
 
     # -- the debugger relay and the held rank (nbtrain.rank.debugger) ----------------------
     def _on_debug_event(self, run: LauncherRun, rank: RankProcess, message: Any) -> None:

@@ -49,6 +49,10 @@ class RankContext:
     logged: bool = False
     imported: tuple[str, ...] = ()  # rank 0: library modules its payload imported (nbtrain.rank.runtime)
     pid: int = field(default_factory=os.getpid)  # the rank's; a DataLoader worker forked from it inherits this
+    # A cell that raised: this rank's CellResult at the raise (nbtrain.rank.cell), sent with its failure;
+    # or why none could be made.
+    state_at_failure: Any = None
+    no_state_why: str = ""
 
     def add_row(self, step: int | None, values: dict[str, Any]) -> None:
         """Keep one logged row (``step`` None: the next step); send the batch when one is due."""

@@ -91,12 +91,13 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     _rewrap_scheduled_optimizers(tracked.values())
     rank0 = api.rank() == 0
     parts = _submodules(tracked)  # before the cell: a layer it replaces was the model's
-    before = _Before(cell_globals, tracked, parts) if rank0 else None
+    # Every rank records it: a rank whose cell raises sends its own state at the raise (state_at_failure).
+    before = _Before(cell_globals, tracked, parts)
     devices = kerneldevices.as_rank_devices(cell_globals, namespace)  # `device = torch.device("cuda:0")` in the kernel
     hidden = _install_shell(cell_globals) if spec.needs_shell else set()
     preparations.configure()
     with preparations.cell_registry().patches as cell_patches:  # undone in reverse as the cell ends
-        display, prepared, placed = _run_patched(spec, cell_globals, namespace, tracked, cell_patches)
+        display, prepared, placed, failure = _run_patched(spec, cell_globals, namespace, tracked, cell_patches)
         ours = patches.replacements(patches.Lifetime.CELL)
     _originals_back(cell_globals, ours)
     displays.show_open_figures()  # what the kernel's inline backend shows at a cell's end
@@ -105,14 +106,64 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     context = api.current_context()
     if context is not None:
         context.flush()  # the cell's last metrics go out before the (slower) namespace-out
-    return _collect(spec, cell_globals, tracked, before, display, prepared, hidden, parts)
+    if failure is not None:
+        _keep_state_at_failure(context, spec, cell_globals, tracked, before, prepared, hidden, parts)
+        raise failure  # as the cell raised it: its traceback starts at the cell's own line
+    return _collect(spec, cell_globals, tracked, before if rank0 else None, display, prepared, hidden, parts)
+
+
+def _keep_state_at_failure(
+    context: api.RankContext | None,
+    spec: CellSpec,
+    cell_globals: dict[str, Any],
+    tracked: dict[str, Any],
+    before: _Before,
+    prepared: list[tuple[str, str]],
+    hidden: set[str],
+    parts: set[int],
+) -> None:
+    """The cell raised on this rank: what it holds at the raise, for the runtime to send with the failure.
+
+    One process running the cell would keep what it had done up to the raise (the names bound
+    before it, a model trained up to that step), so the kernel gets this rank's state as after a
+    finished cell. Built from this rank's own objects, with no collective: the other ranks may be
+    waiting in one, or gone. Where that cannot be whole (weights sharded over the ranks), nothing
+    is kept and ``no_state_why`` says why.
+    """
+    if context is None:
+        return
+    try:
+        why = _why_no_state_alone(tracked)
+        if why:
+            context.no_state_why = why
+            return
+        context.state_at_failure = _collect(
+            spec, cell_globals, tracked, before, None, prepared, hidden, parts, alone=True
+        )
+    except Exception as error:  # noqa: BLE001 - the cell's own error is what the user must see
+        context.no_state_why = f"its state could not be gathered ({_short(error)})"
+
+
+def _why_no_state_alone(tracked: Mapping[str, Any]) -> str:
+    """Why this rank alone cannot send a whole state (weights or optimizer state sharded over the ranks), or ""."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ""
+    modules = [m for _, m in _unique(tracked, torch.nn.Module)]
+    if any(_is_sharded(m) for m in modules):
+        return "its weights are sharded over the ranks (fsdp), and one rank alone cannot gather them"
+    for _, optimizer in _unique(tracked, torch.optim.Optimizer):
+        if _zero_of(optimizer) is not None or _sharded_owner(optimizer, modules) is not None:
+            return "its optimizer's state is sharded over the ranks, and one rank alone cannot gather it"
+    return ""
 
 
 def _run_patched(
     spec: CellSpec, cell_globals: dict[str, Any], namespace: dict[str, Any], tracked: dict[str, Any], stack: Any
-) -> tuple[tuple[Any] | None, list[Any], list[tuple[Any, Any, Any]]]:
+) -> tuple[tuple[Any] | None, list[Any], list[tuple[Any, Any, Any]], Exception | None]:
     """Prepare and run the cell with the patches (nbtrain.patches) and step hooks it needs on ``stack``:
-    (what it displays last, what auto mode prepared, what it placed inside held objects)."""
+    (what it displays last, what auto mode prepared, what it placed inside held objects, what the cell
+    raised: None when it ran to its end)."""
     __tracebackhide__ = True  # the rank runtime drops frames that say so
     several = api.world_size() > 1
     preparations.cell_registry().ship(tracked.values())
@@ -130,12 +181,15 @@ def _run_patched(
     if several:  # every rank saving one checkpoint path: a reader never sees a torn file
         patches.install("whole files", stack)
     logging = losslogging.loss_logging(stack) if spec.log_loss else contextlib.nullcontext()
-    with logging, trackers.tracked_cell():  # one run per tracker, rank 0's; charted live
-        try:
-            display = _execute(spec, cell_globals)
-        except stopping.StopAtStep:
-            display = None  # stopped at the step every rank reached: what it holds goes back as at the end
-    return display, prepared, placed
+    try:
+        with logging, trackers.tracked_cell():  # one run per tracker, rank 0's; charted live
+            try:
+                display = _execute(spec, cell_globals)
+            except stopping.StopAtStep:
+                display = None  # stopped at the step every rank reached: what it holds goes back as at the end
+    except Exception as error:  # noqa: BLE001 - raised again once the state at the raise is kept (run_cell)
+        return None, prepared, placed, error
+    return display, prepared, placed, None
 
 
 def _originals_back(cell_globals: dict[str, Any], ours: list[tuple[Any, Any, str]]) -> None:
@@ -329,13 +383,19 @@ def _collect(
     prepared: list[tuple[str, str]],
     hidden: set[str],
     parts: set[int],
+    alone: bool = False,
 ) -> records.CellResult | None:
-    """Gather full states (every rank: FSDP needs collectives); rank 0 builds the result."""
+    """Gather full states (every rank: FSDP needs collectives); rank 0 builds the result.
+
+    ``alone``: a rank whose cell raised builds it from its own objects, with no collective
+    (:func:`_why_no_state_alone` said none is needed); ``before`` is then its own record.
+    """
     import torch
 
     modules = [(name, m) for name, m in _unique(namespace, torch.nn.Module) if id(m) not in parts]
     for _, module in modules:
-        _reshard(module)
+        if not alone:
+            _reshard(module)
     module_states, changed_modules = _module_states(modules, before)
     optimizer_states = _optimizer_states(namespace, modules, before)
     if before is None:  # not rank 0: it took part in the collectives, and sends nothing
@@ -366,7 +426,9 @@ def _collect(
     payload, storages = _dump_outcome(outcome, refs, cell_globals, skipped)
     kept = cellmodels.kept_summary(cell_globals)  # a name the cell bound anew is its own model's
     prepared = [entry for entry in prepared if entry[0] not in dict(kept)] + kept
-    notes = preparations.notes() + samedata.same_data_notes(cell_globals) + _inherent_notes(outcome, modules)
+    # Alone, no note on the ranks' first batches: it reads a collective's result the others may never join.
+    notes = preparations.notes() + ([] if alone else samedata.same_data_notes(cell_globals))
+    notes += _inherent_notes(outcome, modules)
     made = cellloaders.made_loader_report(cell_globals)  # a name the cell bound anew is its loader's
     loader_report = [entry for entry in loaders.loader_report() if entry[0] not in dict(made)] + made
     return records.CellResult(payload, storages, deleted, skipped, prepared, notes, loader_report)

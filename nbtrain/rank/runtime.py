@@ -240,7 +240,8 @@ def _run(
         # No debugger reaches a cluster's rank (docs/cluster.md): its traceback names the failing frame's locals.
         # Nothing to debug after sys.exit() (nor pdb's own quit): the rank is not kept.
         held = start.debug_hold is not None and not isinstance(error, (bdb.BdbQuit, SystemExit))
-        traceback_ = _report_failure(channel, start.run_id, spec.rank, error, start.node is not None, held)
+        state = _state_at_failure(context, start.node is None)
+        traceback_ = _report_failure(channel, start.run_id, spec.rank, error, start.node is not None, held, state)
         if held:
             header = "".join(traceback.format_exception_only(type(error), error))
             del error  # the traceback holds its frames; nothing else is kept
@@ -561,10 +562,33 @@ def _send_done(channel: socket.socket, context: api.RankContext, result: Any) ->
     return pickled
 
 
+def _state_at_failure(context: api.RankContext, here: bool) -> tuple[bytes | None, str, int | None]:
+    """A failed cell's state at the raise, pickled with its tensors in a new shared-memory file:
+    (pickle, why there is none, the file's descriptor). ``here``: a run on this machine (a cluster's
+    nodes send no state: nothing there would bring it back)."""
+    result, context.state_at_failure = context.state_at_failure, None
+    if result is None or not here:
+        return None, context.no_state_why, None
+    try:
+        data, fd = sharedtensors.dumps_to_shared_memory(result)
+    except Exception as error:  # noqa: BLE001 - the failure itself is what must reach the kernel
+        return None, f"its state could not be sent ({type(error).__name__}: {error})", None
+    return data, "", fd
+
+
 def _report_failure(
-    channel: socket.socket, run_id: int, rank: int, error: BaseException, with_locals: bool = False, held: bool = True
+    channel: socket.socket,
+    run_id: int,
+    rank: int,
+    error: BaseException,
+    with_locals: bool = False,
+    held: bool = True,
+    state: tuple[bytes | None, str, int | None] = (None, "", None),
 ) -> Any:
-    """Tell the launcher how this rank failed (``q`` in pdb: a stop); the user's part of the traceback."""
+    """Tell the launcher how this rank failed (``q`` in pdb: a stop); the user's part of the traceback.
+
+    ``state``: the cell's state at the raise (:func:`_state_at_failure`), sent with the failure.
+    """
     if isinstance(error, bdb.BdbQuit):
         with contextlib.suppress(OSError):
             wire.send(channel, DebugQuit(run_id, rank))
@@ -578,10 +602,15 @@ def _report_failure(
     text = "".join(traceback.format_exception(type(error), error, _users_frames(tb)))
     if with_locals:
         text += debugger.locals_summary(tb)
+    data, note, fd = state
+    failed = RankFailed(run_id, rank, type(error).__name__, str(error), text, held=held, state=data, state_note=note)
     try:
-        wire.send(channel, RankFailed(run_id, rank, type(error).__name__, str(error), text, held=held))
+        wire.send(channel, failed, () if fd is None else (fd,))
     except OSError:
         pass  # the launcher is gone: nobody is left to tell
+    finally:
+        if fd is not None:
+            os.close(fd)
     return tb
 
 

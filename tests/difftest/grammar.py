@@ -45,6 +45,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "via": ("name", "holder"),
     "dropout": ("none", "dropout"),
     "wrapper": ("none", "namespace"),
+    "stop": ("none", "interrupt"),
     "sized": ("none", "onecycle"),  # a OneCycleLR sized from len(loader) before the cell
 }
 TRAINERS = ("nb_trainer", "mod_trainer")
@@ -109,6 +110,8 @@ def normalize(case: Case) -> Case:
         chosen["alias"] = "none"
     if chosen["groups"] == "add_group" and chosen["opt_where"] == "before" and chosen["freeze"] != "none":
         chosen["freeze"] = "none"
+    if trainer or chosen["fail"] != "none":  # a trainer's loop is its own; a cell stops or raises, not both
+        chosen["stop"] = "none"
     return replace(case, choices=tuple((rule, chosen[rule]) for rule in RULES))
 
 
@@ -121,6 +124,28 @@ Y = X @ torch.randn(8, 1) + 0.1 * torch.randn(32, 1)
 data = TensorDataset(X, Y)
 loss_fn = nn.MSELoss()
 LR = 0.05"""
+
+# A stop from outside at the loop's line that calls it (rule ``stop``): under %%distributed rank 0 interrupts
+# the kernel, which asks every rank to stop at an optimizer step (the step every rank has taken: each waits
+# here until the launcher chose that step, so none runs ahead), and the ranks end at the next step's start; in the
+# kernel itself, the reference, KeyboardInterrupt at that same point, the next optimizer step's start.
+STOP = """import os, signal, time
+
+def stop_point(_kernel=os.getpid()):
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from nbtrain import stopboard
+    from nbtrain.rank import api, stopping
+    if api.current_context() is None:
+        def interrupt(*_):
+            hook.remove()
+            raise KeyboardInterrupt
+        hook = register_optimizer_step_pre_hook(interrupt)
+        return
+    if api.rank() == 0:
+        os.kill(_kernel, signal.SIGINT)
+    deadline = time.monotonic() + 30
+    while stopping._counter.board.stop_step() in (stopboard.NO_STOP, stopboard.PENDING) and time.monotonic() < deadline:
+        time.sleep(0.005)"""
 
 # The trainer class, as a module beside the notebook (train_utils.py) or pasted in a notebook cell.
 TRAINER = '''import torch
@@ -286,6 +311,8 @@ def _step(case: Case) -> list[str]:
         lines.append("ticks += 1")
     if case.get("fail") == "raises":
         lines.append('if epoch == 0 and i == 2:\n    raise RuntimeError("the cell fails part-way")')
+    if case.get("stop") == "interrupt":
+        lines.append("if epoch == 0 and i == 2:\n    stop_point()")
     return lines
 
 
@@ -338,7 +365,7 @@ def render(case: Case, magic: str, shuffle: bool | None = None) -> Cells:
     """The cells of ``case``; ``magic`` is the training cell's first line ("" for none)."""
     shuffle = case.get("shuffle") == "yes" if shuffle is None else shuffle
     trainer = case.get("holder") in TRAINERS
-    setup = [DATA]
+    setup = [DATA] + ([STOP] if case.get("stop") != "none" else [])
     if case.get("holder") == "mod_trainer":
         setup.append("from train_utils import Trainer")
     elif case.get("holder") == "nb_trainer":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -170,7 +171,23 @@ def _describe(kernel: Any) -> dict[str, Any]:
 
 
 def _error(out: Any) -> str | None:
-    return f"{out.error['ename']}: {out.error['evalue'][:80]}" if out.error else None
+    """The cell's error as ``Type: message``; a rank's, which nbtrain raises as a RankError, as the rank raised it."""
+    if not out.error:
+        return None
+    name, message = out.error["ename"], out.error["evalue"]
+    raised = RANK_RAISED.match(message) if name == "RankError" else None
+    if raised is not None:
+        name, message = raised.group(1), raised.group(2)
+    if name in INTERRUPTED:  # the stop rule: RunInterrupted under %%distributed, KeyboardInterrupt in the kernel
+        return "interrupted"
+    return f"{name}: {message[:80]}"
+
+
+INTERRUPTED = frozenset({"KeyboardInterrupt", "RunInterrupted"})
+
+
+# "rank 0 raised RuntimeError: the cell fails part-way" (nbtrain.errors.RankError's first line)
+RANK_RAISED = re.compile(r"rank \d+ raised ([\w.]+): (.*)")
 
 
 def check(

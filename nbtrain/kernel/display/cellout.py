@@ -93,12 +93,15 @@ class CellView:
 
 
 def summary(record: Any) -> str:
-    """The line a finished (or stopped-at-a-step) cell ends with: ranks, time, what was prepared and updated.
+    """The line a finished (or stopped-at-a-step, or failed) cell ends with: ranks, time, what was prepared and updated.
 
-    ``record`` is the cell's :class:`nbtrain.kernel.cellrun.CellRun`.
+    ``record`` is the cell's :class:`nbtrain.kernel.cellrun.CellRun`; a failed one's state at the raise came back
+    from ``record.failed_rank``.
     """
     ranks = f"{record.world_size} rank{'s' if record.world_size != 1 else ''}"
     ended = "finished" if record.stopped_at is None else f"{record.state} at step {record.stopped_at}"
+    if getattr(record, "failed_rank", None) is not None:
+        ended = f"failed (the state rank {record.failed_rank} held at its error came back)"
     text = f"nbtrain: {ranks} ({record.accelerator}, {record.strategy}) {ended} in {record.seconds:.1f} s."
     loaders = dict(record.loaders)
     left = [(name, how) for name, how in record.prepared if how.startswith("not prepared")]
