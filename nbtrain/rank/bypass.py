@@ -28,6 +28,8 @@ def average_when_bypassed(ddp: Any) -> None:
     """Average ``ddp``'s gradients wherever a step bypassed its forward (called as it is wrapped)."""
     object.__setattr__(ddp, "_nbtrain_forwards", 0)
     object.__setattr__(ddp, "_nbtrain_forwards_at_step", {})  # id(optimizer) -> forwards at its last step
+    object.__setattr__(ddp, "_nbtrain_forwards_at_any_step", 0)  # forwards at the last step of any optimizer
+    object.__setattr__(ddp, "_nbtrain_early", False)  # averaged since that step, as clipping or unscaling read them
     preparations.cell_registry().ddp_models.append(ddp)
     stephooks.for_prepared_models()  # average_bypassed before each step
 
@@ -39,19 +41,58 @@ def average_bypassed(optimizer: Any, _args: Any, _kwargs: Any) -> None:
     if _state["depth"] > 1 or not registry.ddp_models:  # a step inside another's (ZeroRedundancyOptimizer)
         return
     for ddp in _models_of(optimizer, registry):
-        forwards, at_step = ddp.__dict__["_nbtrain_forwards"], ddp.__dict__["_nbtrain_forwards_at_step"]
+        state = ddp.__dict__
+        forwards, early = state["_nbtrain_forwards"], state["_nbtrain_early"]
+        at_step = state["_nbtrain_forwards_at_step"]
+        state["_nbtrain_forwards_at_any_step"], state["_nbtrain_early"] = forwards, False
         if forwards != at_step.get(id(optimizer), 0):  # per optimizer: two may step one model's parts
             at_step[id(optimizer)] = forwards
             continue
+        if not early:  # clipping or unscaling averaged them already: this step adds nothing
+            _average(ddp)
+        _say_bypassed(ddp, registry)
+
+
+def average_before_read(params: list[Any] | None = None, optimizer: Any = None) -> None:
+    """Average a bypassed model's gradients before the cell reads them, as DDP's would be by then.
+
+    Called as ``clip_grad_norm_``/``clip_grad_value_`` reads ``params``' gradients and as a
+    GradScaler unscales ``optimizer``'s (:mod:`~nbtrain.rank.cellmodels`' patches): a loop that
+    calls the model through what else holds it (``held["net"](x)``, ``ns.model(x)``) bypasses
+    DDP, and one process clips the gradients of the whole batch, not a rank's share. A model
+    is averaged here when no forward of its wrapper ran since its last step (the step then
+    adds nothing); one DDP's forward averaged costs one check.
+    """
+    registry = preparations.cell_registry()
+    pending = [d for d in registry.ddp_models if _pending(d.__dict__)]
+    if not pending:
+        return
+    if optimizer is not None:
+        chosen = [d for d in _models_of(optimizer, registry) if any(d is p for p in pending)]
+    else:
+        ids = {id(p) for p in params or ()}
+        chosen = [d for d in pending if any(id(p) in ids for p in d.module.parameters())]
+    for ddp in chosen:
         _average(ddp)
-        if id(ddp) not in registry.bypassed:
-            registry.bypassed.add(id(ddp))
-            registry.notes.append(
-                f"the {type(ddp.module).__name__} model's forward was not called in a training step (its parts "
-                "or methods were called instead, e.g. model['head'](x) or model.encode(x)), so DDP did not "
-                "average its gradients: nbtrain averaged them before each optimizer step, one all-reduce after "
-                "the backward (calling the model itself lets DDP overlap it with the backward)."
-            )
+        ddp.__dict__["_nbtrain_early"] = True
+        _say_bypassed(ddp, registry)
+
+
+def _pending(state: dict[str, Any]) -> bool:
+    """Whether a wrapper's gradients since its last step bypassed its forward and are not averaged yet."""
+    return not state["_nbtrain_early"] and state["_nbtrain_forwards"] == state["_nbtrain_forwards_at_any_step"]
+
+
+def _say_bypassed(ddp: Any, registry: Any) -> None:
+    if id(ddp) not in registry.bypassed:
+        registry.bypassed.add(id(ddp))
+        registry.notes.append(
+            f"the {type(ddp.module).__name__} model's forward was not called in a training step (its parts "
+            "or methods were called instead, e.g. model['head'](x) or model.encode(x)), so DDP did not "
+            "average its gradients: nbtrain averaged them before each optimizer step (or before clipping or "
+            "unscaling read them), one all-reduce after the backward (calling the model itself lets DDP "
+            "overlap it with the backward)."
+        )
 
 
 def leave_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
