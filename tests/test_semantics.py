@@ -24,8 +24,12 @@ WAYS = ("1", "2", "2-no-auto")
 # Divergence classes of today's code (issue 45), found by benchmarks/semantics.py; empty it as they are fixed.
 # Fixed, so no longer here: module-trainer (a trainer of a module's class came back as a copy, the
 # kernel's model untrained), notebook-trainer-dataset (a notebook trainer's dataset came back as a copy),
-# grads-left (the gradients a loop left did not come back) and requires-grad (a freeze in the cell did not;
-# under 2 ranks auto mode see freeze-after-wrap below).
+# grads-left (the gradients a loop left did not come back), requires-grad (a freeze in the cell did not),
+# freeze-after-wrap (under 2 ranks auto mode a cell that froze a parameter after the wrap failed with DDP's
+# "Expected to have finished reduction": the wrapper now follows the trainable set), rng-shift (preparing
+# the kernel's loader drew its sampler's seed first, shifting the cell's own draws: a rank's loader now
+# draws only as one process's sampler would, at each pass's start) and clip-before-average (clipping a
+# model called past its DDP read each rank's own gradients: they are averaged before clipping reads them).
 KNOWN = [
     # failed-cell: a cell that raises part-way leaves the kernel as before the cell (no partial update;
     # names it set are missing, and a later cell that uses them fails).
@@ -33,24 +37,6 @@ KNOWN = [
         shrink.Class(way, kind, ("fail=raises",), "failed-cell")
         for way in WAYS
         for kind in ("lost-update", "error", "structure")
-    ),
-    # freeze-after-wrap: under 2 ranks auto mode a cell that freezes a parameter (requires_grad_(False))
-    # fails with DDP's "Expected to have finished reduction": the model was wrapped before the cell froze
-    # it, and DDP waits for that parameter's gradient. What comes back after a run is fixed (requires-grad).
-    *(shrink.Class("2", kind, ("freeze=bias",), "freeze-after-wrap") for kind in ("structure", "lost-update")),
-    # rng-shift: under 2 ranks the cell's own draws (torch.rand) differ from one process's: preparing
-    # the kernel's loader draws its sampler's seed from the generator first.
-    shrink.Class("2", "value", ("rng=draws",), "rng-shift"),
-    # clip-before-average: a loop that calls the model through what else holds it (held["net"](x),
-    # ns.model(x)) bypasses DDP; nbtrain averages the gradients at the optimizer's step, after the
-    # cell's clip_grad_norm_ has clipped each rank's own gradients.
-    *(
-        shrink.Class("2", "value", rules, "clip-before-average")
-        for rules in (
-            ("holder=dict", "clip=clip", "via=holder"),
-            ("holder=list", "clip=clip", "via=holder"),
-            ("clip=clip", "via=holder", "wrapper=namespace"),
-        )
     ),
 ]
 

@@ -10,6 +10,11 @@ all-reduce saying which parameters have a gradient on any rank (and which a spar
 then one of the dense gradients (flat, per device and dtype) and one per sparse gradient
 (an ``Embedding(sparse=True)``'s, as DDP reduces them); a model with no sparse gradient needs
 only the dense all-reduce, which carries which gradients exist too. The summary says so, once.
+Gradients are averaged before anything of the cell's reads them: where clipping
+(``clip_grad_norm_``, ``clip_grad_value_``) or a GradScaler's ``unscale_`` comes before the
+step (:func:`average_before_read`), there, and the step adds nothing; one process clips the
+whole batch's gradients, not a rank's share. (Code reading ``.grad`` itself is not watched:
+every read of every gradient, torch's own included, would pay for it.)
 
 A forward with gradients enabled counts (under ``no_sync`` too: DDP's own rule then holds).
 Importing this module does not import torch.

@@ -7,6 +7,9 @@ the rank's own generator, without it the same draw on every rank, each reading i
 each pass decides when iteration starts what it is (with gradients: this rank's share;
 without: the whole dataset, unless prepared with ``evaluation="shard"``). The kernel asks
 :func:`batches_per_rank` how long each rank's loader will be. See :func:`nbtrain.prepare`.
+A rank's loader draws from the global generator what the user's sampler would, when it
+would (a ``RandomSampler``'s seed as each pass starts), and nothing more: the cell's own
+draws (``torch.rand``, after or between passes) are one process's.
 
 Example (outside a run a loader comes back as it is, remembering the evaluation choice):
     >>> import torch

@@ -2,8 +2,9 @@
 
 DDP (``ddp_*``) and DataParallel (``dp``) wrappers that read through to the model's own
 attributes and methods, FSDP2's ``fully_shard`` in place (``fsdp``, ``fsdp_offload``), the
-check that DDP's first backward reached every trainable parameter, and the launch's
-``--precision`` and ``--sync-batchnorm`` applied before wrapping. See :func:`nbtrain.prepare`.
+check that DDP's first backward reached every trainable parameter, DDP following the
+parameters that require grad when a cell freezes or unfreezes some after the wrap, and the
+launch's ``--precision`` and ``--sync-batchnorm`` applied before wrapping. See :func:`nbtrain.prepare`.
 
 Example (outside a run a module is only moved to ``nbtrain.device()``):
     >>> import torch
