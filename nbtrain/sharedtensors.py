@@ -74,7 +74,7 @@ class _StoragePickler(codepickle.Pickler):
             return importlib.import_module, (obj.__name__,)
         if self._grads and type(obj) in _WITH_GRADS and obj.grad is not None:
             rebuild, args = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # torch's own: (its rebuild, its arguments)
-            return with_grad, (rebuild, args, obj.grad)
+            return rebuilt_with_grad, (rebuild, args, obj.grad)
         return super().reducer_override(obj)
 
     def persistent_id(self, obj: Any) -> Any:
@@ -99,7 +99,7 @@ class _StoragePickler(codepickle.Pickler):
 _WITH_GRADS = (torch.nn.Parameter, torch.Tensor)  # exactly these types: a subclass (DTensor) pickles its own way
 
 
-def with_grad(rebuild: Any, args: tuple[Any, ...], grad: Any) -> Any:
+def rebuilt_with_grad(rebuild: Any, args: tuple[Any, ...], grad: Any) -> Any:
     """A tensor torch's ``rebuild(*args)`` makes, its ``.grad`` set to ``grad`` (unpickling)."""
     tensor = rebuild(*args)
     tensor.grad = grad
