@@ -173,3 +173,41 @@ def test_the_trainable_check_reads_each_parameter_once_per_forward():
     parameters = [Counted(True), Counted(False), Counted(True)]
     assert wrapping._trainable_flags(parameters) == [True, False, True]
     assert len(reads) == 3
+
+
+BACKBONE = """
+torch.manual_seed(2)
+backbone, head = nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 1)
+backbone.requires_grad_(False)  # frozen in the kernel: auto mode wraps no such model
+reference_backbone, reference_head = copy.deepcopy(backbone), copy.deepcopy(head)
+first_backbone = backbone[0].weight.detach().clone()
+pair_opt = torch.optim.SGD([*backbone.parameters(), *head.parameters()], lr=0.05)
+reference_pair_opt = torch.optim.SGD([*reference_backbone.parameters(), *reference_head.parameters()], lr=0.05)
+"""
+
+UNFREEZE = """{magic}
+torch.set_num_threads(1)
+for epoch in range(2):
+    if epoch == 1:
+        {backbone}.requires_grad_(True)  # unfrozen part-way, as a fine-tuning schedule does
+    for x, y in {loader}:
+        loss_fn({head}({backbone}(x)), y).backward()
+        nn.utils.clip_grad_norm_([*{backbone}.parameters(), *{head}.parameters()], 0.5)
+        {opt}.step()
+        {opt}.zero_grad()
+"""
+
+
+def test_a_backbone_frozen_before_the_cell_and_unfrozen_in_it_trains_as_one_process_trains_it(kernel):
+    """A backbone frozen in the kernel is left unwrapped (DDP wraps nothing without a trainable
+    parameter); unfrozen part-way through the cell, its gradients are averaged before they are
+    clipped and stepped, so its weights come back as one process's on the union batch."""
+    kernel.run_ok(FINE_TUNING + BACKBONE)
+    magic = "%%distributed --devices 2 --accelerator cpu"
+    names = {"backbone": "backbone", "head": "head", "opt": "pair_opt", "loader": "loader"}
+    out = kernel.run_ok(UNFREEZE.format(magic=magic, **names))
+    kernel.run_ok(UNFREEZE.format(magic="", **{k: f"reference_{v}" for k, v in names.items()}))
+    both = "[*{0}backbone.parameters(), *{0}head.parameters()]"
+    pairs = f"zip({both.format('')}, {both.format('reference_')})"
+    assert kernel.value(f"[torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in {pairs}]") == [True] * 4, out.text
+    assert kernel.value("not torch.equal(backbone[0].weight, first_backbone)"), out.text  # it trained

@@ -14,7 +14,9 @@ Gradients are averaged before anything of the cell's reads them: where clipping
 (``clip_grad_norm_``, ``clip_grad_value_``) or a GradScaler's ``unscale_`` comes before the
 step (:func:`average_before_read`), there, and the step adds nothing; one process clips the
 whole batch's gradients, not a rank's share. (Code reading ``.grad`` itself is not watched:
-every read of every gradient, torch's own included, would pay for it.)
+every read of every gradient, torch's own included, would pay for it.) A model auto mode left
+unwrapped because nothing in it was trainable (a frozen backbone) is averaged the same way
+once the cell unfreezes it (:func:`average_when_unfrozen`).
 
 A forward with gradients enabled counts (under ``no_sync`` too: DDP's own rule then holds).
 Importing this module does not import torch.
@@ -22,6 +24,8 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any
 
 from nbtrain.rank import api, preparations, stephooks
@@ -43,7 +47,11 @@ def average_bypassed(optimizer: Any, _args: Any, _kwargs: Any) -> None:
     """The step hook's (:mod:`~nbtrain.rank.stephooks`): average a wrapped model's gradients its forward did not."""
     _state["depth"] += 1
     registry = preparations.cell_registry()
-    if _state["depth"] > 1 or not registry.ddp_models:  # a step inside another's (ZeroRedundancyOptimizer)
+    if _state["depth"] > 1:  # a step inside another's (ZeroRedundancyOptimizer)
+        return
+    if registry.frozen_models:
+        _average_unfrozen(_frozen_of(optimizer, registry), early_ones=_early_frozen)
+    if not registry.ddp_models:
         return
     for ddp in _models_of(optimizer, registry):
         state = ddp.__dict__
@@ -69,6 +77,8 @@ def average_before_read(params: list[Any] | None = None, optimizer: Any = None) 
     adds nothing); one DDP's forward averaged costs one check.
     """
     registry = preparations.cell_registry()
+    if registry.frozen_models:
+        _average_unfrozen(_frozen_of(optimizer, registry, params), early_ones=None)
     pending = [d for d in registry.ddp_models if _pending(d.__dict__)]
     if not pending:
         return
@@ -81,6 +91,58 @@ def average_before_read(params: list[Any] | None = None, optimizer: Any = None) 
         _average(ddp)
         ddp.__dict__["_nbtrain_early"] = True
         _say_bypassed(ddp, registry)
+
+
+def average_when_unfrozen(module: Any) -> None:
+    """Average ``module``'s gradients at each step once the cell unfreezes it (called as it is left
+    unwrapped: nothing in it required grad then, and DDP wraps no such model).
+
+    A fine-tuning cell that unfreezes a backbone part-way trains it as one process does: its
+    parameters that require grad then get their gradients averaged before each step of an
+    optimizer holding them (and before clipping or unscaling reads them), one all-reduce;
+    while all of it is frozen, a step costs one read of each parameter's ``requires_grad``.
+    """
+    preparations.cell_registry().frozen_models.append(module)
+    stephooks.for_prepared_models()
+
+
+_early_frozen: set[int] = set()  # ids of parameters averaged since their step, as clipping or unscaling read them
+
+
+def _frozen_of(optimizer: Any, registry: Any, params: list[Any] | None = None) -> list[list[Any]]:
+    """The parameters of each module left unwrapped as frozen that ``optimizer`` holds any of (worked out
+    once), or, with no optimizer, that ``params`` (what clipping reads) hold any of."""
+    if optimizer is None:
+        ids = {id(p) for p in params or ()}
+        modules = [list(m.parameters()) for m in registry.frozen_models]
+        return [ps for ps in modules if any(id(p) in ids for p in ps)]
+    cached = registry.step_frozen.get(id(optimizer))
+    if cached is None or cached[0] is not optimizer:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        modules = [list(m.parameters()) for m in registry.frozen_models]
+        chosen = [ps for ps in modules if any(id(p) in held for p in ps)]
+        cached = registry.step_frozen[id(optimizer)] = (optimizer, chosen)
+    found: list[list[Any]] = cached[1]
+    return found
+
+
+def _average_unfrozen(modules: list[list[Any]], early_ones: set[int] | None) -> None:
+    """Average the gradients of the parameters of ``modules`` that require grad now (none: nothing, no
+    collective). At a step (``early_ones``: those averaged since, as clipping read them), those
+    averaged early are not averaged again; before a read, they are marked so."""
+    for params in modules:
+        trainable = list(itertools.compress(params, map(_requires_grad, params)))
+        if not trainable:
+            continue
+        if early_ones is None:
+            _early_frozen.update(id(p) for p in trainable)
+        elif id(trainable[0]) in early_ones:
+            early_ones.difference_update(id(p) for p in trainable)
+            continue
+        average_gradients(trainable)
+
+
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def _pending(state: dict[str, Any]) -> bool:

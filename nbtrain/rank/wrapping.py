@@ -61,6 +61,8 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
         prepared = _wrap_dp(module, wrapper_options)
     else:
         prepared = module
+        if wrapper in preparations.DDP_WRAPPERS and _all_frozen(module):  # the cell may unfreeze it part-way
+            bypass.average_when_unfrozen(module)
     preparations.cell_registry().remember(module, prepared)
     return prepared
 
@@ -116,6 +118,13 @@ def trains(module: Any) -> bool:
     if swa_utils is not None and isinstance(module, swa_utils.AveragedModel):
         return False
     return any(p.requires_grad for p in module.parameters())
+
+
+def _all_frozen(module: Any) -> bool:
+    """A model with parameters, none trainable now (a frozen backbone), that is no averaged copy."""
+    swa_utils = sys.modules.get("torch.optim.swa_utils")
+    averaged = swa_utils is not None and isinstance(module, swa_utils.AveragedModel)
+    return not averaged and any(True for _ in module.parameters()) and not trains(module)
 
 
 _one_rank_classes: dict[tuple[type, bool], type] = {}
@@ -408,21 +417,22 @@ def _follow_trainable(ddp: Any) -> None:
     is: no collective, nothing for the optimizer to rebind (the parameters are the same).
     A model with nothing left to train runs unwrapped until something is unfrozen.
     """
-    flags = list(_trainable_flags(ddp._module_parameters))
+    flags = _trainable_flags(ddp._module_parameters)
     object.__setattr__(ddp, "_nbtrain_trainable", flags)
     object.__setattr__(ddp, "_nbtrain_all_frozen", not any(flags))
     if not any(flags):
         return
-    for handle in ddp._accum_grad_hooks:  # the compiled-autograd reducer's hooks, registered per trainable parameter
+    hooks = getattr(ddp, "_accum_grad_hooks", [])  # the compiled-autograd reducer's, one per trainable parameter
+    for handle in hooks:
         handle.remove()
-    ddp._accum_grad_hooks.clear()
+    hooks.clear()
     parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
     names = ddp._build_debug_param_to_name_mapping(parameters)
     ddp._ddp_init_helper(parameters, expect_sparse_gradient, names, ddp.static_graph)
     if ddp.static_graph:
         ddp.reducer._set_static_graph()
         ddp.logger._set_static_graph()
-    if ddp._use_python_reducer:
+    if getattr(ddp, "_use_python_reducer", False):
         ddp._register_accum_grad_hook()
     object.__setattr__(ddp, "_nbtrain_check_unused", not ddp.find_unused_parameters)  # check the new set's backward
 
