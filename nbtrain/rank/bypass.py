@@ -79,9 +79,13 @@ def average_before_read(params: list[Any] | None = None, optimizer: Any = None) 
     registry = preparations.cell_registry()
     if registry.frozen_models:
         _average_unfrozen(_frozen_of(optimizer, registry, params), early_ones=None)
-    pending = [d for d in registry.ddp_models if _pending(d.__dict__)]
-    if not pending:
+    for ddp in registry.ddp_models:  # a loop, no call per wrapper: it runs at every clip
+        state = ddp.__dict__
+        if not state["_nbtrain_early"] and state["_nbtrain_forwards"] == state["_nbtrain_forwards_at_any_step"]:
+            break
+    else:
         return
+    pending = [d for d in registry.ddp_models if _pending(d.__dict__)]
     if optimizer is not None:
         chosen = [d for d in _models_of(optimizer, registry) if any(d is p for p in pending)]
     else:
