@@ -399,15 +399,18 @@ def _draw_as_users_sampler(loader: Any) -> None:
     ``SubsetRandomSampler`` its permutation, a ``WeightedRandomSampler`` its draws); the rank's
     DistributedSampler shuffles on its own generator. So that the cell's own draws after the
     loop (``torch.rand``, dropout) are one process's, the user's sampler starts a pass here: its
-    first index makes every draw of the pass from the global generator (one permutation's
-    work, the work one process does). A sampler with a generator of its own, or one that
-    draws nothing (``SequentialSampler``), is left alone.
+    first index makes every draw of the pass from the global generator (the work one process
+    does), except a ``RandomSampler``'s, whose one draw (its seed) is made as torch makes it,
+    sparing its permutation. A sampler with a generator of its own, or one that draws nothing
+    (``SequentialSampler``), is left alone.
     """
+    import torch
     from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
     sampler = _batching(loader)[0]
-    drawing = type(sampler) in (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
-    if drawing and sampler.generator is None:
+    if type(sampler) is RandomSampler and sampler.generator is None:
+        torch.empty((), dtype=torch.int64).random_()  # RandomSampler.__iter__'s own draw of its seed
+    elif type(sampler) in (SubsetRandomSampler, WeightedRandomSampler) and sampler.generator is None:
         next(iter(sampler), None)
 
 
