@@ -224,7 +224,7 @@ _RANK, _CELL, _LAUNCHER = Lifetime.RANK, Lifetime.CELL, Lifetime.LAUNCHER
 _C10D = "torch.distributed.distributed_c10d"  # where torch defines init_process_group; torch.distributed re-exports it
 _TORCHRUN = "code written for torchrun runs unchanged: its own init_process_group joins nothing new"
 _TORCHRUN_END = "its destroy_process_group leaves the group (a gloo group destroyed under DDP can hang)"
-_AVERAGED_CLIP = "clipping reads a cell-made model's averaged gradients, as under DDP"
+_AVERAGED_CLIP = "clipping reads averaged gradients (a cell-made model's, a model called past its DDP), as under DDP"
 _WHOLE = "ranks saving one path at once: a reader never sees a torn file"
 _SHOWN = "IPython's {} on a rank goes to the cell (the kernel's own outside a run)"
 _TEXT_BAR = "tqdm.notebook's widget bar on a rank (no frontend there) prints as text"
@@ -316,7 +316,8 @@ TABLE: tuple[Patch, ...] = (
         "unscale_",
         "nbtrain.rank.cellmodels:averaging_unscale",
         _CELL,
-        "a scaler looks for infinities in a cell-made model's averaged gradients: every rank skips alike",
+        "a scaler looks for infinities in averaged gradients (a cell-made model's, a model called past its DDP): "
+        "every rank skips alike",
     ),
     *(
         Patch("made in the cell", module, name, "nbtrain.rank.cellmodels:averaging_clip", _CELL, _AVERAGED_CLIP)

@@ -53,19 +53,28 @@ _MAX_THREADS = 8
 
 
 class _StoragePickler(codepickle.Pickler):
-    """cloudpickle, except that tensor storages become references into one storage layout."""
+    """cloudpickle, except that tensor storages become references into one storage layout.
 
-    def __init__(self, file: io.BytesIO):
+    ``grads``: a parameter (or leaf tensor) carries its ``.grad`` across, which torch's own
+    pickling drops: gradients a notebook accumulated before a cell (a backward in one cell,
+    the step in the next) are in the ranks, as they are in the kernel for one process.
+    """
+
+    def __init__(self, file: io.BytesIO, *, grads: bool = False):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.storages: list[tuple[torch.UntypedStorage, int]] = []
         self.total_bytes = 0
         self._seen: dict[tuple[str, int, int], int] = {}
+        self._grads = grads
 
     def reducer_override(self, obj: Any) -> Any:
         # cloudpickle pickles modules by reference only when their type is exactly
         # ModuleType; module subclasses such as ``torch.classes`` would fail by value.
         if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType:
             return importlib.import_module, (obj.__name__,)
+        if self._grads and type(obj) in _WITH_GRADS and obj.grad is not None:
+            rebuild, args = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # torch's own: (its rebuild, its arguments)
+            return rebuilt_with_grad, (rebuild, args, obj.grad)
         return super().reducer_override(obj)
 
     def persistent_id(self, obj: Any) -> Any:
@@ -85,6 +94,16 @@ class _StoragePickler(codepickle.Pickler):
         index = self._seen[key]
         _, offset = self.storages[index]
         return (_TAG, index, offset, untyped.nbytes(), dtype, untyped.device.type)
+
+
+_WITH_GRADS = (torch.nn.Parameter, torch.Tensor)  # exactly these types: a subclass (DTensor) pickles its own way
+
+
+def rebuilt_with_grad(rebuild: Any, args: tuple[Any, ...], grad: Any) -> Any:
+    """A tensor torch's ``rebuild(*args)`` makes, its ``.grad`` set to ``grad`` (unpickling)."""
+    tensor = rebuild(*args)
+    tensor.grad = grad
+    return tensor
 
 
 class _StorageUnpickler(pickle.Unpickler):
@@ -120,13 +139,14 @@ class _StorageUnpickler(pickle.Unpickler):
 
 
 def dumps_to_shared_memory(obj: Any) -> tuple[bytes, int | None]:
-    """Pickle ``obj`` with cloudpickle; tensor storages go to a new shared-memory file.
+    """Pickle ``obj`` with cloudpickle; tensor storages go to a new shared-memory file, and a
+    parameter's ``.grad`` goes with it (the kernel's gradients go into the ranks).
 
     Returns the pickle and the file's descriptor (None when ``obj`` holds no tensor).
     The caller owns the descriptor and must close it once it has been sent.
     """
     buffer = io.BytesIO()
-    pickler = _StoragePickler(buffer)
+    pickler = _StoragePickler(buffer, grads=True)
     pickler.dump(obj)
     fd = _write_storages(pickler.storages, pickler.total_bytes) if pickler.storages else None
     return buffer.getvalue(), fd

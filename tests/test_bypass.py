@@ -113,3 +113,40 @@ def test_a_sparse_embeddings_gradients_are_averaged_too(kernel):
     same = "all(torch.allclose(a, b, atol=1e-6) for a, b in zip(pair[0].parameters(), pair[1].parameters()))"
     assert kernel.value(same), out.text
     assert "the Recommender model's forward was not called" in out.stderr, out.stderr
+
+
+
+def test_clipping_reads_the_averaged_gradients_of_a_model_called_past_ddp(kernel):
+    """A loop that calls the model's parts (or, where auto mode cannot put the wrapper in its
+    place, the model through what else holds it) bypasses DDP; one process clips the gradients
+    of the whole batch, so the ranks' are averaged before ``clip_grad_norm_`` (and
+    ``clip_grad_value_``, imported by name in the kernel) reads them, and before a GradScaler
+    unscales them: the weights are those DDP gives the same model called as itself, clipped alike."""
+    kernel.run_ok(
+        TWO_TOWERS + "from torch.nn.utils import clip_grad_value_\n"
+        "towers = [TwoTowers() for _ in range(4)]\n"
+        "for tower in towers:\n"
+        "    tower.load_state_dict(called.state_dict())\n"
+        "norm_called, norm_parts, value_called, value_parts = towers\n"
+        "tower_opts = [torch.optim.SGD(tower.parameters(), lr=0.05) for tower in towers]\n"
+        'scaler = torch.amp.GradScaler("cpu", enabled=False)\n'
+    )
+    out = kernel.run_ok(
+        "%%distributed --devices 2\n"
+        "for x, y in loader:\n"
+        "    loss_fn(norm_called(x), y).backward()\n"
+        "    loss_fn(norm_parts.head(norm_parts.encode(x)), y).backward()\n"
+        "    scaler.unscale_(tower_opts[1])\n"
+        "    nn.utils.clip_grad_norm_(norm_called.parameters(), 0.05)\n"
+        "    nn.utils.clip_grad_norm_(norm_parts.parameters(), 0.05)\n"
+        "    loss_fn(value_called(x), y).backward()\n"
+        "    loss_fn(value_parts.head(value_parts.encode(x)), y).backward()\n"
+        "    clip_grad_value_(value_called.parameters(), 0.01)\n"
+        "    clip_grad_value_(value_parts.parameters(), 0.01)\n"
+        "    for opt in tower_opts:\n"
+        "        opt.step(); opt.zero_grad()\n"
+    )
+    for a, b in (("norm_called", "norm_parts"), ("value_called", "value_parts")):
+        same = f"[torch.allclose(p, q, atol=1e-6) for p, q in zip({a}.parameters(), {b}.parameters())]"
+        assert kernel.value(same) == [True] * 4, out.text
+    assert kernel.value("not torch.allclose(norm_called.head.weight, value_called.head.weight)")  # clips differ

@@ -184,14 +184,13 @@ def test_sharded_evaluation_with_all_reduce_prints_the_same_number_and_trains_th
 def test_training_passes_are_what_a_torchrun_script_does(kernel):
     """The same training written torchrun-style (its own DistributedSampler + set_epoch, DDP).
 
-    Auto mode gives ``test_loader`` (no generator of its own) a sampler seed drawn from the
-    ranks' shared RNG when it prepares it, as it always did; the script makes the same draw
-    so that both runs see the same dropout masks.
+    Auto mode draws nothing from the ranks' shared RNG as it prepares ``test_loader`` (an
+    unshuffled loader's sampler draws nothing in one process either), so the script, which
+    draws nothing either, sees the same dropout masks.
     """
     kernel.run_ok("reset()")
     out = kernel.run_ok(
         "%%distributed --devices 2 --accelerator cpu\n"
-        "torch.empty((), dtype=torch.int64).random_()\n"
         "from torch.nn.parallel import DistributedDataParallel\n"
         "from torch.utils.data import DistributedSampler\n"
         "sampler = DistributedSampler(train_set, shuffle=True, seed=7)\n"

@@ -231,3 +231,45 @@ def test_a_weighted_sampler_drawing_without_replacement_is_shared_out_as_parts_o
         assert len(mine) == len(theirs) == 10 == 5 * loaders.batches_per_rank(loader, 2, "ddp")
         assert len(set(mine + theirs)) == 20  # 20 distinct samples between them: no sample drawn twice
     assert sorted(first[0] + second[0]) != sorted(first[1] + second[1])  # another draw the next epoch
+
+
+# A shuffling loader's cell, and its draws before and after the loop: run under %%distributed and in the kernel.
+DRAWS = """{magic}
+torch.set_num_threads(1)
+torch.manual_seed(3)
+first = torch.rand(2)
+for epoch in range(2):
+    for x, y in {loader}:
+        loss_fn({model}(x), y).backward()
+        {opt}.step()
+        {opt}.zero_grad()
+last = torch.rand(2)
+"""
+
+
+def test_the_cells_own_draws_are_one_processs_around_a_shuffling_loader(kernel):
+    """One process's shuffling loader draws its seed from the global generator as each pass starts,
+    an unshuffled one draws none; the ranks' loaders shuffle on a seed of their own yet draw the
+    same from the global generator, at the same points: the cell's ``torch.rand`` after the loop is
+    one process's, bit for bit (a subset sampler's and a sequential one's too)."""
+    kernel.run_ok(
+        "import copy, torch, torch.nn as nn\n"
+        "from torch.utils.data import DataLoader, TensorDataset, SubsetRandomSampler\n"
+        "torch.manual_seed(0)\n"
+        "data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))\n"
+        "loss_fn = nn.MSELoss()\n"
+        "model = nn.Linear(4, 1)\n"
+        "reference = copy.deepcopy(model)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+        "reference_opt = torch.optim.SGD(reference.parameters(), lr=0.01)\n"
+        "loaders = {'shuffled': DataLoader(data, batch_size=4, shuffle=True),\n"
+        "           'subset': DataLoader(data, batch_size=4, sampler=SubsetRandomSampler(range(0, 32, 2))),\n"
+        "           'sequential': DataLoader(data, batch_size=4)}\n"
+    )
+    for name in ("shuffled", "subset", "sequential"):
+        kernel.run_ok(f"loader = loaders[{name!r}]")
+        magic = "%%distributed --devices 2 --accelerator cpu"
+        out = kernel.run_ok(DRAWS.format(magic=magic, loader="loader", model="model", opt="opt"))
+        kernel.run_ok("ranks = (first, last)")
+        kernel.run_ok(DRAWS.format(magic="", loader="loader", model="reference", opt="reference_opt"))
+        assert kernel.value("torch.equal(ranks[0], first) and torch.equal(ranks[1], last)"), (name, out.text)

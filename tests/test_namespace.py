@@ -554,6 +554,36 @@ def test_two_ranks_leave_the_averaged_gradients_on_the_kernels_parameters(parame
     assert kernel.value("model[2].weight.grad is None and model[0].weight.grad is not None")
 
 
+# Gradient accumulation across cells: a backward in the kernel, then a cell that adds one and steps.
+ACCUMULATE_BEFORE = "torch.set_num_threads(1)\n{0}, {1} = fresh()\n(({0}(X) - Y).pow(2).mean() / 2).backward()\n"
+ACCUMULATE_CELL = """
+torch.set_num_threads(1)
+from torch.utils.data import DataLoader, TensorDataset
+for x, y in DataLoader(TensorDataset(X, Y), batch_size={0}):
+    ((model(x) - y).pow(2).mean() / 2).backward()
+opt.step()
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("magic", ["--devices 1", "--devices 2"])
+def test_gradients_in_the_kernel_before_the_cell_go_into_the_ranks(parameter_kernel, magic):
+    """A backward in the kernel, then a cell that adds another and steps (gradient accumulation
+    over cells): one process steps with the sum, so the ranks start from the kernel's gradients
+    (on 2 ranks DDP averages the sum of the kernel's and each rank's, which is the kernel's plus
+    the union batch's). The weights and gradients are one process's."""
+    kernel = parameter_kernel
+    kernel.run_ok(ACCUMULATE_BEFORE.format("ref", "ref_opt") + ACCUMULATE_CELL.format(8).replace("model", "ref")
+                  .replace("opt.step", "ref_opt.step"))
+    kernel.run_ok(ACCUMULATE_BEFORE.format("model", "opt"))
+    batch = 4 if magic == "--devices 2" else 8  # per rank: the two ranks' batches are the reference's one
+    kernel.run_ok(f"%%distributed {magic} --accelerator cpu\n" + ACCUMULATE_CELL.format(batch))
+    close = "[torch.allclose(a, b, atol=1e-6) for a, b in zip({0}, {1})]"
+    assert kernel.value(close.format("model.parameters()", "ref.parameters()")) == [True] * 4
+    grads = "[p.grad for p in {0}.parameters()]"
+    assert kernel.value(close.format(grads.format("model"), grads.format("ref"))) == [True] * 4
+
+
 MADE_CELL = """
 torch.set_num_threads(1)
 made, _ = fresh()

@@ -24,49 +24,24 @@ WAYS = ("1", "2", "2-no-auto")
 # Divergence classes of today's code (issue 45), found by benchmarks/semantics.py; empty it as they are fixed.
 # Fixed, so no longer here: module-trainer (a trainer of a module's class came back as a copy, the
 # kernel's model untrained), notebook-trainer-dataset (a notebook trainer's dataset came back as a copy),
-# grads-left (the gradients a loop left did not come back) and requires-grad (a freeze in the cell did not;
-# under 2 ranks auto mode see freeze-after-wrap below), failed-cell (a cell that raised part-way left the
-# kernel as before the cell: now it holds the state of the rank that raised, at the raise).
+# grads-left (the gradients a loop left did not come back), requires-grad (a freeze in the cell did not),
+# freeze-after-wrap (under 2 ranks auto mode a cell that froze a parameter after the wrap failed with DDP's
+# "Expected to have finished reduction": the wrapper now follows the trainable set), rng-shift (preparing
+# the kernel's loader drew its sampler's seed first, shifting the cell's own draws: a rank's loader now
+# draws only as one process's sampler would, at each pass's start), clip-before-average (clipping a
+# model called past its DDP read each rank's own gradients: they are averaged before clipping reads them),
+# failed-cell (a cell that raised part-way left the kernel as before the cell: now it holds the state of
+# the rank that raised, at the raise) and grads-in (the kernel's gradients did not travel to the ranks).
 KNOWN = [
-    # freeze-after-wrap: under 2 ranks auto mode a cell that freezes a parameter (requires_grad_(False))
-    # fails with DDP's "Expected to have finished reduction": the model was wrapped before the cell froze
-    # it, and DDP waits for that parameter's gradient. What comes back after a run is fixed (requires-grad).
-    # Since a failed cell brings back the state at its raise, the failure also shows as an error, or as values
-    # the reference trained further.
-    *(
-        shrink.Class("2", kind, ("freeze=bias",), "freeze-after-wrap")
-        for kind in ("structure", "lost-update", "error", "value")
-    ),
-    # grads-in: gradients the kernel holds before a cell (left by a cell that raised between a backward and
-    # its optimizer step, with gradient accumulation, or by a stop, whose next step's backward ran) do not
-    # travel to the ranks: a second cell's first step misses them (a Parameter pickles without its .grad).
-    *(
-        shrink.Class(way, "value", rules, "grads-in")
-        for way in WAYS
-        for rules in (("accum=2", "fail=raises", "second=again"), ("second=again", "stop=interrupt"))
-    ),
     # grads-at-raise: under 2 ranks a model nbtrain averages at the optimizer step (made in the cell, or called
     # past its DDP wrapper) holds each rank's own gradients between a backward and its step; a cell raising
-    # there brings rank 0's own back, where one process holds the union batch's.
+    # there brings the raising rank's own back, where one process holds the union batch's (averaging them
+    # would take a collective the other ranks may never join). docs/semantics.md states it.
     *(
         shrink.Class("2", "value", rules, "grads-at-raise")
         for rules in (
             ("model_where=cell", "opt_where=cell", "accum=2", "fail=raises"),
             ("accum=2", "fail=raises", "via=holder"),
-        )
-    ),
-    # rng-shift: under 2 ranks the cell's own draws (torch.rand) differ from one process's: preparing
-    # the kernel's loader draws its sampler's seed from the generator first.
-    shrink.Class("2", "value", ("rng=draws",), "rng-shift"),
-    # clip-before-average: a loop that calls the model through what else holds it (held["net"](x),
-    # ns.model(x)) bypasses DDP; nbtrain averages the gradients at the optimizer's step, after the
-    # cell's clip_grad_norm_ has clipped each rank's own gradients.
-    *(
-        shrink.Class("2", "value", rules, "clip-before-average")
-        for rules in (
-            ("holder=dict", "clip=clip", "via=holder"),
-            ("holder=list", "clip=clip", "via=holder"),
-            ("clip=clip", "via=holder", "wrapper=namespace"),
         )
     ),
 ]

@@ -72,6 +72,26 @@ def test_parameters_keep_requires_grad(shm_unchanged, roundtrip):
     assert out["model"].weight.grad is not None
 
 
+def test_gradients_go_to_the_ranks_and_come_back_only_by_their_own_way(shm_unchanged):
+    """Kernel -> ranks: a parameter's (and a leaf tensor's) ``.grad`` travels with it, tied weights
+    still one parameter; rank 0 -> kernel sends gradients apart (nbtrain.rank.cell), so its pickle has none."""
+    model = torch.nn.Linear(3, 2)
+    model(torch.ones(4, 3)).sum().backward()
+    leaf = torch.zeros(2, requires_grad=True)
+    (leaf * 3).sum().backward()
+    data, fd = sharedtensors.dumps_to_shared_memory({"model": model, "leaf": leaf, "tied": [model.weight]})
+    try:
+        out = sharedtensors.loads(data, fd)
+    finally:
+        os.close(fd)
+    assert torch.equal(out["model"].weight.grad, model.weight.grad) and torch.equal(out["leaf"].grad, leaf.grad)
+    assert out["tied"][0] is out["model"].weight and isinstance(out["model"].weight, torch.nn.Parameter)
+    out["model"].weight.grad.add_(1.0)  # the rank's gradients are its own copy
+    assert torch.equal(model.weight.grad, torch.full((2, 3), 4.0))
+    back = procs.roundtrip({"model": model}, "read")
+    assert back["model"].weight.grad is None
+
+
 def test_each_load_is_a_private_copy_on_write_copy(shm_unchanged):
     """Two ranks load the same file: one writing to its tensor never changes the other's."""
     original = torch.arange(4096.0)

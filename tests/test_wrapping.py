@@ -105,3 +105,109 @@ def test_a_one_rank_model_s_hook_moves_inputs_made_elsewhere_to_its_device():
     assert model(torch.ones(1, 2)).device.type == "meta"  # moved
     on_device = torch.ones(1, 2, device="meta")
     assert wrapping._inputs_to_device(torch.device("meta"), model, (on_device,), {}) is None  # nothing to move
+
+
+# A fine-tuning cell's notebook: a model, its optimizer and an unshuffled loader of batch BS per rank;
+# the reference (the same cell in the kernel) reads the union of the two ranks' batches: batch 2 * BS.
+FINE_TUNING = """
+import copy, torch, torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+torch.set_num_threads(1)
+torch.manual_seed(0)
+X = torch.randn(32, 8)
+Y = X @ torch.randn(8, 1)
+loss_fn = nn.MSELoss()
+torch.manual_seed(1)
+model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+reference = copy.deepcopy(model)
+first_bias = model[0].bias.detach().clone()
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+reference_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+loader = DataLoader(TensorDataset(X, Y), batch_size=4)
+reference_loader = DataLoader(TensorDataset(X, Y), batch_size=8)
+"""
+
+# Freeze the first layer's bias before the loop, then (a schedule) unfreeze it and freeze the head part-way.
+SCHEDULE = """{magic}
+torch.set_num_threads(1)
+{model}[0].bias.requires_grad_(False)
+for epoch in range(3):
+    if epoch == 1:
+        {model}[0].bias.requires_grad_(True)
+        {model}[4].requires_grad_(False)
+    for x, y in {loader}:
+        loss_fn({model}(x), y).backward()
+        {opt}.step()
+        {opt}.zero_grad()
+"""
+
+
+def test_freezing_and_unfreezing_after_the_wrap_trains_what_one_process_trains(kernel):
+    """Auto mode wrapped the model in DDP before the cell's first line; the cell then freezes a
+    parameter and, part-way, unfreezes it and freezes another. One process trains what requires
+    grad at each step: so do the ranks (no "Expected to have finished reduction"), and the
+    weights come back as one process's on the union batch."""
+    kernel.run_ok(FINE_TUNING)
+    magic = "%%distributed --devices 2 --accelerator cpu"
+    out = kernel.run_ok(SCHEDULE.format(magic=magic, model="model", loader="loader", opt="opt"))
+    kernel.run_ok(SCHEDULE.format(magic="", model="reference", loader="reference_loader", opt="reference_opt"))
+    pairs = "zip(model.parameters(), reference.parameters())"
+    assert kernel.value(f"[torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in {pairs}]") == [True] * 6, out.text
+    assert kernel.value("not torch.equal(model[0].bias, first_bias)"), out.text  # unfrozen part-way, it trained
+    assert kernel.value("[p.requires_grad for p in model.parameters()]") == [True] * 4 + [False] * 2
+
+
+def test_the_trainable_check_reads_each_parameter_once_per_forward():
+    """The per-step cost of following freezes: one ``requires_grad`` read per parameter, counted."""
+    reads = []
+
+    class Counted:
+        def __init__(self, flag):
+            self.flag = flag
+
+        @property
+        def requires_grad(self):
+            reads.append(1)
+            return self.flag
+
+    parameters = [Counted(True), Counted(False), Counted(True)]
+    assert wrapping._trainable_flags(parameters) == [True, False, True]
+    assert len(reads) == 3
+
+
+BACKBONE = """
+torch.manual_seed(2)
+backbone, head = nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 1)
+backbone.requires_grad_(False)  # frozen in the kernel: auto mode wraps no such model
+reference_backbone, reference_head = copy.deepcopy(backbone), copy.deepcopy(head)
+first_backbone = backbone[0].weight.detach().clone()
+pair_opt = torch.optim.SGD([*backbone.parameters(), *head.parameters()], lr=0.05)
+reference_pair_opt = torch.optim.SGD([*reference_backbone.parameters(), *reference_head.parameters()], lr=0.05)
+"""
+
+UNFREEZE = """{magic}
+torch.set_num_threads(1)
+for epoch in range(2):
+    if epoch == 1:
+        {backbone}.requires_grad_(True)  # unfrozen part-way, as a fine-tuning schedule does
+    for x, y in {loader}:
+        loss_fn({head}({backbone}(x)), y).backward()
+        nn.utils.clip_grad_norm_([*{backbone}.parameters(), *{head}.parameters()], 0.5)
+        {opt}.step()
+        {opt}.zero_grad()
+"""
+
+
+def test_a_backbone_frozen_before_the_cell_and_unfrozen_in_it_trains_as_one_process_trains_it(kernel):
+    """A backbone frozen in the kernel is left unwrapped (DDP wraps nothing without a trainable
+    parameter); unfrozen part-way through the cell, its gradients are averaged before they are
+    clipped and stepped, so its weights come back as one process's on the union batch."""
+    kernel.run_ok(FINE_TUNING + BACKBONE)
+    magic = "%%distributed --devices 2 --accelerator cpu"
+    names = {"backbone": "backbone", "head": "head", "opt": "pair_opt", "loader": "loader"}
+    out = kernel.run_ok(UNFREEZE.format(magic=magic, **names))
+    kernel.run_ok(UNFREEZE.format(magic="", **{k: f"reference_{v}" for k, v in names.items()}))
+    both = "[*{0}backbone.parameters(), *{0}head.parameters()]"
+    pairs = f"zip({both.format('')}, {both.format('reference_')})"
+    assert kernel.value(f"[torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in {pairs}]") == [True] * 4, out.text
+    assert kernel.value("not torch.equal(backbone[0].weight, first_backbone)"), out.text  # it trained

@@ -110,13 +110,15 @@ def watch_steps(
 
 
 def averaging_unscale(own_unscale: Any) -> Any:
-    """``GradScaler.unscale_`` in an auto-mode cell (the patch table's): a kept model's gradients
-    are averaged first, so every rank finds the same infinities."""
+    """``GradScaler.unscale_`` in an auto-mode cell (the patch table's): a kept model's gradients,
+    and a wrapped model's that bypassed its wrapper, are averaged first, so every rank finds the
+    same infinities."""
 
     @functools.wraps(own_unscale)
     def unscale_(self: Any, optimizer: Any) -> Any:
         _sources["first_step"](optimizer, sys._getframe(1))  # a first step under the scaler starts here
         _average_early(optimizer)
+        bypass.average_before_read(optimizer=optimizer)  # a wrapped model the loop called through a holder
         return own_unscale(self, optimizer)
 
     return unscale_
@@ -124,8 +126,9 @@ def averaging_unscale(own_unscale: Any) -> Any:
 
 @functools.cache
 def averaging_clip(own: Any) -> Any:
-    """``own`` (torch's clip_grad_norm_ or clip_grad_value_) reading the kept models' averaged gradients
-    (the patch table's; one per function, wherever torch names it)."""
+    """``own`` (torch's clip_grad_norm_ or clip_grad_value_) reading averaged gradients: a kept model's,
+    and a wrapped model's whose forward the loop bypassed (the patch table's; one per function,
+    wherever torch names it)."""
     torch = preparations.torch_module()
 
     @functools.wraps(own)
@@ -136,6 +139,7 @@ def averaging_clip(own: Any) -> Any:
             if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
                 _sources["first_step"](optimizer, sys._getframe(1))  # clipping before the first step
                 _average_early(optimizer)
+        bypass.average_before_read(params)  # a wrapped model the loop called through a holder (held["net"](x))
         return own(params, *args, **kwargs)
 
     return clip

@@ -7,6 +7,9 @@ the rank's own generator, without it the same draw on every rank, each reading i
 each pass decides when iteration starts what it is (with gradients: this rank's share;
 without: the whole dataset, unless prepared with ``evaluation="shard"``). The kernel asks
 :func:`batches_per_rank` how long each rank's loader will be. See :func:`nbtrain.prepare`.
+A rank's loader draws from the global generator what the user's sampler would, when it
+would (a ``RandomSampler``'s seed as each pass starts), and nothing more: the cell's own
+draws (``torch.rand``, after or between passes) are one process's.
 
 Example (outside a run a loader comes back as it is, remembering the evaluation choice):
     >>> import torch
@@ -336,6 +339,7 @@ class _PassAware(_LoaderBase):
                 sampler: Any = self.sampler  # a DistributedSampler (_rebuild_loader)
                 sampler.set_epoch(self._nbtrain_epoch)
                 self._nbtrain_epoch += 1
+            _draw_as_users_sampler(self._nbtrain_whole)
             batches = super().__iter__()
         if by_mode:
             batches = self._nbtrain_mode_pass(batches)
@@ -373,6 +377,43 @@ class _PassAware(_LoaderBase):
         self._nbtrain_mode_pass_at = None
 
 
+def _seed_of_global_state() -> int:
+    """A shuffling seed every rank agrees on, read from the global generator's state without drawing.
+
+    The ranks start from the kernel's RNG state, so it is the same on every rank; drawing it
+    would shift the cell's own draws (``torch.rand``) against one process's, whose sampler
+    draws only as each pass starts (:func:`_draw_as_users_sampler` draws that).
+    """
+    import hashlib
+
+    import torch
+
+    state = bytes(torch.get_rng_state().numpy())
+    return int.from_bytes(hashlib.blake2b(state, digest_size=8).digest(), "little") >> 1  # int64's range
+
+
+def _draw_as_users_sampler(loader: Any) -> None:
+    """Draw from the global generator what ``loader``'s own sampler draws as a pass starts, and only that.
+
+    One process's ``RandomSampler`` draws its seed at each pass's start (a
+    ``SubsetRandomSampler`` its permutation, a ``WeightedRandomSampler`` its draws); the rank's
+    DistributedSampler shuffles on its own generator. So that the cell's own draws after the
+    loop (``torch.rand``, dropout) are one process's, the user's sampler starts a pass here: its
+    first index makes every draw of the pass from the global generator (the work one process
+    does), except a ``RandomSampler``'s, whose one draw (its seed) is made as torch makes it,
+    sparing its permutation. A sampler with a generator of its own, or one that draws nothing
+    (``SequentialSampler``), is left alone.
+    """
+    import torch
+    from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+
+    sampler = _batching(loader)[0]
+    if type(sampler) is RandomSampler and sampler.generator is None:
+        torch.empty((), dtype=torch.int64).random_()  # RandomSampler.__iter__'s own draw of its seed
+    elif type(sampler) in (SubsetRandomSampler, WeightedRandomSampler) and sampler.generator is None:
+        next(iter(sampler), None)
+
+
 def _cell_steps() -> int:
     """The cell's steps so far (the loss logging counts each backward)."""
     context = api.current_context()
@@ -405,15 +446,11 @@ def _prepared_loader_class() -> type:
 
 
 def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
-    import torch
     from torch.utils.data import DistributedSampler
 
     user_sampler, batch_size, drop_last = _batching(loader)
     generator = loader.generator if loader.generator is not None else getattr(user_sampler, "generator", None)
-    if generator is not None:
-        seed = int(generator.initial_seed())
-    else:  # every rank draws the same seed: they start from the kernel's RNG state
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    seed = int(generator.initial_seed()) if generator is not None else _seed_of_global_state()
     shares: dict[str, Any] = {"num_replicas": api.world_size(), "rank": api.rank(), "shuffle": shuffle, "seed": seed}
     indices, weighted = _subset_indices(loader), _weighted(loader)
     sampler: Any

@@ -49,6 +49,8 @@ class _Registry:
         self.ddp_models: list[Any] = []  # the DDP wrappers made (nbtrain.rank.bypass)
         self.step_models: dict[int, tuple[Any, list[Any]]] = {}  # id(optimizer) -> (it, the wrappers it steps)
         self.bypassed: set[int] = set()  # wrappers whose gradients bypass averaged (said once)
+        self.frozen_models: list[Any] = []  # modules left unwrapped, nothing trainable then (nbtrain.rank.bypass)
+        self.step_frozen: dict[int, tuple[Any, list[list[Any]]]] = {}  # id(optimizer) -> (it, those modules' params)
         # (the model's objects to name it by, else its words, its first inputs' or gradients' extremes, any tensor)
         self.first_inputs: list[tuple[tuple[Any, ...], str, Any, bool]] = []
         self.unsharded: list[int] = []  # ids of loaders auto mode could not shard (each said in a note)

@@ -2,8 +2,9 @@
 
 DDP (``ddp_*``) and DataParallel (``dp``) wrappers that read through to the model's own
 attributes and methods, FSDP2's ``fully_shard`` in place (``fsdp``, ``fsdp_offload``), the
-check that DDP's first backward reached every trainable parameter, and the launch's
-``--precision`` and ``--sync-batchnorm`` applied before wrapping. See :func:`nbtrain.prepare`.
+check that DDP's first backward reached every trainable parameter, DDP following the
+parameters that require grad when a cell freezes or unfreezes some after the wrap, and the
+launch's ``--precision`` and ``--sync-batchnorm`` applied before wrapping. See :func:`nbtrain.prepare`.
 
 Example (outside a run a module is only moved to ``nbtrain.device()``):
     >>> import torch
@@ -60,6 +61,8 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
         prepared = _wrap_dp(module, wrapper_options)
     else:
         prepared = module
+        if wrapper in preparations.DDP_WRAPPERS and _all_frozen(module):  # the cell may unfreeze it part-way
+            bypass.average_when_unfrozen(module)
     preparations.cell_registry().remember(module, prepared)
     return prepared
 
@@ -115,6 +118,13 @@ def trains(module: Any) -> bool:
     if swa_utils is not None and isinstance(module, swa_utils.AveragedModel):
         return False
     return any(p.requires_grad for p in module.parameters())
+
+
+def _all_frozen(module: Any) -> bool:
+    """A model with parameters, none trainable now (a frozen backbone), that is no averaged copy."""
+    swa_utils = sys.modules.get("torch.optim.swa_utils")
+    averaged = swa_utils is not None and isinstance(module, swa_utils.AveragedModel)
+    return not averaged and any(True for _ in module.parameters()) and not trains(module)
 
 
 _one_rank_classes: dict[tuple[type, bool], type] = {}
@@ -363,6 +373,8 @@ class _ReadsThrough(_ReadThrough, _DDPBase):
         # Without DDP's own search, the first backward that syncs checks every trainable
         # parameter got a gradient (see _check_first_backward).
         object.__setattr__(self, "_nbtrain_check_unused", not self.find_unused_parameters)
+        object.__setattr__(self, "_nbtrain_trainable", _trainable_flags(self._module_parameters))
+        object.__setattr__(self, "_nbtrain_all_frozen", False)
         object.__setattr__(self, "_nbtrain_ready", True)
         bypass.average_when_bypassed(self)  # a step that calls the model's parts instead of it still averages
 
@@ -371,6 +383,10 @@ class _ReadsThrough(_ReadThrough, _DDPBase):
         __tracebackhide__ = True  # an error in the model's forward reads as in the kernel (rank.runtime)
         grads = preparations.torch_module().is_grad_enabled()
         if grads:
+            if _trainable_flags(self._module_parameters) != self.__dict__["_nbtrain_trainable"]:
+                _follow_trainable(self)  # frozen or unfrozen since it was wrapped: train what requires grad
+            if self.__dict__["_nbtrain_all_frozen"]:  # nothing to average: the model runs as it is
+                return self.module(*inputs, **kwargs)
             self.__dict__["_nbtrain_forwards"] += 1  # DDP averages this step's gradients (nbtrain.rank.bypass)
             if self.__dict__["_nbtrain_forwards"] == 1:  # do the ranks train on different data?
                 samedata.note_first_inputs(self, inputs, kwargs)
@@ -379,6 +395,46 @@ class _ReadsThrough(_ReadThrough, _DDPBase):
             object.__setattr__(self, "_nbtrain_check_unused", False)
             _check_first_backward(self.module)
         return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]  # DDP's is unannotated
+
+
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+def _trainable_flags(parameters: list[Any]) -> list[bool]:
+    """Which of ``parameters`` require grad: one read each, in C (no Python frame per parameter)."""
+    return list(map(_requires_grad, parameters))
+
+
+def _follow_trainable(ddp: Any) -> None:
+    """Rebuild ``ddp``'s reducer for the parameters that require grad now, as DDP does when it is unpickled.
+
+    DDP builds its reducer, which waits for every trainable parameter's gradient before it
+    averages, from the parameters that required grad when it was made. A cell that freezes
+    one after that (``requires_grad_(False)``) would leave the reducer waiting ("Expected to
+    have finished reduction"), and one it unfreezes would never be averaged. One process
+    trains what requires grad; so, at the first forward with gradients after the set changed
+    (every rank changes it at the same line), the reducer is built anew from the model as it
+    is: no collective, nothing for the optimizer to rebind (the parameters are the same).
+    A model with nothing left to train runs unwrapped until something is unfrozen.
+    """
+    flags = _trainable_flags(ddp._module_parameters)
+    object.__setattr__(ddp, "_nbtrain_trainable", flags)
+    object.__setattr__(ddp, "_nbtrain_all_frozen", not any(flags))
+    if not any(flags):
+        return
+    hooks = getattr(ddp, "_accum_grad_hooks", [])  # the compiled-autograd reducer's, one per trainable parameter
+    for handle in hooks:
+        handle.remove()
+    hooks.clear()
+    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+    names = ddp._build_debug_param_to_name_mapping(parameters)
+    ddp._ddp_init_helper(parameters, expect_sparse_gradient, names, ddp.static_graph)
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
+    if getattr(ddp, "_use_python_reducer", False):
+        ddp._register_accum_grad_hook()
+    object.__setattr__(ddp, "_nbtrain_check_unused", not ddp.find_unused_parameters)  # check the new set's backward
 
 
 def transparent_ddp_class() -> type:
