@@ -650,18 +650,24 @@ class ForkedLauncher:
     """A kernel's launcher forked by the template: watched through a pidfd, not waitpid.
 
     ``resolve(timeout)`` answers the template's reply: (answered, the launcher's pid or None
-    if it made none); it is asked on first need, and a wait is never longer than asked for.
-    The launcher's exit status is the template's to reap, so it reads as :data:`UNKNOWN_EXIT`.
+    if it made none, why it made none); it is asked on first need, by one thread at a time,
+    and a wait is never longer than asked for. The launcher's exit status is the template's
+    to reap, so it reads as :data:`UNKNOWN_EXIT`.
     """
 
     REPLY_SECONDS = 60.0  # the template answers once it has imported torch
 
-    def __init__(self, resolve: Callable[[float], tuple[bool, int | None]], stderr: IO[bytes]):
+    def __init__(self, resolve: Callable[[float], tuple[bool, int | None, str]], stderr: IO[bytes]):
         self._resolve = resolve
         self._answered = False
         self._pid: int | None = None
         self._pidfd: int | None = None
         self._closing = threading.Lock()
+        # The reply is read once: two threads reading it at once (the kernel's check of the
+        # launcher and a caller asking its pid) left one of them with no pid, and the kernel
+        # then gave up a good launcher for its own.
+        self._asking = threading.Lock()
+        self.why_none = ""  # the template's words where it forked no launcher
         self.stderr: IO[bytes] | None = stderr
 
     @property
@@ -676,11 +682,22 @@ class ForkedLauncher:
         return self._pid
 
     def _answer(self, timeout: float) -> bool:
-        if not self._answered:
-            self._answered, self._pid = self._resolve(timeout)
-            if self._pid is not None:
-                with contextlib.suppress(OSError):
-                    self._pidfd = os.pidfd_open(self._pid)
+        if self._answered:
+            return True
+        started = time.monotonic()
+        taken = self._asking.acquire(timeout=timeout) if timeout > 0 else self._asking.acquire(blocking=False)
+        if not taken:
+            return self._answered  # another thread is reading the reply: not within our time
+        try:
+            if not self._answered:
+                answered, pid, self.why_none = self._resolve(max(0.0, timeout - (time.monotonic() - started)))
+                if pid is not None:
+                    with contextlib.suppress(OSError):
+                        self._pidfd = os.pidfd_open(pid)
+                self._pid = pid
+                self._answered = answered  # last: a thread that reads it unlocked finds the pid set
+        finally:
+            self._asking.release()
         return self._answered
 
     def poll(self) -> int | None:

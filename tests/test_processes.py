@@ -349,7 +349,7 @@ def test_a_launcher_seen_ending_by_two_threads_at_once_closes_its_pidfd_once(mon
     if pid == 0:
         os._exit(0)
     try:
-        launcher = processes.ForkedLauncher(lambda _timeout: (True, pid), stderr=None)  # type: ignore[arg-type]
+        launcher = processes.ForkedLauncher(lambda _timeout: (True, pid, ""), stderr=None)  # type: ignore[arg-type]
         real_select = processes.select.select
         interleaved: list[bool] = []
 
