@@ -106,7 +106,8 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
     shown = ", ".join(f"{value:.3f}" for value in times)
     if times:
-        print(f"\nsecond kernel's first line: median {statistics.median(times):.3f} s, max {max(times):.3f} s [{shown}]")
+        median = statistics.median(times)
+        print(f"\nsecond kernel's first line: median {median:.3f} s, max {max(times):.3f} s [{shown}]")
     print(f"kernels whose launcher was not the template's: {bypassed} of {2 * len(times)}; rounds failed: {failed}")
 
 
