@@ -156,12 +156,7 @@ def socket_directory(environ: Mapping[str, str] | None = None) -> str | None:
         True
         >>> os.rmdir(folder)
     """
-    environ = os.environ if environ is None else environ
-    path = environ.get(DIRECTORY_VARIABLE)
-    if not path:
-        runtime = environ.get("XDG_RUNTIME_DIR")
-        base = runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir()
-        path = os.path.join(base, f"nbtrain-{os.getuid()}")
+    path = candidate_directory(environ)
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
         info = os.lstat(path)
@@ -169,6 +164,21 @@ def socket_directory(environ: Mapping[str, str] | None = None) -> str | None:
         return None
     private = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and info.st_mode & 0o077 == 0
     return path if private and os.access(path, os.W_OK) else None
+
+
+def candidate_directory(environ: Mapping[str, str] | None = None) -> str:
+    """Where the socket's directory is looked for (:func:`socket_directory` checks it is safe).
+
+        >>> candidate_directory({"NBTRAIN_TEMPLATE_DIR": "/run/user/1000/mine"})
+        '/run/user/1000/mine'
+    """
+    environ = os.environ if environ is None else environ
+    path = environ.get(DIRECTORY_VARIABLE)
+    if not path:
+        runtime = environ.get("XDG_RUNTIME_DIR")
+        base = runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir()
+        path = os.path.join(base, f"nbtrain-{os.getuid()}")
+    return path
 
 
 def socket_path(folder: str, of: Identity) -> str:

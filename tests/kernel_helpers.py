@@ -65,7 +65,8 @@ class NotebookKernel:
             assert kernel.value("x + 1") == 2
     """
 
-    def __init__(self, cwd: str | None = None, env: dict[str, str] | None = None):
+    def __init__(self, cwd: str | None = None, env: dict[str, str] | None = None, log: str | None = None):
+        """``log``: a file that takes the kernel's own stderr (its log: what Jupyter's server shows)."""
         self.notebook = nbformat.v4.new_notebook()
         self.notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
         self.client = NotebookClient(
@@ -77,8 +78,12 @@ class NotebookKernel:
             resources={"metadata": {"path": cwd or os.getcwd()}},
         )
         self.client.km = self.client.create_kernel_manager()
-        kwargs = {"env": {**os.environ, **(env or {})}} if env else {}
-        self.client.start_new_kernel(**kwargs)
+        kwargs: dict[str, Any] = {"env": {**os.environ, **(env or {})}} if env else {}
+        if log is not None:
+            with open(log, "ab") as stderr:  # the kernel holds its own copy
+                self.client.start_new_kernel(**kwargs, stderr=stderr)
+        else:
+            self.client.start_new_kernel(**kwargs)
         self.client.start_new_kernel_client()
         self.pid = self.client.km.provisioner.pid
 

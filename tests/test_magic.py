@@ -74,6 +74,20 @@ def test_unload_ext_gives_ipythons_debug_back_and_load_ext_wraps_it_again(kernel
     assert kernel.value(f"getattr({debug}, 'nbtrain_wrapped', False)") is True
 
 
+def test_load_ext_watches_the_standby_ranks_gpu_memory_around_each_cell_once_and_unload_ext_stops(kernel):
+    hooks = (
+        "[[c.__qualname__ for c in get_ipython().events.callbacks[e] if c.__module__.startswith('nbtrain')]"
+        " for e in ('pre_run_cell', 'post_run_cell')]"
+    )
+    assert kernel.value(hooks) == [["before_cell"], ["after_cell"]]
+    kernel.run_ok("%load_ext nbtrain")  # loaded again: still once
+    assert kernel.value(hooks) == [["before_cell"], ["after_cell"]]
+    kernel.run_ok("%unload_ext nbtrain")
+    assert kernel.value(hooks) == [[], []]
+    kernel.run_ok("%load_ext nbtrain")
+    assert kernel.value(hooks) == [["before_cell"], ["after_cell"]]
+
+
 def test_nbtrain_debug_without_a_held_rank_says_how_to_get_one(kernel):
     out = kernel.run("%nbtrain_debug")
     lines = out.stderr.strip().splitlines()

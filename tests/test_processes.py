@@ -349,7 +349,7 @@ def test_a_launcher_seen_ending_by_two_threads_at_once_closes_its_pidfd_once(mon
     if pid == 0:
         os._exit(0)
     try:
-        launcher = processes.ForkedLauncher(lambda _timeout: (True, pid), stderr=None)  # type: ignore[arg-type]
+        launcher = processes.ForkedLauncher(lambda _timeout: (True, pid, ""), stderr=None)  # type: ignore[arg-type]
         real_select = processes.select.select
         interleaved: list[bool] = []
 
@@ -365,3 +365,42 @@ def test_a_launcher_seen_ending_by_two_threads_at_once_closes_its_pidfd_once(mon
         assert interleaved == [True] and launcher.poll() is not None
     finally:
         os.waitpid(pid, 0)
+
+
+def test_a_forked_rank_keeps_what_a_step_frees_instead_of_mapping_it_afresh():
+    """A 30 MiB block (a step's batch or activations) comes from the rank's heap, and once freed
+    stays there for the next step, as in a kernel whose malloc settled long ago."""
+    read_end, write_end = os.pipe()
+
+    def rank() -> None:
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        block = libc.malloc(30 << 20)
+        heap_before = _heap_bytes()
+        in_heap = _in_heap(block)
+        libc.free(block)
+        kept = _heap_bytes() >= heap_before
+        os.write(write_end, f"{in_heap} {kept}".encode())
+
+    pid = processes.fork_rank(rank)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end) as said:
+            assert said.read() == "True True"
+    finally:
+        os.waitpid(pid, 0)
+
+
+def _heap_ranges() -> list[tuple[int, int]]:
+    with open("/proc/self/maps") as maps:
+        heaps = [line.split()[0] for line in maps if line.rstrip().endswith("[heap]")]
+    return [(int(low, 16), int(high, 16)) for low, high in (span.split("-") for span in heaps)]
+
+
+def _heap_bytes() -> int:
+    return sum(high - low for low, high in _heap_ranges())
+
+
+def _in_heap(address: int) -> bool:
+    return any(low <= address < high for low, high in _heap_ranges())

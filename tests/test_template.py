@@ -8,14 +8,17 @@ tests count each kernel's launcher among the kernel's descendants.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -158,8 +161,12 @@ def test_a_template_of_another_environment_or_version_is_never_used(template_env
     start_template(path, stranger_env)
     stranger = templates(folder)
     assert len(stranger) == 1
-    kernel, launcher = loaded_kernel(template_env)
+    log_path = os.path.join(folder, "kernel.log")
+    kernel = NotebookKernel(env=template_env, log=log_path)
     with kernel:
+        kernel.run_ok("%load_ext nbtrain")
+        said_and_listed(kernel, log_path, "the template forked no launcher: the template was started for Identity(")
+        launcher = kernel.value(LAUNCHER_PID)
         assert parent_of(launcher) == kernel.pid
         timed_first_run(kernel)
         assert psutil.Process(stranger[0]).children() == []
@@ -317,8 +324,9 @@ def test_a_kernel_working_in_a_shadowing_checkout_starts_a_template_of_its_own_n
     assert procs.wait_gone([launcher], GONE_SECONDS, reaped=False) == []
 
 
-def test_a_forked_launcher_killed_before_the_first_run_is_replaced_by_the_kernels_own(template_env):
-    kernel = NotebookKernel(env={**template_env, naming.IDLE_VARIABLE: "600"})  # the template stays to be looked at
+def test_a_forked_launcher_killed_before_the_first_run_is_replaced_by_the_kernels_own(template_env, tmp_path):
+    log_path = str(tmp_path / "kernel.log")
+    kernel = NotebookKernel(env={**template_env, naming.IDLE_VARIABLE: "600"}, log=log_path)  # the template stays
     with kernel:
         kernel.run_ok("%load_ext nbtrain")
         forked = kernel.value(LAUNCHER_PID)  # answered by the template once it has imported torch
@@ -327,6 +335,7 @@ def test_a_forked_launcher_killed_before_the_first_run_is_replaced_by_the_kernel
         os.kill(forked, signal.SIGKILL)
         assert procs.wait_gone([forked], GONE_SECONDS, reaped=False) == []
         timed_first_run(kernel)
+        said_and_listed(kernel, log_path, "its launcher ended before the first run was sent to it")
         launcher = kernel.value(LAUNCHER_PID)
         assert launcher != forked
         assert parent_of(launcher) == kernel.pid
@@ -337,18 +346,20 @@ def test_a_forked_launcher_killed_before_the_first_run_is_replaced_by_the_kernel
         timed_first_run(kernel)
 
 
-def test_a_template_that_does_not_answer_in_time_is_given_up_and_forks_nothing_later(template_env):
+def test_a_template_that_does_not_answer_in_time_is_given_up_and_forks_nothing_later(template_env, tmp_path):
     folder = template_env[naming.DIRECTORY_VARIABLE]
     path = naming.socket_path(folder, naming.identity(environ={}))
     start_template(path, {**os.environ, **template_env})
     [template] = templates(folder)
     os.kill(template, signal.SIGSTOP)  # it accepts nobody: the kernel's request waits in its backlog
     try:
-        kernel = NotebookKernel(env=template_env)
+        log_path = str(tmp_path / "kernel.log")
+        kernel = NotebookKernel(env=template_env, log=log_path)
         with kernel:
             kernel.run_ok("import nbtrain.kernel.warm as warm\nwarm.READY_SECONDS = 2.0")
             kernel.run_ok("%load_ext nbtrain")
             timed_first_run(kernel)
+            said_and_listed(kernel, log_path, "its launcher did not say it was ready within 2 s")
             launcher = kernel.value(LAUNCHER_PID)
             assert parent_of(launcher) == kernel.pid
             os.kill(template, signal.SIGCONT)
@@ -380,3 +391,109 @@ def test_a_launcher_from_the_template_gives_its_ranks_the_templates_private_netw
     # Both ranks joined one user namespace (the template's, made once), not the kernel's.
     assert len(ranks) == 2 and len(namespaces) == 1
     assert namespaces != {os.readlink("/proc/self/ns/user")}
+
+
+# Run by a fresh interpreter whose nbtrain is a copy (the test saves one of its files).
+SAVED_WHILE_STARTING = """
+import os, sys, time
+from nbtrain import templatesocket as naming, wire
+from nbtrain.kernel import warm
+launcher = warm.forked_launcher()
+path = naming.socket_path(os.environ["NBTRAIN_TEMPLATE_DIR"], naming.identity())
+deadline = time.monotonic() + 60
+while not os.path.exists(path) and time.monotonic() < deadline:  # bound: the template is importing torch now
+    time.sleep(0.005)
+os.utime(os.path.join(os.path.dirname(warm.__file__), os.pardir, "errors.py"))  # a file saved meanwhile
+launcher.channel.settimeout(180)
+try:
+    print(type(wire.receive(launcher.channel)[0]).__name__)
+except wire.ChannelClosed:
+    print("refused:", launcher.popen.answered_pid(), launcher.popen.why_none)
+"""
+
+
+def test_a_file_saved_while_the_template_starts_does_not_make_it_refuse_its_kernel(template_env, tmp_path):
+    """The template took its identity after importing torch (seconds): a file of nbtrain saved
+    meanwhile (an editor, a checkout) made it refuse the kernel that started it, whose launcher
+    then came from nowhere but the kernel's own start."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(warm.__file__)))
+    skip = shutil.ignore_patterns("labextension", "__pycache__")
+    shutil.copytree(package, tmp_path / "nbtrain", copy_function=shutil.copy, ignore=skip)
+    env = {**os.environ, **template_env, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", SAVED_WHILE_STARTING], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.stdout.strip() == "LauncherReady", done.stdout + done.stderr
+
+
+def kernel_log(kernel_log_path: str) -> str:
+    with open(kernel_log_path) as log:
+        return log.read()
+
+
+SAID = "nbtrain: the warm template is not used: "
+FALLBACKS = "__import__('nbtrain.kernel.warm', fromlist=['x']).fallbacks()"
+
+
+def said_and_listed(kernel: NotebookKernel, log_path: str, words: str) -> None:
+    """The kernel's launcher is its own, and both its log and ``warm.fallbacks()`` say ``words``."""
+    assert kernel.value(WAIT_READY) is True
+    assert parent_of(kernel.value(LAUNCHER_PID)) == kernel.pid
+    reasons = kernel.value(FALLBACKS)
+    assert any(words in reason for reason in reasons), reasons
+    lines = [line for line in kernel_log(log_path).splitlines() if line.startswith(SAID)]
+    assert any(words in line for line in lines), kernel_log(log_path)
+
+
+@pytest.mark.parametrize("case", ["switched off", "directory open to others", "socket path too long", "no answer"])
+def test_each_way_the_template_is_not_used_is_said_in_the_kernels_log(template_env, tmp_path, case):
+    folder = template_env[naming.DIRECTORY_VARIABLE]
+    env = dict(template_env)
+    if case == "switched off":
+        env[naming.ENABLED_VARIABLE] = "0"
+        words = "$NBTRAIN_TEMPLATE='0' switches it off"
+    elif case == "directory open to others":
+        os.chmod(folder, 0o755)
+        words = f"{folder} is not a directory of uid {os.getuid()}'s own"
+    elif case == "socket path too long":  # no Unix socket can be named there
+        env[naming.DIRECTORY_VARIABLE] = os.path.join(folder, "x" * 120)
+        words = "reaching the template at"
+    else:  # something listens at the template's name and closes on every kernel unanswered
+        words = "the template closed the connection without an answer"
+    log_path = str(tmp_path / "kernel.log")
+    with contextlib.ExitStack() as stack:
+        if case == "no answer":
+            stack.enter_context(closing_listener(naming.socket_path(folder, naming.identity(environ={}))))
+        kernel = stack.enter_context(NotebookKernel(env=env, log=log_path))
+        kernel.run_ok("%load_ext nbtrain")
+        said_and_listed(kernel, log_path, words)
+        timed_first_run(kernel)
+
+
+@contextlib.contextmanager
+def closing_listener(path: str) -> Iterator[None]:
+    """A socket at ``path`` that reads each request and closes on it unanswered, from a thread of this process."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                connection, _ = listener.accept()
+                with connection, contextlib.suppress(OSError, wire.ChannelClosed):
+                    connection.settimeout(10.0)
+                    _request, fds = wire.receive(connection)  # read whole: the kernel's send succeeds
+                    for fd in fds:
+                        os.close(fd)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5.0)
+        listener.close()

@@ -13,7 +13,6 @@ import atexit
 import collections
 import contextlib
 import itertools
-import logging
 import os
 import queue
 import signal
@@ -43,8 +42,6 @@ PENDING_OUTPUT_CHARS = 8_000_000
 # its own bound, and the kernel's own launcher's start (a Popen) after it.
 DECIDED_SECONDS = warm.READY_SECONDS + 30.0
 STDERR_SECONDS = 1.0  # how long a gone launcher's error waits for the last of its stderr
-
-logger = logging.getLogger(__name__)
 
 
 class LauncherGone:
@@ -102,20 +99,35 @@ class LauncherClient:
         """Take the forked launcher once it said it is ready; our own instead if it cannot be."""
         try:
             self._settled.wait(warm.READY_SECONDS)
-            # Ready, the template has forked it and its reply is on the way (or its end closed):
-            # a launcher whose pid we were never told could not be waited for or killed.
-            named = self.ready.is_set() and forked.popen.pid > 0
+            why = self._why_unusable(forked)
             with self._lock:  # decided under the lock: the reader's end of it reads _decided
-                unusable = not named or self._forked_gone.is_set()
-                if self.alive and self.process is forked and unusable:
-                    self._fall_back(forked)
+                if self.alive and self.process is forked and why:
+                    self._fall_back(forked, why)
                 self._decided.set()
         finally:
             self._decided.set()
 
-    def _fall_back(self, forked: processes.LauncherProcess) -> None:
-        """Replace the forked launcher (no run was sent to it) by our own, silently; under the lock."""
-        logger.debug("the template's launcher cannot be used (ready: %s); starting our own", self.ready.is_set())
+    def _why_unusable(self, forked: processes.LauncherProcess) -> str:
+        """Why the template's launcher cannot serve ("" where it can); asked once it settled or timed out."""
+        handle = forked.popen
+        if not self.ready.is_set():
+            if not self._forked_gone.is_set():
+                return f"its launcher did not say it was ready within {warm.READY_SECONDS:g} s"
+            told = handle.answered_pid() if isinstance(handle, processes.ForkedLauncher) else None
+            said = handle.why_none if isinstance(handle, processes.ForkedLauncher) and told is None else ""
+            return "its launcher's channel closed before it was ready" + (f" ({said})" if said else "")
+        # Ready, the template has forked it and its reply is on the way: a launcher whose pid
+        # we were never told could not be waited for or killed.
+        if handle.pid <= 0:
+            said = handle.why_none if isinstance(handle, processes.ForkedLauncher) else ""
+            return said or "the template did not say which process its launcher is"
+        if self._forked_gone.is_set():
+            return "its launcher ended before the first run was sent to it"
+        return ""
+
+    def _fall_back(self, forked: processes.LauncherProcess, why: str) -> None:
+        """Replace the forked launcher (no run was sent to it) by our own, saying ``why`` in the log; under the lock."""
+        warm.note_fallback(why)
         self.ready.clear()
         self.stderr_tail.clear()
         try:
@@ -262,7 +274,7 @@ class LauncherClient:
                 return  # a forked launcher given up for our own
             if not self._committed:
                 if self._decided.is_set() and self.alive:  # it was ready, and died before its first run
-                    self._fall_back(process)
+                    self._fall_back(process, "its launcher ended before the first run was sent to it")
                 return  # else _check_forked replaces it
             self.alive = False
             with contextlib.suppress(subprocess.TimeoutExpired):  # still running: the detail says so

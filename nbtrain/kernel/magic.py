@@ -121,6 +121,7 @@ def nbtrain_debug() -> None:
 def load_ipython_extension(ip: Any) -> None:
     """``%load_ext nbtrain``: register ``%%distributed`` (and ``%debug`` after a rank's error)."""
     ip.register_magics(DistributedMagics)
+    _watch_standby_gpu_memory(ip, on=True)
     original = ip.find_line_magic("debug")  # IPython's own, loaded (IPython 9 registers it lazily)
     if original is not None and not getattr(original, "nbtrain_wrapped", False):
         ip.register_magic_function(_debug_rank_first(original), "line", "debug")
@@ -133,6 +134,19 @@ def unload_ipython_extension(ip: Any) -> None:
     original = getattr(debug, "__wrapped__", None) if getattr(debug, "nbtrain_wrapped", False) else None
     if original is not None:
         ip.magics_manager.magics["line"]["debug"] = original
+    _watch_standby_gpu_memory(ip, on=False)
+
+
+def _watch_standby_gpu_memory(ip: Any, on: bool) -> None:
+    """Before each cell the standby ranks give up GPU memory the cell may need; an out-of-memory error names them."""
+    from nbtrain.kernel import standby_ranks
+
+    for event, callback in (("pre_run_cell", standby_ranks.before_cell), ("post_run_cell", standby_ranks.after_cell)):
+        registered = callback in ip.events.callbacks.get(event, [])
+        if on and not registered:
+            ip.events.register(event, callback)
+        elif not on and registered:
+            ip.events.unregister(event, callback)
 
 
 def _debug_rank_first(original: Any) -> Any:

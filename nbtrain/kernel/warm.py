@@ -4,20 +4,28 @@ The kernel connects to the template's socket (starting the template if there is 
 sends it the launcher's end of a fresh socketpair and a stderr pipe (SCM_RIGHTS), and gets
 back a launcher that has torch imported already. Wherever that cannot be (the template is
 switched off, the runtime directory is not private or not writable, no Unix sockets),
-:func:`forked_launcher` returns None and the kernel starts its own launcher as before, silently.
+:func:`forked_launcher` returns None and the kernel starts its own launcher as before.
 Nothing here waits for the template's answer: a launcher it forks is not used until it said
 it is ready (``LauncherClient`` waits at most :data:`READY_SECONDS`), and one that cannot be
 used (refused, dead before it was ready, too late) is abandoned (:func:`abandon`) for the
-kernel's own, silently too.
+kernel's own. Never in silence: each time, :func:`note_fallback` writes why in the kernel's
+log (its own stderr, which Jupyter shows in the server's log, not in a cell), and
+:func:`fallbacks` lists the reasons so far.
+
+    >>> note_fallback("an example: $NBTRAIN_TEMPLATE=0 switches it off (unset it to use it)", log=False)
+    >>> fallbacks()[-1]
+    'an example: $NBTRAIN_TEMPLATE=0 switches it off (unset it to use it)'
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -38,7 +46,7 @@ def forked_launcher() -> processes.LauncherProcess | None:
     """This kernel's private launcher, forked by the template; None where there is none.
 
     The template is started first if none runs. None (the caller then starts its own
-    launcher) wherever a template cannot be used; nothing is said about it.
+    launcher) wherever a template cannot be used, and the kernel's log says why.
 
         >>> import os
         >>> saved = dict(os.environ)
@@ -47,10 +55,9 @@ def forked_launcher() -> processes.LauncherProcess | None:
         True
         >>> os.environ.clear(); os.environ.update(saved)  # as it was, whatever it held
     """
-    if not naming.enabled():
-        return None
-    folder = naming.socket_directory()
+    folder, why = _socket_folder()
     if folder is None:
+        note_fallback(why)
         return None
     me = naming.identity()
     path = naming.socket_path(folder, me)
@@ -65,10 +72,58 @@ def forked_launcher() -> processes.LauncherProcess | None:
                 processes.start_template(path)
                 connection = _connect_when_listening(path)
         if connection is None:
+            note_fallback(f"the template started for {path} did not listen there within {CONNECT_SECONDS:g} s")
             return None
         return _ask(connection, me)
-    except Exception:  # noqa: BLE001 - anything here means: start our own launcher, as before
+    except Exception as error:  # noqa: BLE001 - anything here means: start our own launcher, as before
+        note_fallback(f"reaching the template at {path} failed: {error!r}")
         return None
+
+
+def _socket_folder() -> tuple[str | None, str]:
+    """The template's folder, or None and why none can be used."""
+    if not naming.enabled():
+        value = os.environ.get(naming.ENABLED_VARIABLE, "")
+        return None, f"${naming.ENABLED_VARIABLE}={value!r} switches it off (unset it to use the template)"
+    folder = naming.socket_directory()
+    if folder is None:
+        return None, (
+            f"{naming.candidate_directory()} is not a directory of uid {os.getuid()}'s own that only it may enter "
+            f"and write (set ${naming.DIRECTORY_VARIABLE} to one, mode 0700)"
+        )
+    return folder, ""
+
+
+def note_fallback(reason: str, log: bool = True) -> None:
+    """Say, in the kernel's log, why this kernel's launcher is not the template's (``reason``, with what to do).
+
+    The line goes to the kernel's own stderr: under Jupyter, the server's log, never a cell
+    (nothing went wrong that the user must act on: the first run only waits longer).
+    """
+    _said.append(reason)
+    if log:
+        line = (
+            f"nbtrain: the warm template is not used: {reason}. This kernel starts its own launcher, "
+            "so its first run waits for that launcher to import torch (seconds).\n"
+        )
+        with contextlib.suppress(OSError, ValueError):
+            os.write(_log_fd(), line.encode(errors="replace"))
+
+
+def fallbacks() -> list[str]:
+    """Why this kernel's launchers were not the template's, oldest first (empty: every one was)."""
+    return list(_said)
+
+
+_said: list[str] = []
+
+
+def _log_fd() -> int:
+    # ipykernel forwards fd 2 to the cell; its stderr's fileno() is the kernel's own stderr.
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return 2
 
 
 def ensure_template() -> None:
@@ -152,10 +207,11 @@ def _ask(connection: socket.socket, me: naming.Identity) -> processes.LauncherPr
     try:
         request = naming.Request(me, dict(os.environ), os.getcwd())
         wire.send(connection, request, (launcher_end.fileno(), write_end))
-    except OSError:
+    except OSError as error:
         for end in (kernel_end, connection):
             end.close()
         os.close(read_end)
+        note_fallback(f"the request to the template could not be sent: {error}")
         return None
     finally:
         launcher_end.close()
@@ -166,20 +222,24 @@ def _ask(connection: socket.socket, me: naming.Identity) -> processes.LauncherPr
 
 
 class _Answer:
-    """The template's reply: the launcher's pid, read once, within the time asked for."""
+    """The template's reply: the launcher's pid, read once, within the time asked for; or why there is none."""
 
     def __init__(self, connection: socket.socket):
         self.connection = connection
 
-    def __call__(self, timeout: float) -> tuple[bool, int | None]:
+    def __call__(self, timeout: float) -> tuple[bool, int | None, str]:
         self.connection.settimeout(timeout)
         try:
             reply, fds = wire.receive(self.connection)
         except (TimeoutError, BlockingIOError):  # BlockingIOError: a timeout of 0
-            return False, None  # asked again later (a partial frame cannot happen: it is tiny)
+            return False, None, ""  # asked again later (a partial frame cannot happen: it is tiny)
         except (OSError, wire.ChannelClosed):
             reply, fds = None, []
         self.connection.close()
         for fd in fds:
             os.close(fd)
-        return True, reply.launcher_pid if isinstance(reply, naming.Reply) else None
+        if not isinstance(reply, naming.Reply):
+            return True, None, "the template closed the connection without an answer (it ended meanwhile)"
+        if reply.launcher_pid is None:
+            return True, None, f"the template forked no launcher: {reply.refused or 'the kernel was gone for it'}"
+        return True, reply.launcher_pid, ""

@@ -32,11 +32,11 @@ HANDSHAKE_SECONDS = 5.0  # a connected kernel that says nothing for this long is
 class Template:
     """The template's loop: accept kernels on ``listener``, fork their launchers, reap them, retire when idle."""
 
-    def __init__(self, listener: socket.socket, path: str, loaded: tuple[str, ...]):
+    def __init__(self, listener: socket.socket, path: str, loaded: tuple[str, ...], identity: naming.Identity):
         self.listener = listener
         self.path = path
         self.loaded = loaded
-        self.identity = naming.identity()
+        self.identity = identity  # as its kernel saw it when it started us: the socket's name says so
         self.idle = naming.idle_seconds()
         self.launchers: dict[int, int] = {}  # pidfd -> launcher pid
         self.selector = selectors.DefaultSelector()
@@ -216,6 +216,9 @@ def _listen(path: str) -> socket.socket | None:
 def main() -> None:
     """``python -m nbtrain.launch_server.template <socket>``: detach, import, freeze, serve."""
     path = sys.argv[1]
+    # Taken before the imports below, as the kernel that starts us took it for the socket's name:
+    # taken after them (seconds), a file saved meanwhile made us refuse that very kernel.
+    identity = naming.identity()
     processes.detach()
     os.chdir("/")  # hold no kernel's directory for the template's lifetime
     processes.ignore_interrupts()
@@ -235,7 +238,7 @@ def main() -> None:
         _unlink_own(path, os.stat(path).st_ino)
         processes.exit_now(1)  # forking would be unsafe; kernels then start their own launchers
     privatenet.namespaces()  # once, for every launcher forked from here (nbtrain.privatenet)
-    Template(listener, path, loaded).serve()
+    Template(listener, path, loaded, identity).serve()
     processes.exit_now(0)
 
 

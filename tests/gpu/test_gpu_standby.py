@@ -2,7 +2,8 @@
 
 A CUDA run's standby ranks hold a CUDA context (cuDNN and cuBLAS loaded; NCCL's
 communicator built where there are several ranks) and nothing of any cell; GPUs only they
-hold count as free for ``--devices free:k``, and a run taking that GPU takes or ends them.
+hold count as free for ``--devices free:k``, and a run taking that GPU takes or ends them;
+before a cell that may need their memory (the kernel's own grew, or a small GPU) they give it up.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import time
 import pytest
 import torch
 
+import kernel_helpers
 import nbtrain
 from helpers.procs import RUN_TIMEOUT, finish
+from kernel_helpers import NotebookKernel
 from nbtrain import hardware
 from nbtrain.kernel import launcher_connection
 
@@ -98,3 +101,34 @@ def test_a_cells_own_collective_runs_on_a_lone_standby_rank_that_built_no_commun
     ran_on, backend, total = finish(nbtrain.start(collective, devices=1, accelerator="cuda", timeout=RUN_TIMEOUT))
     assert ran_on == pid and "nccl" in backend and total == 3.0
     nbtrain.release()
+
+
+STANDBY_PIDS = "sorted(__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).standby_pids())"
+GPU_BYTES = "sum(g.process_bytes.get({pid}, 0) for g in __import__('nbtrain.hardware', fromlist=['x']).gpu_usage())"
+
+
+def _kernel_standby(kernel: NotebookKernel) -> int:
+    kernel.run_ok("%%distributed --devices 1 --accelerator gpu\nimport torch\nx = torch.ones(1, device='cuda').sum()\n")
+    waited, ready = kernel_helpers.wait_for_standby(kernel, 60.0)
+    assert ready, f"no ready standby ranks within {waited:.0f} s"
+    (pid,) = kernel.value(STANDBY_PIDS)
+    assert kernel.value(GPU_BYTES.format(pid=pid)) > 0
+    return pid
+
+
+def test_standby_ranks_give_their_gpu_memory_up_when_the_kernel_uses_the_gpu_and_an_oom_names_them():
+    """Unrun so far (no GPU where it was written): the policy's CPU test is tests/test_standby_ranks.py."""
+    with NotebookKernel() as kernel:
+        kernel.run_ok("%load_ext nbtrain")
+        standby = _kernel_standby(kernel)
+        # A CUDA out-of-memory error in the kernel names them and nbtrain.release().
+        too_much = "2 * torch.cuda.mem_get_info()[1]"
+        out = kernel.run(f"import torch\nhuge = torch.empty({too_much}, dtype=torch.uint8, device='cuda')")
+        assert out.error is not None and "OutOfMemoryError" in out.error["ename"]
+        assert f"pids {standby}) hold" in out.stderr and "nbtrain.release() frees it" in out.stderr, out.stderr
+        # The kernel takes 1 GiB of the GPU for itself: before the next cell they give theirs up.
+        said = kernel.run_ok("big = torch.empty(1 << 30, dtype=torch.uint8, device='cuda')").stderr
+        said += kernel.run_ok("y = 2").stderr
+        assert "gave up the" in said and ("this kernel's own GPU memory grew" in said or "16 GiB or less" in said), said
+        assert kernel_helpers.wait_gone([standby], 30.0) == []
+        assert kernel.value(STANDBY_PIDS) == []

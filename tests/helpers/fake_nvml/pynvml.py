@@ -4,7 +4,8 @@ The machine it pretends to be comes from the ``NBTRAIN_FAKE_NVML`` environment v
 JSON: ``{"gpus": [{"uuid": "GPU-aa11", "name": "NVIDIA A100", "total": bytes, "free":
 bytes, "processes": [{"pid": 4242, "used": bytes}]}], "init_error": "..."}``. A GPU
 whose ``"processes"`` is null answers "Not Supported" when asked for them. The value
-``"absent"`` makes ``import pynvml`` fail, as on a machine without nvidia-ml-py.
+``"absent"`` makes ``import pynvml`` fail, as on a machine without nvidia-ml-py; ``"@<file>"``
+reads the JSON from that file at each ``nvmlInit`` (a machine whose processes change).
 
 Only what nbtrain asks of NVML is here; everything nbtrain does with the answers is real.
 """
@@ -18,8 +19,17 @@ from types import SimpleNamespace
 _SPEC = os.environ.get("NBTRAIN_FAKE_NVML", '{"gpus": []}')
 if _SPEC == "absent":
     raise ImportError("No module named 'pynvml' (simulated: nvidia-ml-py is not installed)")
-_MACHINE = json.loads(_SPEC)
+_MACHINE = json.loads(_SPEC) if not _SPEC.startswith("@") else {"gpus": []}
 _GPUS = {gpu["uuid"]: gpu for gpu in _MACHINE["gpus"]}
+
+
+def _reread() -> None:
+    """``NBTRAIN_FAKE_NVML=@<file>``: the machine is that file's JSON, read at each nvmlInit (a test changes it)."""
+    global _MACHINE, _GPUS
+    if _SPEC.startswith("@"):
+        with open(_SPEC[1:]) as spec:
+            _MACHINE = json.load(spec)
+        _GPUS = {gpu["uuid"]: gpu for gpu in _MACHINE["gpus"]}
 
 
 class NVMLError(Exception):
@@ -27,6 +37,7 @@ class NVMLError(Exception):
 
 
 def nvmlInit() -> None:
+    _reread()
     if _MACHINE.get("init_error"):
         raise NVMLError(_MACHINE["init_error"])
 
