@@ -176,10 +176,10 @@ class NodeAgent:
         """The run's records since the last poll (waits up to ``timeout`` for the first), signed with
         the run's secret; and the ObjectRefs of rank 0's result pieces among them, in order."""
         with self._lock:
-            secret = self._secrets.get(run_id)
-            if secret is None:
+            if run_id not in self._secrets:
                 raise RuntimeError(f"{self.label} knows no run {run_id} (it was never begun here, or has ended)")
             batch = self._batch(run_id, timeout)
+            secret = self._secrets[run_id]  # read as the batch is taken, under the same lock
             if any(isinstance(m, events.RunEnded) for m in batch):
                 del self._secrets[run_id]
         refs = tuple(ref for record in batch if isinstance(record, NodeResult) for ref in record.refs)
