@@ -369,10 +369,10 @@ class _Relay:
             started = self._begin(ray)
             self._follow(ray, started)
         except Exception as error:  # noqa: BLE001 - whatever happens, the run must end
+            self.stop("failed", by_caller=False)  # first: it stops the nodes not ended yet
             for index, ended in enumerate(self.ended):
                 if ended is None:
                     self.ended[index] = events.RunEnded(self.run_id, events.FAILED, detail=f"{error}")
-            self.stop("failed", by_caller=False)
         finally:
             self.payload = None  # frees the object store's copy
         final = nodes.combine(self.run_id, [e for e in self.ended if e is not None], self.failure_order,
