@@ -153,7 +153,7 @@ class NodeAgent:
         pickle must be signed with it, or nothing starts and nothing of them is unpickled.
         ``tensors``: the payload's tensor bytes (a uint8 array), or None.
         """
-        request = runsecret.loads(secret, signed_request, run_id, "request", self.label)
+        request = runsecret.unpickled(secret, signed_request, run_id, "request", self.label)
         data = bytes(runsecret.opened(secret, signed_data, run_id, "payload", self.label))
         if not isinstance(request, NodeRun) or request.run_id != run_id:
             raise RuntimeError(f"{self.label} was sent {type(request).__name__} as run {run_id}'s request")
@@ -184,7 +184,7 @@ class NodeAgent:
                 del self._secrets[run_id]
         refs = tuple(ref for record in batch if isinstance(record, NodeResult) for ref in record.refs)
         batch = [dataclasses.replace(r, refs=()) if isinstance(r, NodeResult) else r for r in batch]
-        return runsecret.dumps(secret, run_id, "records", batch), refs
+        return runsecret.pickled(secret, run_id, "records", batch), refs
 
     def _batch(self, run_id: int, timeout: float) -> list[Any]:
         """The records of run ``run_id`` since the last poll (called holding the lock)."""

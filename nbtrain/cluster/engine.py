@@ -409,7 +409,7 @@ class _Relay:
     def _begin_node(self, index: int, port: int | None) -> Any:
         """Node ``index``'s begin call: the run's secret with it, its request signed, the payload's refs."""
         assert self.payload is not None
-        request = runsecret.dumps(self.secret, self.run_id, "request", self._request(index, port))
+        request = runsecret.pickled(self.secret, self.run_id, "request", self._request(index, port))
         return self.client.agents[index].begin.remote(self.run_id, self.secret, request, *self.payload)
 
     def _request(self, index: int, port: int | None) -> Any:
@@ -444,7 +444,7 @@ class _Relay:
                 except ray.exceptions.RayError as error:
                     self._lost(index, error)
                     continue
-                batch = runsecret.loads(self.secret, signed, self.run_id, "records", "the kernel")
+                batch = runsecret.unpickled(self.secret, signed, self.run_id, "records", "the kernel")
                 batch = [_with_refs(record, pieces) for record in batch]
                 if not self._take(index, batch):
                     pending[agents[index].poll.remote(self.run_id, POLL_SECONDS)] = index

@@ -15,10 +15,10 @@ can speak Ray's protocol to the cluster can run code on it anyway (docs/cluster.
 reach a cluster run"). Standard library only.
 
 >>> secret = new_secret()
->>> signed = dumps(secret, 7, "records", ["a record"])
->>> loads(secret, signed, 7, "records", "the kernel")
+>>> signed = pickled(secret, 7, "records", ["a record"])
+>>> unpickled(secret, signed, 7, "records", "the kernel")
 ['a record']
->>> loads(new_secret(), signed, 7, "records", "the kernel")  # doctest: +ELLIPSIS
+>>> unpickled(new_secret(), signed, 7, "records", "the kernel")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
 nbtrain.errors.ClusterError: nbtrain refused the records of run 7 that reached the kernel: ...
@@ -78,11 +78,11 @@ def opened(secret: bytes, signed: bytes, run_id: int, what: str, where: str) -> 
     return data
 
 
-def dumps(secret: bytes, run_id: int, what: str, obj: Any) -> bytes:
+def pickled(secret: bytes, run_id: int, what: str, obj: Any) -> bytes:
     """``obj`` pickled and signed for run ``run_id``."""
     return sign(secret, run_id, what, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def loads(secret: bytes, signed: bytes, run_id: int, what: str, where: str) -> Any:
-    """What :func:`dumps` signed, unpickled only once its tag matches (``where``: who reads it, for the error)."""
+def unpickled(secret: bytes, signed: bytes, run_id: int, what: str, where: str) -> Any:
+    """What :func:`pickled` signed, unpickled only once its tag matches (``where``: who reads it, for the error)."""
     return pickle.loads(opened(secret, signed, run_id, what, where))

@@ -64,16 +64,15 @@ def test_bytes_not_signed_for_this_run_and_kind_are_refused_and_not_unpickled(tm
     secret, marker = runsecret.new_secret(), tmp_path / "ran"
     forged = forge(pickle.dumps([_Marker(str(marker))]), secret)
     with pytest.raises(ClusterError, match=r"refused the records of run 7 that reached the kernel: .* not unpickled"):
-        runsecret.loads(secret, forged, 7, "records", "the kernel")
+        runsecret.unpickled(secret, forged, 7, "records", "the kernel")
     assert not marker.exists()
 
 
 def test_what_the_run_signed_comes_back_whole() -> None:
     secret = runsecret.new_secret()
     record = events.RunEnded(7, events.FINISHED, result=b"\x00" * 1000)
-    assert runsecret.loads(secret, runsecret.dumps(secret, 7, "records", [record]), 7, "records", "the kernel") == [
-        record
-    ]
+    signed = runsecret.pickled(secret, 7, "records", [record])
+    assert runsecret.unpickled(secret, signed, 7, "records", "the kernel") == [record]
     assert len(runsecret.new_secret()) == runsecret.SECRET_BYTES and runsecret.new_secret() != secret
 
 
@@ -95,7 +94,7 @@ def test_a_payload_or_request_not_signed_with_the_runs_secret_starts_nothing_on_
     node_one = client.agents[1]
     secret, marker = runsecret.new_secret(), tmp_path / "ran"
     evil = pickle.dumps(_Marker(str(marker)))
-    signed_request = runsecret.dumps(secret, 99, "request", _request(99))
+    signed_request = runsecret.pickled(secret, 99, "request", _request(99))
     attempts = {
         "payload": (secret, signed_request, ray.put(evil)),  # the object store's bytes replaced, unsigned
         "request": (secret, runsecret.sign(runsecret.new_secret(), 99, "request", evil), ray.put(evil)),
