@@ -78,6 +78,9 @@ class RunRecord:
     stop_at_step: bool = False
     stop_deadline: float | None = None
     stopped_at: int | None = None  # the step a stop kept (the sidebar says "stopped at step N")
+    # Why other users of the machine could reach the run's process-group sockets (its launcher's
+    # reason, nbtrain.privatenet); None: nobody else could, or a cluster's run (its own threat model).
+    reachable: str | None = None
 
     @property
     def pids(self) -> tuple[int, ...]:

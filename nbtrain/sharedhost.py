@@ -75,6 +75,21 @@ def sentence(reason: str, accounts: int) -> str:
     )
 
 
+def standing(reason: str | None, accounts: int | None = None) -> str | None:
+    """The sentence for a run its launcher found reachable (``reason``), every time asked (the sidebar),
+    on a machine of several people (``accounts``: its human accounts, read from /etc/passwd if None).
+
+    >>> standing("NBTRAIN_PRIVATE_NETWORK=0 is set", 3).startswith("nbtrain: this machine has 3 user accounts")
+    True
+    >>> standing("NBTRAIN_PRIVATE_NETWORK=0 is set", 1), standing(None, 3)
+    (None, None)
+    """
+    if reason is None:
+        return None
+    accounts = human_accounts() if accounts is None else accounts
+    return sentence(reason, accounts) if accounts > 1 else None
+
+
 def run_gap(accelerator: str, strategy: str, on_cluster: bool, environ: Mapping[str, str] | None = None) -> str | None:
     """Why a run of these facts leaves its process group reachable by other users, or None."""
     environ = os.environ if environ is None else environ

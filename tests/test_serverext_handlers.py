@@ -105,6 +105,37 @@ async def test_each_run_names_its_notebook_as_the_contents_api_does(jp_fetch, jp
     assert outside["path"] is None  # outside the server's root: nothing the front end can open
 
 
+def _passwd(tmp_path, people: int) -> str:
+    """A passwd file with root, a service account and ``people`` human accounts."""
+    lines = ["root:x:0:0::/root:/bin/bash", "svc:x:999:999::/:/usr/sbin/nologin"]
+    lines += [f"p{i}:x:{1000 + i}:{1000 + i}::/home/p{i}:/bin/bash" for i in range(people)]
+    path = tmp_path / f"passwd-{people}"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("people", [1, 3])
+async def test_on_a_machine_of_several_people_each_reachable_run_says_what_and_what_to_do(
+    jp_fetch, stand_ins, tmp_path, monkeypatch, people
+):
+    from nbtrain import sharedhost
+
+    # The machine's accounts, as /etc/passwd lists them (the one boundary faked: the suite's
+    # machine has one person).
+    monkeypatch.setattr(sharedhost, "PASSWD", _passwd(tmp_path, people))
+    _record("aa-1", [stand_ins()], reachable="the nccl backend is not covered (only CPU runs on gloo are)")
+    _record("aa-2", [stand_ins()], started=2.0)  # covered: nobody else could reach it
+    reachable, covered = await _get(jp_fetch, "runs")
+    assert covered["shared_host"] is None
+    if people == 1:
+        assert reachable["shared_host"] is None
+        return
+    said = reachable["shared_host"]
+    assert said.startswith("nbtrain: this machine has 3 user accounts, and this run's process-group sockets")
+    assert "the nccl backend is not covered" in said and "standby_idle=None" in said
+    assert said == sharedhost.sentence("the nccl backend is not covered (only CPU runs on gloo are)", 3)
+
+
 async def test_every_route_refuses_a_request_without_the_token(jp_fetch, stand_ins):
     _record("aa-1", [stand_ins()])
     routes = (

@@ -65,6 +65,17 @@ def test_a_started_run_is_written_at_once_with_its_ranks_and_their_start_times(f
     assert (record["kernel_id"], record["launcher_pid"]) == ("k-1", me)
 
 
+def test_a_run_records_why_other_users_could_reach_its_process_group(folder):
+    b = board()
+    b.start(start_run(1, folder, NBTRAIN_PRIVATE_NETWORK="0"), [])
+    place = events.NodePlace(node_rank=0, num_nodes=2, local_world_size=2, master_addr="10.0.0.1")
+    b.start(dataclasses.replace(start_run(2, folder, NBTRAIN_PRIVATE_NETWORK="0"), node=place), [])
+    b.start(start_run(3, folder), [])
+    found = {record["id"].rsplit("-", 1)[1]: record["reachable"] for record in records(folder).values()}
+    # This process never tried to make the namespaces: a covered run is said to be covered.
+    assert found == {"1": "NBTRAIN_PRIVATE_NETWORK=0 is set", "2": None, "3": None}
+
+
 def test_rank_0s_metrics_give_step_loss_rate_and_a_loss_point_a_second(folder):
     b = board()
     b.start(start_run(1, folder), [])

@@ -28,6 +28,11 @@ export interface RunInfo {
   stopped_at?: number | null;
   /** A failed run's root-cause rank kept alive for %nbtrain_debug, and what it holds; null once released. */
   held?: string | null;
+  /**
+   * On a machine of several people: what other users could reach of this run's process group,
+   * why, and what to do (the kernel's own sentence, nbtrain.sharedhost); null where nobody could.
+   */
+  shared_host?: string | null;
 }
 
 export interface GpuInfo {
@@ -42,6 +47,17 @@ export interface DevicesInfo {
   gpus: GpuInfo[];
   host: { cpus: number; cpu_percent: number; memory_used: number; memory_total: number };
   ranks: { run: string; rank: number; pid: number; rss: number | null; gpu_memory: number | null }[];
+}
+
+/** What the sidebar says above the runs about other users of this machine: each run's sentence once. */
+export function sharedHostText(runs: Pick<RunInfo, 'shared_host'>[]): string {
+  const said: string[] = [];
+  for (const run of runs) {
+    if (run.shared_host && said.indexOf(run.shared_host) < 0) {
+      said.push(run.shared_host);
+    }
+  }
+  return said.join(' ');
 }
 
 /** States in which a run still has ranks working for it. */

@@ -18,6 +18,7 @@ import {
   heldText,
   plural,
   runTitle,
+  sharedHostText,
   sparklinePoints,
   stateText
 } from './model';
@@ -51,6 +52,7 @@ export class NbtrainPanel extends Widget {
   private readonly runsNode: HTMLElement;
   private readonly devicesNode: HTMLElement;
   private readonly messageNode: HTMLElement;
+  private readonly sharedHostNode: HTMLElement;
 
   constructor(private readonly model: RunsModel, private readonly openNotebook: (path: string) => void) {
     super();
@@ -58,11 +60,13 @@ export class NbtrainPanel extends Widget {
     this.addClass('jp-nbtrain-panel');
     this.title.caption = 'nbtrain: runs and devices';
     this.messageNode = h('div', 'jp-nbtrain-message');
+    this.sharedHostNode = h('div', 'jp-nbtrain-shared-host');
     this.runsNode = h('div', 'jp-nbtrain-runs');
     this.devicesNode = h('div', 'jp-nbtrain-devices');
     this.node.append(
       h('h2', 'jp-nbtrain-heading', ['nbtrain runs']),
       this.messageNode,
+      this.sharedHostNode,
       this.runsNode,
       h('h2', 'jp-nbtrain-heading', ['Devices']),
       this.devicesNode
@@ -104,6 +108,7 @@ export class NbtrainPanel extends Widget {
   private renderRuns(): void {
     const runs = this.model.runs;
     this.messageNode.textContent = this.model.error || this.error;
+    this.sharedHostNode.textContent = sharedHostText(runs);
     this.runsNode.replaceChildren(
       ...(runs.length
         ? runs.slice().reverse().map(run => this.renderRun(run))

@@ -10,10 +10,20 @@ import {
   heldText,
   parsePythonString,
   runTitle,
+  sharedHostText,
   sparklinePoints,
   stateText,
   statusText
 } from '../src/model';
+
+test('what other users could reach is said once above the runs, each sentence once', () => {
+  const nccl = 'nbtrain: this machine has 3 user accounts, and ... NCCL ...';
+  const off = 'nbtrain: this machine has 3 user accounts, and ... NBTRAIN_PRIVATE_NETWORK=0 ...';
+  assert.equal(sharedHostText([{ shared_host: nccl }, { shared_host: null }, {}, { shared_host: nccl }]), nccl);
+  assert.equal(sharedHostText([{ shared_host: nccl }, { shared_host: off }]), `${nccl} ${off}`);
+  assert.equal(sharedHostText([{ shared_host: null }, {}]), '');
+  assert.equal(sharedHostText([]), '');
+});
 
 test('a stop that kept its step says which', () => {
   assert.equal(stateText({ state: 'stopped', stopped_at: 412 }), 'stopped at step 412');

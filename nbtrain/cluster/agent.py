@@ -13,8 +13,11 @@ agent when the kernel (its driver) goes, when the kernel kills it, or with its n
 Data: the run's payload arrives from Ray's object store and goes to the launcher in a
 memfd, as on one machine. Rank 0's result is read out of rank 0's memory here (this
 process is its ancestor) and put into the object store in pieces of ``PIECE_BYTES``; the
-kernel copies each piece from there as it arrives. Every other record goes back as plain
-frozen dataclasses through :meth:`poll`.
+kernel copies each piece from there as it arrives. Every other record goes back through
+:meth:`poll`. The request, the payload's pickle and each poll's records cross as bytes
+signed with the run's secret (:mod:`nbtrain.cluster.runsecret`), which arrives with
+:meth:`begin` itself: nothing of nbtrain's is unpickled here, or in the kernel, unless the
+other side made it.
 
 This module runs only inside a Ray worker; the kernel imports it only to name the class.
 """
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain import events, processes, wire
+from nbtrain.cluster import runsecret
 from nbtrain.logsetup import LoggingSetup
 
 READY_SECONDS = 180.0  # the launcher imports torch: seconds on a loaded small machine
@@ -90,8 +94,11 @@ class NodeResult:
 
     run_id: int
     data: bytes
-    pieces: tuple[tuple[int, Any], ...]  # (offset in the layout, Ray ObjectRef to a uint8 array)
+    pieces: tuple[tuple[int, int], ...]  # (offset in the layout, length): signed with the records
     total_bytes: int
+    # Ray ObjectRefs to each piece's uint8 array, in order: Ray's own values, so they travel beside
+    # the signed records (a pickle of them outside Ray would pin the objects for good).
+    refs: tuple[Any, ...] = ()
 
 
 class NodeAgent:
@@ -105,6 +112,7 @@ class NodeAgent:
         self._ready = threading.Event()
         self._lock = threading.Condition()
         self._inboxes: dict[int, collections.deque[Any]] = {}  # launcher records, per run
+        self._secrets: dict[int, bytes] = {}  # each run's secret, from its begin until its end
         self._stderr: collections.deque[str] = collections.deque(maxlen=40)
         self._alive = True
         context = ray.get_runtime_context()
@@ -118,13 +126,16 @@ class NodeAgent:
         threading.Thread(target=self._read_stderr, name="nbtrain-agent-stderr", daemon=True).start()
 
     # -- called by the kernel ----------------------------------------------------------
-    def ready(self) -> NodeInfo:
-        """Wait until the launcher has imported torch; what this node is."""
+    def ready(self) -> tuple[Any, ...]:
+        """Wait until the launcher has imported torch; what this node is (NodeInfo's fields).
+
+        Plain values, which Ray carries without pickling; the kernel rebuilds the NodeInfo.
+        """
         if not self._ready.wait(READY_SECONDS):
             raise RuntimeError(f"the nbtrain launcher on {self.label} was not ready in {READY_SECONDS:g} s")
         if not self._alive:
             raise RuntimeError(f"the nbtrain launcher on {self.label} exited: {''.join(self._stderr)}")
-        return NodeInfo(
+        info = NodeInfo(
             node_id=self._node_id,
             address=self._address,
             agent_pid=os.getpid(),
@@ -133,14 +144,24 @@ class NodeAgent:
             gpus=int(self._resources.get("GPU", 0)),
             socket_interface=interface_of(self._address),
         )
+        return dataclasses.astuple(info)
 
-    def begin(self, request: NodeRun, payload: tuple[bytes, Any]) -> int | None:
-        """Start this node's ranks; on the node hosting the store, return its port."""
-        data, tensors = payload
+    def begin(self, run_id: int, secret: bytes, signed_request: bytes, signed_data: bytes, tensors: Any) -> int | None:
+        """Start this node's ranks; on the node hosting the store, return its port.
+
+        ``secret``: the run's (the kernel's, for this run only). The request and the payload's
+        pickle must be signed with it, or nothing starts and nothing of them is unpickled.
+        ``tensors``: the payload's tensor bytes (a uint8 array), or None.
+        """
+        request = runsecret.unpickled(secret, signed_request, run_id, "request", self.label)
+        data = bytes(runsecret.opened(secret, signed_data, run_id, "payload", self.label))
+        if not isinstance(request, NodeRun) or request.run_id != run_id:
+            raise RuntimeError(f"{self.label} was sent {type(request).__name__} as run {run_id}'s request")
         self.label = request.place.label
         tensor_fd = _memfd_holding(tensors) if tensors is not None else None
         with self._lock:
             self._inboxes[request.run_id] = collections.deque()
+            self._secrets[request.run_id] = secret
         start = _start_run(request, data, tensor_fd is not None, self.label, interface_of(self._address))
         try:
             self._send(start, () if tensor_fd is None else (tensor_fd,))
@@ -151,27 +172,38 @@ class NodeAgent:
             return None
         return self._wait_for_port(request.run_id)
 
-    def poll(self, run_id: int, timeout: float = 0.25) -> list[Any]:
-        """The run's records since the last poll (waits up to ``timeout`` for the first)."""
-        deadline = time.monotonic() + min(timeout, MAX_POLL_SECONDS)
+    def poll(self, run_id: int, timeout: float = 0.25) -> tuple[bytes, tuple[Any, ...]]:
+        """The run's records since the last poll (waits up to ``timeout`` for the first), signed with
+        the run's secret; and the ObjectRefs of rank 0's result pieces among them, in order."""
         with self._lock:
-            inbox = self._inboxes.get(run_id)
-            if inbox is None:
-                return [events.RunEnded(run_id, events.FAILED, detail=f"{self.label} knows no run {run_id}")]
-            while not inbox and self._alive and time.monotonic() < deadline:
-                self._lock.wait(max(0.0, deadline - time.monotonic()))
-            # Records come in bursts (every rank's memory sample, a log per step): one call
-            # for the burst, not one per record. Events reach the kernel at most this late;
-            # what the kernel waits on to finish the run goes at once.
-            gather = min(deadline, time.monotonic() + GATHER_SECONDS)
-            while inbox and self._alive and not _awaited(inbox) and time.monotonic() < gather:
-                self._lock.wait(max(0.0, gather - time.monotonic()))
-            batch = list(inbox)
-            inbox.clear()
-            if not self._alive and not any(isinstance(m, events.RunEnded) for m in batch):
-                batch.append(events.RunEnded(run_id, events.FAILED, detail=self._launcher_gone()))
+            if run_id not in self._secrets:
+                raise RuntimeError(f"{self.label} knows no run {run_id} (it was never begun here, or has ended)")
+            batch = self._batch(run_id, timeout)
+            secret = self._secrets[run_id]  # read as the batch is taken, under the same lock
             if any(isinstance(m, events.RunEnded) for m in batch):
-                del self._inboxes[run_id]
+                del self._secrets[run_id]
+        refs = tuple(ref for record in batch if isinstance(record, NodeResult) for ref in record.refs)
+        batch = [dataclasses.replace(r, refs=()) if isinstance(r, NodeResult) else r for r in batch]
+        return runsecret.pickled(secret, run_id, "records", batch), refs
+
+    def _batch(self, run_id: int, timeout: float) -> list[Any]:
+        """The records of run ``run_id`` since the last poll (called holding the lock)."""
+        deadline = time.monotonic() + min(timeout, MAX_POLL_SECONDS)
+        inbox = self._inboxes[run_id]
+        while not inbox and self._alive and time.monotonic() < deadline:
+            self._lock.wait(max(0.0, deadline - time.monotonic()))
+        # Records come in bursts (every rank's memory sample, a log per step): one call
+        # for the burst, not one per record. Events reach the kernel at most this late;
+        # what the kernel waits on to finish the run goes at once.
+        gather = min(deadline, time.monotonic() + GATHER_SECONDS)
+        while inbox and self._alive and not _awaited(inbox) and time.monotonic() < gather:
+            self._lock.wait(max(0.0, gather - time.monotonic()))
+        batch = list(inbox)
+        inbox.clear()
+        if not self._alive and not any(isinstance(m, events.RunEnded) for m in batch):
+            batch.append(events.RunEnded(run_id, events.FAILED, detail=self._launcher_gone()))
+        if any(isinstance(m, events.RunEnded) for m in batch):
+            del self._inboxes[run_id]
         return batch
 
     def release(self, run_id: int) -> None:
@@ -235,7 +267,8 @@ class NodeAgent:
             return self._take_result(message)
         if isinstance(message, events.RunEnded) and fds:  # rank 0's result came as a file
             try:
-                result = NodeResult(message.run_id, message.result or b"", *_put_file(fds[0]))
+                pieces, refs, size = _put_file(fds[0])
+                result = NodeResult(message.run_id, message.result or b"", pieces, size, refs)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -252,12 +285,12 @@ class NodeAgent:
     def _take_result(self, offer: events.ResultOffer) -> list[Any]:
         """Copy rank 0's tensors out of its memory into the object store, then release it."""
         try:
-            pieces = _put_from_process(offer)
+            pieces, refs = _put_from_process(offer)
         except OSError:  # reading rank 0 is forbidden here: it sends a file instead
             self._send(events.ReleaseResult(offer.run_id, send_file=True))
             return []
         self._send(events.ReleaseResult(offer.run_id))
-        return [NodeResult(offer.run_id, offer.result, pieces, offer.total_bytes)]
+        return [NodeResult(offer.run_id, offer.result, pieces, offer.total_bytes, refs)]
 
     def _file(self, record: Any) -> None:
         with self._lock:
@@ -386,24 +419,27 @@ def _memfd_holding(tensors: Any) -> int:
     return fd
 
 
-def _put_from_process(offer: events.ResultOffer) -> tuple[tuple[int, Any], ...]:
-    """Rank 0's layout into the object store piece by piece, through one reused buffer."""
+def _put_from_process(offer: events.ResultOffer) -> tuple[tuple[tuple[int, int], ...], tuple[Any, ...]]:
+    """Rank 0's layout into the object store piece by piece, through one reused buffer: (offset, length)
+    of each piece, and its ObjectRef."""
     import numpy
     import ray
 
     from nbtrain import sharedtensors
 
     buffer = numpy.zeros(min(PIECE_BYTES, offer.total_bytes), dtype=numpy.uint8)
-    pieces = []
+    pieces, refs = [], []
     for start in range(0, offer.total_bytes, PIECE_BYTES):
         length = min(PIECE_BYTES, offer.total_bytes - start)
         sharedtensors.read_span_from_process(offer.pid, offer.regions, start, length, buffer.ctypes.data)
-        pieces.append((start, ray.put(buffer[:length])))  # put copies: the buffer is free again
-    return tuple(pieces)
+        pieces.append((start, length))
+        refs.append(ray.put(buffer[:length]))  # put copies: the buffer is free again
+    return tuple(pieces), tuple(refs)
 
 
-def _put_file(fd: int) -> tuple[tuple[tuple[int, Any], ...], int]:
-    """A layout rank 0 wrote to a file, into the object store piece by piece; and its size."""
+def _put_file(fd: int) -> tuple[tuple[tuple[int, int], ...], tuple[Any, ...], int]:
+    """A layout rank 0 wrote to a file, into the object store piece by piece: (offset, length) of
+    each piece, their ObjectRefs, and its size."""
     import numpy
     import ray
 
@@ -411,8 +447,9 @@ def _put_file(fd: int) -> tuple[tuple[tuple[int, Any], ...], int]:
     mapping = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     array = numpy.frombuffer(mapping, dtype=numpy.uint8, count=size)
     try:
-        pieces = tuple((start, ray.put(array[start : start + PIECE_BYTES])) for start in range(0, size, PIECE_BYTES))
-        return pieces, size
+        starts = range(0, size, PIECE_BYTES)
+        pieces = tuple((start, min(PIECE_BYTES, size - start)) for start in starts)
+        return pieces, tuple(ray.put(array[start : start + PIECE_BYTES]) for start in starts), size
     finally:
         del array  # the mapping can close only once no array refers to it
         mapping.close()

@@ -8,9 +8,11 @@
    :class:`ClusterClient` for it. The client holds a STRICT_SPREAD placement group, one
    bundle per node, and one :class:`nbtrain.cluster.agent.NodeAgent` actor in each; it
    stays warm across runs, as the local launcher does.
-2. :meth:`ClusterClient.submit` puts the payload into the object store once and starts
-   the node holding global rank 0 first: its launcher binds the process group's port on
-   the node's own address and reports it; then every other node starts, given that port.
+2. :meth:`ClusterClient.submit` makes the run's secret (:mod:`nbtrain.cluster.runsecret`),
+   puts the payload into the object store once, its pickle signed, and starts the node
+   holding global rank 0 first (the secret travels in that call, never in the object store):
+   its launcher binds the process group's port on the node's own address and reports it;
+   then every other node starts, given that port.
 3. A relay thread per run keeps one long poll outstanding at each agent and files what
    comes back under the run exactly as the local client does, so :class:`nbtrain.Run`, the
    magic and the live view cannot tell the engines apart. The nodes' outcomes combine into
@@ -35,7 +37,7 @@ from typing import Any, TypeAlias
 from urllib.parse import urlparse
 
 from nbtrain import config, events
-from nbtrain.cluster import nodes, stepstop
+from nbtrain.cluster import nodes, runsecret, stepstop
 from nbtrain.devices import DevicePlan
 from nbtrain.errors import ClusterError, ConfigurationError
 from nbtrain.options import LaunchOptions
@@ -240,7 +242,7 @@ class ClusterClient:
     def _start_agents(self, ray: Any) -> tuple[list[Any], list[Any]]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from nbtrain.cluster.agent import NodeAgent
+        from nbtrain.cluster.agent import NodeAgent, NodeInfo
 
         remote = ray.remote(NodeAgent)
         resources = self.plan.bundle()
@@ -252,9 +254,10 @@ class ClusterClient:
             for index in range(self.plan.num_nodes)
         ]
         try:
-            infos = ray.get([agent.ready.remote() for agent in agents], timeout=AGENTS_READY_SECONDS)
+            fields = ray.get([agent.ready.remote() for agent in agents], timeout=AGENTS_READY_SECONDS)
         except Exception as error:  # noqa: BLE001 - a worker that cannot start, or a timeout
             raise ClusterError(f"the nbtrain agents did not start on the cluster at {self.address}: {error}") from None
+        infos = [NodeInfo(*values) for values in fields]
         # Global rank 0 (and the result's copy) on the kernel's own node when it is in the run.
         here = ray.get_runtime_context().get_node_id()
         order = sorted(range(len(agents)), key=lambda i: infos[i].node_id != here)
@@ -268,7 +271,9 @@ class ClusterClient:
         run_id = next(self._run_ids)
         inbox: _Inbox = queue.Queue()
         template = start_run(run_id)
-        relay = _Relay(self, template, _put_payload(template.payload, tensor_fd), inbox)
+        secret = runsecret.new_secret()
+        signed = runsecret.sign(secret, run_id, "payload", template.payload)
+        relay = _Relay(self, template, secret, _put_payload(signed, tensor_fd), inbox)
         self._relays[run_id] = relay
         threading.Thread(target=relay.run, name=f"nbtrain-cluster-run-{run_id}", daemon=True).start()
         return run_id, inbox
@@ -311,11 +316,12 @@ class ClusterClient:
         return pids
 
 
-def _put_payload(data: bytes, tensor_fd: int | None) -> Any:
-    """The payload in the object store, once for every node: the pickle and its tensors' bytes."""
+def _put_payload(signed: bytes, tensor_fd: int | None) -> tuple[Any, Any]:
+    """The payload in the object store, once for every node: its signed pickle (plain bytes, which Ray
+    stores raw) and its tensors' bytes (a uint8 array), or None."""
     ray = import_ray()
     if tensor_fd is None:
-        return ray.put((data, None))
+        return ray.put(signed), None
     import mmap
 
     import numpy
@@ -324,20 +330,23 @@ def _put_payload(data: bytes, tensor_fd: int | None) -> Any:
     mapping = mmap.mmap(tensor_fd, max(size, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     try:
         array = numpy.frombuffer(mapping, dtype=numpy.uint8, count=size)
-        ref = ray.put((data, array))
+        ref = ray.put(array)
         del array
     finally:
         mapping.close()
-    return ref
+    return ray.put(signed), ref
 
 
 class _Relay:
     """One run across the nodes: start them, relay their records, combine their ends."""
 
-    def __init__(self, client: ClusterClient, template: events.StartRun, payload: Any, inbox: _Inbox):
+    def __init__(
+        self, client: ClusterClient, template: events.StartRun, secret: bytes, payload: tuple[Any, Any], inbox: _Inbox
+    ):
         self.client = client
         self.template = template
-        self.payload = payload
+        self.secret = secret  # the run's: signs what crosses between the kernel and the agents
+        self.payload: tuple[Any, Any] | None = payload  # ObjectRefs: the signed pickle, the tensors' bytes
         self.inbox = inbox
         self.run_id = template.run_id
         count = client.plan.num_nodes
@@ -360,10 +369,10 @@ class _Relay:
             started = self._begin(ray)
             self._follow(ray, started)
         except Exception as error:  # noqa: BLE001 - whatever happens, the run must end
+            self.stop("failed", by_caller=False)  # first: it stops the nodes not ended yet
             for index, ended in enumerate(self.ended):
                 if ended is None:
                     self.ended[index] = events.RunEnded(self.run_id, events.FAILED, detail=f"{error}")
-            self.stop("failed", by_caller=False)
         finally:
             self.payload = None  # frees the object store's copy
         final = nodes.combine(self.run_id, [e for e in self.ended if e is not None], self.failure_order,
@@ -377,9 +386,8 @@ class _Relay:
     # -- starting ------------------------------------------------------------------------
     def _begin(self, ray: Any) -> list[int]:
         """Start node 0 (it binds the store's port), then all the others with that port."""
-        first = self.client.agents[0]
         try:
-            port = ray.get(first.begin.remote(self._request(0, None), self.payload), timeout=BEGIN_SECONDS)
+            port = ray.get(self._begin_node(0, None), timeout=BEGIN_SECONDS)
         except ray.exceptions.RayActorError as error:
             self._lost(0, error)
             return []
@@ -388,8 +396,7 @@ class _Relay:
             for index in others:
                 self.ended[index] = events.RunEnded(self.run_id, events.STOPPED)
             return [0]
-        refs = {index: self.client.agents[index].begin.remote(self._request(index, port), self.payload)
-                for index in others}
+        refs = {index: self._begin_node(index, port) for index in others}
         started = [0]
         for index, ref in refs.items():
             try:
@@ -398,6 +405,12 @@ class _Relay:
             except ray.exceptions.RayActorError as error:
                 self._lost(index, error)
         return started
+
+    def _begin_node(self, index: int, port: int | None) -> Any:
+        """Node ``index``'s begin call: the run's secret with it, its request signed, the payload's refs."""
+        assert self.payload is not None
+        request = runsecret.pickled(self.secret, self.run_id, "request", self._request(index, port))
+        return self.client.agents[index].begin.remote(self.run_id, self.secret, request, *self.payload)
 
     def _request(self, index: int, port: int | None) -> Any:
         from nbtrain.cluster.agent import NodeRun
@@ -427,10 +440,12 @@ class _Relay:
             for ref in ready:
                 index = pending.pop(ref)
                 try:
-                    batch = ray.get(ref)
+                    signed, pieces = ray.get(ref)
                 except ray.exceptions.RayError as error:
                     self._lost(index, error)
                     continue
+                batch = runsecret.unpickled(self.secret, signed, self.run_id, "records", "the kernel")
+                batch = [_with_refs(record, pieces) for record in batch]
                 if not self._take(index, batch):
                     pending[agents[index].poll.remote(self.run_id, POLL_SECONDS)] = index
             self._choose_step()  # every node has reported, or the ones left have ended
@@ -557,6 +572,18 @@ class _Relay:
         self._ask_nodes(reason, graceful=False)
 
 
+def _with_refs(record: Any, refs: tuple[Any, ...]) -> Any:
+    """Rank 0's result with the ObjectRefs of its pieces that came beside the signed records."""
+    if type(record).__name__ != "NodeResult":
+        return record
+    if len(refs) != len(record.pieces):
+        raise ClusterError(
+            f"run {record.run_id}'s result came with {len(refs)} pieces in the object store for a layout of "
+            f"{len(record.pieces)}: it cannot be put together."
+        )
+    return dataclasses.replace(record, refs=tuple(refs))
+
+
 def _copied_result(record: Any) -> Any:
     """Rank 0's result out of the object store into the kernel's own memory (one copy).
 
@@ -567,12 +594,15 @@ def _copied_result(record: Any) -> Any:
 
     ray = import_ray()
     mapping = sharedtensors.private_memory(record.total_bytes)
-    offsets = {ref: start for start, ref in record.pieces}
-    pending = [ref for _, ref in record.pieces]
+    places = dict(zip(record.refs, record.pieces, strict=True))
+    pending = list(record.refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
         for ref in ready:
             piece = memoryview(ray.get(ref)).cast("B")
-            mapping[offsets[ref] : offsets[ref] + len(piece)] = piece
+            start, length = places[ref]
+            if len(piece) != length:  # the layout's lengths are signed; the pieces' bytes are Ray's
+                raise ClusterError(f"a piece of run {record.run_id}'s result has {len(piece)} bytes, not {length}")
+            mapping[start : start + length] = piece
             del piece  # a view pins its object in the store: the store frees each once the run is done
     return CopiedResult(record.data, mapping)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from nbtrain import processes, registry
+from nbtrain import privatenet, processes, registry
 from nbtrain.events import Metrics, StartRun
 
 WRITE_SECONDS = 1.0  # the most often a running run's record is rewritten
@@ -119,6 +119,8 @@ class Board:
             strategy=start.strategy or ("fsdp" if wrapper == "fsdp" else f"ddp_{start.start_method}"),
             accelerator=start.ranks[0].device_type if start.ranks else "",
             started=time.time(),
+            # Whether this launcher could make the namespaces is known here; the sidebar says what it means.
+            reachable=None if start.node is not None else privatenet.uncovered(start, privatenet.refused()),
         )
         folder = self._safely(lambda: registry.runs_directory(environ=start.environ), None)
         if folder is None:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from nbtrain import processes, registry
+from nbtrain import processes, registry, sharedhost
 from nbtrain.registry import RunRecord
 
 ORPHANED = "orphaned"
@@ -91,8 +91,12 @@ def contents_path(notebook: str | None, root: str | None) -> str | None:
     return relative.replace(os.sep, "/")
 
 
-def run_json(record: RunRecord, now: float | None = None, root: str | None = None) -> dict[str, Any]:
-    """The JSON the sidebar gets for one run (``root``: the server's root directory)."""
+def run_json(
+    record: RunRecord, now: float | None = None, root: str | None = None, accounts: int | None = None
+) -> dict[str, Any]:
+    """The JSON the sidebar gets for one run (``root``: the server's root directory; ``accounts``: the
+    machine's human accounts, read if None). ``shared_host``: on a machine of several people, what
+    other users could reach of the run and what to do (:func:`nbtrain.sharedhost.standing`), else None."""
     now = time.time() if now is None else now
     data = record.as_json()
     data["path"] = contents_path(record.notebook, root)
@@ -101,6 +105,7 @@ def run_json(record: RunRecord, now: float | None = None, root: str | None = Non
     data["pids"] = list(record.pids)
     data["live_pids"] = [pid for _, pid, _ in live_ranks(record)]
     data["elapsed"] = max(0.0, (record.ended or now) - record.started)
+    data["shared_host"] = sharedhost.standing(record.reachable, accounts)
     return data
 
 
@@ -108,11 +113,12 @@ def list_runs(root: str | None = None) -> list[dict[str, Any]]:
     """Every run in the registry, as shown; records of ended runs whose launcher is gone are
     removed on the way (a launcher killed outright could not remove them itself)."""
     shown = []
+    accounts = sharedhost.human_accounts()  # once for the list
     for record in registry.read_all():
         if not record.active and not alive(record.launcher_pid, record.launcher_start):
             registry.remove(record.id)
             continue
-        shown.append(run_json(record, root=root))
+        shown.append(run_json(record, root=root, accounts=accounts))
     return shown
 
 
