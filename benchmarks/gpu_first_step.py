@@ -2,7 +2,7 @@
 """Where a fresh CUDA process's first ResNet-18 step goes, with and without a standby rank's warm-up.
 
 A standby rank (nbtrain.launch_server.standby) creates its CUDA context and warms the device
-(``nbtrain.rank.runtime._warm_device``) before a cell arrives; what the cell's first step
+(``nbtrain.rank.machinery.runtime._warm_device``) before a cell arrives; what the cell's first step
 still pays is what this measures. Each row is one fresh process (``python -c``), as a rank is
 a fresh CUDA process; in order:
 
@@ -38,7 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = """
 import json, statistics, sys, time
 import torch, torch.nn.functional as F
-from nbtrain.rank import runtime
+from nbtrain.rank.machinery import runtime
 way = sys.argv[1]
 began = time.perf_counter()
 if way == "context":

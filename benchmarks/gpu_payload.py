@@ -2,7 +2,7 @@
 """How a payload's GPU tensors reach a rank's GPU: the engine's way against others, one fresh process each.
 
 A kernel's CUDA model and optimizer travel to a rank through a shared-memory file
-(``nbtrain.sharedtensors``): the kernel copies each storage from its GPU into the file, the
+(``nbtrain.messages.sharedtensors``): the kernel copies each storage from its GPU into the file, the
 rank maps the file and copies each storage to its GPU as it unpickles. On an H200 the
 rank's side took 0.18-0.23 s for a ResNet-18 and its momentum (~90 MB), where ``model.cuda()``
 of the same model takes ~0.01 s; this takes that apart. Each way is one fresh process that
@@ -43,7 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = r"""
 import io, json, mmap, os, sys, time
 import torch
-from nbtrain import sharedtensors
+from nbtrain.messages import sharedtensors
 way, device = sys.argv[1], sys.argv[2]
 cuda = device == "cuda"
 

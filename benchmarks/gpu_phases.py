@@ -20,9 +20,11 @@ import warm_start  # and its way of stopping a template of a folder's own
 SITECUSTOMIZE = phases.PROBE_FUNCTIONS + r'''
 
 if LOG and os.environ.get("NBTRAIN_ROLE") in ("template", "launcher"):
-    from nbtrain import sharedtensors
+    from nbtrain.messages import sharedtensors
     from nbtrain.launch_server import server
-    from nbtrain.rank import cell, prepare, runtime
+    from nbtrain.rank import cell
+    from nbtrain.rank.auto import prepare
+    from nbtrain.rank.machinery import runtime
 
     wrap(server.Launcher, "_on_control", "launcher: the kernel's request handled (ranks forked or handed the run)")
     wrap(runtime, "_adopt_caller_state", "rank: environment, cwd, sys.path, threads")
@@ -41,7 +43,7 @@ if LOG and os.environ.get("NBTRAIN_ROLE") in ("template", "launcher"):
 '''
 
 KERNEL_CELL = """
-import sitecustomize as _phases, nbtrain.sharedtensors as _shared, nbtrain.kernel.client as _client
+import sitecustomize as _phases, nbtrain.messages.sharedtensors as _shared, nbtrain.kernel.client as _client
 import nbtrain.kernel.run_handle as _handle, nbtrain.kernel.namespace as _ns, nbtrain.kernel.display.cellout as _out
 import nbtrain.kernel.display.live as _live, nbtrain.kernel.launcher_connection as _connection
 _phases.wrap(_shared, "dumps_to_shared_memory", "kernel: payload pickled (GPU tensors to shared memory)")

@@ -48,10 +48,10 @@ from typing import Any
 from launch import mlp  # benchmarks/launch.py, beside this script
 
 import nbtrain
-from nbtrain import events
 from nbtrain.kernel import launcher_connection
 from nbtrain.kernel.display.chart import ChartFigure
 from nbtrain.kernel.display.live import CHART_CPU_SHARE, SLOWEST_CHART_SECONDS, LiveView
+from nbtrain.messages import events
 
 WORKLOADS = {
     # (layer widths, batch): steps of ~2.5 ms, a worst case for logging every step (2 ranks)

@@ -67,9 +67,10 @@ PROBE = PROBE_FUNCTIONS + r'''
 
 if LOG and os.environ.get("NBTRAIN_ROLE") == "launcher":
     import torch.distributed as dist
-    from nbtrain import processes, sharedtensors
+    from nbtrain.system import processes
+    from nbtrain.messages import sharedtensors
     from nbtrain.launch_server import forking, server
-    from nbtrain.rank import runtime
+    from nbtrain.rank.machinery import runtime
 
     wrap(server.Launcher, "_on_control", "launcher: request from kernel (StartRun: ranks forked)")
     wrap(server.Launcher, "_hand_over", "launcher: all ranks done: Release (or ResultOffer)")
@@ -140,14 +141,15 @@ def transfer_job():
 
 def install_caller_probes() -> None:
     import nbtrain
-    from nbtrain import hardware, sharedtensors
     from nbtrain.kernel import launcher_connection, run_handle
+    from nbtrain.messages import sharedtensors
+    from nbtrain.planning import probe
 
     probes: dict = {}
     exec(PROBE, probes)  # noqa: S102 - the launcher's probe functions, unwrapped (this is not the launcher)
     wrap, record = probes["wrap"], probes["record"]
 
-    wrap(hardware, "probe_plan", "caller: probe_plan (devices)")
+    wrap(probe, "probe_plan", "caller: probe_plan (devices)")
     wrap(sharedtensors, "dumps", "caller: pickle fn + args")
     wrap(launcher_connection.LauncherClient, "submit", "caller: send StartRun")
     wrap(launcher_connection.LauncherClient, "_take_result", "caller: take result (read + ReleaseResult)")
@@ -218,7 +220,7 @@ def main() -> None:
     job = transfer_job if args.transfer else first_step_job
     runs = (1, 2, 1, 2) if args.transfer else (2,) * (1 + args.warm)
     for i, devices in enumerate(runs):
-        # The caller's probes import nbtrain.sharedtensors (torch, cloudpickle): installing
+        # The caller's probes import nbtrain.messages.sharedtensors (torch, cloudpickle): installing
         # them before the first launch would hide what that launch pays for those imports,
         # so the first launch shows the launcher and ranks only.
         t_call = time.time()

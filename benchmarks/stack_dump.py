@@ -1,7 +1,7 @@
 """What being ready to say where each rank is stuck costs a healthy run.
 
 Every rank registers a faulthandler stack dump on a spare signal at start
-(``nbtrain.rank.runtime.register_stack_dump``); nothing runs per step. This measures:
+(``nbtrain.rank.machinery.runtime.register_stack_dump``); nothing runs per step. This measures:
 
 1. the registration itself, in this process (one ``faulthandler.register`` on a pipe);
 2. the steady-state step time of a DDP MLP on 2 CPU ranks with the dump registered and
@@ -26,7 +26,7 @@ import time
 from launch import steady_job  # benchmarks/launch.py, beside this script
 
 import nbtrain
-from nbtrain import stacks
+from nbtrain.messages import stacks
 
 SIZES = (784, 512, 512, 10)
 BATCH = 32
@@ -36,7 +36,8 @@ def job(steps: int) -> tuple[list, bool]:
     """steady_job, plus whether this rank has the dump registered (its SigCgt mask)."""
     import os
 
-    from nbtrain import processes, stacks
+    from nbtrain.messages import stacks
+    from nbtrain.system import processes
 
     registered = processes.catches(os.getpid(), stacks.DUMP_SIGNAL)
     return steady_job(sizes=SIZES, batch=BATCH, warmup=10, steps=steps), registered

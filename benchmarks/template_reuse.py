@@ -33,7 +33,7 @@ import psutil
 
 from helpers import procs
 from kernel_helpers import LAUNCHER_PID, NotebookKernel
-from nbtrain import templatesocket as naming
+from nbtrain.messages import templatesocket as naming
 
 FIRST_LINE_CELL = "%%distributed --devices 2 --accelerator cpu\nimport time\nprint('FIRST', repr(time.time()))\n"
 WAIT_READY = "__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().ready.wait(180)"

@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from nbtrain import processes
+from nbtrain.system import processes
 
 # A user's kernel imports nbtrain, torch and Lightning from compiled bytecode (pip compiles
 # it at install; an editable install writes it at the first import): so do these kernels,

@@ -41,16 +41,16 @@ from nbtrain.errors import (
     RunTimeoutError,
     SerializationError,
 )
-from nbtrain.hardware import find_usable_cuda_devices
 from nbtrain.kernel.client import launch, start
 from nbtrain.kernel.defaults import get_defaults, reset_defaults, set_defaults
 from nbtrain.kernel.run_handle import Run
+from nbtrain.planning.probe import find_usable_cuda_devices
 from nbtrain.rank.api import all_reduce, device, is_rank_zero, local_rank, log, rank, world_size
-from nbtrain.rank.prepare import prepare
+from nbtrain.rank.auto.prepare import prepare
 
 if _TYPE_CHECKING:
     from nbtrain.kernel.background import BackgroundRun
-    from nbtrain.kernel.standby_ranks import StandbyRanks
+    from nbtrain.kernel.standbylist import StandbyRanks
 
 __all__ = [
     "ConfigurationError",
@@ -109,11 +109,11 @@ def launcher(**kwargs: _Any) -> object:
 def runs() -> list[BackgroundRun | StandbyRanks]:
     """This kernel's background runs, oldest first (``%%distributed --background``, ``launch(background=True)``).
 
-    Standby ranks waiting for the next run (:class:`nbtrain.kernel.standby_ranks.StandbyRanks`,
+    Standby ranks waiting for the next run (:class:`nbtrain.kernel.standbylist.StandbyRanks`,
     state ``"standby"``, with the memory each holds) come first, when there are any.
     """
     from nbtrain.kernel import launcher_connection as _connection
-    from nbtrain.kernel import standby_ranks as _standby
+    from nbtrain.kernel import standbylist as _standby
     from nbtrain.kernel.background import runs as _runs
 
     client = _connection._client
@@ -122,11 +122,11 @@ def runs() -> list[BackgroundRun | StandbyRanks]:
 
 
 def _say_what_stays_reachable() -> None:
-    """Once, after a run whose process group other users of the machine could reach (nbtrain.sharedhost)."""
+    """Once, after a run whose process group other users of the machine could reach (nbtrain.system.sharedhost)."""
     import sys as _sys
 
-    from nbtrain import sharedhost as _sharedhost
     from nbtrain.kernel import cellrun as _cellrun
+    from nbtrain.system import sharedhost as _sharedhost
 
     record = _cellrun.last_run
     if record is not None:
@@ -148,7 +148,7 @@ def release() -> int:
         True
     """
     from nbtrain.kernel import launcher_connection as _connection
-    from nbtrain.kernel import standby_ranks as _standby
+    from nbtrain.kernel import standbylist as _standby
 
     client = _connection._client
     if client is None or not client.alive:
@@ -215,7 +215,7 @@ def set_trace(*, rank: _Any = 0) -> None:
     """
     import sys as _sys
 
-    from nbtrain.rank.debugger import stop_at as _stop_at
+    from nbtrain.rank.machinery.debugger import stop_at as _stop_at
 
     _stop_at(_sys._getframe().f_back, rank)
 

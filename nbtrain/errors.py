@@ -57,7 +57,7 @@ class RunFailedError(NbtrainError, RuntimeError):
 
     rank: int | None = None
     headline: str = ""  # the message without ``where``
-    where: str = ""  # a timed-out or stopped run: where each rank was (nbtrain.stacks.where_each_rank_was)
+    where: str = ""  # a timed-out or stopped run: where each rank was (nbtrain.messages.stacks.where_each_rank_was)
 
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing our own (uninteresting) frames.

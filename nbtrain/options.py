@@ -8,7 +8,7 @@ in its metadata: the check that turns a value as the user gave it into the value
 (raising a ConfigurationError that names it), the flag that sets it in a cell, and its
 help, from which ``%%distributed --help`` and docs/magic.md's flag table are generated; whether
 the ranks are told it (``rank``: it then travels in the run's
-:class:`~nbtrain.events.RankSettings`) and how the launcher form shows it (``control``).
+:class:`~nbtrain.messages.events.RankSettings`) and how the launcher form shows it (``control``).
 Constructing the record (or ``dataclasses.replace`` on it) checks every field, so a record
 that exists is a valid one. Pure: it imports no torch and starts nothing.
 
@@ -31,11 +31,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain import config
-from nbtrain import devices as devices_module
 from nbtrain.cluster import nodes
-from nbtrain.devices import DevicePlan
 from nbtrain.errors import ConfigurationError
+from nbtrain.planning import config
+from nbtrain.planning import deviceplan as devices_module
+from nbtrain.planning.deviceplan import DevicePlan
 from nbtrain.runstate import STALL_SECONDS
 
 DEBUG_HOLD_SECONDS = 600.0  # how long a failed run's root-cause rank waits, idle, for %nbtrain_debug
@@ -85,8 +85,8 @@ class Option:
     backticks. ``shown_default`` is how the
     built-in default reads. ``keyword``: ``nbtrain.launch`` and ``nbtrain.start`` take it.
     ``rank``: the ranks are told it: it travels in the run's
-    :class:`~nbtrain.events.RankSettings` and rank code reads it from
-    :func:`nbtrain.rank.settings.current` (``current().precision``), with no other plumbing.
+    :class:`~nbtrain.messages.events.RankSettings` and rank code reads it from
+    :func:`nbtrain.rank.machinery.settings.current` (``current().precision``), with no other plumbing.
     ``control``: how the launcher form shows it (:mod:`nbtrain.kernel.display.form`; None: not there).
 
     >>> Option("Seconds.", check=float, flag="--wait").plain_help()

@@ -58,7 +58,7 @@ class Patch:
 
     ``target`` is a module (``"torch.serialization"``) or a class in one
     (``"torch.utils.data:DataLoader"``); ``replacement`` names a factory
-    (``"nbtrain.rank.checkpoints:whole_torch_save"``) called with the original attribute
+    (``"nbtrain.rank.machinery.checkpoints:whole_torch_save"``) called with the original attribute
     (``None`` where the target had none of its own) that returns what replaces it, or that
     same object to leave the target as it is.
     """
@@ -164,14 +164,14 @@ def _factory(reference: str) -> Callable[[Any], Any]:
 
 def _when_imported(patch: Patch, stack: ExitStack) -> Callable[[], None]:
     """Apply ``patch`` once its module is imported; returns what stops waiting for it."""
-    from nbtrain.rank import afterimport  # an import hook, needed only by a patch that waits
+    from nbtrain.rank.machinery import afterimport  # an import hook, needed only by a patch that waits
 
     return afterimport.when_imported(patch.module, lambda module: _apply(patch, module, stack))
 
 
-_TRACKERS = "nbtrain.rank.trackers:"
+_TRACKERS = "nbtrain.rank.machinery.trackers:"
 _ONE_RUN = "a cell of several ranks writes one run, rank 0's; "
-# Experiment trackers (nbtrain.rank.trackers): installed for a cell on every rank; each factory
+# Experiment trackers (nbtrain.rank.machinery.trackers): installed for a cell on every rank; each factory
 # leaves rank 0's tracker writing (and charting its scalars) and quiets the other ranks'.
 _CHARTED = "rank 0's scalars are charted in the live view"
 _SUMMARY_WRITER = (  # (owner in the writer's module, attribute, factory, why) of a SummaryWriter's patches
@@ -230,37 +230,61 @@ _SHOWN = "IPython's {} on a rank goes to the cell (the kernel's own outside a ru
 _TEXT_BAR = "tqdm.notebook's widget bar on a rank (no frontend there) prints as text"
 
 TABLE: tuple[Patch, ...] = (
-    # A rank's process, installed as it starts (nbtrain.rank.runtime).
+    # A rank's process, installed as it starts (nbtrain.rank.machinery.runtime).
     Patch(
-        "rank", "sys", "stdout", "nbtrain.rank.runtime:line_buffered_stdout", _RANK, "each print reaches the cell live"
+        "rank",
+        "sys",
+        "stdout",
+        "nbtrain.rank.machinery.runtime:line_buffered_stdout",
+        _RANK,
+        "each print reaches the cell live",
     ),
     Patch(
         "rank",
         "sys",
         "stderr",
-        "nbtrain.rank.runtime:line_buffered_stderr",
+        "nbtrain.rank.machinery.runtime:line_buffered_stderr",
         _RANK,
         "each warning reaches the cell live",
     ),
-    Patch("rank", "builtins", "input", "nbtrain.rank.runtime:no_input", _RANK, "input() says why a rank can't answer"),
     Patch(
-        "torchrun", "torch.distributed", "init_process_group", "nbtrain.rank.runtime:harmless_init", _RANK, _TORCHRUN
+        "rank",
+        "builtins",
+        "input",
+        "nbtrain.rank.machinery.runtime:no_input",
+        _RANK,
+        "input() says why a rank can't answer",
     ),
-    Patch("torchrun", _C10D, "init_process_group", "nbtrain.rank.runtime:harmless_init", _RANK, _TORCHRUN),
+    Patch(
+        "torchrun",
+        "torch.distributed",
+        "init_process_group",
+        "nbtrain.rank.machinery.runtime:harmless_init",
+        _RANK,
+        _TORCHRUN,
+    ),
+    Patch("torchrun", _C10D, "init_process_group", "nbtrain.rank.machinery.runtime:harmless_init", _RANK, _TORCHRUN),
     Patch(
         "torchrun",
         "torch.distributed",
         "destroy_process_group",
-        "nbtrain.rank.runtime:harmless_destroy",
+        "nbtrain.rank.machinery.runtime:harmless_destroy",
         _RANK,
         _TORCHRUN_END,
     ),
-    Patch("torchrun", _C10D, "destroy_process_group", "nbtrain.rank.runtime:harmless_destroy", _RANK, _TORCHRUN_END),
+    Patch(
+        "torchrun",
+        _C10D,
+        "destroy_process_group",
+        "nbtrain.rank.machinery.runtime:harmless_destroy",
+        _RANK,
+        _TORCHRUN_END,
+    ),
     Patch(
         "debugger",
         "sys",
         "breakpointhook",
-        "nbtrain.rank.debugger:relayed_hook",
+        "nbtrain.rank.machinery.debugger:relayed_hook",
         _RANK,
         "breakpoint() opens pdb in the cell",
     ),
@@ -268,13 +292,21 @@ TABLE: tuple[Patch, ...] = (
         "debugger",
         "pdb",
         "set_trace",
-        "nbtrain.rank.debugger:relayed_set_trace",
+        "nbtrain.rank.machinery.debugger:relayed_set_trace",
         _RANK,
         "pdb.set_trace() opens pdb in the cell",
     ),
     # The launcher, before it forks ranks (a spawned rank installs them itself): as each module is imported.
     *(
-        Patch("notebook only", module, name, "nbtrain.rank.displays:in_the_cell", _LAUNCHER, _SHOWN.format(name), True)
+        Patch(
+            "notebook only",
+            module,
+            name,
+            "nbtrain.rank.machinery.displays:in_the_cell",
+            _LAUNCHER,
+            _SHOWN.format(name),
+            True,
+        )
         for module in ("IPython.core.display_functions", "IPython.core.display")  # IPython 8 and later, then 7.x
         for name in ("display", "clear_output")
     ),
@@ -282,23 +314,43 @@ TABLE: tuple[Patch, ...] = (
         "notebook only",
         "tqdm.notebook",
         "tqdm_notebook",
-        "nbtrain.rank.progressbars:text_bar",
+        "nbtrain.rank.machinery.progressbars:text_bar",
         _LAUNCHER,
         _TEXT_BAR,
         True,
     ),
-    Patch("notebook only", "tqdm.notebook", "tqdm", "nbtrain.rank.progressbars:text_bar", _LAUNCHER, _TEXT_BAR, True),
-    # One pdb prompt on a rank (nbtrain.rank.debugger): interact's input() and print() use the relay.
-    Patch("pdb prompt", "sys", "stdin", "nbtrain.rank.debugger:the_relay", Lifetime.PROMPT, "interact reads the relay"),
     Patch(
-        "pdb prompt", "sys", "stdout", "nbtrain.rank.debugger:the_relay", Lifetime.PROMPT, "interact writes the relay"
+        "notebook only",
+        "tqdm.notebook",
+        "tqdm",
+        "nbtrain.rank.machinery.progressbars:text_bar",
+        _LAUNCHER,
+        _TEXT_BAR,
+        True,
+    ),
+    # One pdb prompt on a rank (nbtrain.rank.machinery.debugger): interact's input() and print() use the relay.
+    Patch(
+        "pdb prompt",
+        "sys",
+        "stdin",
+        "nbtrain.rank.machinery.debugger:the_relay",
+        Lifetime.PROMPT,
+        "interact reads the relay",
+    ),
+    Patch(
+        "pdb prompt",
+        "sys",
+        "stdout",
+        "nbtrain.rank.machinery.debugger:the_relay",
+        Lifetime.PROMPT,
+        "interact writes the relay",
     ),
     # One auto-mode cell of several ranks (nbtrain.rank.cell): what the cell makes and trains itself.
     Patch(
         "made in the cell",
         "torch.optim:Optimizer",
         "__init__",
-        "nbtrain.rank.madehere:recording_optimizers",
+        "nbtrain.rank.auto.madeoptimizers:recording_optimizers",
         _CELL,
         "an optimizer made in the cell records where, so its model can be kept averaged",
     ),
@@ -306,7 +358,7 @@ TABLE: tuple[Patch, ...] = (
         "made in the cell",
         "torch.nn.parallel:DistributedDataParallel",
         "__init__",
-        "nbtrain.rank.madehere:recording_averaged",
+        "nbtrain.rank.auto.madeoptimizers:recording_averaged",
         _CELL,
         "a DDP made in the cell marks its parameters averaged",
     ),
@@ -314,13 +366,13 @@ TABLE: tuple[Patch, ...] = (
         "made in the cell",
         "torch.amp:GradScaler",
         "unscale_",
-        "nbtrain.rank.cellmodels:averaging_unscale",
+        "nbtrain.rank.auto.keptmodels:averaging_unscale",
         _CELL,
         "a scaler looks for infinities in averaged gradients (a cell-made model's, a model called past its DDP): "
         "every rank skips alike",
     ),
     *(
-        Patch("made in the cell", module, name, "nbtrain.rank.cellmodels:averaging_clip", _CELL, _AVERAGED_CLIP)
+        Patch("made in the cell", module, name, "nbtrain.rank.auto.keptmodels:averaging_clip", _CELL, _AVERAGED_CLIP)
         for module in ("torch.nn.utils.clip_grad", "torch.nn.utils")
         for name in ("clip_grad_norm_", "clip_grad_value_")
     ),
@@ -329,7 +381,7 @@ TABLE: tuple[Patch, ...] = (
             "made in the cell",
             "torch.utils.data:DataLoader",
             name,
-            f"nbtrain.rank.cellloaders:{factory}",
+            f"nbtrain.rank.auto.madeloaders:{factory}",
             _CELL,
             "a DataLoader made in the cell reads this rank's share, as the kernel's do",
         )
@@ -343,29 +395,36 @@ TABLE: tuple[Patch, ...] = (
         "made in the cell",
         "torch.optim.lr_scheduler:ReduceLROnPlateau",
         "step",
-        "nbtrain.rank.schedulers:agreed_step",
+        "nbtrain.rank.auto.schedulers:agreed_step",
         _CELL,
         "every rank steps on the ranks' agreed metric, so all keep the same learning rate",
     ),
     # One cell of several ranks: a file saved to one path by every rank is written whole.
-    Patch("whole files", "torch", "save", "nbtrain.rank.checkpoints:whole_torch_save", _CELL, _WHOLE),
-    Patch("whole files", "torch.serialization", "save", "nbtrain.rank.checkpoints:whole_torch_save", _CELL, _WHOLE),
-    Patch("whole files", "numpy", "save", "nbtrain.rank.checkpoints:whole_numpy_save", _CELL, _WHOLE, True),
+    Patch("whole files", "torch", "save", "nbtrain.rank.machinery.checkpoints:whole_torch_save", _CELL, _WHOLE),
+    Patch(
+        "whole files",
+        "torch.serialization",
+        "save",
+        "nbtrain.rank.machinery.checkpoints:whole_torch_save",
+        _CELL,
+        _WHOLE,
+    ),
+    Patch("whole files", "numpy", "save", "nbtrain.rank.machinery.checkpoints:whole_numpy_save", _CELL, _WHOLE, True),
     Patch(
         "whole files",
         "matplotlib.figure:Figure",
         "savefig",
-        "nbtrain.rank.checkpoints:whole_savefig",
+        "nbtrain.rank.machinery.checkpoints:whole_savefig",
         _CELL,
         _WHOLE,
         True,
     ),
-    # One cell that prepared a model for 16-mixed on CUDA (nbtrain.rank.wrapping).
+    # One cell that prepared a model for 16-mixed on CUDA (nbtrain.rank.auto.wrapping).
     Patch(
         "loss scaling",
         "torch:Tensor",
         "backward",
-        "nbtrain.rank.precision:scaled_backward",
+        "nbtrain.rank.auto.precision:scaled_backward",
         _CELL,
         "16-mixed scales a scalar loss's backward with no code change",
     ),
@@ -374,11 +433,11 @@ TABLE: tuple[Patch, ...] = (
         "loss logging",
         "torch:Tensor",
         "backward",
-        "nbtrain.rank.losslogging:logged_backward",
+        "nbtrain.rank.auto.losslogging:logged_backward",
         _CELL,
         "scalar.backward() logs the loss for the live view with no code change",
     ),
-    # One cell that imports an experiment tracker (nbtrain.rank.trackers).
+    # One cell that imports an experiment tracker (nbtrain.rank.machinery.trackers).
     *TRACKER_PATCHES,
 )
 """Every patch nbtrain installs, in the order each group installs them. docs/architecture.md

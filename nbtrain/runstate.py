@@ -15,7 +15,7 @@ notebook the same bytes) as a 2k-step one:
 - the step rate is measured over a sliding window of ``RATE_WINDOW_SECONDS``.
 
 Example:
-    >>> from nbtrain import events
+    >>> from nbtrain.messages import events
     >>> state = RunState(strategy="ddp_notebook", accelerator="cpu", world_size=2, total_steps=100)
     >>> for rank in (0, 1):
     ...     state.apply(events.Metrics(1, rank, ((1, 10.0, {"loss": 1.0 + rank}), (2, 11.0, {"loss": 0.5}))), now=0.5)
@@ -37,7 +37,7 @@ import collections
 import math
 from typing import Any
 
-from nbtrain import events
+from nbtrain.messages import events
 
 MAX_POINTS = 2000  # buckets per series: a full chart line, whatever the run's length
 LOG_LINES_PER_RANK = 20

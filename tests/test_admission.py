@@ -1,6 +1,6 @@
 """Admission: a run that cannot fit this machine is refused before any process starts.
 
-The rules are pure (nbtrain.devices, nbtrain.admission) and tested directly; then the same
+The rules are pure (nbtrain.planning.deviceplan, nbtrain.planning.admission) and tested directly; then the same
 refusals through ``nbtrain.launch`` and a real kernel's ``%%distributed``, checking that no
 process was started.
 """
@@ -16,8 +16,8 @@ from torch import nn
 
 import nbtrain
 from helpers import procs
-from nbtrain import admission, devices, hardware
 from nbtrain.errors import ConfigurationError
+from nbtrain.planning import admission, deviceplan, probe
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -25,7 +25,7 @@ _GIB = 2**30
 
 
 def plan_cpu(count, cores=2, **kwargs):
-    return devices.plan_devices(count, "cpu", gpus=[], mps_available=False, cpu_count=cores, **kwargs)
+    return deviceplan.plan_devices(count, "cpu", gpus=[], mps_available=False, cpu_count=cores, **kwargs)
 
 
 # -- how many CPU processes ----------------------------------------------------------------
@@ -44,7 +44,7 @@ def test_more_than_four_processes_per_core_are_refused_with_the_numbers_and_the_
 def test_oversubscribe_allows_more_up_to_what_gloo_can_connect():
     assert plan_cpu(64, oversubscribe=True).world_size == 64
     with pytest.raises(ConfigurationError, match="more than the 1,024 one machine can connect"):
-        plan_cpu(devices.MOST_CPU_RANKS + 1, oversubscribe=True)
+        plan_cpu(deviceplan.MOST_CPU_RANKS + 1, oversubscribe=True)
 
 
 @pytest.mark.parametrize("oversubscribe", [False, True])
@@ -122,7 +122,7 @@ def test_on_cuda_the_model_is_checked_against_each_gpus_free_memory():
 def test_available_memory_is_what_the_machine_reports():
     with open("/proc/meminfo") as f:
         reported = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    assert 0 < hardware.available_memory() <= reported * 1.5  # moves a little between the two reads
+    assert 0 < probe.available_memory() <= reported * 1.5  # moves a little between the two reads
 
 
 # -- through launch() ----------------------------------------------------------------------
@@ -157,7 +157,7 @@ def test_on_cuda_free_gpu_memory_is_read_through_nvml_before_launch(launcher, mo
 
 def test_a_run_close_to_the_memory_limit_starts_with_a_one_line_warning(launcher, capfd):
     # parameters + gradients of a meta model (no memory here or on the rank) at 90% of what is free
-    features = int((0.45 * hardware.available_memory() / 4) ** 0.5)
+    features = int((0.45 * probe.available_memory() / 4) ** 0.5)
     model = nn.Linear(features, features, bias=False, device="meta")
     assert procs.finish(nbtrain.start(lambda: tuple(model.weight.shape), devices=1, accelerator="cpu")) == (
         features,

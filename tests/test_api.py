@@ -15,7 +15,7 @@ import torch
 
 import nbtrain
 from helpers.procs import finish
-from nbtrain import events
+from nbtrain.messages import events
 from nbtrain.rank import api
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from nbtrain import events, records
 from nbtrain.kernel import namespace as ns
+from nbtrain.messages import events, records
 from nbtrain.rank import api
 from nbtrain.rank import cell as rank_cell
 from nbtrain.rank.cell import CellSpec, run_cell

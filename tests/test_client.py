@@ -11,10 +11,10 @@ import threading
 
 import pytest
 
-from nbtrain import config
-from nbtrain.devices import DevicePlan
 from nbtrain.errors import SerializationError
 from nbtrain.kernel import client
+from nbtrain.planning import config
+from nbtrain.planning.deviceplan import DevicePlan
 
 RUN = 9
 CONFIG = config.make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=30)

@@ -1,4 +1,4 @@
-"""cloudpickle as nbtrain sends code and optimizers to the ranks (nbtrain.codepickle).
+"""cloudpickle as nbtrain sends code and optimizers to the ranks (nbtrain.messages.codepickle).
 
 A function defined in a notebook cell is exec'd with the cell's file name, as IPython does;
 the pickle is loaded in another Python process, as a rank loads it, so its traceback there
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from nbtrain import codepickle
+from nbtrain.messages import codepickle
 
 CELL_FILE = "/tmp/ipykernel_4242/1234567.py"  # what IPython names a cell's code
 SUBPROCESS_SECONDS = 60

@@ -1,4 +1,4 @@
-"""nbtrain.config: strategies, backends, timeouts, threads per rank, rank specs (pure, no processes)."""
+"""nbtrain.planning.config: strategies, backends, timeouts, threads per rank, rank specs (pure, no processes)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import math
 
 import pytest
 
-from nbtrain import config
-from nbtrain.config import (
+from nbtrain.errors import ConfigurationError
+from nbtrain.messages.events import RankSpec
+from nbtrain.planning import config
+from nbtrain.planning.config import (
     backend_for,
     intra_op_threads,
     make_config,
@@ -15,9 +17,7 @@ from nbtrain.config import (
     user_thread_count,
     validate_timeout,
 )
-from nbtrain.devices import DevicePlan
-from nbtrain.errors import ConfigurationError
-from nbtrain.events import RankSpec
+from nbtrain.planning.deviceplan import DevicePlan
 
 
 @pytest.mark.parametrize(
@@ -136,9 +136,9 @@ def test_the_users_omp_num_threads_is_read_leniently(value, threads):
 
 
 def test_ranks_sharing_a_gpu_get_gloo_and_nccl_is_refused_with_what_to_do():
-    from nbtrain.config import make_config
-    from nbtrain.devices import DevicePlan
     from nbtrain.errors import ConfigurationError
+    from nbtrain.planning.config import make_config
+    from nbtrain.planning.deviceplan import DevicePlan
 
     shared = DevicePlan("cuda", (0, 0))
     assert make_config(shared, strategy="ddp_notebook", timeout=None).backend == "gloo"
@@ -153,7 +153,7 @@ def test_ranks_sharing_a_gpu_get_gloo_and_nccl_is_refused_with_what_to_do():
 
 
 def test_the_ranks_are_told_the_wrapper_and_the_options_they_read_in_one_record():
-    from nbtrain.events import RankSettings
+    from nbtrain.messages.events import RankSettings
 
     given = {"precision": "bf16", "sync_batchnorm": True, "example": 7}
     cfg = make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None, rank_options=given)

@@ -18,7 +18,7 @@ from nbclient.util import run_sync
 
 from helpers import procs
 from kernel_helpers import NotebookKernel, strip_ansi, wait_gone
-from nbtrain import registry
+from nbtrain.system import registry
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -338,8 +338,9 @@ def test_ipython_debug_after_a_rank_error_opens_the_rank(kernel: NotebookKernel)
 
 
 def test_a_rank_at_a_prompt_is_named_and_not_stalled() -> None:
-    from nbtrain import events, runstate
+    from nbtrain import runstate
     from nbtrain.kernel.display import livetext
+    from nbtrain.messages import events
 
     state = runstate.RunState("ddp_notebook", "cpu", 2, stall_seconds=30)
     state.apply(events.RankStarted(1, 0, 10), now=0.0)
@@ -355,7 +356,7 @@ def test_a_rank_at_a_prompt_is_named_and_not_stalled() -> None:
 
 
 def test_set_trace_names_the_ranks_it_takes() -> None:
-    from nbtrain.rank import debugger
+    from nbtrain.rank.machinery import debugger
 
     with pytest.raises(ValueError, match=r"set_trace\(rank='first'\): pass a rank number, a list of them, or 'all'"):
         debugger.selected(0, rank="first")

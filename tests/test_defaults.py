@@ -10,13 +10,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from nbtrain import hardware, options
+from nbtrain import options
 from nbtrain.errors import ConfigurationError
 from nbtrain.kernel.defaults import get_defaults, reset_defaults, set_defaults
 from nbtrain.options import LaunchOptions
+from nbtrain.planning import probe
 from nbtrain.runstate import STALL_SECONDS
 
-NO_GPU = not hardware.detect_gpus()
+NO_GPU = not probe.detect_gpus()
 
 
 @pytest.fixture(autouse=True)
@@ -121,7 +122,7 @@ def test_devices_of_no_valid_form_are_refused_with_the_forms_that_are(devices):
 
 
 def test_too_many_cpu_processes_are_refused_with_how_many_fit():
-    limit = 4 * hardware.cpu_count()
+    limit = 4 * probe.cpu_count()
     with pytest.raises(
         ConfigurationError, match=rf"devices={limit + 1} is not valid: .* use at most {limit} .* oversubscribe=True"
     ):

@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from nbtrain import events
 from nbtrain.kernel.cellrun import CellRun
 from nbtrain.kernel.display import cellout
+from nbtrain.messages import events
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -15,9 +15,10 @@ import struct
 
 import pytest
 
-from nbtrain import events, runstate
+from nbtrain import runstate
 from nbtrain.kernel.display import chart, chartlayout
 from nbtrain.kernel.display.chart import ChartFigure
+from nbtrain.messages import events
 
 RUN = 1
 MIN_TICK_CSS_PX = 10.0

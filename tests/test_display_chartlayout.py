@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from nbtrain import events
 from nbtrain.kernel.display import chartlayout
+from nbtrain.messages import events
 from nbtrain.runstate import RunState
 
 

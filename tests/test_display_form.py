@@ -12,12 +12,12 @@ import pytest
 
 import nbtrain
 from kernel_helpers import NotebookKernel
-from nbtrain import hardware
-from nbtrain.devices import GpuInfo
 from nbtrain.errors import ConfigurationError
 from nbtrain.kernel import defaults
 from nbtrain.kernel.display import form as launcher_form
 from nbtrain.options import LaunchOptions
+from nbtrain.planning import probe
+from nbtrain.planning.deviceplan import GpuInfo
 
 GIB = 2**30
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -34,7 +34,7 @@ def fresh_defaults():
 @pytest.fixture
 def two_gpus(monkeypatch):
     gpus = (GpuInfo(0, "NVIDIA A100", 80 * GIB, 70 * GIB), GpuInfo(1, "NVIDIA A100", 80 * GIB, 79 * GIB))
-    monkeypatch.setattr(hardware, "detect_gpus", lambda: list(gpus))
+    monkeypatch.setattr(probe, "detect_gpus", lambda: list(gpus))
     return launcher_form.Machine(gpus, False, 8)
 
 
@@ -63,7 +63,7 @@ def test_set_defaults_keeps_what_is_not_given_and_writes_the_magic_line():
     ],
 )
 def test_set_defaults_refuses_what_cannot_run_here_and_changes_nothing(settings, message, monkeypatch):
-    monkeypatch.setattr(hardware, "detect_gpus", list)
+    monkeypatch.setattr(probe, "detect_gpus", list)
     nbtrain.set_defaults(devices=2, accelerator="cpu")
     with pytest.raises(ConfigurationError, match=message):
         nbtrain.set_defaults(**settings)
@@ -95,16 +95,18 @@ def test_the_cpu_form_counts_processes_and_shows_the_line_live():
 
 def test_every_strategy_has_its_explanation_under_the_dropdown():
     form = launcher_form.LauncherForm(launcher_form.Machine((), False, 2))
-    assert list(form.strategy.options) == list(nbtrain.config.STRATEGIES)
-    for name, strategy in nbtrain.config.STRATEGIES.items():
+    assert list(form.strategy.options) == list(nbtrain.planning.config.STRATEGIES)
+    for name, strategy in nbtrain.planning.config.STRATEGIES.items():
         form.strategy.value = name
         assert strategy.when_to_use.split(";")[0] in form.strategy_help.value
 
 
 def test_precision_backend_batchnorm_sync_and_cluster_are_fields_of_the_form():
     form = launcher_form.LauncherForm(launcher_form.Machine((), False, 2))
-    assert list(form.precision.options) == list(nbtrain.config.PRECISIONS) and form.precision.value == "32-true"
-    assert [value for _, value in form.backend.options] == ["", *nbtrain.config.BACKENDS]
+    assert (
+        list(form.precision.options) == list(nbtrain.planning.config.PRECISIONS) and form.precision.value == "32-true"
+    )
+    assert [value for _, value in form.backend.options] == ["", *nbtrain.planning.config.BACKENDS]
     assert form.num_nodes.disabled and form.cluster.value == "local"
     form.precision.value = "bf16-mixed"
     form.backend.value = "gloo"
@@ -159,8 +161,8 @@ def test_the_magic_page_flag_table_lists_every_flag_and_strategy():
     flags = {a.option_strings[-1] for a in magic.DistributedMagics.distributed.parser._actions}
     assert flags - {"--help"} <= set(rows), flags - set(rows)
     strategies = set(re.findall(r"`([a-z_]+)`:", rows["--strategy"]))
-    assert strategies == set(nbtrain.config.STRATEGIES)
-    assert set(re.findall(r"`([a-z0-9-]+)`", rows["--precision"])) >= set(nbtrain.config.PRECISIONS)
+    assert strategies == set(nbtrain.planning.config.STRATEGIES)
+    assert set(re.findall(r"`([a-z0-9-]+)`", rows["--precision"])) >= set(nbtrain.planning.config.PRECISIONS)
 
 
 def test_the_form_starts_from_the_session_defaults():
@@ -243,17 +245,26 @@ def test_the_form_renders_in_a_kernel_and_its_values_become_the_cells_defaults()
         children = {cid: _state_of(notebook, cid) for cid in _child_ids(form)}
         kinds = [state["_model_name"] for state in children.values()]
         # An option given a control later adds its row before the last two (the line and the status).
-        assert kinds[:9] == ["HTMLModel", "DropdownModel", "VBoxModel", "DropdownModel", "HTMLModel", "HBoxModel",
-                             "HBoxModel", "CheckboxModel", "HBoxModel"]
+        assert kinds[:9] == [
+            "HTMLModel",
+            "DropdownModel",
+            "VBoxModel",
+            "DropdownModel",
+            "HTMLModel",
+            "HBoxModel",
+            "HBoxModel",
+            "CheckboxModel",
+            "HBoxModel",
+        ]
         assert kinds[-2:] == ["HTMLModel", "HTMLModel"]
         _, accelerator, devices_box, strategy, strategy_help, timeout_row, *_, line, status = children.values()
-        cores = hardware.cpu_count()
+        cores = probe.cpu_count()
         assert accelerator["_options_labels"] == [f"cpu: {cores} core" + ("s" if cores != 1 else "")]
         assert accelerator["description"] == "accelerator" and strategy["_options_labels"][0] == "ddp_notebook"
         assert "Data parallel; ranks fork from a warm, clean launcher" in strategy_help["value"]
         slider = _state_of(notebook, _child_ids(devices_box)[0])
         assert slider["_model_name"] == "IntSliderModel" and slider["value"] == 3
-        assert slider["max"] == max(2, 2 * hardware.cpu_count())
+        assert slider["max"] == max(2, 2 * probe.cpu_count())
         # The line the form shows changed with the slider; set_defaults (no widget) does not move the form.
         assert "%%distributed --devices 3 --accelerator cpu --strategy ddp_notebook" in line["value"]
         assert status["value"] == ""

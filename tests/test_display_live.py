@@ -21,9 +21,10 @@ import pytest
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from nbtrain import events, runstate
+from nbtrain import runstate
 from nbtrain.kernel import display
 from nbtrain.kernel.display import LiveView
+from nbtrain.messages import events
 
 KERNEL_START_SECONDS = 60
 RUN = 1

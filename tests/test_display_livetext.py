@@ -5,8 +5,8 @@ Pure: events are built by hand, clocks are plain numbers; no process, no drawing
 
 from __future__ import annotations
 
-from nbtrain import events
 from nbtrain.kernel.display import livetext
+from nbtrain.messages import events
 from nbtrain.runstate import RunState
 
 RUN = 1

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from nbtrain import events
 from nbtrain.kernel.display import rankout
+from nbtrain.messages import events
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -60,7 +60,7 @@ def test_the_examples_are_found_in_every_package():
     names = modules_with_examples()
     assert {
         "nbtrain",
-        "nbtrain.wire",
+        "nbtrain.messages.wire",
         "nbtrain.kernel.defaults",
         "nbtrain.rank.api",
         "nbtrain.launch_server.output",

@@ -1,4 +1,4 @@
-"""The records between the kernel, the launcher and the ranks (nbtrain.events)."""
+"""The records between the kernel, the launcher and the ranks (nbtrain.messages.events)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from nbtrain import events, wire
+from nbtrain.messages import events, wire
 
 SPEC = events.RankSpec(rank=1, local_rank=1, world_size=2, device_type="cpu", device_index=None)
 START = events.StartRun(
@@ -143,7 +143,7 @@ def test_defaults_describe_a_run_on_one_machine_that_has_not_failed():
 def test_the_module_imports_only_the_standard_library():
     # The launcher relays these records without importing torch or the user's code.
     heavy = "('torch', 'IPython', 'numpy', 'cloudpickle')"
-    code = f"import sys, nbtrain.events; print(sorted(m for m in {heavy} if m in sys.modules))"
+    code = f"import sys, nbtrain.messages.events; print(sorted(m for m in {heavy} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -17,9 +17,9 @@ import pytest
 
 from helpers import procs
 from kernel_helpers import NotebookKernel
-from nbtrain import freegpus
-from nbtrain.devices import GpuInfo
 from nbtrain.errors import ConfigurationError
+from nbtrain.planning import freegpus
+from nbtrain.planning.deviceplan import GpuInfo
 
 GIB = 2**30
 FAKE_NVML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "fake_nvml")
@@ -97,9 +97,9 @@ def _python(code, spec, **extra):
 
 SELECT = """
 import sys, nbtrain
-from nbtrain import hardware
+from nbtrain.planning import probe
 print(nbtrain.find_usable_cuda_devices(2))
-print(hardware.probe_plan("free:2"))
+print(probe.probe_plan("free:2"))
 print(nbtrain.set_defaults(devices="free:2").magic_line())
 try:
     nbtrain.find_usable_cuda_devices(3)

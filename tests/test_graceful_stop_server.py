@@ -23,7 +23,7 @@ if importlib.util.find_spec("pytest_jupyter") is None:  # pragma: no cover - the
     pytest.skip("NBTRAIN_SKIP_BROWSER_TESTS=1 and pytest-jupyter is missing", allow_module_level=True)
 
 from kernel_helpers import NotebookKernel
-from nbtrain import registry
+from nbtrain.system import registry
 from test_graceful_stop import LOOP, SETUP
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]

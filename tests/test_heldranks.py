@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 
-from nbtrain import events, processes, wire
-from nbtrain.launch_server import heldranks, tracker
+from nbtrain.launch_server import heldranks, registryentries
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
 from nbtrain.launch_server.lifecycle import Lifecycle
 from nbtrain.launch_server.output import RankOutput
+from nbtrain.messages import events, wire
+from nbtrain.system import processes
 
 GONE_SECONDS = 10.0
 
@@ -48,7 +49,7 @@ def held() -> Iterator[tuple[heldranks.HeldRanks, list[Any], LauncherRun, RankPr
     selector.register(rank.pidfd, selectors.EVENT_READ)
     selector.register(rank.channel, selectors.EVENT_READ)
     sent: list[Any] = []
-    board = tracker.Board(tracker.find_owner(os.getpid()))
+    board = registryentries.Board(registryentries.find_owner(os.getpid()))
     try:
         yield heldranks.HeldRanks(selector, sent.append, board), sent, run, rank, theirs
     finally:

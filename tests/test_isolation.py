@@ -35,7 +35,7 @@ printf '127.0.0.1 localhost\\n{address} nbtrain-isolated\\n' > {hosts}
 mount --bind {hosts} /etc/hosts
 cd {cwd}
 # The process group in the host's network, as where no private one can be made
-# (nbtrain.privatenet): there the interface settings alone keep it on loopback.
+# (nbtrain.system.privatenet): there the interface settings alone keep it on loopback.
 export NBTRAIN_PRIVATE_NETWORK=0
 exec {python} {caller}
 """
@@ -74,7 +74,7 @@ def test_process_group_listens_on_loopback_when_the_host_name_resolves_elsewhere
     assert [rank["sum"] for rank in report["ranks"]] == [2.0, 2.0], "the process group did not work"
     for rank, seen in enumerate(report["ranks"]):
         listening = [(ip, port) for status, ip, port in seen["sockets"] if status == "LISTEN"]
-        # every rank: gloo's listener (the store is a file: nbtrain.rendezvous)
+        # every rank: gloo's listener (the store is a file: nbtrain.system.rendezvous)
         assert len(listening) >= 1, f"rank {rank}: {seen['sockets']}"
         assert all(ip == "127.0.0.1" for ip, _ in listening), f"rank {rank} listens off loopback: {listening}"
         assert all(ip in LOOPBACK for _, ip, _ in seen["sockets"]), f"rank {rank}: {seen['sockets']}"

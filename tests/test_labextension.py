@@ -36,7 +36,7 @@ import pytest
 import browser_helpers as bh
 from browser_helpers import RUN_MS, UI_TIMEOUT_MS, Session, check_kernel_python
 from helpers import procs
-from nbtrain import processes
+from nbtrain.system import processes
 
 LABEXTENSION = Path(__file__).resolve().parent.parent / "labextension"
 NPM_TEST_SECONDS = 240  # tsc, then node --test, on a loaded 2-core machine

@@ -20,7 +20,7 @@ import torch
 import nbtrain
 from helpers import procs
 from helpers.procs import RUN_TIMEOUT, finish
-from nbtrain import events
+from nbtrain.messages import events
 
 HELPERS = Path(__file__).parent / "helpers"
 CPU_COUNT = len(os.sched_getaffinity(0))
@@ -258,7 +258,7 @@ def test_ranks_see_torchrun_variables_and_the_callers_state(launcher, tmp_path, 
     ranks = finish(nbtrain.start(fn, devices=2))
 
     assert "MASTER_PORT" not in os.environ and "MASTER_ADDR" not in os.environ
-    # One machine's ranks meet through a store file (nbtrain.rendezvous): no port is listened on.
+    # One machine's ranks meet through a store file (nbtrain.system.rendezvous): no port is listened on.
     assert {r["env"]["MASTER_PORT"] for r in ranks} == {"0"}
     for index, r in enumerate(ranks):
         env = r["env"]

@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 
 from helpers import procs
-from nbtrain import codepickle, config, events, processes, wire
-from nbtrain.devices import DevicePlan
 from nbtrain.kernel import client
+from nbtrain.messages import codepickle, events, wire
+from nbtrain.planning import config
+from nbtrain.planning.deviceplan import DevicePlan
+from nbtrain.system import processes
 
 READY_SECONDS = 120.0  # the launcher imports torch first
 RUN_SECONDS = 60.0
@@ -120,7 +122,7 @@ def test_the_launcher_says_it_is_ready_with_torch_preloaded_and_no_threads(chann
     with open(f"/proc/{channel.launcher.pid}/status") as f:
         threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
     assert threads == 1  # it forks ranks: no other thread may hold a lock then
-    assert channel.ready is not None and {"torch", "torch.distributed", "nbtrain.rank.runtime"} <= set(
+    assert channel.ready is not None and {"torch", "torch.distributed", "nbtrain.rank.machinery.runtime"} <= set(
         channel.ready.preloaded
     )
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from nbtrain import events, stopboard
-from nbtrain.launch_server import graceful
+from nbtrain.launch_server import stopatstep
 from nbtrain.launch_server.launched import LauncherRun, kept_step, our_signal, stop_began, took_a_step
 from nbtrain.launch_server.lifecycle import Lifecycle, RunPhase
+from nbtrain.messages import events
+from nbtrain.system import stepboard
 
 
 def new_run(**fields: Any) -> LauncherRun:
@@ -41,7 +42,7 @@ def test_sigterm_is_always_ours_and_sigkill_once_the_launcher_or_the_sidebar_sen
 
 
 def test_a_step_counts_only_on_a_board_and_with_on_stop_keep():
-    board = stopboard.StepBoard.create(2)
+    board = stepboard.StepBoard.create(2)
     try:
         run = new_run(board=board)
         assert not took_a_step(run)
@@ -53,7 +54,7 @@ def test_a_step_counts_only_on_a_board_and_with_on_stop_keep():
 
 
 def test_the_step_kept_is_the_graceful_stops_unless_it_gave_up_or_the_run_finished():
-    stop = graceful.GracefulStop(events.STOPPED, 0.0, step=12)
+    stop = stopatstep.GracefulStop(events.STOPPED, 0.0, step=12)
     assert kept_step(new_run(graceful=stop, outcome=events.STOPPED)) == 12
     assert kept_step(new_run(graceful=stop, outcome=events.FINISHED)) is None
     assert kept_step(new_run()) is None

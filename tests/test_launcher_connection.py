@@ -7,8 +7,8 @@ read what its reader thread files, or hand the output bookkeeping lines as it wo
 from __future__ import annotations
 
 import nbtrain
-from nbtrain import events
 from nbtrain.kernel import launcher_connection
+from nbtrain.messages import events
 
 RUN = 9
 

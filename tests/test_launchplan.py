@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from nbtrain import hardware
 from nbtrain.errors import ConfigurationError
 from nbtrain.kernel import launchplan
 from nbtrain.options import LaunchOptions
+from nbtrain.planning import probe
 
-NO_GPU = not hardware.detect_gpus()
+NO_GPU = not probe.detect_gpus()
 
 
 def test_a_run_on_this_machine_gets_its_launcher_and_the_options_config():
@@ -41,7 +41,7 @@ def test_what_this_machine_cannot_run_is_refused_by_the_plan_and_the_sessions_ch
 
 
 def test_oversubscribing_is_an_option_of_the_plan():
-    many = 4 * hardware.cpu_count() + 1
+    many = 4 * probe.cpu_count() + 1
     with pytest.raises(ConfigurationError, match="oversubscribe=True"):
         launchplan.plan_run(LaunchOptions(devices=many, accelerator="cpu"))
     _, cfg = launchplan.plan_run(LaunchOptions(devices=many, accelerator="cpu", oversubscribe=True))

@@ -1,4 +1,4 @@
-"""Loaders prepared on real ranks (nbtrain.rank.loaders): shares, lengths, training and evaluation passes.
+"""Loaders prepared on real ranks (nbtrain.rank.auto.loaders): shares, lengths, training and evaluation passes.
 
 What needs a process group runs on two or three real ranks through nbtrain.start.
 """
@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import nbtrain
 from helpers.procs import finish
-from nbtrain.rank import loaders
+from nbtrain.rank.auto import loaders
 
 
 def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(launcher):

@@ -1,4 +1,5 @@
-"""The kernel's logging set-up on its ranks (nbtrain.logsetup): in a real kernel, and between fresh interpreters."""
+"""The kernel's logging set-up on its ranks (nbtrain.messages.logsetup): in a real kernel, and between fresh
+interpreters."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ logging.getLogger("library").addHandler(logging.StreamHandler(sys.stderr))
 
 # The loggers a run sends the levels of, in the kernel.
 SENT = (
-    "[name for name, *_ in __import__('nbtrain.logsetup').logsetup.capture("
+    "[name for name, *_ in __import__('nbtrain.messages.logsetup').logsetup.capture("
     "__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().libraries_logging).levels]"
 )
 

@@ -1,4 +1,4 @@
-"""The loss logged with no code change (nbtrain.rank.losslogging), on real ranks and outside a run."""
+"""The loss logged with no code change (nbtrain.rank.auto.losslogging), on real ranks and outside a run."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 import nbtrain
 from helpers.procs import collect
-from nbtrain import events
-from nbtrain.rank import losslogging
+from nbtrain.messages import events
+from nbtrain.rank.auto import losslogging
 
 
 def test_loss_logging_is_off_outside_a_run():

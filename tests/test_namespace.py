@@ -17,9 +17,9 @@ from torch import nn
 
 import nbtrain
 from helpers.procs import roundtrip
-from nbtrain import reach
 from nbtrain.errors import SerializationError
 from nbtrain.kernel import namespace as ns
+from nbtrain.messages import reach
 from nbtrain.rank import cell as rank_cell
 
 

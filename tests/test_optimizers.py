@@ -1,4 +1,4 @@
-"""Optimizers prepared on real ranks (nbtrain.rank.optimizers): bound to FSDP2's parameters, state included."""
+"""Optimizers prepared on real ranks (nbtrain.rank.auto.optimizers): bound to FSDP2's parameters, state included."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from torch import nn
 
 import nbtrain
 from helpers.procs import finish
-from nbtrain.rank import optimizers
+from nbtrain.rank.auto import optimizers
 
 
 def test_fsdp_shards_parameters_and_rebinds_the_optimizer_with_its_state(launcher):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from nbtrain import events
 from nbtrain.kernel import launcher_connection
 from nbtrain.launch_server import output
 from nbtrain.launch_server.output import OutputLimits, RankOutput, RunLog
+from nbtrain.messages import events
 
 SMALL = OutputLimits(line_chars=10, head_lines=3, head_chars=1000, tail_lines=2, tail_chars=100)
 

@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 
-from nbtrain import config, events, processes
-from nbtrain.devices import DevicePlan
 from nbtrain.kernel import pdb_relay, run_handle
+from nbtrain.messages import events
+from nbtrain.planning import config
+from nbtrain.planning.deviceplan import DevicePlan
+from nbtrain.system import processes
 
 RUN = 3
 CONFIG = config.make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None)

@@ -1,4 +1,4 @@
-"""Precision on a rank (nbtrain.rank.precision): true precisions cast, mixed ones autocast, 16-mixed scales.
+"""Precision on a rank (nbtrain.rank.auto.precision): true precisions cast, mixed ones autocast, 16-mixed scales.
 
 Real ranks (CPU, gloo, 2 processes) through ``nbtrain.start`` where a run is needed; the
 flag through a real kernel is tested in test_training_options.py.
@@ -11,7 +11,7 @@ import torch
 
 import nbtrain
 from helpers.procs import finish
-from nbtrain.rank import precision
+from nbtrain.rank.auto import precision
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,7 +42,7 @@ def test_loss_scaling_unscales_every_optimizer_and_skips_an_overflowed_step(laun
     def fn():
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        from nbtrain.rank import precision as rank_precision
+        from nbtrain.rank.auto import precision as rank_precision
 
         torch.manual_seed(0)
         x, models = torch.randn(8, 3), [torch.nn.Linear(3, 1) for _ in range(3)]

@@ -1,7 +1,7 @@
 """nbtrain.prepare and auto mode, without a kernel (the namespace logic is in test_namespace.py).
 
 Each kind of object has its own tests: test_wrapping.py (modules), test_optimizers.py,
-test_loaders.py, test_losslogging.py, test_preparations.py (the registry); here what
+test_loaders.py, test_losslogging.py, test_ledger.py (the registry); here what
 prepare orchestrates: everything at once, twice, and auto mode.
 
 What needs a process group (DDP and FSDP2 wrapping, sharded loaders) runs on two
@@ -17,13 +17,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import nbtrain
 from helpers.procs import finish, roundtrip
-from nbtrain.rank import loaders, preparations, prepare, wrapping
+from nbtrain.rank.auto import ledger, loaders, prepare, wrapping
 
 # -- prepare outside a run: a single process -------------------------------------------------
 
 
 def test_prepare_outside_a_run_behaves_as_one_process():
-    preparations.configure()
+    ledger.configure()
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(TensorDataset(torch.zeros(4, 2)), batch_size=2)
@@ -114,7 +114,7 @@ def test_auto_prepare_wraps_root_modules_only(launcher):
             "loader": DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=2),
             "n": 3,
         }
-        preparations.configure()
+        ledger.configure()
         done = prepare.auto_prepare(namespace, list(namespace))
         return done, type(namespace["model"]).__name__, namespace["head"] is model[1]
 

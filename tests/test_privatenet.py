@@ -15,8 +15,8 @@ import textwrap
 
 import pytest
 
-from nbtrain import privatenet
-from nbtrain.events import RankSpec, StartRun
+from nbtrain.messages.events import RankSpec, StartRun
+from nbtrain.system import privatenet
 
 SPECS = (RankSpec(0, 0, 2, "cpu", None), RankSpec(1, 1, 2, "cpu", None))
 GLOO = StartRun(1, b"", SPECS, "fork", "gloo", {}, "/", (), {}, None)
@@ -30,8 +30,8 @@ GROUP = textwrap.dedent(
     import os, socket, sys, torch, torch.distributed as dist
     sys.path.insert(0, sys.argv[1])
     from helpers import listeners
-    from nbtrain import privatenet, rendezvous
-    from nbtrain.events import RankSpec, StartRun
+    from nbtrain.system import privatenet, rendezvous
+    from nbtrain.messages.events import RankSpec, StartRun
     start = StartRun(1, b"", (RankSpec(0, 0, 2, "cpu", None),), "fork", "gloo", {}, "/", (), {}, None)
     made = privatenet.namespaces()
     server = socket.create_server(("127.0.0.1", 0))

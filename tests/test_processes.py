@@ -1,4 +1,4 @@
-"""Processes, /proc and signals (nbtrain.processes), on real child processes.
+"""Processes, /proc and signals (nbtrain.system.processes), on real child processes.
 
 Each test starts the processes it needs and kills them by pid when it ends. Anything that
 would act on this test process's own children (kill_strays) runs in a child interpreter.
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from helpers import procs
-from nbtrain import processes
+from nbtrain.system import processes
 
 GONE_SECONDS = 10.0
 CHILD_SECONDS = 60.0
@@ -238,7 +238,8 @@ def test_ignore_interrupts_leaves_sigint_and_the_dump_signal_without_effect():
     result = run_python(
         """
         import os, signal
-        from nbtrain import processes, stacks
+        from nbtrain.system import processes
+        from nbtrain.messages import stacks
         processes.ignore_interrupts()
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), stacks.DUMP_SIGNAL)
@@ -255,7 +256,7 @@ def test_kill_strays_kills_unknown_children_and_their_descendants_but_keeps_the_
     result = run_python(
         """
         import os, subprocess, time
-        from nbtrain import processes
+        from nbtrain.system import processes
         keep = subprocess.Popen(["sleep", "300"])
         stray = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE)
         below = int(stray.stdout.readline())
@@ -276,7 +277,7 @@ def test_die_with_parent_kills_a_child_when_its_parent_exits():
     result = run_python(
         """
         import os, time
-        from nbtrain import processes
+        from nbtrain.system import processes
         parent = os.getpid()
         child = os.fork()
         if child == 0:
@@ -296,7 +297,7 @@ def test_exit_now_flushes_output_and_skips_interpreter_teardown():
     result = run_python(
         """
         import atexit, sys
-        from nbtrain import processes
+        from nbtrain.system import processes
         atexit.register(lambda: print("teardown ran"))
         sys.stdout.write("written, not yet flushed")
         processes.exit_now(5)

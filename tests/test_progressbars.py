@@ -1,4 +1,4 @@
-"""tqdm.notebook's bars on the ranks (nbtrain.rank.progressbars): text lines in a real kernel's cell."""
+"""tqdm.notebook's bars on the ranks (nbtrain.rank.machinery.progressbars): text lines in a real kernel's cell."""
 
 from __future__ import annotations
 

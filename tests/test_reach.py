@@ -1,4 +1,5 @@
-"""nbtrain.reach and nbtrain.kernel.lengths on real torch objects: what is held where, what was sized from a loader."""
+"""nbtrain.messages.reach and nbtrain.kernel.lengths on real torch objects: what is held where, what was sized from a
+loader."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from nbtrain import reach
 from nbtrain.kernel import lengths
+from nbtrain.messages import reach
 
 
 class Holder:  # a class of the test module, as a trainer of a module beside the notebook is

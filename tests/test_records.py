@@ -1,4 +1,4 @@
-"""What the kernel and the ranks share about a cell (nbtrain.records)."""
+"""What the kernel and the ranks share about a cell (nbtrain.messages.records)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from nbtrain import records
+from nbtrain.messages import records
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def test_rng_states_carry_torch_random_and_numpy_to_another_process_state():
 
 
 def test_without_torch_there_is_no_state_to_carry_and_none_changes_nothing():
-    code = "import random, sys, nbtrain.records as r; s = random.getstate(); r.set_rng_states(None); "
+    code = "import random, sys, nbtrain.messages.records as r; s = random.getstate(); r.set_rng_states(None); "
     code += "print(r.rng_states(), random.getstate() == s, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout == "None True False\n"

@@ -17,10 +17,11 @@ import time
 import pytest
 
 from helpers import procs
-from nbtrain import events, processes, registry
 from nbtrain.errors import RunStoppedError
 from nbtrain.kernel import client as kernel_client
+from nbtrain.messages import events
 from nbtrain.serverext import runs
+from nbtrain.system import processes, registry
 
 RECORD_SECONDS = 30.0  # a record appears once every rank is forked
 ENDED_SECONDS = 30.0

@@ -14,12 +14,12 @@ import textwrap
 import pytest
 
 from helpers import osusers
-from nbtrain import rendezvous
+from nbtrain.system import rendezvous
 
 GROUP = textwrap.dedent(
     """
     import os, sys, torch, torch.distributed as dist
-    from nbtrain import rendezvous
+    from nbtrain.system import rendezvous
     fd = int(sys.argv[1])
     pid = os.fork()
     rank = 1 if pid == 0 else 0

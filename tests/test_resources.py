@@ -14,8 +14,8 @@ import torch
 import nbtrain
 from helpers import procs
 from helpers.procs import collect, finish
-from nbtrain import events
 from nbtrain.kernel import launcher_connection
+from nbtrain.messages import events
 
 HELPERS = Path(__file__).parent / "helpers"
 GIB = 1 << 30

@@ -15,8 +15,6 @@ from typing import Any
 
 import pytest
 
-from nbtrain import config, events
-from nbtrain.devices import DevicePlan
 from nbtrain.errors import (
     LauncherError,
     NodeLostError,
@@ -28,6 +26,9 @@ from nbtrain.errors import (
     RunTimeoutError,
 )
 from nbtrain.kernel import launcher_connection, run_handle
+from nbtrain.messages import events
+from nbtrain.planning import config
+from nbtrain.planning.deviceplan import DevicePlan
 
 RUN = 9
 CONFIG = config.make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=30)
@@ -105,7 +106,7 @@ def test_the_result_before_the_end_says_to_wait():
 def test_a_result_with_tensors_arrives_through_its_memory_file():
     import torch
 
-    from nbtrain import sharedtensors
+    from nbtrain.messages import sharedtensors
 
     data, fd = sharedtensors.dumps_to_shared_memory({"weights": torch.arange(3.0)})
     assert fd is not None

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from nbtrain import events
 from nbtrain.kernel.display import livetext
+from nbtrain.messages import events
 from nbtrain.runstate import DownsampledSeries, LogTail, MetricHistory, RunState, StepRate
 
 RUN = 1

@@ -1,4 +1,4 @@
-"""A rank's life (nbtrain.rank.runtime), piece by piece, without a launcher.
+"""A rank's life (nbtrain.rank.machinery.runtime), piece by piece, without a launcher.
 
 What changes process-wide state (the environment, the working directory, signal handlers)
 runs in a child interpreter; the channel to the launcher is a real socket pair.
@@ -20,8 +20,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from nbtrain import events, processes, sharedtensors, stacks, wire
-from nbtrain.rank import api, runtime
+from nbtrain.messages import events, sharedtensors, stacks, wire
+from nbtrain.rank import api
+from nbtrain.rank.machinery import runtime
+from nbtrain.system import processes
 
 CHILD_SECONDS = 120.0
 SPEC = events.RankSpec(rank=1, local_rank=1, world_size=2, device_type="cpu", device_index=None)
@@ -109,8 +111,8 @@ def test_a_rank_adopts_the_callers_environment_directory_path_and_threads(tmp_pa
     result = run_python(
         f"""
         import dataclasses, os, sys, torch
-        from nbtrain import events
-        from nbtrain.rank import runtime
+        from nbtrain.messages import events
+        from nbtrain.rank.machinery import runtime
         start = events.StartRun(5, b"", (), "fork", "gloo", {{"ONLY": "this", "OMP_NUM_THREADS": "1"}},
                                 {str(tmp_path)!r}, ("/opt/code",) + tuple(sys.path), {{}}, None, threads_per_rank=2)
         spec = events.RankSpec(0, 0, 1, "cpu", None)

@@ -24,7 +24,7 @@ if importlib.util.find_spec("pytest_jupyter") is None:  # pragma: no cover - the
     pytest.skip("NBTRAIN_SKIP_BROWSER_TESTS=1 and pytest-jupyter is missing", allow_module_level=True)
 
 from kernel_helpers import NotebookKernel, wait_gone
-from nbtrain import registry
+from nbtrain.system import registry
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 pytestmark = pytest.mark.timeout(600)

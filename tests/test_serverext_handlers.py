@@ -2,7 +2,7 @@
 
 Every route of nbtrain.serverext.handlers is asked through HTTP, as the sidebar asks it; the
 functions behind them are tested on their own in tests/test_serverext_runs.py and
-tests/test_serverext_gpus.py.
+tests/test_serverext_usage.py.
 
 The registry records here name real processes this test starts (``sleep`` in a session
 of its own, as a rank leads its own process group), so stop and clean-up are checked on
@@ -28,7 +28,7 @@ if importlib.util.find_spec("pytest_jupyter") is None:  # pragma: no cover - the
 from tornado.httpclient import HTTPClientError
 
 from helpers import procs
-from nbtrain import processes, registry
+from nbtrain.system import processes, registry
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
@@ -118,7 +118,7 @@ def _passwd(tmp_path, people: int) -> str:
 async def test_on_a_machine_of_several_people_each_reachable_run_says_what_and_what_to_do(
     jp_fetch, stand_ins, tmp_path, monkeypatch, people
 ):
-    from nbtrain import sharedhost
+    from nbtrain.system import sharedhost
 
     # The machine's accounts, as /etc/passwd lists them (the one boundary faked: the suite's
     # machine has one person).

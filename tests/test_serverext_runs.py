@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from nbtrain import processes, registry
 from nbtrain.serverext import runs
+from nbtrain.system import processes, registry
 
 GONE_SECONDS = 10.0
 

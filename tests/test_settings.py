@@ -1,4 +1,4 @@
-"""The run's settings on a rank (nbtrain.rank.settings): the launch options reach the ranks in one record.
+"""The run's settings on a rank (nbtrain.rank.machinery.settings): the launch options reach the ranks in one record.
 
 Outside a run the reader holds the built-in defaults; in a run (real CPU ranks through
 ``nbtrain.start``) every rank reads the run's --precision, --sync-batchnorm and --strategy
@@ -16,9 +16,9 @@ import torch
 
 import nbtrain
 from helpers.procs import finish
-from nbtrain.events import RankSettings
+from nbtrain.messages.events import RankSettings
 from nbtrain.options import LaunchOptions
-from nbtrain.rank import settings
+from nbtrain.rank.machinery import settings
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -48,7 +48,7 @@ def _what_the_rank_was_told(model: torch.nn.Module) -> dict:
     """On a rank: the settings it reads, what prepare made of ``model`` by them, and its nbtrain variables."""
     from torch.distributed.fsdp import FSDPModule
 
-    from nbtrain.rank import settings as rank_settings
+    from nbtrain.rank.machinery import settings as rank_settings
 
     told = rank_settings.current()
     prepared = nbtrain.prepare(model)

@@ -221,7 +221,7 @@ def attacked_run(people, monkeypatch, extra: dict[str, str] | None = None) -> tu
 
 
 def test_another_user_reaches_no_socket_of_a_run_and_the_rank_still_reaches_the_hosts_services(people, monkeypatch):
-    from nbtrain import privatenet
+    from nbtrain.system import privatenet
 
     if privatenet.probe() is not None:
         pytest.skip(f"this machine cannot isolate a run's process group: {privatenet.probe()}")
@@ -240,11 +240,11 @@ def test_without_a_private_network_only_gloos_listeners_stay_reachable_one_per_r
         assert len(reached) == 2 and len(pids) == 2, reached  # one listener in each rank, nothing else
 
 
-# --- saying what stays reachable (nbtrain.sharedhost), namespaces refused at their one boundary ---
+# --- saying what stays reachable (nbtrain.system.sharedhost), namespaces refused at their one boundary ---
 
 REFUSE_IN_THE_KERNEL = """
 import errno
-from nbtrain import privatenet, sharedhost
+from nbtrain.system import privatenet, sharedhost
 def _refuse():
     raise OSError(errno.EPERM, "unshare(CLONE_NEWUSER|CLONE_NEWNET): Operation not permitted")
 privatenet.make_namespaces = _refuse
@@ -292,7 +292,7 @@ def test_on_a_machine_of_ones_own_it_is_said_only_when_runs_are_asked(tmp_path):
 
 
 def test_people_are_accounts_with_a_login_shell_and_a_uid_of_a_person(tmp_path):
-    from nbtrain import sharedhost
+    from nbtrain.system import sharedhost
 
     assert sharedhost.human_accounts(passwd_with(tmp_path, 0)) == 0
     assert sharedhost.human_accounts(passwd_with(tmp_path, 2)) == 2

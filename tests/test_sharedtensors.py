@@ -1,4 +1,4 @@
-"""nbtrain.sharedtensors in one process: what a rank gets when it loads the kernel's objects."""
+"""nbtrain.messages.sharedtensors in one process: what a rank gets when it loads the kernel's objects."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import procs
-from nbtrain import sharedtensors
+from nbtrain.messages import sharedtensors
 
 
 @pytest.fixture

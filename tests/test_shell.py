@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from nbtrain import processes
 from nbtrain.kernel import shell
+from nbtrain.system import processes
 
 CHILD_SECONDS = 120.0
 

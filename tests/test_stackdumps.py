@@ -1,6 +1,6 @@
 """Each rank's stack dump before a stop (nbtrain.launch_server.stackdumps), from a real process.
 
-A forked child registers its faulthandler on a pipe as a rank does (nbtrain.rank.runtime);
+A forked child registers its faulthandler on a pipe as a rank does (nbtrain.rank.machinery.runtime);
 the launcher's functions ask for its dump, read it and parse it. Runs stopped through a
 real launcher, with every rank's dump in RunEnded, are in tests/test_launch_server_server.py.
 """
@@ -17,11 +17,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from nbtrain import events, processes, stacks
 from nbtrain.launch_server import stackdumps
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
 from nbtrain.launch_server.lifecycle import Lifecycle
 from nbtrain.launch_server.output import RankOutput
+from nbtrain.messages import events, stacks
+from nbtrain.system import processes
 
 DUMP_SECONDS = 10.0
 

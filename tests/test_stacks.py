@@ -16,8 +16,8 @@ import pytest
 
 import nbtrain
 from helpers.procs import collect
-from nbtrain import events, stacks
 from nbtrain.errors import RunStoppedError, RunTimeoutError
+from nbtrain.messages import events, stacks
 
 STOP_BOUND = 5.0  # a stop with stack collection: at most 1 s for the dumps, then the usual stop
 
@@ -35,7 +35,7 @@ Current thread 0x00007f0000000002 (most recent call first):
   File "{pkg}/launch_server/server.py", line 470 in _rank_main
   File "<frozen runpy>", line 88 in _run_code
 """
-PKG = os.path.dirname(stacks.__file__)
+PKG = os.path.dirname(os.path.dirname(stacks.__file__))
 SITE = "/venv/lib/python3.11/site-packages"
 
 

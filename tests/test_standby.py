@@ -247,8 +247,8 @@ def test_a_failure_and_a_timeout_on_standby_ranks_end_as_on_fresh_ones(kernel):
 
 
 def test_the_sidebar_lists_them_with_their_memory_and_dismiss_ends_them(launcher, tmp_path, monkeypatch):
-    from nbtrain import registry
-    from nbtrain.serverext import gpus, runs
+    from nbtrain.serverext import runs, usage
+    from nbtrain.system import registry
 
     monkeypatch.setenv("NBTRAIN_RUNTIME_DIR", str(tmp_path))  # the run's environment names it
     nbtrain.launch(lambda: None, devices=2, accelerator="cpu")
@@ -258,7 +258,7 @@ def test_the_sidebar_lists_them_with_their_memory_and_dismiss_ends_them(launcher
         assert time.monotonic() < deadline, registry.read_all()
         time.sleep(0.02)
     assert sorted(shown[0]["live_pids"]) == sorted(waiting) and shown[0]["world_size"] == 2
-    memory = {rank["pid"]: rank["rss"] for rank in gpus.snapshot(gpus.HostSampler())["ranks"]}
+    memory = {rank["pid"]: rank["rss"] for rank in usage.snapshot(usage.HostSampler())["ranks"]}
     assert all(memory.get(pid, 0) > 0 for pid in waiting), memory
     runs.clean(shown[0]["id"])  # the sidebar's Dismiss
     assert procs.wait_gone(waiting, GONE_SECONDS, reaped=False) == []

@@ -1,4 +1,5 @@
-"""The cell's one pair of optimizer step hooks (nbtrain.rank.stephooks): registered for a cell, removed after it."""
+"""The cell's one pair of optimizer step hooks (nbtrain.rank.auto.stephooks): registered for a cell, removed after
+it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from kernel_helpers import REGRESSION_SETUP, nbtrain_kernel
-from nbtrain.rank import stephooks
+from nbtrain.rank.auto import stephooks
 
 
 def test_one_pre_hook_and_one_post_hook_while_the_stack_is_open():

@@ -112,7 +112,7 @@ def test_the_rank_side_never_imports_the_kernel_side():
 
 
 def test_records_imports_only_the_standard_library():
-    imported = _imports(PACKAGE / "records.py")
+    imported = _imports(PACKAGE / "messages" / "records.py")
     assert {name for name in imported if name.split(".")[0] not in STDLIB and name != "__future__"} == set()
 
 
@@ -168,7 +168,7 @@ def test_only_the_display_package_writes_to_a_cell():
 
 
 def test_only_processes_installs_signal_handlers():
-    assert _calls("signal") == {"nbtrain.processes"}
+    assert _calls("signal") == {"nbtrain.system.processes"}
 
 
 def test_the_public_api_is_what_all_lists():
@@ -183,8 +183,8 @@ def test_the_public_api_is_what_all_lists():
 IMPORT_PROBE = """
 import atexit, json, logging, os, sys  # logging registers its own atexit hook when first imported
 before = atexit._ncallbacks()
-import nbtrain, nbtrain.cellplan, nbtrain.kernel.magic, nbtrain.kernel.background, nbtrain.kernel.display
-from nbtrain import processes
+import nbtrain, nbtrain.planning.steptotal, nbtrain.kernel.magic, nbtrain.kernel.background, nbtrain.kernel.display
+from nbtrain.system import processes
 print(json.dumps({
     "children": processes.children(os.getpid()),
     "atexit": atexit._ncallbacks() - before,
@@ -389,7 +389,7 @@ def test_the_server_config_the_install_wrote_enables_the_server_extension_packag
 
 PATCH_TABLE = "patches.py"  # nbtrain/patches.py: the one module that may replace a library's attribute
 # What hands out a library's module by name.
-_LOOKUPS = {("sys", "modules"), ("importlib", "import_module"), ("preparations", "torch_module")}
+_LOOKUPS = {("sys", "modules"), ("importlib", "import_module"), ("ledger", "torch_module")}
 # Attributes set through a library's own API for it, not replacements of its code: ctypes'
 # declaration of a foreign function's types, and torch's cuDNN switches set as the kernel has them.
 _NOT_PATCHES = {("processes.py", "restype"), ("processes.py", "argtypes"), ("sharedtensors.py", "argtypes")}

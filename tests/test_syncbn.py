@@ -1,4 +1,4 @@
-"""--sync-batchnorm on a rank (nbtrain.rank.syncbn): BatchNorm statistics over every rank's batch.
+"""--sync-batchnorm on a rank (nbtrain.rank.auto.syncbn): BatchNorm statistics over every rank's batch.
 
 Real ranks (CPU, gloo, 2 processes) through ``nbtrain.start``; the flag through a real
 kernel is tested in test_training_options.py.
@@ -11,7 +11,7 @@ import torch
 
 import nbtrain
 from helpers.procs import finish
-from nbtrain.rank import syncbn
+from nbtrain.rank.auto import syncbn
 
 pytestmark = pytest.mark.timeout(240)
 

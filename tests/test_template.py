@@ -27,9 +27,10 @@ import pytest
 
 from helpers import procs
 from kernel_helpers import LAUNCHER_PID, NotebookKernel
-from nbtrain import processes, wire
-from nbtrain import templatesocket as naming
 from nbtrain.kernel import warm
+from nbtrain.messages import templatesocket as naming
+from nbtrain.messages import wire
+from nbtrain.system import processes
 
 GONE_SECONDS = 30.0
 READY_SECONDS = 180.0  # the template imports torch: slow on a loaded 2-core machine
@@ -374,7 +375,7 @@ def test_a_template_that_does_not_answer_in_time_is_given_up_and_forks_nothing_l
 
 
 def test_a_launcher_from_the_template_gives_its_ranks_the_templates_private_network(template_env, tmp_path):
-    from nbtrain import privatenet
+    from nbtrain.system import privatenet
 
     if privatenet.probe() is not None:
         pytest.skip(f"no namespaces here: {privatenet.probe()}")

@@ -1,4 +1,4 @@
-"""The warm template's socket (nbtrain.templatesocket): its directory, its name, the handshake's checks.
+"""The warm template's socket (nbtrain.messages.templatesocket): its directory, its name, the handshake's checks.
 
 No process is started here; tests/test_template.py runs real templates and kernels.
 """
@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-from nbtrain import templatesocket as naming
+from nbtrain.messages import templatesocket as naming
 
 
 def test_the_identity_names_the_environment_and_version():

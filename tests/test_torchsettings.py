@@ -1,4 +1,4 @@
-"""torch's settings as the kernel has them, on each run's ranks (nbtrain.torchsettings), in a real kernel."""
+"""torch's settings as the kernel has them, on each run's ranks (nbtrain.messages.torchsettings), in a real kernel."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pickle
 
 import pytest
 
-from nbtrain import codepickle, events, trackerruns
+from nbtrain.messages import codepickle, events, trackerruns
 
 
 @pytest.fixture

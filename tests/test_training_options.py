@@ -14,10 +14,10 @@ import torch
 import nbtrain
 from helpers.procs import finish
 from kernel_helpers import NotebookKernel
-from nbtrain import config
-from nbtrain.devices import DevicePlan
 from nbtrain.errors import ConfigurationError
 from nbtrain.options import LaunchOptions
+from nbtrain.planning import config
+from nbtrain.planning.deviceplan import DevicePlan
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -13,9 +13,10 @@ import sys
 import threading
 import time
 
-from nbtrain import processes, wire
-from nbtrain import templatesocket as naming
 from nbtrain.kernel import warm
+from nbtrain.messages import templatesocket as naming
+from nbtrain.messages import wire
+from nbtrain.system import processes
 
 
 def test_where_no_template_can_be_used_the_kernel_starts_its_own_launcher(tmp_path, monkeypatch):

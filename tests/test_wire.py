@@ -1,4 +1,4 @@
-"""Framed records and file descriptors over a Unix socket pair (nbtrain.wire)."""
+"""Framed records and file descriptors over a Unix socket pair (nbtrain.messages.wire)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from nbtrain import wire
+from nbtrain.messages import wire
 
 SEND_SECONDS = 30.0
 

@@ -1,4 +1,4 @@
-"""Modules prepared on real ranks (nbtrain.rank.wrapping): DDP's check of the first backward, what is a wrapper.
+"""Modules prepared on real ranks (nbtrain.rank.auto.wrapping): DDP's check of the first backward, what is a wrapper.
 
 What needs a process group runs on two real ranks through nbtrain.start; rank functions
 are nested or module-level so they travel by value.
@@ -11,9 +11,9 @@ from torch import nn
 
 import nbtrain
 from helpers.procs import collect
-from nbtrain import events
 from nbtrain.errors import RankError
-from nbtrain.rank import wrapping
+from nbtrain.messages import events
+from nbtrain.rank.auto import wrapping
 
 
 class _TwoHeads(nn.Module):
@@ -45,7 +45,7 @@ def _train_three_steps():
 
 
 def _stderr_of(seen):
-    from nbtrain import events
+    from nbtrain.messages import events
 
     return "".join(e.text for e in seen if isinstance(e, events.Output) and e.stream == "stderr")
 

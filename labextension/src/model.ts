@@ -30,7 +30,7 @@ export interface RunInfo {
   held?: string | null;
   /**
    * On a machine of several people: what other users could reach of this run's process group,
-   * why, and what to do (the kernel's own sentence, nbtrain.sharedhost); null where nobody could.
+   * why, and what to do (the kernel's own sentence, nbtrain.system.sharedhost); null where nobody could.
    */
   shared_host?: string | null;
 }

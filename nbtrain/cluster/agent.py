@@ -35,9 +35,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain import events, processes, wire
 from nbtrain.cluster import runsecret
-from nbtrain.logsetup import LoggingSetup
+from nbtrain.messages import events, wire
+from nbtrain.messages.logsetup import LoggingSetup
+from nbtrain.system import processes
 
 READY_SECONDS = 180.0  # the launcher imports torch: seconds on a loaded small machine
 MAX_POLL_SECONDS = 1.0
@@ -425,7 +426,7 @@ def _put_from_process(offer: events.ResultOffer) -> tuple[tuple[tuple[int, int],
     import numpy
     import ray
 
-    from nbtrain import sharedtensors
+    from nbtrain.messages import sharedtensors
 
     buffer = numpy.zeros(min(PIECE_BYTES, offer.total_bytes), dtype=numpy.uint8)
     pieces, refs = [], []

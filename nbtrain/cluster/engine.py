@@ -36,11 +36,12 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeAlias
 from urllib.parse import urlparse
 
-from nbtrain import config, events
-from nbtrain.cluster import nodes, runsecret, stepstop
-from nbtrain.devices import DevicePlan
+from nbtrain.cluster import crossnodestop, nodes, runsecret
 from nbtrain.errors import ClusterError, ConfigurationError
+from nbtrain.messages import events
 from nbtrain.options import LaunchOptions
+from nbtrain.planning import config
+from nbtrain.planning.deviceplan import DevicePlan
 
 CONNECT_SECONDS = 10.0  # an address that does not answer fails within this
 PROBE_SECONDS = 5.0
@@ -358,7 +359,7 @@ class _Relay:
         self.stopped_by_caller = False
         self.stop_started = 0.0
         self.started: list[int] = []  # the nodes whose ranks were started
-        self.step_stop: stepstop.CrossNodeStop | None = None  # a stop at a step, while the nodes report
+        self.step_stop: crossnodestop.CrossNodeStop | None = None  # a stop at a step, while the nodes report
         self.stop_note = ""  # why the relay itself stopped a stop at a step hard
         self._lock = threading.Lock()
 
@@ -489,7 +490,7 @@ class _Relay:
             for agent in self.client.agents:
                 agent.release.remote(self.run_id)
 
-    # -- a stop at a step (nbtrain.cluster.stepstop) --------------------------------------
+    # -- a stop at a step (nbtrain.cluster.crossnodestop) --------------------------------------
     def stop_at_step(self, reason: str) -> None:
         """Ask every node to stop at a step; asked again meanwhile, stop hard at once (as on one machine)."""
         with self._lock:
@@ -498,7 +499,7 @@ class _Relay:
                 return
             again = self.step_stop is not None
             if not again:
-                self.step_stop = stepstop.CrossNodeStop(time.monotonic())
+                self.step_stop = crossnodestop.CrossNodeStop(time.monotonic())
         if again:
             self.stop(reason, by_caller=True)
         else:
@@ -511,7 +512,7 @@ class _Relay:
                 return
             fresh = self.step_stop is None
             if self.step_stop is None:
-                self.step_stop = stepstop.CrossNodeStop(time.monotonic())
+                self.step_stop = crossnodestop.CrossNodeStop(time.monotonic())
             self.step_stop.take(index, report)
         if fresh:  # every other node stops at the same step
             self._ask_nodes(report.state, graceful=True, skip=index)
@@ -524,7 +525,7 @@ class _Relay:
             late = [self.client.labels[i] for i in self._running() if i not in stop.reports]
             self.stop_note = (
                 f"stopped hard ({', '.join(late)} did not report its optimizer step within "
-                f"{stepstop.CHOICE_SECONDS:g} s)"
+                f"{crossnodestop.CHOICE_SECONDS:g} s)"
             )
             self.stop("no step was chosen in time", by_caller=False)
             return
@@ -589,8 +590,8 @@ def _copied_result(record: Any) -> Any:
 
     Each piece is copied as soon as it has arrived, while Ray still moves the others.
     """
-    from nbtrain import sharedtensors
-    from nbtrain.records import CopiedResult
+    from nbtrain.messages import sharedtensors
+    from nbtrain.messages.records import CopiedResult
 
     ray = import_ray()
     mapping = sharedtensors.private_memory(record.total_bytes)

@@ -18,10 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbtrain import config, events
-from nbtrain import devices as _devices
-from nbtrain.cluster import stepstop
+from nbtrain.cluster import crossnodestop
 from nbtrain.errors import ConfigurationError
+from nbtrain.messages import events
+from nbtrain.planning import config
+from nbtrain.planning import deviceplan as _devices
 
 EXTRA = "pip install 'nbtrain[ray]'"
 
@@ -199,7 +200,7 @@ def combine(
     if lost or died:
         return events.RunEnded(run_id, events.FAILED, failure=(lost or died)[0])
     states = {e.state for e in ended}
-    note = stepstop.stop_note(list(ended))  # a stop at a step that could not keep the state: why
+    note = crossnodestop.stop_note(list(ended))  # a stop at a step that could not keep the state: why
     if events.TIMED_OUT in states:
         return events.RunEnded(run_id, events.TIMED_OUT, stop_note=note)
     if stopped_by_caller:

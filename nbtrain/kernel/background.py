@@ -58,10 +58,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nbtrain import events, runstate, trackerruns
+from nbtrain import runstate
 from nbtrain.errors import RunFailedError, RunNotEndedError, RunStoppedError
 from nbtrain.kernel import display
 from nbtrain.kernel import shell as kernel_shell
+from nbtrain.messages import events, trackerruns
 
 RUNNING = "running"
 STOP_WAIT_SECONDS = 10.0  # a stop is answered within run_handle.INTERRUPT_GRACE_SECONDS (5 s)

@@ -26,7 +26,6 @@ from typing import Any, TypeAlias
 
 from IPython.core.error import UsageError
 
-from nbtrain import config, events, processes, reach, records, sharedhost, trackerruns
 from nbtrain.errors import (
     ConfigurationError,
     RunFailedError,
@@ -38,6 +37,9 @@ from nbtrain.errors import (
 from nbtrain.kernel import cellnames, gcpause, tracebacks
 from nbtrain.kernel import shell as kernel_shell
 from nbtrain.kernel.display import cellout, rankout
+from nbtrain.messages import events, reach, records, trackerruns
+from nbtrain.planning import config
+from nbtrain.system import processes, sharedhost
 
 # The flags' check (nbtrain.kernel.magic.check_flags): from the cell's options (its
 # CellOptions, which every ``options`` here is), the engine (None: this machine's launcher)
@@ -177,24 +179,25 @@ def infer_total_steps(
 ) -> int | None:
     """How many steps rank 0 will log (the live view's total), or None when that is not certain.
 
-    The cell's loops are read by :mod:`nbtrain.cellplan`. A step is a ``.backward()`` when
+    The cell's loops are read by :mod:`nbtrain.planning.steptotal`. A step is a ``.backward()`` when
     auto mode logs the loss, an ``nbtrain.log`` call when the cell logs itself. A
     DataLoader's length is the one each rank will see after auto mode prepared it
-    (:func:`nbtrain.rank.prepare.batches_per_rank`), computed here from the kernel's loader:
+    (:func:`nbtrain.rank.auto.prepare.batches_per_rank`), computed here from the kernel's loader:
     its share in a pass with gradients, all of it in a pass without (an evaluation pass).
     """
-    from nbtrain import cellplan
+    from nbtrain.planning import steptotal
 
     if spec.log_loss:
-        kind, counting_name = cellplan.BACKWARD, "backward"
+        kind, counting_name = steptotal.BACKWARD, "backward"
     elif analysis.calls_log:
-        kind, counting_name = cellplan.LOG, "log"
+        kind, counting_name = steptotal.LOG, "log"
     else:
         return None  # no step will be logged
     if counting_name in analysis.function_names:
         return None  # a notebook function the cell calls may advance the step too, unseen
     try:
-        from nbtrain.rank import api, loaders
+        from nbtrain.rank import api
+        from nbtrain.rank.auto import loaders
 
         # The package itself, always loaded before any of its modules: importing it here
         # would make the package and the magic it registers import each other.
@@ -208,12 +211,12 @@ def infer_total_steps(
             wrapper = cfg.strategy.model_wrapper if spec.auto else "none"  # not auto: loaders stay as they are
             objects = {n: user_ns[n] for n in names}
             lengths, eval_lengths = loaders.loader_lengths(objects, cfg.world_size, wrapper)
-        counter = cellplan.StepCounter(
+        counter = steptotal.StepCounter(
             kind,
             log_modules=frozenset(n for n in analysis.names if user_ns[n] is nbtrain),
             log_functions=frozenset(n for n in analysis.names if user_ns[n] is api.log),
         )
-        return cellplan.total_steps(
+        return steptotal.total_steps(
             code, counter, ints=ints, lengths=lengths, eval_lengths=eval_lengths, kernel_globals=user_ns
         )
     except Exception:  # noqa: BLE001 - a progress total is a nicety: it must never stop a cell
@@ -255,7 +258,7 @@ def run_distributed_cell(shell: Any, line: str, cell: str, options: Any, plan: P
     An interrupt at any moment either prevents the run or stops it, and ends the cell with
     :class:`RunInterrupted`; ``last_run`` is left in a final state. Until the launch, an
     interrupt raises where it lands (nothing has started); from the launch on, interrupts
-    are held and acted on where that is safe (see :func:`nbtrain.processes.interrupts_held`).
+    are held and acted on where that is safe (see :func:`nbtrain.system.processes.interrupts_held`).
     """
     try:
         stage: list[str] = []  # "finished" once the results are in

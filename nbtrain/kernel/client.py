@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
-from nbtrain import config as config_module
-from nbtrain import events, logsetup, processes, torchsettings
 from nbtrain.kernel import compat, gcpause
 from nbtrain.kernel.launcher_connection import LauncherClient, get_client, standby_pids
 from nbtrain.kernel.run_handle import Engine, Run
+from nbtrain.messages import events, logsetup, torchsettings
+from nbtrain.planning import config as config_module
+from nbtrain.system import processes
 
 if TYPE_CHECKING:
     from nbtrain.options import LaunchOptions
@@ -149,9 +150,9 @@ class _StartMessage:
         known_sources: Collection[str] = (),
         logging_setup: logsetup.LoggingSetup | None = None,
     ) -> None:
-        from nbtrain import hardware
         from nbtrain.kernel import defaults
         from nbtrain.kernel import shell as kernel_shell
+        from nbtrain.planning import probe
 
         self.interactive = interactive and with_log  # a cluster's agents relay no prompt (docs/cluster.md)
         # A cluster's ranks cannot be held (docs/cluster.md, its limits); a background run's failure
@@ -163,7 +164,7 @@ class _StartMessage:
         self.payload = payload
         self.has_tensor_file = has_tensor_file
         self.with_log = with_log  # a cluster's agents keep their own logs
-        self.threads = config_module.intra_op_threads(hardware.physical_core_count(), cfg.world_size, os.environ)
+        self.threads = config_module.intra_op_threads(probe.physical_core_count(), cfg.world_size, os.environ)
         self.log_path: str | None = None
         # Cells whose lines the engine has (this machine's launcher keeps what it was sent):
         # a long session's hundreds of cells are not pickled and sent again with every run.
@@ -195,7 +196,7 @@ class _StartMessage:
             stop_grace=cfg.stop_grace,
             logging_setup=self.logging_setup,
             torch_settings=torchsettings.changed_from_defaults(),
-            rank_settings=cfg.rank,  # what prepare() and the cell on a rank read (nbtrain.rank.settings)
+            rank_settings=cfg.rank,  # what prepare() and the cell on a rank read (nbtrain.rank.machinery.settings)
         )
 
 
@@ -292,7 +293,7 @@ def _admit(
     cfg: config_module.LaunchConfig, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
 ) -> None:
     """Refuse a run whose memory cannot fit (ConfigurationError); warn on stderr when it comes close."""
-    from nbtrain import admission, hardware
+    from nbtrain.planning import admission, probe
 
     namespace = getattr(fn, "__globals__", {})
     referenced = [namespace.get(name) for name in getattr(getattr(fn, "__code__", None), "co_names", ())]
@@ -300,11 +301,11 @@ def _admit(
     need = admission.weigh([*args, *(kwargs or {}).values(), *closure, *referenced])
     gpu_free = None
     if cfg.plan.accelerator == "cuda":
-        gpu_free = {gpu.index: gpu.free_bytes for gpu in hardware.detect_gpus() if gpu.index in cfg.plan.device_ids}
+        gpu_free = {gpu.index: gpu.free_bytes for gpu in probe.detect_gpus() if gpu.index in cfg.plan.device_ids}
         # The run takes the standby ranks or ends them first: their memory is the run's. (gpu_usage
         # numbers GPUs as NVML does, which is torch's numbering only without CUDA_VISIBLE_DEVICES.)
         standby = standby_pids() if "CUDA_VISIBLE_DEVICES" not in os.environ else set()
-        for usage in hardware.gpu_usage() if standby else ():
+        for usage in probe.gpu_usage() if standby else ():
             if usage.index in gpu_free:
                 gpu_free[usage.index] += sum(used for pid, used in usage.process_bytes.items() if pid in standby)
     warning = admission.check_memory(
@@ -313,7 +314,7 @@ def _admit(
         accelerator=cfg.plan.accelerator,
         sharded=cfg.strategy.model_wrapper in ("fsdp", "fsdp_offload"),
         start_method=cfg.strategy.start_method,
-        host_available=hardware.available_memory(),
+        host_available=probe.available_memory(),
         gpu_free=gpu_free,
     )
     if warning:
@@ -344,16 +345,16 @@ def _log_path(run_id: int) -> str | None:
 
 
 def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:
-    """cloudpickle, with tensors through shared memory (see :mod:`nbtrain.sharedtensors`).
+    """cloudpickle, with tensors through shared memory (see :mod:`nbtrain.messages.sharedtensors`).
 
     A caller that never imported torch cannot be sending a tensor: plain cloudpickle then
     spares its first launch the ~1 s import of torch.
     """
     if "torch" not in sys.modules:
-        from nbtrain import codepickle
+        from nbtrain.messages import codepickle
 
         return codepickle.dumps_keeping_filenames(payload), None
-    from nbtrain import sharedtensors
+    from nbtrain.messages import sharedtensors
 
     return sharedtensors.dumps_to_shared_memory(payload)
 

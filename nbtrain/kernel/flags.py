@@ -27,10 +27,10 @@ from typing import Any, cast
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 
-from nbtrain import config
 from nbtrain import options as options_module
 from nbtrain.errors import ClusterError, ConfigurationError
 from nbtrain.options import LaunchOptions
+from nbtrain.planning import config
 
 OUTPUT_MODES = ("all", "rank0", "none")
 

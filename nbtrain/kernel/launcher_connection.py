@@ -22,10 +22,11 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-from nbtrain import events, logsetup, processes, wire
 from nbtrain.errors import LauncherError
 from nbtrain.kernel import warm
-from nbtrain.records import CopiedResult
+from nbtrain.messages import events, logsetup, wire
+from nbtrain.messages.records import CopiedResult
+from nbtrain.system import processes
 
 # A run's messages from the launcher (or a cluster's agents), each with the file
 # descriptors that came with it.
@@ -307,7 +308,7 @@ class LauncherClient:
         # A run being stopped gives up its result (the launcher stops rank 0 too): no copy.
         wanted = inbox is not None and offer.run_id not in self._stopping
         if wanted and os.environ.get(RESULT_TRANSFER_VARIABLE) != "file":
-            from nbtrain import sharedtensors
+            from nbtrain.messages import sharedtensors
 
             # Forbidden here (a sandbox), or no memory: this thread must live on, and rank 0
             # sends a file instead.
@@ -415,9 +416,9 @@ def _register_hooks() -> None:
     """Close the launcher at exit, and forget it in forked children: once, with the first launcher."""
     global _hooks_registered
     if not _hooks_registered:
-        from nbtrain import hardware
+        from nbtrain.planning import probe
 
-        hardware.standby_pids = standby_pids
+        probe.standby_pids = standby_pids
         atexit.register(_close_client)
         os.register_at_fork(after_in_child=_forget_client_in_child)
         _hooks_registered = True
@@ -440,12 +441,12 @@ def prewarm() -> None:
 def _import_launch_modules() -> None:
     import importlib
 
-    names = ["nbtrain.admission", "nbtrain.codepickle", "nbtrain.kernel.display"]
+    names = ["nbtrain.planning.admission", "nbtrain.messages.codepickle", "nbtrain.kernel.display"]
     if "torch" in sys.modules:  # never imported here on the caller's behalf: it may not need it
-        names.append("nbtrain.sharedtensors")
+        names.append("nbtrain.messages.sharedtensors")
     # What the first cell imports before its ranks can start (~30 ms; more on a loaded machine).
-    names += ["nbtrain.rank.cell", "nbtrain.kernel.namespace", "nbtrain.cellplan", "nbtrain.kernel.pdb_relay"]
-    names += ["nbtrain.kernel.launchplan", "nbtrain.rank.loaders"]
+    names += ["nbtrain.rank.cell", "nbtrain.kernel.namespace", "nbtrain.planning.steptotal", "nbtrain.kernel.pdb_relay"]
+    names += ["nbtrain.kernel.launchplan", "nbtrain.rank.auto.loaders"]
     if "numpy" in sys.modules:  # the cell takes the kernel's numpy random state with it
         names.append("numpy.random")
     for name in names:

@@ -2,7 +2,7 @@
 
 :func:`plan_run` takes a :class:`nbtrain.options.LaunchOptions` and returns the engine (a
 cluster's warm agents, or None for this machine's launcher) and the run's
-:class:`nbtrain.config.LaunchConfig`; the magic and ``nbtrain.start`` both call it, so a
+:class:`nbtrain.planning.config.LaunchConfig`; the magic and ``nbtrain.start`` both call it, so a
 refusal reads the same from either. :func:`check_options` is the check ``set_defaults``
 makes of the same options without connecting to anything. The hardware is probed through
 NVML (never CUDA); Ray is imported only for a cluster run.
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nbtrain import config
 from nbtrain.options import LaunchOptions
+from nbtrain.planning import config
 
 if TYPE_CHECKING:
     from nbtrain.cluster.engine import ClusterClient
@@ -40,9 +40,9 @@ def plan_run(options: LaunchOptions) -> tuple[ClusterClient | None, config.Launc
         from nbtrain.cluster import engine
 
         return engine.plan_cluster_run(options)
-    from nbtrain import hardware
+    from nbtrain.planning import probe
 
-    plan = hardware.probe_plan(options.devices, options.accelerator, options.oversubscribe)
+    plan = probe.probe_plan(options.devices, options.accelerator, options.oversubscribe)
     return None, options.config_for(plan)
 
 
@@ -57,13 +57,13 @@ def check_options(options: LaunchOptions) -> None:
     ...
     nbtrain.errors.ConfigurationError: precision '16-mixed' cannot run on the cpu accelerator. ...
     """
-    from nbtrain import hardware
+    from nbtrain.planning import probe
 
     strategy = config.resolve_strategy(options.strategy, 2)
     if not options.on_this_machine:
         config.check_cluster_strategy(options.strategy)
         return
-    plan = hardware.probe_plan(options.devices, options.accelerator, options.oversubscribe)
+    plan = probe.probe_plan(options.devices, options.accelerator, options.oversubscribe)
     # What the devices can run: a precision, a backend, dp on CUDA only (as a run checks them).
     config.resolve_precision(options.precision, plan.accelerator)
     config.backend_for(plan.accelerator, options.backend)

@@ -33,7 +33,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
-from nbtrain import reach
+from nbtrain.messages import reach
 
 # The names schedule builders give the length they were sized with.
 _LENGTH_NAMES = ("num_training_steps", "total_steps", "num_steps", "max_steps")
@@ -56,7 +56,7 @@ def derived_lengths(
 
     ``rebound``: names the cell binds itself (:func:`rebound_names`); objects under them are left out.
     """
-    from nbtrain.rank import loaders
+    from nbtrain.rank.auto import loaders
 
     sharded: list[tuple[str, int, int]] = []  # (loader's name, its length, each rank's)
     for name, obj in objects.items():
@@ -84,7 +84,7 @@ def derived_lengths(
 def _dataset_sizes(name: str, value: Any, objects: Mapping[str, Any], world_size: int, wrapper: str) -> list[str]:
     """Sentences for the numbers in ``value`` (an int, or a dict of them) that are the size of
     a sharded loader's dataset: a total over a training pass divided by one is a rank's part."""
-    from nbtrain.rank import loaders
+    from nbtrain.rank.auto import loaders
 
     if type(value) is int:
         numbers = [(name, value)]
@@ -123,7 +123,7 @@ def dataset_lengths(code: str, objects: Mapping[str, Any], world_size: int, wrap
     >>> print(dataset_lengths("size = len(train_dl.dataset)", {"train_dl": train_dl}, 2, "ddp")[0].split(":")[0])
     len(train_dl.dataset) is 64, the size of train_dl's dataset, of which each rank's training pass reads 32
     """
-    from nbtrain.rank import loaders
+    from nbtrain.rank.auto import loaders
 
     found = []
     for loader_name, taken in _dataset_lengths_taken(code, objects):

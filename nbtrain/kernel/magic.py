@@ -139,9 +139,9 @@ def unload_ipython_extension(ip: Any) -> None:
 
 def _watch_standby_gpu_memory(ip: Any, on: bool) -> None:
     """Before each cell the standby ranks give up GPU memory the cell may need; an out-of-memory error names them."""
-    from nbtrain.kernel import standby_ranks
+    from nbtrain.kernel import standbylist
 
-    for event, callback in (("pre_run_cell", standby_ranks.before_cell), ("post_run_cell", standby_ranks.after_cell)):
+    for event, callback in (("pre_run_cell", standbylist.before_cell), ("post_run_cell", standbylist.after_cell)):
         registered = callback in ip.events.callbacks.get(event, [])
         if on and not registered:
             ip.events.register(event, callback)

@@ -8,7 +8,7 @@ Only those travel. :func:`explain_unpicklable` names the one that cannot.
 
 Coming back (:func:`decode_result`, :func:`apply_result`): rank 0 sends a
 :class:`CellResult`. Every object the ranks received, a global or an object inside one
-(``trainer.model``, ``trainer.config``: :func:`nbtrain.reach.find_reached`), comes back as
+(``trainer.model``, ``trainer.config``: :func:`nbtrain.messages.reach.find_reached`), comes back as
 a reference to the kernel's own object, never as a copy, and the kernel's object is changed
 in place to what the cell left: Modules, Optimizers and LR schedulers load their state
 (same objects, same devices and dtypes), tensors are copied into, lists, dicts and objects
@@ -39,9 +39,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain import reach
 from nbtrain.errors import SerializationError
-from nbtrain.records import (
+from nbtrain.messages import reach
+from nbtrain.messages.records import (
     GLOBALS_TAG,
     KERNEL_TAG,
     PART_TAG,
@@ -350,7 +350,7 @@ def _probe_pickler_class() -> type:
     """cloudpickle that skips tensor data: checking a 1 GB model copies nothing."""
     global _probe_pickler
     if _probe_pickler is None:
-        from nbtrain import codepickle
+        from nbtrain.messages import codepickle
 
         class ProbePickler(codepickle.Pickler):
             def persistent_id(self, obj: Any) -> Any:
@@ -604,7 +604,7 @@ def update_in_place(target: Any, value: Any) -> bool:
     """Make ``target`` equal ``value`` keeping its identity; False when only rebinding can.
 
     For what travels whole (a set, an array, a dict of a subclass): a list, a dict or an
-    object whose state is its attributes travels as what it holds (:func:`nbtrain.reach.refill`).
+    object whose state is its attributes travels as what it holds (:func:`nbtrain.messages.reach.refill`).
 
     >>> history = [1]; update_in_place(history, [1, 2]), history
     (True, [1, 2])

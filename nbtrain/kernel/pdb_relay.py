@@ -1,14 +1,14 @@
 """The kernel's side of the debugger relay: a rank's pdb, prompting in the notebook's cell.
 
 A rank stopped at ``breakpoint()`` (or held after a failure, see
-:mod:`nbtrain.rank.debugger`) sends pdb's output and prompts to its launcher, which sends
+:mod:`nbtrain.rank.machinery.debugger`) sends pdb's output and prompts to its launcher, which sends
 them here on the kernel's private socket. Each prompt becomes the front end's input box
 (``input()``, the kernel's stdin request: what IPython's ``%debug`` uses), labelled with
 the rank; the line typed goes back the same way. Waiting on the user has no deadline; an
 interrupt at the prompt ends the debugger and the run.
 
 Example:
-    >>> from nbtrain import events
+    >>> from nbtrain.messages import events
     >>> prompt_text(events.DebugPrompt(run_id=1, rank=1, prompt="(Pdb) "))
     '(Pdb) [rank 1] '
     >>> held_note(events.RankHeld(1, 1, 4242, 300 << 20, None, 600.0, "cpu"))
@@ -21,10 +21,11 @@ import queue
 import time
 from typing import Any
 
-from nbtrain import events, processes
 from nbtrain.errors import NbtrainError
 from nbtrain.kernel import cellnames
 from nbtrain.kernel.display import cellout
+from nbtrain.messages import events
+from nbtrain.system import processes
 
 ATTACH_SECONDS = 10.0  # a held rank answers %nbtrain_debug with its first prompt within this
 RELEASE_SECONDS = 5.0  # a held rank whose post-mortem ended is reported gone within this

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from nbtrain import config as config_module
 from nbtrain.errors import (
     LauncherError,
     NodeLostError,
@@ -28,7 +27,9 @@ from nbtrain.errors import (
     RunStoppedError,
     RunTimeoutError,
 )
-from nbtrain.events import (
+from nbtrain.kernel import cellnames, gcpause, launcher_connection
+from nbtrain.kernel import shell as kernel_shell
+from nbtrain.messages.events import (
     FAILED,
     FINISHED,
     STOPPED,
@@ -46,9 +47,8 @@ from nbtrain.events import (
     StartRun,
     StopStep,
 )
-from nbtrain.kernel import cellnames, gcpause, launcher_connection
-from nbtrain.kernel import shell as kernel_shell
-from nbtrain.records import CopiedResult
+from nbtrain.messages.records import CopiedResult
+from nbtrain.planning import config as config_module
 
 INTERRUPT_GRACE_SECONDS = 5.0  # how long a stop may take before the launcher is replaced
 GRACEFUL_CHOICE_SECONDS = 2.0  # a graceful stop's step is chosen within a launcher tick; this is the bound
@@ -213,7 +213,7 @@ class Run:
         """Ask the run to stop and return at once; its events go on until its RunEnded.
 
         ``graceful``: every rank ends at one optimizer step and rank 0's state there comes back
-        (:mod:`nbtrain.stopboard`); a run that cannot (no optimizer step yet) stops at once.
+        (:mod:`nbtrain.system.stepboard`); a run that cannot (no optimizer step yet) stops at once.
         """
         if self._ended is not None:
             return
@@ -347,14 +347,14 @@ class Run:
         fd = self._ended_fds[0] if self._ended_fds else None
         try:
             if self._copied is not None:
-                from nbtrain import sharedtensors
+                from nbtrain.messages import sharedtensors
 
                 return sharedtensors.loads_mapped(self._copied.data, self._copied.mapping, map_location="cpu")
             if fd is None:  # no tensor storages: plain pickle, and no torch import for it
                 import pickle
 
                 return pickle.loads(ended.result or b"")
-            from nbtrain import sharedtensors
+            from nbtrain.messages import sharedtensors
 
             return sharedtensors.loads(ended.result or b"", fd, map_location="cpu")
         finally:
@@ -367,7 +367,7 @@ class Run:
         in all_reduce, Cell In[5], line 12``), then each rank's stack; "" when the run did
         not end that way (or the launcher got no dump).
         """
-        from nbtrain import stacks
+        from nbtrain.messages import stacks
 
         if self._ended is None or not self._ended.stacks:
             return ""

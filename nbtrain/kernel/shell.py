@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from nbtrain import processes
+from nbtrain.system import processes
 
 
 def get_shell() -> Any:
@@ -87,7 +87,7 @@ def interrupts_deferred() -> Iterator[None]:
 
     All of an update or, if interrupted before, none of it. Inside a section that already
     holds interrupts (a blocking cell), that section acts. The signal itself is handled
-    where processes and signals live (:func:`nbtrain.processes.interrupts_held`).
+    where processes and signals live (:func:`nbtrain.system.processes.interrupts_held`).
     """
     with processes.interrupts_held() as held:
         yield

@@ -1,4 +1,4 @@
-"""A private launcher forked from the user's warm template (``nbtrain.templatesocket``).
+"""A private launcher forked from the user's warm template (``nbtrain.messages.templatesocket``).
 
 The kernel connects to the template's socket (starting the template if there is none),
 sends it the launcher's end of a fresh socketpair and a stderr pipe (SCM_RIGHTS), and gets
@@ -29,8 +29,9 @@ import sys
 import time
 from collections.abc import Iterator
 
-from nbtrain import processes, wire
-from nbtrain import templatesocket as naming
+from nbtrain.messages import templatesocket as naming
+from nbtrain.messages import wire
+from nbtrain.system import processes
 
 CONNECT_SECONDS = 10.0  # a template just started binds its socket within this
 # From the kernel's request to its launcher's LauncherReady. A template that is there answers

@@ -16,11 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nbtrain import privatenet, processes, rendezvous, stopboard, wire
-from nbtrain.events import RankAssignment, StartRun, StoreListening
 from nbtrain.launch_server import standby
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
 from nbtrain.launch_server.output import RankOutput, RunLog
+from nbtrain.messages import wire
+from nbtrain.messages.events import RankAssignment, StartRun, StoreListening
+from nbtrain.system import privatenet, processes, rendezvous, stepboard
 
 HAND_OVER_SECONDS = 10.0  # a standby rank reads its run within this, or it is killed
 
@@ -35,7 +36,7 @@ class RankEnds:
     out_write: int
     err_read: int
     err_write: int
-    stack_read: int  # the rank's faulthandler dumps (nbtrain.stacks)
+    stack_read: int  # the rank's faulthandler dumps (nbtrain.messages.stacks)
     stack_write: int
 
     @classmethod
@@ -96,7 +97,7 @@ def start_rank_process(
     tensor_fd: int | None,
     log: RunLog | None,
     waits: bool = False,
-    steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
+    steps: tuple[stepboard.StepBoard | None, int] = (None, 0),
 ) -> RankProcess:
     """A new rank process and the launcher's ends of its channel and pipes; ``waits``: a standby rank,
     ``steps``: the step board its optimizer steps are counted on, and its slot there."""
@@ -127,7 +128,7 @@ def _create(
     listen_fd: int | None,
     tensor_fd: int | None,
     waits: bool = False,
-    steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
+    steps: tuple[stepboard.StepBoard | None, int] = (None, 0),
 ) -> int:
     fds = RankFds(ends.rank_end.fileno(), ends.out_write, ends.err_write, listen_fd, tensor_fd, ends.stack_write)
     if assignment.start.start_method == "spawn":
@@ -169,7 +170,7 @@ def _rank_main(
     channel: socket.socket,
     fds: RankFds,
     waits: bool = False,
-    steps: tuple[stopboard.StepBoard | None, int] = (None, 0),
+    steps: tuple[stepboard.StepBoard | None, int] = (None, 0),
 ) -> None:
     """In the forked child: wire up stdio, drop the launcher's descriptors, run the rank
     (``waits``: prepare, then wait for a run's payload, nbtrain.launch_server.standby)."""
@@ -179,9 +180,9 @@ def _rank_main(
     os.dup2(fds.err, 2)
     close_all_but({0, 1, 2, *fds.kept, *privatenet.inherited_fds()})
     privatenet.enter(assignment.start)  # while this is the process's only thread
-    from nbtrain.rank import runtime, stopping
+    from nbtrain.rank.machinery import runtime, stepcheck
 
-    stopping.attach(*steps)
+    stepcheck.attach(*steps)
 
     if waits:
         runtime.run_standby(assignment, channel, fds.listen, fds.stack)
@@ -215,7 +216,7 @@ def signal_groups(ranks: list[RankProcess], number: int) -> None:
 
 
 def hand_run(rank: RankProcess, start: memoryview, fds: tuple[int, ...]) -> None:
-    """Send a standby rank its run (the run's ``StartRun`` as a :func:`nbtrain.wire.frame`, made once
+    """Send a standby rank its run (the run's ``StartRun`` as a :func:`nbtrain.messages.wire.frame`, made once
     for every rank). One that died just now, or cannot read it (stuck before its wait), is killed:
     its exit fails the run as any rank's would, and nothing waits forever."""
     try:
@@ -235,19 +236,19 @@ def send_quietly(channel: socket.socket, message: Any, fds: tuple[int, ...] = ()
         pass  # the rank is already gone; its exit is handled by its pidfd
 
 
-def step_board(start: StartRun) -> stopboard.StepBoard | None:
+def step_board(start: StartRun) -> stepboard.StepBoard | None:
     """The board a run's ranks count their optimizer steps on, for a stop at a step. A spawned
     rank starts from nothing: it cannot share it. On a cluster's node the kernel chooses the step
-    over every node's board (nbtrain.cluster.stepstop)."""
+    over every node's board (nbtrain.cluster.crossnodestop)."""
     if start.start_method == "fork":
-        return stopboard.StepBoard.create(len(start.ranks))
+        return stepboard.StepBoard.create(len(start.ranks))
     return None
 
 
 class RunStore:
     """What a run's ranks meet through, held by the launcher until its ranks have it (then ``close``).
 
-    On one machine: a nameless store file every rank inherits (nbtrain.rendezvous), and no
+    On one machine: a nameless store file every rank inherits (nbtrain.system.rendezvous), and no
     port (``port`` 0). On a cluster the node holding global rank 0 binds a socket (on the
     address the other nodes reach it at) that rank 0 hosts a TCPStore on, and reports its
     port; the other nodes are given it and hold nothing.

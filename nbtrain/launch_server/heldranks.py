@@ -1,6 +1,6 @@
 """The rank a failed run keeps for a post-mortem (``%nbtrain_debug``), after the run has ended.
 
-The run's root-cause rank stays alive, paused in its frames (nbtrain.rank.debugger), until the
+The run's root-cause rank stays alive, paused in its frames (nbtrain.rank.machinery.debugger), until the
 kernel attaches and its debugger ends, the next launch needs its devices, the sidebar dismisses
 it, or it was held idle for its whole hold time. Its pidfd then reports it gone, and the kernel
 hears ``HeldReleased`` with the reason.
@@ -16,17 +16,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbtrain import processes
-from nbtrain.events import AttachHeld, DebugInput, HeldReleased, RankHeld, ReleaseHeld
-from nbtrain.launch_server import tracker
+from nbtrain.launch_server import registryentries
 from nbtrain.launch_server.forking import send_quietly, signal_groups
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
+from nbtrain.messages.events import AttachHeld, DebugInput, HeldReleased, RankHeld, ReleaseHeld
+from nbtrain.system import processes
 
 
 class HeldRanks:
     """The ranks held for a post-mortem, one per ended run at most, keyed by run id."""
 
-    def __init__(self, selector: selectors.BaseSelector, send: Callable[[Any], None], board: tracker.Board) -> None:
+    def __init__(
+        self, selector: selectors.BaseSelector, send: Callable[[Any], None], board: registryentries.Board
+    ) -> None:
         self.selector = selector
         self.send = send
         self.board = board

@@ -13,11 +13,12 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from nbtrain import events, stopboard
-from nbtrain.events import RankDone, RankExited, RankFailed, RankNotStarted, StartRun
-from nbtrain.launch_server import graceful
+from nbtrain.launch_server import stopatstep
 from nbtrain.launch_server.lifecycle import Lifecycle, RunPhase
 from nbtrain.launch_server.output import RankOutput, RunLog
+from nbtrain.messages import events
+from nbtrain.messages.events import RankDone, RankExited, RankFailed, RankNotStarted, StartRun
+from nbtrain.system import stepboard
 
 
 @dataclass
@@ -42,7 +43,7 @@ class RankProcess:
     held_until: float | None = None  # released then, unless a post-mortem is open
     cuda_bytes: int | None = None  # what it last reported holding on its GPU
     release_reason: str = "its debugger ended"  # what HeldReleased says when it is gone
-    step_board: stopboard.StepBoard | None = None  # a standby rank's: the run that takes it stops on it
+    step_board: stepboard.StepBoard | None = None  # a standby rank's: the run that takes it stops on it
 
 
 @dataclass
@@ -79,10 +80,10 @@ class LauncherRun:
     detail: str = ""  # how a stop came, for RunEnded
     held_text: str | None = None  # its held rank, as the sidebar lists it
     plan: StartRun | None = None  # what standby ranks for the next run are forked for
-    board: stopboard.StepBoard | None = None  # the ranks' optimizer steps (forked ranks only)
+    board: stepboard.StepBoard | None = None  # the ranks' optimizer steps (forked ranks only)
     on_stop: str = "keep"
     stop_grace: float = 2.0
-    graceful: graceful.GracefulStop | None = None
+    graceful: stopatstep.GracefulStop | None = None
     stop_note: str = ""  # why a stop could not keep the state (sent with RunEnded)
     late: list[int] = field(default_factory=list)  # the ranks a graceful stop gave up on
     uneven: UnevenWatch = field(default_factory=UnevenWatch)  # ranks left waiting (launch_server.uneven)

@@ -21,8 +21,30 @@ import sys
 import time
 from typing import Any
 
-from nbtrain import events, logsetup, privatenet, processes, wire
-from nbtrain.events import (
+from nbtrain.launch_server import heldranks, registryentries, stackdumps, standby, stopatstep, uneven
+from nbtrain.launch_server.forking import (
+    bind_store,
+    fork_standby,
+    hand_run,
+    send_quietly,
+    signal_groups,
+    start_rank_process,
+    step_board,
+    watch_rank,
+)
+from nbtrain.launch_server.launched import (
+    LauncherRun,
+    RankProcess,
+    failed_state,
+    kept_step,
+    our_signal,
+    stop_began,
+    took_a_step,
+)
+from nbtrain.launch_server.lifecycle import ACTIVE, CAN_DRAIN, STOPPABLE, Lifecycle, RunPhase
+from nbtrain.launch_server.output import STREAMS, RunLog
+from nbtrain.messages import events, logsetup, wire
+from nbtrain.messages.events import (
     AttachHeld,
     DebugEnded,
     DebugInput,
@@ -55,28 +77,7 @@ from nbtrain.events import (
     StopStep,
     TrackerCalls,
 )
-from nbtrain.launch_server import graceful, heldranks, stackdumps, standby, tracker, uneven
-from nbtrain.launch_server.forking import (
-    bind_store,
-    fork_standby,
-    hand_run,
-    send_quietly,
-    signal_groups,
-    start_rank_process,
-    step_board,
-    watch_rank,
-)
-from nbtrain.launch_server.launched import (
-    LauncherRun,
-    RankProcess,
-    failed_state,
-    kept_step,
-    our_signal,
-    stop_began,
-    took_a_step,
-)
-from nbtrain.launch_server.lifecycle import ACTIVE, CAN_DRAIN, STOPPABLE, Lifecycle, RunPhase
-from nbtrain.launch_server.output import STREAMS, RunLog
+from nbtrain.system import privatenet, processes
 
 # Imported once here so that no rank pays for it: DistributedDataParallel's constructor
 # alone imports torch._dynamo, 1.5-2 s per rank on a small machine.
@@ -91,13 +92,13 @@ PRELOAD = (
     # imported by the first record_function (DDP's forward, an optimizer's step): ~2 ms
     "torch.profiler._cupti_monitor",
     "cloudpickle",
-    "nbtrain.sharedtensors",
-    "nbtrain.rank.runtime",
+    "nbtrain.messages.sharedtensors",
+    "nbtrain.rank.machinery.runtime",
     "nbtrain.rank.cell",
-    "nbtrain.rank.precision",
-    "nbtrain.rank.settings",
-    "nbtrain.rank.syncbn",
-    "nbtrain.reach",
+    "nbtrain.rank.auto.precision",
+    "nbtrain.rank.machinery.settings",
+    "nbtrain.rank.auto.syncbn",
+    "nbtrain.messages.reach",
 )
 
 STOP_GRACE_SECONDS = 0.5  # SIGTERM first; SIGKILL for what is left after this
@@ -129,7 +130,7 @@ class Launcher:
             self.selector.register(kernel_pidfd, selectors.EVENT_READ, ("kernel", None, None))
         self.runs: dict[int, LauncherRun] = {}
         self.sources: dict[str, tuple[str, ...]] = {}  # notebook cells' lines, as the kernel sent them
-        self.board = tracker.Board(tracker.find_owner(parent_pid))
+        self.board = registryentries.Board(registryentries.find_owner(parent_pid))
         self.held_ranks = heldranks.HeldRanks(self.selector, self._send, self.board)
         self.standby = standby.Pool(
             self.selector,
@@ -242,14 +243,14 @@ class Launcher:
             self._stop(run, events.STOPPED)
 
     def _stop_gracefully(self, run: LauncherRun, state: str) -> bool:
-        """Begin a stop at a step boundary (nbtrain.launch_server.graceful); False when the run cannot have one."""
+        """Begin a stop at a step boundary (nbtrain.launch_server.stopatstep); False when the run cannot have one."""
         if run.state is not RunPhase.RUNNING:
             return False
-        run.stop_note = graceful.why_none(run.board, run.on_stop)
+        run.stop_note = stopatstep.why_none(run.board, run.on_stop)
         if run.board is None or run.on_stop != "keep" or run.stop_note:
             return False
         run.board.request_stop()
-        run.graceful = graceful.GracefulStop(state, time.monotonic(), across_nodes=run.on_cluster)
+        run.graceful = stopatstep.GracefulStop(state, time.monotonic(), across_nodes=run.on_cluster)
         run.move(RunPhase.STOPPING_AT_STEP)
         entry = self.board.get(run.run_id)
         if entry is not None:
@@ -275,7 +276,7 @@ class Launcher:
         if stop.choose(run.board, run.stop_grace, now):
             if not stop.step:  # every rank's count went back to none meanwhile: nothing to keep
                 stop.gave_up = True
-                run.stop_note = graceful.why_none(run.board, run.on_stop)
+                run.stop_note = stopatstep.why_none(run.board, run.on_stop)
                 self._stop(run, stop.state)
                 return
             self._announce_step(run, stop)
@@ -285,7 +286,7 @@ class Launcher:
             run.stop_note = stackdumps.laggards(run)
             self._stop(run, stop.state)  # its stack dumps then say who waited for whom (_finish)
 
-    def _announce_step(self, run: LauncherRun, stop: graceful.GracefulStop) -> None:
+    def _announce_step(self, run: LauncherRun, stop: stopatstep.GracefulStop) -> None:
         assert stop.step is not None
         self._send(StopStep(run.run_id, stop.step, stop.grace))
         entry = self.board.get(run.run_id)
@@ -346,7 +347,7 @@ class Launcher:
         Installed in the launcher's own linecache, they are in every rank it forks from now on
         (standby ranks included); the run's new ones go with it to ranks forked before.
         """
-        from nbtrain.rank.runtime import install_source_lines
+        from nbtrain.rank.machinery.runtime import install_source_lines
 
         self.sources.update(start.source_lines)
         install_source_lines(start.source_lines)
@@ -709,7 +710,7 @@ class Launcher:
         )
         return with_state, () if fd is None else (fd,)
 
-    # -- the debugger relay and the held rank (nbtrain.rank.debugger) ----------------------
+    # -- the debugger relay and the held rank (nbtrain.rank.machinery.debugger) ----------------------
     def _on_debug_event(self, run: LauncherRun, rank: RankProcess, message: Any) -> None:
         """pdb's output and prompts go to the kernel; while a rank sits at a prompt the
         run's timeout waits (the user is reading, not the rank hanging)."""

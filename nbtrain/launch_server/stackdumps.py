@@ -1,7 +1,7 @@
 """Each rank's stack dump before a stop: asking for it, reading it, knowing when it is all in.
 
 A run that times out or is stopped asks every live rank for a faulthandler dump
-(nbtrain.stacks) and waits until each has gone quiet, at most STACK_WAIT_SECONDS, before
+(nbtrain.messages.stacks) and waits until each has gone quiet, at most STACK_WAIT_SECONDS, before
 its ranks are signalled: RunEnded then says where each rank was.
 """
 
@@ -11,9 +11,10 @@ import os
 import selectors
 import time
 
-from nbtrain import events, processes, stacks
-from nbtrain.launch_server import graceful
+from nbtrain.launch_server import stopatstep
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
+from nbtrain.messages import events, stacks
+from nbtrain.system import processes
 
 # Before stopping a run that timed out or was stopped, each rank dumps its stack: wait for
 # every dump to arrive and go quiet, but never longer than STACK_WAIT_SECONDS in all.
@@ -83,4 +84,4 @@ def laggards(run: LauncherRun) -> str:
     frames = frames_of
     waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.waits_on_peers(frames(r)))
     backward = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.in_backward(frames(r)))
-    return graceful.laggards_note(run.graceful, run.board, run.late, slots, waiting, backward)
+    return stopatstep.laggards_note(run.graceful, run.board, run.late, slots, waiting, backward)

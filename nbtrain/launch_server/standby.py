@@ -8,7 +8,7 @@ cell that changes only those still takes them. Each adopts the plan's state,
 sets its device (on CUDA: its context, cuDNN and cuBLAS loaded, NCCL's communicator built
 when there are several ranks),
 joins its process group (rank 0 hosting the store on a socket the launcher bound) and waits
-(``nbtrain.rank.runtime.run_standby``). A run with the same plan takes them: its
+(``nbtrain.rank.machinery.runtime.run_standby``). A run with the same plan takes them: its
 ``StartRun`` and the payload's memfd go to each over its channel, and from then on they are
 that run's ranks like any others. Until then they belong to no run: no failure, stop or
 timeout of a run looks at them, and their output waits in their pipes.
@@ -34,8 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain import processes, wire
-from nbtrain.events import StandbyChanged, StandbyReady, StartRun
+from nbtrain.messages import wire
+from nbtrain.messages.events import StandbyChanged, StandbyReady, StartRun
+from nbtrain.system import processes
 
 Key = tuple[Any, ...]
 RELEASE_SECONDS = 2.0  # the longest the launcher waits for SIGKILLed standby ranks to be reaped
@@ -46,7 +47,7 @@ def plan_key(start: StartRun) -> Key | None:
 
     Cluster runs (their agents' launchers) and ``ddp_spawn`` (fresh interpreters) have none.
 
-    >>> from nbtrain.events import RankSpec
+    >>> from nbtrain.messages.events import RankSpec
     >>> spec = RankSpec(0, 0, 1, "cpu", None)
     >>> start = StartRun(1, b"", (spec,), "fork", "gloo", {"A": "1"}, "/", ("/x",), {}, None, standby_seconds=600)
     >>> plan_key(start) == plan_key(dataclasses.replace(start, run_id=2, payload=b"other"))

@@ -1,6 +1,6 @@
 """The warm template: ``python -m nbtrain.launch_server.template <socket>``, started by a kernel.
 
-One per user, machine and environment (``nbtrain.templatesocket`` names it). It imports what a
+One per user, machine and environment (``nbtrain.messages.templatesocket`` names it). It imports what a
 launcher imports, then only forks: each kernel that asks gets a private launcher, forked
 in milliseconds and sharing the template's memory copy-on-write. The template never runs
 user code and never forks a rank. Its launchers do not die with it: each watches its own
@@ -22,9 +22,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from nbtrain import events, logsetup, privatenet, processes, wire
-from nbtrain import templatesocket as naming
 from nbtrain.launch_server import forking, server
+from nbtrain.messages import events, logsetup, wire
+from nbtrain.messages import templatesocket as naming
+from nbtrain.system import privatenet, processes
 
 HANDSHAKE_SECONDS = 5.0  # a connected kernel that says nothing for this long is dropped
 
@@ -237,7 +238,7 @@ def main() -> None:
     if processes.thread_count() != 1:
         _unlink_own(path, os.stat(path).st_ino)
         processes.exit_now(1)  # forking would be unsafe; kernels then start their own launchers
-    privatenet.namespaces()  # once, for every launcher forked from here (nbtrain.privatenet)
+    privatenet.namespaces()  # once, for every launcher forked from here (nbtrain.system.privatenet)
     Template(listener, path, loaded, identity).serve()
     processes.exit_now(0)
 

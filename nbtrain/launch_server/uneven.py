@@ -7,16 +7,17 @@ the run's timeout, or for ever. From the notebook that looks like a slow run.
 :data:`UNEVEN_SECONDS` after the first rank finished, the launcher asks the others for
 their stacks (faulthandler, as before a stop; the run goes on). A rank whose stack waits
 on its peers, with no optimizer step begun since the last look, is stuck: the
-kernel gets :class:`~nbtrain.events.RanksWaiting`, with where it waits. A rank busy on its
+kernel gets :class:`~nbtrain.messages.events.RanksWaiting`, with where it waits. A rank busy on its
 own (the usual uneven end: one rank still evaluating or saving) is looked at again later.
 """
 
 from __future__ import annotations
 
-from nbtrain import events, processes, stacks
 from nbtrain.launch_server import stackdumps
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
 from nbtrain.launch_server.lifecycle import RunPhase
+from nbtrain.messages import events, stacks
+from nbtrain.system import processes
 
 UNEVEN_SECONDS = 10.0  # after the first rank finished, the others' stacks are looked at (then as often)
 

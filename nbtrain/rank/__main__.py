@@ -7,8 +7,9 @@ and sends the RankAssignment as the first message on the channel.
 import socket
 import sys
 
-from nbtrain import processes, wire
-from nbtrain.rank import runtime
+from nbtrain.messages import wire
+from nbtrain.rank.machinery import runtime
+from nbtrain.system import processes
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ class RankContext:
     step: int = 0
     last_flush: float = 0.0
     logged: bool = False
-    imported: tuple[str, ...] = ()  # rank 0: library modules its payload imported (nbtrain.rank.runtime)
+    imported: tuple[str, ...] = ()  # rank 0: library modules its payload imported (nbtrain.rank.machinery.runtime)
     pid: int = field(default_factory=os.getpid)  # the rank's; a DataLoader worker forked from it inherits this
     # A cell that raised: this rank's CellResult at the raise (nbtrain.rank.cell), sent with its failure;
     # or why none could be made.
@@ -88,7 +88,7 @@ class RankContext:
         self._send_outbox(wait)
 
     def _send_outbox(self, wait: bool) -> None:
-        from nbtrain.events import MemorySample, Metrics
+        from nbtrain.messages.events import MemorySample, Metrics
 
         sent = False
         while self.outbox and (wait or not isinstance(self.outbox[0], _RowsOnTheWay) or self.outbox[0].done()):

@@ -12,7 +12,7 @@
    traceback shows the cell's own lines at the cell's own line numbers.
 5. Namespace out: gather full weights and optimizer state (a collective under FSDP, so
    every rank takes part), then rank 0 pickles what changed into a
-   :class:`~nbtrain.records.CellResult`. References to the kernel's objects go
+   :class:`~nbtrain.messages.records.CellResult`. References to the kernel's objects go
    back as references, wrappers as the objects they wrap, and functions defined in the
    cell as functions of the kernel's globals.
 """
@@ -30,26 +30,25 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nbtrain import patches, reach, records
-from nbtrain.rank import (
-    api,
-    cellloaders,
-    cellmodels,
-    displays,
+from nbtrain import patches
+from nbtrain.messages import reach, records
+from nbtrain.rank import api
+from nbtrain.rank.auto import (
+    deviceglobals,
     inherent,
-    kerneldevices,
+    keptmodels,
+    ledger,
     loaders,
     losslogging,
-    madehere,
+    madeloaders,
+    madeoptimizers,
     optimizers,
-    preparations,
     prepare,
     samedata,
     stephooks,
-    stopping,
-    trackers,
     wrapping,
 )
+from nbtrain.rank.machinery import displays, stepcheck, trackers
 
 if TYPE_CHECKING:
     from cloudpickle import Pickler as _PicklerBase
@@ -69,7 +68,7 @@ class CellSpec:
     needs_shell: bool = False
     display_last: bool = False
     rng: Mapping[str, Any] | None = None
-    held: tuple[Any, ...] = ()  # nbtrain.reach.Held: the objects inside the shipped globals, by where they are
+    held: tuple[Any, ...] = ()  # nbtrain.messages.reach.Held: the objects inside the shipped globals, by where they are
 
 
 def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> records.CellResult | None:
@@ -93,16 +92,16 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
     parts = _submodules(tracked)  # before the cell: a layer it replaces was the model's
     # Every rank records it: a rank whose cell raises sends its own state at the raise (state_at_failure).
     before = _Before(cell_globals, tracked, parts)
-    devices = kerneldevices.as_rank_devices(cell_globals, namespace)  # `device = torch.device("cuda:0")` in the kernel
+    devices = deviceglobals.as_rank_devices(cell_globals, namespace)  # `device = torch.device("cuda:0")` in the kernel
     hidden = _install_shell(cell_globals) if spec.needs_shell else set()
-    preparations.configure()
-    with preparations.cell_registry().patches as cell_patches:  # undone in reverse as the cell ends
+    ledger.configure()
+    with ledger.cell_registry().patches as cell_patches:  # undone in reverse as the cell ends
         display, prepared, placed, failure = _run_patched(spec, cell_globals, namespace, tracked, cell_patches)
         ours = patches.replacements(patches.Lifetime.CELL)
     _originals_back(cell_globals, ours)
     displays.show_open_figures()  # what the kernel's inline backend shows at a cell's end
     prepare.put_back(namespace, placed)  # so trainer.model is the kernel's model again on the way back
-    kerneldevices.restore(devices)
+    deviceglobals.restore(devices)
     context = api.current_context()
     if context is not None:
         context.flush()  # the cell's last metrics go out before the (slower) namespace-out
@@ -166,13 +165,13 @@ def _run_patched(
     raised: None when it ran to its end)."""
     __tracebackhide__ = True  # the rank runtime drops frames that say so
     several = api.world_size() > 1
-    preparations.cell_registry().ship(tracked.values())
+    ledger.cell_registry().ship(tracked.values())
     optimizers.know_optimizers(tracked.values())
-    if "torch" in sys.modules or stopping.counting():  # a cell without torch has no optimizer to hook
-        stephooks.for_the_cell()  # one step pre-hook and post-hook, in nbtrain.rank.stephooks' order
+    if "torch" in sys.modules or stepcheck.counting():  # a cell without torch has no optimizer to hook
+        stephooks.for_the_cell()  # one step pre-hook and post-hook, in nbtrain.rank.auto.stephooks' order
     if spec.auto and several:  # what the cell makes and trains itself, to name it if unprepared
         patches.install("made in the cell", stack)  # optimizers, DDP, clipping, loaders, plateau schedulers
-        cellmodels.watch_steps(madehere.first_step, madehere.unstepped_optimizers, cell_globals)  # kept one
+        keptmodels.watch_steps(madeoptimizers.first_step, madeoptimizers.unstepped_optimizers, cell_globals)  # kept one
     prepared = prepare.auto_prepare(cell_globals, spec.names) if spec.auto else []
     placed: list[tuple[Any, Any, Any]] = []
     if spec.auto:
@@ -185,7 +184,7 @@ def _run_patched(
         with logging, trackers.tracked_cell():  # one run per tracker, rank 0's; charted live
             try:
                 display = _execute(spec, cell_globals)
-            except stopping.StopAtStep:
+            except stepcheck.StopAtStep:
                 display = None  # stopped at the step every rank reached: what it holds goes back as at the end
     except Exception as error:  # noqa: BLE001 - raised again once the state at the raise is kept (run_cell)
         return None, prepared, placed, error
@@ -366,7 +365,8 @@ def _state_marks(obj: Any) -> Any:
 def _signature(module: Any) -> tuple[Any, ...]:
     # Under a -true precision the rank cast the model itself: its dtype changing is ours,
     # not the cell's, and the kernel's model keeps its own dtype (loaded by state).
-    from nbtrain.rank import precision, settings
+    from nbtrain.rank.auto import precision
+    from nbtrain.rank.machinery import settings
 
     ours = precision.casts_model(settings.current().precision)
     return tuple(
@@ -424,18 +424,19 @@ def _collect(
     deleted = sorted(n for n in before.objects if n.isidentifier() and n not in cell_globals)
     skipped: list[tuple[str, str, str]] = []
     payload, storages = _dump_outcome(outcome, refs, cell_globals, skipped)
-    kept = cellmodels.kept_summary(cell_globals)  # a name the cell bound anew is its own model's
+    kept = keptmodels.kept_summary(cell_globals)  # a name the cell bound anew is its own model's
     prepared = [entry for entry in prepared if entry[0] not in dict(kept)] + kept
     # Alone, no note on the ranks' first batches: it reads a collective's result the others may never join.
-    notes = preparations.notes() + ([] if alone else samedata.same_data_notes(cell_globals))
+    notes = ledger.notes() + ([] if alone else samedata.same_data_notes(cell_globals))
     notes += _inherent_notes(outcome, modules)
-    made = cellloaders.made_loader_report(cell_globals)  # a name the cell bound anew is its loader's
+    made = madeloaders.made_loader_report(cell_globals)  # a name the cell bound anew is its loader's
     loader_report = [entry for entry in loaders.loader_report() if entry[0] not in dict(made)] + made
     return records.CellResult(payload, storages, deleted, skipped, prepared, notes, loader_report)
 
 
 def _inherent_notes(outcome: Mapping[str, Any], modules: list[tuple[str, Any]]) -> list[str]:
-    """What data parallelism left different from one process in the models the cell trained (nbtrain.rank.inherent)."""
+    """What data parallelism left different from one process in the models the cell trained
+    (nbtrain.rank.auto.inherent)."""
     import torch
 
     trained = [(name, module) for name, module in modules if name in outcome["modules"]]
@@ -506,13 +507,13 @@ def _optimizer_states(
 
 def _zero_of(optimizer: Any) -> Any | None:
     """The ZeroRedundancyOptimizer ``ddp_sharded`` made of ``optimizer``, or None."""
-    zero = preparations.prepared_for(optimizer)
+    zero = ledger.prepared_for(optimizer)
     return zero if zero is not None and type(zero).__name__ == "ZeroRedundancyOptimizer" else None
 
 
 def _optimizer_attributes(optimizers: Mapping[str, Any], namespace: Mapping[str, Any]) -> dict[str, Any]:
     """The plain attributes (a counter, slow weights) of each optimizer whose state goes back."""
-    from nbtrain import codepickle
+    from nbtrain.messages import codepickle
 
     attributes = {}
     for name in optimizers:
@@ -851,7 +852,7 @@ def _result_pickler_class() -> type[_ResultReferences]:
         import torch
         from torch.distributed.tensor import DTensor
 
-        from nbtrain import codepickle
+        from nbtrain.messages import codepickle
 
         class ResultPickler(_ResultReferences, codepickle.Pickler):
             typed_storage_type = torch.storage.TypedStorage

@@ -5,14 +5,14 @@ It adds routes to the server's own web application (no port or socket of its own
 one behind Jupyter's authentication (token or cookie, and XSRF for POST):
 
 - ``GET  {base_url}nbtrain/api/runs``: every run in this user's run registry
-  (:mod:`nbtrain.registry`), each with ``id``, ``state``, ``world_size``, ``kernel_id``,
+  (:mod:`nbtrain.system.registry`), each with ``id``, ``state``, ``world_size``, ``kernel_id``,
   ``pids``, ``notebook`` (its file), ``path`` (the same, as the contents API names it: what
   the sidebar opens), ``step``, ``loss``, ``losses``, ``steps_per_second``, ``elapsed``;
 - ``GET  {base_url}nbtrain/api/devices``: each GPU (NVML), the host's CPU and memory, each rank's memory;
 - ``POST {base_url}nbtrain/api/runs/<id>/stop``: stop a run by signalling its ranks directly;
 - ``POST {base_url}nbtrain/api/runs/<id>/clean``: forget an ended or orphaned run, killing what is left of it.
 
-It also starts the user's warm template (``nbtrain.templatesocket``) as the server starts, so a
+It also starts the user's warm template (``nbtrain.messages.templatesocket``) as the server starts, so a
 kernel's launcher is forked from a process that has imported torch already.
 
 Example (from a shell, with the server's token)::
@@ -39,7 +39,7 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
 
 def _start_template() -> None:
     """Start the warm template now (in the background), so the first kernel's first run finds
-    torch imported; kernels of the server's Python environment use it (nbtrain.templatesocket)."""
+    torch imported; kernels of the server's Python environment use it (nbtrain.messages.templatesocket)."""
     import threading
 
     from nbtrain.kernel import warm

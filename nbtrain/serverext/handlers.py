@@ -15,8 +15,8 @@ import tornado.web
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
-from nbtrain import registry
-from nbtrain.serverext import gpus, runs
+from nbtrain.serverext import runs, usage
+from nbtrain.system import registry
 
 _RUN_ID = r"(?P<run_id>[A-Za-z0-9_-]{1,64})"
 
@@ -72,14 +72,14 @@ def _follow_stop(run_id: str, delay: float) -> None:
 class DevicesHandler(APIHandler):
     """``GET nbtrain/api/devices``: each GPU (NVML), the host's CPU and memory, each rank's memory."""
 
-    def initialize(self, host: gpus.HostSampler) -> None:
+    def initialize(self, host: usage.HostSampler) -> None:
         """Keep the server's one host sampler (its CPU share is measured between requests)."""
         self.host = host
 
     @tornado.web.authenticated
     def get(self) -> None:
-        """Answer the devices (:func:`nbtrain.serverext.gpus.snapshot`) as JSON."""
-        self.finish(json.dumps(gpus.snapshot(self.host)))
+        """Answer the devices (:func:`nbtrain.serverext.usage.snapshot`) as JSON."""
+        self.finish(json.dumps(usage.snapshot(self.host)))
 
 
 def setup(web_app: Any) -> None:
@@ -90,6 +90,6 @@ def setup(web_app: Any) -> None:
         [
             (url_path_join(base, "runs"), RunsHandler),
             (url_path_join(base, "runs", _RUN_ID, r"(?P<action>stop|clean)"), RunActionHandler),
-            (url_path_join(base, "devices"), DevicesHandler, {"host": gpus.HostSampler()}),
+            (url_path_join(base, "devices"), DevicesHandler, {"host": usage.HostSampler()}),
         ],
     )

@@ -3,11 +3,11 @@
 Pure of tornado: the handlers (:mod:`nbtrain.serverext.handlers`) call these. A run's shown
 state is its record's, except that a run still going whose kernel or launcher is gone is
 "orphaned" (its kernel can no longer end it). Stop and clean-up act on the rank processes
-themselves, through :func:`nbtrain.processes.signal_ranks`, which signals nothing whose
+themselves, through :func:`nbtrain.system.processes.signal_ranks`, which signals nothing whose
 pid and start time do not both match the record.
 
 Example:
-    >>> from nbtrain.registry import RunRecord
+    >>> from nbtrain.system.registry import RunRecord
     >>> shown_state(RunRecord(id="a-1", world_size=2, state="finished"))
     'finished'
 """
@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from nbtrain import processes, registry, sharedhost
-from nbtrain.registry import RunRecord
+from nbtrain.system import processes, registry, sharedhost
+from nbtrain.system.registry import RunRecord
 
 ORPHANED = "orphaned"
 STOP_GRACE_SECONDS = 0.5  # SIGTERM first; SIGKILL for what is left after this, as the launcher does
@@ -96,7 +96,7 @@ def run_json(
 ) -> dict[str, Any]:
     """The JSON the sidebar gets for one run (``root``: the server's root directory; ``accounts``: the
     machine's human accounts, read if None). ``shared_host``: on a machine of several people, what
-    other users could reach of the run and what to do (:func:`nbtrain.sharedhost.standing`), else None."""
+    other users could reach of the run and what to do (:func:`nbtrain.system.sharedhost.standing`), else None."""
     now = time.time() if now is None else now
     data = record.as_json()
     data["path"] = contents_path(record.notebook, root)

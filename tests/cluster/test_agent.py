@@ -92,7 +92,7 @@ def _forbid_reading_ranks(forbid: bool) -> Any:
     """Inside an agent: reading rank 0's memory fails (as in a sandbox), or works again."""
 
     def inside(_agent: Any) -> None:
-        from nbtrain import sharedtensors
+        from nbtrain.messages import sharedtensors
 
         original = getattr(sharedtensors, "_allowed_read", sharedtensors.read_span_from_process)
         sharedtensors._allowed_read = original

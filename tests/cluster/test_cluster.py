@@ -20,7 +20,6 @@ import torch
 
 import nbtrain
 from helpers import procs
-from nbtrain import events
 from nbtrain.cluster import engine
 from nbtrain.errors import (
     ClusterError,
@@ -31,6 +30,7 @@ from nbtrain.errors import (
     RunStoppedError,
     RunTimeoutError,
 )
+from nbtrain.messages import events
 
 ray = pytest.importorskip("ray")
 
@@ -153,7 +153,7 @@ def test_ranks_run_their_bundles_cpus_as_threads_unless_the_kernel_sets_omp_num_
 def _told() -> list[tuple[str, str, bool]]:
     import torch.distributed as dist
 
-    from nbtrain.rank import settings
+    from nbtrain.rank.machinery import settings
 
     told = settings.current()
     gathered: list[Any] = [None] * dist.get_world_size()

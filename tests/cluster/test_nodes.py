@@ -9,10 +9,10 @@ import signal
 
 import pytest
 
-from nbtrain import events
 from nbtrain.cluster import nodes
 from nbtrain.cluster.nodes import ClusterPlan, NodeResources
 from nbtrain.errors import ConfigurationError
+from nbtrain.messages import events
 
 ADDRESS = "10.0.0.1:6379"
 CPU_NODES = [NodeResources("a1b2c3d4e5", "10.0.0.1", cpus=4, gpus=0), NodeResources("f6a7b8c9d0", "10.0.0.2", 4, 0)]

@@ -18,9 +18,9 @@ import pytest
 from test_cluster import RUN_SECONDS, _assert_all_gone, _fault, _rest, _running, _world, rank_processes, start
 
 from helpers import listeners, procs
-from nbtrain import events
 from nbtrain.cluster import agent, engine, runsecret
 from nbtrain.errors import ClusterError
+from nbtrain.messages import events
 
 pytestmark = pytest.mark.timeout(900)
 ray = pytest.importorskip("ray")

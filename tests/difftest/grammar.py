@@ -133,8 +133,9 @@ STOP = """import os, signal, time
 
 def stop_point(_kernel=os.getpid()):
     from torch.optim.optimizer import register_optimizer_step_pre_hook
-    from nbtrain import stopboard
-    from nbtrain.rank import api, stopping
+    from nbtrain.system import stepboard
+    from nbtrain.rank import api
+    from nbtrain.rank.machinery import stepcheck
     if api.current_context() is None:
         def interrupt(*_):
             hook.remove()
@@ -144,7 +145,8 @@ def stop_point(_kernel=os.getpid()):
     if api.rank() == 0:
         os.kill(_kernel, signal.SIGINT)
     deadline = time.monotonic() + 30
-    while stopping._counter.board.stop_step() in (stopboard.NO_STOP, stopboard.PENDING) and time.monotonic() < deadline:
+    while stepcheck._counter.board.stop_step() in (stepboard.NO_STOP, stepboard.PENDING) and time.monotonic() <
+    deadline:
         time.sleep(0.005)"""
 
 # The trainer class, as a module beside the notebook (train_utils.py) or pasted in a notebook cell.

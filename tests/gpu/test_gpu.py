@@ -23,8 +23,8 @@ import torch
 import nbtrain
 from helpers.procs import RUN_TIMEOUT, finish
 from kernel_helpers import NotebookKernel
-from nbtrain import events
 from nbtrain.errors import RankError
+from nbtrain.messages import events
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,7 +56,7 @@ def test_a_kernel_that_touched_cuda_trains_a_cuda_cell_and_gets_its_weights_back
 
 
 def test_the_kernels_torch_settings_reach_a_cuda_rank():
-    """TF32, cuDNN's autotuner and a default CUDA device set in the kernel (nbtrain.torchsettings)."""
+    """TF32, cuDNN's autotuner and a default CUDA device set in the kernel (nbtrain.messages.torchsettings)."""
     with NotebookKernel() as kernel:
         kernel.run_ok(
             "%load_ext nbtrain\nimport torch\nmodel = torch.nn.Linear(8, 1).cuda()\n"
@@ -113,7 +113,7 @@ def test_16_mixed_skips_an_overflowed_step_and_lowers_the_scale(launcher):
     """The optimizer is built after prepare and never handed to it; the scaling still holds."""
 
     def fn():
-        from nbtrain.rank import preparations
+        from nbtrain.rank.auto import ledger
 
         torch.manual_seed(0)
         net = nbtrain.prepare(torch.nn.Linear(8, 1))
@@ -122,7 +122,7 @@ def test_16_mixed_skips_an_overflowed_step_and_lowers_the_scale(launcher):
         x = torch.randn(16, 8, device="cuda") * 0.01
         opt.zero_grad(); net(x).float().pow(2).mean().backward(); opt.step()
         before = next(net.parameters()).detach().clone()
-        scaling = preparations.cell_registry().loss_scaling
+        scaling = ledger.cell_registry().loss_scaling
         scale, skipped = scaling.scaler.get_scale(), scaling.skipped_steps
         opt.zero_grad(); (net(x).float().pow(2).mean() * float("inf")).backward(); opt.step()
         unchanged = torch.equal(before, next(net.parameters()))
@@ -257,18 +257,18 @@ def test_free_gpu_selection_reads_the_real_nvml_without_a_cuda_context():
 
 
 def test_a_gpu_another_process_holds_is_busy_and_one_this_kernel_holds_is_free():
-    from nbtrain import hardware
+    from nbtrain.planning import probe
 
     torch.cuda.init()
     held = torch.empty(16 << 20, dtype=torch.uint8, device="cuda:0")  # this process (the kernel) holds GPU 0
-    mine = {o.gpu.index: o for o in hardware.gpu_occupancy()}
+    mine = {o.gpu.index: o for o in probe.gpu_occupancy()}
     if not mine[0].known:
         pytest.skip("NVML cannot list the processes of this GPU")
     code = "import sys, torch\nx = torch.empty(1 << 24, device='cuda')\nprint('holding', flush=True)\nsys.stdin.read()"
     other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "holding"
-        theirs = {o.gpu.index: o for o in hardware.gpu_occupancy()}
+        theirs = {o.gpu.index: o for o in probe.gpu_occupancy()}
     finally:
         other.stdin.close()
         other.wait(timeout=60)

@@ -17,8 +17,8 @@ import kernel_helpers
 import nbtrain
 from helpers.procs import RUN_TIMEOUT, finish
 from kernel_helpers import NotebookKernel
-from nbtrain import hardware
 from nbtrain.kernel import launcher_connection
+from nbtrain.planning import probe
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,7 +40,7 @@ def _waiting(timeout: float = 60.0) -> list[int]:
 
 
 def _gpu_bytes(pid: int) -> int:
-    return sum(gpu.process_bytes.get(pid, 0) for gpu in hardware.gpu_usage())
+    return sum(gpu.process_bytes.get(pid, 0) for gpu in probe.gpu_usage())
 
 
 def test_standby_ranks_hold_a_cuda_context_and_nothing_else(launcher):
@@ -68,7 +68,7 @@ def test_a_gpu_held_only_by_standby_ranks_counts_as_free(launcher):
     finish(nbtrain.start(lambda: None, devices=[0], accelerator="cuda", timeout=RUN_TIMEOUT))
     (pid,) = _waiting()
     assert _gpu_bytes(pid) > 0
-    occupancy = {o.gpu.index: o for o in hardware.gpu_occupancy()}
+    occupancy = {o.gpu.index: o for o in probe.gpu_occupancy()}
     assert occupancy[0].free, occupancy[0].describe_busy()
     assert 0 in nbtrain.find_usable_cuda_devices(-1)
 
@@ -104,7 +104,9 @@ def test_a_cells_own_collective_runs_on_a_lone_standby_rank_that_built_no_commun
 
 
 STANDBY_PIDS = "sorted(__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).standby_pids())"
-GPU_BYTES = "sum(g.process_bytes.get({pid}, 0) for g in __import__('nbtrain.hardware', fromlist=['x']).gpu_usage())"
+GPU_BYTES = (
+    "sum(g.process_bytes.get({pid}, 0) for g in __import__('nbtrain.planning.probe', fromlist=['x']).gpu_usage())"
+)
 
 
 def _kernel_standby(kernel: NotebookKernel) -> int:
@@ -117,7 +119,7 @@ def _kernel_standby(kernel: NotebookKernel) -> int:
 
 
 def test_standby_ranks_give_their_gpu_memory_up_when_the_kernel_uses_the_gpu_and_an_oom_names_them():
-    """Unrun so far (no GPU where it was written): the policy's CPU test is tests/test_standby_ranks.py."""
+    """Unrun so far (no GPU where it was written): the policy's CPU test is tests/test_standbylist.py."""
     with NotebookKernel() as kernel:
         kernel.run_ok("%load_ext nbtrain")
         standby = _kernel_standby(kernel)

@@ -12,8 +12,8 @@ import signal
 import sys
 
 import nbtrain
-from nbtrain import events
 from nbtrain.kernel.launcher_connection import get_client
+from nbtrain.messages import events
 
 MARKER = "KeyboardInterrupt reached the caller"
 

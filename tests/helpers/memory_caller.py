@@ -14,8 +14,8 @@ import sys
 import torch
 
 import nbtrain
-from nbtrain import events
 from nbtrain.kernel.launcher_connection import get_client
+from nbtrain.messages import events
 
 ELEMENTS = 256 * 1024 * 1024  # 1 GiB of float32
 

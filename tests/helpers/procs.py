@@ -20,8 +20,9 @@ from typing import Any
 
 import psutil
 
-from nbtrain import events, processes
 from nbtrain.kernel import launcher_connection
+from nbtrain.messages import events
+from nbtrain.system import processes
 
 RUN_TIMEOUT = 60.0  # a run that takes longer than this is a hang, not a slow machine
 POLL = 0.02
@@ -184,7 +185,7 @@ def roundtrip(obj: Any, transport: str = "file") -> Any:
     ``read``: tensors left in place and read back with process_vm_readv (rank 0 -> kernel),
     here from this very process, which takes the same system call.
     """
-    from nbtrain import sharedtensors
+    from nbtrain.messages import sharedtensors
 
     if transport == "read":
         pickled = sharedtensors.dumps_in_place(obj)

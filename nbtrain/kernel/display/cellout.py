@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nbtrain import events, runstate
+from nbtrain import runstate
 from nbtrain.kernel.display import live, show
+from nbtrain.messages import events
 
 
 def write_text(text: str, stderr: bool = False) -> None:

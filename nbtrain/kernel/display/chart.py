@@ -13,7 +13,8 @@ on a light and on a dark notebook theme alike. Tick labels are compact (``1.5k``
 ``8.9e-6``), so no axis ever needs an offset label that could collide with its title.
 
 Example:
-    >>> from nbtrain import events, runstate
+    >>> from nbtrain.messages import events
+    >>> from nbtrain import runstate
     >>> state = runstate.RunState("ddp_notebook", "cpu", 1)
     >>> state.apply(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}), (2, 0.1, {"loss": 0.5}))), now=0.0)
     >>> figure = ChartFigure(state)
@@ -50,7 +51,8 @@ def figure_for(state: runstate.RunState) -> ChartFigure:
     """A figure for ``state``'s charts: one an earlier run handed back with the same charts, else a new one.
 
     Example:
-        >>> from nbtrain import events, runstate
+        >>> from nbtrain.messages import events
+        >>> from nbtrain import runstate
         >>> state = runstate.RunState("ddp_notebook", "cpu", 1)
         >>> state.apply(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}),)), now=0.0)
         >>> first = figure_for(state)

@@ -71,7 +71,7 @@ def chart_panels(state: RunState, max_metrics: int = MAX_METRIC_CHARTS) -> tuple
 
     The figure is rebuilt only when this changes, so it holds no values.
 
-    >>> from nbtrain import events
+    >>> from nbtrain.messages import events
     >>> state = RunState(world_size=2, batch_size=8)
     >>> state.apply(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}), (2, 0.5, {"loss": 0.5}))), now=1.0)
     >>> state.apply(events.MemorySample(1, 1, 2**28), now=1.0)

@@ -6,7 +6,7 @@ Kaggle (which loads no third-party widget JavaScript) and Colab (ipywidgets 7 as
 ``google.colab.output.enable_custom_widget_manager()``).
 
 What the machine offers is found without touching CUDA (GPUs through NVML, see
-:mod:`nbtrain.hardware`), so the kernel can still fork healthy ranks afterwards. Every
+:mod:`nbtrain.planning.probe`), so the kernel can still fork healthy ranks afterwards. Every
 change of a control becomes the session's defaults at once (through
 :func:`nbtrain.kernel.defaults.set_defaults`), and the form shows the equivalent
 ``%%distributed`` line, to copy into a cell or another notebook. A flag written on a cell
@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbtrain import options as options_module
-from nbtrain.devices import GpuInfo
 from nbtrain.errors import ConfigurationError
 from nbtrain.kernel import defaults
 from nbtrain.kernel import shell as kernel_shell
 from nbtrain.kernel.display.show import enable_colab_widgets, show_widget
 from nbtrain.options import LaunchOptions, Option, devices_text
+from nbtrain.planning.deviceplan import GpuInfo
 
 CPU_PROCESSES_PER_CORE = 2  # the slider goes up to twice the cores
 DEFAULT_CPU_PROCESSES = 2
@@ -57,9 +57,9 @@ class Machine:
     @classmethod
     def probe(cls) -> Machine:
         """Ask NVML and the OS (never CUDA, never torch)."""
-        from nbtrain import hardware
+        from nbtrain.planning import probe
 
-        return cls(tuple(hardware.detect_gpus()), hardware.mps_available(), hardware.cpu_count())
+        return cls(tuple(probe.detect_gpus()), probe.mps_available(), probe.cpu_count())
 
     def accelerators(self) -> list[tuple[str, str]]:
         """(label, value) of each accelerator found, the one ``auto`` picks first."""

@@ -39,10 +39,12 @@ import sys
 import time
 from typing import Any, TextIO
 
-from nbtrain import config, events, runstate
+from nbtrain import runstate
 from nbtrain.kernel.display import chart, livetext, rankout
 from nbtrain.kernel.display.chart import ChartFigure
 from nbtrain.kernel.display.show import frontend_is_rich
+from nbtrain.messages import events
+from nbtrain.planning import config
 
 FASTEST_FRAME_SECONDS = 0.25  # at most four frames a second
 SLOWEST_FRAME_SECONDS = 1.0  # at least one a second while the run goes on (the clock moves)
@@ -65,13 +67,13 @@ _STATE_COLOURS = {
 class LiveView:
     """One run's live view: feed it events with ``handle``, show it with ``refresh``.
 
-    ``config`` is the run's :class:`nbtrain.config.LaunchConfig` (``run.config``); without
+    ``config`` is the run's :class:`nbtrain.planning.config.LaunchConfig` (``run.config``); without
     one, pass ``strategy``, ``accelerator`` and ``world_size``. ``total_steps`` adds a
     progress bar and an ETA; ``batch_size`` (per rank) adds samples/s. ``rich`` forces the
     HTML (True) or text (False) frontend; by default it follows the running shell.
 
     Example:
-        >>> from nbtrain import events
+        >>> from nbtrain.messages import events
         >>> view = LiveView(strategy="ddp_notebook", accelerator="cpu", world_size=1, rich=False)
         >>> view.handle(events.Metrics(1, 0, ((1, 0.0, {"loss": 0.7}),)))
         >>> view.finish("finished")  # doctest: +ELLIPSIS

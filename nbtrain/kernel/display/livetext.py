@@ -5,7 +5,7 @@ the text/plain part of a frame and a terminal's progress line all read them from
 the charts (display/chart.py) label their values with the same formats.
 
 Example:
-    >>> from nbtrain import events
+    >>> from nbtrain.messages import events
     >>> from nbtrain.runstate import RunState
     >>> state = RunState(strategy="ddp_notebook", accelerator="cpu", world_size=1, total_steps=10)
     >>> state.apply(events.Metrics(1, 0, ((5, 1.0, {"loss": 0.25}),)), now=1.0)

@@ -3,7 +3,7 @@
 :class:`OutputPrinter` is the one place rank output reaches the cell's streams (a
 ``%%distributed`` cell's, ``launch``'s, a background run's without a view, ``watch()``'s):
 several ranks share the cell's two streams, where a carriage return redraws whatever line
-is last, and a rank's :class:`~nbtrain.events.Display` becomes display data there.
+is last, and a rank's :class:`~nbtrain.messages.events.Display` becomes display data there.
 
 Example:
     >>> OutputPrinter("all", 2)(events.Output(1, 1, "stdout", "hello\\n"))
@@ -16,8 +16,8 @@ import re
 import uuid
 from typing import Any
 
-from nbtrain import events
 from nbtrain.kernel.display import show
+from nbtrain.messages import events
 
 # A rank's text in pieces: each ends a line ("\n") or is followed by a carriage return that
 # redraws one (a progress bar's "\r" not part of a "\r\n").
@@ -39,7 +39,7 @@ def _untimed(line: str) -> str:
 class OutputPrinter:
     r"""Shows rank output in the cell as it arrives, as ``--output`` chose (all, rank0, none).
 
-    A rank's :class:`~nbtrain.events.Display` (a figure, a table) is shown as display data,
+    A rank's :class:`~nbtrain.messages.events.Display` (a figure, a table) is shown as display data,
     under a line naming its rank when tagged, and an update replaces it in place; a frontend
     without rich output prints its text.
 
@@ -73,7 +73,7 @@ class OutputPrinter:
     def __call__(self, event: Any) -> None:
         """Write ``event``'s lines, or show its display, if it is a rank's output this mode shows (else nothing).
 
-        Ranks left waiting for one that finished (:class:`~nbtrain.events.RanksWaiting`) are
+        Ranks left waiting for one that finished (:class:`~nbtrain.messages.events.RanksWaiting`) are
         said whatever the mode: the run looks slow, and this says why.
         """
         if isinstance(event, events.RanksWaiting):
@@ -187,9 +187,9 @@ class OutputPrinter:
 
 def waiting_text(event: events.RanksWaiting) -> str:
     """What the cell says of ranks left waiting by ranks that finished, in the notebook's terms."""
-    from nbtrain import stacks
     from nbtrain.kernel import cellnames
     from nbtrain.kernel import shell as kernel_shell
+    from nbtrain.messages import stacks
 
     waiting = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in event.stacks]
     namer = cellnames.cell_namer(kernel_shell.get_shell())

@@ -1,0 +1,241 @@
+"""Where each rank was when a run was stopped: its Python stack, in the notebook's terms.
+
+Each rank registers :mod:`faulthandler` at start on :data:`DUMP_SIGNAL`, writing to a pipe
+the launcher reads. Before stopping a run that timed out or was stopped (an interrupt, a
+Stop button), the launcher sends that signal and collects the dumps. faulthandler writes
+from its C signal handler, so a rank blocked inside a C++ collective (gloo's
+``all_reduce``) answers too; a Python-level handler would only run once the call returned,
+which for a deadlock is never. Registration is the only cost a healthy run pays.
+
+This module is pure: it parses the dumps and words them, given a function that names the
+notebook's cells (the kernel knows ``Cell In[N]``; a rank does not).
+
+Example:
+    >>> dump = '''Current thread 0x00007f (most recent call first):
+    ...   File "/site-packages/torch/distributed/distributed_c10d.py", line 2800 in all_reduce
+    ...   File "/tmp/ipykernel_1/2.py", line 12 in <module>
+    ...   File "/x/nbtrain/rank/runtime.py", line 60 in run_rank
+    ... '''
+    >>> stack = RankStack(0, parse_dump(dump))
+    >>> stack.summary(lambda f: "Cell In[5]" if f.endswith("2.py") else None, lambda f, n: "")
+    'rank 0: waiting in all_reduce, Cell In[5], line 12'
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+# A real-time signal: nothing a training script or a library commonly uses, queued rather
+# than merged, and (unlike SIGUSR1/2) not what job schedulers send to ask for a checkpoint.
+DUMP_SIGNAL = signal.SIGRTMIN + 6
+DISABLE_VARIABLE = "NBTRAIN_STACK_DUMP"  # "0": ranks do not register (the signal is then free)
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # nbtrain/
+_FRAME = re.compile(r'^\s*File "(.*)", line (\d+|\?\?\?) in (.*)$')
+_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*:$")
+_CALL = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
+# nbtrain's own frames a rank can wait in after the user's code, and what they mean.
+_NBTRAIN_PLACES = {
+    "_wait_for_release": "finished its work, waiting for the other ranks",
+    "_join_process_group": "joining the process group",
+    "loads": "loading the cell's data",
+}
+
+# Where a rank's own stack begins: a fresh rank's runtime, or a standby rank's (forked before its run).
+_ENTRIES = ("run_rank", "run_standby")
+
+Namer = Callable[[str], "str | None"]  # a filename -> "Cell In[N]" for notebook cells, else None
+LineSource = Callable[[str, int], str]  # (filename, line) -> the source line, or ""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame of a rank's stack dump: file, line, function."""
+
+    filename: str
+    line: int
+    function: str
+
+    @property
+    def in_nbtrain(self) -> bool:
+        """The frame is nbtrain's own code (left out of what the user is shown)."""
+        return self.filename.startswith(_PACKAGE_DIR)
+
+    @property
+    def in_library(self) -> bool:
+        """The frame is an installed library's or the standard library's, not the user's code."""
+        return "-packages" + os.sep in self.filename or self.filename.startswith(_STDLIB)
+
+
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+
+
+@dataclass(frozen=True)
+class RankStack:
+    """One rank's main-thread stack, outermost frame first (empty: the rank did not answer)."""
+
+    rank: int
+    frames: tuple[Frame, ...]
+
+    def summary(self, namer: Namer, source: LineSource) -> str:
+        """``rank 0: waiting in all_reduce, Cell In[5], line 12``: what it was doing, and where."""
+        ours = self._visible()
+        user = [f for f in ours if not f.in_library]
+        if not ours:
+            places = (_NBTRAIN_PLACES[f.function] for f in reversed(self.frames) if f.function in _NBTRAIN_PLACES)
+            place = next(places, None)
+            return f"rank {self.rank}: {place or 'no stack (it did not answer in time)'}"
+        where = _location(user[-1], namer) if user else _location(ours[-1], namer)
+        innermost = ours[-1]
+        if innermost.in_library:
+            verb = "waiting in" if f"{os.sep}distributed{os.sep}" in innermost.filename else "in"
+            return f"rank {self.rank}: {verb} {innermost.function}, {where}"
+        call = _CALL.search(source(innermost.filename, innermost.line))
+        return f"rank {self.rank}: {'in ' + call.group(1) + ', ' if call else 'at '}{where}"
+
+    def render(self, namer: Namer, source: LineSource, limit: int = 8) -> list[str]:
+        """The stack as a traceback shows it (most recent call last), without nbtrain's frames."""
+        frames = self._visible()[-limit:]
+        lines = [f"rank {self.rank} (most recent call last):"]
+        for frame in frames:
+            lines.append(f"  {_location(frame, namer)}, in {frame.function}")
+            text = source(frame.filename, frame.line).strip()
+            if text:
+                lines.append(f"    {text}")
+        return lines
+
+
+    def _visible(self) -> list[Frame]:
+        """The frames that are the user's business: not nbtrain's, nor what nbtrain called."""
+        frames = list(self.frames)
+        for i in range(len(frames) - 1, -1, -1):
+            if frames[i].in_nbtrain:
+                frames = frames[: i + 1]  # only libraries below: nbtrain's own wait (a socket read)
+                break
+            if not frames[i].in_library:
+                break
+        return [f for f in frames if not f.in_nbtrain]
+
+
+def parse_dump(text: str) -> tuple[Frame, ...]:
+    """The main thread's frames in a faulthandler dump, outermost first.
+
+    The main thread is the one running nbtrain's rank runtime (``run_rank``, ``run_standby``); a dump cut
+    short, or one without it, falls back to the thread that handled the signal.
+    """
+    threads: list[tuple[bool, list[Frame]]] = []
+    for raw in text.splitlines():
+        if _HEADER.match(raw.strip()):
+            threads.append((raw.startswith("Current"), []))
+            continue
+        match = _FRAME.match(raw)
+        if match and threads:
+            line = int(match.group(2)) if match.group(2).isdigit() else 0
+            threads[-1][1].append(Frame(match.group(1), line, match.group(3)))
+    main = next((fs for _, fs in threads if any(_is_entry(f) for f in fs)), None)
+    if main is None:
+        main = next((fs for current, fs in threads if current), [])
+    frames = list(reversed(main))
+    # What ran before the rank runtime (the launcher's loop, the fork) is not the rank's.
+    entry = next((i for i, f in enumerate(frames) if _is_entry(f)), 0)
+    return tuple(frames[entry:])
+
+
+def waits_on_peers(frames: tuple[Frame, ...]) -> bool:
+    """Whether a rank's stack shows it blocked on the other ranks: in a collective, in a backward pass
+    (where DDP all-reduces the gradients) or in DDP's forward (which syncs buffers and buckets with
+    the others). A rank asleep or computing on its own is not.
+
+    >>> waits_on_peers((Frame("/x/site-packages/torch/autograd/graph.py", 1, "_engine_run_backward"),))
+    True
+    >>> waits_on_peers((Frame("/home/me/train.py", 3, "<module>"),))
+    False
+    """
+    return _peer_wait(frames) is not None
+
+
+def _peer_wait(frames: tuple[Frame, ...]) -> str | None:
+    """What a rank waits on its peers in, in words ("a backward (DDP's gradient all-reduce)"), or None."""
+    for frame in reversed(frames):
+        if not frame.in_library:
+            continue
+        if frame.function == "_engine_run_backward":
+            return "a backward (DDP's gradient all-reduce)"
+        if frame.filename.endswith(_DDP_FILE):
+            return "DDP's forward (it syncs with the other ranks)"
+        if f"{os.sep}distributed{os.sep}" in frame.filename:
+            return frame.function
+    return None
+
+
+_DDP_FILE = os.path.join("nn", "parallel", "distributed.py")
+
+
+def waiting_note(finished: Iterable[int], seconds: float, waiting: Iterable[RankStack], namer: Namer) -> str:
+    """What the cell says when ranks wait for ranks that finished (:class:`nbtrain.messages.events.RanksWaiting`).
+
+    >>> stack = RankStack(1, (Frame("/x/site-packages/torch/autograd/graph.py", 1, "_engine_run_backward"),))
+    >>> print(waiting_note([0], 10.2, [stack], lambda f: None))  # doctest: +ELLIPSIS
+    nbtrain: rank 0 finished the cell 10 s ago, and rank 1 has begun no optimizer step since: it waits in a backward ...
+    """
+    stacks = sorted(waiting, key=lambda s: s.rank)
+    many = len(stacks) > 1
+    places = " · ".join(_waits(stack, f"rank {stack.rank}" if many else "it", namer) for stack in stacks)
+    return (
+        f"nbtrain: {_ranks(finished)} finished the cell {seconds:.0f} s ago, and {_ranks(s.rank for s in stacks)} "
+        f"{'have' if many else 'has'} begun no optimizer step since: {places}"
+        ". A rank that finished joins no collective again, so this waits until the run's timeout (with none, "
+        "for ever): the ranks ran different steps (a `break`, or an `if` on nbtrain.rank() that only some "
+        "take). Stop the run (interrupt the kernel; a background run: its Stop), and make every rank run "
+        "the same steps."
+    )
+
+
+def _waits(stack: RankStack, subject: str, namer: Namer) -> str:
+    """``it waits in a backward (DDP's gradient all-reduce), Cell In[3], line 5``."""
+    user = [f for f in stack.frames if not f.in_library and not f.in_nbtrain]
+    where = f", {_location(user[-1], namer)}" if user else ""
+    return f"{subject} waits in {_peer_wait(stack.frames) or 'a collective'}{where}"
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    listed = sorted(ranks)
+    if len(listed) == 1:
+        return f"rank {listed[0]}"
+    return "ranks " + ", ".join(map(str, listed[:-1])) + f" and {listed[-1]}"
+
+
+def in_backward(frames: tuple[Frame, ...]) -> bool:
+    """Whether a rank's stack shows it in a backward pass (DDP all-reduces the gradients there: every rank's step).
+
+    >>> in_backward((Frame("/x/site-packages/torch/autograd/graph.py", 1, "_engine_run_backward"),))
+    True
+    """
+    return any(frame.function == "_engine_run_backward" for frame in frames if frame.in_library)
+
+
+def _is_entry(frame: Frame) -> bool:
+    return frame.function in _ENTRIES and frame.in_nbtrain
+
+
+def where_each_rank_was(stacks: Iterable[RankStack], namer: Namer, source: LineSource) -> str:
+    """One line per run, then each rank's stack: the text a stopped run's error carries."""
+    stacks = sorted(stacks, key=lambda s: s.rank)
+    if not stacks:
+        return ""
+    lines = ["Where each rank was: " + " · ".join(s.summary(namer, source) for s in stacks)]
+    for stack in stacks:
+        if stack._visible():
+            lines += stack.render(namer, source)
+    return "\n".join(lines)
+
+
+def _location(frame: Frame, namer: Namer) -> str:
+    cell = namer(frame.filename)
+    if cell is not None:
+        return f"{cell}, line {frame.line}"
+    return f'File "{frame.filename}", line {frame.line}'

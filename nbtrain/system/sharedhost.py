@@ -1,0 +1,128 @@
+"""Saying, once, what of a run another user of this machine could still reach, and what to do.
+
+A single-machine run's store is a nameless file (nbtrain.system.rendezvous) and, where the OS allows,
+its process group's sockets live in a network of the user's own (nbtrain.system.privatenet). Where
+they cannot, gloo's listeners (one per rank, on 127.0.0.1, open while the ranks live: standby
+ranks' up to their idle limit) or NCCL's bootstrap sockets accept connections from any local
+user. The kernel says so once: after the first such run's summary on a machine with more than
+one human account, or when ``nbtrain.runs()`` is asked.
+
+>>> import tempfile
+>>> with tempfile.NamedTemporaryFile("w", suffix="passwd", delete=False) as f:
+...     _ = f.write("root:x:0:0::/root:/bin/bash\\nann:x:1000:1000::/home/ann:/bin/bash\\n"
+...                 "svc:x:1001:1001::/:/usr/sbin/nologin\\nbob:x:1002:1002::/home/bob:/bin/zsh\\n")
+>>> human_accounts(f.name)
+2
+>>> said = sentence("the nccl backend is not covered (only CPU runs on gloo are)", 2)
+>>> said.startswith("nbtrain: this machine has 2 user accounts, and this run's process-group sockets")
+True
+>>> "standby_idle=None" in said
+True
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from nbtrain.system import privatenet
+
+PASSWD = "/etc/passwd"
+_NO_LOGIN = ("nologin", "false", "sync", "shutdown", "halt")
+_said: list[str] = []  # what was said, once per kernel
+
+_WHAT_TO_DO = {
+    "refuses": "Ask the machine's administrator to allow unprivileged user namespaces "
+    "(sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1, or on Ubuntu "
+    "kernel.apparmor_restrict_unprivileged_userns=0; a container needs a seccomp profile that allows "
+    "unshare), or use a machine of your own",
+    privatenet.SWITCH_VARIABLE: f"Unset {privatenet.SWITCH_VARIABLE}=0 to keep them in a network of your own",
+    "ddp_spawn": "Use strategy ddp (forked ranks) to keep them in a network of your own",
+    "TORCH_GLOO_LAZY_INIT": "Unset TORCH_GLOO_LAZY_INIT to keep them in a network of your own",
+}
+_OTHERWISE = (
+    "Use a machine (or container) of your own for work others must not touch, and "
+    "`nbtrain.set_defaults(standby_idle=None)` to keep no ranks waiting between runs"
+)
+
+
+def human_accounts(passwd: str | None = None) -> int:
+    """How many accounts of ``passwd`` (default /etc/passwd) are people's: uid >= 1000 (not nobody), a login shell."""
+    try:
+        with open(passwd or PASSWD) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    count = 0
+    for line in lines:
+        fields = line.split(":")
+        if len(fields) < 7 or not fields[2].isdigit():
+            continue
+        uid, shell = int(fields[2]), fields[6]
+        if 1000 <= uid < 65534 and shell and not shell.endswith(_NO_LOGIN):
+            count += 1
+    return count
+
+
+def sentence(reason: str, accounts: int) -> str:
+    """What the user is told: what stayed reachable, by whom, for how long, why, and what to do."""
+    key = next((key for key in _WHAT_TO_DO if key in reason), None)
+    todo = _WHAT_TO_DO[key] if key is not None else _OTHERWISE
+    who = f"this machine has {accounts} user accounts, and" if accounts > 1 else "on this machine"
+    return (
+        f"nbtrain: {who} this run's process-group sockets (gloo's listeners or NCCL's bootstrap, on 127.0.0.1, "
+        f"open while its ranks and standby ranks live) accepted connections from any of them: {reason}. {todo}."
+    )
+
+
+def standing(reason: str | None, accounts: int | None = None) -> str | None:
+    """The sentence for a run its launcher found reachable (``reason``), every time asked (the sidebar),
+    on a machine of several people (``accounts``: its human accounts, read from /etc/passwd if None).
+
+    >>> standing("NBTRAIN_PRIVATE_NETWORK=0 is set", 3).startswith("nbtrain: this machine has 3 user accounts")
+    True
+    >>> standing("NBTRAIN_PRIVATE_NETWORK=0 is set", 1), standing(None, 3)
+    (None, None)
+    """
+    if reason is None:
+        return None
+    accounts = human_accounts() if accounts is None else accounts
+    return sentence(reason, accounts) if accounts > 1 else None
+
+
+def run_gap(accelerator: str, strategy: str, on_cluster: bool, environ: Mapping[str, str] | None = None) -> str | None:
+    """Why a run of these facts leaves its process group reachable by other users, or None."""
+    environ = os.environ if environ is None else environ
+    backend = "gloo" if accelerator == "cpu" else "nccl"
+    start_method = "spawn" if strategy == "ddp_spawn" else "fork"
+    if on_cluster:  # the cluster engine's threat model is its own (docs/architecture.md)
+        return None
+    reason = privatenet.uncovered_by(backend, {accelerator}, start_method, False, environ, "")
+    if reason == "":  # covered where the OS allows: ask it
+        return privatenet.probe()
+    return reason
+
+
+def after_run(accelerator: str, strategy: str, on_cluster: bool) -> str | None:
+    """The sentence for the first run that leaves something reachable on a machine of several people; else None."""
+    if _said:
+        return None
+    accounts = human_accounts()
+    if accounts <= 1:
+        return None
+    reason = run_gap(accelerator, strategy, on_cluster)
+    if reason is None:
+        return None
+    _said.append(sentence(reason, accounts))
+    return _said[0]
+
+
+def when_asked(accelerator: str, strategy: str, on_cluster: bool) -> str | None:
+    """The sentence when ``nbtrain.runs()`` is asked after such a run (once, and not if said already)."""
+    if _said:
+        return None
+    reason = run_gap(accelerator, strategy, on_cluster)
+    if reason is None:
+        return None
+    _said.append(sentence(reason, human_accounts()))
+    return _said[0]
