@@ -134,8 +134,7 @@ def runs() -> list[BackgroundRun]:
     nbtrain.runs()]`` is ``[(1, 'finished', 2), (2, 'running', 2)]``.
 
     Example:
-        >>> import nbtrain
-        >>> {r.state for r in nbtrain.runs()} <= {"running", "finished", "failed", "stopped", "timed out"}
+        >>> {r.state for r in runs()} <= {"running", "finished", "failed", "stopped", "timed out"}
         True
     """
     with _runs_lock:
