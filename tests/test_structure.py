@@ -111,6 +111,75 @@ def test_the_rank_side_never_imports_the_kernel_side():
     assert {name: deps for name, deps in offenders.items() if name.startswith("nbtrain.rank") and deps} == {}
 
 
+# The rank side's doors. Everything outside nbtrain/rank/ imports from it only the cell's entry
+# point (run_cell, CellSpec, and the loaders' length rule the kernel sizes a cell with) and the
+# rank's public API. Three modules have more: the public API itself (nbtrain/__init__.py exports
+# prepare and the debugger's stop_at), the launcher (what its preload list names, see below), and
+# the patch table (the rank's import hook, which its on_import patches need).
+RANK_ENTRY_POINTS = {"nbtrain.rank", "nbtrain.rank.cell", "nbtrain.rank.api"}
+RANK_DOORS_EXEMPT = {"nbtrain", "nbtrain.patches"}
+LAUNCHER = "nbtrain.launch_server"
+PRELOAD_SOURCE = PACKAGE / "launch_server" / "server.py"  # its PRELOAD: the one list of what the launcher imports ahead
+
+
+def _in(package: str, name: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _rank_imports(graph: dict[str, set[str]], allowed: dict[str, set[str]], default: set[str]) -> dict[str, list[str]]:
+    """Modules outside nbtrain.rank that import a rank module not allowed to them: ``allowed`` by
+    package (the launcher's preload list), else ``default`` (the cell's entry point and the API)."""
+    offenders = {}
+    for name, deps in graph.items():
+        if _in("nbtrain.rank", name) or name in RANK_DOORS_EXEMPT:
+            continue
+        doors = next((doors for package, doors in allowed.items() if _in(package, name)), default)
+        if found := sorted(dep for dep in deps if _in("nbtrain.rank", dep) and dep not in doors):
+            offenders[name] = found
+    return offenders
+
+
+def _preload() -> tuple[str, ...]:
+    """The launcher's PRELOAD, read from its source (importing the launcher is not needed)."""
+    for node in ast.parse(PRELOAD_SOURCE.read_text()).body:
+        if isinstance(node, ast.Assign) and [ast.unparse(target) for target in node.targets] == ["PRELOAD"]:
+            return tuple(ast.literal_eval(node.value))
+    raise AssertionError(f"no PRELOAD in {PRELOAD_SOURCE}")
+
+
+def test_the_kernel_side_imports_from_the_rank_only_the_cells_entry_point_and_the_public_api():
+    graph = _graph()
+    launcher_may = {name for name in _preload() if _in("nbtrain.rank", name)}
+    assert _rank_imports(graph, {LAUNCHER: launcher_may}, RANK_ENTRY_POINTS) == {}
+
+
+def test_the_launcher_imports_from_the_rank_only_what_its_preload_list_names():
+    graph = _graph()
+    imported = {dep for name, deps in graph.items() if _in(LAUNCHER, name) for dep in deps if _in("nbtrain.rank", dep)}
+    assert imported - set(_preload()) == set()
+
+
+def test_every_nbtrain_module_the_preload_list_names_exists():
+    # preload() skips a module it cannot import (an optional library): a renamed module of ours
+    # would silently stop being imported ahead, and every rank would pay for it.
+    modules = _modules()
+    assert [name for name in _preload() if _in("nbtrain", name) and name not in modules] == []
+
+
+def test_the_rank_door_check_finds_a_module_that_reaches_past_them():
+    graph = {
+        "nbtrain.kernel.x": {"nbtrain.rank.cell", "nbtrain.rank.auto.loaders"},
+        "nbtrain.launch_server.y": {"nbtrain.rank.machinery.runtime", "nbtrain.rank.auto.wrapping"},
+        "nbtrain.rank.auto.z": {"nbtrain.rank.auto.loaders"},  # inside the rank side: anything
+        "nbtrain": {"nbtrain.rank.auto.prepare"},  # the public API
+    }
+    allowed = {LAUNCHER: {"nbtrain.rank.machinery.runtime"}}
+    assert _rank_imports(graph, allowed, RANK_ENTRY_POINTS) == {
+        "nbtrain.kernel.x": ["nbtrain.rank.auto.loaders"],
+        "nbtrain.launch_server.y": ["nbtrain.rank.auto.wrapping"],
+    }
+
+
 def test_records_imports_only_the_standard_library():
     imported = _imports(PACKAGE / "messages" / "records.py")
     assert {name for name in imported if name.split(".")[0] not in STDLIB and name != "__future__"} == set()

@@ -197,7 +197,7 @@ def infer_total_steps(
         return None  # a notebook function the cell calls may advance the step too, unseen
     try:
         from nbtrain.rank import api
-        from nbtrain.rank.auto import loaders
+        from nbtrain.rank import cell as rank_cell
 
         # The package itself, always loaded before any of its modules: importing it here
         # would make the package and the magic it registers import each other.
@@ -210,7 +210,7 @@ def infer_total_steps(
         if "torch.utils.data" in sys.modules:  # no DataLoader can exist without it
             wrapper = cfg.strategy.model_wrapper if spec.auto else "none"  # not auto: loaders stay as they are
             objects = {n: user_ns[n] for n in names}
-            lengths, eval_lengths = loaders.loader_lengths(objects, cfg.world_size, wrapper)
+            lengths, eval_lengths = rank_cell.loader_lengths(objects, cfg.world_size, wrapper)
         counter = steptotal.StepCounter(
             kind,
             log_modules=frozenset(n for n in analysis.names if user_ns[n] is nbtrain),

@@ -446,7 +446,7 @@ def _import_launch_modules() -> None:
         names.append("nbtrain.messages.sharedtensors")
     # What the first cell imports before its ranks can start (~30 ms; more on a loaded machine).
     names += ["nbtrain.rank.cell", "nbtrain.kernel.namespace", "nbtrain.planning.steptotal", "nbtrain.kernel.pdb_relay"]
-    names += ["nbtrain.kernel.launchplan", "nbtrain.rank.auto.loaders"]
+    names += ["nbtrain.kernel.launchplan"]
     if "numpy" in sys.modules:  # the cell takes the kernel's numpy random state with it
         names.append("numpy.random")
     for name in names:

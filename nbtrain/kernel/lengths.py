@@ -56,13 +56,13 @@ def derived_lengths(
 
     ``rebound``: names the cell binds itself (:func:`rebound_names`); objects under them are left out.
     """
-    from nbtrain.rank.auto import loaders
+    from nbtrain.rank import cell as rank_cell  # the ranks' own rule, through their entry point
 
     sharded: list[tuple[str, int, int]] = []  # (loader's name, its length, each rank's)
     for name, obj in objects.items():
         if reach.torch_kind(obj) == "loader":
-            share = loaders.batches_per_rank(obj, world_size, wrapper)
-            whole = loaders.batches_per_rank(obj, world_size, "none")
+            share = rank_cell.batches_per_rank(obj, world_size, wrapper)
+            whole = rank_cell.batches_per_rank(obj, world_size, "none")
             if share is not None and whole and share != whole:
                 sharded.append((name, whole, share))
     if not sharded:
@@ -84,7 +84,7 @@ def derived_lengths(
 def _dataset_sizes(name: str, value: Any, objects: Mapping[str, Any], world_size: int, wrapper: str) -> list[str]:
     """Sentences for the numbers in ``value`` (an int, or a dict of them) that are the size of
     a sharded loader's dataset: a total over a training pass divided by one is a rank's part."""
-    from nbtrain.rank.auto import loaders
+    from nbtrain.rank import cell as rank_cell  # the ranks' own rule, through their entry point
 
     if type(value) is int:
         numbers = [(name, value)]
@@ -95,7 +95,7 @@ def _dataset_sizes(name: str, value: Any, objects: Mapping[str, Any], world_size
     found = []
     for label, number in numbers:
         for loader_name, loader in objects.items():
-            read = loaders.samples_per_rank(loader, world_size, wrapper)
+            read = rank_cell.samples_per_rank(loader, world_size, wrapper)
             if read is not None and number == len(loader.dataset) != read:
                 found.append(
                     f"{label} is {number}, the size of {loader_name}{_DATASET_SIZE} {read}: a total over that "
@@ -123,14 +123,14 @@ def dataset_lengths(code: str, objects: Mapping[str, Any], world_size: int, wrap
     >>> print(dataset_lengths("size = len(train_dl.dataset)", {"train_dl": train_dl}, 2, "ddp")[0].split(":")[0])
     len(train_dl.dataset) is 64, the size of train_dl's dataset, of which each rank's training pass reads 32
     """
-    from nbtrain.rank.auto import loaders
+    from nbtrain.rank import cell as rank_cell  # the ranks' own rule, through their entry point
 
     found = []
     for loader_name, taken in _dataset_lengths_taken(code, objects):
         loader: Any = objects.get(loader_name)
         if reach.torch_kind(loader) != "loader":
             continue
-        read, whole = loaders.samples_per_rank(loader, world_size, wrapper), len(loader.dataset)
+        read, whole = rank_cell.samples_per_rank(loader, world_size, wrapper), len(loader.dataset)
         if read is not None and read != whole:
             found.append(
                 f"{taken} is {whole}, the size of {loader_name}{_DATASET_SIZE} {read}: a total over that pass "

@@ -98,6 +98,7 @@ PRELOAD = (
     "nbtrain.rank.auto.precision",
     "nbtrain.rank.machinery.settings",
     "nbtrain.rank.auto.syncbn",
+    "nbtrain.rank.machinery.stepcheck",  # a forked rank's first import (forking.run_child)
     "nbtrain.messages.reach",
 )
 

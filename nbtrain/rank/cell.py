@@ -48,7 +48,12 @@ from nbtrain.rank.auto import (
     stephooks,
     wrapping,
 )
+from nbtrain.rank.auto.loaders import batches_per_rank, loader_lengths, samples_per_rank
 from nbtrain.rank.machinery import displays, stepcheck, trackers
+
+# The cell's entry points: with nbtrain.rank.api, all the kernel side may import from the ranks'
+# (tests/test_structure.py). The kernel sizes a cell's loaders by the rule the ranks shard them with.
+__all__ = ["CellSpec", "batches_per_rank", "loader_lengths", "run_cell", "samples_per_rank"]
 
 if TYPE_CHECKING:
     from cloudpickle import Pickler as _PicklerBase
