@@ -96,6 +96,16 @@ class Sizes:
 GPU = Sizes("cuda", "gpu", 64, 128, 512, 48, 300, 2)
 CPU = Sizes("cpu", "cpu", 32, 16, 64, 12, 60, 1)
 
+# ResNet-18, or a small conv net where torchvision is missing (gpu_faults.py builds the same).
+MAKE_RESNET = """def make_resnet():
+    try:
+        import torchvision
+        return torchvision.models.resnet18(num_classes=10)
+    except ImportError:  # a small conv net stands in
+        return nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 64, 3, 2, 1),
+                             nn.BatchNorm2d(64), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+"""
+
 # The kernel's (and every peer's) definitions: data, models, one train function for all.
 SETUP = """
 import contextlib, resource, time, torch, torch.nn as nn, torch.nn.functional as F
@@ -107,14 +117,7 @@ def sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
 
-def make_resnet():
-    try:
-        import torchvision
-        return torchvision.models.resnet18(num_classes=10)
-    except ImportError:  # a small conv net stands in
-        return nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 64, 3, 2, 1),
-                             nn.BatchNorm2d(64), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
-
+{make_resnet}
 def usage_now():
     # What the loop's own thread and its whole process spent: CPU seconds, page faults, waits.
     own = resource.getrusage(resource.RUSAGE_THREAD)
@@ -218,6 +221,7 @@ def setup_source(sizes: Sizes, model_device: str) -> str:
         mlp_steps=sizes.mlp_steps,
         warm=WARM_STEPS,
         model_device=model_device,
+        make_resnet=MAKE_RESNET,
     ) + MODELS.format(model_device=model_device)
 
 

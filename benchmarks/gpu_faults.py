@@ -26,6 +26,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # the tests' kernel driver
 
+import gpu  # beside this script: the same ResNet
 import kernel_helpers
 from kernel_helpers import NotebookKernel
 
@@ -38,14 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 DEVICE, IMAGE, BATCH, IMAGES, STEPS, WARM = {device!r}, {image}, {batch}, {images}, {steps}, {warm}
 PHASES = {phases!r}
 
-def make_resnet():
-    try:
-        import torchvision
-        return torchvision.models.resnet18(num_classes=10)
-    except ImportError:  # a small conv net stands in
-        return nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 64, 3, 2, 1),
-                             nn.BatchNorm2d(64), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
-
+{make_resnet}
 def mark():
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time()
 
@@ -102,7 +96,7 @@ def main() -> None:
     device, accelerator = ("cpu", "cpu") if args.cpu else ("cuda", "gpu")
     sizes = {"image": 32, "batch": 16, "images": 128} if args.cpu else {"image": 64, "batch": 128, "images": 512}
     steps = args.steps or (40 if args.cpu else 64)
-    setup = SETUP.format(device=device, steps=steps, warm=8, phases=PHASES, **sizes)
+    setup = SETUP.format(device=device, steps=steps, warm=8, phases=PHASES, make_resnet=gpu.MAKE_RESNET, **sizes)
     magic = f"%%distributed --devices 1 --accelerator {accelerator}\n"
     runs: dict[str, tuple[list[float], list[float]]] = {}
     with NotebookKernel() as kernel:
