@@ -357,3 +357,82 @@ def test_a_killed_kernel_leaves_an_orphaned_run_that_clean_up_removes(session: S
     page.locator('.jp-SideBar li[data-id="nbtrain-sidebar"]').click()
     page.locator("#nbtrain-sidebar").wait_for(state="hidden")
     assert _devices_requests(session, 3 * SIDEBAR_REFRESH_MS) == 0
+
+
+# -- the sentence on a machine of several people --------------------------------------------
+
+REACHABLE_OFF = {"NBTRAIN_PRIVATE_NETWORK": "0"}  # a run its user kept out of a network of its own
+
+
+@pytest.fixture
+def several_people(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[Session, Path]:
+    """The browser session, its server reading the machine's accounts from a passwd file of the test
+    (``sharedhost.PASSWD``, the one boundary faked, set by the server's config file before it starts:
+    the suite's machine has one person). The file, rewritten later, is read at each refresh."""
+    passwd = tmp_path / "passwd"
+    config = tmp_path / "config"  # the session's JUPYTER_CONFIG_DIR (browser_helpers.JupyterLab)
+    config.mkdir()
+    (config / "jupyter_server_config.py").write_text(
+        f"from nbtrain.system import sharedhost\nsharedhost.PASSWD = {str(passwd)!r}\n"
+    )
+    _write_passwd(passwd, 3)
+    return request.getfixturevalue("session"), passwd
+
+
+def _write_passwd(path: Path, people: int) -> None:
+    """root, a service account and ``people`` human accounts, replaced whole (a reader sees one file)."""
+    lines = ["root:x:0:0::/root:/bin/bash", "svc:x:999:999::/:/usr/sbin/nologin"]
+    lines += [f"p{i}:x:{1000 + i}:{1000 + i}::/home/p{i}:/bin/bash" for i in range(people)]
+    path.with_suffix(".new").write_text("\n".join(lines) + "\n")
+    path.with_suffix(".new").replace(path)
+
+
+def _reachable_run(session: Session, rank: subprocess.Popen, reason: str) -> None:
+    """A running run in the server's registry (this test as its kernel and launcher, ``rank`` its one rank),
+    its launcher's reason why other users could reach its sockets."""
+    from nbtrain.system import registry
+
+    me = os.getpid()
+    record = registry.RunRecord(
+        id="shared-1", world_size=1, state="running", ranks=((0, rank.pid, processes.start_time(rank.pid)),),
+        kernel_id="k-1", kernel_pid=me, kernel_start=processes.start_time(me), launcher_pid=me,
+        launcher_start=processes.start_time(me), notebook=str(session.lab.root / "shared.ipynb"),
+        strategy="ddp_notebook", accelerator="cpu", started=time.time(), reachable=reason,
+    )
+    runtime = {"JUPYTER_RUNTIME_DIR": str(session.lab.base / "runtime")}  # where the server looks
+    registry.write(record, registry.runs_directory(environ=runtime))
+
+
+def test_on_a_machine_of_several_people_the_sidebar_says_so_above_the_runs(several_people) -> None:
+    from nbtrain.system import sharedhost
+
+    session, passwd = several_people
+    page = session.page
+    reason = sharedhost.run_gap("cpu", "ddp", False, REACHABLE_OFF)
+    assert reason is not None
+    rank = subprocess.Popen(["sleep", "120"], start_new_session=True)  # stands in for the run's rank
+    try:
+        _reachable_run(session, rank, reason)
+        page.goto(session.lab.url("lab"))
+        panel = _open_sidebar(session)
+        row = panel.locator('.jp-nbtrain-run:has(.jp-nbtrain-title:text-is("shared.ipynb"))')
+        said = panel.locator(".jp-nbtrain-shared-host")
+        said.get_by_text("this machine has 3 user accounts").wait_for()
+        assert said.inner_text() == sharedhost.sentence(reason, 3)
+        above, first = said.bounding_box(), row.bounding_box()
+        assert above and first and above["y"] + above["height"] <= first["y"], (above, first)
+        ratio = _contrast(said)
+        assert ratio >= READABLE, f"the sentence's contrast ratio {ratio:.2f}"
+        session.screenshot("01-several-people.png")
+
+        _write_passwd(passwd, 1)  # one person: nobody else to reach the run, nothing said
+        page.wait_for_function(
+            "() => document.querySelector('.jp-nbtrain-shared-host').textContent === ''",
+            timeout=3 * SIDEBAR_REFRESH_MS + UI_TIMEOUT_MS,
+        )
+        assert said.bounding_box() is None or said.bounding_box()["height"] == 0  # type: ignore[index]
+        assert row.is_visible(), "the run is still listed"
+        session.screenshot("02-one-person.png")
+    finally:
+        rank.kill()
+        rank.wait(timeout=bh.GONE_SECONDS)
