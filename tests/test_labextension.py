@@ -9,6 +9,9 @@
   the kernel is busy in that cell, the cell ends stopped and the kernel runs the next one;
   a kernel killed during a run (its launcher frozen, so that the ranks outlive it) leaves
   the run orphaned, and "Clean up" ends its ranks and forgets it;
+- on a machine of several human accounts (the server's passwd file faked): the sentence on
+  what other users could reach stands above the runs, the run it is about carries its bar,
+  and with one human account nothing is said;
 - in Notebook 7 (``jupyter notebook``) the same extension loads: its panel lists the run
   and its Stop ends it while the kernel is busy.
 
@@ -387,20 +390,31 @@ def _write_passwd(path: Path, people: int) -> None:
     path.with_suffix(".new").replace(path)
 
 
-def _reachable_run(session: Session, rank: subprocess.Popen, reason: str) -> None:
+def _put_run(session: Session, run_id: str, rank: subprocess.Popen, reachable: str | None) -> None:
     """A running run in the server's registry (this test as its kernel and launcher, ``rank`` its one rank),
-    its launcher's reason why other users could reach its sockets."""
+    with its launcher's reason why other users could reach its sockets (None: nobody could)."""
     from nbtrain.system import registry
 
-    me = os.getpid()
-    record = registry.RunRecord(
-        id="shared-1", world_size=1, state="running", ranks=((0, rank.pid, processes.start_time(rank.pid)),),
-        kernel_id="k-1", kernel_pid=me, kernel_start=processes.start_time(me), launcher_pid=me,
-        launcher_start=processes.start_time(me), notebook=str(session.lab.root / "shared.ipynb"),
-        strategy="ddp_notebook", accelerator="cpu", started=time.time(), reachable=reason,
-    )
+    me, started = os.getpid(), processes.start_time(os.getpid())
+    ranks = ((0, rank.pid, processes.start_time(rank.pid)),)
+    values = {"kernel_id": "k-1", "kernel_pid": me, "kernel_start": started, "launcher_pid": me}
+    values.update(launcher_start=started, strategy="ddp_notebook", accelerator="cpu", started=time.time())
+    notebook = str(session.lab.root / f"{run_id}.ipynb")
+    record = registry.RunRecord(run_id, 1, "running", ranks, notebook=notebook, reachable=reachable, **values)
     runtime = {"JUPYTER_RUNTIME_DIR": str(session.lab.base / "runtime")}  # where the server looks
     registry.write(record, registry.runs_directory(environ=runtime))
+
+
+_LAYOUT_JS = """panel => {
+  const sentence = panel.querySelector('.jp-nbtrain-shared-host').getBoundingClientRect();
+  const first = panel.querySelector('.jp-nbtrain-run');
+  return {
+    sentence_bottom: sentence.bottom,
+    sentence_height: sentence.height,
+    first_run_top: first ? first.getBoundingClientRect().top : null,
+    marked: [...panel.querySelectorAll('.jp-nbtrain-run.jp-nbtrain-run-shared-host')].map(run => run.dataset.runId)
+  };
+}"""
 
 
 def test_on_a_machine_of_several_people_the_sidebar_says_so_above_the_runs(several_people) -> None:
@@ -410,17 +424,23 @@ def test_on_a_machine_of_several_people_the_sidebar_says_so_above_the_runs(sever
     page = session.page
     reason = sharedhost.run_gap("cpu", "ddp", False, REACHABLE_OFF)
     assert reason is not None
-    rank = subprocess.Popen(["sleep", "120"], start_new_session=True)  # stands in for the run's rank
+    rank = subprocess.Popen(["sleep", "120"], start_new_session=True)  # stands in for the runs' rank
     try:
-        _reachable_run(session, rank, reason)
+        _put_run(session, "covered", rank, None)  # in a network of its own: nobody else could reach it
+        _put_run(session, "shared", rank, reason)
         page.goto(session.lab.url("lab"))
         panel = _open_sidebar(session)
         row = panel.locator('.jp-nbtrain-run:has(.jp-nbtrain-title:text-is("shared.ipynb"))')
+        panel.locator('.jp-nbtrain-run:has(.jp-nbtrain-title:text-is("covered.ipynb"))').wait_for()
         said = panel.locator(".jp-nbtrain-shared-host")
         said.get_by_text("this machine has 3 user accounts").wait_for()
         assert said.inner_text() == sharedhost.sentence(reason, 3)
-        above, first = said.bounding_box(), row.bounding_box()
-        assert above and first and above["y"] + above["height"] <= first["y"], (above, first)
+        row.wait_for()
+        # Measured in one go: the runs are drawn afresh at each refresh.
+        layout = panel.evaluate(_LAYOUT_JS)
+        assert layout["sentence_bottom"] <= layout["first_run_top"], layout
+        assert layout["marked"] == ["shared"], layout  # the run it is about carries its bar, the other not
+        assert "see the note above the runs" in (row.get_attribute("title") or "")  # the bar's words, on hover
         ratio = _contrast(said)
         assert ratio >= READABLE, f"the sentence's contrast ratio {ratio:.2f}"
         session.screenshot("01-several-people.png")
@@ -430,7 +450,8 @@ def test_on_a_machine_of_several_people_the_sidebar_says_so_above_the_runs(sever
             "() => document.querySelector('.jp-nbtrain-shared-host').textContent === ''",
             timeout=3 * SIDEBAR_REFRESH_MS + UI_TIMEOUT_MS,
         )
-        assert said.bounding_box() is None or said.bounding_box()["height"] == 0  # type: ignore[index]
+        layout = panel.evaluate(_LAYOUT_JS)
+        assert layout["sentence_height"] == 0 and layout["marked"] == [], layout
         assert row.is_visible(), "the run is still listed"
         session.screenshot("02-one-person.png")
     finally:
