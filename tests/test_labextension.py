@@ -9,6 +9,9 @@
   the kernel is busy in that cell, the cell ends stopped and the kernel runs the next one;
   a kernel killed during a run (its launcher frozen, so that the ranks outlive it) leaves
   the run orphaned, and "Clean up" ends its ranks and forgets it;
+- on a machine of several human accounts (the server's passwd file faked): the sentence on
+  what other users could reach stands above the runs, the run it is about carries its bar,
+  and with one human account nothing is said;
 - in Notebook 7 (``jupyter notebook``) the same extension loads: its panel lists the run
   and its Stop ends it while the kernel is busy.
 
@@ -357,3 +360,100 @@ def test_a_killed_kernel_leaves_an_orphaned_run_that_clean_up_removes(session: S
     page.locator('.jp-SideBar li[data-id="nbtrain-sidebar"]').click()
     page.locator("#nbtrain-sidebar").wait_for(state="hidden")
     assert _devices_requests(session, 3 * SIDEBAR_REFRESH_MS) == 0
+
+
+# -- the sentence on a machine of several people --------------------------------------------
+
+REACHABLE_OFF = {"NBTRAIN_PRIVATE_NETWORK": "0"}  # a run its user kept out of a network of its own
+
+
+@pytest.fixture
+def several_people(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[Session, Path]:
+    """The browser session, its server reading the machine's accounts from a passwd file of the test
+    (``sharedhost.PASSWD``, the one boundary faked, set by the server's config file before it starts:
+    the suite's machine has one person). The file, rewritten later, is read at each refresh."""
+    passwd = tmp_path / "passwd"
+    config = tmp_path / "config"  # the session's JUPYTER_CONFIG_DIR (browser_helpers.JupyterLab)
+    config.mkdir()
+    (config / "jupyter_server_config.py").write_text(
+        f"from nbtrain.system import sharedhost\nsharedhost.PASSWD = {str(passwd)!r}\n"
+    )
+    _write_passwd(passwd, 3)
+    return request.getfixturevalue("session"), passwd
+
+
+def _write_passwd(path: Path, people: int) -> None:
+    """root, a service account and ``people`` human accounts, replaced whole (a reader sees one file)."""
+    lines = ["root:x:0:0::/root:/bin/bash", "svc:x:999:999::/:/usr/sbin/nologin"]
+    lines += [f"p{i}:x:{1000 + i}:{1000 + i}::/home/p{i}:/bin/bash" for i in range(people)]
+    path.with_suffix(".new").write_text("\n".join(lines) + "\n")
+    path.with_suffix(".new").replace(path)
+
+
+def _put_run(session: Session, run_id: str, rank: subprocess.Popen, reachable: str | None) -> None:
+    """A running run in the server's registry (this test as its kernel and launcher, ``rank`` its one rank),
+    with its launcher's reason why other users could reach its sockets (None: nobody could)."""
+    from nbtrain.system import registry
+
+    me, started = os.getpid(), processes.start_time(os.getpid())
+    ranks = ((0, rank.pid, processes.start_time(rank.pid)),)
+    values = {"kernel_id": "k-1", "kernel_pid": me, "kernel_start": started, "launcher_pid": me}
+    values.update(launcher_start=started, strategy="ddp_notebook", accelerator="cpu", started=time.time())
+    notebook = str(session.lab.root / f"{run_id}.ipynb")
+    record = registry.RunRecord(run_id, 1, "running", ranks, notebook=notebook, reachable=reachable, **values)
+    runtime = {"JUPYTER_RUNTIME_DIR": str(session.lab.base / "runtime")}  # where the server looks
+    registry.write(record, registry.runs_directory(environ=runtime))
+
+
+_LAYOUT_JS = """panel => {
+  const sentence = panel.querySelector('.jp-nbtrain-shared-host').getBoundingClientRect();
+  const first = panel.querySelector('.jp-nbtrain-run');
+  return {
+    sentence_bottom: sentence.bottom,
+    sentence_height: sentence.height,
+    first_run_top: first ? first.getBoundingClientRect().top : null,
+    marked: [...panel.querySelectorAll('.jp-nbtrain-run.jp-nbtrain-run-shared-host')].map(run => run.dataset.runId)
+  };
+}"""
+
+
+def test_on_a_machine_of_several_people_the_sidebar_says_so_above_the_runs(several_people) -> None:
+    from nbtrain.system import sharedhost
+
+    session, passwd = several_people
+    page = session.page
+    reason = sharedhost.run_gap("cpu", "ddp", False, REACHABLE_OFF)
+    assert reason is not None
+    rank = subprocess.Popen(["sleep", "120"], start_new_session=True)  # stands in for the runs' rank
+    try:
+        _put_run(session, "covered", rank, None)  # in a network of its own: nobody else could reach it
+        _put_run(session, "shared", rank, reason)
+        page.goto(session.lab.url("lab"))
+        panel = _open_sidebar(session)
+        row = panel.locator('.jp-nbtrain-run:has(.jp-nbtrain-title:text-is("shared.ipynb"))')
+        panel.locator('.jp-nbtrain-run:has(.jp-nbtrain-title:text-is("covered.ipynb"))').wait_for()
+        said = panel.locator(".jp-nbtrain-shared-host")
+        said.get_by_text("this machine has 3 user accounts").wait_for()
+        assert said.inner_text() == sharedhost.sentence(reason, 3)
+        row.wait_for()
+        # Measured in one go: the runs are drawn afresh at each refresh.
+        layout = panel.evaluate(_LAYOUT_JS)
+        assert layout["sentence_bottom"] <= layout["first_run_top"], layout
+        assert layout["marked"] == ["shared"], layout  # the run it is about carries its bar, the other not
+        assert "see the note above the runs" in (row.get_attribute("title") or "")  # the bar's words, on hover
+        ratio = _contrast(said)
+        assert ratio >= READABLE, f"the sentence's contrast ratio {ratio:.2f}"
+        session.screenshot("01-several-people.png")
+
+        _write_passwd(passwd, 1)  # one person: nobody else to reach the run, nothing said
+        page.wait_for_function(
+            "() => document.querySelector('.jp-nbtrain-shared-host').textContent === ''",
+            timeout=3 * SIDEBAR_REFRESH_MS + UI_TIMEOUT_MS,
+        )
+        layout = panel.evaluate(_LAYOUT_JS)
+        assert layout["sentence_height"] == 0 and layout["marked"] == [], layout
+        assert row.is_visible(), "the run is still listed"
+        session.screenshot("02-one-person.png")
+    finally:
+        rank.kill()
+        rank.wait(timeout=bh.GONE_SECONDS)

@@ -142,9 +142,11 @@ export class NbtrainPanel extends Widget {
     const open = run.path ? h('button', 'jp-nbtrain-open jp-mod-styled', ['Open'], { title: `Open ${run.path}` }) : null;
     open?.addEventListener('click', () => this.openNotebook(run.path as string));
     const held = heldText(run);
+    // A run other users could reach carries the sentence's bar: the sentence above says "this run".
+    const reachable = run.shared_host ? ' jp-nbtrain-run-shared-host' : '';
     return h(
       'div',
-      'jp-nbtrain-run',
+      `jp-nbtrain-run${reachable}`,
       [
         h('div', 'jp-nbtrain-run-head', [
           title,
@@ -154,7 +156,12 @@ export class NbtrainPanel extends Widget {
         h('div', 'jp-nbtrain-facts', [facts.join(' · ')]),
         h('div', 'jp-nbtrain-run-foot', [spark, h('span', 'jp-nbtrain-buttons', [open, this.actionButton(run)])])
       ],
-      { 'data-run-id': run.id, 'data-state': run.state, 'data-world-size': String(run.world_size) }
+      {
+        'data-run-id': run.id,
+        'data-state': run.state,
+        'data-world-size': String(run.world_size),
+        ...(run.shared_host ? { title: 'Other users of this machine could reach this run: see the note above the runs.' } : {})
+      }
     );
   }
 
