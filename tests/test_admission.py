@@ -139,7 +139,7 @@ def test_launch_refuses_before_any_process_starts(launcher):
 
 
 def test_on_cuda_free_gpu_memory_is_read_through_nvml_before_launch(launcher, monkeypatch):
-    from test_hardware import fake_nvml
+    from test_probe import fake_nvml
 
     nvml = fake_nvml({"GPU-aa11": ("NVIDIA A100", 80 * _GIB, 70 * _GIB), "GPU-bb22": ("NVIDIA A100", 80 * _GIB, _GIB)})
     monkeypatch.setitem(sys.modules, "pynvml", nvml)  # no GPU in CI: NVML simulated, nothing else

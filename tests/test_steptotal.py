@@ -424,7 +424,7 @@ def test_an_unknown_counter_is_refused():
         StepCounter("epochs")
 
 
-def test_cellplan_imports_nothing_heavy():
+def test_steptotal_imports_nothing_heavy():
     code = "import sys, nbtrain.planning.steptotal\n"
     code += "print(sorted(m for m in ('torch', 'IPython', 'numpy') if m in sys.modules))"
     env = {**os.environ, "NBTRAIN_PREWARM": "0"}
