@@ -31,7 +31,7 @@ Current thread 0x00007f0000000002 (most recent call first):
   File "{site}/torch/distributed/c10d_logger.py", line 83 in wrapper
   File "/tmp/ipykernel_7/123.py", line 12 in <module>
   File "{pkg}/rank/cell.py", line 120 in _execute
-  File "{pkg}/rank/runtime.py", line 62 in run_rank
+  File "{pkg}/rank/machinery/runtime.py", line 62 in run_rank
   File "{pkg}/launch_server/server.py", line 470 in _rank_main
   File "<frozen runpy>", line 88 in _run_code
 """
@@ -60,7 +60,7 @@ def test_a_standby_rank_s_dump_parses_from_its_own_runtime_and_says_it_finished(
         '  File "{site}/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
         '  File "/tmp/ipykernel_7/123.py", line 12 in <module>\n'
         '  File "{pkg}/rank/cell.py", line 120 in _execute',
-        'File "{pkg}/rank/runtime.py", line 390 in _wait_for_release',
+        'File "{pkg}/rank/machinery/runtime.py", line 390 in _wait_for_release',
     )
     frames = stacks.parse_dump(dump.format(site=SITE, pkg=PKG))
     assert [f.function for f in frames] == ["run_standby", "_wait_for_release"]
@@ -75,7 +75,8 @@ def test_a_summary_names_the_collective_and_the_cell_line():
 
 def test_a_summary_names_the_call_on_the_cell_line_when_it_is_native_code():
     frames = (
-        stacks.Frame(f"{PKG}/rank/runtime.py", 62, "run_rank"), stacks.Frame("/tmp/ipykernel_7/123.py", 7, "<module>")
+        stacks.Frame(f"{PKG}/rank/machinery/runtime.py", 62, "run_rank"),
+        stacks.Frame("/tmp/ipykernel_7/123.py", 7, "<module>"),
     )
     source = lambda filename, line: "    time.sleep(600)  # stuck\n"
     assert stacks.RankStack(1, frames).summary(cells, source) == "rank 1: in time.sleep, Cell In[5], line 7"
@@ -83,8 +84,8 @@ def test_a_summary_names_the_call_on_the_cell_line_when_it_is_native_code():
 
 def test_a_rank_that_finished_or_did_not_answer_says_so():
     done = (
-        stacks.Frame(f"{PKG}/rank/runtime.py", 62, "run_rank"),
-        stacks.Frame(f"{PKG}/rank/runtime.py", 230, "_wait_for_release"),
+        stacks.Frame(f"{PKG}/rank/machinery/runtime.py", 62, "run_rank"),
+        stacks.Frame(f"{PKG}/rank/machinery/runtime.py", 230, "_wait_for_release"),
     )
     summary = stacks.RankStack(1, done).summary(cells, no_source)
     assert summary == "rank 1: finished its work, waiting for the other ranks"

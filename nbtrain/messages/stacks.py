@@ -14,7 +14,7 @@ Example:
     >>> dump = '''Current thread 0x00007f (most recent call first):
     ...   File "/site-packages/torch/distributed/distributed_c10d.py", line 2800 in all_reduce
     ...   File "/tmp/ipykernel_1/2.py", line 12 in <module>
-    ...   File "/x/nbtrain/rank/runtime.py", line 60 in run_rank
+    ...   File "/x/nbtrain/rank/machinery/runtime.py", line 60 in run_rank
     ... '''
     >>> stack = RankStack(0, parse_dump(dump))
     >>> stack.summary(lambda f: "Cell In[5]" if f.endswith("2.py") else None, lambda f, n: "")

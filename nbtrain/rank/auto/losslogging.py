@@ -108,7 +108,7 @@ def logged_backward(original: Any) -> Any:
     context = sampler.context
 
     def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True  # an error in the backward reads as in the kernel (rank.runtime)
+        __tracebackhide__ = True  # an error in the backward reads as in the kernel (rank.machinery.runtime)
         # A tensor subclass re-enters through __torch_function__: count once per call.
         gradient = args[0] if args else kwargs.get("gradient")
         if not getattr(busy, "on", False) and not context.logged and gradient is None and self.numel() == 1:

@@ -382,7 +382,7 @@ class _ReadsThrough(_ReadThrough, _DDPBase):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """DDP's forward; the first one that syncs gradients arms the check of its backward."""
-        __tracebackhide__ = True  # an error in the model's forward reads as in the kernel (rank.runtime)
+        __tracebackhide__ = True  # an error in the model's forward reads as in the kernel (rank.machinery.runtime)
         grads = ledger.torch_module().is_grad_enabled()
         if grads:
             if _trainable_flags(self._module_parameters) != self.__dict__["_nbtrain_trainable"]:
