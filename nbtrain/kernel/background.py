@@ -10,7 +10,9 @@ When a background *cell* finishes, its results are applied to the kernel's objec
 :func:`nbtrain.kernel.cellrun.apply_cell_result`, the same function a blocking cell uses,
 and on the kernel's main thread: the follower thread only schedules it on the kernel's
 event loop, so it happens between two cells, never in the middle of one. Until then the
-kernel's objects keep their values from before the cell. ``handle.wait()`` (and reading
+kernel's objects keep their values from before the cell. A cell that raises part-way brings
+its state at the raise back the same way, as a blocking cell's (docs/semantics.md), and its
+error's last line says whose state the kernel then holds. ``handle.wait()`` (and reading
 ``handle.state`` or ``handle.result``) on the main thread applies them at once, so
 
     h = nbtrain.runs()[-1]
@@ -617,6 +619,7 @@ class CellBackgroundRun(BackgroundRun):
         super()._end(state, error, note)
         self.prepared.shipped = {}  # the handle stays in nbtrain.runs(): keep no old objects alive
         self.prepared.held = {}
+        self._at_raise = None
 
     def _log_note(self) -> str:
         """" Full output: <path>", as a blocking cell's summary ends, when a rank printed anything."""
