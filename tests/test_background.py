@@ -362,7 +362,58 @@ def test_a_failing_background_cell_shows_failed_and_wait_raises_naming_the_rank(
     traceback = "\n".join(out.error["traceback"])
     assert traceback.startswith("RankError: rank 1 raised ValueError: only rank 1 fails")
     assert f"Cell In[{number}], line 4" in traceback
-    assert session.value("[nbtrain.runs()[-1].state, 'value' in globals()]") == ["failed", False]
+    # Rank 0 had finished: the kernel holds what rank 1 held at its raise, as a blocking cell's would.
+    assert traceback.endswith(
+        f"The kernel holds rank 1's state at the failing line (Cell In[{number}], line 4), as one process would: "
+        "value as the cell had set it."
+    ), traceback
+    assert session.value("[nbtrain.runs()[-1].state, value]") == ["failed", 1]
+
+
+def test_a_background_cell_failing_part_way_leaves_the_state_at_the_raise_once_the_kernel_is_free(session):
+    """As a blocking cell's (tests/test_cellrun.py): the model and optimizer trained up to the failing step
+    and the names bound before it go into the kernel's own objects, on its main thread between cells; every
+    rank raised at the same line, so the state is rank 0's, and handle.wait() raises the error saying so."""
+    session.run_ok(
+        "bg_net = nn.Linear(8, 1)\nbg_opt = torch.optim.SGD(bg_net.parameters(), lr=0.05, momentum=0.9)\n"
+        "bg_before = bg_net.weight.detach().clone()\nbg_ids = [id(bg_net), id(bg_opt)]"
+    )
+    number = session.value("len(In)")  # the next cell's In[N]
+    started = session.run_ok(
+        "%%distributed --devices 2 --background\n"
+        "for i, (x, y) in enumerate(loader):\n"
+        "    loss = loss_fn(bg_net(x), y)\n"
+        "    bg_opt.zero_grad(); loss.backward(); bg_opt.step()\n"
+        "    bg_seen = i + 1\n"
+        "    if i == 2:\n"
+        "        raise RuntimeError('the cell fails at its third step')\n"
+    )
+    # This cell outlives the run; the state at the raise waits until it has ended.
+    during = session.run_ok(
+        "import time\n"
+        "h = nbtrain.runs()[-1]\n"
+        "deadline = time.monotonic() + 30\n"
+        "while h.run.state == 'running' and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "print(h.run.state, 'bg_seen' in globals())\n"
+    )
+    assert during.stdout.strip() == "failed False"
+    view = session.view_id(started)
+    session.wait_view(view, "failed — rank 0's state at the failing line goes into the kernel as soon as the kernel")
+    kept = f"The kernel holds rank 0's state at the failing line (Cell In[{number}], line 7), as one process would: "
+    _, text, _ = session.wait_view(view, "handle.wait() raises the error")
+    assert "· failed ·" in text and kept in text, text
+    out = session.run("nbtrain.runs()[-1].wait(timeout=30)")
+    assert out.error is not None
+    traceback = "\n".join(out.error["traceback"])
+    assert traceback.startswith("RankError: rank 0 raised RuntimeError: the cell fails at its third step"), traceback
+    assert kept + "bg_net and bg_opt as they were there, and " in traceback and "bg_seen" in traceback, traceback
+    state = session.value(
+        "[nbtrain.runs()[-1].state, bg_seen, i, [id(bg_net), id(bg_opt)] == bg_ids, "
+        "not torch.equal(bg_net.weight, bg_before), len(bg_opt.state), sorted(nbtrain.runs()[-1].updated)]"
+    )
+    assert state[:6] == ["failed", 3, 2, True, True, 2]  # three steps trained, in the kernel's own objects
+    assert {"bg_net", "bg_opt", "bg_seen", "i", "loss"} <= set(state[6])
 
 
 def test_a_background_run_whose_ranks_wait_for_a_finished_rank_says_so_under_its_view(session):

@@ -401,7 +401,7 @@ def test_a_cell_failing_part_way_leaves_what_one_process_would_hold_at_the_raise
     assert out.error is not None and out.error["ename"] == "RankError"
     text = "\n".join(out.error["traceback"])
     assert "RuntimeError: the cell fails at its third step" in text and ", line 8, in <module>" in text
-    raised = "[01]" if who == "True" else "1"
+    raised = "0" if who == "True" else "1"  # every rank raised: rank 0's, as a finished cell's
     kept = rf"The kernel holds rank {raised}'s state at the failing line \(Cell In\[\d+\], line 8\), as one process"
     assert re.search(kept, text), text
     assert "Nothing in the kernel was changed" not in text
@@ -412,6 +412,23 @@ def test_a_cell_failing_part_way_leaves_what_one_process_would_hold_at_the_raise
         assert kernel.value("gap(state(net, opt), reference)") == 0.0
     else:  # one process on the union batch
         assert kernel.value("gap(state(net, opt), reference)") < 1e-6
+
+
+def test_every_rank_raising_at_the_same_line_brings_rank_0s_state_back_every_time(kernel):
+    """Both ranks leave the same all-reduce (the third step's backward) and raise at the same line: whose
+    report reaches the launcher first is a race, which rank 1 often won. The launcher waits a moment for
+    rank 0's own error (launch_server.server.RANK_ZERO_GRACE_SECONDS), so each time the error names rank 0,
+    the kernel holds rank 0's state, and rank 0 is the rank held for %nbtrain_debug."""
+    kernel.run_ok(FAILING)
+    for attempt in range(5):
+        kernel.run_ok("net, opt, loader = fresh(4)")
+        out = kernel.run("%%distributed --devices 2 --accelerator cpu\n" + FAILING_CELL.format(who="True"))
+        assert out.error is not None, attempt
+        text = "\n".join(out.error["traceback"])
+        assert text.startswith("RankError: rank 0 raised RuntimeError: the cell fails at its third step"), text
+        assert re.search(r"The kernel holds rank 0's state at the failing line \(Cell In\[\d+\], line 8\)", text), text
+        assert "%nbtrain_debug opens the debugger in rank 0's frames" in text, text
+        assert kernel.value("seen") == 3
 
 
 def test_a_sharded_cell_failing_part_way_leaves_the_kernel_as_before_and_says_why(kernel):

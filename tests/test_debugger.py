@@ -246,6 +246,27 @@ def test_post_mortem_in_the_failed_rank(kernel: NotebookKernel) -> None:
     assert _released(kernel)
 
 
+def test_after_every_rank_raised_at_the_same_line_the_post_mortem_is_rank_0s(kernel: NotebookKernel) -> None:
+    """Both ranks leave the same all-reduce and raise the same error: the launcher waits for rank 0's
+    own (another rank's may come first), so rank 0 is the one held, and its frames are the ones opened."""
+    out = kernel.run(
+        f"%%distributed {FLAGS}\nmine = nbtrain.all_reduce(nbtrain.rank() + 1)\n"
+        "raise RuntimeError(f'{mine} on every rank')\n"
+    )
+    assert out.error is not None and "RankError: rank 0 raised RuntimeError: 3 on every rank" in out.text, out.text
+    assert "%nbtrain_debug opens the debugger in rank 0's frames (held for 10 min" in out.text, out.text
+    pid = kernel.value("nbtrain.kernel.launcher_connection.current_client().held.pid")
+    cell = Prompting(kernel, "%nbtrain_debug")
+    assert cell.prompt() == "(Pdb) [rank 0] "
+    cell.send("p nbtrain.rank(), mine")
+    cell.prompt()
+    cell.expect("(0, 3)")
+    cell.send("q")
+    assert cell.finish()["status"] == "ok", cell.output
+    assert wait_gone([pid], GONE_SECONDS) == [], "the held rank outlived its debugger"
+    assert _released(kernel)
+
+
 def _held_in_registry(pid: int) -> list[str | None]:
     """What the run registry (the sidebar's runs listing) says each record with ``pid`` holds."""
     return [record.held for record in registry.read_all() if pid in record.pids]

@@ -10,7 +10,9 @@ When a background *cell* finishes, its results are applied to the kernel's objec
 :func:`nbtrain.kernel.cellrun.apply_cell_result`, the same function a blocking cell uses,
 and on the kernel's main thread: the follower thread only schedules it on the kernel's
 event loop, so it happens between two cells, never in the middle of one. Until then the
-kernel's objects keep their values from before the cell. ``handle.wait()`` (and reading
+kernel's objects keep their values from before the cell. A cell that raises part-way brings
+its state at the raise back the same way, as a blocking cell's (docs/semantics.md), and its
+error's last line says whose state the kernel then holds. ``handle.wait()`` (and reading
 ``handle.state`` or ``handle.result``) on the main thread applies them at once, so
 
     h = nbtrain.runs()[-1]
@@ -81,12 +83,18 @@ class CellCallbacks:
     ``keep_metrics(record, event)`` keeps logged rows for ``last_run``;
     ``explain_failure(error, shell, note)`` turns a failure into what the notebook shows;
     ``apply_result(shell, raw, shipped, record)`` writes rank 0's results into the kernel
-    and returns what it did (``shown``, ``warnings``, ``loaded``).
+    and returns what it did (``shown``, ``warnings``, ``loaded``);
+    ``state_at_failure(run)`` is a failed cell's state at the raise ((rank, raw), None, or why it
+    cannot load), taken before ``run.result()`` frees it;
+    ``kept_at_failure(shell, run, that, error, prepared, bring_back)`` puts it into the kernel
+    through ``bring_back(raw)`` and returns what the error's last line says of it.
     """
 
     keep_metrics: Callable[[Any, Any], None]
     explain_failure: Callable[[RunFailedError, Any, str], BaseException]
     apply_result: Callable[[Any, Any, dict[str, Any], Any], Any]
+    state_at_failure: Callable[[Any], Any]
+    kept_at_failure: Callable[[Any, Any, Any, RunFailedError, Any, Callable[[Any], Any] | None], str]
     # (run, updated names, shipped) -> what a run stopped at a step raises once its state is in
     kept_error: Callable[[Any, list[str], dict[str, Any]], BaseException] | None = None
 
@@ -371,7 +379,7 @@ class BackgroundRun:
             raw = run.result()
         except Exception as error:  # noqa: BLE001 - the run's failure, or a result that cannot load
             state = run.state if run.state in (events.FAILED, events.STOPPED, events.TIMED_OUT) else events.FAILED
-            self._end(state, error=self._explain(error))
+            self._failed(state, error)
             return
         self._outcome(raw)
 
@@ -380,16 +388,21 @@ class BackgroundRun:
         self._value = raw
         self._end(events.FINISHED)
 
-    def _explain(self, error: Exception) -> BaseException:
-        return error
+    def _failed(self, state: str, error: Exception) -> None:
+        """A function run's failure is its error; a cell's is explained, its state at the raise applied (overridden)."""
+        self._end(state, error=error)
 
-    def _schedule(self, apply: Callable[[], None]) -> None:
-        """Have ``apply`` run on the kernel's main thread (between cells), or here without a kernel."""
+    def _schedule(self, apply: Callable[[], None], note: str = "") -> None:
+        """Have ``apply`` run on the kernel's main thread (between cells), or here without a kernel.
+
+        ``note``: what the view says meanwhile (by default, that the kernel's objects are updated then).
+        """
         if self._main_loop is not None:
             # Said before anything else may apply it: from here on only the main thread
             # touches the view.
             self._note(
-                "finished — the kernel's objects are updated as soon as the kernel is free "
+                note
+                or "finished — the kernel's objects are updated as soon as the kernel is free "
                 "(when the cell running now ends, or in handle.wait())"
             )
         with self._pending_lock:
@@ -516,6 +529,7 @@ class CellBackgroundRun(BackgroundRun):
         self.prepared = prepared
         self.record = prepared.record
         self.callbacks = callbacks
+        self._at_raise: Any = None  # a failed cell's state at the raise (CellCallbacks.state_at_failure)
 
     def _observe(self, event: Any) -> None:
         if isinstance(event, events.Metrics):
@@ -526,14 +540,47 @@ class CellBackgroundRun(BackgroundRun):
     def _stops_at_a_step(self) -> bool:
         return bool(getattr(self.run.config, "on_stop", "keep") == "keep")
 
-    def _explain(self, error: Exception) -> BaseException:
+    def _conclude(self) -> None:
+        # A failed cell's state at the raise, taken before run.result() frees it; not after a stop
+        # was asked for (the stop's failure, as after a blocking cell's interrupt).
+        if self.run.state == events.FAILED and self._stop_reason is None:
+            self._at_raise = self.callbacks.state_at_failure(self.run)
+        super()._conclude()
+
+    def _failed(self, state: str, error: Exception) -> None:
+        """The run failed: its error explained; the state at the raise, if it came back, goes into the
+        kernel as a finished cell's results do (on the main thread, when the kernel is free)."""
         self.record.state = self.run.state
         self.record.seconds = self.seconds or 0.0
         if isinstance(error, RunStoppedError):
             error = RunStoppedError(f"background run {self.id} was stopped; every rank is gone.", error.where)
         if not isinstance(error, RunFailedError):  # a result that cannot load says so itself
-            return error
-        return self.callbacks.explain_failure(error, self.shell, self.prepared.unchanged)
+            self._end(state, error=error)
+            return
+        at_raise = self._at_raise
+        if not isinstance(at_raise, tuple):
+            note = self.callbacks.kept_at_failure(self.shell, self.run, at_raise, error, self.prepared, None)
+            self._end(state, error=self.callbacks.explain_failure(error, self.shell, note))
+            return
+        self._schedule(
+            lambda: self._apply_failed(at_raise, error),
+            f"failed — rank {at_raise[0]}'s state at the failing line goes into the kernel as soon as the kernel "
+            "is free (when the cell running now ends, or in handle.wait(), which then raises the error)",
+        )
+
+    def _apply_failed(self, at_raise: tuple[int, Any], error: RunFailedError) -> None:
+        """On the main thread: the state at the raise into the kernel; wait() raises the error saying whose it is."""
+        warnings: list[str] = []
+
+        def bring_back(raw: Any) -> None:
+            warnings.extend(self.callbacks.apply_result(self.shell, raw, self.prepared.targets, self.record).warnings)
+
+        said = self.callbacks.kept_at_failure(self.shell, self.run, at_raise, error, self.prepared, bring_back)
+        self.record.state = events.FAILED
+        self.updated = list(self.record.updated)
+        explained = self.callbacks.explain_failure(error, self.shell, said)
+        note = self._end_note(events.FAILED, explained) + "".join(f"\nnbtrain {warning}" for warning in warnings)
+        self._end(events.FAILED, error=explained, note=note)
 
     def _outcome(self, raw: Any) -> None:
         self.record.seconds = self.seconds or 0.0
@@ -572,6 +619,7 @@ class CellBackgroundRun(BackgroundRun):
         super()._end(state, error, note)
         self.prepared.shipped = {}  # the handle stays in nbtrain.runs(): keep no old objects alive
         self.prepared.held = {}
+        self._at_raise = None
 
     def _log_note(self) -> str:
         """" Full output: <path>", as a blocking cell's summary ends, when a rank printed anything."""

@@ -317,7 +317,7 @@ def _launch_and_follow(
         count_steps(shell, prepared)
         callbacks = background.CellCallbacks(
             keep_metrics=keep_metrics, explain_failure=tracebacks.explain_failure, apply_result=apply_cell_result,
-            kept_error=kept_error,
+            state_at_failure=state_at_failure, kept_at_failure=kept_at_failure, kept_error=kept_error,
         )
         handle = background.follow_cell(shell, run, prepared, options, callbacks)
         if held.received:  # the cell that starts it was interrupted: the run does not go on
@@ -364,7 +364,7 @@ def _follow(
     if run.stopped_at is not None:
         record.seconds = time.monotonic() - started  # the summary states it
         raise _kept(shell, run, prepared, options, view, asked)
-    failed = _state_at_failure(run) if run.state == events.FAILED and not asked else None
+    failed = state_at_failure(run) if run.state == events.FAILED and not asked else None
     try:
         result = run.result()
     except RunFailedError as error:
@@ -384,8 +384,11 @@ def _follow(
     return value
 
 
-def _state_at_failure(run: Any) -> tuple[int, Any] | None | str:
-    """A failed cell's state at the raise as the run brought it ((rank, result), None), or why it cannot load."""
+def state_at_failure(run: Any) -> tuple[int, Any] | None | str:
+    """A failed cell's state at the raise as the run brought it ((rank, result), None), or why it cannot load.
+
+    Call it before ``run.result()``, which frees that state as it raises the failure.
+    """
     try:
         return run.state_at_failure()  # type: ignore[no-any-return]
     except Exception as error:  # noqa: BLE001 - the cell's own error is what the user must see
@@ -397,26 +400,30 @@ def _failed(
     options: Any,
 ) -> BaseException:
     """The failed cell's error, as the notebook shows it, once its state at the raise is in the kernel."""
-    return tracebacks.explain_failure(error, shell, _kept_at_failure(shell, run, failed, error, prepared, options))
+    def bring_back(result: Any) -> None:
+        _bring_back(shell, result, prepared.targets, prepared.record, options.output, prepared.engine is not None)
+
+    return tracebacks.explain_failure(error, shell, kept_at_failure(shell, run, failed, error, prepared, bring_back))
 
 
-def _kept_at_failure(
+def kept_at_failure(
     shell: Any, run: Any, failed: tuple[int, Any] | None | str, error: RunFailedError, prepared: PreparedCell,
-    options: Any,
+    bring_back: Callable[[Any], Any] | None,
 ) -> str:
     """Put a failed cell's state at the raise into the kernel, as one process would hold it; what its error says of it.
 
-    What came back is applied as after a finished cell (its summary, then the error): the names the
-    cell bound before the raise, the models and optimizers as they were at that line. Without it,
-    the kernel is as before the cell, and the note says why.
+    ``failed`` is what :func:`state_at_failure` gave; ``bring_back(result)`` applies it as after a
+    finished cell (a blocking cell's summary, then the error; a background cell's, on the kernel's
+    main thread): the names the cell bound before the raise, the models and optimizers as they were
+    at that line. Without it, the kernel is as before the cell, and the note says why.
     """
-    if not isinstance(failed, tuple):
-        why = failed or run.no_state_note
+    if not isinstance(failed, tuple) or bring_back is None:
+        why = failed if isinstance(failed, str) else run.no_state_note
         return prepared.unchanged + (f" The state at the failing line did not come back ({why})." if why else "")
     rank, result = failed
     record = prepared.record
     record.failed_rank = rank
-    _bring_back(shell, result, prepared.targets, record, options.output, prepared.engine is not None)
+    bring_back(result)
     where = _failing_line(error, shell)
     return failed_message(rank, where, record.updated, prepared.targets)
 

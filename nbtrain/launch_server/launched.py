@@ -163,6 +163,49 @@ def failed_state(run: LauncherRun) -> tuple[int | None, str]:
     return None, (f"rank {failure.rank}: {note}" if note else "")
 
 
+def awaits_rank_zero(run: LauncherRun) -> bool:
+    """Whether a failing run waits a moment for rank 0's own error before its ranks are stopped.
+
+    Its cause so far is a raise of a rank other than 0 that sent its state there, and rank 0 is
+    still at work (alive, not done, not failed): in a deterministic cell every rank raises at the
+    same line, and whose report reaches the launcher first is a race. Rank 0's state is what a
+    finished cell brings back, so the one a failed cell brings back should be rank 0's too.
+    """
+    failure = run.failure
+    if not isinstance(failure, RankFailed) or failure.rank == 0 or not _has_state(run, failure.rank):
+        return False
+    return any(rank.spec.rank == 0 and not (rank.exited or rank.done or rank.failed) for rank in run.ranks)
+
+
+def takes_over(run: LauncherRun, failure: RankFailed) -> bool:
+    """Whether ``failure``, come while the run awaits rank 0, becomes the run's cause: a lower rank
+    raised the same error at the same line, with its state (the error named, the rank held for
+    ``%nbtrain_debug`` and the state brought back are then all that rank's).
+
+    >>> run = LauncherRun(1, [], None, Lifecycle(1, 0.0))
+    >>> run.failure = RankFailed(1, 1, "RuntimeError", "boom", 'File "c.py", line 4')
+    >>> run.move(RunPhase.AWAITING_RANK_ZERO)
+    >>> zero = RankFailed(1, 0, "RuntimeError", "boom", 'File "c.py", line 4', state=b"s")
+    >>> run.failed_states = {0: (zero, None)}
+    >>> takes_over(run, zero)
+    True
+    >>> broken = RankFailed(1, 0, "RuntimeError", "Connection closed by peer", 'File "c.py", line 2', state=b"s")
+    >>> run.failed_states = {0: (broken, None)}
+    >>> takes_over(run, broken)  # another error: a consequence of rank 1's
+    False
+    """
+    cause = run.failure
+    if run.state is not RunPhase.AWAITING_RANK_ZERO or not isinstance(cause, RankFailed):
+        return False
+    return failure.rank < cause.rank and _has_state(run, failure.rank) and _same_raise(failure, cause)
+
+
+def _has_state(run: LauncherRun, rank: int) -> bool:
+    """Whether ``rank`` sent its state at its raise."""
+    sent = run.failed_states.get(rank)
+    return sent is not None and sent[0].state is not None
+
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 

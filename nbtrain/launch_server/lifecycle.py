@@ -13,8 +13,11 @@ of its own (the launcher passes the time in).
        │  every rank done  (rank 0's     (a cluster node:      (told to                ▲
        │                    result)       every node done)      leave)                 │
        │                                                                               │
-       └──► DUMPING_STACKS / STOPPING_OUTSIDE ──► TERMINATING ──► KILLED ──────────────┘
-            (a stop, a timeout)                   (SIGTERM)       (SIGKILL)
+       ├──► DUMPING_STACKS / STOPPING_OUTSIDE ──► TERMINATING ──► KILLED ──────────────┘
+       │    (a stop, a timeout)                   (SIGTERM)       (SIGKILL)
+       │                                               ▲
+       └──► AWAITING_RANK_ZERO ────────────────────────┘
+            (another rank raised first: rank 0's own error awaited a moment)
 
 A state may skip the ones after it (a run with no offer goes from RUNNING to RELEASED), and
 every state before DUMPING_STACKS may go straight to TERMINATING (a failure); the exact moves
@@ -47,6 +50,9 @@ class RunPhase(enum.Enum):
     WAITING_FOR_NODES = "waiting for the other nodes"  # a cluster node's ranks wait for every node's
     RELEASED = "released"  # every rank told to leave; their exits awaited
     STOPPING_OUTSIDE = "stopped from the browser"  # the server extension signals the ranks itself
+    # A rank other than 0 raised first, with its state at the raise: rank 0, still at work, may be
+    # raising the same error at the same line; its own failure is awaited a moment (launched.awaits_rank_zero)
+    AWAITING_RANK_ZERO = "awaiting rank 0's error"
     DUMPING_STACKS = "dumping stacks"  # each live rank writes its stack before it is stopped
     TERMINATING = "terminating"  # SIGTERM sent to every rank's group; SIGKILL after a grace
     KILLED = "killed"  # SIGKILL sent to every rank left
@@ -67,9 +73,11 @@ TRANSITIONS: dict[RunPhase, frozenset[RunPhase]] = {
             _S.RELEASED,
             _S.STOPPING_OUTSIDE,
             _S.DUMPING_STACKS,
+            _S.AWAITING_RANK_ZERO,
             _S.TERMINATING,
         }
     ),
+    _S.AWAITING_RANK_ZERO: frozenset({_S.TERMINATING}),
     _S.STOPPING_AT_STEP: frozenset({_S.OFFERING, _S.WAITING_FOR_NODES, _S.RELEASED, _S.DUMPING_STACKS, _S.TERMINATING}),
     _S.OFFERING: frozenset(
         {_S.WAITING_FOR_NODES, _S.RELEASED, _S.STOPPING_OUTSIDE, _S.DUMPING_STACKS, _S.TERMINATING, _S.DRAINING}

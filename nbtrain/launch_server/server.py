@@ -35,10 +35,12 @@ from nbtrain.launch_server.forking import (
 from nbtrain.launch_server.launched import (
     LauncherRun,
     RankProcess,
+    awaits_rank_zero,
     failed_state,
     kept_step,
     our_signal,
     stop_began,
+    takes_over,
     took_a_step,
 )
 from nbtrain.launch_server.lifecycle import ACTIVE, CAN_DRAIN, STOPPABLE, Lifecycle, RunPhase
@@ -103,6 +105,11 @@ PRELOAD = (
 )
 
 STOP_GRACE_SECONDS = 0.5  # SIGTERM first; SIGKILL for what is left after this
+# How long a failure of a rank other than 0 waits for rank 0's own (launched.awaits_rank_zero) before
+# the ranks are stopped. Every rank of a deterministic cell raises at the same line within a few ms of
+# the others; without it the state brought back would be whichever report came first (rank 1's batch and
+# loss, often). A rank 0 stuck in a collective (it did not raise) costs the failure this much, once.
+RANK_ZERO_GRACE_SECONDS = 0.3
 DRAIN_SECONDS = 1.0  # how long to wait for output pipes to close once every rank exited
 MEMORY_SAMPLE_SECONDS = 0.5
 TICK_SECONDS = 0.1
@@ -440,10 +447,15 @@ class Launcher:
             os.close(fd)
         message = dataclasses.replace(message, state=None)  # the state goes once, with RunEnded
         self._send(message)
-        if run.failure is None:
+        if run.failure is None or takes_over(run, message):
+            self._unhold(run)  # a lower rank's same raise, come while rank 0 was awaited: the cause is its
             run.failure = message
             # The root cause stays alive, paused in its frames, for a post-mortem.
             rank.held = message.held and run.debug_hold is not None and not run.lifecycle.has_been(RunPhase.TERMINATING)
+        if run.state is RunPhase.RUNNING and awaits_rank_zero(run):
+            run.outcome = events.FAILED
+            run.move(RunPhase.AWAITING_RANK_ZERO)  # _tick stops the ranks once rank 0 failed, or after the grace
+            return
         self._stop(run, events.FAILED)
 
     def _hand_over(self, run: LauncherRun) -> None:
@@ -621,8 +633,13 @@ class Launcher:
                     self._finish(run)
 
     def _tick_stop(self, run: LauncherRun, now: float) -> None:
-        """Stop the ranks once their stack dumps are in, SIGKILL them after the grace, drain them once gone."""
+        """Stop the ranks once their stack dumps are in, or once rank 0's error came (or its grace passed);
+        SIGKILL them after the grace, drain them once gone."""
         waited = now - run.lifecycle.since
+        if run.state is RunPhase.AWAITING_RANK_ZERO and (
+            waited > RANK_ZERO_GRACE_SECONDS or not awaits_rank_zero(run)
+        ):
+            self._stop_now(run)
         if run.state is RunPhase.DUMPING_STACKS and (
             waited > stackdumps.STACK_WAIT_SECONDS or stackdumps.dumps_in(run, now)
         ):
