@@ -274,17 +274,17 @@ def test_the_form_renders_in_a_kernel_and_its_values_become_the_cells_defaults()
         # The training fields become the cells' defaults as well: the ranks are told them.
         kernel.run_ok("w.precision.value = 'bf16-mixed'\nw.sync_batchnorm.value = True\nw.devices.value = 2")
         told = kernel.run_ok(
-            "%%distributed\nfrom nbtrain.rank import settings\n"
+            "%%distributed\nfrom nbtrain.rank.machinery import settings\n"
             "print(settings.current().precision, settings.current().sync_batchnorm)\n"
         )
         assert "[rank 1] bf16-mixed True" in told.stdout, told.text
         plain = kernel.run_ok(
-            "%%distributed --precision 32-true\nfrom nbtrain.rank import settings\n"
+            "%%distributed --precision 32-true\nfrom nbtrain.rank.machinery import settings\n"
             "print(settings.current().precision)\n"
         )
         assert "[rank 0] 32-true" in plain.stdout  # a flag wins
         unsynced = kernel.run_ok(
-            "%%distributed --no-sync-batchnorm\nfrom nbtrain.rank import settings\n"
+            "%%distributed --no-sync-batchnorm\nfrom nbtrain.rank.machinery import settings\n"
             "print('sync', settings.current().sync_batchnorm)\n"
         )
         assert "[rank 0] sync False" in unsynced.stdout

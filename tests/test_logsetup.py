@@ -43,7 +43,7 @@ logging.getLogger("library").addHandler(logging.StreamHandler(sys.stderr))
 
 # The loggers a run sends the levels of, in the kernel.
 SENT = (
-    "[name for name, *_ in __import__('nbtrain.messages.logsetup').logsetup.capture("
+    "[name for name, *_ in __import__('nbtrain.messages.logsetup').messages.logsetup.capture("
     "__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().libraries_logging).levels]"
 )
 
@@ -56,7 +56,7 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_fresh_process_logs_as_the_one_it_was_captured_in(tmp_path):
     logfile, setup_file = str(tmp_path / "kernel.log"), str(tmp_path / "setup.pickle")
-    kernel = _python(LIBRARY + CONFIGURE + "import pickle\nfrom nbtrain import logsetup\n"
+    kernel = _python(LIBRARY + CONFIGURE + "import pickle\nfrom nbtrain.messages import logsetup\n"
                      "with open(sys.argv[2], 'wb') as f: pickle.dump(logsetup.capture(), f)\n" + LOG_LINES,
                      logfile, setup_file)
     with open(setup_file, "rb") as f:
@@ -64,7 +64,7 @@ def test_a_fresh_process_logs_as_the_one_it_was_captured_in(tmp_path):
     assert ("quiet", 40, True) in setup.levels and ("loud", 20, False) in setup.levels
     assert len(setup.handlers) == 3  # the file handler stays where it was
     kernel_file = os.path.getsize(logfile)
-    rank = _python(LIBRARY + "import pickle, sys\nfrom nbtrain import logsetup\n"
+    rank = _python(LIBRARY + "import pickle, sys\nfrom nbtrain.messages import logsetup\n"
                    "with open(sys.argv[1], 'rb') as f: logsetup.follow(pickle.load(f))\n" + LOG_LINES, setup_file)
     assert (rank.stdout, rank.stderr) == (kernel.stdout, kernel.stderr)
     assert "INFO|train|an info line\n" in rank.stderr and rank.stdout == "loud says on stdout only\n"
@@ -73,7 +73,7 @@ def test_a_fresh_process_logs_as_the_one_it_was_captured_in(tmp_path):
 
 
 def test_an_empty_setup_leaves_a_process_as_python_starts_it():
-    applied = _python("from nbtrain import logsetup\nlogsetup.follow(logsetup.LoggingSetup())\n" + LOG_LINES)
+    applied = _python("from nbtrain.messages import logsetup\nlogsetup.follow(logsetup.LoggingSetup())\n" + LOG_LINES)
     assert applied.stderr == "not shown\na library's own line\n" and applied.stdout == ""  # WARNING up, plainly
 
 

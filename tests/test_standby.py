@@ -102,7 +102,7 @@ def test_a_cell_that_changes_only_what_the_ranks_are_told_takes_them_with_its_ow
     run_two(kernel)
     waiting = standby(kernel)
     told = (
-        "from nbtrain.rank import settings\n"
+        "from nbtrain.rank.machinery import settings\n"
         "print('told', settings.current().precision, settings.current().sync_batchnorm)\n"
     )
     out = kernel.run_ok(TWO_RANKS.rstrip() + " --precision bf16-mixed --sync-batchnorm\n" + GATHER_PIDS + told)

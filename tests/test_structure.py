@@ -568,7 +568,7 @@ def test_the_patch_finder_finds_each_way_of_replacing_a_librarys_attribute(tmp_p
     (package / "each.py").write_text(
         "import builtins, os, sys, torch\n"
         "from torch.utils.data import DataLoader\n"
-        "from nbtrain import records\n"
+        "from nbtrain.messages import records\n"
         "from types import ModuleType\n"
         "torch.save = print\n"
         "DataLoader.__iter__ = iter\n"

@@ -397,7 +397,7 @@ def test_a_launcher_from_the_template_gives_its_ranks_the_templates_private_netw
 # Run by a fresh interpreter whose nbtrain is a copy (the test saves one of its files).
 SAVED_WHILE_STARTING = """
 import os, sys, time
-from nbtrain import templatesocket as naming, wire
+from nbtrain.messages import templatesocket as naming, wire
 from nbtrain.kernel import warm
 launcher = warm.forked_launcher()
 path = naming.socket_path(os.environ["NBTRAIN_TEMPLATE_DIR"], naming.identity())

@@ -65,7 +65,7 @@ def test_a_tf32_setting_made_either_way_is_read_without_a_warning_and_set_on_a_r
     code = (
         "import warnings; warnings.simplefilter('error')\n"
         "import torch\n"
-        "from nbtrain import torchsettings\n"
+        "from nbtrain.messages import torchsettings\n"
         "torch.backends.cuda.matmul.fp32_precision = 'tf32'\n"  # the newer way
         "newer = torchsettings.changed_from_defaults()\n"
         "torch.backends.cuda.matmul.fp32_precision = 'ieee'\n"

@@ -94,7 +94,10 @@ def make_namespaces() -> Namespaces:
     held. Raises OSError where the OS refuses (no unprivileged user namespaces, a container's
     seccomp, ``max_user_namespaces`` 0).
     """
-    code = "import sys; from nbtrain import privatenet as p; print(p._unshare_here(), flush=True); sys.stdin.read(1)"
+    code = (
+        "import sys; from nbtrain.system import privatenet as p; "
+        "print(p._unshare_here(), flush=True); sys.stdin.read(1)"
+    )
     child = subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
     )
