@@ -75,7 +75,8 @@ def test_children_lists_this_process_children_and_descendants_go_all_the_way_dow
     try:
         assert parent.pid in processes.children()
         assert processes.children(parent.pid) == [grandchild]
-        assert processes.descendants(os.getpid())[-1:] == [grandchild]  # children first, then theirs
+        below = processes.descendants(os.getpid())  # children first, then theirs (and other tests' leftovers)
+        assert below.index(parent.pid) < below.index(grandchild)
         assert processes.descendants(grandchild) == []
     finally:
         procs.kill_pids([grandchild])
