@@ -69,6 +69,8 @@ GROUP = textwrap.dedent(
 
 def test_a_groups_listeners_are_in_the_private_network_and_the_rank_still_reaches_the_host():
     if privatenet.probe() is not None:
+        # Only the OS refusing them skips: nbtrain failing to make them (a maker that dies) fails.
+        assert privatenet.probe().startswith("this machine refuses"), privatenet.probe()
         pytest.skip(f"no namespaces here: {privatenet.probe()}")
     tests = os.path.dirname(os.path.abspath(__file__))
     done = subprocess.run(
@@ -82,6 +84,8 @@ def test_a_groups_listeners_are_in_the_private_network_and_the_rank_still_reache
 
 def test_the_namespaces_are_this_users_own_with_loopback_up():
     if privatenet.probe() is not None:
+        # Only the OS refusing them skips: nbtrain failing to make them (a maker that dies) fails.
+        assert privatenet.probe().startswith("this machine refuses"), privatenet.probe()
         pytest.skip(f"no namespaces here: {privatenet.probe()}")
     made = privatenet.make_namespaces()
     try:

@@ -103,8 +103,10 @@ def make_namespaces() -> Namespaces:
     )
     try:
         said = _said_by(child)
+        if not said:  # it died before a word (a failed import, a crash): not the OS refusing
+            raise OSError(errno.ECHILD, f"the namespace maker exited without answering (exit {_exit_of(child)})")
         if said != "y":
-            raise OSError(errno.EPERM, said or "the namespace maker died")
+            raise OSError(errno.EPERM, said)
         user = os.open(f"/proc/{child.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
         net = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         return Namespaces(user, net)
@@ -116,11 +118,19 @@ def make_namespaces() -> Namespaces:
             child.wait()
 
 
+def _exit_of(child: subprocess.Popen[bytes]) -> int | None:
+    """The maker's exit status once its output ended (None if it lingers past :data:`MAKER_SECONDS`)."""
+    try:
+        return child.wait(MAKER_SECONDS)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def _said_by(child: subprocess.Popen[bytes]) -> str:
-    """The namespace maker's first line ("y", or why not), within :data:`MAKER_SECONDS`."""
+    """The namespace maker's first line ("y", or why not; "" if it died first), within :data:`MAKER_SECONDS`."""
     assert child.stdout is not None
     if not select.select([child.stdout], [], [], MAKER_SECONDS)[0]:
-        return f"the namespace maker did not answer within {MAKER_SECONDS:.0f} s"
+        raise OSError(errno.ETIMEDOUT, f"the namespace maker did not answer within {MAKER_SECONDS:.0f} s")
     return child.stdout.readline().decode(errors="replace").strip()[:500]
 
 
@@ -174,7 +184,10 @@ def probe() -> str | None:
         try:
             made = make_namespaces()
         except OSError as error:
-            _probed.append(f"this machine refuses unprivileged user namespaces ({error.strerror or error})")
+            if error.errno == errno.EPERM:
+                _probed.append(f"this machine refuses unprivileged user namespaces ({error.strerror or error})")
+            else:
+                _probed.append(f"nbtrain could not make its private network here ({error.strerror or error})")
         else:
             os.close(made.user)
             os.close(made.net)
