@@ -37,6 +37,10 @@ model = nn.Linear(8, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 loss_fn = nn.MSELoss()
 history = []
+
+def last_background():
+    # nbtrain.runs() also lists the standby ranks the launcher forked after a run ("standby"): not runs.
+    return [r for r in nbtrain.runs() if r.state != "standby"][-1]
 """
 
 
@@ -227,7 +231,7 @@ def test_a_background_cell_returns_at_once_updates_live_and_then_updates_the_ker
 
     # Another cell runs while the run goes on; its objects are still the old ones.
     other = session.run_ok(
-        "h = nbtrain.runs()[-1]\n"
+        "h = last_background()\n"
         "same = all(torch.equal(p, q) for p, q in zip(model.parameters(), w0))\n"
         "print(h.state, h.world_size, h.strategy, h.devices, same)\n"
         f"open({str(go)!r}, 'w').close()\n"
@@ -255,7 +259,7 @@ def test_results_reach_the_kernel_between_cells_not_in_the_middle_of_one(session
     # This cell outlives the run; the run's results wait until it has ended.
     during = session.run_ok(
         "import time\n"
-        "h = nbtrain.runs()[-1]\n"
+        "h = last_background()\n"
         "deadline = time.monotonic() + 30\n"
         "while h.run.state == 'running' and time.monotonic() < deadline:\n"
         "    time.sleep(0.01)\n"
@@ -263,7 +267,7 @@ def test_results_reach_the_kernel_between_cells_not_in_the_middle_of_one(session
     )
     assert during.stdout.strip() == "finished old"
     session.wait_view(view, "finished — kernel updated: marker")  # applied once the kernel was free
-    assert session.value("[marker, nbtrain.runs()[-1].state]") == ["new", "finished"]
+    assert session.value("[marker, last_background().state]") == ["new", "finished"]
     # The handle under the view went the same way: ended (results waiting), then finished.
     handle = session.handle_id(started)
     session.wait_view(handle, "; finished, ")
@@ -294,7 +298,7 @@ def _stopped(session: Session, started: Cell, stop_code: str) -> None:
     view, handle = session.view_id(started), session.handle_id(started)
     assert "; running, " in session.shown_text(started, handle)
     cell = session.run_ok(
-        "h = nbtrain.runs()[-1]\n"
+        "h = last_background()\n"
         "pids = sorted(h.run.pids.values())\n"
         f"{stop_code}\n"
         "try:\n"
@@ -333,7 +337,7 @@ def test_a_blocking_cell_runs_while_a_background_run_goes_on_and_exit_stops_it(s
     out = session.run_ok("%%distributed --devices 2\nprint('blocking', nbtrain.world_size())\n")
     assert "[rank 1] blocking 2" in out.stdout
     cell = session.run_ok(
-        "h = nbtrain.runs()[-1]\n"
+        "h = last_background()\n"
         "pids = sorted(h.run.pids.values())\n"
         "before = h.state\n"
         "nbtrain.kernel.background._stop_all_at_exit()  # what atexit runs when the kernel shuts down\n"
@@ -357,7 +361,7 @@ def test_a_failing_background_cell_shows_failed_and_wait_raises_naming_the_rank(
     assert "· failed ·" in text and "rank 1 raised ValueError: only rank 1 fails" in text
     assert "; failed, " in session.wait_view(session.handle_id(started), "; failed, ")[1]
     assert f"Cell In[{number}], line 4" in html
-    out = session.run("nbtrain.runs()[-1].wait(timeout=30)")
+    out = session.run("last_background().wait(timeout=30)")
     assert out.error is not None
     traceback = "\n".join(out.error["traceback"])
     assert traceback.startswith("RankError: rank 1 raised ValueError: only rank 1 fails")
@@ -367,7 +371,7 @@ def test_a_failing_background_cell_shows_failed_and_wait_raises_naming_the_rank(
         f"The kernel holds rank 1's state at the failing line (Cell In[{number}], line 4), as one process would: "
         "value as the cell had set it."
     ), traceback
-    assert session.value("[nbtrain.runs()[-1].state, value]") == ["failed", 1]
+    assert session.value("[last_background().state, value]") == ["failed", 1]
 
 
 def test_a_background_cell_failing_part_way_leaves_the_state_at_the_raise_once_the_kernel_is_free(session):
@@ -391,7 +395,7 @@ def test_a_background_cell_failing_part_way_leaves_the_state_at_the_raise_once_t
     # This cell outlives the run; the state at the raise waits until it has ended.
     during = session.run_ok(
         "import time\n"
-        "h = nbtrain.runs()[-1]\n"
+        "h = last_background()\n"
         "deadline = time.monotonic() + 30\n"
         "while h.run.state == 'running' and time.monotonic() < deadline:\n"
         "    time.sleep(0.01)\n"
@@ -403,14 +407,14 @@ def test_a_background_cell_failing_part_way_leaves_the_state_at_the_raise_once_t
     kept = f"The kernel holds rank 0's state at the failing line (Cell In[{number}], line 7), as one process would: "
     _, text, _ = session.wait_view(view, "handle.wait() raises the error")
     assert "· failed ·" in text and kept in text, text
-    out = session.run("nbtrain.runs()[-1].wait(timeout=30)")
+    out = session.run("last_background().wait(timeout=30)")
     assert out.error is not None
     traceback = "\n".join(out.error["traceback"])
     assert traceback.startswith("RankError: rank 0 raised RuntimeError: the cell fails at its third step"), traceback
     assert kept + "bg_net and bg_opt as they were there, and " in traceback and "bg_seen" in traceback, traceback
     state = session.value(
-        "[nbtrain.runs()[-1].state, bg_seen, i, [id(bg_net), id(bg_opt)] == bg_ids, "
-        "not torch.equal(bg_net.weight, bg_before), len(bg_opt.state), sorted(nbtrain.runs()[-1].updated)]"
+        "[last_background().state, bg_seen, i, [id(bg_net), id(bg_opt)] == bg_ids, "
+        "not torch.equal(bg_net.weight, bg_before), len(bg_opt.state), sorted(last_background().updated)]"
     )
     assert state[:6] == ["failed", 3, 2, True, True, 2]  # three steps trained, in the kernel's own objects
     assert {"bg_net", "bg_opt", "bg_seen", "i", "loss"} <= set(state[6])
@@ -430,9 +434,9 @@ def test_a_background_run_whose_ranks_wait_for_a_finished_rank_says_so_under_its
     view = session.view_id(started)
     _, text, _ = session.wait_view(view, "begun no optimizer step since", timeout=UNEVEN_SECONDS + CELL_SECONDS)
     assert "rank 0 finished the cell" in text and "(interrupt the kernel; a background run: its Stop)" in text
-    assert session.value("nbtrain.runs()[-1].state") == "running"  # said while the run goes on
-    session.run_ok("nbtrain.runs()[-1].stop()")
-    assert session.value("nbtrain.runs()[-1].state") == "stopped"
+    assert session.value("last_background().state") == "running"  # said while the run goes on
+    session.run_ok("last_background().stop()")
+    assert session.value("last_background().state") == "stopped"
 
 
 def test_launch_in_the_background_returns_a_handle_and_its_value(session):
@@ -445,7 +449,7 @@ def test_launch_in_the_background_returns_a_handle_and_its_value(session):
     )
     assert cell.stdout.strip() == "function add"
     view = session.view_id(cell)
-    assert session.value("nbtrain.runs()[-1].wait(timeout=30)") == 5
+    assert session.value("last_background().wait(timeout=30)") == 5
     _, _text, _ = session.wait_view(view, "finished — the result is in handle.result")
     assert session.value("[r.state for r in nbtrain.runs()]")[-1] == "finished"
 
