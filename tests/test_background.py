@@ -8,6 +8,7 @@ started the run has finished. Every wait is bounded; rank processes are checked 
 
 from __future__ import annotations
 
+import ast
 import json
 import time
 from collections.abc import Callable
@@ -101,11 +102,25 @@ class Session:
         return cell
 
     def value(self, expression: str) -> Any:
-        cell = self.run_ok(f"import json as _json\nprint(_json.dumps({expression}))")
-        # The printed line, waited for if it is not in at the cell's idle status: under ipykernel
-        # 6.17 (Colab's) it was once missing then, with a background run's thread publishing.
-        printed = self.wait_for(lambda: self.cell(cell.msg_id).stdout.strip(), 10.0, f"the value of {expression}")
-        return json.loads(printed.splitlines()[-1])
+        """The JSON value of ``expression``, read from the execute reply's ``user_expressions``.
+
+        The reply comes on the shell channel: under ipykernel 6.17 (Colab's) a printed line was
+        sometimes not in by the cell's idle status while a background run's thread published.
+        """
+        dumped = f"__import__('json').dumps({expression})"
+        msg_id = self.kc.execute("", store_history=False, user_expressions={"v": dumped})
+        reply = self.wait_for(lambda: self._reply(msg_id), CELL_SECONDS, f"the value of {expression}")
+        result = reply["user_expressions"]["v"]
+        assert result["status"] == "ok", f"{expression} failed in the kernel: {result}"
+        return json.loads(ast.literal_eval(result["data"]["text/plain"]))
+
+    def _reply(self, msg_id: str) -> dict | None:
+        """The execute reply to ``msg_id`` once it came (replies to earlier cells are passed over)."""
+        try:
+            message = run_sync(self.kc.get_shell_msg)(timeout=0.05)
+        except Empty:
+            return None
+        return message["content"] if message["parent_header"].get("msg_id") == msg_id else None
 
     def _idle(self, msg_id: str) -> bool:
         return any(
