@@ -463,10 +463,8 @@ def _forget_client_in_child() -> None:
     # launcher's socket open: the launcher would then outlive the kernel.
     global _client
     if _client is not None:
-        try:
+        with contextlib.suppress(OSError):
             os.close(_client.process.channel.detach())
-        except OSError:
-            pass
     _client = None
 
 

@@ -7,6 +7,7 @@ it sends; everything about the child side of the fork is here too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -196,10 +197,8 @@ def close_all_but(keep: set[int]) -> None:
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd not in keep:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def signal_groups(ranks: list[RankProcess], number: int) -> None:

@@ -260,9 +260,7 @@ class Launcher:
         run.board.request_stop()
         run.graceful = stopatstep.GracefulStop(state, time.monotonic(), across_nodes=run.on_cluster)
         run.move(RunPhase.STOPPING_AT_STEP)
-        entry = self.board.get(run.run_id)
-        if entry is not None:
-            entry.update(state="stopping")
+        self.board.update(run.run_id, state="stopping")
         return True
 
     def _note_steps(self, run: LauncherRun) -> None:
@@ -297,9 +295,8 @@ class Launcher:
     def _announce_step(self, run: LauncherRun, stop: stopatstep.GracefulStop) -> None:
         assert stop.step is not None
         self._send(StopStep(run.run_id, stop.step, stop.grace))
-        entry = self.board.get(run.run_id)
-        if entry is not None:  # the server extension signals the ranks itself after this
-            entry.update(stop_deadline=time.time() + stop.grace)
+        # the server extension signals the ranks itself after this
+        self.board.update(run.run_id, stop_deadline=time.time() + stop.grace)
 
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
         try:
@@ -600,9 +597,7 @@ class Launcher:
 
     def _stop_now(self, run: LauncherRun) -> None:
         run.move(RunPhase.TERMINATING)
-        entry = self.board.get(run.run_id)
-        if entry is not None:
-            entry.update(state="stopping")
+        self.board.update(run.run_id, state="stopping")
         signal_groups([rank for rank in run.ranks if not rank.exited and not rank.held], signal.SIGTERM)
 
     def _tick(self, now: float) -> None:
@@ -677,10 +672,8 @@ class Launcher:
             for fd in list(rank.pipes):
                 self._close_pipe(rank, fd)
             self._send_output(run, rank, rank.output.finish())  # the note, and the last lines held back
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(rank.channel)
-            except (KeyError, ValueError):
-                pass
             rank.channel.close()
             stackdumps.close_dump(self.selector, rank)
             # Its pipes are drained, so every process that held them (workers too) is gone.
@@ -695,9 +688,8 @@ class Launcher:
         state = run.outcome or events.FAILED
         run.move(RunPhase.ENDED)
         kept = kept_step(run)
-        entry = self.board.get(run.run_id)
-        if entry is not None and kept is not None:
-            entry.update(stopped_at=kept)
+        if kept is not None:
+            self.board.update(run.run_id, stopped_at=kept)
         self.board.end(run.run_id, state, run.held_text)
         if (state == events.FINISHED or kept is not None) and run.failure is None:
             fds = () if run.result_fd is None else (run.result_fd,)
