@@ -180,7 +180,7 @@ class _StartMessage:
             ranks=cfg.rank_specs(),
             start_method=cfg.strategy.start_method,
             backend=cfg.backend,
-            environ=_caller_environment(),
+            environ=processes.inherited_environment(os.environ),
             cwd=os.getcwd(),
             sys_path=tuple(sys.path),
             source_lines=_notebook_source_lines(self.known_sources),
@@ -357,10 +357,6 @@ def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:
     from nbtrain.messages import sharedtensors
 
     return sharedtensors.dumps_to_shared_memory(payload)
-
-
-def _caller_environment() -> dict[str, str]:
-    return processes.inherited_environment(os.environ)
 
 
 def _notebook_source_lines(known: Collection[str] = ()) -> dict[str, tuple[str, ...]]:

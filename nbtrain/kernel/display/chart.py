@@ -43,11 +43,6 @@ _spare: list[ChartFigure] = []
 _spare_lock = threading.Lock()  # a background run's view draws on another thread
 
 
-def render_charts_png(state: runstate.RunState) -> bytes:
-    """One PNG of every chart of ``state`` (see :class:`ChartFigure`)."""
-    return ChartFigure(state).draw(state)
-
-
 def figure_for(state: runstate.RunState) -> ChartFigure:
     """A figure for ``state``'s charts: one an earlier run handed back with the same charts, else a new one.
 
@@ -131,6 +126,8 @@ class ChartFigure:
 
     def _draw_key(self) -> None:
         """One row above the charts naming the ranks' colours, the mean's line and GPU reserved's."""
+        from matplotlib.lines import Line2D
+
         ranks = sorted({rank for panel in self.layout for rank in panel.ranks})
         entries: list[tuple[str, str, dict[str, Any]]] = []
         if len(ranks) > len(chartlayout.RANK_COLOURS):
@@ -146,9 +143,8 @@ class ChartFigure:
         x_px = float(chartlayout.MARGIN_CSS["left"])
         for text, colour, style in entries:
             line_style = {"linewidth": 1.6, **style}
-            self.figure.add_artist(
-                _line([x_px / width, (x_px + 18) / width], [y, y], self.figure.transFigure, colour, line_style)
-            )
+            xs = [x_px / width, (x_px + 18) / width]
+            self.figure.add_artist(Line2D(xs, [y, y], transform=self.figure.transFigure, color=colour, **line_style))
             label = self.figure.text(
                 (x_px + 22) / width,
                 y,
@@ -169,12 +165,6 @@ class ChartFigure:
         if not self._labels_placed:
             self._labels_placed = all(panel.place_x_label() for panel in self.panels)
         return buffer.getvalue()
-
-
-def _line(xs: list[float], ys: list[float], transform: Any, colour: str, style: dict[str, Any]) -> Any:
-    from matplotlib.lines import Line2D
-
-    return Line2D(xs, ys, transform=transform, color=colour, **style)
 
 
 def _text_css_width(text: Any) -> float:
