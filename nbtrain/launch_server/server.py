@@ -689,9 +689,9 @@ class Launcher:
             failed = RunEnded(run.run_id, state, failure=run.failure, detail=run.detail, stacks=dumps)
             failed, state_fds = self._with_failed_state(run, failed) if state == events.FAILED else (failed, ())
             self._send(dataclasses.replace(failed, stop_note=run.stop_note), state_fds)
-        for fd in (run.result_fd, *(state_fd for _, state_fd in run.failed_states.values())):
-            if fd is not None:
-                os.close(fd)
+        for kept_fd in (run.result_fd, *(state_fd for _, state_fd in run.failed_states.values())):
+            if kept_fd is not None:
+                os.close(kept_fd)
         # After a stop or a timeout the user wants things to stop: no new processes until a run
         # asks. While other runs go on, none either: forking would take CPU from them.
         if run.plan is not None and state in (events.FINISHED, events.FAILED) and not self.runs:
