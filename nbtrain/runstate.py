@@ -119,15 +119,10 @@ class DownsampledSeries:
             self._merge_pairs()
 
     def _merge_pairs(self) -> None:
-        merged = []
         buckets = self._buckets
-        for index in range(0, len(buckets) - 1, 2):
-            first = buckets[index]
-            first.absorb(buckets[index + 1])
-            merged.append(first)
-        if len(buckets) % 2:
-            merged.append(buckets[-1])
-        self._buckets = merged
+        for first, second in zip(buckets[::2], buckets[1::2], strict=False):  # an odd last one stays as it is
+            first.absorb(second)
+        self._buckets = buckets[::2]
         self.points_per_bucket *= 2
 
     def steps(self) -> list[float]:
@@ -225,11 +220,9 @@ class MetricHistory:
         """Move into ``mean`` every step that is complete or has waited long enough."""
         if not self._waiting:
             return
-        if len(self.ranks) >= self.world_size:
-            # A rank's series exists once it logged, so each has a last step.
-            every_rank_reached = min(s.last_step for s in self.ranks.values() if s.last_step is not None)
-        else:
-            every_rank_reached = -math.inf
+        # A rank's series exists once it logged, so each has a last step.
+        reached = [s.last_step for s in self.ranks.values() if s.last_step is not None]
+        every_rank_reached = min(reached) if len(self.ranks) >= self.world_size else -math.inf
         ordered = sorted(self._waiting)
         overflow = len(ordered) - self._waiting_cap
         for index, step in enumerate(ordered):

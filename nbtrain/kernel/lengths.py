@@ -213,11 +213,8 @@ def expected_steps(obj: Any) -> int | None:
         total = getattr(obj, "total_steps", None)  # OneCycleLR
         if isinstance(total, int):
             return total
-        for function in getattr(obj, "lr_lambdas", ()) or ():  # LambdaLR, MultiplicativeLR
-            steps = _function_length(function)
-            if steps is not None:
-                return steps
-        return None
+        # LambdaLR, MultiplicativeLR: the first of its functions that holds a length
+        return _first_int(_function_length(function) for function in getattr(obj, "lr_lambdas", ()) or ())
     if type(obj).__module__.split(".")[0] == "tqdm":  # a progress bar: tqdm(total=...) or tqdm(range(n))
         total = getattr(obj, "total", None)
         return total if isinstance(total, int) else None
