@@ -184,7 +184,7 @@ class NodeAgent:
 
     def processes(self) -> list[int]:
         """This node's nbtrain processes: the agent, its launcher and every rank (for checks)."""
-        return [os.getpid(), self.launcher.pid, *_descendants(self.launcher.pid)]
+        return [os.getpid(), self.launcher.pid, *processes.descendants(self.launcher.pid)]
 
     # -- the launcher's side -----------------------------------------------------------
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
@@ -409,22 +409,3 @@ def _put_file(fd: int) -> tuple[tuple[tuple[int, int], ...], tuple[Any, ...], in
     finally:
         del array  # the mapping can close only once no array refers to it
         mapping.close()
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    stat = f.read()
-                parent = int(stat[stat.rindex(b")") + 2 :].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found

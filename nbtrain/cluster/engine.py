@@ -453,21 +453,18 @@ class _Relay:
                 return True
             if isinstance(record, events.StepsBegun):
                 self._steps_begun(index, record)
-                continue
-            if isinstance(record, (events.StoreListening, events.StopStep)):  # the relay sends its own StopStep
-                continue
-            if isinstance(record, events.RanksDone):
+            elif isinstance(record, events.RanksDone):
                 self._node_done(index)
-                continue
-            if isinstance(record, (events.RankFailed, events.RankExited)):
-                self.failure_order.setdefault((record.node, record.rank), len(self.failure_order))
-            if isinstance(record, events.RankExited) and not record.reported:
-                # Its node may end as stopped, not failed: another node's error, a consequence
-                # of this death, can reach the kernel first and stop it before it reaps this.
-                self.deaths.append(record)
-            if type(record).__name__ == "NodeResult":
-                record = _copied_result(record)
-            self.inbox.put((record, []))
+            elif not isinstance(record, (events.StoreListening, events.StopStep)):  # the relay sends its own StopStep
+                if isinstance(record, (events.RankFailed, events.RankExited)):
+                    self.failure_order.setdefault((record.node, record.rank), len(self.failure_order))
+                if isinstance(record, events.RankExited) and not record.reported:
+                    # Its node may end as stopped, not failed: another node's error, a consequence
+                    # of this death, can reach the kernel first and stop it before it reaps this.
+                    self.deaths.append(record)
+                if type(record).__name__ == "NodeResult":
+                    record = _copied_result(record)
+                self.inbox.put((record, []))
         return False
 
     def _node_done(self, index: int) -> None:
