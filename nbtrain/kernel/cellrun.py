@@ -319,7 +319,7 @@ def _launch_and_follow(
             keep_metrics=keep_metrics, explain_failure=tracebacks.explain_failure, apply_result=apply_cell_result,
             state_at_failure=state_at_failure, kept_at_failure=kept_at_failure, kept_error=kept_error,
         )
-        handle = background.follow_cell(shell, run, prepared, options, callbacks)
+        handle = background.follow_cell(shell, run, prepared, callbacks, options.output, options.stall_warning)
         if held.received:  # the cell that starts it was interrupted: the run does not go on
             handle.stop("interrupted")
             raise _interrupted(prepared, run)

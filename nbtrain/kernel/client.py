@@ -159,6 +159,7 @@ class _StartMessage:
         # is read later, and a script (no IPython) has no %nbtrain_debug: they hold none.
         held = self.interactive and kernel_shell.get_shell() is not None
         self.debug_hold = defaults.get_defaults().debug_hold if held else None
+        self.standby_seconds = defaults.get_defaults().standby_idle or None
 
         self.cfg = cfg
         self.payload = payload
@@ -191,19 +192,13 @@ class _StartMessage:
             log_path=self.log_path,
             debug_hold=self.debug_hold,
             interactive=self.interactive,
-            standby_seconds=_standby_seconds(),
+            standby_seconds=self.standby_seconds,
             on_stop=cfg.on_stop,
             stop_grace=cfg.stop_grace,
             logging_setup=self.logging_setup,
             torch_settings=torchsettings.changed_from_defaults(),
             rank_settings=cfg.rank,  # what prepare() and the cell on a rank read (nbtrain.rank.machinery.settings)
         )
-
-
-def _standby_seconds() -> float | None:
-    from nbtrain.kernel import defaults
-
-    return defaults.get_defaults().standby_idle or None
 
 
 def _submit(client: Engine, start_message: _StartMessage, tensor_fd: int | None) -> Run:

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import inspect
 import re
@@ -235,10 +236,8 @@ def _function_length(function: Any) -> int | None:
     values = []
     for name in _LENGTH_NAMES:
         if name in cells:
-            try:
+            with contextlib.suppress(ValueError):  # an empty cell
                 values.append(cells[name].cell_contents)
-            except ValueError:  # an empty cell
-                continue
     try:
         parameters = inspect.signature(function).parameters
     except (TypeError, ValueError):

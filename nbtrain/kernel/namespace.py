@@ -180,10 +180,8 @@ def _notebook_code(value: Any, user_ns: Mapping[str, Any]) -> list[types.CodeTyp
             seen.add(id(fn))
             codes.append(fn.__code__)
             for cell in fn.__closure__ or ():
-                try:
+                with contextlib.suppress(ValueError):  # an empty cell
                     add_any(cell.cell_contents)
-                except ValueError:  # an empty cell
-                    pass
 
     def add_class(cls: type) -> None:
         for klass in getattr(cls, "__mro__", ()):
@@ -449,14 +447,11 @@ def apply_result(
     for name, held in outcome.get("contents", {}).items():
         reach.refill(shipped[name], held)  # what it held, the kernel's own objects by reference
         report.updated.append(name)
-    for name, value in outcome.get("tensors", {}).items():
-        if not _fill(shipped[name], value):
-            _rebind(user_ns, shipped, places.get(name), name, value)
-        report.updated.append(name)
-    for name, value in outcome.get("changed", {}).items():
-        if not update_in_place(shipped[name], value):
-            _rebind(user_ns, shipped, places.get(name), name, value)
-        report.updated.append(name)
+    for kind, fits in (("tensors", _fill), ("changed", update_in_place)):  # in place, or rebound where it does not fit
+        for name, value in outcome.get(kind, {}).items():
+            if not fits(shipped[name], value):
+                _rebind(user_ns, shipped, places.get(name), name, value)
+            report.updated.append(name)
     for name, value in outcome.get("bound", {}).items():
         user_ns[name] = value
         if name not in report.updated:

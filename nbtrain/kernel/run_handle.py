@@ -342,16 +342,14 @@ class Run:
     def _load_result(self, ended: RunEnded) -> Any:
         fd = self._ended_fds[0] if self._ended_fds else None
         try:
-            if self._copied is not None:
-                from nbtrain.messages import sharedtensors
-
-                return sharedtensors.loads_mapped(self._copied.data, self._copied.mapping, map_location="cpu")
-            if fd is None:  # no tensor storages: plain pickle, and no torch import for it
+            if self._copied is None and fd is None:  # no tensor storages: plain pickle, and no torch import for it
                 import pickle
 
                 return pickle.loads(ended.result or b"")
             from nbtrain.messages import sharedtensors
 
+            if self._copied is not None:
+                return sharedtensors.loads_mapped(self._copied.data, self._copied.mapping, map_location="cpu")
             return sharedtensors.loads(ended.result or b"", fd, map_location="cpu")
         finally:
             self._close_ended_fds()
