@@ -63,14 +63,6 @@ class _Bucket:
         self.high = value
         self.count = 1
 
-    def add(self, step: float, value: float) -> None:
-        """Count one more point into this bucket."""
-        self.step_sum += step
-        self.value_sum += value
-        self.count += 1
-        self.low = min(self.low, value)
-        self.high = max(self.high, value)
-
     def absorb(self, other: _Bucket) -> None:
         """Merge the next bucket's points into this one (see ``DownsampledSeries._merge_pairs``)."""
         self.step_sum += other.step_sum
@@ -120,22 +112,17 @@ class DownsampledSeries:
             return
         buckets = self._buckets
         if buckets and buckets[-1].count < self.points_per_bucket:
-            buckets[-1].add(step, value)
+            buckets[-1].absorb(_Bucket(step, value))
             return
         buckets.append(_Bucket(step, value))
         if len(buckets) > self.max_points:
             self._merge_pairs()
 
     def _merge_pairs(self) -> None:
-        merged = []
         buckets = self._buckets
-        for index in range(0, len(buckets) - 1, 2):
-            first = buckets[index]
-            first.absorb(buckets[index + 1])
-            merged.append(first)
-        if len(buckets) % 2:
-            merged.append(buckets[-1])
-        self._buckets = merged
+        for first, second in zip(buckets[::2], buckets[1::2], strict=False):  # an odd last one stays as it is
+            first.absorb(second)
+        self._buckets = buckets[::2]
         self.points_per_bucket *= 2
 
     def steps(self) -> list[float]:
@@ -154,11 +141,6 @@ class DownsampledSeries:
         """Each bucket's highest value: the top of the band around the line."""
         return [b.high for b in self._buckets]
 
-    @property
-    def is_downsampled(self) -> bool:
-        """True once buckets hold more than one point each (old history merged pairwise)."""
-        return self.points_per_bucket > 1
-
     def coarsened(self, max_points: int) -> tuple[list[float], list[float], list[float], list[float]]:
         """(steps, means, lows, highs) in at most ``max_points`` groups of whole buckets.
 
@@ -175,8 +157,6 @@ class DownsampledSeries:
         """
         buckets = self._buckets
         group = max(1, math.ceil(len(buckets) / max_points))
-        if group == 1:
-            return self.steps(), self.means(), self.lows(), self.highs()
         steps, means, lows, highs = [], [], [], []
         for start in range(0, len(buckets), group):
             members = buckets[start : start + group]
@@ -240,11 +220,9 @@ class MetricHistory:
         """Move into ``mean`` every step that is complete or has waited long enough."""
         if not self._waiting:
             return
-        if len(self.ranks) >= self.world_size:
-            # A rank's series exists once it logged, so each has a last step.
-            every_rank_reached = min(s.last_step for s in self.ranks.values() if s.last_step is not None)
-        else:
-            every_rank_reached = -math.inf
+        # A rank's series exists once it logged, so each has a last step.
+        reached = [s.last_step for s in self.ranks.values() if s.last_step is not None]
+        every_rank_reached = min(reached) if len(self.ranks) >= self.world_size else -math.inf
         ordered = sorted(self._waiting)
         overflow = len(ordered) - self._waiting_cap
         for index, step in enumerate(ordered):
@@ -305,24 +283,15 @@ class RankMemory:
             self.cuda_peak_bytes = max(self.cuda_peak_bytes or 0, sample.cuda_peak_bytes)
 
     @property
-    def rss_bytes(self) -> int | None:
-        """The latest host RSS in bytes (None before a sample)."""
-        return _as_bytes(self.rss.last_value)
-
-    @property
-    def cuda_allocated_bytes(self) -> int | None:
-        """The latest CUDA memory allocated in bytes (None on a CPU rank)."""
-        return _as_bytes(self.cuda_allocated.last_value)
-
-    @property
     def on_cuda(self) -> bool:
         """True once the rank reported CUDA figures."""
         return self.cuda_allocated.count > 0
 
     @property
     def current_bytes(self) -> int | None:
-        """CUDA allocated on a GPU rank (what runs out first), host RSS otherwise."""
-        return self.cuda_allocated_bytes if self.on_cuda else self.rss_bytes
+        """CUDA allocated on a GPU rank (what runs out first), host RSS otherwise (None before a sample)."""
+        latest = (self.cuda_allocated if self.on_cuda else self.rss).last_value
+        return None if latest is None else int(latest)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -332,10 +301,6 @@ class RankMemory:
     def charted(self) -> tuple[DownsampledSeries, ...]:
         """The lines this rank's memory chart draws: (RSS,) or (CUDA allocated, CUDA reserved)."""
         return (self.cuda_allocated, self.cuda_reserved) if self.on_cuda else (self.rss,)
-
-
-def _as_bytes(value: float | None) -> int | None:
-    return None if value is None else int(value)
 
 
 class LogTail:
@@ -472,10 +437,7 @@ class RunState:
         if isinstance(event, events.Metrics):
             self._apply_metrics(event, now)
         elif isinstance(event, events.MemorySample):
-            memory = self.memory.get(event.rank)
-            if memory is None:
-                memory = self.memory[event.rank] = RankMemory(self.max_points)
-            memory.record(event, self.elapsed(now))
+            self.memory.setdefault(event.rank, RankMemory(self.max_points)).record(event, self.elapsed(now))
             self._changed(charts=True)
         elif isinstance(event, events.Output):
             self.logs.setdefault(event.rank, LogTail()).add(event.stream, event.text)

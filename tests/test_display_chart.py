@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,43 @@ from nbtrain.messages import events
 
 RUN = 1
 MIN_TICK_CSS_PX = 10.0
+
+
+def text_boxes(figure: ChartFigure) -> list[tuple[str, Any]]:
+    """(text, bounding box in PNG pixels) of every label ``figure``'s last ``draw`` showed.
+
+    Tick labels count only for ticks inside the axis' view (matplotlib keeps labels of
+    ticks outside it, undrawn). For layout checks: nothing overlaps, nothing is cut off.
+    """
+    renderer = figure.canvas.get_renderer()
+    tick_labels: set[int] = set()
+    shown = []
+    for panel in figure.panels:
+        for axis in (panel.ax.xaxis, panel.ax.yaxis):
+            low, high = sorted(axis.get_view_interval())
+            slack = (high - low) * 1e-9 if axis.get_scale() == "linear" else 0.0
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                tick_labels.update((id(tick.label1), id(tick.label2)))
+            for loc, label in zip(axis.get_majorticklocs(), axis.get_majorticklabels(), strict=False):
+                if low - slack <= loc <= high + slack or _log_close(axis, loc, low, high):
+                    shown.append(label)
+    shown += [t for t in figure.figure.findobj(_is_visible_text) if id(t) not in tick_labels]
+    return [(t.get_text(), t.get_window_extent(renderer)) for t in shown if _is_visible_text(t)]
+
+
+def _is_visible_text(artist: Any) -> bool:
+    from matplotlib.text import Text
+
+    if not isinstance(artist, Text) or not artist.get_visible() or not artist.get_text().strip():
+        return False
+    axes = artist.axes
+    return axes is None or axes.get_visible()
+
+
+def _log_close(axis: Any, loc: float, low: float, high: float) -> bool:
+    if axis.get_scale() != "log" or loc <= 0 or low <= 0:
+        return False
+    return math.log10(low) - 1e-9 <= math.log10(loc) <= math.log10(high) + 1e-9
 
 
 def run_state(
@@ -84,7 +122,7 @@ def overlap(a, b, slack: float = 0.5) -> bool:
 @pytest.mark.parametrize("name", STATES)
 def test_no_label_overlaps_another_or_leaves_the_image(name):
     figure, _ = drawn(name)
-    boxes = figure.text_boxes()
+    boxes = text_boxes(figure)
     width, height = figure.pixel_size
     assert len(boxes) >= 8, boxes  # titles, ticks and axis names were all measured
     for text, box in boxes:
@@ -106,7 +144,7 @@ def test_tick_labels_are_at_least_10_css_pixels_and_no_axis_has_an_offset_label(
             for label in axis.get_majorticklabels():
                 css_px = label.get_fontsize() * chartlayout.CSS_DPI / 72
                 assert css_px >= MIN_TICK_CSS_PX, (label.get_text(), css_px)
-    ticks = [box for text, box in figure.text_boxes() if text and text[0].isdigit()]
+    ticks = [box for text, box in text_boxes(figure) if text and text[0].isdigit()]
     assert ticks and min(box.height for box in ticks) / chartlayout.PIXEL_RATIO >= MIN_TICK_CSS_PX
 
 
@@ -131,7 +169,7 @@ def test_memory_is_a_line_over_time_per_rank_with_each_current_value_labelled():
     for rank in (0, 1):
         seconds, mib = memory.lines[rank][0].get_data()
         assert len(seconds) == 20 and seconds[0] < seconds[-1] and mib[0] < mib[-1]  # it grew over the run
-    texts = [text for text, _ in figure.text_boxes()]
+    texts = [text for text, _ in text_boxes(figure)]
     assert "host RSS, MiB" in texts and "338.0 MiB" in texts and "339.0 MiB" in texts
 
 
@@ -143,7 +181,7 @@ def test_gpu_memory_shows_allocated_and_reserved_lines():
     allocated, reserved = memory.lines[0]
     last_allocated = 1 + 381 / 400  # GiB, at the last sample (step 381)
     assert allocated.get_ydata()[-1] == pytest.approx(last_allocated) and reserved.get_ydata()[-1] == pytest.approx(2.5)
-    texts = [text for text, _ in figure.text_boxes()]
+    texts = [text for text, _ in text_boxes(figure)]
     assert "GPU allocated, GiB" in texts and "GPU reserved" in texts and "1.95 GiB" in texts
 
 
@@ -154,7 +192,7 @@ def test_throughput_is_charted_over_time_with_its_current_value():
     throughput = next(p for p in figure.panels if p.panel.kind == "throughput")
     seconds, rates = throughput.line.get_data()
     assert len(seconds) > 5 and rates[-1] == pytest.approx(20 * 8 * 2)
-    assert "throughput  320 samples/s" in [text for text, _ in figure.text_boxes()]
+    assert "throughput  320 samples/s" in [text for text, _ in text_boxes(figure)]
 
 
 def test_a_decaying_loss_over_decades_gets_a_log_axis_with_plain_labels():

@@ -47,7 +47,7 @@ class Launcher:
         self.calls.append(("submit", start_run(RUN)))
         return RUN, self.inbox
 
-    def stop(self, run_id: int, reason: str) -> None:
+    def stop(self, run_id: int, reason: str, graceful: bool = False) -> None:
         self.calls.append(("stop", reason))
         if self.answer_stop:
             self.inbox.put((events.RunEnded(run_id, events.STOPPED), []))

@@ -55,7 +55,7 @@ def test_series_below_its_bound_keeps_every_point():
         series.append(step, step * 2.0)
     assert series.steps() == [float(s) for s in range(1, 11)]
     assert series.means() == [s * 2.0 for s in range(1, 11)]
-    assert not series.is_downsampled
+    assert series.points_per_bucket == 1
 
 
 def test_series_skips_non_finite_values_in_the_chart_but_reports_them_last():

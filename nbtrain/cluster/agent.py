@@ -31,13 +31,11 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from nbtrain.cluster import runsecret
 from nbtrain.messages import events, wire
-from nbtrain.messages.logsetup import LoggingSetup
 from nbtrain.system import processes
 
 READY_SECONDS = 180.0  # the launcher imports torch: seconds on a loaded small machine
@@ -60,33 +58,7 @@ class NodeInfo:
 
     node_id: str
     address: str  # the node's IP address as Ray reports it
-    agent_pid: int
-    launcher_pid: int
     cpus: int  # CPUs of this agent's placement-group bundle
-    gpus: int
-    socket_interface: str | None  # the network interface holding ``address``
-
-
-@dataclass(frozen=True)
-class NodeRun:
-    """Kernel -> agent: this node's part of a run (everything but the payload)."""
-
-    run_id: int
-    place: events.NodePlace
-    ranks: tuple[events.RankSpec, ...]
-    start_method: str
-    backend: str
-    environ: dict[str, str]
-    cwd: str
-    sys_path: tuple[str, ...]
-    source_lines: dict[str, tuple[str, ...]]
-    timeout: float | None
-    threads_per_rank: int | None
-    on_stop: str = "keep"  # the run's --on-stop, and its grace: a stop at a step needs every node's
-    stop_grace: float = 2.0
-    logging_setup: LoggingSetup = field(default_factory=LoggingSetup)
-    torch_settings: Mapping[str, Any] = field(default_factory=dict)
-    rank_settings: events.RankSettings = field(default_factory=events.RankSettings)  # the run's, for every node
 
 
 @dataclass(frozen=True)
@@ -136,16 +108,7 @@ class NodeAgent:
             raise RuntimeError(f"the nbtrain launcher on {self.label} was not ready in {READY_SECONDS:g} s")
         if not self._alive:
             raise RuntimeError(f"the nbtrain launcher on {self.label} exited: {''.join(self._stderr)}")
-        info = NodeInfo(
-            node_id=self._node_id,
-            address=self._address,
-            agent_pid=os.getpid(),
-            launcher_pid=self.launcher.pid,
-            cpus=int(self._resources.get("CPU", 0)),
-            gpus=int(self._resources.get("GPU", 0)),
-            socket_interface=interface_of(self._address),
-        )
-        return dataclasses.astuple(info)
+        return dataclasses.astuple(NodeInfo(self._node_id, self._address, int(self._resources.get("CPU", 0))))
 
     def begin(self, run_id: int, secret: bytes, signed_request: bytes, signed_data: bytes, tensors: Any) -> int | None:
         """Start this node's ranks; on the node hosting the store, return its port.
@@ -156,9 +119,9 @@ class NodeAgent:
         """
         request = runsecret.unpickled(secret, signed_request, run_id, "request", self.label)
         data = bytes(runsecret.opened(secret, signed_data, run_id, "payload", self.label))
-        if not isinstance(request, NodeRun) or request.run_id != run_id:
+        if not isinstance(request, events.StartRun) or request.run_id != run_id or request.node is None:
             raise RuntimeError(f"{self.label} was sent {type(request).__name__} as run {run_id}'s request")
-        self.label = request.place.label
+        self.label = request.node.label
         tensor_fd = _memfd_holding(tensors) if tensors is not None else None
         with self._lock:
             self._inboxes[request.run_id] = collections.deque()
@@ -169,7 +132,7 @@ class NodeAgent:
         finally:
             if tensor_fd is not None:
                 os.close(tensor_fd)
-        if request.place.master_port is not None:
+        if request.node.master_port is not None:
             return None
         return self._wait_for_port(request.run_id)
 
@@ -221,7 +184,7 @@ class NodeAgent:
 
     def processes(self) -> list[int]:
         """This node's nbtrain processes: the agent, its launcher and every rank (for checks)."""
-        return [os.getpid(), self.launcher.pid, *_descendants(self.launcher.pid)]
+        return [os.getpid(), self.launcher.pid, *processes.descendants(self.launcher.pid)]
 
     # -- the launcher's side -----------------------------------------------------------
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
@@ -332,7 +295,7 @@ def _leave_with_parent(parent: int) -> None:
 
 
 def _start_run(
-    request: NodeRun, data: bytes, has_tensor_file: bool, label: str, interface: str | None
+    request: events.StartRun, data: bytes, has_tensor_file: bool, label: str, interface: str | None
 ) -> events.StartRun:
     """The launcher's request: the kernel's settings, adapted to this node."""
     # The kernel's interface names mean nothing here (a single-machine run sets loopback).
@@ -343,26 +306,18 @@ def _start_run(
         # often a loopback address the other nodes cannot reach.
         environ.setdefault("GLOO_SOCKET_IFNAME", interface)
         environ.setdefault("NCCL_SOCKET_IFNAME", interface)
-    return events.StartRun(
-        run_id=request.run_id,
+    assert request.node is not None  # checked as it arrived (NodeAgent.begin)
+    return dataclasses.replace(
+        request,
         payload=data,
-        ranks=request.ranks,
-        start_method=request.start_method,
-        backend=request.backend,
         environ=environ,
         cwd=request.cwd if os.path.isdir(request.cwd) else os.getcwd(),
         sys_path=node_sys_path(request.sys_path, tuple(sys.path)),
-        source_lines=request.source_lines,
-        timeout=request.timeout,
-        threads_per_rank=request.threads_per_rank,
         has_tensor_file=has_tensor_file,
-        node=dataclasses.replace(request.place, label=label),
+        node=dataclasses.replace(request.node, label=label),
         interactive=False,  # a cluster's agents relay no pdb prompt: a breakpoint is passed with a note
-        on_stop=request.on_stop,
-        stop_grace=request.stop_grace,
-        logging_setup=request.logging_setup,
-        torch_settings=request.torch_settings,
-        rank_settings=request.rank_settings,
+        debug_hold=None,
+        log_path=None,
     )
 
 
@@ -454,22 +409,3 @@ def _put_file(fd: int) -> tuple[tuple[tuple[int, int], ...], tuple[Any, ...], in
     finally:
         del array  # the mapping can close only once no array refers to it
         mapping.close()
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    stat = f.read()
-                parent = int(stat[stat.rindex(b")") + 2 :].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found

@@ -169,17 +169,14 @@ def _probe(address: str) -> None:
 
 
 def _alive_nodes(ray: Any) -> list[nodes.NodeResources]:
-    alive = []
-    for node in ray.nodes():
-        if node.get("Alive"):
-            resources = node.get("Resources", {})
-            alive.append(
-                nodes.NodeResources(
-                    node["NodeID"], node.get("NodeManagerAddress", "?"), int(resources.get("CPU", 0)),
-                    int(resources.get("GPU", 0)),
-                )
-            )
-    return alive
+    return [
+        nodes.NodeResources(
+            node["NodeID"], node.get("NodeManagerAddress", "?"), int(node.get("Resources", {}).get("CPU", 0)),
+            int(node.get("Resources", {}).get("GPU", 0)),
+        )
+        for node in ray.nodes()
+        if node.get("Alive")
+    ]
 
 
 def warm_client(plan: nodes.ClusterPlan, address: str, alive: list[nodes.NodeResources]) -> ClusterClient:
@@ -306,16 +303,6 @@ class ClusterClient:
         with contextlib.suppress(Exception):  # already removed, or Ray is gone
             remove_placement_group(self._group)
 
-    def exit_detail(self) -> str:
-        """Why this engine can run nothing more, for a failure's message."""
-        return f"the nbtrain agents on the cluster at {self.address} were ended"
-
-    def node_processes(self) -> list[list[int]]:
-        """Each node's nbtrain processes (agent, launcher, ranks), node 0 first: for checks."""
-        ray = import_ray()
-        pids: list[list[int]] = ray.get([agent.processes.remote() for agent in self.agents], timeout=30)
-        return pids
-
 
 def _put_payload(signed: bytes, tensor_fd: int | None) -> tuple[Any, Any]:
     """The payload in the object store, once for every node: its signed pickle (plain bytes, which Ray
@@ -413,22 +400,22 @@ class _Relay:
         request = runsecret.pickled(self.secret, self.run_id, "request", self._request(index, port))
         return self.client.agents[index].begin.remote(self.run_id, self.secret, request, *self.payload)
 
-    def _request(self, index: int, port: int | None) -> Any:
-        from nbtrain.cluster.agent import NodeRun
+    def _request(self, index: int, port: int | None) -> events.StartRun:
+        """Node ``index``'s part of the run: the kernel's StartRun with this node's ranks and place.
 
+        Its payload goes beside it (the object store); the strategy's name and standby ranks are
+        this machine's launcher's alone.
+        """
         plan, template, info = self.client.plan, self.template, self.client.infos[index]
         place = events.NodePlace(
             node_rank=index, num_nodes=plan.num_nodes, local_world_size=plan.per_node,
             master_addr=self.client.infos[0].address, master_port=port, label=self.client.labels[index],
         )
-        return NodeRun(
-            run_id=self.run_id, place=place, ranks=nodes.node_ranks(plan, index),
-            start_method=template.start_method, backend=template.backend, environ=dict(template.environ),
-            cwd=template.cwd, sys_path=template.sys_path, source_lines=dict(template.source_lines),
-            timeout=template.timeout,
+        return dataclasses.replace(
+            template, payload=b"", ranks=nodes.node_ranks(plan, index), node=place, strategy="",
+            standby_seconds=None, has_tensor_file=False, environ=dict(template.environ),
+            source_lines=dict(template.source_lines),
             threads_per_rank=nodes.threads_per_rank(info.cpus, plan.per_node, template.environ),
-            on_stop=template.on_stop, stop_grace=template.stop_grace, logging_setup=template.logging_setup,
-            torch_settings=template.torch_settings, rank_settings=template.rank_settings,
         )
 
     # -- following -----------------------------------------------------------------------
@@ -466,21 +453,18 @@ class _Relay:
                 return True
             if isinstance(record, events.StepsBegun):
                 self._steps_begun(index, record)
-                continue
-            if isinstance(record, (events.StoreListening, events.StopStep)):  # the relay sends its own StopStep
-                continue
-            if isinstance(record, events.RanksDone):
+            elif isinstance(record, events.RanksDone):
                 self._node_done(index)
-                continue
-            if isinstance(record, (events.RankFailed, events.RankExited)):
-                self.failure_order.setdefault((record.node, record.rank), len(self.failure_order))
-            if isinstance(record, events.RankExited) and not record.reported:
-                # Its node may end as stopped, not failed: another node's error, a consequence
-                # of this death, can reach the kernel first and stop it before it reaps this.
-                self.deaths.append(record)
-            if type(record).__name__ == "NodeResult":
-                record = _copied_result(record)
-            self.inbox.put((record, []))
+            elif not isinstance(record, (events.StoreListening, events.StopStep)):  # the relay sends its own StopStep
+                if isinstance(record, (events.RankFailed, events.RankExited)):
+                    self.failure_order.setdefault((record.node, record.rank), len(self.failure_order))
+                if isinstance(record, events.RankExited) and not record.reported:
+                    # Its node may end as stopped, not failed: another node's error, a consequence
+                    # of this death, can reach the kernel first and stop it before it reaps this.
+                    self.deaths.append(record)
+                if type(record).__name__ == "NodeResult":
+                    record = _copied_result(record)
+                self.inbox.put((record, []))
         return False
 
     def _node_done(self, index: int) -> None:

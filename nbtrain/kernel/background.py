@@ -99,19 +99,6 @@ class CellCallbacks:
     kept_error: Callable[[Any, list[str], dict[str, Any]], BaseException] | None = None
 
 
-class CellFlags(Protocol):
-    """What a background cell reads of its flags: the frozen ``nbtrain.kernel.flags.CellOptions`` (typed
-    here by its shape, since this module never imports the magic)."""
-
-    @property
-    def output(self) -> str:
-        """Whose prints the view shows: "all", "rank0" or "none" (``--output``)."""
-
-    @property
-    def stall_warning(self) -> float | None:
-        """Seconds without a step before the view names a stalled rank (None: never)."""
-
-
 class PreparedCellLike(Protocol):
     """What a background cell reads of its ``PreparedCell`` (:mod:`nbtrain.kernel.cellrun`)."""
 
@@ -443,13 +430,10 @@ class BackgroundRun:
             return
         if self.seconds is None:
             self.seconds = time.monotonic() - self._started_at
-        if self.ended is None:
-            self.ended = datetime.datetime.now()
+        self.ended = self.ended or datetime.datetime.now()
         self.error = error
         self._state = state
-        if note is None:
-            note = self._end_note(state, error)
-        self._finish_view(state, note)
+        self._finish_view(state, self._end_note(state, error) if note is None else note)
         self._ended.set()
         self._done.set()
 
@@ -513,17 +497,18 @@ class CellBackgroundRun(BackgroundRun):
     """A ``%%distributed --background`` cell: on success its results go into the kernel."""
 
     def __init__(
-        self, shell: Any, run: Any, prepared: PreparedCellLike, options: CellFlags, callbacks: CellCallbacks
+        self, shell: Any, run: Any, prepared: PreparedCellLike, callbacks: CellCallbacks, output: str,
+        stall_warning: float | None,
     ) -> None:
         number = kernel_shell.current_cell_number(shell)
         super().__init__(
             run,
             kind="cell",
             name=f"cell In[{number}]" if number else "cell",
-            output=options.output,
+            output=output,
             shell=shell,
             total_steps=prepared.total_steps,
-            stall_warning=options.stall_warning,
+            stall_warning=stall_warning,
         )
         self.shell = shell
         self.prepared = prepared
@@ -633,15 +618,15 @@ class CellBackgroundRun(BackgroundRun):
 
 
 def follow_cell(
-    shell: Any, run: Any, prepared: PreparedCellLike, options: CellFlags, callbacks: CellCallbacks
+    shell: Any, run: Any, prepared: PreparedCellLike, callbacks: CellCallbacks, output: str, stall_warning: float | None
 ) -> CellBackgroundRun:
     """Follow a started ``%%distributed --background`` cell; its handle, at once.
 
     ``prepared`` is the cell's :class:`nbtrain.kernel.cellrun.PreparedCell` (``shipped``, ``record``, ``total_steps``,
-    ``unchanged``); ``options`` its flags (``output``, ``stall_warning``: a
-    :class:`nbtrain.kernel.flags.CellOptions`); ``callbacks`` what the magic does at the end.
+    ``unchanged``); ``callbacks`` what the magic does at the end; ``output`` and ``stall_warning`` its
+    ``--output`` and ``--stall-warning``.
     """
-    handle = CellBackgroundRun(shell, run, prepared, options, callbacks)
+    handle = CellBackgroundRun(shell, run, prepared, callbacks, output, stall_warning)
     handle._display()
     handle._start()
     return handle

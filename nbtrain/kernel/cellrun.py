@@ -319,7 +319,7 @@ def _launch_and_follow(
             keep_metrics=keep_metrics, explain_failure=tracebacks.explain_failure, apply_result=apply_cell_result,
             state_at_failure=state_at_failure, kept_at_failure=kept_at_failure, kept_error=kept_error,
         )
-        handle = background.follow_cell(shell, run, prepared, options, callbacks)
+        handle = background.follow_cell(shell, run, prepared, callbacks, options.output, options.stall_warning)
         if held.received:  # the cell that starts it was interrupted: the run does not go on
             handle.stop("interrupted")
             raise _interrupted(prepared, run)
@@ -604,13 +604,10 @@ def _bring_back(
 
 def keep_metrics(record: CellRun, event: events.Metrics) -> None:
     """Keep the rows a rank logged in ``record`` (the last METRIC_ROWS per rank)."""
-    rows = record.metrics.setdefault(event.rank, collections.deque(maxlen=METRIC_ROWS))
-    rows.extend(event.rows)
+    record.metrics.setdefault(event.rank, collections.deque(maxlen=METRIC_ROWS)).extend(event.rows)
 
 
 def _strip_leading_blank_lines(cell: str) -> tuple[str, int]:
     lines = cell.splitlines(keepends=True)
-    count = 0
-    while count < len(lines) and not lines[count].strip():
-        count += 1
+    count = next((index for index, line in enumerate(lines) if line.strip()), len(lines))
     return "".join(lines[count:]), count

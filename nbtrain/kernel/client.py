@@ -159,6 +159,7 @@ class _StartMessage:
         # is read later, and a script (no IPython) has no %nbtrain_debug: they hold none.
         held = self.interactive and kernel_shell.get_shell() is not None
         self.debug_hold = defaults.get_defaults().debug_hold if held else None
+        self.standby_seconds = defaults.get_defaults().standby_idle or None
 
         self.cfg = cfg
         self.payload = payload
@@ -180,7 +181,7 @@ class _StartMessage:
             ranks=cfg.rank_specs(),
             start_method=cfg.strategy.start_method,
             backend=cfg.backend,
-            environ=_caller_environment(),
+            environ=processes.inherited_environment(os.environ),
             cwd=os.getcwd(),
             sys_path=tuple(sys.path),
             source_lines=_notebook_source_lines(self.known_sources),
@@ -191,19 +192,13 @@ class _StartMessage:
             log_path=self.log_path,
             debug_hold=self.debug_hold,
             interactive=self.interactive,
-            standby_seconds=_standby_seconds(),
+            standby_seconds=self.standby_seconds,
             on_stop=cfg.on_stop,
             stop_grace=cfg.stop_grace,
             logging_setup=self.logging_setup,
             torch_settings=torchsettings.changed_from_defaults(),
             rank_settings=cfg.rank,  # what prepare() and the cell on a rank read (nbtrain.rank.machinery.settings)
         )
-
-
-def _standby_seconds() -> float | None:
-    from nbtrain.kernel import defaults
-
-    return defaults.get_defaults().standby_idle or None
 
 
 def _submit(client: Engine, start_message: _StartMessage, tensor_fd: int | None) -> Run:
@@ -357,10 +352,6 @@ def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:
     from nbtrain.messages import sharedtensors
 
     return sharedtensors.dumps_to_shared_memory(payload)
-
-
-def _caller_environment() -> dict[str, str]:
-    return processes.inherited_environment(os.environ)
 
 
 def _notebook_source_lines(known: Collection[str] = ()) -> dict[str, tuple[str, ...]]:

@@ -172,18 +172,14 @@ class LauncherClient:
         with self._lock:
             if not graceful:  # a graceful stop wants rank 0's result at the stop step
                 self._stopping.add(run_id)
-            try:
+            with contextlib.suppress(OSError):  # a dead launcher's ranks die with it (PDEATHSIG)
                 wire.send(self.process.channel, events.StopRun(run_id, reason, graceful))
-            except OSError:
-                pass  # a dead launcher's ranks die with it (PDEATHSIG)
 
     def send_debug(self, message: Any) -> None:
         """A line for a rank's pdb, an attach to the held rank or its release: to the launcher."""
-        with self._lock:
-            try:
-                wire.send(self.process.channel, message)
-            except OSError:
-                pass  # the launcher is gone, its ranks with it; the waiting side hears of it
+        # A launcher gone is not an error here: its ranks went with it, and the waiting side hears of it.
+        with self._lock, contextlib.suppress(OSError):
+            wire.send(self.process.channel, message)
 
     def take_debug_messages(self) -> list[Any]:
         """What is waiting from an ended run's rank (a previous post-mortem's end, say)."""
@@ -319,11 +315,8 @@ class LauncherClient:
         if copied is not None and inbox is not None:  # copied only when wanted, so for an inbox
             inbox.put((copied, []))
         answer = events.ReleaseResult(offer.run_id, send_file=wanted and copied is None)
-        with self._lock:
-            try:
-                wire.send(self.process.channel, answer)
-            except OSError:
-                pass  # the launcher is gone; the run's inbox hears of it
+        with self._lock, contextlib.suppress(OSError):  # the launcher is gone; the run's inbox hears of it
+            wire.send(self.process.channel, answer)
 
     def _read_stderr(self, process: processes.LauncherProcess, stderr_read: threading.Event) -> None:
         stream = process.popen.stderr
@@ -431,10 +424,8 @@ def prewarm() -> None:
     imports what the first launch needs in this process (the pickler, the admission check,
     the displays: ~20 ms here), so the first run's ranks do not wait for those imports.
     """
-    try:
+    with contextlib.suppress(OSError):  # the first launch will report it
         get_client()
-    except OSError:
-        pass  # the first launch will report it
     _import_launch_modules()
 
 
@@ -463,10 +454,8 @@ def _forget_client_in_child() -> None:
     # launcher's socket open: the launcher would then outlive the kernel.
     global _client
     if _client is not None:
-        try:
+        with contextlib.suppress(OSError):
             os.close(_client.process.channel.detach())
-        except OSError:
-            pass
     _client = None
 
 

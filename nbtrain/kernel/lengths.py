@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import inspect
 import re
@@ -213,11 +214,8 @@ def expected_steps(obj: Any) -> int | None:
         total = getattr(obj, "total_steps", None)  # OneCycleLR
         if isinstance(total, int):
             return total
-        for function in getattr(obj, "lr_lambdas", ()) or ():  # LambdaLR, MultiplicativeLR
-            steps = _function_length(function)
-            if steps is not None:
-                return steps
-        return None
+        # LambdaLR, MultiplicativeLR: the first of its functions that holds a length
+        return _first_int(_function_length(function) for function in getattr(obj, "lr_lambdas", ()) or ())
     if type(obj).__module__.split(".")[0] == "tqdm":  # a progress bar: tqdm(total=...) or tqdm(range(n))
         total = getattr(obj, "total", None)
         return total if isinstance(total, int) else None
@@ -238,10 +236,8 @@ def _function_length(function: Any) -> int | None:
     values = []
     for name in _LENGTH_NAMES:
         if name in cells:
-            try:
+            with contextlib.suppress(ValueError):  # an empty cell
                 values.append(cells[name].cell_contents)
-            except ValueError:  # an empty cell
-                continue
     try:
         parameters = inspect.signature(function).parameters
     except (TypeError, ValueError):

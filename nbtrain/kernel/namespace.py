@@ -35,7 +35,7 @@ import pickle
 import symtable
 import sys
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,10 +180,8 @@ def _notebook_code(value: Any, user_ns: Mapping[str, Any]) -> list[types.CodeTyp
             seen.add(id(fn))
             codes.append(fn.__code__)
             for cell in fn.__closure__ or ():
-                try:
+                with contextlib.suppress(ValueError):  # an empty cell
                     add_any(cell.cell_contents)
-                except ValueError:  # an empty cell
-                    pass
 
     def add_class(cls: type) -> None:
         for klass in getattr(cls, "__mro__", ()):
@@ -219,19 +217,20 @@ def _code_globals(code: types.CodeType, ops: frozenset[str] = _GLOBAL_OPS) -> se
 
     ``ops`` narrows it down, e.g. to the names it writes (``_GLOBAL_WRITES``).
     """
-    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ops}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _code_globals(const, ops)
+    names = {ins.argval for inner in _nested_code(code) for ins in dis.get_instructions(inner) if ins.opname in ops}
     return {n for n in names if isinstance(n, str)}
 
 
 def _code_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
+    return {name for inner in _nested_code(code) for name in inner.co_names}
+
+
+def _nested_code(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and every code object nested in it (its functions, classes, comprehensions)."""
+    yield code
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _code_names(const)
-    return names
+            yield from _nested_code(const)
 
 
 def _syntax_names(tree: ast.AST) -> set[str]:
@@ -291,22 +290,17 @@ def explain_unpicklable(namespace: Mapping[str, Any], used_by: Mapping[str, str 
     A notebook function that fails only because it uses a failing variable is reported
     through that variable, so the message points at the object to change.
     """
-    failures: dict[str, str] = {}
-    for name in sorted(namespace):
-        reason = _pickle_failure(namespace[name])
-        if reason is not None:
-            failures[name] = reason
+    failures = {name: reason for name in sorted(namespace) if (reason := _pickle_failure(namespace[name]))}
     if not failures:
         return None
     culprits = [n for n in failures if not isinstance(namespace[n], (types.FunctionType, type))] or list(failures)
-    lines = []
-    for name in culprits:
-        value = namespace[name]
-        where = f", used by `{used_by[name]}`" if used_by.get(name) else ""
-        lines.append(
-            f"cannot send `{name}` (a {type_name(value)}{where}) to the ranks: {failures[name]}."
-        )
+    lines = [f"{_cannot_send(name, namespace[name], used_by)}: {failures[name]}." for name in culprits]
     return SerializationError(" ".join(lines) + " " + _UNTRAVELLING_HINT)
+
+
+def _cannot_send(name: str, value: Any, used_by: Mapping[str, str | None]) -> str:
+    where = f", used by `{used_by[name]}`" if used_by.get(name) else ""
+    return f"cannot send `{name}` (a {type_name(value)}{where}) to the ranks"
 
 
 def refuse_open_files(namespace: Mapping[str, Any], used_by: Mapping[str, str | None]) -> None:
@@ -323,9 +317,8 @@ def refuse_open_files(namespace: Mapping[str, Any], used_by: Mapping[str, str | 
     for name in sorted(namespace):
         value = namespace[name]
         if isinstance(value, io.IOBase) and not isinstance(value, (io.StringIO, io.BytesIO)):
-            where = f", used by `{used_by[name]}`" if used_by.get(name) else ""
             raise SerializationError(
-                f"cannot send `{name}` (a {type_name(value)}{where}) to the ranks: it is an open file, "
+                f"{_cannot_send(name, value, used_by)}: it is an open file, "
                 f"and a file handle belongs to one process. {_UNTRAVELLING_HINT}"
             )
 
@@ -454,14 +447,11 @@ def apply_result(
     for name, held in outcome.get("contents", {}).items():
         reach.refill(shipped[name], held)  # what it held, the kernel's own objects by reference
         report.updated.append(name)
-    for name, value in outcome.get("tensors", {}).items():
-        if not _copy_tensor(shipped[name], value):
-            _rebind(user_ns, shipped, places.get(name), name, value)
-        report.updated.append(name)
-    for name, value in outcome.get("changed", {}).items():
-        if not update_in_place(shipped[name], value):
-            _rebind(user_ns, shipped, places.get(name), name, value)
-        report.updated.append(name)
+    for kind, fits in (("tensors", _fill), ("changed", update_in_place)):  # in place, or rebound where it does not fit
+        for name, value in outcome.get(kind, {}).items():
+            if not fits(shipped[name], value):
+                _rebind(user_ns, shipped, places.get(name), name, value)
+            report.updated.append(name)
     for name, value in outcome.get("bound", {}).items():
         user_ns[name] = value
         if name not in report.updated:
@@ -634,11 +624,13 @@ def set_attribute(target: Any, key: str, value: Any) -> None:
     >>> set_attribute(box, "items", [1]); box.items is same
     True
     """
-    current = getattr(target, key, None)
-    if not _copy_into(current, value, check=True):
+    if not _fill(getattr(target, key, None), value):
         setattr(target, key, value)
-    else:
-        _copy_into(current, value, check=False)
+
+
+def _fill(current: Any, value: Any) -> bool:
+    """Copy ``value`` into ``current`` where it fits whole (:func:`_copy_into`); False (nothing copied) where not."""
+    return _copy_into(current, value, check=True) and _copy_into(current, value, check=False)
 
 
 def _copy_into(current: Any, value: Any, *, check: bool) -> bool:
@@ -656,17 +648,6 @@ def _copy_into(current: Any, value: Any, *, check: bool) -> bool:
     if isinstance(current, list) and isinstance(value, list) and len(current) == len(value):
         return all(_copy_into(c, v, check=check) for c, v in zip(current, value, strict=True))
     return current == value if type(current) is type(value) and isinstance(value, (int, float, str)) else False
-
-
-def _copy_tensor(target: Any, value: Any) -> bool:
-    """Copy ``value`` into the kernel's tensor ``target``; False where it does not fit."""
-    import torch
-
-    if isinstance(target, torch.Tensor) and target.shape == value.shape and target.dtype == value.dtype:
-        with torch.no_grad():
-            target.copy_(value)
-        return True
-    return False
 
 
 def _rebind(user_ns: dict[str, Any], shipped: Mapping[str, Any], held: Any, name: str, value: Any) -> None:

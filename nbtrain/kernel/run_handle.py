@@ -8,6 +8,7 @@ stop, or an unexplained end, quoting each rank's last lines).
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import queue
@@ -219,10 +220,7 @@ class Run:
             return
         if graceful and self._stop_asked is None:
             self._stop_asked = time.monotonic()
-        if graceful:
-            self.client.stop(self.run_id, reason, graceful=True)
-        else:
-            self.client.stop(self.run_id, reason)
+        self.client.stop(self.run_id, reason, graceful=graceful)
 
     def stop_deadline(self) -> float | None:
         """When waiting for a graceful stop has gone on too long (its grace, then the usual bound), or None."""
@@ -296,13 +294,11 @@ class Run:
 
         KeyboardInterrupt stops every rank, drops the result and is re-raised.
         """
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             for event in self.events():
                 if event is not None and on_event is not None:
                     on_event(event)
             return self.result()
-        except KeyboardInterrupt:
-            pass
         # events() stops the run when the interrupt lands in its own wait; one that lands in
         # on_event (printing a line, say) or in loading the result must stop it too, or the
         # ranks run on. Raised afresh, out here: the interrupted frames, with whatever part
@@ -346,16 +342,14 @@ class Run:
     def _load_result(self, ended: RunEnded) -> Any:
         fd = self._ended_fds[0] if self._ended_fds else None
         try:
-            if self._copied is not None:
-                from nbtrain.messages import sharedtensors
-
-                return sharedtensors.loads_mapped(self._copied.data, self._copied.mapping, map_location="cpu")
-            if fd is None:  # no tensor storages: plain pickle, and no torch import for it
+            if self._copied is None and fd is None:  # no tensor storages: plain pickle, and no torch import for it
                 import pickle
 
                 return pickle.loads(ended.result or b"")
             from nbtrain.messages import sharedtensors
 
+            if self._copied is not None:
+                return sharedtensors.loads_mapped(self._copied.data, self._copied.mapping, map_location="cpu")
             return sharedtensors.loads(ended.result or b"", fd, map_location="cpu")
         finally:
             self._close_ended_fds()
@@ -372,7 +366,7 @@ class Run:
         if self._ended is None or not self._ended.stacks:
             return ""
         parsed = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in self._ended.stacks]
-        return stacks.where_each_rank_was(parsed, cellnames.cell_namer(kernel_shell.get_shell()), _source_line)
+        return stacks.where_each_rank_was(parsed, cellnames.cell_namer(kernel_shell.get_shell()), linecache.getline)
 
     def _failure(self, ended: RunEnded) -> RunFailedError | LauncherError:
         failure = ended.failure
@@ -461,6 +455,3 @@ def _exit_words(exited: RankExited) -> str:
         return f"{who} {how} after finishing its work"
     return f"{who} {how}" + (" when nbtrain stopped it" if exited.stopped else " before finishing its work")
 
-
-def _source_line(filename: str, line: int) -> str:
-    return linecache.getline(filename, line)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from nbtrain.system import processes
@@ -74,11 +74,6 @@ def kernel_loop(shell: Any) -> Any:
     kernel = getattr(shell, "kernel", None)
     loop = getattr(kernel, "io_loop", None)
     return loop if loop is not None and hasattr(loop, "add_callback") else None
-
-
-def call_on_main_thread(loop: Any, callback: Callable[[], None]) -> None:
-    """Run ``callback`` on the kernel's main thread between two cells (``loop``: :func:`kernel_loop`)."""
-    loop.add_callback(callback)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ they hold GPU memory.
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from collections.abc import Iterable
@@ -76,13 +77,12 @@ def listed(changed: events.StandbyChanged | None) -> list[StandbyRanks]:
     """The standby ranks the launcher last reported, with their memory now ([] when none)."""
     if changed is None or not changed.ranks:
         return []
-    gpu_held: dict[int, int] = {}
+    gpu_held: collections.Counter[int] = collections.Counter()
     if changed.devices:
         from nbtrain.planning import probe
 
         for gpu in probe.gpu_usage():
-            for pid, used in gpu.process_bytes.items():
-                gpu_held[pid] = gpu_held.get(pid, 0) + used
+            gpu_held.update(gpu.process_bytes)
     ranks = tuple(
         StandbyRank(rank, pid, processes.resident_bytes(pid), gpu_held.get(pid) if changed.devices else None)
         for rank, pid in changed.ranks

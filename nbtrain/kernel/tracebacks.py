@@ -8,6 +8,7 @@ failure ends with what it means for the kernel's objects (:func:`explain_failure
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from typing import Any
@@ -91,11 +92,9 @@ def check_syntax(code: str, filename: str, shell: Any) -> None:
     """Raise :class:`CellSyntaxError` when ``code`` does not compile, at the cell's own line."""
     import traceback
 
-    try:
+    with contextlib.suppress(SyntaxError):
         _compiles(code)
         return
-    except SyntaxError:
-        pass
     try:
         compile(code, filename, "exec")  # again, for the message at the cell's own file and line
     except SyntaxError as error:

@@ -66,12 +66,7 @@ def forked_launcher() -> processes.LauncherProcess | None:
         # Held only to connect: once connected, our request is in the template's backlog,
         # which it looks at (under this lock) before it retires.
         with _locked(naming.lock_path(path)):
-            connection = _connect(path)
-            if connection is None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)  # a dead template's name (we hold the lock)
-                processes.start_template(path)
-                connection = _connect_when_listening(path)
+            connection = _reach(path)
         if connection is None:
             note_fallback(f"the template started for {path} did not listen there within {CONNECT_SECONDS:g} s")
             return None
@@ -138,23 +133,25 @@ def ensure_template() -> None:
         >>> ensure_template()
         >>> os.environ.clear(); os.environ.update(saved)  # as it was, whatever it held
     """
-    if not naming.enabled():
-        return
-    folder = naming.socket_directory()
+    folder, _ = _socket_folder()
     if folder is None:
         return
     path = naming.socket_path(folder, naming.identity())
     with contextlib.suppress(Exception), _locked(naming.lock_path(path)):
-        connection = _connect(path)
+        connection = _reach(path)  # a new one listening: no kernel takes its name for a dead one's
         if connection is not None:
             connection.close()
-            return
+
+
+def _reach(path: str) -> socket.socket | None:
+    """A connection to the template at ``path``, started first where none listens (the caller holds the lock)."""
+    connection = _connect(path)
+    if connection is None:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+            os.unlink(path)  # a dead template's name (we hold the lock)
         processes.start_template(path)
-        connection = _connect_when_listening(path)  # so no kernel takes its name for a dead one's
-        if connection is not None:
-            connection.close()
+        connection = _connect_when_listening(path)
+    return connection
 
 
 @contextlib.contextmanager

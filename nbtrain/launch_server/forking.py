@@ -7,6 +7,7 @@ it sends; everything about the child side of the fork is here too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -64,10 +65,8 @@ class RankEnds:
     def close_all(self) -> None:
         """Close both ends of each, tolerating those closed already."""
         for fd in (self.out_read, self.out_write, self.err_read, self.err_write, self.stack_read, self.stack_write):
-            try:
+            with contextlib.suppress(OSError):  # closed already (close_child_side ran)
                 os.close(fd)
-            except OSError:
-                pass  # closed already (close_child_side ran)
         self.launcher_end.close()
         self.rank_end.close()
 
@@ -117,9 +116,7 @@ def start_rank_process(
         raise
     pipes = {ends.out_read: "stdout", ends.err_read: "stderr"}
     output = RankOutput(assignment.spec.rank, log)
-    rank = RankProcess(assignment.spec, pid, pidfd, ends.launcher_end, pipes, output)
-    rank.stack_fd = ends.stack_read
-    return rank
+    return RankProcess(assignment.spec, pid, pidfd, ends.launcher_end, pipes, output, stack_fd=ends.stack_read)
 
 
 def _create(
@@ -196,10 +193,8 @@ def close_all_but(keep: set[int]) -> None:
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd not in keep:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def signal_groups(ranks: list[RankProcess], number: int) -> None:
@@ -230,19 +225,15 @@ def hand_run(rank: RankProcess, start: memoryview, fds: tuple[int, ...]) -> None
 
 def send_quietly(channel: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:
     """Send to a rank; one already gone is not an error (its pidfd reports its exit)."""
-    try:
+    with contextlib.suppress(OSError):  # the rank is already gone; its exit is handled by its pidfd
         wire.send(channel, message, fds)
-    except OSError:
-        pass  # the rank is already gone; its exit is handled by its pidfd
 
 
 def step_board(start: StartRun) -> stepboard.StepBoard | None:
     """The board a run's ranks count their optimizer steps on, for a stop at a step. A spawned
     rank starts from nothing: it cannot share it. On a cluster's node the kernel chooses the step
     over every node's board (nbtrain.cluster.crossnodestop)."""
-    if start.start_method == "fork":
-        return stepboard.StepBoard.create(len(start.ranks))
-    return None
+    return stepboard.StepBoard.create(len(start.ranks)) if start.start_method == "fork" else None
 
 
 class RunStore:

@@ -288,13 +288,8 @@ class RankOutput:
 
 def _grouped(lines: collections.deque[tuple[str, str]]) -> list[tuple[str, str]]:
     """Consecutive lines of one stream as one piece."""
-    out: list[tuple[str, str]] = []
-    for stream, line in lines:
-        if out and out[-1][0] == stream:
-            out[-1] = (stream, out[-1][1] + line)
-        else:
-            out.append((stream, line))
-    return out
+    runs = itertools.groupby(lines, lambda pair: pair[0])
+    return [(stream, "".join(line for _, line in run)) for stream, run in runs]
 
 
 def _size(chars: int) -> str:

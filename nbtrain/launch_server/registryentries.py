@@ -157,6 +157,12 @@ class Board:
         """The run's tracker, if its record is kept."""
         return self.trackers.get(run_id)
 
+    def update(self, run_id: int, **changes: Any) -> None:
+        """Change the run's record, if it is kept; written at the next tick."""
+        tracker = self.trackers.get(run_id)
+        if tracker is not None:
+            tracker.update(**changes)
+
     def stop_requested(self, run_id: int) -> bool:
         """Whether the run was asked to stop from outside the kernel (the server extension)."""
         tracker = self.trackers.get(run_id)

@@ -199,34 +199,28 @@ class Launcher:
         except OSError as error:
             _say(f"its channel to the kernel failed ({error}); stopping its runs")
             return False
+        run = self.runs.get(getattr(message, "run_id", -1))  # the run it is about, for those about one
         if isinstance(message, StartRun):
             self._start(message, fds[0] if fds else None)
-        elif isinstance(message, StopRun):
-            run = self.runs.get(message.run_id)
-            if run is not None:
-                self._on_stop_request(run, message.graceful)
-        elif isinstance(message, ReleaseResult):
-            run = self.runs.get(message.run_id)
-            if run is not None and run.state is RunPhase.OFFERING:
-                if message.send_file:
-                    rank_zero = next(rank for rank in run.ranks if rank.spec.rank == 0)
-                    send_quietly(rank_zero.channel, SendResultFile(run.run_id))
-                else:
-                    self._release(run)
+        elif isinstance(message, StopRun) and run is not None:
+            self._on_stop_request(run, message.graceful)
+        elif isinstance(message, ReleaseResult) and run is not None and run.state is RunPhase.OFFERING:
+            if message.send_file:
+                rank_zero = next(rank for rank in run.ranks if rank.spec.rank == 0)
+                send_quietly(rank_zero.channel, SendResultFile(run.run_id))
+            else:
+                self._release(run)
         elif isinstance(message, (DebugInput, AttachHeld, ReleaseHeld)):
             self.held_ranks.relay(message, self.runs)
         elif isinstance(message, ReleaseStandby):
             ended = self.standby.release(time.monotonic() + standby.RELEASE_SECONDS)
             self._send(events.StandbyChanged(released=tuple(sorted(ended))))
-        elif isinstance(message, events.StepChosen):  # a cluster's kernel chose the step over every node
-            run = self.runs.get(message.run_id)
-            stop = run.graceful if run is not None and run.state is RunPhase.STOPPING_AT_STEP else None
-            if run is not None and stop is not None and run.board and stop.adopt(run.board, message, time.monotonic()):
+        elif isinstance(message, events.StepChosen) and run is not None:  # a cluster's kernel chose the step
+            stop = run.graceful if run.state is RunPhase.STOPPING_AT_STEP else None
+            if stop is not None and run.board and stop.adopt(run.board, message, time.monotonic()):
                 self._announce_step(run, stop)
-        elif isinstance(message, ReleaseRanks):
-            run = self.runs.get(message.run_id)
-            if run is not None and run.state is RunPhase.WAITING_FOR_NODES:
-                self._release(run)
+        elif isinstance(message, ReleaseRanks) and run is not None and run.state is RunPhase.WAITING_FOR_NODES:
+            self._release(run)
         return True
 
     def _on_stop_request(self, run: LauncherRun, gracefully: bool) -> None:
@@ -260,9 +254,7 @@ class Launcher:
         run.board.request_stop()
         run.graceful = stopatstep.GracefulStop(state, time.monotonic(), across_nodes=run.on_cluster)
         run.move(RunPhase.STOPPING_AT_STEP)
-        entry = self.board.get(run.run_id)
-        if entry is not None:
-            entry.update(state="stopping")
+        self.board.update(run.run_id, state="stopping")
         return True
 
     def _note_steps(self, run: LauncherRun) -> None:
@@ -297,15 +289,12 @@ class Launcher:
     def _announce_step(self, run: LauncherRun, stop: stopatstep.GracefulStop) -> None:
         assert stop.step is not None
         self._send(StopStep(run.run_id, stop.step, stop.grace))
-        entry = self.board.get(run.run_id)
-        if entry is not None:  # the server extension signals the ranks itself after this
-            entry.update(stop_deadline=time.time() + stop.grace)
+        # the server extension signals the ranks itself after this
+        self.board.update(run.run_id, stop_deadline=time.time() + stop.grace)
 
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the kernel is gone; the next select sees EOF and shuts down
             wire.send(self.control, message, fds)
-        except OSError:
-            pass  # the kernel is gone; the next select sees EOF and shuts down
 
     # -- starting ranks ----------------------------------------------------------------
     def _start(self, start: StartRun, tensor_fd: int | None) -> None:
@@ -394,7 +383,7 @@ class Launcher:
 
     # -- events from ranks -------------------------------------------------------------
     def _on_rank_event(self, run: LauncherRun, rank: RankProcess) -> None:
-        if not self._registered(rank.channel) or not _readable_now(rank.channel):
+        if not standby.registered(self.selector, rank.channel) or not _readable_now(rank.channel):
             return  # already read (or closed) by _on_exit in this same round of select
         try:
             message, fds = wire.receive(rank.channel)
@@ -531,7 +520,7 @@ class Launcher:
         # What the rank sent just before exiting may still be unread: its channel and its
         # pidfd can be ready in the same select, in either order. Read it first, or a rank
         # that reported its exception and exited would count as one that died silently.
-        while self._registered(rank.channel) and _readable_now(rank.channel):
+        while standby.registered(self.selector, rank.channel) and _readable_now(rank.channel):
             self._on_rank_event(run, rank)
         # Rank 0 holding a result the kernel has not taken yet has not finished its part.
         reported = (rank.done and not (rank.spec.rank == 0 and run.state is RunPhase.OFFERING)) or rank.failed
@@ -563,9 +552,6 @@ class Launcher:
         """Every rank exited (or is held for a post-mortem): read what is left in its pipes, then finish."""
         if run.state in CAN_DRAIN and all(r.exited or r.held for r in run.ranks):
             run.move(RunPhase.DRAINING)
-
-    def _registered(self, fileobj: Any) -> bool:
-        return standby.registered(self.selector, fileobj)
 
     # -- stopping and finishing --------------------------------------------------------
     def _stopped_from_outside(self, run: LauncherRun) -> bool:
@@ -600,9 +586,7 @@ class Launcher:
 
     def _stop_now(self, run: LauncherRun) -> None:
         run.move(RunPhase.TERMINATING)
-        entry = self.board.get(run.run_id)
-        if entry is not None:
-            entry.update(state="stopping")
+        self.board.update(run.run_id, state="stopping")
         signal_groups([rank for rank in run.ranks if not rank.exited and not rank.held], signal.SIGTERM)
 
     def _tick(self, now: float) -> None:
@@ -671,18 +655,17 @@ class Launcher:
 
     def _finish(self, run: LauncherRun) -> None:
         for rank in run.ranks:
-            if rank.held and not rank.exited:
-                self._keep_held(run, rank)
-                continue
+            # What a held rank prints from now on (in pdb, its relay) is not the run's.
             for fd in list(rank.pipes):
                 self._close_pipe(rank, fd)
             self._send_output(run, rank, rank.output.finish())  # the note, and the last lines held back
-            try:
-                self.selector.unregister(rank.channel)
-            except (KeyError, ValueError):
-                pass
-            rank.channel.close()
             stackdumps.close_dump(self.selector, rank)
+            if rank.held and not rank.exited:
+                self.held_ranks.keep(run, rank)  # the root cause lives on, paused in its frames, until released
+                continue
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(rank.channel)
+            rank.channel.close()
             # Its pipes are drained, so every process that held them (workers too) is gone.
             processes.remove_torch_shared_memory({rank.pid, *rank.members})
         del self.runs[run.run_id]
@@ -695,9 +678,8 @@ class Launcher:
         state = run.outcome or events.FAILED
         run.move(RunPhase.ENDED)
         kept = kept_step(run)
-        entry = self.board.get(run.run_id)
-        if entry is not None and kept is not None:
-            entry.update(stopped_at=kept)
+        if kept is not None:
+            self.board.update(run.run_id, stopped_at=kept)
         self.board.end(run.run_id, state, run.held_text)
         if (state == events.FINISHED or kept is not None) and run.failure is None:
             fds = () if run.result_fd is None else (run.result_fd,)
@@ -707,11 +689,9 @@ class Launcher:
             failed = RunEnded(run.run_id, state, failure=run.failure, detail=run.detail, stacks=dumps)
             failed, state_fds = self._with_failed_state(run, failed) if state == events.FAILED else (failed, ())
             self._send(dataclasses.replace(failed, stop_note=run.stop_note), state_fds)
-        if run.result_fd is not None:
-            os.close(run.result_fd)
-        for _, state_fd in run.failed_states.values():
-            if state_fd is not None:
-                os.close(state_fd)
+        for kept_fd in (run.result_fd, *(state_fd for _, state_fd in run.failed_states.values())):
+            if kept_fd is not None:
+                os.close(kept_fd)
         # After a stop or a timeout the user wants things to stop: no new processes until a run
         # asks. While other runs go on, none either: forking would take CPU from them.
         if run.plan is not None and state in (events.FINISHED, events.FAILED) and not self.runs:
@@ -751,14 +731,6 @@ class Launcher:
                 run.deadline += now - run.paused_at
         self._send(message)
 
-    def _keep_held(self, run: LauncherRun, rank: RankProcess) -> None:
-        """The run ends; its root-cause rank lives on, paused in its frames, until released."""
-        for fd in list(rank.pipes):  # what it prints from now on (in pdb, its relay) is not the run's
-            self._close_pipe(rank, fd)
-        self._send_output(run, rank, rank.output.finish())
-        stackdumps.close_dump(self.selector, rank)
-        self.held_ranks.keep(run, rank)
-
     def _unhold(self, run: LauncherRun) -> None:
         """A hard death turned out to be the cause: the rank held for it is stopped as the rest."""
         for rank in run.ranks:
@@ -768,7 +740,7 @@ class Launcher:
                     signal_groups([rank], signal.SIGTERM)
 
     def _shutdown(self) -> None:
-        self.standby.shutdown(time.monotonic() + 2.0)
+        self.standby.release(time.monotonic() + 2.0)
         self.board.close()
         held = self.held_ranks.kill_all()
         for run in self.runs.values():

@@ -81,7 +81,6 @@ def laggards(run: LauncherRun) -> str:
     if run.graceful is None or run.board is None:
         return run.stop_note
     slots = {rank.spec.rank: index for index, rank in enumerate(run.ranks)}
-    frames = frames_of
-    waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.waits_on_peers(frames(r)))
-    backward = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.in_backward(frames(r)))
+    waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.waits_on_peers(frames_of(r)))
+    backward = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.in_backward(frames_of(r)))
     return stopatstep.laggards_note(run.graceful, run.board, run.late, slots, waiting, backward)

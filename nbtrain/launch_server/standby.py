@@ -24,6 +24,7 @@ forks fresh ranks and reports what failed). Every change is told to the kernel
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import select
@@ -154,8 +155,7 @@ class Pool:
         self.waiting = None
         for rank in waiting.ranks:
             self.selector.unregister(rank.pidfd)
-            if self._registered(rank.channel):
-                self.selector.unregister(rank.channel)
+            self._unregister(rank.channel)
         return waiting.ranks
 
     def on_message(self, generation: Generation, rank: Any) -> None:
@@ -163,15 +163,14 @@ class Pool:
         try:
             message, fds = wire.receive(rank.channel)
         except (wire.ChannelClosed, OSError):
-            if self._registered(rank.channel):
-                self.selector.unregister(rank.channel)  # its pidfd tells the rest
+            self._unregister(rank.channel)  # its pidfd tells the rest
             return
         for fd in fds:
             os.close(fd)
         if isinstance(message, StandbyReady) and generation is self.waiting:
             generation.ready.add(message.rank)
             if generation.all_ready:
-                self._changed()
+                self.changed()
 
     def on_exit(self, generation: Generation | None, rank: Any) -> None:
         """A standby rank ended: reap it; a waiting generation that loses one is replaced if it was ready."""
@@ -204,10 +203,9 @@ class Pool:
             processes.signal_group(rank.pid, signal.SIGKILL)
             self.selector.unregister(rank.pidfd)
             self.selector.register(rank.pidfd, selectors.EVENT_READ, ("standby-exit", None, rank))
-            if self._registered(rank.channel):
-                self.selector.unregister(rank.channel)
+            self._unregister(rank.channel)
             self.dying.append(rank)
-        self._changed()
+        self.changed()
 
     def release(self, deadline: float) -> list[int]:
         """End them now and reap them (bounded), so that once the caller hears back they are gone
@@ -221,26 +219,20 @@ class Pool:
             self._forget(rank)
         return ended
 
-    def shutdown(self, deadline: float) -> None:
-        """The launcher exits: end every standby rank by ``deadline``."""
-        self.release(deadline)
-
     def _fork(self, generation: Generation) -> None:
         try:
             generation.ranks = self.fork(generation.plan, generation)
         except OSError:
             return  # no standby this time: the next run forks its own ranks, and reports why not
         self.waiting = generation
-        self._changed()
+        self.changed()
 
     def _forget(self, rank: Any) -> None:
         """Close what the launcher holds of a reaped standby rank."""
         rank.exited = True
-        if self._registered(rank.pidfd):
-            self.selector.unregister(rank.pidfd)
+        self._unregister(rank.pidfd)
         _close(rank.pidfd)
-        if self._registered(rank.channel):
-            self.selector.unregister(rank.channel)
+        self._unregister(rank.channel)
         rank.channel.close()
         for fd in [*rank.pipes, *([rank.stack_fd] if rank.stack_fd is not None else [])]:
             _close(fd)
@@ -252,9 +244,6 @@ class Pool:
 
     def changed(self) -> None:
         """Tell the kernel (StandbyChanged) and the registry which standby ranks wait now."""
-        self._changed()
-
-    def _changed(self) -> None:
         generation = self.waiting
         self.show(generation)  # first: once the kernel hears of them, the registry is written
         if generation is None:
@@ -267,8 +256,10 @@ class Pool:
             )
             self.tell(StandbyChanged(ranks, plan_summary(generation.plan), devices, generation.all_ready))
 
-    def _registered(self, fileobj: Any) -> bool:
-        return registered(self.selector, fileobj)
+    def _unregister(self, fileobj: Any) -> None:
+        """Take ``fileobj`` off the selector, if it is on it (one closed already is not)."""
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(fileobj)
 
 
 def registered(selector: selectors.BaseSelector, fileobj: Any) -> bool:
@@ -289,7 +280,5 @@ def _alive(rank: Any) -> bool:
 
 
 def _close(fd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):  # closed already
         os.close(fd)
-    except OSError:
-        pass  # closed already

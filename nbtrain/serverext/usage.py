@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
 
@@ -48,23 +49,15 @@ class HostSampler:
 def snapshot(host: HostSampler) -> dict[str, Any]:
     """GPUs, host, and the memory of every live rank of every run in the registry."""
     gpus = probe.gpu_usage()
-    held: dict[int, int] = {}
+    held: collections.Counter[int] = collections.Counter()
     for gpu in gpus:
-        for pid, used in gpu.process_bytes.items():
-            held[pid] = held.get(pid, 0) + used
-    ranks = []
-    for run in runs.list_runs():
-        for rank, pid, _started in run["ranks"]:
-            if pid in run["live_pids"]:
-                ranks.append(
-                    {
-                        "run": run["id"],
-                        "rank": rank,
-                        "pid": pid,
-                        "rss": processes.resident_bytes(pid),
-                        "gpu_memory": held.get(pid),
-                    }
-                )
+        held.update(gpu.process_bytes)
+    ranks = [
+        {"run": run["id"], "rank": rank, "pid": pid, "rss": processes.resident_bytes(pid), "gpu_memory": held.get(pid)}
+        for run in runs.list_runs()
+        for rank, pid, _started in run["ranks"]
+        if pid in run["live_pids"]
+    ]
     return {
         "gpus": [
             {

@@ -22,6 +22,7 @@ from test_cluster import (
     _rest,
     _running,
     _world,
+    node_processes,
     rank_processes,
     start,
 )
@@ -137,7 +138,7 @@ def _footprint(client: Any) -> tuple[Any, ...]:
     """
     deadline = time.monotonic() + 10.0
     while True:
-        counts = tuple(len(pids) for pids in client.node_processes())
+        counts = tuple(len(pids) for pids in node_processes(client))
         # A lambda travels by value: the agents cannot import this test module.
         count = lambda _agent: len(
             __import__("ray")._private.worker.global_worker.core_worker.get_all_reference_counts()
@@ -163,7 +164,7 @@ def _object_store_bytes() -> tuple[int, ...]:
 def test_an_agent_killed_mid_run_loses_its_node_and_the_next_run_works(ray_cluster: Any) -> None:
     procs.finish(start(_world), RUN_SECONDS)
     client = engine._client
-    node_one = client.node_processes()[1]
+    node_one = node_processes(client)[1]
     seen: list[Any] = []
     run = start(_fault, "hang", -1)
     iterator = _running(seen, run)

@@ -43,6 +43,14 @@ def start(fn: Any, *args: Any, devices: int = 2, **options: Any) -> Any:
     return nbtrain.start(fn, args, devices=devices, cluster="ray", num_nodes=2, **options)
 
 
+def node_processes(client: engine.ClusterClient) -> list[list[int]]:
+    """Each node's nbtrain processes (agent, launcher, ranks), node 0 first."""
+    import ray
+
+    pids: list[list[int]] = ray.get([agent.processes.remote() for agent in client.agents], timeout=30)
+    return pids
+
+
 def rank_processes(seen: list[Any]) -> list[int]:
     return [e.pid for e in seen if isinstance(e, events.RankStarted)]
 
@@ -283,7 +291,7 @@ def test_a_timeout_stops_every_node(ray_cluster: Any) -> None:
 def test_a_node_whose_raylet_dies_is_lost_and_the_next_run_works(ray_cluster: Any) -> None:
     procs.finish(start(_world), RUN_SECONDS)
     client = engine._client
-    node_one = client.node_processes()[1]
+    node_one = node_processes(client)[1]
     seen: list[Any] = []
     run = start(_fault, "hang", -1)
     iterator = _running(seen, run)

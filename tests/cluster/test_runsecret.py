@@ -15,10 +15,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cluster import RUN_SECONDS, _assert_all_gone, _fault, _rest, _running, _world, rank_processes, start
+from test_cluster import (
+    RUN_SECONDS,
+    _assert_all_gone,
+    _fault,
+    _rest,
+    _running,
+    _world,
+    node_processes,
+    rank_processes,
+    start,
+)
 
 from helpers import listeners, procs
-from nbtrain.cluster import agent, engine, runsecret
+from nbtrain.cluster import engine, runsecret
 from nbtrain.errors import ClusterError
 from nbtrain.messages import events
 
@@ -77,11 +87,11 @@ def test_what_the_run_signed_comes_back_whole() -> None:
 
 
 # -- on the real cluster --------------------------------------------------------------------
-def _request(run_id: int) -> agent.NodeRun:
+def _request(run_id: int) -> events.StartRun:
     place = events.NodePlace(node_rank=1, num_nodes=2, local_world_size=2, master_addr="192.0.2.1", master_port=1)
-    return agent.NodeRun(
-        run_id=run_id, place=place, ranks=(), start_method="fork", backend="gloo", environ={}, cwd="/",
-        sys_path=(), source_lines={}, timeout=None, threads_per_rank=1,
+    return events.StartRun(
+        run_id=run_id, payload=b"", ranks=(), start_method="fork", backend="gloo", environ={}, cwd="/",
+        sys_path=(), source_lines={}, timeout=None, threads_per_rank=1, node=place,
     )
 
 
@@ -90,7 +100,7 @@ def test_a_payload_or_request_not_signed_with_the_runs_secret_starts_nothing_on_
 ) -> None:
     procs.finish(start(_world), RUN_SECONDS)  # warm agents
     client = engine._client
-    before = client.node_processes()
+    before = node_processes(client)
     node_one = client.agents[1]
     secret, marker = runsecret.new_secret(), tmp_path / "ran"
     evil = pickle.dumps(_Marker(str(marker)))
@@ -105,7 +115,7 @@ def test_a_payload_or_request_not_signed_with_the_runs_secret_starts_nothing_on_
         assert f"nbtrain refused the {what} of run 99 that reached node 1" in str(refused.value)
         assert "not unpickled" in str(refused.value)
     assert not marker.exists()
-    assert client.node_processes() == before, "a rank started from a refused begin"
+    assert node_processes(client) == before, "a rank started from a refused begin"
     assert procs.finish(start(_world), RUN_SECONDS)[1] == 4  # the agent still runs the next run
 
 
@@ -149,7 +159,7 @@ def test_every_listener_of_a_runs_processes_is_on_its_nodes_cluster_address(ray_
     iterator = _running(seen, run)
     client = engine._client
     found = []
-    for info, (_agent_pid, *pids) in zip(client.infos, client.node_processes(), strict=True):
+    for info, (_agent_pid, *pids) in zip(client.infos, node_processes(client), strict=True):
         # The agent is a Ray worker: its ports are Ray's. Its launcher and the ranks are nbtrain's.
         for pid in pids:
             found += [(info.address, listener) for listener in listeners.listeners_of(pid)]

@@ -35,35 +35,21 @@ Example (in a notebook cell):
 from __future__ import annotations
 
 from nbtrain.kernel.display.cellout import print_line, print_warning, write_text
-from nbtrain.kernel.display.chart import ChartFigure, render_charts_png
-from nbtrain.kernel.display.form import LauncherForm, Machine, show_launcher_form
-from nbtrain.kernel.display.live import FASTEST_FRAME_SECONDS, LiveView, NotedLiveView, watch
+from nbtrain.kernel.display.form import LauncherForm, show_launcher_form
+from nbtrain.kernel.display.live import LiveView, NotedLiveView, watch
 from nbtrain.kernel.display.rankout import OutputPrinter, waiting_text
-from nbtrain.kernel.display.show import (
-    enable_colab_widgets,
-    frontend_is_rich,
-    show_text,
-    show_widget,
-    stop_button,
-    update_text,
-)
+from nbtrain.kernel.display.show import frontend_is_rich, show_text, stop_button, update_text
 
 __all__ = [
-    "FASTEST_FRAME_SECONDS",
-    "ChartFigure",
     "LauncherForm",
     "LiveView",
-    "Machine",
     "NotedLiveView",
     "OutputPrinter",
-    "enable_colab_widgets",
     "frontend_is_rich",
     "print_line",
     "print_warning",
-    "render_charts_png",
     "show_launcher_form",
     "show_text",
-    "show_widget",
     "stop_button",
     "update_text",
     "waiting_text",

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import io
 import threading
 from typing import Any
@@ -40,11 +41,6 @@ SPARE_FIGURES = 2
 
 _spare: list[ChartFigure] = []
 _spare_lock = threading.Lock()  # a background run's view draws on another thread
-
-
-def render_charts_png(state: runstate.RunState) -> bytes:
-    """One PNG of every chart of ``state`` (see :class:`ChartFigure`)."""
-    return ChartFigure(state).draw(state)
 
 
 def figure_for(state: runstate.RunState) -> ChartFigure:
@@ -130,6 +126,8 @@ class ChartFigure:
 
     def _draw_key(self) -> None:
         """One row above the charts naming the ranks' colours, the mean's line and GPU reserved's."""
+        from matplotlib.lines import Line2D
+
         ranks = sorted({rank for panel in self.layout for rank in panel.ranks})
         entries: list[tuple[str, str, dict[str, Any]]] = []
         if len(ranks) > len(chartlayout.RANK_COLOURS):
@@ -145,9 +143,8 @@ class ChartFigure:
         x_px = float(chartlayout.MARGIN_CSS["left"])
         for text, colour, style in entries:
             line_style = {"linewidth": 1.6, **style}
-            self.figure.add_artist(
-                _line([x_px / width, (x_px + 18) / width], [y, y], self.figure.transFigure, colour, line_style)
-            )
+            xs = [x_px / width, (x_px + 18) / width]
+            self.figure.add_artist(Line2D(xs, [y, y], transform=self.figure.transFigure, color=colour, **line_style))
             label = self.figure.text(
                 (x_px + 22) / width,
                 y,
@@ -168,50 +165,6 @@ class ChartFigure:
         if not self._labels_placed:
             self._labels_placed = all(panel.place_x_label() for panel in self.panels)
         return buffer.getvalue()
-
-    def text_boxes(self) -> list[tuple[str, Any]]:
-        """(text, bounding box in PNG pixels) of every label the last ``draw`` showed.
-
-        Tick labels count only for ticks inside the axis' view (matplotlib keeps labels of
-        ticks outside it, undrawn). For layout checks: nothing overlaps, nothing is cut off.
-        """
-        renderer = self.canvas.get_renderer()
-        tick_labels: set[int] = set()
-        shown = []
-        for panel in self.panels:
-            for axis in (panel.ax.xaxis, panel.ax.yaxis):
-                low, high = sorted(axis.get_view_interval())
-                slack = (high - low) * 1e-9 if axis.get_scale() == "linear" else 0.0
-                for tick in axis.get_major_ticks() + axis.get_minor_ticks():
-                    tick_labels.update((id(tick.label1), id(tick.label2)))
-                for loc, label in zip(axis.get_majorticklocs(), axis.get_majorticklabels(), strict=False):
-                    if low - slack <= loc <= high + slack or _log_close(axis, loc, low, high):
-                        shown.append(label)
-        shown += [t for t in self.figure.findobj(_is_visible_text) if id(t) not in tick_labels]
-        return [(t.get_text(), t.get_window_extent(renderer)) for t in shown if _is_visible_text(t)]
-
-
-def _is_visible_text(artist: Any) -> bool:
-    from matplotlib.text import Text
-
-    if not isinstance(artist, Text) or not artist.get_visible() or not artist.get_text().strip():
-        return False
-    axes = artist.axes
-    return axes is None or axes.get_visible()
-
-
-def _log_close(axis: Any, loc: float, low: float, high: float) -> bool:
-    import math
-
-    if axis.get_scale() != "log" or loc <= 0 or low <= 0:
-        return False
-    return math.log10(low) - 1e-9 <= math.log10(loc) <= math.log10(high) + 1e-9
-
-
-def _line(xs: list[float], ys: list[float], transform: Any, colour: str, style: dict[str, Any]) -> Any:
-    from matplotlib.lines import Line2D
-
-    return Line2D(xs, ys, transform=transform, color=colour, **style)
 
 
 def _text_css_width(text: Any) -> float:
@@ -432,6 +385,7 @@ class _ThroughputPanel(_TimePanel):
 _PANEL_KINDS = {"metric": _MetricPanel, "memory": _MemoryPanel, "throughput": _ThroughputPanel}
 
 
+@functools.cache
 def _compact_formatter_class() -> type:
     from matplotlib.ticker import Formatter
 
@@ -452,11 +406,5 @@ def _compact_formatter_class() -> type:
     return CompactFormatter
 
 
-_formatter_class: type | None = None
-
-
 def _CompactFormatter() -> Any:
-    global _formatter_class
-    if _formatter_class is None:
-        _formatter_class = _compact_formatter_class()
-    return _formatter_class()
+    return _compact_formatter_class()()

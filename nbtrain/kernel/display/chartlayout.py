@@ -122,11 +122,9 @@ def compact_number(value: float, digits: int = 3) -> str:
     if value == 0 or not math.isfinite(value):
         return "0" if value == 0 else str(value)
     magnitude = abs(value)
-    for limit, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e4, "k")):
+    for limit, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if magnitude >= limit:
-            return _trimmed(f"{value / (limit if suffix != 'k' else 1e3):.{digits}g}") + suffix
-    if magnitude >= 1000:
-        return _trimmed(f"{value / 1e3:.{digits}g}") + "k"
+            return _trimmed(f"{value / limit:.{digits}g}") + suffix
     if magnitude >= 1e-3:  # fixed point with ``digits`` significant digits: 300, not 3e+02
         decimals = max(0, digits - 1 - math.floor(math.log10(magnitude)))
         return _trimmed(f"{value:.{decimals}f}")
@@ -189,10 +187,7 @@ def spread_labels(positions: list[float], gap: float, low: float, high: float) -
         result[-1] = high
         for index in range(len(result) - 2, -1, -1):
             result[index] = min(result[index], result[index + 1] - gap)
-    out = [0.0] * len(positions)
-    for index, position in zip(order, result, strict=True):
-        out[index] = position
-    return out
+    return [position for _, position in sorted(zip(order, result, strict=True))]
 
 
 def wants_log_scale(values: list[float]) -> bool:
@@ -205,11 +200,6 @@ def wants_log_scale(values: list[float]) -> bool:
     >>> wants_log_scale([1.0, -1.0]), wants_log_scale([])
     (False, False)
     """
-    if len(values) < 2 or values[0] <= values[-1]:
+    if len(values) < 2 or values[0] <= values[-1] or min(values) <= 0:
         return False
-    low, high = math.inf, -math.inf
-    for value in values:
-        if value <= 0:
-            return False
-        low, high = min(low, value), max(high, value)
-    return high > low * 100
+    return max(values) > min(values) * 100

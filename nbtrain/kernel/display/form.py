@@ -229,7 +229,7 @@ class LauncherForm:
     def show(self) -> LauncherForm:
         """Display the form in the current cell."""
         enable_colab_widgets()
-        show_widget(self.form, self.summary())
+        show_widget(self.form, summary_line(self.settings))
         self._shown_in = kernel_shell.execution_count()
         return self
 
@@ -238,10 +238,6 @@ class LauncherForm:
         if self._shown_in is not None and self._shown_in == kernel_shell.execution_count():
             return
         self.show()
-
-    def summary(self) -> str:
-        """One line saying what the form set, for a saved notebook that cannot show the form."""
-        return summary_line(self.settings)
 
     def __repr__(self) -> str:
         return f"<nbtrain launcher: {self.settings.magic_line()}>"

@@ -154,11 +154,9 @@ class LiveView:
         now = time.monotonic()
         since_last = now - self._last_frame_at
         changed = self.state.version != self._shown_version
-        if not force:
-            if since_last < FASTEST_FRAME_SECONDS:
-                return False
-            if not changed and (self.state.ended or since_last < SLOWEST_FRAME_SECONDS):
-                return False
+        idle = not changed and (self.state.ended or since_last < SLOWEST_FRAME_SECONDS)
+        if not force and (since_last < FASTEST_FRAME_SECONDS or idle):
+            return False
         self._last_frame_at = now
         self._shown_version = self.state.version
         if self.rich:

@@ -149,32 +149,21 @@ def memory_line(state: RunState) -> str | None:
 
 def summary_text(state: RunState, now: float, max_metrics: int = MAX_METRIC_CHARTS) -> str:
     """The compact multi-line status: what a plain frontend shows (the text/plain part)."""
-    lines = [status_line(state, now), progress_text(state)]
-    if state.failure:
-        lines.append(state.failure)
-    stall = state.stall(now)
-    if stall:
-        lines.append(stall)
-    for name in state.chart_metric_names(max_metrics):
-        lines.append(metric_line(state.metrics[name]))
-    memory = memory_line(state)
-    if memory:
-        lines.append(memory)
-    return "\n".join(lines)
+    lines = [status_line(state, now), progress_text(state), state.failure, state.stall(now)]
+    lines += [metric_line(state.metrics[name]) for name in state.chart_metric_names(max_metrics)]
+    lines.append(memory_line(state))
+    return "\n".join(line for line in lines if line)  # no failure, stall or memory yet: no line for it
 
 
 def one_line_progress(state: RunState, now: float) -> str:
     """A single line for a terminal: state, time, step, rate and the first metric's mean."""
-    parts = [f"[nbtrain] {state.state_text}", format_duration(state.elapsed(now)), progress_text(state)]
-    stall = state.stall(now)
-    if stall:
-        parts.append(stall)
-    if state.steps_per_second is not None:
-        parts.append(format_rate(state.steps_per_second, "steps/s"))
+    rate = state.steps_per_second
+    parts: list[str | None] = [f"[nbtrain] {state.state_text}", format_duration(state.elapsed(now))]
+    parts += [progress_text(state), state.stall(now), None if rate is None else format_rate(rate, "steps/s")]
     names = state.chart_metric_names(1)
     if names:
         history = state.metrics[names[0]]
         shown = history.mean.last_value if len(history.ranks) > 1 else next(iter(history.ranks.values())).last_value
         where = f" (mean of {len(history.ranks)} ranks)" if len(history.ranks) > 1 else ""
         parts.append(f"{names[0]} {format_value(shown)}{where}")
-    return " · ".join(parts)
+    return " · ".join(part for part in parts if part)  # no stall, no rate yet: not said

@@ -38,10 +38,7 @@ def show_text(text: str, updatable: bool = False) -> Any:
     """Show ``text`` as the cell's display data; with ``updatable``, its handle for :func:`update_text`."""
     from IPython.display import display
 
-    if updatable:
-        return display({"text/plain": text}, raw=True, display_id=True)
-    display({"text/plain": text}, raw=True)
-    return None
+    return display({"text/plain": text}, raw=True, display_id=updatable or None)
 
 
 def update_text(shown: Any, text: str) -> None:
