@@ -191,3 +191,32 @@ def test_a_gradient_one_rank_has_is_averaged_on_both_and_one_no_rank_has_stays_n
     )
     assert kernel.value("[agree, unused_kept, local_b is None]") == [True, True, True], out.stdout  # rank 0's
     assert kernel.value("abs(b_grad - rank1_b / 2) < 1e-6")
+
+
+ACCUMULATING = """torch.set_num_threads(1)
+torch.manual_seed(3)
+acc_net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+acc_opt = torch.optim.SGD(acc_net.parameters(), lr=0.05, momentum=0.9)
+for i, (x, y) in enumerate(DataLoader(TensorDataset(X, Y), batch_size={batch})):
+    (loss_fn(acc_net(x), y) / 2).backward()  # two micro-batches a step
+    if i % 2 == 1:
+        acc_opt.step(); acc_opt.zero_grad()
+    if i == {at}:
+        raise RuntimeError("the cell fails between a backward and its step")
+"""
+
+
+@pytest.mark.parametrize("at", [2, 4])
+def test_a_cell_raising_between_a_backward_and_its_step_brings_back_the_whole_batchs_gradients(kernel, at):
+    """Under gradient accumulation a kept model's gradients are averaged as each backward ends, as DDP's
+    are: a cell raising after a micro-batch's backward leaves the kernel's model holding the gradients of
+    the two ranks' batches together, as one process holds them on that union batch (not rank 0's own)."""
+    failed = kernel.run(ACCUMULATING.format(batch=32, at=at))
+    assert failed.error is not None and failed.error["evalue"] == "the cell fails between a backward and its step"
+    kernel.run_ok("one_process = [p.grad.clone() for p in acc_net.parameters()]")
+    out = kernel.run("%%distributed --devices 2 --accelerator cpu\n" + ACCUMULATING.format(batch=16, at=at))
+    assert out.error is not None and out.error["ename"] == "RankError", out.text
+    assert "The kernel holds rank 0's state at the failing line" in "\n".join(out.error["traceback"])
+    gap = "max(float((p.grad - q).abs().max()) for p, q in zip(acc_net.parameters(), one_process))"
+    assert kernel.value(gap) < 1e-6, out.text
+    assert kernel.value("float(one_process[0].abs().max())") > 1e-3  # gradients there to compare

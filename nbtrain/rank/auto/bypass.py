@@ -10,13 +10,18 @@ all-reduce saying which parameters have a gradient on any rank (and which a spar
 then one of the dense gradients (flat, per device and dtype) and one per sparse gradient
 (an ``Embedding(sparse=True)``'s, as DDP reduces them); a model with no sparse gradient needs
 only the dense all-reduce, which carries which gradients exist too. The summary says so, once.
+From then on such a model's gradients are averaged as each backward ends, as DDP's own
+backward would (:mod:`~nbtrain.rank.auto.backwardend`; under gradient accumulation too, so a
+cell raising between a backward and its step holds the whole batch's gradients), and the step
+adds nothing; gradients no backward wrote are averaged before the step.
 Gradients are averaged before anything of the cell's reads them: where clipping
 (``clip_grad_norm_``, ``clip_grad_value_``) or a GradScaler's ``unscale_`` comes before the
 step (:func:`average_before_read`), there, and the step adds nothing; one process clips the
 whole batch's gradients, not a rank's share. (Code reading ``.grad`` itself is not watched:
 every read of every gradient, torch's own included, would pay for it.) A model auto mode left
 unwrapped because nothing in it was trainable (a frozen backbone) is averaged the same way
-once the cell unfreezes it (:func:`average_when_unfrozen`).
+once the cell unfreezes it (:func:`average_when_unfrozen`), as each backward ends from its first
+average on.
 
 A forward with gradients enabled counts (under ``no_sync`` too: DDP's own rule then holds).
 Importing this module does not import torch.
@@ -24,12 +29,14 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
+import weakref
 from typing import Any
 
 from nbtrain.rank import api
-from nbtrain.rank.auto import ledger, stephooks
+from nbtrain.rank.auto import backwardend, ledger, stephooks
 
 _state = {"depth": 0}  # an optimizer's step inside another's (ZeroRedundancyOptimizer's) is left alone
 
@@ -39,7 +46,9 @@ def average_when_bypassed(ddp: Any) -> None:
     object.__setattr__(ddp, "_nbtrain_forwards", 0)
     object.__setattr__(ddp, "_nbtrain_forwards_at_step", {})  # id(optimizer) -> forwards at its last step
     object.__setattr__(ddp, "_nbtrain_forwards_at_any_step", 0)  # forwards at the last step of any optimizer
-    object.__setattr__(ddp, "_nbtrain_early", False)  # averaged since that step, as clipping or unscaling read them
+    object.__setattr__(ddp, "_nbtrain_early", False)  # averaged since a backward wrote them (as it ended, or read)
+    at_end = backwardend.owner(functools.partial(_ddp_at_backward_end, weakref.ref(ddp)))
+    object.__setattr__(ddp, "_nbtrain_at_end", at_end)  # watches its parameters once it is found bypassed
     ledger.cell_registry().ddp_models.append(ddp)
     stephooks.for_prepared_models()  # average_bypassed before each step
 
@@ -66,6 +75,15 @@ def average_bypassed(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if not early:  # clipping or unscaling averaged them already: this step adds nothing
             _average(ddp)
         _say_bypassed(ddp, registry)
+
+
+def _ddp_at_backward_end(reference: weakref.ref[Any]) -> None:
+    """A backward wrote into a bypassed wrapper's gradients: average them as it ends, unless its forward
+    ran since the last step (DDP averaged them)."""
+    ddp = reference()
+    if ddp is not None and ddp.__dict__["_nbtrain_forwards"] == ddp.__dict__["_nbtrain_forwards_at_any_step"]:
+        _average(ddp)
+        ddp.__dict__["_nbtrain_early"] = True
 
 
 def average_before_read(params: list[Any] | None = None, optimizer: Any = None) -> None:
@@ -105,8 +123,9 @@ def average_when_unfrozen(module: Any) -> None:
 
     A fine-tuning cell that unfreezes a backbone part-way trains it as one process does: its
     parameters that require grad then get their gradients averaged before each step of an
-    optimizer holding them (and before clipping or unscaling reads them), one all-reduce;
-    while all of it is frozen, a step costs one read of each parameter's ``requires_grad``.
+    optimizer holding them (and before clipping or unscaling reads them), one all-reduce, and
+    from then on as each backward writing them ends; while all of it is frozen, a step costs
+    one read of each parameter's ``requires_grad``.
     """
     ledger.cell_registry().frozen_models.append(module)
     stephooks.for_prepared_models()
@@ -134,18 +153,38 @@ def _frozen_of(optimizer: Any, registry: Any, params: list[Any] | None = None) -
 
 def _average_unfrozen(modules: list[list[Any]], early_ones: set[int] | None) -> None:
     """Average the gradients of the parameters of ``modules`` that require grad now (none: nothing, no
-    collective). At a step (``early_ones``: those averaged since, as clipping read them), those
-    averaged early are not averaged again; before a read, they are marked so."""
+    collective), unless they are averaged already (as a backward ended, or a read). At a step
+    (``early_ones``: those averaged since) the marks are cleared; before a read, they are set."""
     for params in modules:
         trainable = list(itertools.compress(params, map(_requires_grad, params)))
         if not trainable:
             continue
+        if id(trainable[0]) in _early_frozen:
+            if early_ones is not None:
+                early_ones.difference_update(id(p) for p in trainable)
+            continue
         if early_ones is None:
             _early_frozen.update(id(p) for p in trainable)
-        elif id(trainable[0]) in early_ones:
-            early_ones.difference_update(id(p) for p in trainable)
-            continue
         average_gradients(trainable)
+        _watch_unfrozen(params, trainable)
+
+
+_unfrozen_owners: weakref.WeakKeyDictionary[Any, backwardend.Owner] = weakref.WeakKeyDictionary()  # by first param
+
+
+def _watch_unfrozen(params: list[Any], trainable: list[Any]) -> None:
+    """Average an unfrozen module's gradients as each backward writing them ends, from now on."""
+    at_end = _unfrozen_owners.get(params[0])
+    if at_end is None:
+        at_end = _unfrozen_owners[params[0]] = backwardend.owner(functools.partial(_unfrozen_at_backward_end, params))
+    backwardend.watch(trainable, at_end, ledger.cell_registry().patches)
+
+
+def _unfrozen_at_backward_end(params: list[Any]) -> None:
+    trainable = list(itertools.compress(params, map(_requires_grad, params)))
+    if trainable:
+        average_gradients(trainable)
+        _early_frozen.update(id(p) for p in trainable)
 
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -188,6 +227,7 @@ def _average(ddp: Any) -> None:
     """Average the gradients of ``ddp``'s trainable parameters over its process group, as DDP would."""
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     average_gradients(params, ddp.process_group, sparse_parameters([ddp.module]))
+    backwardend.watch(params, ddp.__dict__["_nbtrain_at_end"], ledger.cell_registry().patches)  # from now on
 
 
 def sparse_parameters(modules: list[Any]) -> frozenset[int]:

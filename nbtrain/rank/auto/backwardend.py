@@ -1,0 +1,96 @@
+"""Gradients averaged as each backward ends, as DDP averages them, for the models nbtrain averages itself.
+
+DDP averages a model's gradients in the backward of its own forward: between a backward and
+the optimizer's step every rank holds the whole batch's. A model nbtrain averages itself (one
+the cell made and keeps one over the ranks, :mod:`~nbtrain.rank.auto.keptmodels`; a DDP model
+whose forward the loop bypassed, or one auto mode left unwrapped frozen that the cell unfroze,
+:mod:`~nbtrain.rank.auto.bypass`) is averaged here, at the end of each backward that wrote into
+its gradients: under gradient accumulation each micro-batch's backward too, so a cell that
+raises between a backward and its step leaves the union batch's gradients, as one process
+holds them. Averaging is linear (each backward's average summed is the sum's average), and
+the step then finds nothing left to average: one all-reduce per step without accumulation,
+as before, one per backward with it, as DDP without ``no_sync``.
+
+Each watched parameter has a post-accumulate-grad hook: it fires where autograd writes a
+``.grad`` (``loss.backward()``, ``scaler.scale(loss).backward()``, ``torch.autograd.backward``,
+twice with ``retain_graph``), not for ``torch.autograd.grad`` nor a forward under ``no_grad``.
+The first in a backward queues one callback at the backward's end (autograd's final callback,
+as DDP's reducer queues its own); it averages each owner that backward touched, once, in the
+order they were watched: the same order on every rank, each average being a collective.
+
+Importing this module does not import torch.
+
+Example (a backward writing into a watched parameter's gradient calls its owner once, at its end):
+    >>> import torch
+    >>> from contextlib import ExitStack
+    >>> w, seen = torch.nn.Parameter(torch.ones(2)), []
+    >>> with ExitStack() as stack:
+    ...     watch([w], owner(lambda: seen.append(w.grad.tolist())), stack)
+    ...     (w * 3).sum().backward()
+    ...     grads = torch.autograd.grad((w * 2).sum(), [w])  # no .grad written: nothing
+    >>> seen
+    [[3.0, 3.0]]
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbtrain.rank.auto import ledger
+
+
+@dataclass(frozen=True, eq=False)
+class Owner:
+    """What averages some watched parameters' gradients (``average``), and when it was made (``order``:
+    owners touched by one backward are averaged in it)."""
+
+    order: int
+    average: Callable[[], None]
+    watched: set[int] = field(default_factory=set)  # ids of the parameters already hooked
+
+
+_orders = itertools.count()
+_touched: dict[int, Owner] = {}  # order -> owner: touched by the running backward
+_queued: dict[str, int | None] = {"task": None}  # the backward whose end is queued
+
+
+def owner(average: Callable[[], None]) -> Owner:
+    """An owner calling ``average()`` at the end of each backward touching a parameter it watches."""
+    return Owner(next(_orders), average)
+
+
+def watch(params: Iterable[Any], by: Owner, stack: ExitStack) -> None:
+    """Have ``by`` average at the end of each backward writing into a gradient of ``params`` (those that
+    require grad now; calling again adds those that came to, a backbone unfrozen). Closing ``stack``
+    stops it."""
+    for param in params:
+        if param.requires_grad and id(param) not in by.watched:
+            by.watched.add(id(param))
+            handle = param.register_post_accumulate_grad_hook(functools.partial(_touch, by))
+            stack.callback(handle.remove)
+            stack.callback(by.watched.discard, id(param))
+
+
+def _touch(by: Owner, _param: Any) -> None:
+    """A watched parameter's gradient was written: its owner averages as this backward ends."""
+    _touched[by.order] = by
+    torch = ledger.torch_module()
+    task = torch._C._current_graph_task_id()
+    if _queued["task"] != task:
+        _queued["task"] = task
+        torch.autograd.Variable._execution_engine.queue_callback(_at_end)
+
+
+def _at_end() -> None:
+    """The backward ended: each owner it touched averages, in the order they were made."""
+    _queued["task"] = None
+    owners = [_touched[order] for order in sorted(_touched)]
+    _touched.clear()
+    with ledger.torch_module().no_grad():
+        for by in owners:
+            by.average()
