@@ -2,14 +2,15 @@
 
 Several parts of a rank act at an optimizer's step: a model the cell made is kept one over
 the ranks, a DDP model whose forward the step bypassed gets its gradients averaged, 16-mixed
-unscales, a graceful stop ends the cell. (Once a model is kept, or found bypassed, its
-gradients are averaged as each backward ends, :mod:`~nbtrain.rank.auto.backwardend`, as DDP's
-are: its steps below find them averaged and add nothing, unless no backward wrote them.) Each is a named step in :data:`BEFORE` (before
+unscales, a graceful stop ends the cell. Each is a named step in :data:`BEFORE` (before
 ``optimizer.step()`` runs) or :data:`AFTER` (after it), called in that order by the one
 global pre-hook and the one post-hook :func:`for_the_cell` registers for a cell; the hooks are
 removed as the cell ends. A step that has nothing to do for the cell returns at once. A
 function run (``nbtrain.start``) has them from the first model ``prepare`` wraps
-(:func:`for_prepared_models`), without the stop check, for the rest of the run.
+(:func:`for_prepared_models`), without the stop check, for the rest of the run. Once a model
+is kept, or found bypassed, its gradients are averaged as each backward ends
+(:mod:`~nbtrain.rank.auto.backwardend`), as DDP's are: its steps below then find them averaged
+and add nothing (they average what no backward wrote).
 
 The order, and why (docs/architecture.md shows it):
 
