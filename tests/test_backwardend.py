@@ -25,7 +25,7 @@ def _watched(stack: ExitStack, calls: list[str], *names: str) -> list[torch.nn.P
     params = []
     for name in names:
         param = torch.nn.Parameter(torch.ones(3))
-        backwardend.watch([param], backwardend.owner(lambda name=name: calls.append(name)), stack)
+        backwardend.watch([param], backwardend.owner(lambda name=name: calls.append(name), stack))
         params.append(param)
     return params
 
@@ -63,15 +63,23 @@ def test_a_backward_that_writes_no_gradient_averages_nothing():
 def test_a_parameter_is_watched_once_it_requires_grad_and_once_only():
     calls: list[str] = []
     frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
-    by = backwardend.owner(lambda: calls.append("unfrozen"))
     with ExitStack() as stack:
-        backwardend.watch([frozen], by, stack)  # nothing to hook while it is frozen
+        by = backwardend.owner(lambda: calls.append("unfrozen"), stack)
+        backwardend.watch([frozen], by)  # nothing to hook while it is frozen
         frozen.requires_grad_(True)
-        backwardend.watch([frozen], by, stack)
-        backwardend.watch([frozen], by, stack)  # watched already: one hook
+        backwardend.watch([frozen], by)
+        backwardend.watch([frozen], by)  # watched already: one hook
         (frozen * 2).sum().backward()
         assert calls == ["unfrozen"]
-    assert by.watched == set()  # a later cell watches it afresh
+        backwardend.unwatch(by)  # its model found averaged otherwise (DDP's forward ran)
+        (frozen * 2).sum().backward()
+        assert calls == ["unfrozen"]
+        backwardend.watch([frozen], by)  # watched again
+        (frozen * 2).sum().backward()
+        assert calls == ["unfrozen"] * 2
+    assert by.watched == set()  # the cell ended: a later one watches it afresh
+    (frozen * 2).sum().backward()
+    assert calls == ["unfrozen"] * 2
 
 
 @pytest.fixture(scope="module")

@@ -157,14 +157,15 @@ for i, (x, y) in enumerate({loader}):
     (loss_fn(towers_acc.head(towers_acc.encode(x)), y) / 2).backward()  # its parts: DDP's forward bypassed
     if i % 2 == 1:
         towers_acc_opt.step(); towers_acc_opt.zero_grad()
-    if i == 2:
+    if i == {at}:
         raise RuntimeError("the cell fails between a backward and its step")
 """
 
 
-def test_a_cell_raising_between_a_backward_and_its_step_brings_back_the_whole_batchs_gradients(kernel):
-    """Once a step found the model bypassed, its gradients are averaged as each backward ends, as DDP's
-    would be: a cell raising after an accumulating micro-batch's backward leaves the kernel's model
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_cell_raising_between_a_backward_and_its_step_brings_back_the_whole_batchs_gradients(kernel, at):
+    """A bypassed model's gradients are averaged as each backward ends, as DDP's would be: a cell raising
+    after an accumulating micro-batch's backward (before the first step too) leaves the kernel's model
     holding the two ranks' batches' gradients together, as one process on that union batch."""
     setup = (
         "torch.manual_seed(9)\ntowers_acc = TwoTowers()\n"
@@ -173,14 +174,14 @@ def test_a_cell_raising_between_a_backward_and_its_step_brings_back_the_whole_ba
         "in_order = DataLoader(TensorDataset(X, Y), batch_size=16)  # rank r reads samples r, r + 2, ...\n"
     )
     kernel.run_ok(TWO_TOWERS + setup)
-    failed = kernel.run(ACCUMULATING.format(loader="DataLoader(TensorDataset(X, Y), batch_size=32)"))
+    failed = kernel.run(ACCUMULATING.format(loader="DataLoader(TensorDataset(X, Y), batch_size=32)", at=at))
     assert failed.error is not None and failed.error["evalue"] == "the cell fails between a backward and its step"
     kernel.run_ok(
         "one_process = [p.grad.clone() for p in towers_acc.parameters()]\n"
         "towers_acc.load_state_dict(acc_start); towers_acc_opt.zero_grad()\n"
         "towers_acc_opt = torch.optim.SGD(towers_acc.parameters(), lr=0.05)\n"
     )
-    out = kernel.run("%%distributed --devices 2 --accelerator cpu\n" + ACCUMULATING.format(loader="in_order"))
+    out = kernel.run("%%distributed --devices 2 --accelerator cpu\n" + ACCUMULATING.format(loader="in_order", at=at))
     assert out.error is not None and out.error["ename"] == "RankError", out.text
     gap = "max(float((p.grad - q).abs().max()) for p, q in zip(towers_acc.parameters(), one_process))"
     assert kernel.value(gap) < 1e-6, out.text

@@ -168,8 +168,9 @@ def test_a_trainer_made_in_the_cell_trains_its_model_as_one_and_is_named_by_its_
 
 
 def test_a_gradient_one_rank_has_is_averaged_on_both_and_one_no_rank_has_stays_none(kernel):
-    """A branch only rank 1 runs gives its layer a gradient on rank 1 alone: both ranks step it with
-    the average (half of rank 1's); a layer no rank used keeps no gradient, so no step moves it."""
+    """A branch only rank 1 runs gives its layer a gradient on rank 1 alone: both ranks hold the average
+    (half of rank 1's) as the backward ends, and step it; a layer no rank used keeps no gradient, so no
+    step moves it."""
     out = kernel.run_ok(
         "%%distributed --devices 2\n"
         "torch.manual_seed(0)\n"
@@ -179,8 +180,10 @@ def test_a_gradient_one_rank_has_is_averaged_on_both_and_one_no_rank_has_stays_n
         "    def forward(self, x):\n"
         "        return self.a(x) + (self.b(x) if nbtrain.rank() == 1 else 0)\n"
         "branches = Branches(); opt_b = torch.optim.SGD(branches.parameters(), lr=0.1, weight_decay=0.1)\n"
-        "loss = loss_fn(branches(X[:32]), Y[:32]); opt_b.zero_grad(); loss.backward()\n"
-        "local_b = None if branches.b.weight.grad is None else branches.b.weight.grad.clone()\n"
+        "loss = loss_fn(branches(X[:32]), Y[:32]); opt_b.zero_grad()\n"
+        "local_b = torch.autograd.grad(loss, [branches.b.weight], retain_graph=True, allow_unused=True)[0]\n"
+        "loss.backward()  # this rank's own gradient above (autograd.grad writes none), the average here\n"
+        "after_backward = branches.b.weight.grad.abs().sum().item()\n"
         "unused_before = branches.unused.weight.detach().clone()\n"
         "opt_b.step()\n"
         "total = float(sum(t.double().sum() for t in branches.state_dict().values()))\n"
@@ -190,7 +193,7 @@ def test_a_gradient_one_rank_has_is_averaged_on_both_and_one_no_rank_has_stays_n
         "rank1_b = nbtrain.all_reduce(0.0 if local_b is None else local_b.abs().sum().item(), op='max')\n"
     )
     assert kernel.value("[agree, unused_kept, local_b is None]") == [True, True, True], out.stdout  # rank 0's
-    assert kernel.value("abs(b_grad - rank1_b / 2) < 1e-6")
+    assert kernel.value("abs(b_grad - rank1_b / 2) < 1e-6 and abs(after_backward - rank1_b / 2) < 1e-6")
 
 
 ACCUMULATING = """torch.set_num_threads(1)
@@ -206,11 +209,12 @@ for i, (x, y) in enumerate(DataLoader(TensorDataset(X, Y), batch_size={batch})):
 """
 
 
-@pytest.mark.parametrize("at", [2, 4])
+@pytest.mark.parametrize("at", [0, 2, 4])
 def test_a_cell_raising_between_a_backward_and_its_step_brings_back_the_whole_batchs_gradients(kernel, at):
     """Under gradient accumulation a kept model's gradients are averaged as each backward ends, as DDP's
-    are: a cell raising after a micro-batch's backward leaves the kernel's model holding the gradients of
-    the two ranks' batches together, as one process holds them on that union batch (not rank 0's own)."""
+    are: a cell raising after a micro-batch's backward (before the first step too) leaves the kernel's
+    model holding the gradients of the two ranks' batches together, as one process holds them on that
+    union batch (not rank 0's own)."""
     failed = kernel.run(ACCUMULATING.format(batch=32, at=at))
     assert failed.error is not None and failed.error["evalue"] == "the cell fails between a backward and its step"
     kernel.run_ok("one_process = [p.grad.clone() for p in acc_net.parameters()]")

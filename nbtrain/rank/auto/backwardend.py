@@ -24,8 +24,8 @@ Example (a backward writing into a watched parameter's gradient calls its owner 
     >>> import torch
     >>> from contextlib import ExitStack
     >>> w, seen = torch.nn.Parameter(torch.ones(2)), []
-    >>> with ExitStack() as stack:
-    ...     watch([w], owner(lambda: seen.append(w.grad.tolist())), stack)
+    >>> with ExitStack() as cell:
+    ...     watch([w], owner(lambda: seen.append(w.grad.tolist()), cell))
     ...     (w * 3).sum().backward()
     ...     grads = torch.autograd.grad((w * 2).sum(), [w])  # no .grad written: nothing
     >>> seen
@@ -47,11 +47,12 @@ from nbtrain.rank.auto import ledger
 @dataclass(frozen=True, eq=False)
 class Owner:
     """What averages some watched parameters' gradients (``average``), and when it was made (``order``:
-    owners touched by one backward are averaged in it)."""
+    owners touched by one backward are averaged in it); ``hooks`` removes its hooks."""
 
     order: int
     average: Callable[[], None]
-    watched: set[int] = field(default_factory=set)  # ids of the parameters already hooked
+    hooks: ExitStack = field(default_factory=ExitStack)
+    watched: set[int] = field(default_factory=set)  # ids of the parameters hooked
 
 
 _orders = itertools.count()
@@ -59,21 +60,27 @@ _touched: dict[int, Owner] = {}  # order -> owner: touched by the running backwa
 _queued: dict[str, int | None] = {"task": None}  # the backward whose end is queued
 
 
-def owner(average: Callable[[], None]) -> Owner:
-    """An owner calling ``average()`` at the end of each backward touching a parameter it watches."""
-    return Owner(next(_orders), average)
+def owner(average: Callable[[], None], stack: ExitStack) -> Owner:
+    """An owner calling ``average()`` at the end of each backward writing into a gradient it watches,
+    until ``stack`` (the cell's) closes."""
+    by = Owner(next(_orders), average)
+    stack.callback(unwatch, by)
+    return by
 
 
-def watch(params: Iterable[Any], by: Owner, stack: ExitStack) -> None:
+def watch(params: Iterable[Any], by: Owner) -> None:
     """Have ``by`` average at the end of each backward writing into a gradient of ``params`` (those that
-    require grad now; calling again adds those that came to, a backbone unfrozen). Closing ``stack``
-    stops it."""
+    require grad now; calling again adds those that came to, a backbone unfrozen)."""
     for param in params:
         if param.requires_grad and id(param) not in by.watched:
             by.watched.add(id(param))
-            handle = param.register_post_accumulate_grad_hook(functools.partial(_touch, by))
-            stack.callback(handle.remove)
-            stack.callback(by.watched.discard, id(param))
+            by.hooks.callback(param.register_post_accumulate_grad_hook(functools.partial(_touch, by)).remove)
+
+
+def unwatch(by: Owner) -> None:
+    """Stop ``by``'s watching (until :func:`watch` is called again)."""
+    by.hooks.close()
+    by.watched.clear()
 
 
 def _touch(by: Owner, _param: Any) -> None:

@@ -4,16 +4,18 @@ DDP averages gradients in the backward of its own forward, ``model(x)``. A loop 
 the model's parts or methods instead (``model["head"](x)``, ``model.encode_image(x)``,
 which the read-through wrapper lets through to the model) makes gradients DDP never sees:
 each rank would step with its own, and the ranks' weights would drift apart without a
-word. So before each (outermost) optimizer step, a wrapped model that the step trains and
-whose forward did not run since that optimizer's previous step gets its gradients averaged here: one
+word. So a wrapped model whose forward did not run since the last optimizer step gets its
+gradients averaged here as each backward writing them ends, as DDP's own backward would
+(:mod:`~nbtrain.rank.auto.backwardend`; under gradient accumulation each micro-batch's, so a
+cell raising between a backward and its step holds the whole batch's gradients): one
 all-reduce saying which parameters have a gradient on any rank (and which a sparse one),
 then one of the dense gradients (flat, per device and dtype) and one per sparse gradient
 (an ``Embedding(sparse=True)``'s, as DDP reduces them); a model with no sparse gradient needs
 only the dense all-reduce, which carries which gradients exist too. The summary says so, once.
-From then on such a model's gradients are averaged as each backward ends, as DDP's own
-backward would (:mod:`~nbtrain.rank.auto.backwardend`; under gradient accumulation too, so a
-cell raising between a backward and its step holds the whole batch's gradients), and the step
-adds nothing; gradients no backward wrote are averaged before the step.
+Before each (outermost) optimizer step, such a model that the step trains gets what no
+backward wrote averaged. A model's backwards are watched (a hook per parameter) until a
+step finds its forward ran (then DDP averages, and the hooks go), and again once a step
+finds it bypassed.
 Gradients are averaged before anything of the cell's reads them: where clipping
 (``clip_grad_norm_``, ``clip_grad_value_``) or a GradScaler's ``unscale_`` comes before the
 step (:func:`average_before_read`), there, and the step adds nothing; one process clips the
@@ -21,7 +23,7 @@ whole batch's gradients, not a rank's share. (Code reading ``.grad`` itself is n
 every read of every gradient, torch's own included, would pay for it.) A model auto mode left
 unwrapped because nothing in it was trainable (a frozen backbone) is averaged the same way
 once the cell unfreezes it (:func:`average_when_unfrozen`), as each backward ends from its first
-average on.
+average on (the backwards before are averaged at the step).
 
 A forward with gradients enabled counts (under ``no_sync`` too: DDP's own rule then holds).
 Importing this module does not import torch.
@@ -47,8 +49,11 @@ def average_when_bypassed(ddp: Any) -> None:
     object.__setattr__(ddp, "_nbtrain_forwards_at_step", {})  # id(optimizer) -> forwards at its last step
     object.__setattr__(ddp, "_nbtrain_forwards_at_any_step", 0)  # forwards at the last step of any optimizer
     object.__setattr__(ddp, "_nbtrain_early", False)  # averaged since a backward wrote them (as it ended, or read)
-    at_end = backwardend.owner(functools.partial(_ddp_at_backward_end, weakref.ref(ddp)))
-    object.__setattr__(ddp, "_nbtrain_at_end", at_end)  # watches its parameters once it is found bypassed
+    stack = ledger.cell_registry().patches
+    at_end = backwardend.owner(functools.partial(_ddp_at_backward_end, weakref.ref(ddp)), stack)
+    object.__setattr__(ddp, "_nbtrain_at_end", at_end)
+    # Watched until a step finds its forward ran (DDP averaged), and again once one finds it bypassed.
+    backwardend.watch(ddp.module.parameters(), at_end)
     ledger.cell_registry().ddp_models.append(ddp)
     stephooks.for_prepared_models()  # average_bypassed before each step
 
@@ -71,6 +76,8 @@ def average_bypassed(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         state["_nbtrain_forwards_at_any_step"], state["_nbtrain_early"] = forwards, False
         if forwards != at_step.get(id(optimizer), 0):  # per optimizer: two may step one model's parts
             at_step[id(optimizer)] = forwards
+            if state["_nbtrain_at_end"].watched:  # DDP's forward averages it: no hook on its backwards
+                backwardend.unwatch(state["_nbtrain_at_end"])
             continue
         if not early:  # clipping or unscaling averaged them already: this step adds nothing
             _average(ddp)
@@ -169,15 +176,18 @@ def _average_unfrozen(modules: list[list[Any]], early_ones: set[int] | None) -> 
         _watch_unfrozen(params, trainable)
 
 
-_unfrozen_owners: weakref.WeakKeyDictionary[Any, backwardend.Owner] = weakref.WeakKeyDictionary()  # by first param
+# A module's first parameter -> (the cell's registry, the owner averaging the module as backwards end, for that cell)
+_unfrozen_owners: weakref.WeakKeyDictionary[Any, tuple[Any, backwardend.Owner]] = weakref.WeakKeyDictionary()
 
 
 def _watch_unfrozen(params: list[Any], trainable: list[Any]) -> None:
     """Average an unfrozen module's gradients as each backward writing them ends, from now on."""
-    at_end = _unfrozen_owners.get(params[0])
-    if at_end is None:
-        at_end = _unfrozen_owners[params[0]] = backwardend.owner(functools.partial(_unfrozen_at_backward_end, params))
-    backwardend.watch(trainable, at_end, ledger.cell_registry().patches)
+    registry = ledger.cell_registry()
+    registered, at_end = _unfrozen_owners.get(params[0], (None, None))
+    if registered is not registry or at_end is None:
+        at_end = backwardend.owner(functools.partial(_unfrozen_at_backward_end, params), registry.patches)
+        _unfrozen_owners[params[0]] = (registry, at_end)
+    backwardend.watch(trainable, at_end)
 
 
 def _unfrozen_at_backward_end(params: list[Any]) -> None:
@@ -227,7 +237,7 @@ def _average(ddp: Any) -> None:
     """Average the gradients of ``ddp``'s trainable parameters over its process group, as DDP would."""
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     average_gradients(params, ddp.process_group, sparse_parameters([ddp.module]))
-    backwardend.watch(params, ddp.__dict__["_nbtrain_at_end"], ledger.cell_registry().patches)  # from now on
+    backwardend.watch(params, ddp.__dict__["_nbtrain_at_end"])  # from now on
 
 
 def sparse_parameters(modules: list[Any]) -> frozenset[int]:

@@ -65,6 +65,8 @@ _early: weakref.WeakSet[Any] = weakref.WeakSet()
 _sources: dict[str, Callable[..., Any]] = {}
 # Kept, and their first gradients not yet compared over the ranks (the same on every rank: the same batch).
 _unchecked: weakref.WeakSet[Any] = weakref.WeakSet()
+# Not kept yet, its first gradients compared over the ranks as they were averaged (average_before_kept).
+_compared_first: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def keep_averaged(optimizer: Any, where: str, frame: types.FrameType | None) -> None:
@@ -82,11 +84,27 @@ def keep_averaged(optimizer: Any, where: str, frame: types.FrameType | None) -> 
     refs = tuple(weakref.ref(m) for m in modules)
     inside = {id(p) for m in modules for p in m.parameters()}
     sparse = bypass.sparse_parameters(list(modules)) if all(id(p) in inside for p in stepped) else None
-    at_end = backwardend.owner(functools.partial(_at_backward_end, weakref.ref(optimizer)))
+    stack = ledger.cell_registry().patches
+    at_end = backwardend.owner(functools.partial(_at_backward_end, weakref.ref(optimizer)), stack)
     _kept[optimizer] = _Kept(buffers, refs, where, sparse, at_end)
     _said.append((where, refs))
-    _unchecked.add(optimizer)
-    backwardend.watch(params.values(), at_end, ledger.cell_registry().patches)
+    compared = _compared_first.pop(optimizer, None)  # its backwards before this step were averaged
+    if compared is None:
+        _unchecked.add(optimizer)
+    else:
+        samedata.note_first_gradients(tuple(modules), _unnamed(where), compared)
+    backwardend.watch(params.values(), at_end)
+
+
+def average_before_kept(optimizer: Any) -> None:
+    """Average the gradients of an optimizer made in the cell whose parameters nothing averages, not
+    stepped yet, as a backward writing them ends (:mod:`~nbtrain.rank.auto.madeoptimizers` watches its
+    backwards until its first step keeps it): as once it is kept, the ranks hold the whole batch's."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if optimizer not in _compared_first:  # its first gradients, each rank's own: the same mean the same batch
+        _compared_first[optimizer] = samedata.compare_first_gradients([p.grad for p in params])
+    bypass.average_gradients(params)
+    _early.add(optimizer)
 
 
 def _at_backward_end(reference: weakref.ref[Any]) -> None:
@@ -216,9 +234,10 @@ def _average(optimizer: Any, kept: _Kept) -> None:
     if optimizer in _unchecked:  # its first gradients: the same on every rank means the same batch
         _unchecked.discard(optimizer)
         models = tuple(m for m in (ref() for ref in kept.modules) if m is not None)
-        samedata.note_first_gradients(models, _unnamed(kept.where), [p.grad for p in params])
+        compared = samedata.compare_first_gradients([p.grad for p in params])
+        samedata.note_first_gradients(models, _unnamed(kept.where), compared)
     bypass.average_gradients(params, sparse=kept.sparse)
-    backwardend.watch(params, kept.owner, ledger.cell_registry().patches)  # a parameter unfrozen since
+    backwardend.watch(params, kept.owner)  # a parameter unfrozen since
     if kept.buffers:
         _broadcast(kept.buffers)
 
