@@ -15,17 +15,17 @@ Each watched parameter has a post-accumulate-grad hook: it fires where autograd 
 ``.grad`` (``loss.backward()``, ``scaler.scale(loss).backward()``, ``torch.autograd.backward``,
 twice with ``retain_graph``), not for ``torch.autograd.grad`` nor a forward under ``no_grad``.
 The first in a backward queues one callback at the backward's end (autograd's final callback,
-as DDP's reducer queues its own); it averages each owner that backward touched, once, in the
+as DDP's reducer queues its own); it averages each averager that backward touched, once, in the
 order they were watched: the same order on every rank, each average being a collective.
 
 Importing this module does not import torch.
 
-Example (a backward writing into a watched parameter's gradient calls its owner once, at its end):
+Example (a backward writing into a watched parameter's gradient calls its averager once, at its end):
     >>> import torch
     >>> from contextlib import ExitStack
     >>> w, seen = torch.nn.Parameter(torch.ones(2)), []
     >>> with ExitStack() as cell:
-    ...     watch([w], owner(lambda: seen.append(w.grad.tolist()), cell))
+    ...     watch_backwards([w], averager(lambda: seen.append(w.grad.tolist()), cell))
     ...     (w * 3).sum().backward()
     ...     grads = torch.autograd.grad((w * 2).sum(), [w])  # no .grad written: nothing
     >>> seen
@@ -45,9 +45,9 @@ from nbtrain.rank.auto import ledger
 
 
 @dataclass(frozen=True, eq=False)
-class Owner:
+class Averager:
     """What averages some watched parameters' gradients (``average``), and when it was made (``order``:
-    owners touched by one backward are averaged in it); ``hooks`` removes its hooks."""
+    those touched by one backward average in it); ``hooks`` removes its hooks."""
 
     order: int
     average: Callable[[], None]
@@ -56,19 +56,19 @@ class Owner:
 
 
 _orders = itertools.count()
-_touched: dict[int, Owner] = {}  # order -> owner: touched by the running backward
+_touched: dict[int, Averager] = {}  # order -> averager: touched by the running backward
 _queued: dict[str, int | None] = {"task": None}  # the backward whose end is queued
 
 
-def owner(average: Callable[[], None], stack: ExitStack) -> Owner:
-    """An owner calling ``average()`` at the end of each backward writing into a gradient it watches,
+def averager(average: Callable[[], None], stack: ExitStack) -> Averager:
+    """An averager calling ``average()`` at the end of each backward writing into a gradient it watches,
     until ``stack`` (the cell's) closes."""
-    by = Owner(next(_orders), average)
-    stack.callback(unwatch, by)
+    by = Averager(next(_orders), average)
+    stack.callback(unwatch_backwards, by)
     return by
 
 
-def watch(params: Iterable[Any], by: Owner) -> None:
+def watch_backwards(params: Iterable[Any], by: Averager) -> None:
     """Have ``by`` average at the end of each backward writing into a gradient of ``params`` (those that
     require grad now; calling again adds those that came to, a backbone unfrozen)."""
     for param in params:
@@ -77,14 +77,14 @@ def watch(params: Iterable[Any], by: Owner) -> None:
             by.hooks.callback(param.register_post_accumulate_grad_hook(functools.partial(_touch, by)).remove)
 
 
-def unwatch(by: Owner) -> None:
-    """Stop ``by``'s watching (until :func:`watch` is called again)."""
+def unwatch_backwards(by: Averager) -> None:
+    """Stop ``by``'s watching (until :func:`watch_backwards` is called again)."""
     by.hooks.close()
     by.watched.clear()
 
 
-def _touch(by: Owner, _param: Any) -> None:
-    """A watched parameter's gradient was written: its owner averages as this backward ends."""
+def _touch(by: Averager, _param: Any) -> None:
+    """A watched parameter's gradient was written: its averager averages as this backward ends."""
     _touched[by.order] = by
     torch = ledger.torch_module()
     task = torch._C._current_graph_task_id()
@@ -94,7 +94,7 @@ def _touch(by: Owner, _param: Any) -> None:
 
 
 def _at_end() -> None:
-    """The backward ended: each owner it touched averages, in the order they were made."""
+    """The backward ended: each averager it touched averages, in the order they were made."""
     _queued["task"] = None
     owners = [_touched[order] for order in sorted(_touched)]
     _touched.clear()

@@ -50,10 +50,10 @@ def average_when_bypassed(ddp: Any) -> None:
     object.__setattr__(ddp, "_nbtrain_forwards_at_any_step", 0)  # forwards at the last step of any optimizer
     object.__setattr__(ddp, "_nbtrain_early", False)  # averaged since a backward wrote them (as it ended, or read)
     stack = ledger.cell_registry().patches
-    at_end = backwardend.owner(functools.partial(_ddp_at_backward_end, weakref.ref(ddp)), stack)
+    at_end = backwardend.averager(functools.partial(_ddp_at_backward_end, weakref.ref(ddp)), stack)
     object.__setattr__(ddp, "_nbtrain_at_end", at_end)
     # Watched until a step finds its forward ran (DDP averaged), and again once one finds it bypassed.
-    backwardend.watch(ddp.module.parameters(), at_end)
+    backwardend.watch_backwards(ddp.module.parameters(), at_end)
     ledger.cell_registry().ddp_models.append(ddp)
     stephooks.for_prepared_models()  # average_bypassed before each step
 
@@ -77,7 +77,7 @@ def average_bypassed(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if forwards != at_step.get(id(optimizer), 0):  # per optimizer: two may step one model's parts
             at_step[id(optimizer)] = forwards
             if state["_nbtrain_at_end"].watched:  # DDP's forward averages it: no hook on its backwards
-                backwardend.unwatch(state["_nbtrain_at_end"])
+                backwardend.unwatch_backwards(state["_nbtrain_at_end"])
             continue
         if not early:  # clipping or unscaling averaged them already: this step adds nothing
             _average(ddp)
@@ -177,7 +177,7 @@ def _average_unfrozen(modules: list[list[Any]], early_ones: set[int] | None) -> 
 
 
 # A module's first parameter -> (the cell's registry, the owner averaging the module as backwards end, for that cell)
-_unfrozen_owners: weakref.WeakKeyDictionary[Any, tuple[Any, backwardend.Owner]] = weakref.WeakKeyDictionary()
+_unfrozen_owners: weakref.WeakKeyDictionary[Any, tuple[Any, backwardend.Averager]] = weakref.WeakKeyDictionary()
 
 
 def _watch_unfrozen(params: list[Any], trainable: list[Any]) -> None:
@@ -185,9 +185,9 @@ def _watch_unfrozen(params: list[Any], trainable: list[Any]) -> None:
     registry = ledger.cell_registry()
     registered, at_end = _unfrozen_owners.get(params[0], (None, None))
     if registered is not registry or at_end is None:
-        at_end = backwardend.owner(functools.partial(_unfrozen_at_backward_end, params), registry.patches)
+        at_end = backwardend.averager(functools.partial(_unfrozen_at_backward_end, params), registry.patches)
         _unfrozen_owners[params[0]] = (registry, at_end)
-    backwardend.watch(trainable, at_end)
+    backwardend.watch_backwards(trainable, at_end)
 
 
 def _unfrozen_at_backward_end(params: list[Any]) -> None:
@@ -237,7 +237,7 @@ def _average(ddp: Any) -> None:
     """Average the gradients of ``ddp``'s trainable parameters over its process group, as DDP would."""
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     average_gradients(params, ddp.process_group, sparse_parameters([ddp.module]))
-    backwardend.watch(params, ddp.__dict__["_nbtrain_at_end"])  # from now on
+    backwardend.watch_backwards(params, ddp.__dict__["_nbtrain_at_end"])  # from now on
 
 
 def sparse_parameters(modules: list[Any]) -> frozenset[int]:

@@ -6,10 +6,11 @@ that starts with ``model = Net()``: no DDP wraps that model, and each rank would
 own copy. So while an auto-mode cell of several ranks runs, an optimizer made in the cell
 whose parameters nothing averages (:mod:`~nbtrain.rank.auto.madeoptimizers` tells) is kept here from its
 first step on (:func:`keep_averaged`): rank 0's parameters and buffers are broadcast then
-(the ranks may have made the model differently), and from then on its gradients are averaged
-as each backward ends (:mod:`~nbtrain.rank.auto.backwardend`: one all-reduce,
-:func:`nbtrain.rank.auto.bypass.average_gradients`, as DDP's backward averages) and rank 0's
-buffers broadcast (BatchNorm's running statistics, as DDP's forward does), so every rank
+(the ranks may have made the model differently), and its gradients are averaged as each
+backward ends (:mod:`~nbtrain.rank.auto.backwardend`: one all-reduce,
+:func:`nbtrain.rank.auto.bypass.average_gradients`, as DDP's backward averages; before that
+first step too, :func:`average_before_kept`) and rank 0's buffers broadcast
+(BatchNorm's running statistics, as DDP's forward does), so every rank
 steps the same model with the same gradients, and holds the whole batch's between a backward
 and its step (a cell raising there brings them back), as one process. What no backward wrote
 (gradients set by hand) is averaged before the step. Under a ``GradScaler`` every rank so
@@ -51,7 +52,7 @@ class _Kept:
     modules: tuple[Any, ...]  # weak references to the models
     where: str  # where the optimizer was made
     sparse: frozenset[int] | None  # ids of sparse-gradient parameters (None: a parameter outside the models)
-    owner: backwardend.Owner  # averages as each backward writing into its gradients ends
+    owner: backwardend.Averager  # averages as each backward writing into its gradients ends
 
 
 _kept: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
@@ -85,7 +86,7 @@ def keep_averaged(optimizer: Any, where: str, frame: types.FrameType | None) -> 
     inside = {id(p) for m in modules for p in m.parameters()}
     sparse = bypass.sparse_parameters(list(modules)) if all(id(p) in inside for p in stepped) else None
     stack = ledger.cell_registry().patches
-    at_end = backwardend.owner(functools.partial(_at_backward_end, weakref.ref(optimizer)), stack)
+    at_end = backwardend.averager(functools.partial(_at_backward_end, weakref.ref(optimizer)), stack)
     _kept[optimizer] = _Kept(buffers, refs, where, sparse, at_end)
     _said.append((where, refs))
     compared = _compared_first.pop(optimizer, None)  # its backwards before this step were averaged
@@ -93,7 +94,7 @@ def keep_averaged(optimizer: Any, where: str, frame: types.FrameType | None) -> 
         _unchecked.add(optimizer)
     else:
         samedata.note_first_gradients(tuple(modules), _unnamed(where), compared)
-    backwardend.watch(params.values(), at_end)
+    backwardend.watch_backwards(params.values(), at_end)
 
 
 def average_before_kept(optimizer: Any) -> None:
@@ -237,7 +238,7 @@ def _average(optimizer: Any, kept: _Kept) -> None:
         compared = samedata.compare_first_gradients([p.grad for p in params])
         samedata.note_first_gradients(models, _unnamed(kept.where), compared)
     bypass.average_gradients(params, sparse=kept.sparse)
-    backwardend.watch(params, kept.owner)  # a parameter unfrozen since
+    backwardend.watch_backwards(params, kept.owner)  # a parameter unfrozen since
     if kept.buffers:
         _broadcast(kept.buffers)
 

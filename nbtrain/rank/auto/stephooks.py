@@ -7,10 +7,10 @@ unscales, a graceful stop ends the cell. Each is a named step in :data:`BEFORE` 
 global pre-hook and the one post-hook :func:`for_the_cell` registers for a cell; the hooks are
 removed as the cell ends. A step that has nothing to do for the cell returns at once. A
 function run (``nbtrain.start``) has them from the first model ``prepare`` wraps
-(:func:`for_prepared_models`), without the stop check, for the rest of the run. Once a model
-is kept, or found bypassed, its gradients are averaged as each backward ends
-(:mod:`~nbtrain.rank.auto.backwardend`), as DDP's are: its steps below then find them averaged
-and add nothing (they average what no backward wrote).
+(:func:`for_prepared_models`), without the stop check, for the rest of the run. A model nbtrain
+averages itself (made in the cell, or called past its DDP wrapper) has its gradients averaged
+as each backward ends (:mod:`~nbtrain.rank.auto.backwardend`), as DDP's are: its steps below
+then find them averaged and add nothing (they average what no backward wrote).
 
 The order, and why (docs/architecture.md shows it):
 
