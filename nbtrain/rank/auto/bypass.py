@@ -211,9 +211,8 @@ def _say_bypassed(ddp: Any, registry: Any) -> None:
         registry.notes.append(
             f"the {type(ddp.module).__name__} model's forward was not called in a training step (its parts "
             "or methods were called instead, e.g. model['head'](x) or model.encode(x)), so DDP did not "
-            "average its gradients: nbtrain averaged them before each optimizer step (or before clipping or "
-            "unscaling read them), one all-reduce after the backward (calling the model itself lets DDP "
-            "overlap it with the backward)."
+            "average its gradients: nbtrain averaged them as each backward ended, one all-reduce after the "
+            "backward, as DDP would have (calling the model itself lets DDP overlap it with the backward)."
         )
 
 
