@@ -15,8 +15,12 @@ Each watched parameter has a post-accumulate-grad hook: it fires where autograd 
 ``.grad`` (``loss.backward()``, ``scaler.scale(loss).backward()``, ``torch.autograd.backward``,
 twice with ``retain_graph``), not for ``torch.autograd.grad`` nor a forward under ``no_grad``.
 The first in a backward queues one callback at the backward's end (autograd's final callback,
-as DDP's reducer queues its own); it averages each averager that backward touched, once, in the
-order they were watched: the same order on every rank, each average being a collective.
+as DDP's reducer queues its own); it calls each averager that backward touched, once, in the
+order they were made: the same order on every rank, each average being a collective. (On CUDA
+autograd may run that callback on its device thread, as it runs DDP's: the gradients are ready
+on the current streams there.) An averager averages its whole model: a backward that wrote
+into part of it averages the rest again, values already the same on every rank (the same
+result over 2 ranks; over more, maybe not to the last bit).
 
 Importing this module does not import torch.
 
