@@ -23,7 +23,7 @@ whole batch's gradients, not a rank's share. (Code reading ``.grad`` itself is n
 every read of every gradient, torch's own included, would pay for it.) A model auto mode left
 unwrapped because nothing in it was trainable (a frozen backbone) is averaged the same way
 once the cell unfreezes it (:func:`average_when_unfrozen`), as each backward ends from its first
-average on (the backwards before are averaged at the step).
+forward with gradients after the unfreezing.
 
 A forward with gradients enabled counts (under ``no_sync`` too: DDP's own rule then holds).
 Importing this module does not import torch.
@@ -129,13 +129,25 @@ def average_when_unfrozen(module: Any) -> None:
     unwrapped: nothing in it required grad then, and DDP wraps no such model).
 
     A fine-tuning cell that unfreezes a backbone part-way trains it as one process does: its
-    parameters that require grad then get their gradients averaged before each step of an
-    optimizer holding them (and before clipping or unscaling reads them), one all-reduce, and
-    from then on as each backward writing them ends; while all of it is frozen, a step costs
-    one read of each parameter's ``requires_grad``.
+    parameters that require grad then get their gradients averaged as each backward writing
+    them ends (its forwards with gradients look for them: the first after the unfreezing
+    watches them), else before each step of an optimizer holding them (or before clipping or
+    unscaling reads them), one all-reduce; while all of it is frozen, a forward with gradients
+    and a step each cost one read of each parameter's ``requires_grad``.
     """
-    ledger.cell_registry().frozen_models.append(module)
+    registry = ledger.cell_registry()
+    registry.frozen_models.append(module)
     stephooks.for_prepared_models()
+    watching = module.register_forward_pre_hook(functools.partial(_watch_when_unfrozen, list(module.parameters())))
+    registry.patches.callback(watching.remove)
+
+
+def _watch_when_unfrozen(params: list[Any], _module: Any, _inputs: Any) -> None:
+    """A frozen module's forward: those of its parameters the cell unfroze are averaged as backwards end."""
+    if params and ledger.torch_module().is_grad_enabled():
+        trainable = list(itertools.compress(params, map(_requires_grad, params)))
+        if trainable:
+            _watch_unfrozen(params, trainable)
 
 
 _early_frozen: set[int] = set()  # ids of parameters averaged since their step, as clipping or unscaling read them
@@ -176,17 +188,19 @@ def _average_unfrozen(modules: list[list[Any]], early_ones: set[int] | None) -> 
         _watch_unfrozen(params, trainable)
 
 
-# A module's first parameter -> (the cell's registry, the owner averaging the module as backwards end, for that cell)
-_unfrozen_owners: weakref.WeakKeyDictionary[Any, tuple[Any, backwardend.Averager]] = weakref.WeakKeyDictionary()
+# id of a module's first parameter -> (the cell's registry, that parameter, what averages the module as backwards
+# end for that cell). Keyed by id: a dictionary keyed by the tensor itself would compare tensors with ==.
+_unfrozen_averagers: dict[int, tuple[Any, Any, backwardend.Averager]] = {}
 
 
 def _watch_unfrozen(params: list[Any], trainable: list[Any]) -> None:
     """Average an unfrozen module's gradients as each backward writing them ends, from now on."""
     registry = ledger.cell_registry()
-    registered, at_end = _unfrozen_owners.get(params[0], (None, None))
-    if registered is not registry or at_end is None:
+    registered, first, at_end = _unfrozen_averagers.get(id(params[0]), (None, None, None))
+    if registered is not registry or first is not params[0] or at_end is None:
         at_end = backwardend.averager(functools.partial(_unfrozen_at_backward_end, params), registry.patches)
-        _unfrozen_owners[params[0]] = (registry, at_end)
+        _unfrozen_averagers[id(params[0])] = (registry, params[0], at_end)
+        registry.patches.callback(_unfrozen_averagers.pop, id(params[0]), None)
     backwardend.watch_backwards(trainable, at_end)
 
 
