@@ -150,3 +150,39 @@ def test_clipping_reads_the_averaged_gradients_of_a_model_called_past_ddp(kernel
         same = f"[torch.allclose(p, q, atol=1e-6) for p, q in zip({a}.parameters(), {b}.parameters())]"
         assert kernel.value(same) == [True] * 4, out.text
     assert kernel.value("not torch.allclose(norm_called.head.weight, value_called.head.weight)")  # clips differ
+
+
+ACCUMULATING = """torch.set_num_threads(1)
+for i, (x, y) in enumerate({loader}):
+    (loss_fn(towers_acc.head(towers_acc.encode(x)), y) / 2).backward()  # its parts: DDP's forward bypassed
+    if i % 2 == 1:
+        towers_acc_opt.step(); towers_acc_opt.zero_grad()
+    if i == {at}:
+        raise RuntimeError("the cell fails between a backward and its step")
+"""
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_cell_raising_between_a_backward_and_its_step_brings_back_the_whole_batchs_gradients(kernel, at):
+    """A bypassed model's gradients are averaged as each backward ends, as DDP's would be: a cell raising
+    after an accumulating micro-batch's backward (before the first step too) leaves the kernel's model
+    holding the two ranks' batches' gradients together, as one process on that union batch."""
+    setup = (
+        "torch.manual_seed(9)\ntowers_acc = TwoTowers()\n"
+        "towers_acc_opt = torch.optim.SGD(towers_acc.parameters(), lr=0.05)\n"
+        "acc_start = {k: v.clone() for k, v in towers_acc.state_dict().items()}\n"
+        "in_order = DataLoader(TensorDataset(X, Y), batch_size=16)  # rank r reads samples r, r + 2, ...\n"
+    )
+    kernel.run_ok(TWO_TOWERS + setup)
+    failed = kernel.run(ACCUMULATING.format(loader="DataLoader(TensorDataset(X, Y), batch_size=32)", at=at))
+    assert failed.error is not None and failed.error["evalue"] == "the cell fails between a backward and its step"
+    kernel.run_ok(
+        "one_process = [p.grad.clone() for p in towers_acc.parameters()]\n"
+        "towers_acc.load_state_dict(acc_start); towers_acc_opt.zero_grad()\n"
+        "towers_acc_opt = torch.optim.SGD(towers_acc.parameters(), lr=0.05)\n"
+    )
+    out = kernel.run("%%distributed --devices 2 --accelerator cpu\n" + ACCUMULATING.format(loader="in_order", at=at))
+    assert out.error is not None and out.error["ename"] == "RankError", out.text
+    gap = "max(float((p.grad - q).abs().max()) for p, q in zip(towers_acc.parameters(), one_process))"
+    assert kernel.value(gap) < 1e-6, out.text
+    assert kernel.value("float(one_process[0].abs().max())") > 1e-3

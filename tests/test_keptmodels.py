@@ -168,8 +168,9 @@ def test_a_trainer_made_in_the_cell_trains_its_model_as_one_and_is_named_by_its_
 
 
 def test_a_gradient_one_rank_has_is_averaged_on_both_and_one_no_rank_has_stays_none(kernel):
-    """A branch only rank 1 runs gives its layer a gradient on rank 1 alone: both ranks step it with
-    the average (half of rank 1's); a layer no rank used keeps no gradient, so no step moves it."""
+    """A branch only rank 1 runs gives its layer a gradient on rank 1 alone: both ranks hold the average
+    (half of rank 1's) as the backward ends, and step it; a layer no rank used keeps no gradient, so no
+    step moves it."""
     out = kernel.run_ok(
         "%%distributed --devices 2\n"
         "torch.manual_seed(0)\n"
@@ -179,8 +180,10 @@ def test_a_gradient_one_rank_has_is_averaged_on_both_and_one_no_rank_has_stays_n
         "    def forward(self, x):\n"
         "        return self.a(x) + (self.b(x) if nbtrain.rank() == 1 else 0)\n"
         "branches = Branches(); opt_b = torch.optim.SGD(branches.parameters(), lr=0.1, weight_decay=0.1)\n"
-        "loss = loss_fn(branches(X[:32]), Y[:32]); opt_b.zero_grad(); loss.backward()\n"
-        "local_b = None if branches.b.weight.grad is None else branches.b.weight.grad.clone()\n"
+        "loss = loss_fn(branches(X[:32]), Y[:32]); opt_b.zero_grad()\n"
+        "local_b = torch.autograd.grad(loss, [branches.b.weight], retain_graph=True, allow_unused=True)[0]\n"
+        "loss.backward()  # this rank's own gradient above (autograd.grad writes none), the average here\n"
+        "after_backward = branches.b.weight.grad.abs().sum().item()\n"
         "unused_before = branches.unused.weight.detach().clone()\n"
         "opt_b.step()\n"
         "total = float(sum(t.double().sum() for t in branches.state_dict().values()))\n"
@@ -190,4 +193,34 @@ def test_a_gradient_one_rank_has_is_averaged_on_both_and_one_no_rank_has_stays_n
         "rank1_b = nbtrain.all_reduce(0.0 if local_b is None else local_b.abs().sum().item(), op='max')\n"
     )
     assert kernel.value("[agree, unused_kept, local_b is None]") == [True, True, True], out.stdout  # rank 0's
-    assert kernel.value("abs(b_grad - rank1_b / 2) < 1e-6")
+    assert kernel.value("abs(b_grad - rank1_b / 2) < 1e-6 and abs(after_backward - rank1_b / 2) < 1e-6")
+
+
+ACCUMULATING = """torch.set_num_threads(1)
+torch.manual_seed(3)
+acc_net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+acc_opt = torch.optim.SGD(acc_net.parameters(), lr=0.05, momentum=0.9)
+for i, (x, y) in enumerate(DataLoader(TensorDataset(X, Y), batch_size={batch})):
+    (loss_fn(acc_net(x), y) / 2).backward()  # two micro-batches a step
+    if i % 2 == 1:
+        acc_opt.step(); acc_opt.zero_grad()
+    if i == {at}:
+        raise RuntimeError("the cell fails between a backward and its step")
+"""
+
+
+@pytest.mark.parametrize("at", [0, 2, 4])
+def test_a_cell_raising_between_a_backward_and_its_step_brings_back_the_whole_batchs_gradients(kernel, at):
+    """Under gradient accumulation a kept model's gradients are averaged as each backward ends, as DDP's
+    are: a cell raising after a micro-batch's backward (before the first step too) leaves the kernel's
+    model holding the gradients of the two ranks' batches together, as one process holds them on that
+    union batch (not rank 0's own)."""
+    failed = kernel.run(ACCUMULATING.format(batch=32, at=at))
+    assert failed.error is not None and failed.error["evalue"] == "the cell fails between a backward and its step"
+    kernel.run_ok("one_process = [p.grad.clone() for p in acc_net.parameters()]")
+    out = kernel.run("%%distributed --devices 2 --accelerator cpu\n" + ACCUMULATING.format(batch=16, at=at))
+    assert out.error is not None and out.error["ename"] == "RankError", out.text
+    assert "The kernel holds rank 0's state at the failing line" in "\n".join(out.error["traceback"])
+    gap = "max(float((p.grad - q).abs().max()) for p, q in zip(acc_net.parameters(), one_process))"
+    assert kernel.value(gap) < 1e-6, out.text
+    assert kernel.value("float(one_process[0].abs().max())") > 1e-3  # gradients there to compare

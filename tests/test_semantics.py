@@ -31,20 +31,11 @@ WAYS = ("1", "2", "2-no-auto")
 # draws only as one process's sampler would, at each pass's start), clip-before-average (clipping a
 # model called past its DDP read each rank's own gradients: they are averaged before clipping reads them),
 # failed-cell (a cell that raised part-way left the kernel as before the cell: now it holds the state of
-# the rank that raised, at the raise) and grads-in (the kernel's gradients did not travel to the ranks).
-KNOWN = [
-    # grads-at-raise: under 2 ranks a model nbtrain averages at the optimizer step (made in the cell, or called
-    # past its DDP wrapper) holds each rank's own gradients between a backward and its step; a cell raising
-    # there brings the raising rank's own back, where one process holds the union batch's (averaging them
-    # would take a collective the other ranks may never join). docs/semantics.md states it.
-    *(
-        shrink.Class("2", "value", rules, "grads-at-raise")
-        for rules in (
-            ("model_where=cell", "opt_where=cell", "accum=2", "fail=raises"),
-            ("accum=2", "fail=raises", "via=holder"),
-        )
-    ),
-]
+# the rank that raised, at the raise), grads-in (the kernel's gradients did not travel to the ranks) and
+# grads-at-raise (under 2 ranks a model nbtrain averages itself, made in the cell or called past its DDP
+# wrapper, held each rank's own gradients between a backward and its step, so a cell raising mid-accumulation
+# brought rank 0's own back: they are now averaged as each backward ends, as DDP's are).
+KNOWN: list[shrink.Class] = []
 
 
 def _cases() -> list[grammar.Case]:

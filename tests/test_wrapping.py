@@ -6,6 +6,7 @@ are nested or module-level so they travel by value.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -211,3 +212,34 @@ def test_a_backbone_frozen_before_the_cell_and_unfrozen_in_it_trains_as_one_proc
     pairs = f"zip({both.format('')}, {both.format('reference_')})"
     assert kernel.value(f"[torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in {pairs}]") == [True] * 4, out.text
     assert kernel.value("not torch.equal(backbone[0].weight, first_backbone)"), out.text  # it trained
+
+
+UNFREEZE_AND_RAISE = """{magic}
+torch.set_num_threads(1)
+{backbone}.requires_grad_(True)  # unfrozen in the cell
+for i, (x, y) in enumerate({loader}):
+    (loss_fn({head}({backbone}(x)), y) / 2).backward()  # two micro-batches a step
+    if i % 2 == 1:
+        {opt}.step()
+        {opt}.zero_grad()
+    if i == {at}:
+        raise RuntimeError("the cell fails between a backward and its step")
+"""
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_backbone_unfrozen_in_the_cell_holds_the_whole_batchs_gradients_at_a_raise(kernel, at):
+    """A frozen backbone, left unwrapped, that the cell unfreezes has its gradients averaged as each
+    backward ends (its first forward with gradients after the unfreezing watches them): a cell raising
+    between a micro-batch's backward and its step leaves the kernel's backbone with the union batch's."""
+    kernel.run_ok(FINE_TUNING + BACKBONE)
+    names = {"backbone": "backbone", "head": "head", "opt": "pair_opt", "loader": "loader"}
+    reference = {k: f"reference_{v}" for k, v in names.items()}
+    failed = kernel.run(UNFREEZE_AND_RAISE.format(magic="", at=at, **reference))
+    assert failed.error is not None and failed.error["evalue"] == "the cell fails between a backward and its step"
+    out = kernel.run(UNFREEZE_AND_RAISE.format(magic="%%distributed --devices 2 --accelerator cpu", at=at, **names))
+    assert out.error is not None and out.error["ename"] == "RankError", out.text
+    both = "[*{0}backbone.parameters(), *{0}head.parameters()]"
+    pairs = f"zip({both.format('')}, {both.format('reference_')})"
+    assert kernel.value(f"[torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6) for a, b in {pairs}]") == [True] * 4
+    assert kernel.value("float(reference_backbone[0].weight.grad.abs().max())") > 1e-3

@@ -4,19 +4,26 @@ DDP averages gradients in the backward of its own forward, ``model(x)``. A loop 
 the model's parts or methods instead (``model["head"](x)``, ``model.encode_image(x)``,
 which the read-through wrapper lets through to the model) makes gradients DDP never sees:
 each rank would step with its own, and the ranks' weights would drift apart without a
-word. So before each (outermost) optimizer step, a wrapped model that the step trains and
-whose forward did not run since that optimizer's previous step gets its gradients averaged here: one
+word. So a wrapped model whose forward did not run since the last optimizer step gets its
+gradients averaged here as each backward writing them ends, as DDP's own backward would
+(:mod:`~nbtrain.rank.auto.backwardend`; under gradient accumulation each micro-batch's, so a
+cell raising between a backward and its step holds the whole batch's gradients): one
 all-reduce saying which parameters have a gradient on any rank (and which a sparse one),
 then one of the dense gradients (flat, per device and dtype) and one per sparse gradient
 (an ``Embedding(sparse=True)``'s, as DDP reduces them); a model with no sparse gradient needs
 only the dense all-reduce, which carries which gradients exist too. The summary says so, once.
+Before each (outermost) optimizer step, such a model that the step trains gets what no
+backward wrote averaged. A model's backwards are watched (a hook per parameter) until a
+step finds its forward ran (then DDP averages, and the hooks go), and again once a step
+finds it bypassed.
 Gradients are averaged before anything of the cell's reads them: where clipping
 (``clip_grad_norm_``, ``clip_grad_value_``) or a GradScaler's ``unscale_`` comes before the
 step (:func:`average_before_read`), there, and the step adds nothing; one process clips the
 whole batch's gradients, not a rank's share. (Code reading ``.grad`` itself is not watched:
 every read of every gradient, torch's own included, would pay for it.) A model auto mode left
 unwrapped because nothing in it was trainable (a frozen backbone) is averaged the same way
-once the cell unfreezes it (:func:`average_when_unfrozen`).
+once the cell unfreezes it (:func:`average_when_unfrozen`), as each backward ends from its first
+forward with gradients after the unfreezing.
 
 A forward with gradients enabled counts (under ``no_sync`` too: DDP's own rule then holds).
 Importing this module does not import torch.
@@ -24,12 +31,14 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
+import weakref
 from typing import Any
 
 from nbtrain.rank import api
-from nbtrain.rank.auto import ledger, stephooks
+from nbtrain.rank.auto import backwardend, ledger, stephooks
 
 _state = {"depth": 0}  # an optimizer's step inside another's (ZeroRedundancyOptimizer's) is left alone
 
@@ -39,7 +48,12 @@ def average_when_bypassed(ddp: Any) -> None:
     object.__setattr__(ddp, "_nbtrain_forwards", 0)
     object.__setattr__(ddp, "_nbtrain_forwards_at_step", {})  # id(optimizer) -> forwards at its last step
     object.__setattr__(ddp, "_nbtrain_forwards_at_any_step", 0)  # forwards at the last step of any optimizer
-    object.__setattr__(ddp, "_nbtrain_early", False)  # averaged since that step, as clipping or unscaling read them
+    object.__setattr__(ddp, "_nbtrain_early", False)  # averaged since a backward wrote them (as it ended, or read)
+    stack = ledger.cell_registry().patches
+    at_end = backwardend.averager(functools.partial(_ddp_at_backward_end, weakref.ref(ddp)), stack)
+    object.__setattr__(ddp, "_nbtrain_at_end", at_end)
+    # Watched until a step finds its forward ran (DDP averaged), and again once one finds it bypassed.
+    backwardend.watch_backwards(ddp.module.parameters(), at_end)
     ledger.cell_registry().ddp_models.append(ddp)
     stephooks.for_prepared_models()  # average_bypassed before each step
 
@@ -62,10 +76,21 @@ def average_bypassed(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         state["_nbtrain_forwards_at_any_step"], state["_nbtrain_early"] = forwards, False
         if forwards != at_step.get(id(optimizer), 0):  # per optimizer: two may step one model's parts
             at_step[id(optimizer)] = forwards
+            if state["_nbtrain_at_end"].watched:  # DDP's forward averages it: no hook on its backwards
+                backwardend.unwatch_backwards(state["_nbtrain_at_end"])
             continue
         if not early:  # clipping or unscaling averaged them already: this step adds nothing
             _average(ddp)
         _say_bypassed(ddp, registry)
+
+
+def _ddp_at_backward_end(reference: weakref.ref[Any]) -> None:
+    """A backward wrote into a bypassed wrapper's gradients: average them as it ends, unless its forward
+    ran since the last step (DDP averaged them)."""
+    ddp = reference()
+    if ddp is not None and ddp.__dict__["_nbtrain_forwards"] == ddp.__dict__["_nbtrain_forwards_at_any_step"]:
+        _average(ddp)
+        ddp.__dict__["_nbtrain_early"] = True
 
 
 def average_before_read(params: list[Any] | None = None, optimizer: Any = None) -> None:
@@ -104,12 +129,25 @@ def average_when_unfrozen(module: Any) -> None:
     unwrapped: nothing in it required grad then, and DDP wraps no such model).
 
     A fine-tuning cell that unfreezes a backbone part-way trains it as one process does: its
-    parameters that require grad then get their gradients averaged before each step of an
-    optimizer holding them (and before clipping or unscaling reads them), one all-reduce;
-    while all of it is frozen, a step costs one read of each parameter's ``requires_grad``.
+    parameters that require grad then get their gradients averaged as each backward writing
+    them ends (its forwards with gradients look for them: the first after the unfreezing
+    watches them), else before each step of an optimizer holding them (or before clipping or
+    unscaling reads them), one all-reduce; while all of it is frozen, a forward with gradients
+    and a step each cost one read of each parameter's ``requires_grad``.
     """
-    ledger.cell_registry().frozen_models.append(module)
+    registry = ledger.cell_registry()
+    registry.frozen_models.append(module)
     stephooks.for_prepared_models()
+    watching = module.register_forward_pre_hook(functools.partial(_watch_when_unfrozen, list(module.parameters())))
+    registry.patches.callback(watching.remove)
+
+
+def _watch_when_unfrozen(params: list[Any], _module: Any, _inputs: Any) -> None:
+    """A frozen module's forward: those of its parameters the cell unfroze are averaged as backwards end."""
+    if params and ledger.torch_module().is_grad_enabled():
+        trainable = list(itertools.compress(params, map(_requires_grad, params)))
+        if trainable:
+            _watch_unfrozen(params, trainable)
 
 
 _early_frozen: set[int] = set()  # ids of parameters averaged since their step, as clipping or unscaling read them
@@ -134,18 +172,43 @@ def _frozen_of(optimizer: Any, registry: Any, params: list[Any] | None = None) -
 
 def _average_unfrozen(modules: list[list[Any]], early_ones: set[int] | None) -> None:
     """Average the gradients of the parameters of ``modules`` that require grad now (none: nothing, no
-    collective). At a step (``early_ones``: those averaged since, as clipping read them), those
-    averaged early are not averaged again; before a read, they are marked so."""
+    collective), unless they are averaged already (as a backward ended, or a read). At a step
+    (``early_ones``: those averaged since) the marks are cleared; before a read, they are set."""
     for params in modules:
         trainable = list(itertools.compress(params, map(_requires_grad, params)))
         if not trainable:
             continue
+        if id(trainable[0]) in _early_frozen:
+            if early_ones is not None:
+                early_ones.difference_update(id(p) for p in trainable)
+            continue
         if early_ones is None:
             _early_frozen.update(id(p) for p in trainable)
-        elif id(trainable[0]) in early_ones:
-            early_ones.difference_update(id(p) for p in trainable)
-            continue
         average_gradients(trainable)
+        _watch_unfrozen(params, trainable)
+
+
+# id of a module's first parameter -> (the cell's registry, that parameter, what averages the module as backwards
+# end for that cell). Keyed by id: a dictionary keyed by the tensor itself would compare tensors with ==.
+_unfrozen_averagers: dict[int, tuple[Any, Any, backwardend.Averager]] = {}
+
+
+def _watch_unfrozen(params: list[Any], trainable: list[Any]) -> None:
+    """Average an unfrozen module's gradients as each backward writing them ends, from now on."""
+    registry = ledger.cell_registry()
+    registered, first, at_end = _unfrozen_averagers.get(id(params[0]), (None, None, None))
+    if registered is not registry or first is not params[0] or at_end is None:
+        at_end = backwardend.averager(functools.partial(_unfrozen_at_backward_end, params), registry.patches)
+        _unfrozen_averagers[id(params[0])] = (registry, params[0], at_end)
+        registry.patches.callback(_unfrozen_averagers.pop, id(params[0]), None)
+    backwardend.watch_backwards(trainable, at_end)
+
+
+def _unfrozen_at_backward_end(params: list[Any]) -> None:
+    trainable = list(itertools.compress(params, map(_requires_grad, params)))
+    if trainable:
+        average_gradients(trainable)
+        _early_frozen.update(id(p) for p in trainable)
 
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -162,9 +225,8 @@ def _say_bypassed(ddp: Any, registry: Any) -> None:
         registry.notes.append(
             f"the {type(ddp.module).__name__} model's forward was not called in a training step (its parts "
             "or methods were called instead, e.g. model['head'](x) or model.encode(x)), so DDP did not "
-            "average its gradients: nbtrain averaged them before each optimizer step (or before clipping or "
-            "unscaling read them), one all-reduce after the backward (calling the model itself lets DDP "
-            "overlap it with the backward)."
+            "average its gradients: nbtrain averaged them as each backward ended, one all-reduce after the "
+            "backward, as DDP would have (calling the model itself lets DDP overlap it with the backward)."
         )
 
 
@@ -188,6 +250,7 @@ def _average(ddp: Any) -> None:
     """Average the gradients of ``ddp``'s trainable parameters over its process group, as DDP would."""
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     average_gradients(params, ddp.process_group, sparse_parameters([ddp.module]))
+    backwardend.watch_backwards(params, ddp.__dict__["_nbtrain_at_end"])  # from now on
 
 
 def sparse_parameters(modules: list[Any]) -> frozenset[int]:

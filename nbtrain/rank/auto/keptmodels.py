@@ -6,12 +6,16 @@ that starts with ``model = Net()``: no DDP wraps that model, and each rank would
 own copy. So while an auto-mode cell of several ranks runs, an optimizer made in the cell
 whose parameters nothing averages (:mod:`~nbtrain.rank.auto.madeoptimizers` tells) is kept here from its
 first step on (:func:`keep_averaged`): rank 0's parameters and buffers are broadcast then
-(the ranks may have made the model differently), and before every step the gradients are
-averaged (one all-reduce after the backward, :func:`nbtrain.rank.auto.bypass.average_gradients`)
-and rank 0's buffers broadcast (BatchNorm's running statistics, as DDP's forward does), so
-every rank steps the same model with the same gradients. Under a ``GradScaler`` the average
-is taken when it unscales, before it looks for infinities (every rank skips the same steps),
-and ``clip_grad_norm_`` clips the averaged gradients, as under DDP.
+(the ranks may have made the model differently), and its gradients are averaged as each
+backward ends (:mod:`~nbtrain.rank.auto.backwardend`: one all-reduce,
+:func:`nbtrain.rank.auto.bypass.average_gradients`, as DDP's backward averages; before that
+first step too, :func:`average_before_kept`) and rank 0's buffers broadcast
+(BatchNorm's running statistics, as DDP's forward does), so every rank
+steps the same model with the same gradients, and holds the whole batch's between a backward
+and its step (a cell raising there brings them back), as one process. What no backward wrote
+(gradients set by hand) is averaged before the step. Under a ``GradScaler`` every rank so
+unscales the averaged gradients and skips the same steps, and ``clip_grad_norm_`` clips them,
+as under DDP.
 A step given a closure (LBFGS) makes its gradients inside the step: they are averaged as the
 closure returns, and the loss it returns is the ranks' mean, so every rank's step decides
 alike. A loader made in the cell for such a model is sharded
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbtrain.rank import api
-from nbtrain.rank.auto import bypass, ledger, samedata
+from nbtrain.rank.auto import backwardend, bypass, ledger, samedata
 
 
 @dataclass(frozen=True)
@@ -48,17 +52,22 @@ class _Kept:
     modules: tuple[Any, ...]  # weak references to the models
     where: str  # where the optimizer was made
     sparse: frozenset[int] | None  # ids of sparse-gradient parameters (None: a parameter outside the models)
+    owner: backwardend.Averager  # averages as each backward writing into its gradients ends
 
 
 _kept: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
 # (where the optimizer was made, weak references to the models found holding its parameters), for
 # the summary: a k-fold loop's models are gone by the cell's end, and their memory with them.
 _said: list[tuple[str, tuple[Any, ...]]] = []
-_early: weakref.WeakSet[Any] = weakref.WeakSet()  # averaged before the step (unscaled, clipped): it adds nothing
+# Averaged since a backward last wrote into their gradients (as it ended, or as they were unscaled or
+# clipped): a read or the step adds nothing.
+_early: weakref.WeakSet[Any] = weakref.WeakSet()
 # "first_step": madeoptimizers's first_step; "unstepped": the optimizers made in the cell that have not stepped yet
 _sources: dict[str, Callable[..., Any]] = {}
 # Kept, and their first gradients not yet compared over the ranks (the same on every rank: the same batch).
 _unchecked: weakref.WeakSet[Any] = weakref.WeakSet()
+# Not kept yet, its first gradients compared over the ranks as they were averaged (average_before_kept).
+_compared_first: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def keep_averaged(optimizer: Any, where: str, frame: types.FrameType | None) -> None:
@@ -76,9 +85,36 @@ def keep_averaged(optimizer: Any, where: str, frame: types.FrameType | None) -> 
     refs = tuple(weakref.ref(m) for m in modules)
     inside = {id(p) for m in modules for p in m.parameters()}
     sparse = bypass.sparse_parameters(list(modules)) if all(id(p) in inside for p in stepped) else None
-    _kept[optimizer] = _Kept(buffers, refs, where, sparse)
+    stack = ledger.cell_registry().patches
+    at_end = backwardend.averager(functools.partial(_at_backward_end, weakref.ref(optimizer)), stack)
+    _kept[optimizer] = _Kept(buffers, refs, where, sparse, at_end)
     _said.append((where, refs))
-    _unchecked.add(optimizer)
+    compared = _compared_first.pop(optimizer, None)  # its backwards before this step were averaged
+    if compared is None:
+        _unchecked.add(optimizer)
+    else:
+        samedata.note_first_gradients(tuple(modules), _unnamed(where), compared)
+    backwardend.watch_backwards(params.values(), at_end)
+
+
+def average_before_kept(optimizer: Any) -> None:
+    """Average the gradients of an optimizer made in the cell whose parameters nothing averages, not
+    stepped yet, as a backward writing them ends (:mod:`~nbtrain.rank.auto.madeoptimizers` watches its
+    backwards until its first step keeps it): as once it is kept, the ranks hold the whole batch's."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if optimizer not in _compared_first:  # its first gradients, each rank's own: the same mean the same batch
+        _compared_first[optimizer] = samedata.compare_first_gradients([p.grad for p in params])
+    bypass.average_gradients(params)
+    _early.add(optimizer)
+
+
+def _at_backward_end(reference: weakref.ref[Any]) -> None:
+    """A backward wrote into a kept model's gradients: average them now, as DDP's backward would."""
+    optimizer = reference()
+    kept = _kept.get(optimizer) if optimizer is not None else None
+    if kept is not None:
+        _average(optimizer, kept)
+        _early.add(optimizer)
 
 
 def kept(optimizer: Any) -> bool:
@@ -147,13 +183,12 @@ def averaging_clip(own: Any) -> Any:
 
 
 def _average_early(optimizer: Any) -> None:
-    """Average a kept model's gradients before its step reads them (its step then adds nothing).
-
-    Every such read averages (twice is the same as once): a step the scaler skipped leaves
-    the mark set, and the next iteration's gradients still get averaged.
+    """Average a kept model's gradients before its step reads them (its step then adds nothing), unless
+    they are averaged already (as the backward that wrote them ended): averaging again would take
+    another all-reduce, and over 3 ranks or more change the last bits.
     """
     kept = _kept.get(optimizer)
-    if kept is not None:
+    if kept is not None and optimizer not in _early:
         _average(optimizer, kept)
         _early.add(optimizer)
 
@@ -164,7 +199,7 @@ def average_kept(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     kept = _kept.get(optimizer)
     if kept is None:
         return None
-    early = optimizer in _early  # averaged already, as a scaler unscaled them or clipping read them
+    early = optimizer in _early  # averaged already: as the backward ended, a scaler unscaled them or clipping read them
     _early.discard(optimizer)
     # torch hands the hooks the step's arguments with the optimizer first: (optimizer, closure)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")
@@ -183,8 +218,9 @@ def _averaged_closure(closure: Any, optimizer: Any, kept: _Kept) -> Any:
     (LBFGS's line search and its stopping rule among it) then decides alike."""
     torch = ledger.torch_module()
     loss = closure()
-    _average(optimizer, kept)
-    _early.discard(optimizer)  # a clip inside the closure averaged them too: nothing is left for later
+    if optimizer not in _early:  # its backward averaged them as it ended (or a clip inside it)
+        _average(optimizer, kept)
+    _early.discard(optimizer)  # nothing is left for later
     if loss is None:
         return None
     value = torch.as_tensor(loss.detach() if isinstance(loss, torch.Tensor) else loss, device=api.device())
@@ -199,8 +235,10 @@ def _average(optimizer: Any, kept: _Kept) -> None:
     if optimizer in _unchecked:  # its first gradients: the same on every rank means the same batch
         _unchecked.discard(optimizer)
         models = tuple(m for m in (ref() for ref in kept.modules) if m is not None)
-        samedata.note_first_gradients(models, _unnamed(kept.where), [p.grad for p in params])
+        compared = samedata.compare_first_gradients([p.grad for p in params])
+        samedata.note_first_gradients(models, _unnamed(kept.where), compared)
     bypass.average_gradients(params, sparse=kept.sparse)
+    backwardend.watch_backwards(params, kept.owner)  # a parameter unfrozen since
     if kept.buffers:
         _broadcast(kept.buffers)
 

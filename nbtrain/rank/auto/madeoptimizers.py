@@ -8,7 +8,10 @@ auto-mode cell of several ranks runs (the patch table's ``made in the cell``), e
 records where (the user's function and line) and each DDP wrapper made marks its parameters
 averaged. At an optimizer's first step (:func:`first_step`), one whose parameters nothing
 averages (not prepared, not wrapped, not sharded) is kept one over the ranks from then on
-(:mod:`~nbtrain.rank.auto.keptmodels`), and named in the summary by where it was made.
+(:mod:`~nbtrain.rank.auto.keptmodels`), and named in the summary by where it was made. Until
+then, such an optimizer's gradients are averaged as each backward writing them ends
+(:mod:`~nbtrain.rank.auto.backwardend`), so a raise before its first step finds the whole
+batch's, as one process.
 
 Importing this module does not import torch.
 
@@ -28,11 +31,13 @@ import types
 import weakref
 from typing import Any
 
-from nbtrain.rank.auto import keptmodels, ledger
+from nbtrain.rank.auto import backwardend, keptmodels, ledger
 
 _made: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # optimizer not stepped yet -> where made
 _every_made: weakref.WeakSet[Any] = weakref.WeakSet()  # every optimizer made in the cell, stepped or not
 _averaged: set[int] = set()  # ids of parameters a DDP wrapper made in this process averages
+# optimizer not stepped yet whose parameters nothing averages -> what averages them as each backward ends
+_unstepped_watch: weakref.WeakKeyDictionary[Any, backwardend.Averager] = weakref.WeakKeyDictionary()
 _LIBRARY_FILES = re.compile(r"[/\\](site|dist)-packages[/\\]|^<frozen ")
 # nbtrain's own files and the standard library's: no user's code.
 _HOMES = (
@@ -49,6 +54,8 @@ def recording_optimizers(own_init: Any) -> Any:
         own_init(self, *args, **kwargs)
         _made[self] = _where(sys._getframe(1))
         _every_made.add(self)
+        if _averages_nothing(self):
+            _watch_before_first_step(self)
 
     return init
 
@@ -65,6 +72,27 @@ def recording_averaged(own_ddp_init: Any) -> Any:
     return ddp_init
 
 
+def _watch_before_first_step(optimizer: Any) -> None:
+    """Average the gradients of ``optimizer``'s parameters as each backward writing them ends, until its
+    first step (then kept, :mod:`~nbtrain.rank.auto.keptmodels` watches them, or not): a cell raising
+    between its first backward and step holds the whole batch's, as one process."""
+    stack = ledger.cell_registry().patches
+    by = backwardend.averager(functools.partial(_before_first_step, weakref.ref(optimizer)), stack)
+    _unstepped_watch[optimizer] = by
+    backwardend.watch_backwards(_params(optimizer), by)
+
+
+def _before_first_step(reference: weakref.ref[Any]) -> None:
+    optimizer = reference()
+    if optimizer is not None and optimizer in _made and _averages_nothing(optimizer):
+        keptmodels.average_before_kept(optimizer)
+        backwardend.watch_backwards(_params(optimizer), _unstepped_watch[optimizer])  # a group added since
+
+
+def _params(optimizer: Any) -> list[Any]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def at_first_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
     """The step hook's (:mod:`~nbtrain.rank.auto.stephooks`): an optimizer's first step decides whether it is kept."""
     first_step(optimizer, sys._getframe(2))  # past the dispatcher: where the step was called
@@ -75,6 +103,9 @@ def first_step(optimizer: Any, frame: types.FrameType | None) -> None:
     nothing averages is kept one over the ranks (:mod:`~nbtrain.rank.auto.keptmodels`). ``frame``: where
     the step was called."""
     where = _made.pop(optimizer, None)
+    watching = _unstepped_watch.pop(optimizer, None)
+    if watching is not None:
+        backwardend.unwatch_backwards(watching)
     if where is not None and _averages_nothing(optimizer):
         keptmodels.keep_averaged(optimizer, where, frame)
 

@@ -32,12 +32,17 @@ def note_first_inputs(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any])
     ledger.cell_registry().first_inputs.append(((ddp, ddp.module), fallback, extremes, bool(tensors)))
 
 
-def note_first_gradients(models: tuple[Any, ...], fallback: str, gradients: list[Any]) -> None:
+def compare_first_gradients(gradients: list[Any]) -> Any:
     """Start the comparison of a model's first gradients over the ranks (one all-reduce, every rank):
-    for a model no DDP wraps, the same gradients on every rank mean the same batch. ``models``
-    are looked for among the cell's globals to name it, else ``fallback`` names it."""
-    extremes = _compared([g for g in gradients if g is not None and g.numel()], None)
-    ledger.cell_registry().first_inputs.append((models, fallback, extremes, True))
+    for a model no DDP wraps, the same gradients on every rank mean the same batch. What it returns
+    goes to :func:`note_first_gradients` (it may be started before the model is known)."""
+    return _compared([g for g in gradients if g is not None and g.numel()], None)
+
+
+def note_first_gradients(models: tuple[Any, ...], fallback: str, compared: Any) -> None:
+    """Note the comparison :func:`compare_first_gradients` started for the model: ``models`` are looked
+    for among the cell's globals to name it, else ``fallback`` names it."""
+    ledger.cell_registry().first_inputs.append((models, fallback, compared, True))
 
 
 def _compared(tensors: list[Any], group: Any) -> Any:

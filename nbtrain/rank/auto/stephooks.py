@@ -7,7 +7,10 @@ unscales, a graceful stop ends the cell. Each is a named step in :data:`BEFORE` 
 global pre-hook and the one post-hook :func:`for_the_cell` registers for a cell; the hooks are
 removed as the cell ends. A step that has nothing to do for the cell returns at once. A
 function run (``nbtrain.start``) has them from the first model ``prepare`` wraps
-(:func:`for_prepared_models`), without the stop check, for the rest of the run.
+(:func:`for_prepared_models`), without the stop check, for the rest of the run. A model nbtrain
+averages itself (made in the cell, or called past its DDP wrapper) has its gradients averaged
+as each backward ends (:mod:`~nbtrain.rank.auto.backwardend`), as DDP's are: its steps below
+then find them averaged and add nothing (they average what no backward wrote).
 
 The order, and why (docs/architecture.md shows it):
 
@@ -15,9 +18,11 @@ The order, and why (docs/architecture.md shows it):
    one the cell made whose model nothing averages is kept one over the ranks (rank 0's
    weights broadcast). The next step averages what this one decides to keep.
 2. ``kept models`` (:func:`nbtrain.rank.auto.keptmodels.average_kept`): a kept model's gradients
-   averaged (a closure's as it returns, so it may hand the step a changed closure).
+   averaged where the backward's end (or clipping, or unscaling) has not (a closure's as it
+   returns, so it may hand the step a changed closure).
 3. ``bypassed DDP`` (:func:`nbtrain.rank.auto.bypass.average_bypassed`): a DDP model whose forward the
-   step did not call gets its gradients averaged. Every average comes before unscaling.
+   step did not call gets its gradients averaged where the backward's end has not (this step
+   finds it bypassed: from then on its backwards average). Every average comes before unscaling.
 4. ``loss scaling`` (:func:`nbtrain.rank.auto.precision.unscale_before_step`): 16-mixed unscales the
    averaged gradients, so every rank finds the same overflow and skips the same step.
 5. ``stop check`` (:func:`nbtrain.rank.machinery.stepcheck.check_stop`): last, so that when it ends
