@@ -149,15 +149,7 @@ def _strategy(strategy: Any) -> str:
 def _stall_seconds(seconds: Any) -> float | None:
     if seconds is None:
         return None
-    try:
-        value = float(seconds)
-    except (TypeError, ValueError):
-        value = -1.0
-    if isinstance(seconds, bool) or not value > 0 or value == float("inf"):
-        raise ConfigurationError(
-            f"stall_warning={seconds!r} is not valid: give a positive number of seconds, or None for no warning."
-        )
-    return value
+    return _positive_seconds("stall_warning", seconds, "a positive number of seconds, or None for no warning")
 
 
 def _cluster(cluster: Any) -> str:

@@ -140,17 +140,13 @@ def start_launcher() -> LauncherProcess:
 
 def stop_launcher(launcher: LauncherProcess, grace: float = 2.0) -> None:
     """Close the channel (the launcher then stops its ranks and exits); kill it if it lingers."""
-    try:
+    with contextlib.suppress(OSError):  # already closed or never connected
         # shutdown first: close() alone does not end the socket while the kernel's reader
         # thread is blocked in recv on it, so the launcher would never see EOF and would
         # only go when killed after the grace period.
         launcher.channel.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed or never connected
-    try:
+    with contextlib.suppress(OSError):
         launcher.channel.close()
-    except OSError:
-        pass
     try:
         launcher.popen.wait(timeout=grace)
     except subprocess.TimeoutExpired:
@@ -169,11 +165,17 @@ def thread_count() -> int:
 def fork_rank(child_main: Callable[[], None]) -> int:
     """Fork a rank from the (thread-free) launcher. The child never returns from here."""
     parent = os.getpid()
+    return _fork(lambda: _become_rank(parent), child_main)
+
+
+def _fork(setup: Callable[[], None], child_main: Callable[[], None]) -> int:
+    """Fork a child that runs ``setup``, then ``child_main``, and leaves by ``os._exit`` (0, or
+    71 if it raised); returns the child's pid."""
     pid = os.fork()
     if pid == 0:
         code = 70
         try:
-            _become_rank(parent)
+            setup()
             child_main()
             code = 0
         # A forked child must reach os._exit whatever it raised: never unwind into the
@@ -234,11 +236,7 @@ def keep_freed_memory() -> None:
 
 def die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this process when its parent dies; exit now if it already did."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
@@ -248,10 +246,7 @@ def become_subreaper() -> None:
 
     The setting is not inherited by children, so the launcher and each rank set it.
     """
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
 def children(pid: int | None = None) -> list[int]:
@@ -291,10 +286,8 @@ def kill_strays(keep: set[int]) -> list[int]:
     strays = [pid for pid in children() if pid not in keep]
     victims = [pid for stray in strays for pid in (stray, *descendants(stray))]
     for pid in victims:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     for pid in strays:
         reap(pid)
     return victims
@@ -327,10 +320,8 @@ def reap_now(pid: int, timeout: float = 2.0) -> None:
 
 def signal_group(pgid: int, number: int) -> None:
     """Send a signal to a rank's process group; a group already gone is fine."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, number)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def process_groups() -> dict[int, list[int]]:
@@ -416,10 +407,8 @@ def remove_torch_shared_memory(pids: Iterable[int], directory: str = "/dev/shm")
         return
     for name in names:
         if name.startswith(prefixes):
-            try:
+            with contextlib.suppress(OSError):  # removed meanwhile
                 os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass  # removed meanwhile
 
 
 def _running(pid: int) -> bool:
@@ -551,13 +540,10 @@ def request_stack(pid: int) -> bool:
 
 def catches(pid: int, number: int) -> bool:
     """Whether process ``pid`` has a handler for signal ``number`` (its SigCgt mask in /proc)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (number - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (number - 1) & 1)
     return False
 
 
@@ -568,18 +554,14 @@ def exit_now(code: int = 0) -> NoReturn:
     group destroyed while DDP still holds it can block forever in its destructor.
     """
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 
 def _prctl(option: int, argument: int) -> None:
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux
         ctypes.CDLL(None, use_errno=True).prctl(option, argument, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
 
 
 def return_free_memory() -> None:
@@ -658,18 +640,7 @@ def fork_launcher(child_main: Callable[[], None]) -> int:
 
     It does not die with the template (no PDEATHSIG): it lives as long as its kernel.
     """
-    pid = os.fork()
-    if pid == 0:
-        code = 70
-        try:
-            os.setsid()
-            child_main()
-            code = 0
-        except BaseException:  # noqa: BLE001  # pragma: no cover - never unwind into the template
-            code = 71
-        finally:
-            os._exit(code)
-    return pid
+    return _fork(os.setsid, child_main)
 
 
 class ForkedLauncher:
