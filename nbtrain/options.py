@@ -89,8 +89,8 @@ class Option:
     :func:`nbtrain.rank.machinery.settings.current` (``current().precision``), with no other plumbing.
     ``control``: how the launcher form shows it (:mod:`nbtrain.kernel.display.form`; None: not there).
 
-    >>> Option("Seconds.", check=float, flag="--wait").plain_help()
-    'Seconds.'
+    >>> Option("Seconds.", check=float, flag="--wait").keyword
+    True
     """
 
     help: str
@@ -105,10 +105,6 @@ class Option:
     keyword: bool = True
     rank: bool = False
     control: Control | None = None
-
-    def plain_help(self) -> str:
-        """The help as a terminal shows it: the markdown's backticks left out."""
-        return self.help.replace("`", "")
 
 
 # -- checks: each takes the value as given and returns the value kept ------------------------
