@@ -216,6 +216,7 @@ TRACKER_PATCHES: tuple[Patch, ...] = (
 _RANK, _CELL, _LAUNCHER = Lifetime.RANK, Lifetime.CELL, Lifetime.LAUNCHER
 _RUNTIME, _DEBUGGER = "nbtrain.rank.machinery.runtime:", "nbtrain.rank.machinery.debugger:"
 _CHECKPOINTS = "nbtrain.rank.machinery.checkpoints:"
+_MADE_LOADERS, _SCHEDULERS = "nbtrain.rank.auto.madeloaders:", "nbtrain.rank.auto.schedulers:"
 _DISPLAYS, _TEXT_BARS = "nbtrain.rank.machinery.displays:in_the_cell", "nbtrain.rank.machinery.progressbars:text_bar"
 _C10D = "torch.distributed.distributed_c10d"  # where torch defines init_process_group; torch.distributed re-exports it
 _TORCHRUN = "code written for torchrun runs unchanged: its own init_process_group joins nothing new"
@@ -224,6 +225,7 @@ _AVERAGED_CLIP = "clipping reads averaged gradients (a cell-made model's, a mode
 _WHOLE = "ranks saving one path at once: a reader never sees a torn file"
 _SHOWN = "IPython's {} on a rank goes to the cell (the kernel's own outside a run)"
 _TEXT_BAR = "tqdm.notebook's widget bar on a rank (no frontend there) prints as text"
+_SHARE = "a DataLoader made in the cell reads this rank's share, as the kernel's do"
 
 TABLE: tuple[Patch, ...] = (
     # A rank's process, installed as it starts (nbtrain.rank.machinery.runtime).
@@ -284,26 +286,11 @@ TABLE: tuple[Patch, ...] = (
         for name in ("clip_grad_norm_", "clip_grad_value_")
     ),
     *(
-        Patch(
-            "made in the cell",
-            "torch.utils.data:DataLoader",
-            name,
-            f"nbtrain.rank.auto.madeloaders:{factory}",
-            _CELL,
-            "a DataLoader made in the cell reads this rank's share, as the kernel's do",
-        )
-        for name, factory in (
-            ("__init__", "recording_loaders"),
-            ("__iter__", "sharded_iter"),
-            ("__len__", "sharded_len"),
-        )
+        Patch("made in the cell", "torch.utils.data:DataLoader", f"__{name}__", _MADE_LOADERS + factory, _CELL, _SHARE)
+        for name, factory in (("init", "recording_loaders"), ("iter", "sharded_iter"), ("len", "sharded_len"))
     ),
     Patch(
-        "made in the cell",
-        "torch.optim.lr_scheduler:ReduceLROnPlateau",
-        "step",
-        "nbtrain.rank.auto.schedulers:agreed_step",
-        _CELL,
+        "made in the cell", "torch.optim.lr_scheduler:ReduceLROnPlateau", "step", _SCHEDULERS + "agreed_step", _CELL,
         "every rank steps on the ranks' agreed metric, so all keep the same learning rate",
     ),
     # One cell of several ranks: a file saved to one path by every rank is written whole.
