@@ -668,14 +668,7 @@ def _full_optimizer_state(module: Any, optimizer: Any) -> dict[str, Any]:
         return {}
     names = {id(p): n for n, p in module.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    index = {name: i for i, name in enumerate(order)}
-    return {
-        "state": {index[name]: value for name, value in by_name["state"].items()},
-        "param_groups": [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": [index[n] for n in group["params"]]}
-            for group in by_name["param_groups"]
-        ],
-    }
+    return optimizers.rekeyed(by_name, {name: i for i, name in enumerate(order)}.__getitem__)
 
 
 # -- pickling the way back -----------------------------------------------------------------
