@@ -53,15 +53,9 @@ def human_accounts(passwd: str | None = None) -> int:
             lines = f.read().splitlines()
     except OSError:
         return 0
-    count = 0
-    for line in lines:
-        fields = line.split(":")
-        if len(fields) < 7 or not fields[2].isdigit():
-            continue
-        uid, shell = int(fields[2]), fields[6]
-        if 1000 <= uid < 65534 and shell and not shell.endswith(_NO_LOGIN):
-            count += 1
-    return count
+    accounts = [fields for fields in (line.split(":") for line in lines) if len(fields) >= 7 and fields[2].isdigit()]
+    logins = [fields for fields in accounts if fields[6] and not fields[6].endswith(_NO_LOGIN)]
+    return sum(1 for fields in logins if 1000 <= int(fields[2]) < 65534)
 
 
 def sentence(reason: str, accounts: int) -> str:
