@@ -294,9 +294,6 @@ def _already_distributed(loader: Any) -> bool:
     )
 
 
-_loader_class: type | None = None
-
-
 class _PassAware(_LoaderBase):
     """A DataLoader on a DistributedSampler that tells training passes from evaluation passes.
 
@@ -432,18 +429,16 @@ def _models_evaluating() -> bool:
     return bool(trained) and not any(m.training for m in trained)
 
 
+@functools.cache
 def _prepared_loader_class() -> type:
     """:class:`_PassAware` on torch's DataLoader, named ``DataLoader`` (built once: it imports torch)."""
-    global _loader_class
-    if _loader_class is None:
-        from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader
 
-        class PreparedDataLoader(_PassAware, DataLoader[Any]):
-            pass
+    class PreparedDataLoader(_PassAware, DataLoader[Any]):
+        pass
 
-        PreparedDataLoader.__name__ = PreparedDataLoader.__qualname__ = "DataLoader"
-        _loader_class = PreparedDataLoader
-    return _loader_class
+    PreparedDataLoader.__name__ = PreparedDataLoader.__qualname__ = "DataLoader"
+    return PreparedDataLoader
 
 
 def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
