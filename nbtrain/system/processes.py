@@ -44,7 +44,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, NoReturn, Protocol
+from subprocess import Popen
+from typing import IO, Any, NoReturn, Protocol
 
 from nbtrain.messages import stacks
 
@@ -116,26 +117,32 @@ class LauncherProcess:
 def start_launcher() -> LauncherProcess:
     """Start the warm launcher from a clean interpreter, in a session of its own."""
     kernel_end, launcher_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    env = dict(os.environ)
-    env[CONTROL_FD_VARIABLE] = str(launcher_end.fileno())
-    env[ROLE_VARIABLE] = "launcher"
-    # numpy's OpenBLAS starts a thread pool at import; the launcher must stay thread-free
-    # to fork safely. Ranks then run numpy's BLAS on one thread (they share the cores).
-    env["OPENBLAS_NUM_THREADS"] = "1"
+    fd = launcher_end.fileno()
     try:
-        popen = subprocess.Popen(
-            [sys.executable, "-m", LAUNCHER_MODULE],
-            pass_fds=[launcher_end.fileno()],
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env=env,
-            close_fds=True,
-        )
+        env = {**os.environ, CONTROL_FD_VARIABLE: str(fd)}
+        popen = _start_python([LAUNCHER_MODULE], "launcher", env, subprocess.PIPE, pass_fds=[fd])
     finally:
         launcher_end.close()
     return LauncherProcess(popen, kernel_end)
+
+
+def _start_python(args: list[str], role: str, env: Mapping[str, str], stderr: int, **options: Any) -> Popen[bytes]:
+    """A fresh interpreter running ``-m *args`` as ``role``, in a session of its own, with no stdin or stdout.
+
+    numpy's OpenBLAS starts a thread pool at import; a launcher (and the template that forks
+    launchers) must stay thread-free to fork safely. Ranks then run numpy's BLAS on one
+    thread (they share the cores).
+    """
+    return subprocess.Popen(
+        [sys.executable, "-m", *args],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        env={**env, ROLE_VARIABLE: role, "OPENBLAS_NUM_THREADS": "1"},
+        close_fds=True,
+        **options,
+    )
 
 
 def stop_launcher(launcher: LauncherProcess, grace: float = 2.0) -> None:
@@ -583,23 +590,11 @@ def start_template(path: str) -> None:
     The process started here forks the template and exits at once (we reap it now), so the
     template outlives this kernel without ever being its zombie.
     """
-    env = dict(os.environ)
-    env[ROLE_VARIABLE] = "template"
-    env["OPENBLAS_NUM_THREADS"] = "1"  # forked launchers must stay thread-free
-    env.update(importing_this_nbtrain(env))
-    starter = subprocess.Popen(
-        [sys.executable, "-m", TEMPLATE_MODULE, path],
-        # Not the kernel's working directory: `-m` puts it first on sys.path, and a checkout
-        # there would be the nbtrain the template imports, not the kernel's (it would then
-        # refuse every kernel). Each launcher it forks takes its kernel's directory.
-        cwd=os.path.dirname(path),
-        start_new_session=True,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        close_fds=True,
-    )
+    env = {**os.environ, **importing_this_nbtrain(os.environ)}
+    # Not the kernel's working directory: `-m` puts it first on sys.path, and a checkout
+    # there would be the nbtrain the template imports, not the kernel's (it would then
+    # refuse every kernel). Each launcher it forks takes its kernel's directory.
+    starter = _start_python([TEMPLATE_MODULE, path], "template", env, subprocess.DEVNULL, cwd=os.path.dirname(path))
     starter.wait(timeout=30.0)
 
 
