@@ -103,13 +103,9 @@ def install_for_process(group: str) -> None:
 def replacements(lifetime: Lifetime) -> list[tuple[Any, Any, str]]:
     """(what replaces it now, owner, attribute) for each patch of ``lifetime`` whose module is
     imported: so that, once they are undone, a name bound to a replacement can name the original."""
-    found = []
-    for patch in TABLE:
-        module = sys.modules.get(patch.module)
-        if patch.lifetime is lifetime and module is not None:
-            owner = _owner(patch, module)
-            found.append((getattr(owner, patch.attribute, None), owner, patch.attribute))
-    return found
+    imported = [(patch, sys.modules.get(patch.module)) for patch in TABLE if patch.lifetime is lifetime]
+    owners = [(patch, _owner(patch, module)) for patch, module in imported if module is not None]
+    return [(getattr(owner, patch.attribute, None), owner, patch.attribute) for patch, owner in owners]
 
 
 _for_the_process: dict[str, ExitStack] = {}  # group -> its undo, for the groups a process keeps

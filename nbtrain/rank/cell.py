@@ -536,14 +536,9 @@ def _inner_optimizer_states(
 
 def _bound(cell_globals: dict[str, Any], before: _Before, hidden: set[str]) -> dict[str, Any]:
     """The names the cell bound to another object (a prepared wrapper counts as what it wraps)."""
-    bound = {}
-    for name, value in cell_globals.items():
-        if records.is_internal(name) or name in hidden:
-            continue
-        original = wrapping.original_of(value)
-        if name not in before.bindings or before.bindings[name] is not original:
-            bound[name] = original
-    return bound
+    names = [name for name in cell_globals if not (records.is_internal(name) or name in hidden)]
+    originals = {name: wrapping.original_of(cell_globals[name]) for name in names}
+    return {name: o for name, o in originals.items() if name not in before.bindings or before.bindings[name] is not o}
 
 
 def _changed_objects(before: _Before, changed_modules: set[str]) -> dict[str, dict[str, Any]]:

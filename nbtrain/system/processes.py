@@ -334,13 +334,10 @@ def signal_group(pgid: int, number: int) -> None:
 def process_groups() -> dict[int, list[int]]:
     """Process group id -> the pids in it, for every process visible in /proc."""
     groups: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        fields = _stat_fields(int(name))
-        if fields is None:
-            continue  # gone meanwhile
-        groups.setdefault(int(fields[2]), []).append(int(name))
+    for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):
+        fields = _stat_fields(pid)
+        if fields is not None:  # else gone meanwhile
+            groups.setdefault(int(fields[2]), []).append(pid)
     return groups
 
 
