@@ -131,9 +131,7 @@ class _StorageUnpickler(pickle.Unpickler):
             storage = torch.UntypedStorage(nbytes)
         else:
             # The storage holds a reference to the mapping: it lives as long as any tensor.
-            storage = torch.frombuffer(
-                self._mapping, dtype=torch.uint8, count=nbytes, offset=offset
-            ).untyped_storage()
+            storage = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
         target = self._map_location or "cpu"
         if device_type != "cpu" and target != "cpu":
             storage = storage.to(device=torch.device(target))

@@ -328,8 +328,7 @@ def _kernel_refs(objects: Mapping[str, Any]) -> dict[int, tuple[Any, ...]]:
     """id -> persistent id, for every shipped object and the parts of shipped modules."""
     refs: dict[int, tuple[Any, ...]] = {}
     for name in sorted(objects):
-        value = objects[name]
-        refs.setdefault(id(value), (records.KERNEL_TAG, name))
+        refs.setdefault(id(objects[name]), (records.KERNEL_TAG, name))
     for name in sorted(objects):
         _add_module_parts(refs, name, objects[name])
     return refs

@@ -106,7 +106,7 @@ def notes() -> list[str]:
 
 
 def model_wrapper() -> str:
-    """One of ``WRAPPERS``: what a module is wrapped in on this rank (the run's --strategy says).
+    """What a module is wrapped in on this rank (a strategy's ``model_wrapper``: the run's --strategy says).
 
     A run nbtrain did not plan (a script under torchrun) wraps in DDP over several ranks.
     """
