@@ -48,7 +48,6 @@ class Lifetime(enum.Enum):
     RANK = "a rank's process"  # installed as the rank starts; the process ends with it
     CELL = "one cell"  # installed as a cell starts on a rank, undone as it ends
     LAUNCHER = "the launcher"  # installed by the warm launcher; its forked ranks inherit it
-    KERNEL = "the kernel"  # installed by %load_ext nbtrain, undone by %unload_ext nbtrain
     PROMPT = "one pdb prompt"  # installed as a rank's pdb prompts, undone as it returns
 
 
