@@ -30,10 +30,6 @@ def _restore_error(cls: type[NbtrainError], args: tuple[object, ...], state: dic
     return error
 
 
-class NbtrainWarning(UserWarning):
-    """Base class of nbtrain's warnings (skipped values, ignored settings)."""
-
-
 class ConfigurationError(NbtrainError, ValueError):
     """A launch setting (devices, accelerator, strategy, timeout) cannot be satisfied."""
 

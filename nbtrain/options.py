@@ -89,8 +89,8 @@ class Option:
     :func:`nbtrain.rank.machinery.settings.current` (``current().precision``), with no other plumbing.
     ``control``: how the launcher form shows it (:mod:`nbtrain.kernel.display.form`; None: not there).
 
-    >>> Option("Seconds.", check=float, flag="--wait").plain_help()
-    'Seconds.'
+    >>> Option("Seconds.", check=float, flag="--wait").keyword
+    True
     """
 
     help: str
@@ -105,10 +105,6 @@ class Option:
     keyword: bool = True
     rank: bool = False
     control: Control | None = None
-
-    def plain_help(self) -> str:
-        """The help as a terminal shows it: the markdown's backticks left out."""
-        return self.help.replace("`", "")
 
 
 # -- checks: each takes the value as given and returns the value kept ------------------------
@@ -149,15 +145,7 @@ def _strategy(strategy: Any) -> str:
 def _stall_seconds(seconds: Any) -> float | None:
     if seconds is None:
         return None
-    try:
-        value = float(seconds)
-    except (TypeError, ValueError):
-        value = -1.0
-    if isinstance(seconds, bool) or not value > 0 or value == float("inf"):
-        raise ConfigurationError(
-            f"stall_warning={seconds!r} is not valid: give a positive number of seconds, or None for no warning."
-        )
-    return value
+    return _positive_seconds("stall_warning", seconds, "a positive number of seconds, or None for no warning")
 
 
 def _cluster(cluster: Any) -> str:

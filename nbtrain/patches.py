@@ -48,7 +48,6 @@ class Lifetime(enum.Enum):
     RANK = "a rank's process"  # installed as the rank starts; the process ends with it
     CELL = "one cell"  # installed as a cell starts on a rank, undone as it ends
     LAUNCHER = "the launcher"  # installed by the warm launcher; its forked ranks inherit it
-    KERNEL = "the kernel"  # installed by %load_ext nbtrain, undone by %unload_ext nbtrain
     PROMPT = "one pdb prompt"  # installed as a rank's pdb prompts, undone as it returns
 
 
@@ -100,23 +99,12 @@ def install_for_process(group: str) -> None:
         install(group, stack)
 
 
-def uninstall_from_process(group: str) -> None:
-    """Undo what :func:`install_for_process` installed of ``group`` (``%unload_ext nbtrain``)."""
-    stack = _for_the_process.pop(group, None)
-    if stack is not None:
-        stack.close()
-
-
-def replacements(lifetime: Lifetime, table: Iterable[Patch] | None = None) -> list[tuple[Any, Any, str]]:
+def replacements(lifetime: Lifetime) -> list[tuple[Any, Any, str]]:
     """(what replaces it now, owner, attribute) for each patch of ``lifetime`` whose module is
     imported: so that, once they are undone, a name bound to a replacement can name the original."""
-    found = []
-    for patch in TABLE if table is None else table:
-        module = sys.modules.get(patch.module)
-        if patch.lifetime is lifetime and module is not None:
-            owner = _owner(patch, module)
-            found.append((getattr(owner, patch.attribute, None), owner, patch.attribute))
-    return found
+    imported = [(patch, sys.modules.get(patch.module)) for patch in TABLE if patch.lifetime is lifetime]
+    owners = [(patch, _owner(patch, module)) for patch, module in imported if module is not None]
+    return [(getattr(owner, patch.attribute, None), owner, patch.attribute) for patch, owner in owners]
 
 
 _for_the_process: dict[str, ExitStack] = {}  # group -> its undo, for the groups a process keeps
@@ -221,6 +209,10 @@ TRACKER_PATCHES: tuple[Patch, ...] = (
 )
 
 _RANK, _CELL, _LAUNCHER = Lifetime.RANK, Lifetime.CELL, Lifetime.LAUNCHER
+_RUNTIME, _DEBUGGER = "nbtrain.rank.machinery.runtime:", "nbtrain.rank.machinery.debugger:"
+_CHECKPOINTS = "nbtrain.rank.machinery.checkpoints:"
+_MADE_LOADERS, _SCHEDULERS = "nbtrain.rank.auto.madeloaders:", "nbtrain.rank.auto.schedulers:"
+_DISPLAYS, _TEXT_BARS = "nbtrain.rank.machinery.displays:in_the_cell", "nbtrain.rank.machinery.progressbars:text_bar"
 _C10D = "torch.distributed.distributed_c10d"  # where torch defines init_process_group; torch.distributed re-exports it
 _TORCHRUN = "code written for torchrun runs unchanged: its own init_process_group joins nothing new"
 _TORCHRUN_END = "its destroy_process_group leaves the group (a gloo group destroyed under DDP can hang)"
@@ -228,123 +220,35 @@ _AVERAGED_CLIP = "clipping reads averaged gradients (a cell-made model's, a mode
 _WHOLE = "ranks saving one path at once: a reader never sees a torn file"
 _SHOWN = "IPython's {} on a rank goes to the cell (the kernel's own outside a run)"
 _TEXT_BAR = "tqdm.notebook's widget bar on a rank (no frontend there) prints as text"
+_SHARE = "a DataLoader made in the cell reads this rank's share, as the kernel's do"
 
 TABLE: tuple[Patch, ...] = (
     # A rank's process, installed as it starts (nbtrain.rank.machinery.runtime).
-    Patch(
-        "rank",
-        "sys",
-        "stdout",
-        "nbtrain.rank.machinery.runtime:line_buffered_stdout",
-        _RANK,
-        "each print reaches the cell live",
+    Patch("rank", "sys", "stdout", _RUNTIME + "line_buffered_stdout", _RANK, "each print reaches the cell live"),
+    Patch("rank", "sys", "stderr", _RUNTIME + "line_buffered_stderr", _RANK, "each warning reaches the cell live"),
+    Patch("rank", "builtins", "input", _RUNTIME + "no_input", _RANK, "input() says why a rank can't answer"),
+    *(
+        Patch("torchrun", module, f"{verb}_process_group", _RUNTIME + f"harmless_{verb}", _RANK, why)
+        for verb, why in (("init", _TORCHRUN), ("destroy", _TORCHRUN_END))
+        for module in ("torch.distributed", _C10D)
     ),
+    Patch("debugger", "sys", "breakpointhook", _DEBUGGER + "relayed_hook", _RANK, "breakpoint() opens pdb in the cell"),
     Patch(
-        "rank",
-        "sys",
-        "stderr",
-        "nbtrain.rank.machinery.runtime:line_buffered_stderr",
-        _RANK,
-        "each warning reaches the cell live",
-    ),
-    Patch(
-        "rank",
-        "builtins",
-        "input",
-        "nbtrain.rank.machinery.runtime:no_input",
-        _RANK,
-        "input() says why a rank can't answer",
-    ),
-    Patch(
-        "torchrun",
-        "torch.distributed",
-        "init_process_group",
-        "nbtrain.rank.machinery.runtime:harmless_init",
-        _RANK,
-        _TORCHRUN,
-    ),
-    Patch("torchrun", _C10D, "init_process_group", "nbtrain.rank.machinery.runtime:harmless_init", _RANK, _TORCHRUN),
-    Patch(
-        "torchrun",
-        "torch.distributed",
-        "destroy_process_group",
-        "nbtrain.rank.machinery.runtime:harmless_destroy",
-        _RANK,
-        _TORCHRUN_END,
-    ),
-    Patch(
-        "torchrun",
-        _C10D,
-        "destroy_process_group",
-        "nbtrain.rank.machinery.runtime:harmless_destroy",
-        _RANK,
-        _TORCHRUN_END,
-    ),
-    Patch(
-        "debugger",
-        "sys",
-        "breakpointhook",
-        "nbtrain.rank.machinery.debugger:relayed_hook",
-        _RANK,
-        "breakpoint() opens pdb in the cell",
-    ),
-    Patch(
-        "debugger",
-        "pdb",
-        "set_trace",
-        "nbtrain.rank.machinery.debugger:relayed_set_trace",
-        _RANK,
-        "pdb.set_trace() opens pdb in the cell",
+        "debugger", "pdb", "set_trace", _DEBUGGER + "relayed_set_trace", _RANK, "pdb.set_trace() opens pdb in the cell"
     ),
     # The launcher, before it forks ranks (a spawned rank installs them itself): as each module is imported.
     *(
-        Patch(
-            "notebook only",
-            module,
-            name,
-            "nbtrain.rank.machinery.displays:in_the_cell",
-            _LAUNCHER,
-            _SHOWN.format(name),
-            True,
-        )
+        Patch("notebook only", module, name, _DISPLAYS, _LAUNCHER, _SHOWN.format(name), True)
         for module in ("IPython.core.display_functions", "IPython.core.display")  # IPython 8 and later, then 7.x
         for name in ("display", "clear_output")
     ),
-    Patch(
-        "notebook only",
-        "tqdm.notebook",
-        "tqdm_notebook",
-        "nbtrain.rank.machinery.progressbars:text_bar",
-        _LAUNCHER,
-        _TEXT_BAR,
-        True,
-    ),
-    Patch(
-        "notebook only",
-        "tqdm.notebook",
-        "tqdm",
-        "nbtrain.rank.machinery.progressbars:text_bar",
-        _LAUNCHER,
-        _TEXT_BAR,
-        True,
+    *(
+        Patch("notebook only", "tqdm.notebook", name, _TEXT_BARS, _LAUNCHER, _TEXT_BAR, True)
+        for name in ("tqdm_notebook", "tqdm")
     ),
     # One pdb prompt on a rank (nbtrain.rank.machinery.debugger): interact's input() and print() use the relay.
-    Patch(
-        "pdb prompt",
-        "sys",
-        "stdin",
-        "nbtrain.rank.machinery.debugger:the_relay",
-        Lifetime.PROMPT,
-        "interact reads the relay",
-    ),
-    Patch(
-        "pdb prompt",
-        "sys",
-        "stdout",
-        "nbtrain.rank.machinery.debugger:the_relay",
-        Lifetime.PROMPT,
-        "interact writes the relay",
-    ),
+    Patch("pdb prompt", "sys", "stdin", _DEBUGGER + "the_relay", Lifetime.PROMPT, "interact reads the relay"),
+    Patch("pdb prompt", "sys", "stdout", _DEBUGGER + "the_relay", Lifetime.PROMPT, "interact writes the relay"),
     # One auto-mode cell of several ranks (nbtrain.rank.cell): what the cell makes and trains itself.
     Patch(
         "made in the cell",
@@ -377,48 +281,18 @@ TABLE: tuple[Patch, ...] = (
         for name in ("clip_grad_norm_", "clip_grad_value_")
     ),
     *(
-        Patch(
-            "made in the cell",
-            "torch.utils.data:DataLoader",
-            name,
-            f"nbtrain.rank.auto.madeloaders:{factory}",
-            _CELL,
-            "a DataLoader made in the cell reads this rank's share, as the kernel's do",
-        )
-        for name, factory in (
-            ("__init__", "recording_loaders"),
-            ("__iter__", "sharded_iter"),
-            ("__len__", "sharded_len"),
-        )
+        Patch("made in the cell", "torch.utils.data:DataLoader", f"__{name}__", _MADE_LOADERS + factory, _CELL, _SHARE)
+        for name, factory in (("init", "recording_loaders"), ("iter", "sharded_iter"), ("len", "sharded_len"))
     ),
     Patch(
-        "made in the cell",
-        "torch.optim.lr_scheduler:ReduceLROnPlateau",
-        "step",
-        "nbtrain.rank.auto.schedulers:agreed_step",
-        _CELL,
+        "made in the cell", "torch.optim.lr_scheduler:ReduceLROnPlateau", "step", _SCHEDULERS + "agreed_step", _CELL,
         "every rank steps on the ranks' agreed metric, so all keep the same learning rate",
     ),
     # One cell of several ranks: a file saved to one path by every rank is written whole.
-    Patch("whole files", "torch", "save", "nbtrain.rank.machinery.checkpoints:whole_torch_save", _CELL, _WHOLE),
-    Patch(
-        "whole files",
-        "torch.serialization",
-        "save",
-        "nbtrain.rank.machinery.checkpoints:whole_torch_save",
-        _CELL,
-        _WHOLE,
-    ),
-    Patch("whole files", "numpy", "save", "nbtrain.rank.machinery.checkpoints:whole_numpy_save", _CELL, _WHOLE, True),
-    Patch(
-        "whole files",
-        "matplotlib.figure:Figure",
-        "savefig",
-        "nbtrain.rank.machinery.checkpoints:whole_savefig",
-        _CELL,
-        _WHOLE,
-        True,
-    ),
+    Patch("whole files", "torch", "save", _CHECKPOINTS + "whole_torch_save", _CELL, _WHOLE),
+    Patch("whole files", "torch.serialization", "save", _CHECKPOINTS + "whole_torch_save", _CELL, _WHOLE),
+    Patch("whole files", "numpy", "save", _CHECKPOINTS + "whole_numpy_save", _CELL, _WHOLE, True),
+    Patch("whole files", "matplotlib.figure:Figure", "savefig", _CHECKPOINTS + "whole_savefig", _CELL, _WHOLE, True),
     # One cell that prepared a model for 16-mixed on CUDA (nbtrain.rank.auto.wrapping).
     Patch(
         "loss scaling",

@@ -25,13 +25,18 @@ class Pair:
     second: object
 
 
+def find_held(namespace):
+    """The torch objects the ranks prepare in their places (nbtrain.rank.auto.prepare's choice)."""
+    return [(h, obj) for h, obj in reach.find_reached(namespace) if h.preparable]
+
+
 def test_objects_up_to_four_steps_inside_are_found_with_the_expression_that_reaches_them():
     model, other = nn.Linear(2, 1), nn.Linear(2, 1)
     trainer = Holder()
     trainer.model = model
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer.parts = {"g": other, "deep": {"too": {"far": {"off": nn.Linear(1, 1)}}}}
-    found = {h.label: (h.kind, obj) for h, obj in reach.find_held({"trainer": trainer})}
+    found = {h.label: (h.kind, obj) for h, obj in find_held({"trainer": trainer})}
     assert set(found) == {"trainer.model", "trainer.optimizer", "trainer.parts['g']"}  # five steps is too deep
     assert found["trainer.model"] == ("module", model) and found["trainer.optimizer"][0] == "optimizer"
     reached = [h.label for h, _ in reach.find_reached({"trainer": trainer})]
@@ -73,7 +78,7 @@ def test_a_model_is_listed_at_every_place_and_any_other_object_once():
     """Each place of a model must hold the prepared one on a rank: ``model`` and ``box.model`` alike."""
     model, shared = nn.Linear(2, 1), [1]
     box = types.SimpleNamespace(model=model, again=[model], items=shared, same=shared)
-    assert [h.label for h, _ in reach.find_held({"box": box, "model": model})] == ["box.model", "box.again[0]"]
+    assert [h.label for h, _ in find_held({"box": box, "model": model})] == ["box.model", "box.again[0]"]
     reached = [h.label for h, _ in reach.find_reached({"box": box, "shared": shared})]
     assert reached == ["box.model", "box.again", "box.again[0]"]  # a global, or a second place: once
 
@@ -81,14 +86,14 @@ def test_a_model_is_listed_at_every_place_and_any_other_object_once():
 def test_a_tuple_item_is_found_but_its_place_is_fixed_and_a_cycle_ends():
     pair = Pair((nn.Linear(1, 1),), None)
     pair.second = pair  # a cycle
-    ((held, _),) = reach.find_held({"pair": pair})
+    ((held, _),) = find_held({"pair": pair})
     assert held.label == "pair.first[0]" and held.fixed == "a tuple cannot hold another object"
 
 
 def test_resolve_and_put_follow_the_steps():
     model, wrapped = nn.Linear(2, 1), nn.Sequential(nn.Linear(2, 1))
     models = {"g": [model]}
-    ((held, obj),) = reach.find_held({"models": models})
+    ((held, obj),) = find_held({"models": models})
     assert obj is model and reach.resolve({"models": models}, held) is model
     reach.put({"models": models}, held, wrapped)
     assert models["g"][0] is wrapped
@@ -96,7 +101,7 @@ def test_resolve_and_put_follow_the_steps():
 
 def test_library_objects_and_tensors_are_not_looked_into():
     loader = DataLoader(TensorDataset(torch.zeros(4, 1)), batch_size=2)
-    assert reach.find_held({"loader": loader, "data": [torch.zeros(1)] * 3, "f": functools.partial(print)}) == []
+    assert find_held({"loader": loader, "data": [torch.zeros(1)] * 3, "f": functools.partial(print)}) == []
 
 
 def _loader(batches: int) -> DataLoader:

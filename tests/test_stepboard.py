@@ -79,12 +79,9 @@ def test_a_rank_that_begins_a_step_while_the_stop_is_chosen_sees_pending_and_is_
     assert board.choose_stop() == 2 and board.stop_step() == 2
 
 
-def test_no_step_begun_means_no_stop_step_and_cancel_lets_the_ranks_go_on(board):
+def test_no_step_begun_means_no_stop_step(board):
     board.request_stop()
     assert board.choose_stop() == 0 and board.stop_step() == NO_STOP
-    board.request_stop()
-    board.cancel()
-    assert board.stop_step() == NO_STOP
 
 
 def test_a_step_undone_is_not_counted(board):

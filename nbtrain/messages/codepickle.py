@@ -56,13 +56,11 @@ class Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         """Optimizers (:func:`optimizer_reduce`) and parametrized modules (:func:`parametrized_reduce`)
         their own way; everything else as cloudpickle does."""
-        reduced = optimizer_reduce(obj)
-        if reduced is None:
-            reduced = parametrized_reduce(obj)
-        if reduced is None:  # a tracker's run the kernel opened: a stand-in that calls it back
-            reduced = trackerruns.stand_in(obj)
-        if reduced is not None:
-            return reduced
+        # A tracker's run the kernel opened goes as a stand-in that calls it back.
+        for reduce in (optimizer_reduce, parametrized_reduce, trackerruns.stand_in):
+            reduced = reduce(obj)
+            if reduced is not None:
+                return reduced
         return super().reducer_override(obj)
 
 

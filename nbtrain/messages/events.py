@@ -490,9 +490,6 @@ class ReleaseStandby:
     """Kernel -> launcher: end the standby ranks now (``nbtrain.release()``, or a run needs the memory)."""
 
 
-RunEvent = Any  # any of the event records above; kept loose for the relay code
-
-
 # -- the debugger relay (nbtrain.rank.machinery.debugger <-> nbtrain.kernel.pdb_relay) ---------------
 # Rank -> launcher -> kernel: pdb's output, and its prompt when it waits for a command;
 # kernel -> launcher -> that rank: the command. Every hop is one of the run's own channels.

@@ -8,7 +8,7 @@ class), each named by the expression that reaches it (``trainer.model``). The ra
 back each of those objects as a reference to where it was, and what changed in it: so the
 kernel's objects stay the objects they were, shared where they were shared (``trainer.model
 is model``), and only their contents change, as if the cell had run in the kernel.
-:func:`find_held` is the torch objects among them, which the ranks prepare in their places.
+The torch objects among them (:attr:`Held.preparable`) the ranks prepare in their places.
 
 Pure: it imports neither torch nor anything else; torch's classes are looked up only
 when torch is already imported.
@@ -16,7 +16,7 @@ when torch is already imported.
 Example:
     >>> import types
     >>> box = types.SimpleNamespace(settings={"lr": 0.1})
-    >>> find_held({"box": box})   # no torch object inside
+    >>> [h.label for h, _ in find_reached({"box": box}) if h.preparable]   # no torch object inside
     []
     >>> [h.label for h, _ in find_reached({"box": box})]
     ['box.settings']
@@ -94,13 +94,6 @@ def kind_of(obj: Any) -> str:
     if torch is not None and isinstance(obj, torch.Tensor):
         return "tensor"
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
-def find_held(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:
-    """The torch objects (models, optimizers, schedulers, loaders) among :func:`find_reached`'s."""
-    if "torch" not in sys.modules:
-        return []  # no torch object can exist
-    return [(h, obj) for h, obj in find_reached(namespace) if h.preparable]
 
 
 def find_reached(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import io
@@ -130,9 +131,7 @@ class _StorageUnpickler(pickle.Unpickler):
             storage = torch.UntypedStorage(nbytes)
         else:
             # The storage holds a reference to the mapping: it lives as long as any tensor.
-            storage = torch.frombuffer(
-                self._mapping, dtype=torch.uint8, count=nbytes, offset=offset
-            ).untyped_storage()
+            storage = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
         target = self._map_location or "cpu"
         if device_type != "cpu" and target != "cpu":
             storage = storage.to(device=torch.device(target))
@@ -206,8 +205,7 @@ class InPlace:
             start, end = -(-address // page) * page, (address + nbytes) // page * page
             pieces += [(at, min(_READ_PIECE_BYTES, end - at)) for at in range(start, end, _READ_PIECE_BYTES)]
         with ThreadPoolExecutor(_thread_count(len(pieces)), thread_name_prefix="nbtrain-discard") as pool:
-            for _ in pool.map(lambda piece: _discard_pages(*piece), pieces):
-                pass
+            list(pool.map(lambda piece: _discard_pages(*piece), pieces))
 
 
 def dumps_in_place(obj: Any) -> InPlace:
@@ -246,8 +244,7 @@ def read_from_process(pid: int, regions: tuple[tuple[int, int, int], ...], total
             processes.read_memory(pid, local, remote, nbytes)
     else:
         with ThreadPoolExecutor(threads, thread_name_prefix="nbtrain-result-read") as pool:
-            for _ in pool.map(lambda piece: processes.read_memory(pid, *piece), pieces):
-                pass  # re-raises the first failure
+            list(pool.map(lambda piece: processes.read_memory(pid, *piece), pieces))  # re-raises the first failure
     return mapping
 
 
@@ -299,10 +296,8 @@ def _new_private_memory(nbytes: int) -> mmap.mmap:
     """
     mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if nbytes >= _PARALLEL_COPY_BYTES and hasattr(mmap, "MADV_HUGEPAGE") and free_huge_page_bytes() >= 2 * nbytes:
-        try:
+        with contextlib.suppress(OSError):  # transparent huge pages switched off: normal pages
             mapping.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass  # transparent huge pages switched off: normal pages
     return mapping
 
 

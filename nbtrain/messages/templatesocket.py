@@ -14,12 +14,13 @@ user (0700, owned by them), and the template serves only its own user (SO_PEERCR
 No torch here, no processes: the kernel's side connects, the template process serves.
 
     >>> me = identity()
-    >>> me.matches(me), me.matches(identity(tag="other"))
+    >>> me == identity(), me == identity(tag="other")  # a kernel uses a template of its own identity only
     (True, False)
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -54,14 +55,6 @@ class Identity:
     python: str
     uid: int
     tag: str
-
-    def matches(self, other: Identity) -> bool:
-        """Whether a kernel of identity ``other`` may use this template (every field equal).
-
-            >>> identity().matches(identity(tag="an older nbtrain"))
-            False
-        """
-        return self == other
 
     def key(self) -> str:
         """A short name for this identity: part of the socket's name.
@@ -239,7 +232,7 @@ def refusal(connection: socket.socket, mine: Identity, asked: object) -> str:
         return f"the nbtrain template of uid {os.getuid()} serves only its own user, not uid {uid}"
     if not isinstance(asked, Request):
         return "not an nbtrain template request"
-    if not asked.identity.matches(mine):
+    if asked.identity != mine:  # a kernel may use this template's launchers only if every field is equal
         return f"the template was started for {mine}, the kernel is {asked.identity}"
     return ""
 
@@ -258,8 +251,6 @@ def _code_stamp() -> int:
         subfolders[:] = [name for name in subfolders if name not in ("labextension", "__pycache__")]
         for name in files:
             if name.endswith(".py"):
-                try:
+                with contextlib.suppress(OSError):
                     newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime_ns)
-                except OSError:
-                    continue
     return newest

@@ -64,11 +64,8 @@ def stand_in(obj: Any) -> tuple[Any, ...] | None:
 
 def _reduction(obj: Any, kind: tuple[str, str, str, tuple[str, ...]]) -> tuple[Any, ...]:
     _kernel_objects[id(obj)] = obj
-    attributes = {}
-    for name in kind[3]:
-        value = getattr(obj, name, None)
-        if value is None or isinstance(value, (str, int, float, bool)):
-            attributes[name] = value
+    values = {name: getattr(obj, name, None) for name in kind[3]}
+    attributes = {name: v for name, v in values.items() if isinstance(v, (str, int, float, bool, type(None)))}
     return (KernelRunStandIn, (id(obj), kind[2], attributes))
 
 

@@ -35,58 +35,39 @@ STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
         Strategy(
-            "ddp_notebook",
-            "fork",
-            "ddp",
-            "Data parallel; ranks fork from a warm, clean launcher. Fast start. The default.",
+            "ddp_notebook", "fork", "ddp",
+            "Data parallel; ranks fork from a warm, clean launcher. Fast start. The default."
         ),
         Strategy(
-            "ddp_spawn",
-            "spawn",
-            "ddp",
-            "Data parallel; each rank is a fresh interpreter. Slower start; for libraries that break after fork.",
+            "ddp_spawn", "spawn", "ddp",
+            "Data parallel; each rank is a fresh interpreter. Slower start; for libraries that break after fork."
         ),
         Strategy(
-            "ddp_find_unused_parameters_true",
-            "fork",
-            "ddp_find_unused",
-            "ddp_notebook for a model that leaves some parameters unused in a step (a branch, a frozen head):"
-            " DDP then searches the autograd graph for them at every step, which costs time.",
+            "ddp_find_unused_parameters_true", "fork", "ddp_find_unused",
+            "ddp_notebook for a model that leaves some parameters unused in a step (a branch, a frozen head): "
+            "DDP then searches the autograd graph for them at every step, which costs time."
         ),
         Strategy(
-            "ddp_sharded",
-            "fork",
-            "ddp_sharded",
-            "Data parallel with the optimizer state partitioned across ranks (ZeroRedundancyOptimizer): "
-            "each rank keeps 1/N of it. The optimizer in the kernel gets the full state back.",
+            "ddp_sharded", "fork", "ddp_sharded",
+            "Data parallel with the optimizer state partitioned across ranks (ZeroRedundancyOptimizer): each "
+            "rank keeps 1/N of it. The optimizer in the kernel gets the full state back."
         ),
         Strategy(
-            "fsdp",
-            "fork",
-            "fsdp",
-            "Fully sharded (FSDP2): each rank holds a slice of every weight. For models too big for one device.",
+            "fsdp", "fork", "fsdp",
+            "Fully sharded (FSDP2): each rank holds a slice of every weight. For models too big for one device."
         ),
         Strategy(
-            "fsdp_cpu_offload",
-            "fork",
-            "fsdp_offload",
-            "fsdp with the sharded parameters, gradients and optimizer state kept in host memory "
-            "(the CPUOffloadPolicy of FSDP2): the GPU holds the gathered weights of one block at a time; "
-            "the optimizer steps on the CPU. For models whose shards do not fit in GPU memory.",
+            "fsdp_cpu_offload", "fork", "fsdp_offload",
+            "fsdp with the sharded parameters, gradients and optimizer state kept in host memory (the "
+            "CPUOffloadPolicy of FSDP2): the GPU holds the gathered weights of one block at a time; the "
+            "optimizer steps on the CPU. For models whose shards do not fit in GPU memory."
         ),
         Strategy(
-            "dp",
-            "fork",
-            "dp",
-            "DataParallel: one process drives every chosen GPU, splitting each batch across them. "
-            "CUDA only; slower than ddp_notebook (one Python process, weights copied every step).",
+            "dp", "fork", "dp",
+            "DataParallel: one process drives every chosen GPU, splitting each batch across them. CUDA only; "
+            "slower than ddp_notebook (one Python process, weights copied every step)."
         ),
-        Strategy(
-            "auto",
-            "fork",
-            "ddp",
-            "ddp_notebook for more than one device, a single worker for one.",
-        ),
+        Strategy("auto", "fork", "ddp", "ddp_notebook for more than one device, a single worker for one."),
     )
 }
 
@@ -128,13 +109,7 @@ class LaunchConfig:
         if self.strategy.model_wrapper == "dp":  # one rank, on the first chosen GPU (DataParallel's output device)
             return (RankSpec(0, 0, 1, device_type, self.plan.device_ids[0]),)
         return tuple(
-            RankSpec(
-                rank=rank,
-                local_rank=rank,
-                world_size=self.world_size,
-                device_type=device_type,
-                device_index=None if device_type == "cpu" else device_id,
-            )
+            RankSpec(rank, rank, self.world_size, device_type, None if device_type == "cpu" else device_id)
             for rank, device_id in enumerate(self.plan.device_ids)
         )
 

@@ -14,6 +14,7 @@ puts the fastest first; the two agree unless a machine mixes GPU models, and the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -44,31 +45,28 @@ def detect_gpus() -> list[GpuInfo]:
     >>> isinstance(detect_gpus(), list)
     True
     """
-    pynvml = _started_nvml()
-    if pynvml is None:
-        return []
-    try:
-        return _visible_gpus(pynvml, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    except pynvml.NVMLError:
-        # The driver cannot list its GPUs (one fell off the bus, say): numbering them
-        # would be a guess, and a wrong guess would put ranks on the wrong GPUs.
-        return []
-    finally:
-        _shutdown(pynvml)
+    # Where the driver cannot list its GPUs (one fell off the bus, say), numbering them
+    # would be a guess, and a wrong guess would put ranks on the wrong GPUs: none are listed.
+    return _asked_nvml(lambda nvml: _visible_gpus(nvml, os.environ.get("CUDA_VISIBLE_DEVICES")))
 
 
-def _started_nvml() -> ModuleType | None:
-    """pynvml, initialised; None without the package, the driver library or a GPU (each
-    means "no usable GPU")."""
+def _asked_nvml(ask: Callable[[ModuleType], list[Any]]) -> list[Any]:
+    """What ``ask`` answers of pynvml, initialised and shut down around it; [] without the package,
+    the driver library or a GPU (each means "no usable GPU"), or where NVML cannot answer."""
     try:
         pynvml = importlib.import_module("pynvml")
     except ImportError:
-        return None
+        return []
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:  # raised for a missing driver library too (NVML_ERROR_LIBRARY_NOT_FOUND)
-        return None
-    return pynvml
+        return []
+    try:
+        return ask(pynvml)
+    except pynvml.NVMLError:
+        return []
+    finally:
+        _shutdown(pynvml)
 
 
 def visible_device_order(
@@ -273,11 +271,8 @@ def _used_bytes(process: Any) -> int | None:
 
 
 def _process_name(nvml: ModuleType, pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip() or "unknown"
-    except OSError:  # not in this process's pid namespace (another container), or gone
-        pass
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as f:  # OSError: another pid namespace, or gone
+        return f.read().strip() or "unknown"
     query = getattr(nvml, "nvmlSystemGetProcessName", None)
     name = _ask(nvml, query, pid, default="") if query is not None else ""
     return _text(name).strip() or "unknown"
@@ -315,25 +310,19 @@ _CGROUP_MEMORY_FILES = (
 
 
 def _memory_stat(path: str, key: str) -> int:
-    try:
-        with open(path) as f:
-            for line in f:
-                name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+        for line in f:
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
     return 0
 
 
 def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return None
 
 
@@ -412,10 +401,8 @@ def _text(value: str | bytes) -> str:
 
 
 def _shutdown(nvml: ModuleType) -> None:
-    try:
+    with contextlib.suppress(nvml.NVMLError):  # nothing is left to release, and the GPUs are already listed
         nvml.nvmlShutdown()
-    except nvml.NVMLError:
-        pass  # nothing is left to release, and the GPUs are already listed
 
 
 @dataclass(frozen=True)
@@ -438,15 +425,7 @@ def gpu_usage() -> list[GpuUsage]:
     >>> isinstance(gpu_usage(), list)
     True
     """
-    pynvml = _started_nvml()
-    if pynvml is None:
-        return []
-    try:
-        return [_usage(pynvml, index) for index in range(pynvml.nvmlDeviceGetCount())]
-    except pynvml.NVMLError:
-        return []
-    finally:
-        _shutdown(pynvml)
+    return _asked_nvml(lambda nvml: [_usage(nvml, index) for index in range(nvml.nvmlDeviceGetCount())])
 
 
 def _usage(nvml: ModuleType, index: int) -> GpuUsage:

@@ -150,10 +150,7 @@ class _Plan:
         self.lengths = lengths
         self.eval_lengths = eval_lengths
         self.kernel_globals = kernel_globals
-        self.parents: dict[ast.AST, ast.AST] = {}
-        for node in ast.walk(tree):
-            for child in ast.iter_child_nodes(node):
-                self.parents[child] = node
+        self.parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         self.bindings = _bindings(tree)
         # Grad mode at the top of the cell: enabled, unless a call outside a ``with``
         # switches it somewhere (then no loop's mode is certain).
@@ -162,13 +159,9 @@ class _Plan:
         self.log_functions = set(counter.log_functions)
         for node in ast.walk(tree):  # the cell's own imports of nbtrain / nbtrain.log
             if isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.name == "nbtrain":
-                        self.log_modules.add(alias.asname or "nbtrain")
+                self.log_modules |= {alias.asname or "nbtrain" for alias in node.names if alias.name == "nbtrain"}
             elif isinstance(node, ast.ImportFrom) and node.module in LOG_MODULES:
-                for alias in node.names:
-                    if alias.name == "log":
-                        self.log_functions.add(alias.asname or "log")
+                self.log_functions |= {alias.asname or "log" for alias in node.names if alias.name == "log"}
 
     # -- the call sites that advance the step ---------------------------------------------
     def total(self) -> int:

@@ -16,7 +16,7 @@ import numbers
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,7 +217,7 @@ def all_reduce(value: Any, op: str = "sum") -> Any:
     if op not in REDUCE_OPS:
         raise ValueError(f"all_reduce(op={op!r}) is not a reduction nbtrain knows; use one of {', '.join(REDUCE_OPS)}.")
     tensor_in = _is_tensor(value)
-    if not tensor_in and not _is_real_number(value):
+    if not tensor_in and not isinstance(value, numbers.Real):
         raise TypeError(
             f"all_reduce() takes a number or a tensor, not {type(value).__name__}: "
             "reduce each number on its own, or pass torch.tensor(values)."
@@ -234,7 +234,7 @@ def _reduce_across_ranks(value: Any, op: str, tensor_in: bool) -> Any:
     if tensor_in:
         tensor = value.detach().clone()
     else:
-        tensor = torch.tensor(value, dtype=torch.int64 if _is_int(value) else torch.float64)
+        tensor = torch.tensor(value, dtype=torch.int64 if isinstance(value, numbers.Integral) else torch.float64)
     if op == "mean" and not tensor.is_floating_point():
         tensor = tensor.to(torch.float64)
     # nccl reduces only device tensors; gloo reduces either.
@@ -250,7 +250,7 @@ def _reduce_across_ranks(value: Any, op: str, tensor_in: bool) -> Any:
     tensor = tensor.to(home)
     if tensor_in:
         return tensor
-    return tensor.item() if op == "mean" or not _is_int(value) else int(tensor.item())
+    return tensor.item() if op == "mean" or not isinstance(value, numbers.Integral) else int(tensor.item())
 
 
 def _collective_ready() -> bool:
@@ -264,14 +264,6 @@ def _collective_ready() -> bool:
 def _is_tensor(value: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral)
-
-
-def _is_real_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real)
 
 
 def _pending_value(value: Any, context: RankContext) -> Any:
@@ -339,9 +331,9 @@ class _RowsOnTheWay:
         if self.floats is None:
             if self.event is not None:
                 self.event.synchronize()
-            on_host = iter([float(v) for v in self.host.tolist()])
+            host = iter([float(v) for v in self.host.tolist()])
             self.floats = tuple(
-                (step, t, {name: _float(v, on_host) for name, v in values.items() if _is_scalar(v)})
+                (step, t, {name: v if type(v) is float else next(host) for name, v in values.items() if _is_scalar(v)})
                 for step, t, values in self.pending
             )
         return self.floats
@@ -349,10 +341,6 @@ class _RowsOnTheWay:
 
 def _is_scalar(value: Any) -> bool:
     return type(value) is float or value.numel() == 1
-
-
-def _float(value: Any, on_host: Iterator[float]) -> float:
-    return value if type(value) is float else next(on_host)
 
 
 def _as_floats(values: dict[str, Any]) -> dict[str, float]:

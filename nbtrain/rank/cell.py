@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import functools
 import hashlib
 import pickle
 import sys
@@ -216,7 +217,6 @@ def _rewrap_scheduled_optimizers(values: Iterable[Any]) -> None:
     """
     if "torch" not in sys.modules:
         return
-    import functools
     import weakref
 
     for scheduler in values:
@@ -264,19 +264,8 @@ def _install_shell(cell_globals: dict[str, Any]) -> set[str]:
 # -- what the cell changed ---------------------------------------------------------------
 
 _STATIC_TYPES = (
-    types.ModuleType,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    type,
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    bool,
-    range,
-    type(None),
+    types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
+    int, float, complex, str, bytes, bool, range, type(None),
 )
 
 
@@ -339,8 +328,7 @@ def _kernel_refs(objects: Mapping[str, Any]) -> dict[int, tuple[Any, ...]]:
     """id -> persistent id, for every shipped object and the parts of shipped modules."""
     refs: dict[int, tuple[Any, ...]] = {}
     for name in sorted(objects):
-        value = objects[name]
-        refs.setdefault(id(value), (records.KERNEL_TAG, name))
+        refs.setdefault(id(objects[name]), (records.KERNEL_TAG, name))
     for name in sorted(objects):
         _add_module_parts(refs, name, objects[name])
     return refs
@@ -350,13 +338,11 @@ def _add_module_parts(refs: dict[int, tuple[Any, ...]], name: str, module: Any) 
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(module, torch.nn.Module):
         return
-    for path, sub in module.named_modules():
-        if path:
-            refs.setdefault(id(sub), (records.PART_TAG, name, "module", path))
-    for path, param in module.named_parameters():
-        refs.setdefault(id(param), (records.PART_TAG, name, "param", path))
-    for path, buffer in module.named_buffers():
-        refs.setdefault(id(buffer), (records.PART_TAG, name, "buffer", path))
+    parts = {"module": module.named_modules(), "param": module.named_parameters(), "buffer": module.named_buffers()}
+    for kind, named in parts.items():
+        for path, part in named:
+            if path:  # the module itself is named "" among its modules
+                refs.setdefault(id(part), (records.PART_TAG, name, kind, path))
 
 
 def _state_marks(obj: Any) -> Any:
@@ -520,12 +506,8 @@ def _optimizer_attributes(optimizers: Mapping[str, Any], namespace: Mapping[str,
     """The plain attributes (a counter, slow weights) of each optimizer whose state goes back."""
     from nbtrain.messages import codepickle
 
-    attributes = {}
-    for name in optimizers:
-        own = codepickle.own_attributes(namespace[name], optimizers=False)
-        if own:
-            attributes[name] = own
-    return attributes
+    attributes = {name: codepickle.own_attributes(namespace[name], optimizers=False) for name in optimizers}
+    return {name: own for name, own in attributes.items() if own}
 
 
 def _inner_optimizer_states(
@@ -539,31 +521,23 @@ def _inner_optimizer_states(
     """
     import torch
 
-    inner: dict[str, dict[str, Any]] = {}
-    for name in optimizers:
-        optimizer = namespace[name]
-        if _sharded_owner(optimizer, modules) is not None or _zero_of(optimizer) is not None:
-            continue
-        held = {
+    inner = {
+        name: {
             key: value.state_dict()
             for key, value in vars(optimizer).items()
             if isinstance(value, torch.optim.Optimizer) and value is not optimizer
         }
-        if held:
-            inner[name] = held
-    return inner
+        for name, optimizer in namespace.items()
+        if name in optimizers and _sharded_owner(optimizer, modules) is None and _zero_of(optimizer) is None
+    }
+    return {name: held for name, held in inner.items() if held}
 
 
 def _bound(cell_globals: dict[str, Any], before: _Before, hidden: set[str]) -> dict[str, Any]:
     """The names the cell bound to another object (a prepared wrapper counts as what it wraps)."""
-    bound = {}
-    for name, value in cell_globals.items():
-        if records.is_internal(name) or name in hidden:
-            continue
-        original = wrapping.original_of(value)
-        if name not in before.bindings or before.bindings[name] is not original:
-            bound[name] = original
-    return bound
+    names = [name for name in cell_globals if not (records.is_internal(name) or name in hidden)]
+    originals = {name: wrapping.original_of(cell_globals[name]) for name in names}
+    return {name: o for name, o in originals.items() if name not in before.bindings or before.bindings[name] is not o}
 
 
 def _changed_objects(before: _Before, changed_modules: set[str]) -> dict[str, dict[str, Any]]:
@@ -623,15 +597,12 @@ class _Whole:
 
 def _unique(namespace: Mapping[str, Any], kind: Any) -> list[tuple[str, Any]]:
     """(first name, object) for each distinct shipped object of a class (or passing a test), by name."""
-    seen: set[int] = set()
-    found = []
+    found: dict[int, tuple[str, Any]] = {}
     for name in sorted(namespace):
         value = namespace[name]
-        matches = isinstance(value, kind) if isinstance(kind, type) else kind(value)
-        if matches and id(value) not in seen:
-            seen.add(id(value))
-            found.append((name, value))
-    return found
+        if isinstance(value, kind) if isinstance(kind, type) else kind(value):
+            found.setdefault(id(value), (name, value))
+    return list(found.values())
 
 
 def _reshard(module: Any) -> None:
@@ -691,14 +662,7 @@ def _full_optimizer_state(module: Any, optimizer: Any) -> dict[str, Any]:
         return {}
     names = {id(p): n for n, p in module.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    index = {name: i for i, name in enumerate(order)}
-    return {
-        "state": {index[name]: value for name, value in by_name["state"].items()},
-        "param_groups": [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": [index[n] for n in group["params"]]}
-            for group in by_name["param_groups"]
-        ],
-    }
+    return optimizers.rekeyed(by_name, {name: i for i, name in enumerate(order)}.__getitem__)
 
 
 # -- pickling the way back -----------------------------------------------------------------
@@ -764,7 +728,6 @@ def _dump(obj: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, An
 
 
 _ATOMIC = (int, float, str, bytes, bool, type(None))
-_result_pickler: Any = None
 
 
 class ShardedTensorError(pickle.PicklingError):
@@ -850,29 +813,52 @@ class _ResultReferences(_PicklerBase):
         return (make, (newargs[0], self.cell_globals, *newargs[2:]), (state, slotstate), items, dict_items, setter)
 
 
+@functools.cache
 def _result_pickler_class() -> type[_ResultReferences]:
     """:class:`_ResultReferences` on cloudpickle's Pickler (built once: it imports torch and cloudpickle)."""
-    global _result_pickler
-    if _result_pickler is None:
-        import torch
-        from torch.distributed.tensor import DTensor
+    import torch
+    from torch.distributed.tensor import DTensor
 
-        from nbtrain.messages import codepickle
+    from nbtrain.messages import codepickle
 
-        class ResultPickler(_ResultReferences, codepickle.Pickler):
-            typed_storage_type = torch.storage.TypedStorage
-            storage_types = (torch.storage.TypedStorage, torch.UntypedStorage)
-            dtensor_type = DTensor
-            parameter_type = torch.nn.Parameter
+    class ResultPickler(_ResultReferences, codepickle.Pickler):
+        typed_storage_type = torch.storage.TypedStorage
+        storage_types = (torch.storage.TypedStorage, torch.UntypedStorage)
+        dtensor_type = DTensor
+        parameter_type = torch.nn.Parameter
 
-        _result_pickler = ResultPickler
-    result_pickler: type[_ResultReferences] = _result_pickler
-    return result_pickler
+    return ResultPickler
 
 
 # -- change detection ----------------------------------------------------------------------
 
-_fingerprint_pickler: type | None = None
+@functools.cache
+def _fingerprint_pickler() -> type:
+    """cloudpickle's Pickler naming tensors by identity and version, and the objects in ``special``
+    (but ``root``) by identity (built once: it imports cloudpickle)."""
+    import cloudpickle
+
+    class FingerprintPickler(cloudpickle.Pickler):
+        def __init__(self, file: Any, special: set[int], keep: list[Any] | None, root: Any):
+            super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+            self.special = special
+            self.keep = keep
+            self.root = root
+            self.torch = sys.modules.get("torch")
+
+        def persistent_id(self, obj: Any) -> Any:
+            if type(obj) in _ATOMIC:
+                return None
+            if id(obj) in self.special and obj is not self.root:
+                return ("k", id(obj))
+            torch = self.torch
+            if torch is not None and isinstance(obj, torch.Tensor):
+                if self.keep is not None:
+                    self.keep.append(obj)
+                return ("t", id(obj), obj._version, tuple(obj.shape), str(obj.dtype))
+            return None
+
+    return FingerprintPickler
 
 
 def _fingerprint(value: Any, special: set[int], keep: list[Any] | None = None, root: Any = None) -> bytes | None:
@@ -883,31 +869,6 @@ def _fingerprint(value: Any, special: set[int], keep: list[Any] | None = None, r
     a new tensor while the cell runs (a replaced layer's weights freed, a new one's
     allocated at the same address, both at version 0, would look unchanged).
     """
-    global _fingerprint_pickler
-    if _fingerprint_pickler is None:
-        import cloudpickle
-
-        class FingerprintPickler(cloudpickle.Pickler):
-            def __init__(self, file: Any, special: set[int], keep: list[Any] | None, root: Any):
-                super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-                self.special = special
-                self.keep = keep
-                self.root = root
-                self.torch = sys.modules.get("torch")
-
-            def persistent_id(self, obj: Any) -> Any:
-                if type(obj) in _ATOMIC:
-                    return None
-                if id(obj) in self.special and obj is not self.root:
-                    return ("k", id(obj))
-                torch = self.torch
-                if torch is not None and isinstance(obj, torch.Tensor):
-                    if self.keep is not None:
-                        self.keep.append(obj)
-                    return ("t", id(obj), obj._version, tuple(obj.shape), str(obj.dtype))
-                return None
-
-        _fingerprint_pickler = FingerprintPickler
     digest = hashlib.blake2b(digest_size=16)
 
     class Sink:
@@ -916,7 +877,7 @@ def _fingerprint(value: Any, special: set[int], keep: list[Any] | None = None, r
             return len(data)
 
     try:
-        _fingerprint_pickler(Sink(), special, keep, root).dump(value)
+        _fingerprint_pickler()(Sink(), special, keep, root).dump(value)
     except Exception:  # noqa: BLE001 - cannot tell: treat as changed
         return None
     return digest.digest()

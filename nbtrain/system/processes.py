@@ -44,7 +44,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, NoReturn, Protocol
+from subprocess import Popen
+from typing import IO, Any, NoReturn, Protocol
 
 from nbtrain.messages import stacks
 
@@ -116,41 +117,43 @@ class LauncherProcess:
 def start_launcher() -> LauncherProcess:
     """Start the warm launcher from a clean interpreter, in a session of its own."""
     kernel_end, launcher_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    env = dict(os.environ)
-    env[CONTROL_FD_VARIABLE] = str(launcher_end.fileno())
-    env[ROLE_VARIABLE] = "launcher"
-    # numpy's OpenBLAS starts a thread pool at import; the launcher must stay thread-free
-    # to fork safely. Ranks then run numpy's BLAS on one thread (they share the cores).
-    env["OPENBLAS_NUM_THREADS"] = "1"
+    fd = launcher_end.fileno()
     try:
-        popen = subprocess.Popen(
-            [sys.executable, "-m", LAUNCHER_MODULE],
-            pass_fds=[launcher_end.fileno()],
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env=env,
-            close_fds=True,
-        )
+        env = {**os.environ, CONTROL_FD_VARIABLE: str(fd)}
+        popen = _start_python([LAUNCHER_MODULE], "launcher", env, subprocess.PIPE, pass_fds=[fd])
     finally:
         launcher_end.close()
     return LauncherProcess(popen, kernel_end)
 
 
+def _start_python(args: list[str], role: str, env: Mapping[str, str], stderr: int, **options: Any) -> Popen[bytes]:
+    """A fresh interpreter running ``-m *args`` as ``role``, in a session of its own, with no stdin or stdout.
+
+    numpy's OpenBLAS starts a thread pool at import; a launcher (and the template that forks
+    launchers) must stay thread-free to fork safely. Ranks then run numpy's BLAS on one
+    thread (they share the cores).
+    """
+    return subprocess.Popen(
+        [sys.executable, "-m", *args],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        env={**env, ROLE_VARIABLE: role, "OPENBLAS_NUM_THREADS": "1"},
+        close_fds=True,
+        **options,
+    )
+
+
 def stop_launcher(launcher: LauncherProcess, grace: float = 2.0) -> None:
     """Close the channel (the launcher then stops its ranks and exits); kill it if it lingers."""
-    try:
+    with contextlib.suppress(OSError):  # already closed or never connected
         # shutdown first: close() alone does not end the socket while the kernel's reader
         # thread is blocked in recv on it, so the launcher would never see EOF and would
         # only go when killed after the grace period.
         launcher.channel.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed or never connected
-    try:
+    with contextlib.suppress(OSError):
         launcher.channel.close()
-    except OSError:
-        pass
     try:
         launcher.popen.wait(timeout=grace)
     except subprocess.TimeoutExpired:
@@ -169,11 +172,17 @@ def thread_count() -> int:
 def fork_rank(child_main: Callable[[], None]) -> int:
     """Fork a rank from the (thread-free) launcher. The child never returns from here."""
     parent = os.getpid()
+    return _fork(lambda: _become_rank(parent), child_main)
+
+
+def _fork(setup: Callable[[], None], child_main: Callable[[], None]) -> int:
+    """Fork a child that runs ``setup``, then ``child_main``, and leaves by ``os._exit`` (0, or
+    71 if it raised); returns the child's pid."""
     pid = os.fork()
     if pid == 0:
         code = 70
         try:
-            _become_rank(parent)
+            setup()
             child_main()
             code = 0
         # A forked child must reach os._exit whatever it raised: never unwind into the
@@ -234,11 +243,7 @@ def keep_freed_memory() -> None:
 
 def die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this process when its parent dies; exit now if it already did."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
@@ -248,10 +253,7 @@ def become_subreaper() -> None:
 
     The setting is not inherited by children, so the launcher and each rank set it.
     """
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
 def children(pid: int | None = None) -> list[int]:
@@ -291,10 +293,8 @@ def kill_strays(keep: set[int]) -> list[int]:
     strays = [pid for pid in children() if pid not in keep]
     victims = [pid for stray in strays for pid in (stray, *descendants(stray))]
     for pid in victims:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     for pid in strays:
         reap(pid)
     return victims
@@ -327,22 +327,17 @@ def reap_now(pid: int, timeout: float = 2.0) -> None:
 
 def signal_group(pgid: int, number: int) -> None:
     """Send a signal to a rank's process group; a group already gone is fine."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, number)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def process_groups() -> dict[int, list[int]]:
     """Process group id -> the pids in it, for every process visible in /proc."""
     groups: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        fields = _stat_fields(int(name))
-        if fields is None:
-            continue  # gone meanwhile
-        groups.setdefault(int(fields[2]), []).append(int(name))
+    for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):
+        fields = _stat_fields(pid)
+        if fields is not None:  # else gone meanwhile
+            groups.setdefault(int(fields[2]), []).append(pid)
     return groups
 
 
@@ -416,10 +411,8 @@ def remove_torch_shared_memory(pids: Iterable[int], directory: str = "/dev/shm")
         return
     for name in names:
         if name.startswith(prefixes):
-            try:
+            with contextlib.suppress(OSError):  # removed meanwhile
                 os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass  # removed meanwhile
 
 
 def _running(pid: int) -> bool:
@@ -551,13 +544,10 @@ def request_stack(pid: int) -> bool:
 
 def catches(pid: int, number: int) -> bool:
     """Whether process ``pid`` has a handler for signal ``number`` (its SigCgt mask in /proc)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (number - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (number - 1) & 1)
     return False
 
 
@@ -568,18 +558,14 @@ def exit_now(code: int = 0) -> NoReturn:
     group destroyed while DDP still holds it can block forever in its destructor.
     """
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 
 def _prctl(option: int, argument: int) -> None:
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux
         ctypes.CDLL(None, use_errno=True).prctl(option, argument, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
 
 
 def return_free_memory() -> None:
@@ -601,23 +587,11 @@ def start_template(path: str) -> None:
     The process started here forks the template and exits at once (we reap it now), so the
     template outlives this kernel without ever being its zombie.
     """
-    env = dict(os.environ)
-    env[ROLE_VARIABLE] = "template"
-    env["OPENBLAS_NUM_THREADS"] = "1"  # forked launchers must stay thread-free
-    env.update(importing_this_nbtrain(env))
-    starter = subprocess.Popen(
-        [sys.executable, "-m", TEMPLATE_MODULE, path],
-        # Not the kernel's working directory: `-m` puts it first on sys.path, and a checkout
-        # there would be the nbtrain the template imports, not the kernel's (it would then
-        # refuse every kernel). Each launcher it forks takes its kernel's directory.
-        cwd=os.path.dirname(path),
-        start_new_session=True,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        close_fds=True,
-    )
+    env = {**os.environ, **importing_this_nbtrain(os.environ)}
+    # Not the kernel's working directory: `-m` puts it first on sys.path, and a checkout
+    # there would be the nbtrain the template imports, not the kernel's (it would then
+    # refuse every kernel). Each launcher it forks takes its kernel's directory.
+    starter = _start_python([TEMPLATE_MODULE, path], "template", env, subprocess.DEVNULL, cwd=os.path.dirname(path))
     starter.wait(timeout=30.0)
 
 
@@ -658,18 +632,7 @@ def fork_launcher(child_main: Callable[[], None]) -> int:
 
     It does not die with the template (no PDEATHSIG): it lives as long as its kernel.
     """
-    pid = os.fork()
-    if pid == 0:
-        code = 70
-        try:
-            os.setsid()
-            child_main()
-            code = 0
-        except BaseException:  # noqa: BLE001  # pragma: no cover - never unwind into the template
-            code = 71
-        finally:
-            os._exit(code)
-    return pid
+    return _fork(os.setsid, child_main)
 
 
 class ForkedLauncher:

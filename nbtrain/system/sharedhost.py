@@ -53,15 +53,9 @@ def human_accounts(passwd: str | None = None) -> int:
             lines = f.read().splitlines()
     except OSError:
         return 0
-    count = 0
-    for line in lines:
-        fields = line.split(":")
-        if len(fields) < 7 or not fields[2].isdigit():
-            continue
-        uid, shell = int(fields[2]), fields[6]
-        if 1000 <= uid < 65534 and shell and not shell.endswith(_NO_LOGIN):
-            count += 1
-    return count
+    accounts = [fields for fields in (line.split(":") for line in lines) if len(fields) >= 7 and fields[2].isdigit()]
+    logins = [fields for fields in accounts if fields[6] and not fields[6].endswith(_NO_LOGIN)]
+    return sum(1 for fields in logins if 1000 <= int(fields[2]) < 65534)
 
 
 def sentence(reason: str, accounts: int) -> str:
@@ -105,24 +99,22 @@ def run_gap(accelerator: str, strategy: str, on_cluster: bool, environ: Mapping[
 
 def after_run(accelerator: str, strategy: str, on_cluster: bool) -> str | None:
     """The sentence for the first run that leaves something reachable on a machine of several people; else None."""
-    if _said:
-        return None
-    accounts = human_accounts()
-    if accounts <= 1:
+    return _once(accelerator, strategy, on_cluster, several_people=True)
+
+
+def when_asked(accelerator: str, strategy: str, on_cluster: bool) -> str | None:
+    """The sentence when ``nbtrain.runs()`` is asked after such a run (once, and not if said already)."""
+    return _once(accelerator, strategy, on_cluster, several_people=False)
+
+
+def _once(accelerator: str, strategy: str, on_cluster: bool, several_people: bool) -> str | None:
+    """The sentence for such a run, if none was said yet in this kernel (and, if ``several_people``, the
+    machine has more than one person's account)."""
+    accounts = None if _said else human_accounts()
+    if accounts is None or (several_people and accounts <= 1):
         return None
     reason = run_gap(accelerator, strategy, on_cluster)
     if reason is None:
         return None
     _said.append(sentence(reason, accounts))
-    return _said[0]
-
-
-def when_asked(accelerator: str, strategy: str, on_cluster: bool) -> str | None:
-    """The sentence when ``nbtrain.runs()`` is asked after such a run (once, and not if said already)."""
-    if _said:
-        return None
-    reason = run_gap(accelerator, strategy, on_cluster)
-    if reason is None:
-        return None
-    _said.append(sentence(reason, human_accounts()))
     return _said[0]

@@ -82,10 +82,6 @@ class StepBoard:
         """
         self._words[0] = step if step > 0 else NO_STOP
 
-    def cancel(self) -> None:
-        """No stop after all: ranks that wait for a stop step go on."""
-        self._words[0] = NO_STOP
-
     # -- the ranks' slots -----------------------------------------------------------------
     def _slot(self, rank: int) -> int:
         return 1 + rank * _SLOT_WORDS

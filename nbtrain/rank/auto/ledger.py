@@ -24,7 +24,6 @@ from typing import Any
 from nbtrain.rank import api
 from nbtrain.rank.machinery import settings
 
-WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded", "fsdp", "fsdp_offload", "dp", "none")
 # The second searches every step for unused parameters; the third shards optimizer state.
 DDP_WRAPPERS = ("ddp", "ddp_find_unused", "ddp_sharded")
 # fsdp_offload keeps the shards (and the optimizer's step) in host memory: FSDP2's CPUOffloadPolicy.
@@ -107,7 +106,7 @@ def notes() -> list[str]:
 
 
 def model_wrapper() -> str:
-    """One of ``WRAPPERS``: what a module is wrapped in on this rank (the run's --strategy says).
+    """What a module is wrapped in on this rank (a strategy's ``model_wrapper``: the run's --strategy says).
 
     A run nbtrain did not plan (a script under torchrun) wraps in DDP over several ranks.
     """

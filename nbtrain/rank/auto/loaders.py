@@ -294,9 +294,6 @@ def _already_distributed(loader: Any) -> bool:
     )
 
 
-_loader_class: type | None = None
-
-
 class _PassAware(_LoaderBase):
     """A DataLoader on a DistributedSampler that tells training passes from evaluation passes.
 
@@ -432,18 +429,16 @@ def _models_evaluating() -> bool:
     return bool(trained) and not any(m.training for m in trained)
 
 
+@functools.cache
 def _prepared_loader_class() -> type:
     """:class:`_PassAware` on torch's DataLoader, named ``DataLoader`` (built once: it imports torch)."""
-    global _loader_class
-    if _loader_class is None:
-        from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader
 
-        class PreparedDataLoader(_PassAware, DataLoader[Any]):
-            pass
+    class PreparedDataLoader(_PassAware, DataLoader[Any]):
+        pass
 
-        PreparedDataLoader.__name__ = PreparedDataLoader.__qualname__ = "DataLoader"
-        _loader_class = PreparedDataLoader
-    return _loader_class
+    PreparedDataLoader.__name__ = PreparedDataLoader.__qualname__ = "DataLoader"
+    return PreparedDataLoader
 
 
 def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
@@ -478,9 +473,14 @@ def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
     }
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
-    cls = _prepared_loader_class()
-    accepted = inspect.signature(cls).parameters
-    new = cls(loader.dataset, **{k: v for k, v in kwargs.items() if k in accepted})
+    accepted = inspect.signature(_prepared_loader_class()).parameters
+    return _pass_aware(loader, **{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def _pass_aware(loader: Any, **kwargs: Any) -> Any:
+    """A :class:`_PassAware` loader over ``loader``'s dataset (built with ``kwargs``) whose evaluation
+    passes read ``loader`` itself, as it chose."""
+    new = _prepared_loader_class()(loader.dataset, **kwargs)
     new._nbtrain_epoch = 0
     new._nbtrain_whole = loader
     new._nbtrain_passes = {"train": 0, "whole": 0, "shard": 0}
@@ -491,13 +491,8 @@ def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
 def _one_rank_loader(loader: Any) -> Any:
     """The only rank's loader on a GPU: the user's own loader (its sampler, order and RNG draws)
     whose batches move to the rank's device, as a sharded loader's do."""
-    cls = _prepared_loader_class()
-    new = cls(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last)
+    new = _pass_aware(loader, batch_size=loader.batch_size, drop_last=loader.drop_last)
     new._nbtrain_one_rank = True
-    new._nbtrain_epoch = 0
-    new._nbtrain_whole = loader
-    new._nbtrain_passes = {"train": 0, "whole": 0, "shard": 0}
-    setattr(new, EVALUATION_MARK, evaluation_of(loader))
     ledger.cell_registry().remember(loader, new)
     return new
 

@@ -57,24 +57,23 @@ def recording_loaders(own_init: Any) -> Any:
 def sharded_iter(own_iter: Any) -> Any:
     """``DataLoader.__iter__`` while an auto-mode cell runs (the patch table's): a pass over a loader
     the cell made reads as a prepared loader's."""
-
-    @functools.wraps(own_iter)
-    def iterate(self: Any) -> Any:
-        rebuild = _rebuild_to_read(self)
-        return own_iter(self) if rebuild is None else _read(iter, rebuild)
-
-    return iterate
+    return _through_rebuild(own_iter, iter)
 
 
 def sharded_len(own_len: Any) -> Any:
     """``DataLoader.__len__`` while an auto-mode cell runs (the patch table's): as its passes read."""
+    return _through_rebuild(own_len, len)
 
-    @functools.wraps(own_len)
-    def length(self: Any) -> int:
+
+def _through_rebuild(own: Callable[[Any], Any], how: Callable[[Any], Any]) -> Any:
+    """``own`` (a DataLoader's method), or ``how`` of the prepared loader a pass over a loader the cell made reads."""
+
+    @functools.wraps(own)
+    def through(self: Any) -> Any:
         rebuild = _rebuild_to_read(self)
-        return own_len(self) if rebuild is None else int(_read(len, rebuild))
+        return own(self) if rebuild is None else _read(how, rebuild)
 
-    return length
+    return through
 
 
 def _read(how: Callable[[Any], Any], rebuild: Any) -> Any:

@@ -97,14 +97,23 @@ def _load_full_optimizer_state(module: Any, optimizer: Any, full: dict[str, Any]
             f"the state of {type(optimizer).__name__} was reset: it trains parameters of more than one sharded model."
         )
         return
-    by_name: dict[str, Any] = {
-        "state": {order[i]: value for i, value in full["state"].items()},
+    by_name = rekeyed(full, order.__getitem__)
+    set_optimizer_state_dict(module, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def rekeyed(state: Any, key: Any) -> dict[str, Any]:
+    """An optimizer's ``state_dict`` with each parameter's key (an index, a name) made ``key(old)``.
+
+    >>> rekeyed({"state": {0: "m"}, "param_groups": [{"lr": 0.1, "params": [0]}]}, ["weight"].__getitem__)
+    {'state': {'weight': 'm'}, 'param_groups': [{'lr': 0.1, 'params': ['weight']}]}
+    """
+    return {
+        "state": {key(old): value for old, value in state["state"].items()},
         "param_groups": [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [order[i] for i in g["params"]]}
-            for g in full["param_groups"]
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [key(old) for old in group["params"]]}
+            for group in state["param_groups"]
         ],
     }
-    set_optimizer_state_dict(module, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
 def _move_optimizer_state(optimizer: Any) -> None:

@@ -122,9 +122,7 @@ def auto_prepare(namespace: dict[str, Any], names: Iterable[str]) -> list[tuple[
 
     names = sorted(n for n in names if n in namespace)
     modules = {id(namespace[n]): namespace[n] for n in names if isinstance(namespace[n], torch.nn.Module)}
-    inside: set[int] = set()
-    for module in modules.values():
-        inside.update(id(sub) for sub in module.modules() if sub is not module)
+    inside = {id(sub) for module in modules.values() for sub in module.modules() if sub is not module}
     done: list[tuple[str, str]] = []
     optimizers.know_optimizers(namespace[n] for n in names)
     for kind in (torch.nn.Module, torch.optim.Optimizer, DataLoader):

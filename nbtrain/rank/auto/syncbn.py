@@ -19,9 +19,8 @@ Example (outside a run it changes the layer types and nothing else):
 
 from __future__ import annotations
 
+import functools
 from typing import Any
-
-_sync_class: type | None = None
 
 
 def convert(module: Any, device_type: str) -> Any:
@@ -38,9 +37,7 @@ def convert(module: Any, device_type: str) -> Any:
 
 
 def _synced(layer: Any, cls: type) -> Any:
-    synced = cls(
-        layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats
-    )
+    synced = cls(layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats)
     # The same objects, not copies: optimizers and the kernel's state keys stay valid.
     for name in ("weight", "bias"):
         setattr(synced, name, getattr(layer, name))
@@ -50,11 +47,9 @@ def _synced(layer: Any, cls: type) -> Any:
     return synced
 
 
+@functools.cache
 def sync_class() -> type:
     """A BatchNorm for CPU ranks that all-reduces its batch statistics (any input rank)."""
-    global _sync_class
-    if _sync_class is not None:
-        return _sync_class
     import torch
 
     class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
@@ -68,7 +63,6 @@ def sync_class() -> type:
             self._check_input_dim(input)
             return _cpu_sync_forward(self, input)
 
-    _sync_class = SyncBatchNorm
     return SyncBatchNorm
 
 

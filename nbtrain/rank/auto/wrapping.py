@@ -343,27 +343,18 @@ class _ReadThrough:
         return operator.itemgetter(0), ((self._nbtrain_kernels_module(),),)
 
 
-_transparent_dp: type | None = None
-
-
+@functools.cache
 def transparent_dp_class() -> type:
     """A DataParallel subclass that reads through to the wrapped model (see :class:`_ReadThrough`)."""
-    global _transparent_dp
-    if _transparent_dp is None:
-        from torch.nn.parallel import DataParallel
+    from torch.nn.parallel import DataParallel
 
-        class TransparentDP(_ReadThrough, DataParallel[Any]):
-            def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
-                super().__init__(module, *args, **kwargs)
-                object.__setattr__(self, "_nbtrain_ready", True)
+    class TransparentDP(_ReadThrough, DataParallel[Any]):
+        def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(module, *args, **kwargs)
+            object.__setattr__(self, "_nbtrain_ready", True)
 
-        TransparentDP.__name__ = "DataParallel"
-        TransparentDP.__qualname__ = "DataParallel"
-        _transparent_dp = TransparentDP
-    return _transparent_dp
-
-
-_transparent_ddp: type | None = None
+    TransparentDP.__name__ = TransparentDP.__qualname__ = "DataParallel"
+    return TransparentDP
 
 
 class _ReadsThrough(_ReadThrough, _DDPBase):
@@ -439,23 +430,20 @@ def _follow_trainable(ddp: Any) -> None:
     object.__setattr__(ddp, "_nbtrain_check_unused", not ddp.find_unused_parameters)  # check the new set's backward
 
 
+@functools.cache
 def transparent_ddp_class() -> type:
     """A DistributedDataParallel subclass that reads through to the wrapped model (see :class:`_ReadThrough`).
 
     DDP's own methods (``no_sync``, ``join``) stay reachable; the first backward that
     syncs checks that every trainable parameter got a gradient.
     """
-    global _transparent_ddp
-    if _transparent_ddp is None:
-        from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
 
-        class TransparentDDP(_ReadsThrough, DistributedDataParallel):
-            pass
+    class TransparentDDP(_ReadsThrough, DistributedDataParallel):
+        pass
 
-        TransparentDDP.__name__ = "DistributedDataParallel"
-        TransparentDDP.__qualname__ = "DistributedDataParallel"
-        _transparent_ddp = TransparentDDP
-    return _transparent_ddp
+    TransparentDDP.__name__ = TransparentDDP.__qualname__ = "DistributedDataParallel"
+    return TransparentDDP
 
 
 def _check_first_backward(module: Any) -> None:

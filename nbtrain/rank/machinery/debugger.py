@@ -200,10 +200,8 @@ class RelayFile(io.TextIOBase):
                 return DebugInput(self.run_id, self.rank, "", eof=True)
 
     def _send(self, message: Any) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the launcher is gone; the next read says end of input
             wire.send(self.channel, message)
-        except OSError:
-            pass  # the launcher is gone; the next read says end of input
 
 
 class RankPdb(pdb.Pdb):
@@ -299,10 +297,8 @@ def hold_for_post_mortem(
             debugger.reset()
             if header:
                 debugger.message(header.rstrip())  # the exception, as the cell's error showed it
-            try:
+            with contextlib.suppress(bdb.BdbQuit):
                 debugger.interaction(None, traceback)
-            except bdb.BdbQuit:
-                pass
             relay.active = True  # the kernel waits for this end even when no prompt came
             relay.end()
             return
