@@ -3,7 +3,7 @@
 The kernel builds one :class:`nbtrain.messages.events.RankSettings` from a run's launch options
 (``LaunchOptions.config_for``: the strategy's model wrapper, DataParallel's GPUs, and every
 option marked ``Option(rank=True)`` in :mod:`nbtrain.options`); ``StartRun`` carries it
-whole (a cluster's ``NodeRun`` too), and the rank's runtime hands it here as the run's
+whole (each node of a cluster gets its own copy), and the rank's runtime hands it here as the run's
 ``StartRun`` arrives, so a standby rank gets the run's settings, not those of the run it was
 forked after. Every other rank module asks :func:`current`, as accelerate's code asks its
 ``PartialState``: no launch option travels as an environment variable. Outside a run (the
