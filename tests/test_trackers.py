@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import re
 import sqlite3
 import struct
@@ -355,6 +356,7 @@ def test_an_interrupt_stops_at_a_step_with_rank_0s_run_flushed_and_no_tracker_pr
         "w.add_scalar('v', 10.0 * r, 0)\nw.close()"
     )
     assert out.error is None, out.text
+    assert os.path.isdir(f"{root}/next"), f"rank 0 wrote no run after the interrupted cell; the cell said:\n{out.text}"
     assert _scalars(f"{root}/next", "v") == [(0, 0.0)]
 
 
