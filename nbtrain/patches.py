@@ -99,6 +99,18 @@ def install_for_process(group: str) -> None:
         install(group, stack)
 
 
+def factory_modules(table: Iterable[Patch] | None = None) -> tuple[str, ...]:
+    """The modules of ``table``'s (:data:`TABLE`'s) factories, nbtrain's own, each once.
+
+    A launcher imports them before it forks: a rank's first patch of a group then finds its
+    factory imported, rather than importing it on the run's way (about 1 ms a module).
+
+    >>> "nbtrain.rank.machinery.checkpoints" in factory_modules()
+    True
+    """
+    return tuple(dict.fromkeys(patch.replacement.partition(":")[0] for patch in (TABLE if table is None else table)))
+
+
 def replacements(lifetime: Lifetime) -> list[tuple[Any, Any, str]]:
     """(what replaces it now, owner, attribute) for each patch of ``lifetime`` whose module is
     imported: so that, once they are undone, a name bound to a replacement can name the original."""

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from helpers import procs
+from nbtrain import patches
 from nbtrain.kernel import client
 from nbtrain.messages import codepickle, events, wire
 from nbtrain.planning import config
@@ -125,6 +126,8 @@ def test_the_launcher_says_it_is_ready_with_torch_preloaded_and_no_threads(chann
     assert channel.ready is not None and {"torch", "torch.distributed", "nbtrain.rank.machinery.runtime"} <= set(
         channel.ready.preloaded
     )
+    # A rank installing a group of patches finds their factories imported, not on its run's way.
+    assert set(patches.factory_modules()) - set(channel.ready.preloaded) == set()
 
 
 def test_a_run_starts_every_rank_and_ends_with_rank_0s_result(channel):

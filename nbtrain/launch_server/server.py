@@ -776,7 +776,7 @@ def _readable_now(sock: socket.socket | int) -> bool:
 
 
 def preload() -> tuple[str, ...]:
-    """Import PRELOAD's modules (those that exist): the names imported.
+    """Import PRELOAD's modules (those that exist) and the patch table's factories: the names imported.
 
     First installs what every rank forked from here has, here once rather than in each rank
     just forked (0.15 ms there), and before anything imports the modules it changes:
@@ -787,7 +787,7 @@ def preload() -> tuple[str, ...]:
 
     patches.install_for_process("notebook only")
     loaded = []
-    for module in PRELOAD:
+    for module in dict.fromkeys([*PRELOAD, *patches.factory_modules()]):
         with contextlib.suppress(Exception):  # a missing optional module only costs speed
             __import__(module)
             loaded.append(module)
