@@ -236,10 +236,12 @@ class MetricHistory:
             if ready:
                 self._take(step)
 
-    def settle_all(self) -> None:
-        """Take every waiting step into ``mean``: the run ended, no rank will add to them."""
-        for step in sorted(self._waiting):
+    def settle_all(self) -> bool:
+        """Take every waiting step into ``mean``: no rank will add to them; whether any was waiting."""
+        waiting = sorted(self._waiting)
+        for step in waiting:
             self._take(step)
+        return bool(waiting)
 
     def _take(self, step: int) -> None:
         total, count, _ = self._waiting.pop(step)
@@ -531,9 +533,14 @@ class RunState:
         if self.ended_at is None:
             self.ended_at = now
         self.state = state
-        for history in self.metrics.values():
-            history.settle_all()
-        self._changed(charts=True)
+        self.settle()
+        self._changed()
+
+    def settle(self) -> None:
+        """Every rank is done: the steps still waiting for a rank's value go into the mean lines now."""
+        settled = [history.settle_all() for history in self.metrics.values()]
+        if any(settled):
+            self._changed(charts=True)
 
     def _mark_running(self) -> None:
         if self.state == STARTING:

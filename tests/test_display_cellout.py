@@ -56,7 +56,7 @@ def test_the_summary_says_what_ran_what_was_prepared_and_what_came_back():
 
 def test_the_first_frame_waits_until_the_ranks_run(capsys):
     """Drawn at the launch it took a core from ranks just starting; the first event past their start draws it."""
-    view = cellout.CellView(types.SimpleNamespace(config=None))
+    view = cellout.CellView(types.SimpleNamespace(config=None, result_arrived=False))
     view.show(events.RankStarted(1, 0, 101))
     view.show(events.RankStarted(1, 1, 102))
     assert view.view.frames == 0 and capsys.readouterr().out == ""
@@ -67,7 +67,7 @@ def test_the_first_frame_waits_until_the_ranks_run(capsys):
 def test_the_step_total_is_read_once_just_before_the_first_frame(capsys):
     """Reading the cell's loops and loaders (about 1 ms) waits until the ranks have started."""
     counted: list[int] = []
-    view = cellout.CellView(types.SimpleNamespace(config=None), lambda: counted.append(40) or 40)
+    view = cellout.CellView(types.SimpleNamespace(config=None, result_arrived=False), lambda: counted.append(40) or 40)
     view.show(events.RankStarted(1, 0, 101))
     assert counted == [] and view.view.state.total_steps is None
     view.show(events.Output(1, 0, "stdout", "first line\n"))
@@ -75,6 +75,20 @@ def test_the_step_total_is_read_once_just_before_the_first_frame(capsys):
     view.finish("finished")
     assert counted == [40] and view.view.state.total_steps == 40
     assert "/40" in capsys.readouterr().out
+
+
+def test_the_last_frames_chart_is_drawn_once_every_rank_is_done_not_after_their_exits(capsys):
+    run = types.SimpleNamespace(config=None, result_arrived=False)
+    view = cellout.CellView(run)
+    view.view.rich = True  # a notebook's frontend; the charts are drawn only there
+    view.show(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}),)))
+    assert view.view.chart_renders == 0  # a run's first second shows no chart
+    run.result_arrived = True  # rank 0's result is in the kernel: the ranks exit now
+    view.show(None)
+    assert view.view.chart_renders == 1
+    view.show(events.RankExited(1, 0, 0, None, reported=True))
+    view.finish("finished")
+    assert view.view.chart_renders == 1
 
 
 def test_the_live_view_stays_above_the_ranks_first_line(kernel):

@@ -478,3 +478,22 @@ def test_a_failed_run_names_its_cause_in_the_frame():
     assert "rank 1 raised ValueError: bad batch" in bundle["text/plain"]
     assert ">failed</b>" in bundle["text/html"] and "rank 1 raised ValueError: bad batch</div>" in bundle["text/html"]
 
+
+
+def test_a_chart_drawn_as_every_rank_is_done_is_the_last_frames_unless_something_new_came():
+    # Two ranks, the last step logged by rank 0 only: its mean waits for rank 1 until the ranks are done.
+    view = LiveView(strategy="ddp_notebook", accelerator="cpu", world_size=2, rich=True)
+    for rank, steps in ((0, range(1, 6)), (1, range(1, 5))):
+        view.handle(events.Metrics(RUN, rank, tuple((s, s / 10, {"loss": 1.0 / s}) for s in steps)))
+    view.draw_chart()  # every rank done: the mean takes step 5 now, as the run's end would
+    assert view.state.metrics["loss"].mean.steps()[-1] == 5
+    ahead = view.chart_png_base64()
+    view.finish(events.FINISHED)
+    assert (view.chart_renders, view.chart_png_base64()) == (1, ahead)
+
+    late = LiveView(strategy="ddp_notebook", accelerator="cpu", world_size=1, rich=True)
+    late.handle(events.Metrics(RUN, 0, ((1, 0.1, {"loss": 1.0}),)))
+    late.draw_chart()
+    late.handle(events.MemorySample(RUN, 0, 300 * 2**20))  # sampled as the rank exited
+    late.finish(events.FINISHED)
+    assert late.chart_renders == 2

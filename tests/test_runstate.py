@@ -403,3 +403,15 @@ def test_ranks_stopped_at_the_same_step_and_runs_that_ended_or_never_log():
     with pytest.raises(ValueError, match="stall_seconds must be a positive number of seconds or None, not 0"):
         RunState(stall_seconds=0)
 
+
+
+def test_settling_as_the_ranks_are_done_leaves_the_end_nothing_new_to_chart():
+    state = RunState("ddp_notebook", "cpu", 2)
+    state.apply(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}), (2, 0.1, {"loss": 0.5}))), now=0.0)
+    state.apply(events.Metrics(1, 1, ((1, 0.0, {"loss": 3.0}),)), now=0.0)
+    before = state.chart_version
+    state.settle()
+    assert state.metrics["loss"].mean.means() == [2.0, 0.5] and state.chart_version == before + 1
+    state.settle()  # nothing waits now
+    state.finish(events.FINISHED, now=1.0)
+    assert state.chart_version == before + 1

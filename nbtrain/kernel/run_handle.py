@@ -126,6 +126,11 @@ class Run:
         self._stop_asked: float | None = None  # when a graceful stop was asked (monotonic)
         self._step_seen_at = 0.0
 
+    @property
+    def result_arrived(self) -> bool:
+        """Rank 0's result is in the kernel's memory, every rank done: the run's end waits for their exits."""
+        return self._copied is not None
+
     def debug_input(self, rank: int, line: str) -> None:
         """Send the line typed at rank ``rank``'s pdb prompt."""
         send = getattr(self.client, "send_debug", None)

@@ -189,6 +189,15 @@ class LiveView:
             chart.hand_back(self._chart_figure)
             self._chart_figure = None
 
+    def draw_chart(self) -> None:
+        """Every rank is done: draw the charts as the last frame shows them, unless it finds something new since.
+
+        The mean lines take the steps still waiting for a rank now, as the run's end would.
+        """
+        self.state.settle()
+        if self.rich:
+            self.chart_png_base64(force=True)
+
     def _show_rich(self, now: float, force: bool) -> None:
         self.publish(self.mimebundle(now, force_charts=force))
         self.frames += 1
