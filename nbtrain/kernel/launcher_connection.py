@@ -312,11 +312,13 @@ class LauncherClient:
                 copied = CopiedResult(
                     offer.result, sharedtensors.read_from_process(offer.pid, offer.regions, offer.total_bytes)
                 )
-        if copied is not None and inbox is not None:  # copied only when wanted, so for an inbox
-            inbox.put((copied, []))
         answer = events.ReleaseResult(offer.run_id, send_file=wanted and copied is None)
         with self._lock, contextlib.suppress(OSError):  # the launcher is gone; the run's inbox hears of it
             wire.send(self.process.channel, answer)
+        # Then the cell's thread hears of it: it draws the last frame's chart (nbtrain.kernel.display.cellout),
+        # which would hold this thread's release back on the interpreter lock.
+        if copied is not None and inbox is not None:  # copied only when wanted, so for an inbox
+            inbox.put((copied, []))
 
     def _read_stderr(self, process: processes.LauncherProcess, stderr_read: threading.Event) -> None:
         stream = process.popen.stderr
