@@ -23,6 +23,7 @@ import nbtrain
 from helpers import procs
 from kernel_helpers import LAUNCHER_PID, NotebookKernel, wait_gone
 from nbtrain.kernel import launcher_connection
+from nbtrain.messages import events
 
 GONE_SECONDS = 10.0
 STANDBY_SECONDS = 60.0  # a loaded 2-core machine: the ranks fork and join their group after the run
@@ -272,6 +273,34 @@ def test_the_sidebar_lists_them_with_their_memory_and_dismiss_ends_them(launcher
         assert state is None or not state.ranks, state
         time.sleep(0.05)
     assert procs.wait_gone([p.pid for p in procs.launcher_children()], GONE_SECONDS, reaped=False) == []
+
+
+def test_the_next_ranks_are_forked_as_a_finished_runs_ranks_are_released_not_after_their_exits(launcher):
+    # On a GPU a rank's exit takes about 0.15 s: a re-run sent as the cell returns waited for it.
+    nbtrain.release()
+    run = nbtrain.start(lambda: None, devices=2, accelerator="cpu")
+    waiting_at_exits = [
+        launcher.standby is not None and bool(launcher.standby.ranks)  # set by the reader thread, in order
+        for event in run.events()
+        if isinstance(event, events.RankExited)
+    ]
+    assert waiting_at_exits == [True, True]
+
+
+def test_no_ranks_wait_after_a_cell_an_interrupt_stopped_at_a_step(kernel):
+    run_two(kernel)
+    standby(kernel)
+    msg_id = kernel.start_cell(
+        TWO_RANKS + "import time, torch\nmodel = torch.nn.Linear(2, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nfor step in range(100000):\n"
+        "    model(torch.ones(1, 2)).sum().backward()\n    opt.step()\n"
+        "    if step == 3:\n        print('training', flush=True)\n    time.sleep(0.01)\n"
+    )
+    kernel.wait_for_stream(msg_id, ["training"], timeout=120)
+    kernel.interrupt()  # every rank stops at one step, and their state there comes back: they are released
+    _, out = kernel.wait_for_reply(msg_id, timeout=120)
+    assert "stopped at step" in out.text, out.text
+    assert kernel.value("[r.state for r in nbtrain.runs()]") == []  # the user wanted things to stop
 
 
 # --- from this process: the soak ------------------------------------------------------------------
