@@ -196,7 +196,7 @@ def _average_early(optimizer: Any) -> None:
 def average_kept(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The step hook's (:mod:`~nbtrain.rank.auto.stephooks`): average a kept model's gradients before
     its step; a closure's (its step makes them) as it returns. Returns changed (args, kwargs) or None."""
-    kept = _kept.get(optimizer)
+    kept = _kept.get(optimizer) if _kept else None  # a weak dictionary's lookup costs a reference made
     if kept is None:
         return None
     early = optimizer in _early  # averaged already: as the backward ended, a scaler unscaled them or clipping read them

@@ -95,7 +95,8 @@ def _params(optimizer: Any) -> list[Any]:
 
 def at_first_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
     """The step hook's (:mod:`~nbtrain.rank.auto.stephooks`): an optimizer's first step decides whether it is kept."""
-    first_step(optimizer, sys._getframe(2))  # past the dispatcher: where the step was called
+    if _made or _unstepped_watch:  # else every optimizer the cell made has stepped: nothing to look up (a few us)
+        first_step(optimizer, sys._getframe(2))  # past the dispatcher: where the step was called
 
 
 def first_step(optimizer: Any, frame: types.FrameType | None) -> None:
