@@ -190,7 +190,7 @@ class LiveView:
             self._chart_figure = None
 
     def draw_chart(self) -> None:
-        """Every rank is done: draw the charts as the last frame shows them, unless it finds something new since.
+        """Every rank is done: draw the charts now, as the last frame shows them unless something comes after.
 
         The mean lines take the steps still waiting for a rank now, as the run's end would.
         """
