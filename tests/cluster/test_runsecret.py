@@ -15,17 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cluster import (
-    RUN_SECONDS,
-    _assert_all_gone,
-    _fault,
-    _rest,
-    _running,
-    _world,
-    node_processes,
-    rank_processes,
-    start,
-)
+import test_cluster as cluster  # the cluster tests' own helpers: a run started, its processes, a fault
 
 from helpers import listeners, procs
 from nbtrain.cluster import engine, runsecret
@@ -98,9 +88,9 @@ def _request(run_id: int) -> events.StartRun:
 def test_a_payload_or_request_not_signed_with_the_runs_secret_starts_nothing_on_the_node(
     ray_cluster: Any, tmp_path: Path
 ) -> None:
-    procs.finish(start(_world), RUN_SECONDS)  # warm agents
+    procs.finish(cluster.start(cluster._world), cluster.RUN_SECONDS)  # warm agents
     client = engine._client
-    before = node_processes(client)
+    before = cluster.node_processes(client)
     node_one = client.agents[1]
     secret, marker = runsecret.new_secret(), tmp_path / "ran"
     evil = pickle.dumps(_Marker(str(marker)))
@@ -115,8 +105,8 @@ def test_a_payload_or_request_not_signed_with_the_runs_secret_starts_nothing_on_
         assert f"nbtrain refused the {what} of run 99 that reached node 1" in str(refused.value)
         assert "not unpickled" in str(refused.value)
     assert not marker.exists()
-    assert node_processes(client) == before, "a rank started from a refused begin"
-    assert procs.finish(start(_world), RUN_SECONDS)[1] == 4  # the agent still runs the next run
+    assert cluster.node_processes(client) == before, "a rank started from a refused begin"
+    assert procs.finish(cluster.start(cluster._world), cluster.RUN_SECONDS)[1] == 4  # the agent still runs the next run
 
 
 def _forge_records(run_id: int, marker: str) -> Any:
@@ -141,32 +131,32 @@ def test_records_not_signed_with_the_runs_secret_are_refused_by_the_kernel_and_s
     ray_cluster: Any, tmp_path: Path
 ) -> None:
     seen: list[Any] = []
-    run = start(_fault, "hang", -1)
-    iterator = _running(seen, run)
+    run = cluster.start(cluster._fault, "hang", -1)
+    iterator = cluster._running(seen, run)
     client, marker = engine._client, tmp_path / "ran"
     ray.get(client.agents[1].__ray_call__.remote(_forge_records(run.run_id, str(marker))), timeout=30)
-    error = _rest(iterator, seen, run, 60.0)
+    error = cluster._rest(iterator, seen, run, 60.0)
     assert error is not None and f"nbtrain refused the records of run {run.run_id} that reached the kernel" in str(
         error
     ), error
     assert not marker.exists()
-    _assert_all_gone(rank_processes(seen))
+    cluster._assert_all_gone(cluster.rank_processes(seen))
 
 
 def test_every_listener_of_a_runs_processes_is_on_its_nodes_cluster_address(ray_cluster: Any) -> None:
     seen: list[Any] = []
-    run = start(_fault, "hang", -1)
-    iterator = _running(seen, run)
+    run = cluster.start(cluster._fault, "hang", -1)
+    iterator = cluster._running(seen, run)
     client = engine._client
     found = []
-    for info, (_agent_pid, *pids) in zip(client.infos, node_processes(client), strict=True):
+    for info, (_agent_pid, *pids) in zip(client.infos, cluster.node_processes(client), strict=True):
         # The agent is a Ray worker: its ports are Ray's. Its launcher and the ranks are nbtrain's.
         for pid in pids:
             found += [(info.address, listener) for listener in listeners.listeners_of(pid)]
     run.stop("the test has looked")
-    _rest(iterator, seen, run, 60.0)
+    cluster._rest(iterator, seen, run, 60.0)
     tcp = [(address, listener) for address, listener in found if listener.kind != "unix"]
     assert len(tcp) >= 3, f"expected rank 0's store and a gloo listener per rank, found {found}"
     elsewhere = [listener.label() for address, listener in tcp if listener.address != address]
     assert not elsewhere, f"listening beyond the node's cluster address: {elsewhere}"
-    _assert_all_gone(rank_processes(seen))
+    cluster._assert_all_gone(cluster.rank_processes(seen))
