@@ -333,6 +333,8 @@ def test_a_forked_launcher_killed_before_the_first_run_is_replaced_by_the_kernel
         forked = kernel.value(LAUNCHER_PID)  # answered by the template once it has imported torch
         template = parent_of(forked)
         assert template in templates(template_env[naming.DIRECTORY_VARIABLE])
+        # Killed once it said it was ready: killed before, it is "closed before it was ready".
+        assert kernel.value(WAIT_READY) is True
         os.kill(forked, signal.SIGKILL)
         assert procs.wait_gone([forked], GONE_SECONDS, reaped=False) == []
         timed_first_run(kernel)
