@@ -90,7 +90,9 @@ class Session:
 
     def run(self, source: str, timeout: float = CELL_SECONDS) -> Cell:
         started = time.monotonic()
-        msg_id = self.kc.execute(source)
+        # Not stop_on_error: ipykernel 6.17 (Colab's) aborts requests that arrive just after a failed
+        # cell's idle status, so the next value asked for came back without its user_expressions.
+        msg_id = self.kc.execute(source, stop_on_error=False)
         self.wait_for(lambda: self._idle(msg_id), timeout, f"the cell {source[:60]!r} to finish")
         cell = self.cell(msg_id)
         cell.seconds = time.monotonic() - started

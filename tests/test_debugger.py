@@ -32,7 +32,7 @@ class Prompting:
 
     def __init__(self, kernel: NotebookKernel, code: str):
         self.kc = kernel.client.kc
-        self.msg_id = self.kc.execute(code, allow_stdin=True)
+        self.msg_id = self.kc.execute(code, allow_stdin=True, stop_on_error=False)
         self.output = ""  # everything the cell printed so far (stdout, stderr, its error)
         self.read = 0  # how much of it the last expect() consumed
         self.prompts: list[str] = []
