@@ -47,10 +47,27 @@ RULES: dict[str, tuple[str, ...]] = {
     "wrapper": ("none", "namespace"),
     "stop": ("none", "interrupt"),
     "sized": ("none", "onecycle"),  # a OneCycleLR sized from len(loader) before the cell
+    "model_class": ("sequential", "nb_class", "mod_class"),  # an nn.Module class of the notebook, or of models.py
+    "ema": ("none", "averaged"),  # an AveragedModel updated after each step
+    "best": ("none", "keep_best"),  # a validation pass at each epoch's end keeping the best state, loaded at the end
+    "trainer_builds": ("in_run", "in_init"),  # a trainer makes its optimizer and loader in run(), or in __init__
+    "dataset": ("tensors", "nb_class"),  # a TensorDataset, or a Dataset class of the notebook's
 }
 TRAINERS = ("nb_trainer", "mod_trainer")
 # Rules a trainer's run() decides itself (it makes its optimizer and loader, as minGPT's does).
-TRAINER_OWNS = ("opt_where", "groups", "sched", "scaler", "accum", "loader_where", "fn", "tensors", "sized")
+TRAINER_OWNS = (
+    "opt_where",
+    "groups",
+    "sched",
+    "scaler",
+    "accum",
+    "loader_where",
+    "fn",
+    "tensors",
+    "sized",
+    "ema",
+    "best",
+)
 
 
 @dataclass(frozen=True)
@@ -99,7 +116,7 @@ def normalize(case: Case) -> Case:
         if chosen["model_where"] == "cell":
             chosen["trainer_where"] = "cell"
     else:
-        chosen["trainer_where"] = "before"
+        chosen.update(trainer_where="before", trainer_builds="in_run")
     if chosen["model_where"] == "cell":
         chosen["opt_where"] = "cell" if not trainer else chosen["opt_where"]
     if chosen["holder"] not in ("dict", "list") and chosen["wrapper"] == "none" or trainer:
@@ -115,7 +132,7 @@ def normalize(case: Case) -> Case:
     return replace(case, choices=tuple((rule, chosen[rule]) for rule in RULES))
 
 
-DATA = """import random, types, torch, torch.nn as nn
+DATA = """import copy, random, types, torch, torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 torch.set_num_threads(1)
 torch.manual_seed(0); random.seed(0)
@@ -167,19 +184,26 @@ class Trainer:
     """Holds a model; run() makes its optimizer and loader and trains (as minGPT's Trainer does)."""
 
     def __init__(self, model, dataset, batch_size, opt="sgd", lr=0.05, clip=None, epochs=1, shuffle=False,
-                 fail_at=None):
+                 fail_at=None, build_at_init=False):
         self.model, self.dataset, self.batch_size = model, dataset, batch_size
         self.opt, self.lr, self.clip, self.epochs, self.shuffle, self.fail_at = opt, lr, clip, epochs, shuffle, fail_at
-        self.optimizer = None
+        self.optimizer = self.loader = None
+        self.build_at_init = build_at_init
+        if build_at_init:  # as most hand-written trainers do: made once, kept for every run()
+            self.build()
         self.iter_num = 0
+
+    def build(self):
+        self.optimizer = make_optimizer(self.opt, self.model.parameters(), self.lr)
+        self.loader = DataLoader(self.dataset, batch_size=self.batch_size, shuffle=self.shuffle)
 
     def run(self):
         model = self.model
-        self.optimizer = make_optimizer(self.opt, model.parameters(), self.lr)
-        loader = DataLoader(self.dataset, batch_size=self.batch_size, shuffle=self.shuffle)
+        if not self.build_at_init:
+            self.build()
         model.train()
         for _ in range(self.epochs):
-            for x, y in loader:
+            for x, y in self.loader:
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 self.optimizer.zero_grad()
                 loss.backward()
@@ -190,6 +214,47 @@ class Trainer:
                 if self.fail_at == self.iter_num:
                     raise RuntimeError("the run fails part-way")
 '''
+
+# The model's class (rule ``model_class``), as a module beside the notebook (models.py) or pasted in a
+# notebook cell: its layers in a Sequential, a forward of its own, a plain attribute the forward updates.
+NET = '''import torch.nn as nn
+
+
+class Net(nn.Module):
+    """An MLP with an optional BatchNorm and Dropout; ``calls`` counts its forwards."""
+
+    def __init__(self, norm=False, drop=False):
+        super().__init__()
+        norms = [nn.BatchNorm1d(8)] if norm else []
+        drops = [nn.Dropout(0.2)] if drop else []
+        self.body = nn.Sequential(
+            nn.Linear(8, 8), *norms, nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), *drops, nn.Linear(8, 1)
+        )
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.body(x)
+'''
+
+# The dataset as a class of the notebook's (rule ``dataset``), in place of the TensorDataset.
+DATASET = '''from torch.utils.data import Dataset
+
+
+class PairData(Dataset):
+    """(x, y) pairs read from two tensors."""
+
+    def __init__(self, inputs, targets):
+        self.inputs, self.targets = inputs, targets
+
+    def __len__(self):
+        return len(self.inputs)
+
+    def __getitem__(self, index):
+        return self.inputs[index], self.targets[index]
+
+
+data = PairData(X, Y)'''
 
 OPTIMIZERS = {
     "sgd": "torch.optim.SGD({params}, lr=LR)",
@@ -209,23 +274,31 @@ def _scheduled(case: Case) -> bool:
     return case.get("sched") != "none" or case.get("sized") != "none"
 
 
+def _layers(case: Case) -> str:
+    """The expression of the model's Sequential of layers."""
+    return "model" if case.get("model_class") == "sequential" else "model.body"
+
+
 def _model(case: Case) -> list[str]:
-    kind = case.get("model_kind")
-    norm = "nn.BatchNorm1d(8), " if kind == "bn" else ""
-    drop = "nn.Dropout(0.2), " if case.get("dropout") == "dropout" else ""
-    lines = [
-        "torch.manual_seed(1)",
-        f"model = nn.Sequential(nn.Linear(8, 8), {norm}nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), {drop}nn.Linear(8, 1))",
-    ]
+    kind, dropout = case.get("model_kind"), case.get("dropout") == "dropout"
+    if case.get("model_class") == "sequential":
+        norm = "nn.BatchNorm1d(8), " if kind == "bn" else ""
+        drop = "nn.Dropout(0.2), " if dropout else ""
+        layers = f"nn.Linear(8, 8), {norm}nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), {drop}nn.Linear(8, 1)"
+        made = f"model = nn.Sequential({layers})"
+    else:
+        made = f"model = Net(norm={kind == 'bn'}, drop={dropout})"
+    lines = ["torch.manual_seed(1)", made]
+    layers = _layers(case)
     if kind == "tied":
-        lines.append("model[2].weight = model[0].weight  # tied, as GPT-2's head and embedding")
+        lines.append(f"{layers}[2].weight = {layers}[0].weight  # tied, as GPT-2's head and embedding")
     alias = case.get("alias")
     if alias != "none":
         lines.append(
             {
-                "param": "first_weight = model[0].weight",
-                "buffer": "running_mean = model[1].running_mean",
-                "submodule": "first_layer = model[0]",
+                "param": f"first_weight = {layers}[0].weight",
+                "buffer": f"running_mean = {layers}[1].running_mean",
+                "submodule": f"first_layer = {layers}[0]",
             }[alias]
         )
     holder = case.get("holder")
@@ -251,16 +324,18 @@ def _optimizer(case: Case) -> list[str]:
         ]
     else:
         lines = [
-            "opt = " + make.format(params="model[0].parameters()"),
+            "opt = " + make.format(params=f"{_layers(case)}[0].parameters()"),
             (
                 "opt.add_param_group({'params': [p for p in model.parameters()"
-                " if all(p is not q for q in model[0].parameters())]})"
+                f" if all(p is not q for q in {_layers(case)}[0].parameters())]}})"
             ),
         ]
     if case.get("sched") != "none":
         lines.append(SCHEDULERS[case.get("sched")])
     if case.get("scaler") != "none":
         lines.append('scaler = torch.amp.GradScaler("cpu", enabled=False)')
+    if case.get("ema") != "none":
+        lines.append("ema = torch.optim.swa_utils.AveragedModel(model)")
     return lines
 
 
@@ -299,6 +374,8 @@ def _step(case: Case) -> list[str]:
         update += ["scaler.unscale_(opt)"] if scaler else []
         update.append("nn.utils.clip_grad_norm_(model.parameters(), 0.5)")
     update += ["scaler.step(opt)", "scaler.update()"] if scaler else ["opt.step()"]
+    if case.get("ema") != "none":
+        update.append("ema.update_parameters(model)")
     update.append("opt.zero_grad()")
     if _scheduled(case):
         update.append("sched.step()")
@@ -323,7 +400,7 @@ def _loop_cell(case: Case, shuffle: bool) -> list[str]:
     if case.get("model_where") == "cell":
         lines += _model(case)
     if case.get("freeze") == "bias":
-        lines.append("model[0].bias.requires_grad_(False)")
+        lines.append(f"{_layers(case)}[0].bias.requires_grad_(False)")
     if case.get("opt_where") == "cell":
         lines += _optimizer(case)
     if case.get("loader_where") == "cell":
@@ -332,10 +409,25 @@ def _loop_cell(case: Case, shuffle: bool) -> list[str]:
         lines.append("noise = torch.rand(2)\npick = random.random()")
     if case.get("tensors") == "mutated":
         lines.append("scale.mul_(0.5)")
+    best = case.get("best") != "none"
+    if best:
+        lines.append('best_val, best_state = float("inf"), None')
     lines.append(f"for epoch in range({case.get('epochs')}):")
     lines.append("    for i, (x, y) in enumerate(loader):")
     lines += ["        " + line.replace("\n", "\n        ") for line in _step(case)]
+    if best:
+        lines += ["    " + line for line in KEEP_BEST.splitlines()]
+        lines.append("model.load_state_dict(best_state)")
     return lines
+
+
+# A validation pass at each epoch's end keeping the best weights (rule ``best``), as early stopping does.
+KEEP_BEST = """model.eval()
+with torch.no_grad():
+    val = loss_fn(model(X), Y).item()
+model.train()
+if val < best_val:
+    best_val, best_state = val, copy.deepcopy(model.state_dict())"""
 
 
 def _trainer(case: Case, shuffle: bool) -> str:
@@ -343,7 +435,8 @@ def _trainer(case: Case, shuffle: bool) -> str:
     fail = "3" if case.get("fail") == "raises" else "None"
     return (
         f"trainer = Trainer(model, data, batch_size=BS, opt={case.get('opt')!r}, lr=LR, clip={clip}, "
-        f"epochs={case.get('epochs')}, shuffle={shuffle}, fail_at={fail})"
+        f"epochs={case.get('epochs')}, shuffle={shuffle}, fail_at={fail}"
+        + (", build_at_init=True)" if case.get("trainer_builds") == "in_init" else ")")
     )
 
 
@@ -352,7 +445,7 @@ def _trainer_cell(case: Case, shuffle: bool) -> list[str]:
     if case.get("model_where") == "cell":
         lines += _model(case)
     if case.get("freeze") == "bias":
-        lines.append("model[0].bias.requires_grad_(False)")
+        lines.append(f"{_layers(case)}[0].bias.requires_grad_(False)")
     if case.get("rng") == "draws":
         lines.append("noise = torch.rand(2)\npick = random.random()")
     if case.get("trainer_where") == "cell":
@@ -367,7 +460,12 @@ def render(case: Case, magic: str, shuffle: bool | None = None) -> Cells:
     """The cells of ``case``; ``magic`` is the training cell's first line ("" for none)."""
     shuffle = case.get("shuffle") == "yes" if shuffle is None else shuffle
     trainer = case.get("holder") in TRAINERS
-    setup = [DATA] + ([STOP] if case.get("stop") != "none" else [])
+    setup = [DATA] + ([DATASET] if case.get("dataset") != "tensors" else [])
+    setup += [STOP] if case.get("stop") != "none" else []
+    if case.get("model_class") == "mod_class":
+        setup.append("from models import Net")
+    elif case.get("model_class") == "nb_class":
+        setup.append(NET)
     if case.get("holder") == "mod_trainer":
         setup.append("from train_utils import Trainer")
     elif case.get("holder") == "nb_trainer":

@@ -102,7 +102,7 @@ class Divergence:
 
 @dataclass
 class Runner:
-    """Real kernels for many runs, in a folder holding ``train_utils.py`` (the module trainer)."""
+    """Real kernels for many runs, in a folder holding ``train_utils.py`` (the module trainer) and ``models.py``."""
 
     folder: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="difftest-"))
     kernel: Any = None
@@ -110,8 +110,9 @@ class Runner:
     seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        with open(os.path.join(self.folder, "train_utils.py"), "w") as file:
-            file.write(grammar.TRAINER)
+        for name, source in (("train_utils.py", grammar.TRAINER), ("models.py", grammar.NET)):
+            with open(os.path.join(self.folder, name), "w") as file:
+                file.write(source)
 
     def _kernel(self) -> Any:
         from kernel_helpers import NotebookKernel
