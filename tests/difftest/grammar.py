@@ -181,7 +181,8 @@ def make_optimizer(kind, params, lr):
 
 
 class Trainer:
-    """Holds a model; run() makes its optimizer and loader and trains (as minGPT's Trainer does)."""
+    """Holds a model; run() trains it with an optimizer and loader it makes (as minGPT's Trainer does)
+    or, with build_at_init, ones __init__ made."""
 
     def __init__(self, model, dataset, batch_size, opt="sgd", lr=0.05, clip=None, epochs=1, shuffle=False,
                  fail_at=None, build_at_init=False):
