@@ -254,7 +254,7 @@ def prewarm() -> None:
 
 
 def load_ipython_extension(ip: object) -> None:
-    """``%load_ext nbtrain``: registers the ``%%distributed`` cell magic and warms the launcher."""
+    """``%load_ext nbtrain``: registers the ``%%distributed`` cell magic (and ``%%nbtrain``), warms the launcher."""
     from nbtrain.kernel.magic import load_ipython_extension as _load
 
     _load(ip)

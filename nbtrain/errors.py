@@ -104,13 +104,26 @@ class RankDiedError(RunFailedError):
     """A rank ended without reporting (killed by a signal, crashed, or called ``os._exit``)."""
 
     def __init__(
-        self, rank: int, *, signal_number: int | None = None, exit_code: int | None = None, node: str = ""
+        self,
+        rank: int,
+        *,
+        signal_number: int | None = None,
+        exit_code: int | None = None,
+        node: str = "",
+        collectives: tuple[str, ...] = (),
     ):
         self.rank = rank
         self.node = node
         self.signal_number = signal_number
         self.exit_code = exit_code
-        super().__init__(describe_death(rank, signal_number=signal_number, exit_code=exit_code, node=node))
+        self.collectives = collectives  # each rank's last collective, from its ledger
+        text = describe_death(rank, signal_number=signal_number, exit_code=exit_code, node=node)
+        if collectives:
+            text += (
+                f" Each rank's last collective: {'; '.join(collectives)}. A collective library (gloo, NCCL) aborts a"
+                " process when the ranks' calls differ in size or kind: see docs/failures.md."
+            )
+        super().__init__(text)
 
 
 class RankStartError(RunFailedError):
@@ -260,6 +273,11 @@ class UnusedParametersError(NbtrainError, RuntimeError):
             "'ddp_find_unused_parameters_true'; nbtrain.prepare(model, find_unused_parameters=True)), which looks"
             " for unused parameters at every step; or freeze them with .requires_grad_(False)."
         )
+
+
+class CollectiveMismatchError(NbtrainError, RuntimeError):
+    """Ranks called different collectives (or sizes, or dtypes) as the same call of a group: raised
+    on the rank that arrived last, before it joins (nbtrain.rank.machinery.collectives)."""
 
 
 class SerializationError(NbtrainError, TypeError):

@@ -318,7 +318,9 @@ class LaunchOptions:
         more=" The stop ends at a step: see `--on-stop`.",
     )})
     stall_warning: float | None = field(default=STALL_SECONDS, metadata={"option": Option(
-        "seconds without a logged step after which the live view names the rank; `none`: never",
+        "seconds without progress after which the cell names the stall: the live view a rank that logged steps "
+        "and then none, and the cell which ranks wait in which collective and where the others are "
+        "(see [Failures](failures.md)); `none`: never",
         _stall_seconds, "--stall-warning", parse=seconds_flag, shown_default="30", keyword=False,
     )})
     cluster: str = field(default="local", metadata={"option": Option(
@@ -405,7 +407,9 @@ class LaunchOptions:
         cfg = config.make_config(
             plan, strategy=self.strategy, timeout=self.timeout, backend=self.backend, rank_options=self.rank_options()
         )
-        return dataclasses.replace(cfg, on_stop=self.on_stop, stop_grace=self.stop_grace)
+        return dataclasses.replace(
+            cfg, on_stop=self.on_stop, stop_grace=self.stop_grace, stall_seconds=self.stall_warning
+        )
 
     def rank_options(self) -> dict[str, Any]:
         """The options the ranks are told (``Option(rank=True)``), by name: the run's RankSettings carry them.
@@ -416,13 +420,22 @@ class LaunchOptions:
         """
         return {name: getattr(self, name) for name, info in described() if info.rank}
 
-    def magic_line(self) -> str:
+    def magic_line(self, magic: str | None = None) -> str:
         """The ``%%distributed`` line that asks for exactly these settings, to copy into a cell.
+
+        ``magic``: the cell magic it starts with; by default the one that is nbtrain's in this
+        kernel (``%%nbtrain`` where another package holds ``%%distributed``).
 
         >>> LaunchOptions(timeout=90, on_stop="discard").magic_line()
         '%%distributed --devices auto --accelerator auto --strategy ddp_notebook --timeout 90 --on-stop discard'
+        >>> LaunchOptions("2", "cpu").magic_line("%%nbtrain")
+        '%%nbtrain --devices 2 --accelerator cpu --strategy ddp_notebook'
         """
-        parts = ["%%distributed", "--devices", devices_text(self.devices), "--accelerator", self.accelerator]
+        if magic is None:
+            from nbtrain.kernel import shell  # the one place that decides; it asks IPython only if imported
+
+            magic = shell.magic_name()
+        parts = [magic, "--devices", devices_text(self.devices), "--accelerator", self.accelerator]
         parts += ["--strategy", self.strategy]
         built_in = LaunchOptions()
         for name, info in flagged():

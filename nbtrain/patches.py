@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from nbtrain.system import stepboard  # standard library only, like this module
+
 
 class Lifetime(enum.Enum):
     """How long a patch stays: who installs it, and when it is undone."""
@@ -91,12 +93,13 @@ def install(group: str, stack: ExitStack, table: Iterable[Patch] | None = None) 
             _apply(patch, importlib.import_module(patch.module), stack)
 
 
-def install_for_process(group: str) -> None:
-    """Install ``group`` for the rest of this process and the processes it forks (a rank's, the
-    launcher's): once, as the first caller asks; a forked rank's own call finds it installed."""
-    if group not in _for_the_process:
-        _for_the_process[group] = stack = ExitStack()
-        install(group, stack)
+def install_for_process(*groups: str) -> None:
+    """Install each of ``groups`` for the rest of this process and the processes it forks (a rank's,
+    the launcher's): once, as the first caller asks; a forked rank's own call finds it installed."""
+    for group in groups:
+        if group not in _for_the_process:
+            _for_the_process[group] = stack = ExitStack()
+            install(group, stack)
 
 
 def factory_modules(table: Iterable[Patch] | None = None) -> tuple[str, ...]:
@@ -228,6 +231,7 @@ _DISPLAYS, _TEXT_BARS = "nbtrain.rank.machinery.displays:in_the_cell", "nbtrain.
 _C10D = "torch.distributed.distributed_c10d"  # where torch defines init_process_group; torch.distributed re-exports it
 _TORCHRUN = "code written for torchrun runs unchanged: its own init_process_group joins nothing new"
 _TORCHRUN_END = "its destroy_process_group leaves the group (a gloo group destroyed under DDP can hang)"
+_LEDGER = "each collective is written on the run's board: a stall is named, a mismatch ends the run before gloo aborts"
 _AVERAGED_CLIP = "clipping reads averaged gradients (a cell-made model's, a model called past its DDP), as under DDP"
 _WHOLE = "ranks saving one path at once: a reader never sees a torn file"
 _SHOWN = "IPython's {} on a rank goes to the cell (the kernel's own outside a run)"
@@ -244,9 +248,33 @@ TABLE: tuple[Patch, ...] = (
         for verb, why in (("init", _TORCHRUN), ("destroy", _TORCHRUN_END))
         for module in ("torch.distributed", _C10D)
     ),
+    *(
+        Patch("collectives", module, name, "nbtrain.rank.machinery.collectives:ledgered", _RANK, _LEDGER)
+        for module in ("torch.distributed", _C10D)  # the user's calls, and torch's own calls of its functions
+        for name in stepboard.COLLECTIVES  # the board names each by its index
+    ),
+    # A rank's, once its run's environment is in place (nbtrain.rank.machinery.compiling).
+    Patch(
+        "compiling", "torch._inductor.config", "compile_threads",
+        "nbtrain.rank.machinery.compiling:threads_from_environment", _RANK,
+        "a cell's ranks share the host's cores for torch.compile's workers: inductor decided at the launcher's "
+        "import, before the run's TORCHINDUCTOR_COMPILE_THREADS existed", on_import=True,
+    ),
     Patch("debugger", "sys", "breakpointhook", _DEBUGGER + "relayed_hook", _RANK, "breakpoint() opens pdb in the cell"),
     Patch(
         "debugger", "pdb", "set_trace", _DEBUGGER + "relayed_set_trace", _RANK, "pdb.set_trace() opens pdb in the cell"
+    ),
+    # A rank's, and the processes it starts, from their first notebook object (nbtrain.rank.machinery.childpickling).
+    Patch(
+        "child processes", "multiprocessing.reduction:ForkingPickler", "reducer_override",
+        "nbtrain.rank.machinery.childpickling:by_value_reducer", _RANK,
+        "a process the rank starts by spawn or forkserver (3.14's default: DataLoader workers, process pools) "
+        "gets notebook classes and functions by value, as the rank did: its __main__ has none",
+    ),
+    Patch(
+        "child processes", "multiprocessing.forkserver:_forkserver", "_preload_modules",
+        "nbtrain.rank.machinery.childpickling:forkserver_preload", _RANK,
+        "a rank's forkserver imports torch once: each worker it forks starts without importing it", on_import=True,
     ),
     # The launcher, before it forks ranks (a spawned rank installs them itself): as each module is imported.
     *(

@@ -37,7 +37,7 @@ import collections
 import math
 from typing import Any
 
-from nbtrain.messages import events
+from nbtrain.messages import events, stacks
 
 MAX_POINTS = 2000  # buckets per series: a full chart line, whatever the run's length
 LOG_LINES_PER_RANK = 20
@@ -424,6 +424,7 @@ class RunState:
         self.latest_step: dict[int, int] = {}
         self.stall_seconds = stall_seconds
         self.last_step_at: dict[int, float] = {}  # when each rank's step last moved (kernel clock)
+        self.stalled: str | None = None  # the launcher's stall, in short (RanksStalled), until the ranks move
         self.in_debugger: dict[int, float] = {}  # rank -> since when it waits at a pdb prompt
         self.rate = StepRate()
         self._rate_rank: int | None = None
@@ -450,6 +451,9 @@ class RunState:
             self._changed()
         elif isinstance(event, (events.DebugPrompt, events.DebugEnded)):
             self._apply_debugger(event, now)
+        elif isinstance(event, events.RanksStalled):
+            self.stalled = stall_summary(event) if event.seconds else None
+            self._changed()
         elif isinstance(event, events.RankStarted):
             self.started_ranks.add(event.rank)
             if len(self.started_ranks) >= self.world_size:
@@ -564,7 +568,7 @@ class RunState:
             return f"{self.state} at step {self.stopped_at:,}"
         if self.stop_step is not None and not self.ended:
             return f"stopping at step {self.stop_step:,}"
-        return self.state
+        return "stalled" if self.stalled and not self.ended else self.state
 
     @property
     def progress_rank(self) -> int | None:
@@ -593,6 +597,8 @@ class RunState:
         """
         if self.stall_seconds is None or self.state in (events.FINISHED, events.FAILED) or self.in_debugger:
             return None
+        if self.stalled:  # the launcher's word: which ranks wait, and in what
+            return self.stalled
         if self.ended_at is not None:  # timed out or stopped: the last frame keeps the clue
             now = self.ended_at
         quiet = {r: now - t for r, t in self.last_step_at.items() if now - t >= self.stall_seconds}
@@ -675,3 +681,22 @@ def _describe_exit(event: events.RankExited) -> str:
     if event.signal_number is not None:
         return f"rank {event.rank} was killed by signal {event.signal_number}"
     return f"rank {event.rank} exited with code {event.exit_code} before it finished"
+
+
+def stall_summary(event: events.RanksStalled) -> str:
+    """A stall in one line for the live view: who waits in what, for how long.
+
+    >>> stall_summary(events.RanksStalled(1, 31.0, ((0, "all_reduce of 4 float32 elements", 8, True),
+    ...                                              (1, "all_reduce of 4 float32 elements", 7, False))))
+    'stalled for 31 s: rank 0 waits in all_reduce (its 8th collective); rank 1 has not joined (see the note below)'
+    """
+    waiting = [(rank, what.split(" of ")[0], number) for rank, what, number, inside in event.calls if inside]
+    on_peers = {rank for rank, text in event.stacks if stacks.waits_on_peers(stacks.parse_dump(text))}
+    ranks = {rank for rank, *_ in event.calls} | {rank for rank, _ in event.stacks}
+    missing = sorted(ranks - on_peers - {rank for rank, _, _ in waiting})
+    said = "; ".join(f"rank {rank} waits in {what} (its {stacks.ordinal(number)} collective)"
+                     for rank, what, number in waiting)
+    if missing:
+        who = f"rank {missing[0]} has" if len(missing) == 1 else "ranks " + ", ".join(map(str, missing)) + " have"
+        said = f"{said}; {who} not joined" if said else f"{who} not joined"
+    return f"stalled for {event.seconds:.0f} s: {said or 'the ranks wait on each other'} (see the note below)"

@@ -125,8 +125,12 @@ class NotebookKernel:
         """Send a cell without waiting for it (for interrupt tests); returns its msg_id."""
         return self.client.kc.execute(source, stop_on_error=False)  # as nbclient's allow_errors cells
 
-    def wait_for_stream(self, msg_id: str, needles: list[str], timeout: float = CELL_SECONDS) -> str:
-        """Read the cell's output until every needle has appeared; the text read so far."""
+    def wait_for_stream(
+        self, msg_id: str, needles: list[str], timeout: float = CELL_SECONDS, displays: bool = False
+    ) -> str:
+        """Read the cell's output until every needle has appeared; the text read so far.
+
+        ``displays``: the text of its displays (shown or updated in place) counts too."""
         deadline = time.monotonic() + timeout
         seen = ""
         while not all(needle in seen for needle in needles):
@@ -141,6 +145,8 @@ class NotebookKernel:
             content = message["content"]
             if message["msg_type"] == "stream":
                 seen += content["text"]
+            elif displays and message["msg_type"] in ("display_data", "update_display_data"):
+                seen += content.get("data", {}).get("text/plain", "") + "\n"
             elif message["msg_type"] == "error":
                 raise AssertionError("the cell failed:\n" + strip_ansi("\n".join(content["traceback"])))
         return seen

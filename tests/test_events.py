@@ -54,12 +54,15 @@ EXAMPLES: list[object] = [
     events.MemorySample(3, 0, 200 << 20, cuda_allocated_bytes=1 << 20, time=1.5),
     FAILED,
     events.RankExited(3, 1, exit_code=None, signal_number=9, reported=False),
+    events.RankExited(3, 0, None, 6, False, collectives=("rank 0: all_reduce of 4 float32 elements, its 8th",)),
     events.NodeLost(3, "node 1 (10.0.0.8)", "its agent exited"),
     events.RankNotStarted(3, 1, 2, "EAGAIN", "Resource temporarily unavailable"),
     events.RunEnded(3, events.FAILED, failure=FAILED, stacks=((0, "Thread 0x1 (most recent call first):"),)),
     events.RunEnded(3, events.STOPPED, result=b"r", stopped_at=412),
     events.RunEnded(3, events.STOPPED, stop_note="stopped hard (rank 1 did not reach step 412 within 2.0 s)"),
-    events.RanksWaiting(3, (0,), 10.4, ((1, "Current thread 0x00007f (most recent call first):\n"),)),
+    events.RanksWaiting(3, (0,), 10.4, ((1, "Current thread 0x00007f (most recent call first):\n"),), ((0, 8), (1, 7))),
+    events.RanksStalled(3, 31.0, ((0, "all_reduce of 4 float32 elements", 8, True),), ((1, "Thread 0x1:\n"),), "node"),
+    events.RanksStalled(3, 0.0),
     events.RankDone(3, 0, result=b"42", regions=((0x7F00, 8, 0),), total_bytes=8),
     events.ResultOffer(3, 4242, b"r", ((0x7F00, 8, 0),), 8),
     events.ReleaseResult(3, send_file=True),
@@ -79,6 +82,7 @@ EXAMPLES: list[object] = [
     events.StandbyReady(1),
     events.StandbyChanged(((0, 4001), (1, 4002)), "2 cuda ranks, nccl", (0, 1), ready=True),
     events.ReleaseStandby(),
+    events.NotebookModules(("fastai", "fastai.callback.schedule")),
 ]
 
 

@@ -252,7 +252,7 @@ def _insert_distributed_cell(session: Session, notebook: Any) -> None:
     page = session.page
     notebook.locator(".jp-Cell").nth(2).click()
     page.keyboard.press("Control+Shift+C")
-    page.locator(".lm-CommandPalette-input").fill("Insert a %%distributed cell")
+    page.locator(".lm-CommandPalette-input").fill("Insert an nbtrain cell")
     page.keyboard.press("Enter")
     inserted = notebook.locator(".jp-Cell").nth(3)
     inserted.get_by_text("%%distributed --devices 2 --accelerator cpu --strategy ddp_notebook").wait_for()

@@ -406,3 +406,28 @@ def _heap_bytes() -> int:
 
 def _in_heap(address: int) -> bool:
     return any(low <= address < high for low, high in _heap_ranges())
+
+
+# A process that started a spawned child and a queue (named semaphores), then leaves as a rank does.
+LEAVES_WITH_A_SPAWNED_CHILD = """
+import multiprocessing, os, time
+from nbtrain.system import processes
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=time.sleep, args=(60,), daemon=True)
+    child.start()
+    print(child.pid, flush=True)
+    processes.end_multiprocessing(5.0)
+    os._exit(0)
+"""
+
+
+def test_leaving_as_a_rank_ends_multiprocessing_children_and_unlinks_their_semaphores(tmp_path):
+    before = procs.shm_entries()
+    script = tmp_path / "leaves.py"
+    script.write_text(LEAVES_WITH_A_SPAWNED_CHILD)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True)
+    child = int(done.stdout.split()[0])
+    assert procs.wait_gone([child], 5.0, reaped=False) == []
+    assert {name for name in procs.shm_entries() - before if name.startswith("sem.")} == set()

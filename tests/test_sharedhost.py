@@ -110,16 +110,22 @@ def interpreter_for_all(base: str) -> str:
     system's python of the same version, in a virtual environment of its own whose
     site-packages are this environment's, runs the same code as any user.
     """
+    import nbtrain
+
+    for needed in (*_site_packages(), os.path.dirname(nbtrain.__file__)):  # what the victim's kernel imports
+        private = _private_parent(needed)
+        if private is not None:
+            pytest.skip(
+                f"the victim (another OS user) cannot read {needed}: {private} is private to its owner "
+                f"(mode {os.stat(private).st_mode & 0o777:o}); to run this test, clone nbtrain where other users "
+                "may enter"
+            )
     real = os.path.realpath(sys.executable)
-    parents = [real[: i or 1] for i, c in enumerate(real) if c == "/"]
-    if all(os.stat(parent).st_mode & 0o001 for parent in parents) and os.stat(real).st_mode & 0o001:
+    if _private_parent(real) is None and os.stat(real).st_mode & 0o001:
         return sys.executable
     system = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
     if not os.path.exists(system):
         pytest.skip(f"no python the victim can run ({sys.executable} is root's, no {system})")
-    import site
-    import sysconfig
-
     venv = os.path.join(base, "venv")
     packages = os.path.join(venv, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages")
     os.makedirs(packages)
@@ -127,11 +133,25 @@ def interpreter_for_all(base: str) -> str:
     os.symlink(system, os.path.join(venv, "bin", "python"))
     with open(os.path.join(venv, "pyvenv.cfg"), "w") as f:
         f.write(f"home = /usr/bin\ninclude-system-site-packages = false\nversion = {sys.version.split()[0]}\n")
-    ours = [path for path in site.getsitepackages() if path.startswith(sys.prefix)]
-    ours = ours or [sysconfig.get_paths()["purelib"]]
     with open(os.path.join(packages, "environment.pth"), "w") as f:
-        f.writelines(f"import site; site.addsitedir({path!r})\n" for path in ours)
+        f.writelines(f"import site; site.addsitedir({path!r})\n" for path in _site_packages())
     return os.path.join(venv, "bin", "python")
+
+
+def _site_packages() -> list[str]:
+    """This environment's own site-packages."""
+    import site
+    import sysconfig
+
+    ours = [path for path in site.getsitepackages() if path.startswith(sys.prefix)]
+    return ours or [sysconfig.get_paths()["purelib"]]
+
+
+def _private_parent(path: str) -> str | None:
+    """The first directory above ``path`` (itself included) that other users may not enter, or None."""
+    real = os.path.realpath(path)
+    parents = [real[: i or 1] for i, c in enumerate(real) if c == "/"] + [real]
+    return next((parent for parent in parents if os.path.isdir(parent) and not os.stat(parent).st_mode & 0o001), None)
 
 
 def victim_kernel(victim, monkeypatch, extra: dict[str, str] | None = None) -> NotebookKernel:

@@ -36,7 +36,8 @@ def in_a_shell(cells: list[str]) -> dict:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_SECONDS, check=False
     )
     assert out.returncode == 0, out.stderr + out.stdout
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # The last JSON line: an extension may display something after each cell (nbdistributed does).
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
 
 
 ASK_THE_SHELL = """
@@ -99,3 +100,46 @@ def test_an_interrupt_during_a_deferred_block_comes_after_the_block():
     with processes.interrupts_held() as outer, shell.interrupts_deferred():
         signal.raise_signal(signal.SIGINT)
     assert outer.received
+
+
+def test_the_magic_is_distributed_unless_another_package_holds_that_name():
+    assert shell.magic_for(None) == "%%distributed"  # no one holds it: nbtrain takes it as it loads
+    assert shell.magic_for(shell.MAGICS_MODULE) == "%%distributed"
+    assert shell.magic_for("nbdistributed.magic") == "%%nbtrain"
+    assert shell.magic_for("torch_distdev.magics") == "%%nbtrain"
+    assert shell.MAGICS_MODULE == "nbtrain.kernel.magic"  # where DistributedMagics is written
+    assert shell.is_nbtrain_cell("  %%nbtrain --devices 2\nx = 1") and not shell.is_nbtrain_cell("%%nbtrainer\n")
+    assert shell.is_nbtrain_cell("%%distributed\nx = 1")  # no shell here: %%distributed is nbtrain's
+
+
+# nbtrain's registration alone (no launcher is warmed), beside nbdistributed's extension.
+LOAD_NBTRAIN = "from nbtrain.kernel import magic as m; m.load_ipython_extension(ip)"
+LOAD_THEIRS = "import nbdistributed; nbdistributed.load_ipython_extension(ip)"
+WHO_HOLDS = """
+import json
+from nbtrain.kernel import shell as s
+me = s.get_shell()
+print(json.dumps({
+    'distributed': s.cell_magic_owner(me, 'distributed'), 'nbtrain': s.cell_magic_owner(me, 'nbtrain'),
+    'rank': s.cell_magic_owner(me, 'rank'), 'name': s.magic_name(),
+    'theirs_is_nbtrains': s.is_nbtrain_cell('%%distributed\\nx = 1'),
+}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("order", "expected"),
+    [
+        ([], {"distributed": None, "nbtrain": None, "rank": None, "name": "%%distributed"}),
+        ([LOAD_NBTRAIN], {"distributed": "nbtrain.kernel.magic", "nbtrain": "nbtrain.kernel.magic", "rank": None,
+                          "name": "%%distributed"}),
+        ([LOAD_THEIRS, LOAD_NBTRAIN], {"distributed": "nbdistributed.magic", "nbtrain": "nbtrain.kernel.magic",
+                                       "rank": "nbdistributed.magic", "name": "%%nbtrain"}),
+        ([LOAD_NBTRAIN, LOAD_THEIRS], {"distributed": "nbdistributed.magic", "nbtrain": "nbtrain.kernel.magic",
+                                       "rank": "nbdistributed.magic", "name": "%%nbtrain"}),
+    ],
+    ids=["nothing loaded", "nbtrain alone", "nbdistributed first", "nbdistributed after"],
+)
+def test_the_magic_that_is_nbtrains_follows_who_holds_distributed(order, expected):
+    report = in_a_shell(["ip = get_ipython()", *order, WHO_HOLDS])
+    assert report == {**expected, "theirs_is_nbtrains": expected["name"] == "%%distributed"}

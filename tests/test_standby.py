@@ -205,7 +205,11 @@ def test_their_warm_up_leaves_the_cell_no_name_and_no_random_draw(kernel):
 
 
 def test_they_import_the_libraries_the_last_payload_needed_and_never_the_users_own_modules(kernel, tmp_path):
-    """Unpickling a model imports its classes' modules; standby ranks import those of libraries ahead."""
+    """Unpickling a model imports its classes' modules; standby ranks import those of libraries ahead.
+
+    The user's own module, which the kernel imported, each run imports before its payload
+    (nbtrain.rank.machinery.reimport) as it is on disk by then: never ahead.
+    """
     (tmp_path / "nbtrain_users_module.py").write_text("def double(x):\n    return 2 * x\n")
     kernel.run_ok(f"import sys\nsys.path.append({str(tmp_path)!r})\nimport wave, nbtrain_users_module\n")
     try:
@@ -215,16 +219,19 @@ def test_they_import_the_libraries_the_last_payload_needed_and_never_the_users_o
         seen = []
         for _ in range(2):  # and again after a run that found them imported already
             waiting = standby(kernel, [pid for pid, _ in seen])
+            # Edited while they wait (a new size: no stale bytecode): imported ahead, it would be the old one.
+            factor = 3 if not seen else 40
+            (tmp_path / "nbtrain_users_module.py").write_text(f"def double(x):\n    return {factor} * x\n")
             kernel.run_ok(
                 TWO_RANKS + "import os, sys\n"
-                "ahead = ['wave' in sys.modules, 'nbtrain_users_module' in sys.modules]\npid = os.getpid()\n"
+                "ahead = ['wave' in sys.modules, sys.modules['nbtrain_users_module'].double(1)]\npid = os.getpid()\n"
             )
             seen.append((kernel.value("pid"), kernel.value("ahead")))
             assert seen[-1][0] in waiting
     finally:
         kernel.run_ok(f"sys.path.remove({str(tmp_path)!r})")
     # The user's module is imported by the run that uses it, as edited by then.
-    assert [ahead for _, ahead in seen] == [[True, False], [True, False]]
+    assert [ahead for _, ahead in seen] == [[True, 3], [True, 40]]
 
 
 def test_a_failure_and_a_timeout_on_standby_ranks_end_as_on_fresh_ones(kernel):

@@ -74,3 +74,29 @@ def test_a_rank_that_ends_early_while_another_works_on_its_own_is_not_named(kern
         "        torch.randn(64, 64) @ torch.randn(64, 64)\n"
     )
     assert "begun no optimizer step" not in out.text, out.text
+
+
+def test_a_rank_that_skips_one_step_of_a_ddp_model_is_named_by_its_count(kernel):
+    # Rank 1 skips its 4th batch (forward, backward, step): it finishes one step early, and rank 0
+    # waits in its 8th step's gradient all-reduce, which rank 1 will never join.
+    cell = (
+        "%%distributed --devices 2\n"
+        "for i, (x, y) in enumerate(loader):\n"
+        "    if nbtrain.rank() == 1 and i == 3:\n"
+        "        continue\n"
+        "    loss = nn.functional.mse_loss(model(x), y)\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n"
+    )
+    msg_id = kernel.start_cell(cell)
+    try:
+        seen = kernel.wait_for_stream(msg_id, ["begun no optimizer step since"], timeout=UNEVEN_SECONDS + 60)
+    finally:
+        kernel.interrupt()
+    kernel.wait_for_reply(msg_id, timeout=60)
+    note = next(line for line in seen.splitlines() if "begun no optimizer step since" in line)
+    assert note.startswith("nbtrain: rank 1 finished the cell "), note
+    assert "it waits in a backward (DDP's gradient all-reduce)" in note, note
+    # Each rank's count: its steps' gradient all-reduces and auto mode's own collectives; rank 1's is one short.
+    begun = r"Collectives begun \(DDP's gradient all-reduces among them\): "
+    counts = re.search(begun + r"rank 0 (\d+), rank 1 (\d+)\.$", note)
+    assert counts is not None and int(counts.group(1)) == int(counts.group(2)) + 1, note

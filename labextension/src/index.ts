@@ -1,7 +1,8 @@
 /**
  * nbtrain's JupyterLab (and Notebook 7) extension: a sidebar of every run and device,
  * a status-bar item ("nbtrain: 1 run · 2 ranks") and a command that inserts a
- * `%%distributed` cell with the kernel's session defaults. Its data come from nbtrain's
+ * `%%distributed` cell (`%%nbtrain` where another package holds `%%distributed`) with the
+ * kernel's session defaults. Its data come from nbtrain's
  * server extension (nbtrain/serverext), never from a kernel, so it keeps working while a
  * kernel is busy or after it died.
  */
@@ -76,7 +77,7 @@ function addStatusItem(app: JupyterFrontEnd, statusBar: IStatusBar, model: RunsM
 
 function addInsertCommand(app: JupyterFrontEnd, notebooks: INotebookTracker, palette: ICommandPalette | null): void {
   app.commands.addCommand(INSERT_COMMAND, {
-    label: 'Insert a %%distributed cell (session defaults)',
+    label: 'Insert an nbtrain cell (session defaults)',
     caption: "A new cell below with the kernel's nbtrain defaults (nbtrain.get_defaults()) as flags",
     isEnabled: () => notebooks.currentWidget !== null,
     execute: async () => {
@@ -92,7 +93,7 @@ function addInsertCommand(app: JupyterFrontEnd, notebooks: INotebookTracker, pal
   palette?.addItem({ command: INSERT_COMMAND, category: 'nbtrain' });
 }
 
-/** The kernel's `%%distributed` line for its defaults, or '' if it does not answer in time (busy). */
+/** The kernel's `%%distributed` (or `%%nbtrain`) line for its defaults, or '' if it does not answer in time (busy). */
 async function kernelDefaults(kernel: any): Promise<string> {
   if (!kernel) {
     return '';

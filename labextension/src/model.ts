@@ -182,12 +182,13 @@ export function runTitle(run: Pick<RunInfo, 'notebook' | 'kernel_id' | 'id'>): s
 
 /**
  * The first line of the cell the palette command inserts: the kernel's session defaults
- * (`nbtrain.get_defaults().magic_line()`, read from the kernel), or a plain
- * `%%distributed` (which uses them too) when the kernel could not say.
+ * (`nbtrain.get_defaults().magic_line()`, read from the kernel: it starts with the magic that
+ * is nbtrain's there, `%%distributed` or, where another package holds that, `%%nbtrain`), or a
+ * plain `%%nbtrain` (nbtrain's in every kernel; it uses them too) when the kernel could not say.
  */
 export function distributedCell(magicLine: string | null | undefined): string {
   const line = (magicLine || '').trim();
-  const first = line.startsWith('%%distributed') ? line : '%%distributed';
+  const first = /^%%(distributed|nbtrain)(\s|$)/.test(line) ? line : '%%nbtrain';
   return `${first}\n`;
 }
 

@@ -106,11 +106,14 @@ test('a run is named by its notebook, else its kernel', () => {
   assert.equal(runTitle({ id: 'a-1' }), 'run a-1');
 });
 
-test('the inserted cell uses the kernel defaults, or a plain %%distributed', () => {
+test('the inserted cell uses the kernel defaults, or a plain %%nbtrain', () => {
   const line = parsePythonString("'%%distributed --devices 2 --accelerator cpu --strategy ddp_notebook'");
   assert.equal(line, '%%distributed --devices 2 --accelerator cpu --strategy ddp_notebook');
   assert.equal(distributedCell(line), line + '\n');
-  assert.equal(distributedCell(parsePythonString("''")), '%%distributed\n');
-  assert.equal(distributedCell(undefined), '%%distributed\n');
-  assert.equal(distributedCell('print(1)'), '%%distributed\n');
+  // where another package holds %%distributed, the kernel's line starts with %%nbtrain
+  assert.equal(distributedCell('%%nbtrain --devices 2 --accelerator cpu'), '%%nbtrain --devices 2 --accelerator cpu\n');
+  assert.equal(distributedCell(parsePythonString("''")), '%%nbtrain\n');
+  assert.equal(distributedCell(undefined), '%%nbtrain\n');
+  assert.equal(distributedCell('print(1)'), '%%nbtrain\n');
+  assert.equal(distributedCell('%%distributedx'), '%%nbtrain\n');
 });

@@ -177,6 +177,7 @@ class BackgroundRun:
         self.error: BaseException | None = None
         self.stop_button: Any = None  # an ipywidgets.Button in a notebook
         self.view: display.NotedLiveView | None = None
+        self._before_stall: str | None = None  # the view's note before a stall's replaced it
         self.output = output
         self._printer = display.OutputPrinter(output, cfg.world_size)  # where no live view shows the output
         self.total_steps = total_steps  # the live view's progress total, when known
@@ -344,6 +345,13 @@ class BackgroundRun:
             return
         if isinstance(event, events.RanksWaiting):  # the run looks slow: the note under the view says why
             self._note(f"{self.view.note}\n{display.waiting_text(event)}")
+            return
+        if isinstance(event, events.RanksStalled):  # the note says why while it lasts; the view says "stalled"
+            if self._before_stall is None:
+                self._before_stall = self.view.note
+            self.view.handle(event)
+            self._note(display.stall_text(event) if event.seconds else self._before_stall)
+            self._before_stall = self._before_stall if event.seconds else None
             return
         if isinstance(event, events.Display):  # the view's rank lines are text: a display's text, once
             if event.update or not event.text:
@@ -521,6 +529,8 @@ class CellBackgroundRun(BackgroundRun):
             self.callbacks.keep_metrics(self.record, event)
         elif isinstance(event, events.TrackerCalls):  # rank 0 logged to a run the kernel opened
             trackerruns.replay(event, functools.partial(print, file=sys.stderr))
+        elif isinstance(event, events.RanksStalled):
+            self.record.note_stall(event)
 
     def _stops_at_a_step(self) -> bool:
         return bool(getattr(self.run.config, "on_stop", "keep") == "keep")

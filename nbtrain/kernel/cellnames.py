@@ -31,7 +31,7 @@ def register_source(shell: Any, line: str, cell: str) -> str:
     traceback shows the cell's own lines. IPython's compiler also remembers the cell's
     number for the name, which :func:`cell_namer` uses.
     """
-    source = f"%%distributed {line}".rstrip() + "\n" + cell
+    source = f"{kernel_shell.magic_name()} {line}".rstrip() + "\n" + cell
     # A raw_code of our own gives a name of our own: the kernel's entry for the
     # cell (its transformed form) stays as it is.
     number = kernel_shell.current_cell_number(shell)

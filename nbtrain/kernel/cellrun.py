@@ -71,6 +71,12 @@ class CellRun:
     stopped_at: int | None = None  # the optimizer step a stop kept: the kernel's objects hold it
     stopped: str = ""  # how a stop (interrupt, Stop, timeout) ended the run: "at a step", "hard"; "": not stopped
     failed_rank: int | None = None  # a failed cell: the rank whose state at its raise the kernel holds
+    steps_alone: int = 0  # rank 0's optimizer steps with no collective joined: each rank trained alone (0: it did not)
+    stall: str = ""  # while no rank moves and some wait on the others, the cell's note on it ("": none now)
+
+    def note_stall(self, event: events.RanksStalled) -> None:
+        """Keep the launcher's stall as the cell words it (or forget it: the ranks moved again)."""
+        self.stall = rankout.stall_text(event) if event.seconds else ""
 
 
 last_run: CellRun | None = None
@@ -109,9 +115,8 @@ def prepare_cell(shell: Any, line: str, cell: str, options: Any, plan: Planner) 
     engine, cfg = plan(options)
     body, blank_lines = _strip_leading_blank_lines(cell)
     if not body.strip():
-        raise UsageError(
-            "%%distributed: the cell is empty; put the code to run on every rank below the %%distributed line."
-        )
+        magic = kernel_shell.magic_name()
+        raise UsageError(f"{magic}: the cell is empty; put the code to run on every rank below the {magic} line.")
     # Blank lines in front keep the notebook's line numbers: line 1 is the %%distributed line.
     code = "\n" * (1 + blank_lines) + _transformed(shell, body)
     filename = cellnames.register_source(shell, line, cell)
@@ -245,7 +250,7 @@ def start_cell(shell: Any, prepared: PreparedCell, interactive: bool = True) -> 
     except SerializationError as error:
         raise tracebacks.plain_error(ns.explain_unpicklable(prepared.shipped, prepared.used_by) or error) from None
     except ConfigurationError as error:  # the run cannot fit in memory: refused before it started
-        raise UsageError(f"%%distributed: {error}") from None
+        raise UsageError(f"{kernel_shell.magic_name()}: {error}") from None
 
 
 def run_distributed_cell(shell: Any, line: str, cell: str, options: Any, plan: Planner) -> Any:
@@ -331,6 +336,18 @@ def _launch_and_follow(
         record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
 
 
+def _take(record: CellRun, show: rankout.OutputPrinter, event: Any) -> None:
+    """What a followed cell keeps of ``event`` (metrics, a stall) and does with it (tracker calls, output)."""
+    if isinstance(event, events.Metrics):
+        keep_metrics(record, event)
+    elif isinstance(event, events.TrackerCalls):  # rank 0 logged to a run the kernel opened
+        trackerruns.replay(event, functools.partial(print, file=sys.stderr))
+    elif event is not None:
+        show(event)
+    if isinstance(event, events.RanksStalled):
+        record.note_stall(event)
+
+
 def _follow(
     shell: Any, run: Any, prepared: PreparedCell, options: Any, held: processes.HeldInterrupts, started: float
 ) -> Any:
@@ -349,12 +366,7 @@ def _follow(
             if held.received or (asked and time.monotonic() > (run.stop_deadline() or 0.0)):
                 break  # a second interrupt, or a launcher that did not answer: stop hard, now
             view.show(event)
-            if isinstance(event, events.Metrics):
-                keep_metrics(record, event)
-            elif isinstance(event, events.TrackerCalls):  # rank 0 logged to a run the kernel opened
-                trackerruns.replay(event, functools.partial(print, file=sys.stderr))
-            elif event is not None:
-                show(event)
+            _take(record, show, event)
             relay.handle(event)  # a rank's pdb: its output, and its prompt in the input box
         show.finish()  # a progress bar a rank other than 0 left mid-line
     if held.received or view is None or run.state == "running":  # view is None only when the interrupt came first
@@ -581,6 +593,7 @@ def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: 
         record.derived = lengths.read_in_training(record.derived, record.loaders)
     record.updated = report.updated + [f"del {n}" for n in report.deleted]
     record.skipped = list(result.skipped) + report.skipped
+    record.steps_alone = result.steps_alone
     warnings = [f"note: {cellnames.name_cells(note, shell)}" for note in result.notes]  # Cell In[N], as IPython
     if record.skipped:
         described = ", ".join(f"{name} ({kind}: {why})" for name, kind, why in record.skipped)

@@ -96,10 +96,11 @@ def start_on(
         payload, tensor_fd = _serialise(fn, args, kwargs)
         try:
             known = engine.sources_sent if isinstance(engine, LauncherClient) else ()
+            modules_known = engine.modules_sent if isinstance(engine, LauncherClient) else ()
             logging_setup = logsetup.capture(engine.libraries_logging if isinstance(engine, LauncherClient) else None)
             start_message = _StartMessage(
                 cfg, payload, tensor_fd is not None, with_log=local, interactive=interactive, known_sources=known,
-                logging_setup=logging_setup,
+                logging_setup=logging_setup, known_modules=modules_known,
             )
             run = _submit(engine, start_message, tensor_fd)
         finally:
@@ -149,8 +150,9 @@ class _StartMessage:
         interactive: bool = True,
         known_sources: Collection[str] = (),
         logging_setup: logsetup.LoggingSetup | None = None,
+        known_modules: Collection[str] = (),
     ) -> None:
-        from nbtrain.kernel import defaults
+        from nbtrain.kernel import defaults, importedmodules
         from nbtrain.kernel import shell as kernel_shell
         from nbtrain.planning import probe
 
@@ -171,6 +173,9 @@ class _StartMessage:
         # a long session's hundreds of cells are not pickled and sent again with every run.
         self.known_sources = known_sources
         self.logging_setup = logging_setup or logsetup.LoggingSetup()
+        # The notebook's imports the engine was not sent before: its ranks import the whole list before the payload.
+        imported = importedmodules.notebook_modules(kernel_shell.get_shell())
+        self.notebook_modules = importedmodules.not_sent(imported, known_modules)
 
     def __call__(self, run_id: int) -> events.StartRun:
         cfg = self.cfg
@@ -195,8 +200,10 @@ class _StartMessage:
             standby_seconds=self.standby_seconds,
             on_stop=cfg.on_stop,
             stop_grace=cfg.stop_grace,
+            stall_seconds=cfg.stall_seconds,
             logging_setup=self.logging_setup,
             torch_settings=torchsettings.changed_from_defaults(),
+            notebook_modules=self.notebook_modules,
             rank_settings=cfg.rank,  # what prepare() and the cell on a rank read (nbtrain.rank.machinery.settings)
         )
 

@@ -29,6 +29,7 @@ from IPython.core.error import UsageError
 
 from nbtrain import options as options_module
 from nbtrain.errors import ClusterError, ConfigurationError
+from nbtrain.kernel import shell as kernel_shell
 from nbtrain.options import LaunchOptions
 from nbtrain.planning import config
 
@@ -147,16 +148,19 @@ def parse_flags(magic: Any, line: str) -> CellOptions:
         parsed = argparse.Namespace(**vars(_parsed(magic.parser, line)))  # a copy: the cached one stays as parsed
     except UsageError as error:
         hint = _flag_hint(magic, str(error))
-        raise UsageError(f"%%distributed: {error}. {hint + ' ' if hint else ''}{_SEE_HELP}") from None
+        raise UsageError(f"{kernel_shell.magic_name()}: {error}. {hint + ' ' if hint else ''}{_see_help()}") from None
     except ValueError as error:  # unbalanced quotes
         raise UsageError(
-            f"%%distributed: cannot read the flags {line!r}: {error}. Close the quote, or write the value "
-            f"without quotes (--devices 0,1). {_SEE_HELP}"
+            f"{kernel_shell.magic_name()}: cannot read the flags {line!r}: {error}. Close the quote, or write "
+            f"the value without quotes (--devices 0,1). {_see_help()}"
         ) from None
     return fill_defaults(parsed)
 
 
-_SEE_HELP = "%%distributed --help (or %distributed?) says what each flag takes."
+def _see_help() -> str:
+    # "%%name?", not "%name?": IPython (7.34 to 9) finds a cell magic's help only under its "%%".
+    magic = kernel_shell.magic_name()
+    return f"{magic} --help (or {magic}?) says what each flag takes."
 
 
 @functools.lru_cache(maxsize=64)
@@ -190,7 +194,7 @@ def fill_defaults(parsed: Any) -> CellOptions:
     try:
         launch = defaults.get_defaults().merged(given)
     except ConfigurationError as error:
-        raise UsageError(f"%%distributed: {error}") from None
+        raise UsageError(f"{kernel_shell.magic_name()}: {error}") from None
     own = {"output": parsed.output, "auto": parsed.auto, "background": parsed.background, "help": parsed.help}
     return CellOptions(**launch.as_dict(), **own)
 
@@ -198,7 +202,7 @@ def fill_defaults(parsed: Any) -> CellOptions:
 def _stall_warning(flag: float | None) -> None:
     if flag is not None and not flag > 0:
         raise UsageError(
-            f"%%distributed: --stall-warning {flag:g} is not a positive number of seconds; "
+            f"{kernel_shell.magic_name()}: --stall-warning {flag:g} is not a positive number of seconds; "
             "give one, or none for no warning."
         )
 
@@ -219,4 +223,4 @@ def check_flags(options: CellOptions) -> tuple[Any, config.LaunchConfig]:
     try:
         return launchplan.plan_run(options)
     except (ConfigurationError, ClusterError) as error:
-        raise UsageError(f"%%distributed: {error}") from None
+        raise UsageError(f"{kernel_shell.magic_name()}: {error}") from None

@@ -78,6 +78,8 @@ class LauncherClient:
         # Notebook cells whose lines this launcher was sent: it keeps them (its forks inherit
         # them), so each cell's lines go to it once (nbtrain.kernel.client._StartMessage).
         self.sources_sent: set[str] = set()
+        # The notebook's imports this launcher was sent (it keeps them): each goes to it once.
+        self.modules_sent: set[str] = set()
         # The rank of a failed run kept for a post-mortem, and what it and its debugger send
         # once its run is over (nbtrain.kernel.pdb_relay).
         self.held: events.RankHeld | None = None
@@ -165,7 +167,14 @@ class LauncherClient:
                 self._pending_output.pop(run_id, None)
                 raise LauncherError(f"could not reach the nbtrain launcher: {error}. {self.exit_detail()}") from error
             self.sources_sent.update(message.source_lines)
+            self.modules_sent.update(message.notebook_modules)
         return run_id, inbox
+
+    def send_notebook_modules(self, modules: tuple[str, ...]) -> None:
+        """Modules a cell imported, for the launcher's list and its standby ranks (nbtrain.kernel.importedmodules)."""
+        with self._lock, contextlib.suppress(OSError):  # not sent: the next run sends them
+            wire.send(self.process.channel, events.NotebookModules(modules))
+            self.modules_sent.update(modules)
 
     def stop(self, run_id: int, reason: str, graceful: bool = False) -> None:
         """Ask the launcher to stop a run (``graceful``: every rank at one step, rank 0's result kept)."""

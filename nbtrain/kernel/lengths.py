@@ -34,6 +34,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
+from nbtrain.kernel import shell as kernel_shell
 from nbtrain.messages import reach
 
 # The names schedule builders give the length they were sized with.
@@ -203,7 +204,7 @@ def _sentence(name: str, expected: int, loader: str, whole: int, share: int, *, 
     verb, act = ("is", "compute") if number else ("expects", "create")
     return (
         f"{name} {verb} {expected} steps; each rank runs {epochs * share} ({times}len({loader}): {whole} batches "
-        f"in the kernel, {share} on each rank): {act} {name} inside the %%distributed cell, "
+        f"in the kernel, {share} on each rank): {act} {name} inside the {kernel_shell.magic_name()} cell, "
         f"where len({loader}) is each rank's"
     )
 

@@ -1,7 +1,10 @@
 """``%%distributed``: run a notebook cell on N ranks and bring its results back into the kernel.
 
-``%load_ext nbtrain`` registers it. Then, with ``model``, ``opt`` and ``loader`` defined in
-earlier cells::
+``%load_ext nbtrain`` registers it, and the same magic as ``%%nbtrain``, a name no other
+package takes: where another extension (nbdistributed, torch-distdev) already holds
+``%%distributed``, nbtrain leaves it theirs, says so in one line, and its cells are
+``%%nbtrain`` cells (:func:`nbtrain.kernel.shell.magic_name` says which name is nbtrain's).
+Then, with ``model``, ``opt`` and ``loader`` defined in earlier cells::
 
     %%distributed --devices 2
     for x, y in loader:
@@ -20,6 +23,7 @@ on a rank is :mod:`nbtrain.rank.cell`.
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
@@ -28,13 +32,19 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nbtrain.errors import RankError
 from nbtrain.kernel import cellrun, flags, launcher_connection, pdb_relay
+from nbtrain.kernel import shell as kernel_shell
 from nbtrain.kernel.display import cellout
 from nbtrain.kernel.flags import check_flags, help_text, parse_flags
 
 
 @magics_class
 class DistributedMagics(Magics):
-    """The ``%%distributed`` cell magic."""
+    """The ``%%distributed`` cell magic, also registered as ``%%nbtrain`` (one method, two names)."""
+
+    def __init__(self, shell: Any = None, **kwargs: Any) -> None:
+        super().__init__(shell=shell, **kwargs)
+        # A name no other package registers: nbtrain's cells keep working whoever holds %%distributed.
+        self.magics["cell"][kernel_shell.OWN_MAGIC] = _renamed(self.distributed, kernel_shell.OWN_MAGIC)
 
     @flags.flag_arguments
     @cell_magic
@@ -87,11 +97,7 @@ class DistributedMagics(Magics):
         finishes; then they are updated as above, between two cells (or in
         handle.wait()). Interrupting the kernel does not stop a background run.
         """
-        options = parse_flags(self.distributed, line)
-        if options.help:
-            cellout.print_line(help_text(self.distributed))
-            return None
-        return cellrun.run_distributed_cell(self.shell, line, cell, options, check_flags)
+        return _run_cell(self.shell, self.distributed, line, cell)
 
     @line_magic
     def nbtrain_debug(self, line: str) -> None:
@@ -110,6 +116,34 @@ DistributedMagics.distributed.__doc__ = DistributedMagics.distributed.__doc__.re
 )
 
 
+def _run_cell(shell: Any, magic: Any, line: str, cell: str) -> Any:
+    """The magic's one body, under either name: ``magic`` is the one the cell named (its parser and help)."""
+    options = parse_flags(magic, line)
+    if options.help:
+        cellout.print_line(help_text(magic))
+        return None
+    return cellrun.run_distributed_cell(shell, line, cell, options, check_flags)
+
+
+def _renamed(magic: Any, name: str) -> Any:
+    """``magic`` (the bound ``distributed`` method) as cell magic ``%%name``: the same body and flags.
+
+    Its own parser and docstring, so that ``%%name --help`` and ``%%name?`` show ``%%name``
+    in the usage and the example, not ``%%distributed``.
+    """
+
+    def renamed(line: str, cell: str) -> Any:
+        return _run_cell(magic.__self__.shell, renamed, line, cell)
+
+    parser = copy.copy(magic.parser)  # the same flags (argparse's actions are shared, not copied)
+    parser.prog = f"%{name}"  # the usage prefix adds the second "%"
+    parser.description = parser.description.replace("%%distributed", f"%%{name}")
+    renamed.parser = parser  # type: ignore[attr-defined]  # where magic_arguments keeps a magic's parser
+    renamed.__doc__ = magic.__doc__.replace("%%distributed", f"%%{name}")
+    renamed.__name__ = renamed.__qualname__ = name
+    return renamed
+
+
 def nbtrain_debug() -> None:
     """``%nbtrain_debug`` and ``nbtrain.debug()``: the post-mortem of the held rank, in this cell."""
     try:
@@ -119,29 +153,65 @@ def nbtrain_debug() -> None:
 
 
 def load_ipython_extension(ip: Any) -> None:
-    """``%load_ext nbtrain``: register ``%%distributed`` (and ``%debug`` after a rank's error)."""
-    ip.register_magics(DistributedMagics)
+    """``%load_ext nbtrain``: register ``%%nbtrain``, ``%%distributed`` where no other package holds it,
+    and ``%debug`` after a rank's error."""
+    # An instance, not the class: its table of names is its own, so %%distributed can be left out.
+    magics = DistributedMagics(shell=ip)
+    owner = kernel_shell.cell_magic_owner(ip, kernel_shell.SHARED_MAGIC)
+    if kernel_shell.magic_for(owner) == f"%%{kernel_shell.OWN_MAGIC}":
+        # Theirs stays: taking it would silently change what their users' cells do.
+        del magics.magics["cell"][kernel_shell.SHARED_MAGIC]
+        cellout.print_line(left_note(str(owner)))
+    ip.register_magics(magics)
     _watch_standby_gpu_memory(ip, on=True)
+    _watch_cell_imports(ip, on=True)
     original = ip.find_line_magic("debug")  # IPython's own, loaded (IPython 9 registers it lazily)
     if original is not None and not getattr(original, "nbtrain_wrapped", False):
         ip.register_magic_function(_debug_rank_first(original), "line", "debug")
 
 
+def left_note(owner: str) -> str:
+    """The one line ``%load_ext nbtrain`` shows where module ``owner``'s package holds ``%%distributed``.
+
+    >>> left_note("nbdistributed.magic").split(";")[0]
+    'nbtrain: %%distributed belongs to nbdistributed here (loaded before nbtrain), so nbtrain left it'
+    """
+    package = owner.split(".")[0]
+    return (
+        f"nbtrain: %%distributed belongs to {package} here (loaded before nbtrain), so nbtrain left it; "
+        f"use %%{kernel_shell.OWN_MAGIC} for nbtrain's cells, with the same flags "
+        f"(%%{kernel_shell.OWN_MAGIC} --devices 2; %%{kernel_shell.OWN_MAGIC} --help lists them)."
+    )
+
+
 def unload_ipython_extension(ip: Any) -> None:
-    """``%unload_ext nbtrain``: IPython's own ``%debug`` again (``%%distributed`` stays registered:
-    IPython keeps no way to take a magic back)."""
+    """``%unload_ext nbtrain``: IPython's own ``%debug`` again (``%%distributed`` and ``%%nbtrain`` stay
+    registered: IPython keeps no way to take a magic back)."""
     debug = ip.magics_manager.magics["line"].get("debug")
     original = getattr(debug, "__wrapped__", None) if getattr(debug, "nbtrain_wrapped", False) else None
     if original is not None:
         ip.magics_manager.magics["line"]["debug"] = original
     _watch_standby_gpu_memory(ip, on=False)
+    _watch_cell_imports(ip, on=False)
 
 
 def _watch_standby_gpu_memory(ip: Any, on: bool) -> None:
     """Before each cell the standby ranks give up GPU memory the cell may need; an out-of-memory error names them."""
     from nbtrain.kernel import standbylist
 
-    for event, callback in (("pre_run_cell", standbylist.before_cell), ("post_run_cell", standbylist.after_cell)):
+    _watch(ip, on, standbylist.before_cell, standbylist.after_cell)
+
+
+def _watch_cell_imports(ip: Any, on: bool) -> None:
+    """What each cell imports: the ranks import it too, before its objects arrive (nbtrain.kernel.importedmodules)."""
+    from nbtrain.kernel import importedmodules
+
+    _watch(ip, on, importedmodules.CELLS.before_cell, importedmodules.CELLS.after_cell)
+
+
+def _watch(ip: Any, on: bool, before: Any, after: Any) -> None:
+    """Register (``on``) or unregister ``before``/``after`` as IPython's ``pre_run_cell``/``post_run_cell``."""
+    for event, callback in (("pre_run_cell", before), ("post_run_cell", after)):
         registered = callback in ip.events.callbacks.get(event, [])
         if on and not registered:
             ip.events.register(event, callback)

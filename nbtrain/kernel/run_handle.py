@@ -201,8 +201,8 @@ class Run:
         return Output(
             self.run_id, prompt.rank, "stderr",
             f"nbtrain: rank {prompt.rank} stopped at a breakpoint, but nothing here answers its prompt "
-            "(a background run, run.wait(), watch()); it continues. Run it as a %%distributed cell or "
-            "with nbtrain.launch() to debug there.\n",
+            f"(a background run, run.wait(), watch()); it continues. Run it as a {kernel_shell.magic_name()} "
+            "cell or with nbtrain.launch() to debug there.\n",
         )
 
     @property
@@ -386,7 +386,8 @@ class Run:
             return RankStartError(failure.rank, failure.world_size, failure.error_name, failure.reason)
         if isinstance(failure, RankExited):
             return RankDiedError(
-                failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code, node=failure.node
+                failure.rank, signal_number=failure.signal_number, exit_code=failure.exit_code, node=failure.node,
+                collectives=failure.collectives,
             )
         if isinstance(failure, NodeLost):
             return NodeLostError(failure.node, failure.detail)

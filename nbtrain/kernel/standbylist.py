@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from nbtrain.kernel import shell as kernel_shell
 from nbtrain.messages import events
 from nbtrain.system import processes
 
@@ -166,7 +167,7 @@ def before_cell(info: Any = None) -> None:
         return
     held = held_now((pid for _, pid in changed.ranks), os.getpid(), probe.gpu_usage())
     cell = getattr(info, "raw_cell", "") or ""
-    why = release_reason(held, _Seen.kernel_bytes, cell.lstrip().startswith("%%distributed"))
+    why = release_reason(held, _Seen.kernel_bytes, kernel_shell.is_nbtrain_cell(cell))
     _Seen.kernel_bytes = held.kernel_bytes
     if why:
         from nbtrain.kernel.display import cellout
@@ -174,7 +175,7 @@ def before_cell(info: Any = None) -> None:
         wait_gone(client.release_standby())
         cellout.print_warning(
             f"nbtrain: the standby ranks ({changed.plan}) gave up the {_size(held.standby_bytes)} they held "
-            f"on {held.where}: {why}. The next %%distributed run forks new ranks (a second or so more)."
+            f"on {held.where}: {why}. The next {kernel_shell.magic_name()} run forks new ranks (a second or so more)."
         )
 
 

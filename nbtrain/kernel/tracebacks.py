@@ -46,7 +46,8 @@ def explain_failure(error: RunFailedError, shell: Any, note: str) -> BaseExcepti
         text = cell_traceback(error.remote_traceback, shell)
         note = " ".join(part for part in (device_hint(error.exc_message), note) if part)
         note += f"\n{error.note}" if error.note else ""  # the held rank's %nbtrain_debug
-        return RankError(error.rank, error.exc_type, error.exc_message, text, note, node=error.node)
+        message = cell_traceback(error.exc_message, shell)  # a message may name a line too (a collective's mismatch)
+        return RankError(error.rank, error.exc_type, message, text, note, node=error.node)
     where = getattr(error, "where", "")
     message = f"{error.headline or error} {note}" + (f"\n{where}" if where else "")
     error.args = (message,)  # RunFailedError._render_traceback_ shows it

@@ -177,9 +177,10 @@ def _rank_main(
     os.dup2(fds.err, 2)
     close_all_but({0, 1, 2, *fds.kept, *privatenet.inherited_fds()})
     privatenet.enter(assignment.start)  # while this is the process's only thread
-    from nbtrain.rank.machinery import runtime, stepcheck
+    from nbtrain.rank.machinery import collectives, runtime, stepcheck
 
     stepcheck.attach(*steps)
+    collectives.attach_ledger(*steps)
 
     if waits:
         runtime.run_standby(assignment, channel, fds.listen, fds.stack)

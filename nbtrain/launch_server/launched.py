@@ -58,6 +58,18 @@ class UnevenWatch:
 
 
 @dataclass
+class StallWatch:
+    """A run's watch for a stall: no rank moving while some wait on the others (nbtrain.launch_server.stalls)."""
+
+    seconds: float | None = 30.0  # the run's stall window (None: no watch)
+    activity: tuple[int, ...] = ()  # each rank's steps and collectives begun, when they last changed
+    moved_at: float | None = None
+    next_look: float = 0.0
+    asked_at: float | None = None  # stacks asked for, not read yet
+    shown: str = ""  # what the kernel's notice says now ("": none shown)
+
+
+@dataclass
 class LauncherRun:
     """What the launcher knows of one run: its ranks, its phase (``lifecycle``) and what it ends with."""
 
@@ -87,6 +99,7 @@ class LauncherRun:
     stop_note: str = ""  # why a stop could not keep the state (sent with RunEnded)
     late: list[int] = field(default_factory=list)  # the ranks a graceful stop gave up on
     uneven: UnevenWatch = field(default_factory=UnevenWatch)  # ranks left waiting (launch_server.uneven)
+    stall: StallWatch = field(default_factory=StallWatch)  # no rank moving (launch_server.stalls)
     # rank -> (its failure, with the cell's state at its raise; that state's tensor file): see failed_state
     failed_states: dict[int, tuple[RankFailed, int | None]] = field(default_factory=dict)
 

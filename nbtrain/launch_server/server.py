@@ -19,9 +19,10 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any
 
-from nbtrain.launch_server import heldranks, registryentries, stackdumps, standby, stopatstep, uneven
+from nbtrain.launch_server import heldranks, registryentries, stackdumps, stalls, standby, stopatstep, uneven
 from nbtrain.launch_server.forking import (
     bind_store,
     fork_standby,
@@ -101,6 +102,7 @@ PRELOAD = (
     "nbtrain.rank.machinery.settings",
     "nbtrain.rank.auto.syncbn",
     "nbtrain.rank.machinery.stepcheck",  # a forked rank's first import (forking.run_child)
+    "nbtrain.rank.machinery.collectives",  # and its second: the board's ledger
     "nbtrain.messages.reach",
 )
 
@@ -138,6 +140,10 @@ class Launcher:
             self.selector.register(kernel_pidfd, selectors.EVENT_READ, ("kernel", None, None))
         self.runs: dict[int, LauncherRun] = {}
         self.sources: dict[str, tuple[str, ...]] = {}  # notebook cells' lines, as the kernel sent them
+        # The notebook's imports, in the kernel's order, as it sent them (each once); and those of them this
+        # launcher has not imported itself: a rank forked from here has the rest (torch's, mostly) already.
+        self.notebook_modules: dict[str, None] = {}
+        self.not_imported_here: dict[str, None] = {}
         self.board = registryentries.Board(registryentries.find_owner(parent_pid))
         self.held_ranks = heldranks.HeldRanks(self.selector, self._send, self.board)
         self.standby = standby.Pool(
@@ -212,6 +218,8 @@ class Launcher:
                 self._release(run)
         elif isinstance(message, (DebugInput, AttachHeld, ReleaseHeld)):
             self.held_ranks.relay(message, self.runs)
+        elif isinstance(message, events.NotebookModules):  # a cell imported them: in every rank from now on
+            self.standby.tell_waiting(events.NotebookModules(self._note_modules(message.modules)))
         elif isinstance(message, ReleaseStandby):
             ended = self.standby.release(time.monotonic() + standby.RELEASE_SECONDS)
             self._send(events.StandbyChanged(released=tuple(sorted(ended))))
@@ -299,6 +307,7 @@ class Launcher:
     # -- starting ranks ----------------------------------------------------------------
     def _start(self, start: StartRun, tensor_fd: int | None) -> None:
         start = self._with_sources(start)
+        start = self._with_notebook_modules(start)
         logsetup.follow(start.logging_setup)  # the kernel's logging: in every rank forked from here on
         now = time.monotonic()
         deadline = None if start.timeout is None else now + start.timeout
@@ -308,6 +317,7 @@ class Launcher:
         run.log = RunLog(start.log_path) if start.log_path else None
         run.plan = standby.plan_of(start)
         run.on_stop, run.stop_grace = start.on_stop, start.stop_grace
+        run.stall.seconds = start.stall_seconds
         self.runs[start.run_id] = run
         taken = self.standby.take(start)
         if taken is not None:
@@ -351,6 +361,24 @@ class Launcher:
         if start.start_method == "spawn":  # a fresh interpreter has nothing in memory
             return dataclasses.replace(start, source_lines=dict(self.sources))
         return start
+
+    def _with_notebook_modules(self, start: StartRun) -> StartRun:
+        """The run with the whole list of the notebook's imports, which the kernel sends each once (names only:
+        the launcher imports none). A spawned rank, a fresh interpreter, gets all; a forked one what it lacks."""
+        self._note_modules(start.notebook_modules)
+        modules = self.notebook_modules if start.start_method == "spawn" else self.not_imported_here
+        return dataclasses.replace(start, notebook_modules=tuple(modules))
+
+    def _note_modules(self, names: Iterable[str]) -> tuple[str, ...]:
+        """Keep the notebook's imports the kernel sent; those new that a forked rank lacks."""
+        lacking = []
+        for name in names:
+            if name not in self.notebook_modules:
+                self.notebook_modules[name] = None
+                if name not in sys.modules:
+                    self.not_imported_here[name] = None
+                    lacking.append(name)
+        return tuple(lacking)
 
     def _start_rank(
         self, run: LauncherRun, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None, slot: int = 0
@@ -540,6 +568,7 @@ class Launcher:
             # A signal we did not send (an OOM kill, a segfault) is the rank's own death even
             # when it is reaped after the stop began: its peers' errors race ahead of it.
             stopped=stop_began(run) and (signal_number is None or ours),
+            collectives=stalls.last_calls(run) if not reported and not ours else (),
         )
         self._send(exited)
         if not reported and run.outcome in (None, events.FINISHED):
@@ -610,9 +639,9 @@ class Launcher:
                 self._stop(run, events.TIMED_OUT)
             self._follow_graceful(run, now)
             self._note_steps(run)
-            waiting = uneven.look(run, now)
-            if waiting is not None:
-                self._send(waiting)
+            for notice in (uneven.look(run, now), stalls.notice(run, now)):
+                if notice is not None:
+                    self._send(notice)
             self._tick_stop(run, now)
             self._sample_memory(run, now)
             for rank in run.ranks:
@@ -662,6 +691,9 @@ class Launcher:
                     self._send(MemorySample(run.run_id, rank.spec.rank, rss, time=time.time()))
 
     def _finish(self, run: LauncherRun) -> None:
+        cleared = stalls.on_end(run)
+        if cleared is not None:
+            self._send(cleared)
         for rank in run.ranks:
             # What a held rank prints from now on (in pdb, its relay) is not the run's.
             for fd in list(rank.pipes):

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain.messages import wire
-from nbtrain.messages.events import StandbyChanged, StandbyReady, StartRun
+from nbtrain.messages.events import NotebookModules, StandbyChanged, StandbyReady, StartRun
 from nbtrain.system import processes
 
 Key = tuple[Any, ...]
@@ -137,6 +137,17 @@ class Pool:
             return
         self.discard()
         self._fork(Generation(key, plan_of(start), [], until))
+
+    def tell_waiting(self, message: NotebookModules) -> None:
+        """Modules a cell imported: the waiting ranks import them now, and so do their replacements."""
+        waiting = self.waiting
+        if waiting is None:
+            return
+        modules = (*waiting.plan.notebook_modules, *message.modules)
+        waiting.plan = dataclasses.replace(waiting.plan, notebook_modules=modules)
+        for rank in waiting.ranks:
+            with contextlib.suppress(OSError):  # one gone: its pidfd says so
+                wire.send(rank.channel, message)
 
     def take(self, start: StartRun) -> list[Any] | None:
         """The ranks waiting for this run's plan, now the run's; None (and any discarded) otherwise.

@@ -58,7 +58,16 @@ def look(run: LauncherRun, now: float) -> events.RanksWaiting | None:
         return None
     watch.said = True
     finished = tuple(rank.spec.rank for rank in run.ranks if rank.done)
-    return events.RanksWaiting(run.run_id, finished, now - watch.first_done_at, dumps)
+    counts = _collectives(run)
+    return events.RanksWaiting(run.run_id, finished, now - watch.first_done_at, dumps, counts)
+
+
+def _collectives(run: LauncherRun) -> tuple[tuple[int, int], ...]:
+    """(rank, collectives it began) by each rank's ledger on the board: who skipped one."""
+    board = run.board
+    if board is None:
+        return ()
+    return tuple((rank.spec.rank, board.collective(slot).calls) for slot, rank in enumerate(run.ranks))
 
 
 def _ask(rank: RankProcess) -> bool:

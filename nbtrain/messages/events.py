@@ -121,9 +121,16 @@ class StartRun:
     # (nbtrain.system.stepboard); "discard" stops them where they are. The grace is at least stop_grace s.
     on_stop: str = "keep"
     stop_grace: float = 2.0
+    # No rank moved (no collective begun, no optimizer step) for this long while some wait on the
+    # others: the kernel is told where each is (nbtrain.launch_server.stalls); None: never.
+    stall_seconds: float | None = 30.0
     # Standby ranks only: library modules the last run's payload needed (its objects' classes'
     # modules), imported while they wait instead of while a cell's payload loads.
     preimport: tuple[str, ...] = ()
+    # The modules the notebook imported in the kernel, in its order (nbtrain.kernel.importedmodules): each rank
+    # imports them before the payload, so their import-time effects are there. The kernel sends those the
+    # launcher was not sent before; the launcher keeps them and gives its ranks the whole list.
+    notebook_modules: tuple[str, ...] = ()
     # The kernel's logging levels and the handlers that write to its cell (less what the launcher's
     # libraries set up on import): the launcher takes them on before it forks ranks (nbtrain.messages.logsetup).
     logging_setup: LoggingSetup = field(default_factory=LoggingSetup)
@@ -330,6 +337,9 @@ class RankExited:
     reported: bool  # the rank said it was done (or failed) before it exited
     stopped: bool = False  # exited during a stop, of no signal or of nbtrain's own: not a cause
     node: str = ""  # the node's label on a cluster; empty on one machine
+    # A death of its own (a collective library's abort, say): each rank's last collective from its ledger,
+    # in words ("rank 0: all_reduce of 4 float32 elements, its 8th collective, waiting in it").
+    collectives: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -386,6 +396,22 @@ class RanksWaiting:
     finished: tuple[int, ...]
     seconds: float  # since the first of them finished
     stacks: tuple[tuple[int, str], ...]
+    counts: tuple[tuple[int, int], ...] = ()  # (rank, collectives it began, by its ledger) of every rank
+
+
+@dataclass(frozen=True)
+class RanksStalled:
+    """Launcher -> kernel, while a run goes on: no rank has begun a collective or an optimizer step
+    for ``seconds``, and some wait on the others (nbtrain.launch_server.stalls). ``calls``: (rank, its
+    last collective in words, that collective's number among the rank's, whether it waits in it now),
+    from the ranks' ledgers; ``stacks``: (rank, faulthandler dump) of every rank. Sent again when
+    the picture changes; ``seconds`` 0 and no calls: the ranks moved again, the notice clears."""
+
+    run_id: int
+    seconds: float
+    calls: tuple[tuple[int, str, int, bool], ...] = ()
+    stacks: tuple[tuple[int, str], ...] = ()
+    node: str = ""  # the node's label on a cluster (each node watches its own ranks); empty on one machine
 
 
 @dataclass(frozen=True)
@@ -483,6 +509,17 @@ class StandbyChanged:
     devices: tuple[int, ...] = ()  # the GPUs they hold (CUDA ranks)
     ready: bool = False  # every one of them joined its process group
     released: tuple[int, ...] | None = None  # the answer to ReleaseStandby: the pids it ended
+
+
+@dataclass(frozen=True)
+class NotebookModules:
+    """Kernel -> launcher -> standby ranks: modules a cell imported since the last run, in the kernel's order.
+
+    The launcher adds them to the list every rank gets (``StartRun.notebook_modules``); a standby rank
+    waiting for the next run imports the libraries among them now, not as that run's cell arrives.
+    """
+
+    modules: tuple[str, ...]
 
 
 @dataclass(frozen=True)

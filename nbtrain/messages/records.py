@@ -101,6 +101,9 @@ class CellResult:
     prepared: list[tuple[str, str]] = field(default_factory=list)  # (name, what auto mode did)
     notes: list[str] = field(default_factory=list)
     loaders: list[tuple[str, str]] = field(default_factory=list)  # (name, what its passes read)
+    # Rank 0's optimizer steps in a cell where it joined no collective: each rank trained alone
+    # (nbtrain.rank.machinery.trainedalone); 0: it averaged, took no step, or could not tell.
+    steps_alone: int = 0
 
 
 class CopiedResult:

@@ -139,7 +139,9 @@ def parse_dump(text: str) -> tuple[Frame, ...]:
     main = next((fs for _, fs in threads if any(_is_entry(f) for f in fs)), None)
     if main is None:
         main = next((fs for current, fs in threads if current), [])
-    frames = list(reversed(main))
+    # The collective ledger's wrapper (nbtrain.rank.machinery.collectives) stands between the user's
+    # call and torch's collective: a stack reads as the call did without it.
+    frames = [frame for frame in reversed(main) if not frame.filename.endswith(_LEDGER_FILE)]
     # What ran before the rank runtime (the launcher's loop, the fork) is not the rank's.
     entry = next((i for i, f in enumerate(frames) if _is_entry(f)), 0)
     return tuple(frames[entry:])
@@ -173,10 +175,17 @@ def _peer_wait(frames: tuple[Frame, ...]) -> str | None:
 
 
 _DDP_FILE = os.path.join("nn", "parallel", "distributed.py")
+_LEDGER_FILE = os.path.join("nbtrain", "rank", "machinery", "collectives.py")
 
 
-def waiting_note(finished: Iterable[int], seconds: float, waiting: Iterable[RankStack], namer: Namer) -> str:
+def waiting_note(
+    finished: Iterable[int], seconds: float, waiting: Iterable[RankStack], namer: Namer,
+    counts: Iterable[tuple[int, int]] = (),
+) -> str:
     """What the cell says when ranks wait for ranks that finished (:class:`nbtrain.messages.events.RanksWaiting`).
+
+    ``counts``: (rank, collectives it began, by its ledger), for every rank: when they differ, the
+    note says how, and so which rank skipped one (a step's forward and backward, a collective).
 
     >>> stack = RankStack(1, (Frame("/x/site-packages/torch/autograd/graph.py", 1, "_engine_run_backward"),))
     >>> print(waiting_note([0], 10.2, [stack], lambda f: None))  # doctest: +ELLIPSIS
@@ -191,15 +200,85 @@ def waiting_note(finished: Iterable[int], seconds: float, waiting: Iterable[Rank
         ". A rank that finished joins no collective again, so this waits until the run's timeout (with none, "
         "for ever): the ranks ran different steps (a `break`, or an `if` on nbtrain.rank() that only some "
         "take). Stop the run (interrupt the kernel; a background run: its Stop), and make every rank run "
-        "the same steps."
+        f"the same steps.{_counted(counts)}"
     )
+
+
+def _counted(counts: Iterable[tuple[int, int]]) -> str:
+    """`` Collectives begun (DDP's steps among them): rank 0 8, rank 1 7.`` where the ranks' counts differ.
+
+    >>> _counted([(0, 8), (1, 7)])
+    " Collectives begun (DDP's gradient all-reduces among them): rank 0 8, rank 1 7."
+    >>> _counted([(0, 8), (1, 8)])
+    ''
+    """
+    listed = sorted(counts)
+    if len({count for _, count in listed}) < 2:
+        return ""
+    each = ", ".join(f"rank {rank} {count}" for rank, count in listed)
+    return f" Collectives begun (DDP's gradient all-reduces among them): {each}."
+
+
+def stall_note(
+    seconds: float, calls: Iterable[tuple[int, str, int, bool]], ranks: Iterable[RankStack], namer: Namer,
+    source: LineSource, node: str = "",
+) -> str:
+    """What the cell says while no rank moves and some wait on the others (:class:`~.events.RanksStalled`).
+
+    ``calls``: (rank, its last collective in words, its number, whether it waits in it now); ``node``:
+    on a cluster, the node whose ranks these are (each node watches its own).
+
+    >>> busy = RankStack(1, (Frame("/home/me/train.py", 7, "<module>"),))
+    >>> print(stall_note(31, [(0, "all_reduce of 4 float32 elements", 8, True)], [busy], lambda f: None,
+    ...                  lambda f, n: ""))  # doctest: +ELLIPSIS
+    nbtrain: no rank has moved for 31 s. Waiting for the others: rank 0 in all_reduce of 4 float32 elements ...
+    """
+    ledger = {rank: (what, number, inside) for rank, what, number, inside in calls}
+    stacks = {stack.rank: stack for stack in ranks}
+    waiting, others = [], []
+    for stack in (stacks.get(rank, RankStack(rank, ())) for rank in sorted({*ledger, *stacks})):
+        what, number, inside = ledger.get(stack.rank, ("", 0, False))
+        where = _where_user(stack, namer)
+        if inside:
+            waiting.append(f"rank {stack.rank} in {what} (its {ordinal(number)} collective){where}")
+        elif waits_on_peers(stack.frames):
+            waiting.append(f"rank {stack.rank} in {_peer_wait(stack.frames)}{where}")
+        else:
+            last = f" (its last collective, the {ordinal(number)}, returned)" if number else " (no collective yet)"
+            others.append((stack, f"{stack.summary(namer, source)}{last}"))
+    lines = [
+        f"nbtrain: no rank{f' on {node}' if node else ''} has moved for {seconds:.0f} s. "
+        f"Waiting for the others: {'; '.join(waiting)}."
+        + (f" Not there: {'; '.join(text for _, text in others)}." if others else "")
+    ]
+    for stack, _ in others:
+        lines += stack.render(namer, source, limit=4)
+    lines.append(
+        "The run goes on (a slow step is not a hang): this note clears when the ranks move again. If they do "
+        "not, stop the run (interrupt the kernel; a background run: its Stop) and look at what each rank runs "
+        "there: a rank busy or blocked on its own, or ranks calling different collectives (docs/failures.md)."
+    )
+    return "\n".join(lines)
+
+
+def _where_user(stack: RankStack, namer: Namer) -> str:
+    user = [f for f in stack.frames if not f.in_library and not f.in_nbtrain]
+    return f", {_location(user[-1], namer)}" if user else ""
+
+
+def ordinal(number: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``8th``, ``11th``, ``22nd``.
+
+    >>> [ordinal(n) for n in (1, 2, 3, 8, 11, 12, 13, 22)]
+    ['1st', '2nd', '3rd', '8th', '11th', '12th', '13th', '22nd']
+    """
+    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    return f"{number}{suffix}"
 
 
 def _waits(stack: RankStack, subject: str, namer: Namer) -> str:
     """``it waits in a backward (DDP's gradient all-reduce), Cell In[3], line 5``."""
-    user = [f for f in stack.frames if not f.in_library and not f.in_nbtrain]
-    where = f", {_location(user[-1], namer)}" if user else ""
-    return f"{subject} waits in {_peer_wait(stack.frames) or 'a collective'}{where}"
+    return f"{subject} waits in {_peer_wait(stack.frames) or 'a collective'}{_where_user(stack, namer)}"
 
 
 def _ranks(ranks: Iterable[int]) -> str:

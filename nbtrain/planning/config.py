@@ -95,6 +95,7 @@ class LaunchConfig:
     timeout: float | None
     on_stop: str = "keep"  # a stop or timeout: "keep" the state at one optimizer step, or "discard" it
     stop_grace: float = 2.0  # the least time ranks get to reach that step (3 x the median step if longer)
+    stall_seconds: float | None = 30.0  # no rank moved this long, some waiting on the others: a stall is named
     # What the ranks are told (the model wrapper, precision, sync BN...): StartRun carries it whole.
     rank: RankSettings = field(default_factory=RankSettings)
 

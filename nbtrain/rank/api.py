@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 import sys
@@ -244,7 +245,11 @@ def _reduce_across_ranks(value: Any, op: str, tensor_in: bool) -> Any:
     reduce_op = {
         "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN
     }
-    dist.all_reduce(tensor, op=reduce_op[op])
+    from nbtrain.rank.machinery import trainedalone
+
+    # A number is a metric, never a gradient: its all-reduce does not make the ranks train together.
+    with trainedalone.not_gradients() if not tensor_in else contextlib.nullcontext():
+        dist.all_reduce(tensor, op=reduce_op[op])
     if op == "mean":
         tensor /= world_size()
     tensor = tensor.to(home)

@@ -50,7 +50,8 @@ from nbtrain.rank.auto import (
     wrapping,
 )
 from nbtrain.rank.auto.loaders import batches_per_rank, loader_lengths, samples_per_rank
-from nbtrain.rank.machinery import displays, stepcheck, trackers
+from nbtrain.rank.machinery import displays, stepcheck, trackers, trainedalone
+from nbtrain.rank.machinery.trainedalone import steps_alone
 
 # The cell's entry points: with nbtrain.rank.api, all the kernel side may import from the ranks'
 # (tests/test_structure.py). The kernel sizes a cell's loaders by the rule the ranks shard them with.
@@ -187,7 +188,9 @@ def _run_patched(
         patches.install("whole files", stack)
     logging = losslogging.loss_logging(stack) if spec.log_loss else contextlib.nullcontext()
     try:
-        with logging, trackers.tracked_cell():  # one run per tracker, rank 0's; charted live
+        # Trackers: one run per tracker, rank 0's; charted live. trainedalone: whether the cell's own code
+        # stepped an optimizer without joining any collective (each rank trained alone).
+        with logging, trackers.tracked_cell(), trainedalone.watched(api.world_size()):
             try:
                 display = _execute(spec, cell_globals)
             except stepcheck.StopAtStep:
@@ -422,7 +425,7 @@ def _collect(
     notes += _inherent_notes(outcome, modules)
     made = madeloaders.made_loader_report(cell_globals)  # a name the cell bound anew is its loader's
     loader_report = [entry for entry in loaders.loader_report() if entry[0] not in dict(made)] + made
-    return records.CellResult(payload, storages, deleted, skipped, prepared, notes, loader_report)
+    return records.CellResult(payload, storages, deleted, skipped, prepared, notes, loader_report, steps_alone())
 
 
 def _inherent_notes(outcome: Mapping[str, Any], modules: list[tuple[str, Any]]) -> list[str]:

@@ -563,6 +563,26 @@ def exit_now(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
+def end_multiprocessing(seconds: float) -> None:
+    """What the interpreter's exit does for multiprocessing, which :func:`exit_now` skips, given at
+    most ``seconds``: end the daemonic children (DataLoader workers, pools) and run its finalizers.
+
+    A child started by spawn or forkserver (Python 3.14's default) opens its queues' semaphores by
+    name, so they stay in /dev/shm until a finalizer unlinks them: a rank that left with persistent
+    workers alive left 14 there for good. On a thread, bounded: a finalizer joining a queue's feeder
+    can wait for ever, and an exit must not. Nothing registered (no child started), nothing to do.
+    """
+    util = sys.modules.get("multiprocessing.util")
+    if util is None or not (util._finalizer_registry or sys.modules["multiprocessing"].active_children()):
+        return
+    if threading.current_thread() is threading.main_thread():
+        # torch's DataLoader handler would raise "worker exited unexpectedly" here as each worker ends.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    ending = threading.Thread(target=util._exit_function, name="nbtrain: multiprocessing's exit", daemon=True)
+    ending.start()
+    ending.join(seconds)
+
+
 def _prctl(option: int, argument: int) -> None:
     with contextlib.suppress(OSError, AttributeError):  # not Linux
         ctypes.CDLL(None, use_errno=True).prctl(option, argument, 0, 0, 0)

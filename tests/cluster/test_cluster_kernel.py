@@ -67,6 +67,16 @@ while True:
 """
 
 
+# Rank 1 (node 1) sleeps while rank 0 (node 0) waits in its 2nd all_reduce: node 0 names its waiting rank.
+STALL = """%%distributed --cluster ray --num-nodes 2 --devices 1 --stall-warning 2
+import time, torch.distributed as dist
+dist.all_reduce(torch.ones(4))
+if os.environ["GROUP_RANK"] == "1":
+    time.sleep(600)
+dist.all_reduce(torch.ones(4))
+"""
+
+
 @pytest.fixture(scope="module")
 def kernel(ray_cluster: Any) -> Iterator[NotebookKernel]:
     engine.close()  # this process's agents hold the nodes; the kernel places its own
@@ -108,6 +118,19 @@ def test_interrupting_the_kernel_stops_every_rank_on_every_node(kernel: Notebook
     assert took < FAULT_SECONDS, f"{took:.2f} s"
     assert not procs.wait_gone(ranks, GONE_SECONDS, reaped=False)
     kernel.run_ok(TRAIN)  # the next run works
+
+
+def test_a_stall_on_two_nodes_names_the_node_and_its_waiting_rank(kernel: NotebookKernel) -> None:
+    msg_id = kernel.start_cell(STALL)
+    try:
+        seen = kernel.wait_for_stream(msg_id, ["has moved for"], timeout=60, displays=True)
+    finally:
+        kernel.interrupt()
+    reply, out = kernel.wait_for_reply(msg_id, 30.0)
+    assert reply["status"] == "error" and out.error is not None
+    note = seen[seen.index("nbtrain: no rank on "):]
+    waits = r"nbtrain: no rank on node 0 \([^)]*\) has moved for \d+ s\. Waiting for the others: rank 0 in all_reduce"
+    assert re.search(waits + r" of 4 float32 elements \(its 2nd collective\), Cell In\[\d+\], line 6", note), note
 
 
 def test_trackers_in_a_cell_write_one_run_on_rank_0s_node_and_the_summary_says_where(

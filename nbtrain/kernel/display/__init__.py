@@ -37,7 +37,7 @@ from __future__ import annotations
 from nbtrain.kernel.display.cellout import print_line, print_warning, write_text
 from nbtrain.kernel.display.form import LauncherForm, show_launcher_form
 from nbtrain.kernel.display.live import LiveView, NotedLiveView, watch
-from nbtrain.kernel.display.rankout import OutputPrinter, waiting_text
+from nbtrain.kernel.display.rankout import OutputPrinter, stall_text, waiting_text
 from nbtrain.kernel.display.show import frontend_is_rich, show_text, stop_button, update_text
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "print_warning",
     "show_launcher_form",
     "show_text",
+    "stall_text",
     "stop_button",
     "update_text",
     "waiting_text",

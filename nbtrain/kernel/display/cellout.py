@@ -111,6 +111,8 @@ def summary(record: Any) -> str:
     if getattr(record, "failed_rank", None) is not None:
         ended = f"failed (the state rank {record.failed_rank} held at its error came back)"
     text = f"nbtrain: {ranks} ({record.accelerator}, {record.strategy}) {ended} in {record.seconds:.1f} s."
+    if record.steps_alone and record.world_size > 1:  # first: the run did not do what several ranks are for
+        text += " " + alone_sentence(record.world_size, record.steps_alone)
     loaders = dict(record.loaders)
     left = [(name, how) for name, how in record.prepared if how.startswith("not prepared")]
     wrapped = [  # "model (DistributedDataParallel)", or "model: on cuda:0, not wrapped (one rank)"
@@ -131,3 +133,18 @@ def summary(record: Any) -> str:
     if record.log_path:
         text += f" Full output: {record.log_path}"
     return text
+
+
+def alone_sentence(world_size: int, steps: int) -> str:
+    """The summary's sentence for a run whose rank 0 took ``steps`` optimizer steps and joined no collective.
+
+    >>> print(alone_sentence(2, 1))  # doctest: +ELLIPSIS
+    Each of the 2 ranks trained alone: rank 0 took 1 optimizer step and joined no collective, so no gradient...
+    """
+    return (
+        f"Each of the {world_size} ranks trained alone: rank 0 took {steps} optimizer step{'s' if steps != 1 else ''} "
+        f"and joined no collective, so no gradient was averaged over the ranks: {world_size} independent trainings "
+        "ran, and the kernel got rank 0's. To train one model over the ranks, let auto mode wrap it (a cell without "
+        f"--no-auto), wrap it in DistributedDataParallel, or give the framework the cell's {world_size} ranks "
+        f"(Lightning's Trainer or Fabric with devices={world_size}, not 1)."
+    )

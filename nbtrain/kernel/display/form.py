@@ -87,7 +87,8 @@ class LauncherForm:
       ``sync_batchnorm`` (Checkbox), ``cluster`` (Combobox: ``local``, ``ray`` or a Ray
       address typed in) and ``num_nodes`` (the nodes a cluster run spans: 1, and disabled,
       for ``local``); a new option with a control appears without a change here;
-    - ``magic_line``: HTML, the equivalent ``%%distributed`` line; ``status``: HTML, any problem.
+    - ``magic_line``: HTML, the equivalent ``%%distributed`` line (``%%nbtrain`` where another package
+      holds ``%%distributed``); ``status``: HTML, any problem.
 
     ``form`` is the ipywidgets box that is shown; ``settings`` the defaults it set;
     ``controls`` the options' controls by option name.
@@ -106,7 +107,7 @@ class LauncherForm:
         self.magic_line = widgets.HTML()
         self.status = widgets.HTML()
         title = widgets.HTML(
-            "<b>nbtrain launcher</b>: the defaults of every <code>%%distributed</code> cell "
+            f"<b>nbtrain launcher</b>: the defaults of every <code>{kernel_shell.magic_name()}</code> cell "
             "(a flag written on a cell still wins)"
         )
         self.form = widgets.VBox([title, self.accelerator, self.devices_box, *rows, self.magic_line, self.status])
@@ -252,7 +253,7 @@ def summary_line(settings: LaunchOptions) -> str:
     timeout = "no timeout" if settings.timeout is None else f"timeout {settings.timeout:g} s"
     return (
         f"nbtrain launcher: {settings.devices} x {settings.accelerator}, {settings.strategy}, {timeout}"
-        " (the defaults of later %%distributed cells when it was shown)"
+        f" (the defaults of later {kernel_shell.magic_name()} cells when it was shown)"
     )
 
 

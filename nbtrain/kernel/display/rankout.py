@@ -69,6 +69,7 @@ class OutputPrinter:
         self._cut: dict[tuple[int, str], str] = {}  # (rank, stream) whose open line another rank's ended -> it
         self._open_text: dict[str, str] = {}  # stream -> what its open line shows
         self._ids = f"nbtrain-{uuid.uuid4().hex[:12]}"  # its displays' ids: another cell's never match
+        self._stall_notes: dict[str, Any] = {}  # node ("" on one machine) -> its stall's note (show_text's handle)
 
     def __call__(self, event: Any) -> None:
         """Write ``event``'s lines, or show its display, if it is a rank's output this mode shows (else nothing).
@@ -78,6 +79,9 @@ class OutputPrinter:
         """
         if isinstance(event, events.RanksWaiting):
             self._waiting(event)
+            return
+        if isinstance(event, events.RanksStalled):
+            self._stalled(event)
             return
         if not isinstance(event, (events.Output, events.Display)):
             return
@@ -114,6 +118,23 @@ class OutputPrinter:
     def _waiting(self, event: events.RanksWaiting) -> None:
         self._end_open_lines()
         show.write_stream("stderr", waiting_text(event) + "\n")
+
+    def _stalled(self, event: events.RanksStalled) -> None:
+        """A stall's note (one per node on a cluster), shown once and then updated in place: its new picture,
+        or that it ended."""
+        shown = self._stall_notes.get(event.node)
+        if not event.seconds and shown is None:
+            return
+        where = f" on {event.node}" if event.node else ""
+        text = stall_text(event) if event.seconds else f"nbtrain: the ranks{where} moved again; the stall is over."
+        if not self.rich:  # a terminal: each picture, and the end, as lines
+            show.write_stream("stderr", text + "\n")
+            self._stall_notes[event.node] = text if event.seconds else None
+        elif shown is None:
+            self._end_open_lines()
+            self._stall_notes[event.node] = show.show_text(text, updatable=True)
+        else:
+            show.update_text(shown, text)
 
     def finish(self) -> None:
         """Show each line a rank other than 0 left mid-redraw (a progress bar the run ended in); end open lines."""
@@ -185,6 +206,19 @@ class OutputPrinter:
         return text
 
 
+def stall_text(event: events.RanksStalled) -> str:
+    """What the cell says of a stall (no rank moving, some waiting on the others), in the notebook's terms."""
+    import linecache
+
+    from nbtrain.kernel import cellnames
+    from nbtrain.kernel import shell as kernel_shell
+    from nbtrain.messages import stacks
+
+    ranks = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in event.stacks]
+    namer = cellnames.cell_namer(kernel_shell.get_shell())
+    return stacks.stall_note(event.seconds, event.calls, ranks, namer, linecache.getline, event.node)
+
+
 def waiting_text(event: events.RanksWaiting) -> str:
     """What the cell says of ranks left waiting by ranks that finished, in the notebook's terms."""
     from nbtrain.kernel import cellnames
@@ -193,4 +227,4 @@ def waiting_text(event: events.RanksWaiting) -> str:
 
     waiting = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in event.stacks]
     namer = cellnames.cell_namer(kernel_shell.get_shell())
-    return stacks.waiting_note(event.finished, event.seconds, waiting, namer)
+    return stacks.waiting_note(event.finished, event.seconds, waiting, namer, event.counts)

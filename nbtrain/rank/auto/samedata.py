@@ -21,6 +21,7 @@ from typing import Any
 
 from nbtrain.rank import api
 from nbtrain.rank.auto import ledger
+from nbtrain.rank.machinery import trainedalone
 
 
 def note_first_inputs(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -55,7 +56,8 @@ def _compared(tensors: list[Any], group: Any) -> Any:
         within = exact if tensor.device.type != "mps" else torch.float32
         summed += place * tensor.detach().sum(dtype=within).to(device=device, dtype=exact)  # no copy
     extremes = torch.stack([summed, -summed])
-    torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX, group=group)
+    with trainedalone.not_gradients():  # a comparison of batches, not an average of gradients
+        torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX, group=group)
     return extremes
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from nbtrain.rank import api
 from nbtrain.rank.auto import ledger
+from nbtrain.rank.machinery import trainedalone
 
 NOTE = (
     "ReduceLROnPlateau.step got a different number on each rank (each computed it from its share of the "
@@ -63,5 +64,6 @@ def _gathered(number: float) -> list[float]:
     home = api.device() if dist.get_backend() == "nccl" else torch.device("cpu")
     mine = torch.tensor([number], dtype=torch.float64, device=home)
     every = [torch.empty_like(mine) for _ in range(api.world_size())]
-    dist.all_gather(every, mine)
+    with trainedalone.not_gradients():  # a metric, not a gradient
+        dist.all_gather(every, mine)
     return [float(t.item()) for t in every]

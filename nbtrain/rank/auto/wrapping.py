@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbtrain.rank import api
 from nbtrain.rank.auto import bypass, ledger, optimizers, samedata
-from nbtrain.rank.machinery import settings
+from nbtrain.rank.machinery import collectives, settings
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel as _DDPBase
@@ -372,22 +372,41 @@ class _ReadsThrough(_ReadThrough, _DDPBase):
         bypass.average_when_bypassed(self)  # a step that calls the model's parts instead of it still averages
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """DDP's forward; the first one that syncs gradients arms the check of its backward."""
+        """DDP's forward, after nbtrain's own bookkeeping (:func:`_before_forward`)."""
         __tracebackhide__ = True  # an error in the model's forward reads as in the kernel (rank.machinery.runtime)
-        grads = ledger.torch_module().is_grad_enabled()
-        if grads:
-            if _trainable_flags(self._module_parameters) != self.__dict__["_nbtrain_trainable"]:
-                _follow_trainable(self)  # frozen or unfrozen since it was wrapped: train what requires grad
-            if self.__dict__["_nbtrain_all_frozen"]:  # nothing to average: the model runs as it is
-                return self.module(*inputs, **kwargs)
-            self.__dict__["_nbtrain_forwards"] += 1  # DDP averages this step's gradients (nbtrain.rank.auto.bypass)
-            if self.__dict__["_nbtrain_forwards"] == 1:  # do the ranks train on different data?
-                samedata.note_first_inputs(self, inputs, kwargs)
-        syncs = self.require_backward_grad_sync and grads
-        if self.__dict__["_nbtrain_check_unused"] and syncs:
-            object.__setattr__(self, "_nbtrain_check_unused", False)
-            _check_first_backward(self.module)
+        if self._before_forward(inputs, kwargs):  # nothing to average: the model runs as it is
+            return self.module(*inputs, **kwargs)
         return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]  # DDP's is unannotated
+
+    def _before_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Replaced by :func:`_before_forward` where the class is made (transparent_ddp_class)."""
+        raise NotImplementedError
+
+
+def _before_forward(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """nbtrain's part of a prepared DDP's forward; True when the model has nothing left to train (run it unwrapped).
+
+    The trainable set followed, the forward counted, the first inputs compared, the step on the
+    ledger, the first syncing backward's check armed. Never traced by torch.compile
+    (:func:`transparent_ddp_class` disables dynamo here): a compiled model's graph is the model's own,
+    and this bookkeeping reads process groups and shared memory, which dynamo cannot trace.
+    """
+    grads = ledger.torch_module().is_grad_enabled()
+    if grads:
+        if _trainable_flags(ddp._module_parameters) != ddp.__dict__["_nbtrain_trainable"]:
+            _follow_trainable(ddp)  # frozen or unfrozen since it was wrapped: train what requires grad
+        if ddp.__dict__["_nbtrain_all_frozen"]:
+            return True
+        ddp.__dict__["_nbtrain_forwards"] += 1  # DDP averages this step's gradients (nbtrain.rank.auto.bypass)
+        if ddp.__dict__["_nbtrain_forwards"] == 1:  # do the ranks train on different data?
+            samedata.note_first_inputs(ddp, inputs, kwargs)
+    syncs = ddp.require_backward_grad_sync and grads
+    if syncs:
+        collectives.note_ddp_step()  # on the ledger: a rank that skips a step is named by its count
+    if ddp.__dict__["_nbtrain_check_unused"] and syncs:
+        object.__setattr__(ddp, "_nbtrain_check_unused", False)
+        _check_first_backward(ddp.module)
+    return False
 
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -440,7 +459,7 @@ def transparent_ddp_class() -> type:
     from torch.nn.parallel import DistributedDataParallel
 
     class TransparentDDP(_ReadsThrough, DistributedDataParallel):
-        pass
+        _before_forward = ledger.torch_module().compiler.disable(_before_forward)
 
     TransparentDDP.__name__ = TransparentDDP.__qualname__ = "DistributedDataParallel"
     return TransparentDDP

@@ -87,6 +87,15 @@ def counting() -> bool:
     return _counter is not None
 
 
+def steps_begun() -> int | None:
+    """This rank's optimizer steps begun in the run, as its board counts them (None: no board).
+
+    >>> steps_begun() is None  # outside a forked rank
+    True
+    """
+    return None if _counter is None else _counter.board.count(_counter.slot)
+
+
 def check_stop(optimizer: Any, args: Any, kwargs: Any) -> None:
     """The step hook's (:mod:`~nbtrain.rank.auto.stephooks`): count the step; raise :class:`StopAtStep` past the
     stop."""
