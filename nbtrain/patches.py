@@ -253,6 +253,11 @@ TABLE: tuple[Patch, ...] = (
         for module in ("torch.distributed", _C10D)  # the user's calls, and torch's own calls of its functions
         for name in stepboard.COLLECTIVES  # the board names each by its index
     ),
+    Patch(
+        "collectives", "torch.nn.parallel:DistributedDataParallel", "forward",
+        "nbtrain.rank.machinery.collectives:noting_ddp_steps", _RANK,
+        "a syncing forward counts its backward's gradient all-reduce (C++'s) on the board: a skipped step is named",
+    ),
     # A rank's, once its run's environment is in place (nbtrain.rank.machinery.compiling).
     Patch(
         "compiling", "torch._inductor.config", "compile_threads",

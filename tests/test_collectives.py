@@ -134,5 +134,23 @@ def test_uneven_all_gather_sizes_are_allowed_and_another_call_number_is_not_comp
 def test_every_collective_the_patch_table_wraps_has_a_name_on_the_board():
     from nbtrain import patches
 
-    wrapped = {p.attribute for p in patches.TABLE if p.group == "collectives"}
+    wrapped = {p.attribute for p in patches.TABLE if p.group == "collectives" and p.attribute != "forward"}
     assert wrapped == set(stepboard.COLLECTIVES) == set(stepboard.OPERATIONS) - {"DDP's gradient all-reduce"}
+
+
+def test_a_ddp_made_by_hand_counts_its_syncing_forwards_on_the_ledger(kernel):
+    # --no-auto: the cell's own DDP (as torchrun code makes it); a forward under no_sync() counts nothing.
+    cell = """%%distributed --devices 2 --accelerator cpu --no-auto
+from nbtrain.rank.machinery import collectives
+ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+before = collectives._ledger.board.collective(collectives._ledger.slot).calls
+for i in range(3):
+    ddp(torch.ones(2, 4)).sum().backward()
+with ddp.no_sync():
+    ddp(torch.ones(2, 4)).sum().backward()
+with torch.no_grad():
+    ddp(torch.ones(2, 4))
+counted = collectives._ledger.board.collective(collectives._ledger.slot).calls - before
+"""
+    kernel.run_ok(cell)
+    assert kernel.value("counted") == 3

@@ -43,6 +43,7 @@ COLLECTIVES = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "monitored_barrier",
+    "all_gather_single", "reduce_scatter_single",  # FSDP2's gathers and reduce-scatters
 )
 OPERATIONS = (
     *COLLECTIVES,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbtrain.rank import api
 from nbtrain.rank.auto import bypass, ledger, optimizers, samedata
-from nbtrain.rank.machinery import collectives, settings
+from nbtrain.rank.machinery import settings
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel as _DDPBase
@@ -386,8 +386,8 @@ class _ReadsThrough(_ReadThrough, _DDPBase):
 def _before_forward(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """nbtrain's part of a prepared DDP's forward; True when the model has nothing left to train (run it unwrapped).
 
-    The trainable set followed, the forward counted, the first inputs compared, the step on the
-    ledger, the first syncing backward's check armed. Never traced by torch.compile
+    The trainable set followed, the forward counted, the first inputs compared, the first syncing
+    backward's check armed. Never traced by torch.compile
     (:func:`transparent_ddp_class` disables dynamo here): a compiled model's graph is the model's own,
     and this bookkeeping reads process groups and shared memory, which dynamo cannot trace.
     """
@@ -401,8 +401,6 @@ def _before_forward(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -
         if ddp.__dict__["_nbtrain_forwards"] == 1:  # do the ranks train on different data?
             samedata.note_first_inputs(ddp, inputs, kwargs)
     syncs = ddp.require_backward_grad_sync and grads
-    if syncs:
-        collectives.note_ddp_step()  # on the ledger: a rank that skips a step is named by its count
     if ddp.__dict__["_nbtrain_check_unused"] and syncs:
         object.__setattr__(ddp, "_nbtrain_check_unused", False)
         _check_first_backward(ddp.module)

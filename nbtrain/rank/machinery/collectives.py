@@ -67,6 +67,8 @@ _SIZED: dict[str, tuple[str | None, bool]] = {
     "gather_object": ("obj", False),
     "scatter_object_list": ("scatter_object_output_list", False),
     "monitored_barrier": (None, True),
+    "all_gather_single": ("input_tensor", True),
+    "reduce_scatter_single": ("input", True),
 }
 assert tuple(_SIZED) == stepboard.COLLECTIVES  # one list of what the patch table wraps: the board's
 
@@ -133,12 +135,35 @@ _DDP_STEP = stepboard.OPERATIONS.index("DDP's gradient all-reduce")
 _ledger: _Ledger | None = None  # this rank's (None: outside a run, or no board)
 
 
-def note_ddp_step() -> None:
-    """A DDP forward that syncs began this step's gradient all-reduce (in its backward): counted on the ledger,
-    so that a rank that skipped a step's forward and backward is named by its count."""
+def noting_ddp_steps(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The patch table's factory: DistributedDataParallel's ``forward``, counting on the ledger each forward
+    that syncs (its backward all-reduces the gradients, in C++), so that a rank that skipped a step's
+    forward and backward is named by its count. A model auto mode wrapped, one the cell wrapped itself,
+    a framework's: all go through it."""
+    import torch  # imported: DDP's module is
+
+    # Never traced by torch.compile (a compiled DDP's graph is DDP's own): dynamo breaks the graph here.
+    note = torch.compiler.disable(_note_ddp_step)
+
+    @functools.wraps(original)
+    def forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # a rank's traceback reads as DDP's own forward
+        note(self)
+        return original(self, *inputs, **kwargs)
+
+    return forward
+
+
+def _note_ddp_step(ddp: Any) -> None:
     ledger = _ledger
-    if ledger is not None:
+    if ledger is not None and ddp.require_backward_grad_sync and _grad_enabled():
         ledger.note_torch_collective(_DDP_STEP)
+
+
+def _grad_enabled() -> bool:
+    import torch  # imported: a DDP runs
+
+    return bool(torch.is_grad_enabled())
 
 
 def attach_ledger(board: stepboard.StepBoard | None, slot: int) -> None:
