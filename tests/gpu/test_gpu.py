@@ -332,3 +332,19 @@ def test_fsdp_cpu_offload_keeps_the_shards_in_host_memory(launcher):
 
     devices, loss = finish(_start(fn, strategy="fsdp_cpu_offload"))
     assert set(devices) == {"cpu"} and math.isfinite(loss)  # the shards stayed on the host
+
+
+def test_no_process_that_forks_has_loaded_the_cuda_driver_after_cuda_cells():
+    """The kernel may use CUDA; the processes that fork (the launcher, which forks the ranks) must never
+    have: a process that initialised CUDA forks unusable children. Checked by the driver library in
+    its memory map (cuInit loads libcuda), after a CUDA cell, a device query and a re-run."""
+    with NotebookKernel(env={"NBTRAIN_TEMPLATE": "0"}) as kernel:
+        kernel.run_ok("%load_ext nbtrain\nimport torch, nbtrain\nx = torch.ones(2, device='cuda')")
+        for _ in range(2):  # the second run takes the standby ranks the launcher forked after the first
+            kernel.run_ok("%%distributed --accelerator cuda --devices 1\ny = (x * 2).sum().item()\n")
+        kernel.run_ok("devices = nbtrain.runs()")  # the kernel's view of the devices (NVML's counts)
+        launcher = kernel.value(
+            "__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().process.pid"
+        )
+        with open(f"/proc/{launcher}/maps") as maps:
+            assert "libcuda.so" not in maps.read(), "the launcher loaded the CUDA driver: its ranks fork unusable"
