@@ -24,13 +24,14 @@ import contextlib
 import hashlib
 import os
 import socket
-import stat
 import struct
 import sys
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from importlib import metadata
+
+from nbtrain.system import sharedhost
 
 ENABLED_VARIABLE = "NBTRAIN_TEMPLATE"  # "0" (or "off"): every kernel starts its own launcher
 DIRECTORY_VARIABLE = "NBTRAIN_TEMPLATE_DIR"  # where the template's socket lives
@@ -149,14 +150,8 @@ def socket_directory(environ: Mapping[str, str] | None = None) -> str | None:
         True
         >>> os.rmdir(folder)
     """
-    path = candidate_directory(environ)
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        info = os.lstat(path)
-    except OSError:
-        return None
-    private = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and info.st_mode & 0o077 == 0
-    return path if private and os.access(path, os.W_OK) else None
+    path = sharedhost.private_directory(candidate_directory(environ))
+    return path if path is not None and os.access(path, os.W_OK) else None
 
 
 def candidate_directory(environ: Mapping[str, str] | None = None) -> str:

@@ -23,6 +23,7 @@ True
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 
 from nbtrain.system import privatenet
@@ -118,3 +119,25 @@ def _once(accelerator: str, strategy: str, on_cluster: bool, several_people: boo
         return None
     _said.append(sentence(reason, accounts))
     return _said[0]
+
+
+def private_directory(path: str) -> str | None:
+    """``path``, made (mode 0700) if missing, when it is a directory of this user's that nobody else may
+    enter; else None (another user's, open to others, a link, or not to be made).
+
+        >>> import os, tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> private_directory(folder) == folder
+        True
+        >>> os.chmod(folder, 0o755)  # others may enter: what nbtrain keeps there would be theirs to read
+        >>> private_directory(folder) is None
+        True
+        >>> os.rmdir(folder)
+    """
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+    except OSError:
+        return None
+    private = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and info.st_mode & 0o077 == 0
+    return path if private else None

@@ -35,10 +35,11 @@ from __future__ import annotations
 import getpass
 import os
 import re
-import stat
 import sys
 from collections.abc import Mapping
 from typing import Any
+
+from nbtrain.system import sharedhost
 
 THREADS_VARIABLE = "TORCHINDUCTOR_COMPILE_THREADS"
 CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
@@ -114,14 +115,7 @@ def cache_directory(environ: Mapping[str, str]) -> str | None:
     True
     >>> import shutil; shutil.rmtree(home)
     """
-    path = cache_location(environ)
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        info = os.lstat(path)
-    except OSError:
-        return None
-    private = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and info.st_mode & 0o077 == 0
-    return path if private else None
+    return sharedhost.private_directory(cache_location(environ))
 
 
 def not_private_note(environ: Mapping[str, str]) -> str:
