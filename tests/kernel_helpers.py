@@ -27,12 +27,17 @@ from nbclient import NotebookClient
 from nbclient.util import run_sync
 from typing_extensions import Self  # typing.Self is 3.11+; torch requires typing_extensions
 
+import nbtrain
 from helpers import procs
 
 STARTUP_SECONDS = 60.0
 CELL_SECONDS = 120.0
 GONE_SECONDS = 10.0
 POLL = 0.02
+# nbtrain's own files, as a traceback names them: what a user's traceback must not show (a test
+# of "nbtrain/" alone would also find the checkout's name, or its .venv, in a library's frame).
+OUR_FILES = os.path.join(os.path.dirname(os.path.abspath(nbtrain.__file__)), "")
+
 # The kernel's expression for its launcher's pid (kernel.value(LAUNCHER_PID)).
 LAUNCHER_PID = "__import__('nbtrain.kernel.launcher_connection', fromlist=['x']).get_client().process.pid"
 

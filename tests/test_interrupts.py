@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from kernel_helpers import NotebookKernel, wait_gone
+from kernel_helpers import OUR_FILES, NotebookKernel, wait_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -89,7 +89,7 @@ def test_an_interrupt_is_not_swallowed_by_except_exception(kernel, form):
     if form == "cell":
         text = "\n".join(out.error["traceback"])
         assert text.startswith("KeyboardInterrupt: the cell was interrupted and every rank was stopped."), text
-        assert "The kernel is ready." in text and "nbtrain/" not in text
+        assert "The kernel is ready." in text and OUR_FILES not in text
     assert elapsed < END_BOUND, f"the cell ended {elapsed:.2f} s after the interrupt"
     assert wait_gone(ranks, 10.0) == []
     assert kernel.value("1 + 1") == 2
@@ -204,7 +204,7 @@ def test_an_interrupt_at_every_line_of_the_launch_prevents_or_stops_the_run(kern
         assert out.error is not None and out.error["ename"] == "RunInterrupted", where
         message = out.error["evalue"]
         assert message.startswith("the cell was interrupted"), where
-        assert "nbtrain/" not in "\n".join(out.error["traceback"]), where
+        assert OUR_FILES not in "\n".join(out.error["traceback"]), where
         late = "its results are in the kernel" in message
         assert x == (1 if late else 0), where  # all of the results, or none of them
         kind = "after the results" if late else "before the start" if "before it started" in message else "stopped"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from kernel_helpers import OUR_FILES
 from nbtrain.errors import RankError, RunStoppedError
 from nbtrain.kernel import tracebacks
 
@@ -29,7 +30,7 @@ def test_a_failure_on_rank_one_names_the_rank_and_the_cells_line(kernel):
     assert text.startswith("RankError: rank 1 raised ValueError: only rank 1 fails")
     assert f"Cell In[{number}], line 5, in <module>" in text
     assert "raise ValueError('only rank 1 fails')" in text
-    assert "nbtrain/" not in text  # no frames of ours
+    assert OUR_FILES not in text  # no frames of ours
     # The failed rank is held for a post-mortem (tests/test_debugger.py): the last line says so.
     kept, held = text.rsplit("\n", 1)
     # Rank 1 raised alone: the kernel holds what it held there (value + 1 done), as its error says.
@@ -67,7 +68,7 @@ def test_an_error_in_a_prepared_models_forward_or_backward_reads_as_in_the_kerne
         assert out.error is not None
         text = "\n".join(out.error["traceback"])
         assert error in text, text
-        assert "nbtrain/" not in text and "distributed.py" not in text, text
+        assert OUR_FILES not in text and "distributed.py" not in text, text
         frames = [line.strip() for line in text.splitlines() if line.startswith(("  File ", "  Cell In"))]
         assert frames[0].startswith("Cell In"), text
         called = [f"{f.split(chr(34))[1].rsplit('/', 1)[-1]}, {f.rsplit(' in ', 1)[1]}" for f in frames[1:]]
@@ -91,7 +92,7 @@ def test_a_syntax_error_is_shown_at_the_cells_own_line(kernel):
     out = kernel.run("%%distributed --devices 2\nx = 1\nif x:\nprint(x)\n")
     assert out.error is not None and out.error["ename"] == "CellSyntaxError"
     text = "\n".join(out.error["traceback"])
-    assert f"Cell In[{number}], line 4" in text and "IndentationError" in text and "nbtrain/" not in text
+    assert f"Cell In[{number}], line 4" in text and "IndentationError" in text and OUR_FILES not in text
 
 
 def test_a_rank_error_keeps_its_rank_and_gets_the_note_and_the_device_hint():
