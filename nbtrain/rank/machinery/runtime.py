@@ -203,9 +203,9 @@ def _begin(assignment: RankAssignment, stack_fd: int | None) -> None:
     # Orphans of this rank's subtree (a double fork, say) become its children, and the
     # launcher's once it exits: so nothing it started outlives the run (nbtrain.system.processes).
     processes.become_subreaper()
-    patches.install_for_process("rank")  # stdout, stderr, input()
-    patches.install_for_process("notebook only")  # a spawned rank's (a forked one has its launcher's)
-    patches.install_for_process("child processes")  # notebook code by value to DataLoader workers, pools
+    # stdout, stderr and input(); a spawned rank's "notebook only" (a forked one has its launcher's);
+    # notebook code by value to the DataLoader workers and pools the cell starts.
+    patches.install_for_process("rank", "notebook only", "child processes")
 
 
 def _run(
