@@ -281,4 +281,6 @@ class CollectiveMismatchError(NbtrainError, RuntimeError):
 
 
 class SerializationError(NbtrainError, TypeError):
-    """Something the ranks need cannot be pickled (an open file, a lock, a generator...)."""
+    """Something the ranks need cannot be pickled (an open file, a generator, a thread, a socket...).
+
+    Locks and weak references do travel: a lock arrives in the other process as a new, unlocked lock."""

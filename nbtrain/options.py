@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain.cluster import nodes
 from nbtrain.errors import ConfigurationError
 from nbtrain.planning import config
 from nbtrain.planning import deviceplan as devices_module
@@ -159,6 +158,24 @@ def _cluster(cluster: Any) -> str:
 
 def _num_nodes(num_nodes: Any) -> Any:
     return 1 if num_nodes is None else num_nodes  # checked with the cluster, in LaunchOptions.__post_init__
+
+
+def validate_num_nodes(num_nodes: Any, cluster: str | None) -> int:
+    """``num_nodes`` as a positive int; refused without a cluster.
+
+    >>> validate_num_nodes(2, "ray")
+    2
+    """
+    if num_nodes is None or (num_nodes == 1 and not isinstance(num_nodes, bool)):
+        return 1
+    if cluster is None or str(cluster).strip().lower() == "local":
+        raise ConfigurationError(
+            f"num_nodes={num_nodes!r} needs a cluster: on this machine every rank runs on one node. "
+            "Pass cluster='ray' (or %%distributed --cluster ray) to run across the nodes of a Ray cluster."
+        )
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ConfigurationError(f"num_nodes must be a positive whole number of nodes, not {num_nodes!r}.")
+    return num_nodes
 
 
 def _precision(precision: Any) -> str:
@@ -389,7 +406,7 @@ class LaunchOptions:
         # Each value as given becomes the value kept, or a ConfigurationError naming it.
         for each in dataclasses.fields(LaunchOptions):  # a subclass's own fields have no Option
             object.__setattr__(self, each.name, each.metadata["option"].check(getattr(self, each.name)))
-        object.__setattr__(self, "num_nodes", nodes.validate_num_nodes(self.num_nodes, self.cluster))
+        object.__setattr__(self, "num_nodes", validate_num_nodes(self.num_nodes, self.cluster))
 
     @property
     def on_this_machine(self) -> bool:

@@ -51,6 +51,7 @@ class Lifetime(enum.Enum):
     CELL = "one cell"  # installed as a cell starts on a rank, undone as it ends
     LAUNCHER = "the launcher"  # installed by the warm launcher; its forked ranks inherit it
     PROMPT = "one pdb prompt"  # installed as a rank's pdb prompts, undone as it returns
+    PICKLING = "one pickling"  # installed while one of nbtrain's picklers runs (any process), undone after
 
 
 @dataclass(frozen=True)
@@ -333,6 +334,18 @@ TABLE: tuple[Patch, ...] = (
         "made in the cell", "torch.optim.lr_scheduler:ReduceLROnPlateau", "step", _SCHEDULERS + "agreed_step", _CELL,
         "every rank steps on the ranks' agreed metric, so all keep the same learning rate",
     ),
+    # One auto-mode cell of several ranks (nbtrain.rank.cell): a framework's trainer built for one device.
+    *(
+        Patch(
+            "framework world", target, "__init__", "nbtrain.rank.auto.stepaside:one_device_gets_the_world", _CELL,
+            "a Lightning Trainer or Fabric built for one device trains on the cell's ranks, as the cell asked",
+            on_import=True,
+        )
+        for target in (
+            "lightning.pytorch.trainer.trainer:Trainer", "lightning.fabric.fabric:Fabric",
+            "pytorch_lightning.trainer.trainer:Trainer",
+        )
+    ),
     # One cell of several ranks: a file saved to one path by every rank is written whole.
     Patch("whole files", "torch", "save", _CHECKPOINTS + "whole_torch_save", _CELL, _WHOLE),
     Patch("whole files", "torch.serialization", "save", _CHECKPOINTS + "whole_torch_save", _CELL, _WHOLE),
@@ -358,6 +371,18 @@ TABLE: tuple[Patch, ...] = (
     ),
     # One cell that imports an experiment tracker (nbtrain.rank.machinery.trackers).
     *TRACKER_PATCHES,
+    # While one of nbtrain's picklers runs (nbtrain.messages.nestedpickling): a standard pickle made inside it.
+    *(
+        Patch(
+            "nested pickles", "pickle", name, f"nbtrain.messages.nestedpickling:by_value_{factory}",
+            Lifetime.PICKLING, f"a standard pickle inside ours ({user}) sends notebook code by value",
+        )
+        for name, factory, user in (
+            ("Pickler", "pickler", "torch.save"),
+            ("dump", "dump", "skorch's NeuralNet"),
+            ("dumps", "dumps", "pickle.dumps"),
+        )
+    ),
 )
 """Every patch nbtrain installs, in the order each group installs them. docs/architecture.md
 shows this table; ``tests/test_structure.py`` checks that nothing else replaces a library's

@@ -72,6 +72,18 @@ def test_a_fresh_process_logs_as_the_one_it_was_captured_in(tmp_path):
     assert os.path.getsize(logfile) == kernel_file > 0
 
 
+def test_a_library_imported_after_the_setup_was_followed_prints_each_line_once(tmp_path):
+    """A rank follows the kernel's logging (from its launcher) before it imports the notebook's libraries: a
+    library that gives its logger a handler of its own on import, as it did in the kernel, prints each line once."""
+    setup_file = str(tmp_path / "setup.pickle")
+    kernel = _python(LIBRARY + "import pickle, sys\nfrom nbtrain.messages import logsetup\n"
+                     "with open(sys.argv[1], 'wb') as f: pickle.dump(logsetup.capture(), f)\n" + LOG_LINES, setup_file)
+    rank = _python("import pickle, sys\nfrom nbtrain.messages import logsetup\n"
+                   "with open(sys.argv[1], 'rb') as f: logsetup.follow(pickle.load(f))\n" + LIBRARY + LOG_LINES,
+                   setup_file)
+    assert kernel.stderr.count("a library's own line") == rank.stderr.count("a library's own line") == 1, rank.stderr
+
+
 def test_an_empty_setup_leaves_a_process_as_python_starts_it():
     applied = _python("from nbtrain.messages import logsetup\nlogsetup.follow(logsetup.LoggingSetup())\n" + LOG_LINES)
     assert applied.stderr == "not shown\na library's own line\n" and applied.stdout == ""  # WARNING up, plainly

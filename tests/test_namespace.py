@@ -8,7 +8,6 @@ with the same pickling round trip as the engine.
 from __future__ import annotations
 
 import copy
-import threading
 import types
 
 import pytest
@@ -135,14 +134,14 @@ def test_what_notebook_functions_refer_to_and_write_is_reported():
 
 
 def test_unpicklable_variable_is_named_with_its_type_and_a_remedy():
-    lock = threading.Lock()
-    user_ns: dict = {"__name__": "__main__", "lock": lock}
-    notebook_cell("def helper():\n    return lock\n", user_ns)
+    stream = (i for i in range(3))
+    user_ns: dict = {"__name__": "__main__", "stream": stream}
+    notebook_cell("def helper():\n    return next(stream)\n", user_ns)
     analysis = ns.analyse_cell("helper()", user_ns)
     error = ns.explain_unpicklable({n: user_ns[n] for n in analysis.names}, analysis.used_by)
     assert isinstance(error, SerializationError)
     message = str(error)
-    assert "`lock` (a _thread.lock, used by `helper`)" in message
+    assert "`stream` (a generator, used by `helper`)" in message
     assert "create it inside the cell" in message
     assert "`helper`" not in message.split("used by")[0]  # the function is not the culprit
 
@@ -282,11 +281,11 @@ def test_unchanged_plain_objects_are_left_alone_and_unpicklable_values_skipped()
     config = {"lr": 0.1, "nested": [1, 2]}
     kernel_ns: dict = {"__name__": "__main__", "config": config}
     nested = config["nested"]
-    outcome, _, result = _run_here(kernel_ns, "lr = config['lr']\nimport threading\nguard = threading.Lock()\n")
+    outcome, _, result = _run_here(kernel_ns, "lr = config['lr']\nguard = (i for i in range(3))\n")
     assert kernel_ns["config"] is config and config["nested"] is nested  # not even copied
     assert "config" not in outcome["changed"]
     assert kernel_ns["lr"] == 0.1
-    assert [(name, kind) for name, kind, _ in result.skipped] == [("guard", "_thread.lock")]
+    assert [(name, kind) for name, kind, _ in result.skipped] == [("guard", "generator")]
     assert "guard" not in kernel_ns
 
 
@@ -379,8 +378,8 @@ def test_a_variable_that_travels_gives_no_error():
 
 
 def test_a_function_is_named_only_when_it_is_the_culprit_itself():
-    lock = threading.Lock()
-    error = ns.explain_unpicklable({"fn": lambda: lock}, {})  # no variable to blame: the function
+    stream = (i for i in range(3))
+    error = ns.explain_unpicklable({"fn": lambda: next(stream)}, {})  # no variable to blame: the function
     assert error is not None and str(error).startswith("cannot send `fn` (a function) to the ranks: ")
 
 

@@ -135,3 +135,26 @@ def test_the_magics_help_lists_every_flag_with_the_records_help():
         assert " ".join(info.help.replace("`", "").rstrip(".").split()) in help_text, info.flag
     for flag in flags.CELL_FLAGS:
         assert all(name in help_text for name in flag.flags)
+
+
+# -- num_nodes (checked with the cluster) -------------------------------------------------
+@pytest.mark.parametrize("num_nodes", [None, 1])
+def test_one_node_or_none_is_one_node_with_or_without_a_cluster(num_nodes: int | None) -> None:
+    assert options.validate_num_nodes(num_nodes, None) == 1
+    assert options.validate_num_nodes(num_nodes, "ray") == 1
+
+
+@pytest.mark.parametrize("cluster", [None, "local", " Local "])
+def test_several_nodes_without_a_cluster_are_refused_saying_what_to_pass(cluster: str | None) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        options.validate_num_nodes(2, cluster)
+    text = str(caught.value)
+    assert text.startswith("num_nodes=2 needs a cluster: on this machine every rank runs on one node.")
+    assert "Pass cluster='ray' (or %%distributed --cluster ray)" in text
+
+
+@pytest.mark.parametrize("num_nodes", [0, -1, 2.5, "2", True])
+def test_a_number_of_nodes_that_is_not_a_positive_whole_number_is_refused_naming_it(num_nodes: object) -> None:
+    refusal = f"num_nodes must be a positive whole number of nodes, not {num_nodes!r}."
+    with pytest.raises(ConfigurationError, match=re.escape(refusal)):
+        options.validate_num_nodes(num_nodes, "ray")

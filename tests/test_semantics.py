@@ -1,6 +1,6 @@
 """The differential tester's CI sample: generated training cells leave the kernel as one process would.
 
-A fixed-seed sample of generated cases (and three pinned ones, see _pinned) runs in
+A fixed-seed sample of generated cases (and four pinned ones, see _pinned) runs in
 a real kernel three ways (docs/semantics.md): 1 rank against the cell run in the kernel, 2 ranks
 against the cell run in the kernel on the union batch, 2 ranks ``--no-auto``. Every divergence
 is printed; the test fails on one that no entry of KNOWN explains. KNOWN lists the divergence
@@ -35,18 +35,46 @@ WAYS = ("1", "2", "2-no-auto")
 # grads-at-raise (under 2 ranks a model nbtrain averages itself, made in the cell or called past its DDP
 # wrapper, held each rank's own gradients between a backward and its step, so a cell raising mid-accumulation
 # brought rank 0's own back: they are now averaged as each backward ends, as DDP's are).
-KNOWN: list[shrink.Class] = []
+#
+# accelerate-state (issue 54): an Accelerator prepared in the kernel (rule framework=accelerate) keeps its gradient
+# accumulation in accelerate's GradientState singleton, which nbtrain/messages/processlocal.py sends as the
+# receiver's own per-process state. On a rank, unpickling the prepared loader (accelerate's DataLoaderShard.__reduce__
+# calls DataLoaderShard(...), whose __init__ calls GradientState() with no plugin) builds that state first, so
+# processlocal.initialize() skips the kernel's fields ("if shared: continue"): gradient_accumulation_steps=2 is lost,
+# accelerator.backward does not halve the loss and accumulate() syncs, steps and zeroes at every micro-batch (value;
+# a raise mid-accumulation finds no gradients: structure). Back in the kernel the cell's changes to it are dropped
+# the same way: a cell that raised inside the prepared loader leaves it registered in the reference's GradientState
+# (in_dataloader) but not in the kernel's (structure). Under 2 ranks, too, auto mode shards the prepared loader as a
+# plain torch DataLoader (nbtrain/rank/auto/loaders.py, _rebuild_loader and _pass_aware build _PassAware on
+# DataLoader, not the DataLoaderShard's class), so its passes never register in GradientState: end_of_dataloader is
+# never true, and accumulate() neither syncs at a pass's end nor resets accelerator.step (value, accelerator.step).
+_ACCELERATE = grammar.Case(0, tuple((rule, options[0]) for rule, options in grammar.RULES.items())).with_choice(
+    "framework", "accelerate"
+)
+KNOWN: list[shrink.Class] = [
+    *(
+        shrink.Class(way, kind, rules, grammar.text(case, runner.WAYS[way].magic))
+        for way in WAYS
+        for kind, rules, case in (
+            ("value", ("accum=2", "framework=accelerate"), _ACCELERATE.with_choice("accum", "2")),
+            ("structure", ("fail=raises", "framework=accelerate"), _ACCELERATE.with_choice("fail", "raises")),
+        )
+    )
+]
 
 
 def _pinned() -> list[grammar.Case]:
     """The module-trainer case of issue 45; a module trainer that made its optimizer and loader in
     ``__init__``, before the cell, for a model of a class from ``models.py``; and a loop over a
-    notebook class's model with an ``AveragedModel`` and the best epoch's weights kept and loaded."""
+    notebook class's model with an ``AveragedModel`` and the best epoch's weights kept and loaded; and a loop whose
+    model, optimizer and (shuffled) loader an ``Accelerator`` prepared in the kernel, calling
+    ``accelerator.backward``, run twice (issue 54)."""
     plain = grammar.Case(0, tuple((rule, options[0]) for rule, options in grammar.RULES.items()))
     trainer = plain.with_choice("holder", "mod_trainer")
     built = trainer.with_choice("trainer_builds", "in_init").with_choice("model_class", "mod_class")
     loop = plain.with_choice("model_class", "nb_class").with_choice("ema", "averaged").with_choice("best", "keep_best")
-    return [trainer, built, loop.with_choice("epochs", "2")]
+    framework = plain.with_choice("framework", "accelerate").with_choice("rng", "draws").with_choice("shuffle", "yes")
+    return [trainer, built, loop.with_choice("epochs", "2"), framework.with_choice("second", "again")]
 
 
 def _cases() -> list[grammar.Case]:
@@ -65,7 +93,7 @@ def _unexplained(divergence: runner.Divergence) -> bool:
     return not any(known.explains(divergence.way, kind, divergence.case) for known in KNOWN)
 
 
-@pytest.mark.parametrize("number", range(CASES + 3))
+@pytest.mark.parametrize("number", range(CASES + len(_pinned())))
 def test_a_generated_cell_leaves_the_kernel_as_one_process_would(run, number):
     case = _cases()[number]
     found = runner.check(run, case, WAYS)

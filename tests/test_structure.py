@@ -3,7 +3,8 @@
 The import graph is read from the source (every ``import``, at module level or inside a
 function), so a cycle hidden in a function body counts as one, and so does one through a
 package's ``__init__`` (``import nbtrain`` or ``from nbtrain import launch`` inside a module
-that ``nbtrain/__init__.py`` imports). The import side effects are checked in a fresh
+that ``nbtrain/__init__.py`` imports), and so does an import of a layer above the importer's
+(``LAYERS``, lowest first; its few exceptions named, with why). The import side effects are checked in a fresh
 interpreter. The names and sizes are read from the source too: one name per thing (no two
 modules, classes or public functions share one), no function over 50 lines of code, a
 docstring on everything public, and a test file for every module.
@@ -24,8 +25,8 @@ PACKAGE = Path(nbtrain.__file__).parent
 STDLIB = sys.stdlib_module_names
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -33,21 +34,26 @@ def _modules() -> dict[str, Path]:
     return {_module_name(path): path for path in PACKAGE.rglob("*.py")}
 
 
-def _imports(path: Path, modules: frozenset[str] = frozenset()) -> set[str]:
-    """Every module ``path`` imports, anywhere in it (absolute names).
+def _import_sites(path: Path, modules: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path``, anywhere in it (absolute names), in the file's order.
 
     ``from P import n`` imports the submodule ``P.n`` where ``modules`` has one (P is only the
     way to it), else the package ``P`` itself: ``n`` is a name its ``__init__`` defines.
     """
-    found: set[str] = set()
+    found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            found.extend((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for alias in node.names:
                 submodule = f"{node.module}.{alias.name}"
-                found.add(submodule if submodule in modules else node.module)
-    return found
+                found.append((node.lineno, submodule if submodule in modules else node.module))
+    return sorted(found)
+
+
+def _imports(path: Path, modules: frozenset[str] = frozenset()) -> set[str]:
+    """Every module ``path`` imports, anywhere in it (see :func:`_import_sites`)."""
+    return {name for _, name in _import_sites(path, modules)}
 
 
 def _graph() -> dict[str, set[str]]:
@@ -103,6 +109,114 @@ def test_the_import_graph_counts_a_parent_package_for_its_names_not_on_the_way_t
     )
     # launch and watch are names that a package's __init__ defines; client is a submodule
     assert _imports(source, modules) == {"nbtrain", "nbtrain.kernel.client", "nbtrain.rank", "nbtrain.kernel.display"}
+
+
+# --- layers: no module imports one of a layer above its own -------------------------------------
+
+# The layers, lowest first: each may import its own and those below it, never one above. An entry
+# holds a module or a package (its submodules too); a module is in the layer of the longest entry
+# holding it; "nbtrain" is the package's __init__ alone (the public API). The process sides are
+# peers: what each may take from the others is the rules above and below (the rank's doors, the
+# launcher's preload list, no kernel on the rank side).
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("nbtrain.errors", "nbtrain.frameworks")),  # the standard library only
+    ("system", ("nbtrain.system",)),  # what nbtrain asks of the OS
+    ("patch table", ("nbtrain.patches",)),  # its factories are named, imported only when installed
+    ("messages", ("nbtrain.messages",)),  # what travels between processes
+    ("planning", ("nbtrain.planning",)),  # the plan before any process starts
+    ("options", ("nbtrain.options", "nbtrain.runstate")),  # the launch options, what the live view knows
+    ("process sides", (
+        "nbtrain.kernel", "nbtrain.launch_server", "nbtrain.rank", "nbtrain.cluster", "nbtrain.serverext",
+    )),
+    ("public API", ("nbtrain",)),
+)
+# (importer, imported) -> why: the imports of a higher layer allowed, each a lazy import (inside the
+# function that needs it) that a lower layer's module makes on purpose. Every one must still exist.
+UPWARD_ALLOWED = {
+    ("nbtrain.patches", "nbtrain.rank.machinery.afterimport"): (
+        "the rank's import hook: a patch whose module is not imported yet waits for it there; only such a "
+        "patch imports it, as every factory of the table is imported only when its patch is installed"
+    ),
+    ("nbtrain.options", "nbtrain.kernel.shell"): (
+        "magic_line() without a magic writes the kernel's own cell magic (%%nbtrain where another package "
+        "holds %%distributed), which only the kernel's shell knows; the options stay importable without IPython"
+    ),
+}
+
+
+def _layer(name: str, layers: tuple[tuple[str, tuple[str, ...]], ...] = LAYERS) -> tuple[int, str] | None:
+    """(position, name) of the layer that holds module ``name``, or None: no entry holds it."""
+    holding = [
+        (len(entry), index, layer)
+        for index, (layer, entries) in enumerate(layers)
+        for entry in entries
+        if name == entry or (entry != "nbtrain" and name.startswith(entry + "."))
+    ]
+    return max(holding)[1:] if holding else None
+
+
+def upward_imports(
+    package: Path,
+    layers: tuple[tuple[str, tuple[str, ...]], ...] = LAYERS,
+    allowed: frozenset[tuple[str, str]] = frozenset(UPWARD_ALLOWED),
+) -> list[str]:
+    """Every import in ``package`` of a module of a higher layer than the importer's, not ``allowed``:
+    ``file:line: importer (its layer) imports module (its layer)``."""
+    modules = {_module_name(path, package): path for path in package.rglob("*.py")}
+    names = frozenset(modules)
+    found = []
+    for name, path in sorted(modules.items()):
+        own = _layer(name, layers)
+        for line, dep in _import_sites(path, names):
+            theirs = _layer(dep, layers) if dep in names else None
+            if own and theirs and theirs[0] > own[0] and (name, dep) not in allowed:
+                where = path.relative_to(package.parent).as_posix()
+                found.append(f"{where}:{line}: {name} ({own[1]}) imports {dep} ({theirs[1]})")
+    return found
+
+
+def test_no_module_imports_a_higher_layer():
+    assert upward_imports(PACKAGE) == []
+
+
+def test_every_module_is_in_a_layer():
+    assert [name for name in sorted(_modules()) if _layer(name) is None] == []
+
+
+def test_every_allowed_upward_import_is_still_made():
+    # An exception nobody needs any more is removed, not kept for the next import to hide behind.
+    graph = _graph()
+    assert [pair for pair in UPWARD_ALLOWED if pair[1] not in graph.get(pair[0], set())] == []
+    assert all((_layer(low) or (0, ""))[0] < (_layer(high) or (0, ""))[0] for low, high in UPWARD_ALLOWED)  # upward
+
+
+def test_the_layer_check_finds_each_upward_import_by_file_and_line(tmp_path):
+    package = tmp_path / "nbtrain"
+    for folder in ("system", "rank", "kernel"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("from nbtrain.kernel import magic\n")  # the top: anything
+    (package / "errors.py").write_text("import os\n")
+    (package / "kernel" / "magic.py").write_text("from nbtrain import errors\nfrom nbtrain.rank import api\n")
+    (package / "rank" / "api.py").write_text("from nbtrain.kernel import magic\n")  # peers: not this check's
+    (package / "system" / "low.py").write_text(
+        "from nbtrain.errors import Error\n"
+        "def later():\n    import nbtrain.rank.api\n"
+        "def hook():\n    from nbtrain.kernel import magic\n"
+        "def api():\n    import nbtrain\n"
+    )
+    layers = (
+        ("base", ("nbtrain.errors",)),
+        ("system", ("nbtrain.system",)),
+        ("sides", ("nbtrain.kernel", "nbtrain.rank")),
+        ("public API", ("nbtrain",)),
+    )
+    allowed = frozenset({("nbtrain.system.low", "nbtrain.kernel.magic")})
+    assert upward_imports(package, layers, allowed) == [
+        "nbtrain/system/low.py:3: nbtrain.system.low (system) imports nbtrain.rank.api (sides)",
+        "nbtrain/system/low.py:7: nbtrain.system.low (system) imports nbtrain (public API)",
+    ]
+    assert _layer("nbtrain.system.low", layers) == (1, "system") and _layer("nbtrain.elsewhere", layers) is None
 
 
 def test_the_rank_side_never_imports_the_kernel_side():

@@ -59,24 +59,6 @@ class ClusterPlan:
         return {"GPU": self.per_node} if self.accelerator == "cuda" else {"CPU": self.per_node}
 
 
-def validate_num_nodes(num_nodes: Any, cluster: str | None) -> int:
-    """``num_nodes`` as a positive int; refused without a cluster.
-
-    >>> validate_num_nodes(2, "ray")
-    2
-    """
-    if num_nodes is None or (num_nodes == 1 and not isinstance(num_nodes, bool)):
-        return 1
-    if cluster is None or str(cluster).strip().lower() == "local":
-        raise ConfigurationError(
-            f"num_nodes={num_nodes!r} needs a cluster: on this machine every rank runs on one node. "
-            "Pass cluster='ray' (or %%distributed --cluster ray) to run across the nodes of a Ray cluster."
-        )
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
-        raise ConfigurationError(f"num_nodes must be a positive whole number of nodes, not {num_nodes!r}.")
-    return num_nodes
-
-
 def plan_cluster(
     nodes: Sequence[NodeResources], *, num_nodes: int, devices: Any, accelerator: str, address: str
 ) -> ClusterPlan:

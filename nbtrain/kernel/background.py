@@ -1,7 +1,8 @@
 """Runs that go on in the background: ``%%distributed --background`` and ``launch(..., background=True)``.
 
 The cell returns at once with a :class:`BackgroundRun`; a thread of the kernel follows the
-run's events and keeps the cell's live view up to date through its display id (a
+run's events, with the follower a blocking cell uses (:mod:`nbtrain.kernel.follower`), and
+keeps the cell's live view up to date through its display id (a
 frontend updates a display by id wherever it is, so the view moves while other cells
 run). The view has a Stop button (a core ``ipywidgets.Button``): its click is handled on
 the kernel's main thread, which is free because the run is not holding it.
@@ -50,21 +51,17 @@ import atexit
 import contextlib
 import contextvars
 import datetime
-import functools
 import itertools
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, TypeAlias
 
 from nbtrain import runstate
 from nbtrain.errors import RunFailedError, RunNotEndedError, RunStoppedError
-from nbtrain.kernel import display
+from nbtrain.kernel import display, follower
 from nbtrain.kernel import shell as kernel_shell
-from nbtrain.messages import events, trackerruns
+from nbtrain.messages import events
 
 RUNNING = "running"
 STOP_WAIT_SECONDS = 10.0  # a stop is answered within run_handle.INTERRUPT_GRACE_SECONDS (5 s)
@@ -76,50 +73,9 @@ _ids = itertools.count(1)
 _exit_hook_registered = False  # _stop_all_at_exit, registered with the first run
 
 
-@dataclass(frozen=True)
-class CellCallbacks:
-    """What a cell's run does for a background cell (handed in by :mod:`nbtrain.kernel.cellrun`, never imported here).
-
-    ``keep_metrics(record, event)`` keeps logged rows for ``last_run``;
-    ``explain_failure(error, shell, note)`` turns a failure into what the notebook shows;
-    ``apply_result(shell, raw, shipped, record)`` writes rank 0's results into the kernel
-    and returns what it did (``shown``, ``warnings``, ``loaded``);
-    ``state_at_failure(run)`` is a failed cell's state at the raise ((rank, raw), None, or why it
-    cannot load), taken before ``run.result()`` frees it;
-    ``kept_at_failure(shell, run, that, error, prepared, bring_back)`` puts it into the kernel
-    through ``bring_back(raw)`` and returns what the error's last line says of it.
-    """
-
-    keep_metrics: Callable[[Any, Any], None]
-    explain_failure: Callable[[RunFailedError, Any, str], BaseException]
-    apply_result: Callable[[Any, Any, dict[str, Any], Any], Any]
-    state_at_failure: Callable[[Any], Any]
-    kept_at_failure: Callable[[Any, Any, Any, RunFailedError, Any, Callable[[Any], Any] | None], str]
-    # (run, updated names, shipped) -> what a run stopped at a step raises once its state is in
-    kept_error: Callable[[Any, list[str], dict[str, Any]], BaseException] | None = None
-
-
-class PreparedCellLike(Protocol):
-    """What a background cell reads of its ``PreparedCell`` (:mod:`nbtrain.kernel.cellrun`)."""
-
-    shipped: dict[str, Any]  # emptied when the run is over: the handle keeps no old objects alive
-    held: dict[str, Any]  # the torch objects held inside them (trainer.model); emptied with them
-
-    @property
-    def targets(self) -> dict[str, Any]:
-        """What rank 0's result may name: the shipped globals and the torch objects inside them."""
-
-    @property
-    def record(self) -> Any:
-        """The cell's run record (``nbtrain.last_run()``), filled as the run goes."""
-
-    @property
-    def total_steps(self) -> int | None:
-        """The steps rank 0 will log, when the cell's code tells (the progress bar's total)."""
-
-    @property
-    def unchanged(self) -> str:
-        """What to say about the kernel's objects when the run ends without a result."""
+# nbtrain.kernel.cellrun.apply_cell_result, handed in (cellrun imports this module): (shell, rank 0's result,
+# what it may name, the record) -> what it did (``shown``, ``warnings``, ``loaded``).
+ApplyResult: TypeAlias = Callable[[Any, Any, dict[str, Any], Any], Any]
 
 
 def runs() -> list[BackgroundRun]:
@@ -182,6 +138,7 @@ class BackgroundRun:
         self._printer = display.OutputPrinter(output, cfg.world_size)  # where no live view shows the output
         self.total_steps = total_steps  # the live view's progress total, when known
         self.stall_warning = stall_warning
+        self.record: Any = None  # a cell's CellRun: what the follower keeps of the events (None: a function's run)
         self._started_at = time.monotonic()
         self._state = RUNNING
         self._value: Any = None
@@ -318,22 +275,20 @@ class BackgroundRun:
         self._thread.start()
 
     def _follow(self) -> None:
-        run = self.run
+        """The kernel's run follower (:mod:`nbtrain.kernel.follower`), on this thread: the view by its id."""
         try:
-            for event in run.events(poll=_POLL_SECONDS):
-                if self._stop_reason is not None and run.state == RUNNING:
-                    run.stop(self._stop_reason, graceful=self._stops_at_a_step())
-                if event is not None:
-                    self._observe(event)
-                self._show(event)
+            follower.follow_events(self.run, self._show, self._stopping, _POLL_SECONDS, self.record)
             self._conclude()
         except BaseException as error:  # noqa: BLE001 - never leave a handle running forever
-            if run.state == RUNNING:
-                run.stop("nbtrain's background thread failed")
+            if self.run.state == RUNNING:
+                self.run.stop("nbtrain's background thread failed")
             self._end(events.FAILED, error=error)
 
-    def _observe(self, event: Any) -> None:
-        """Hook for what a kind of run keeps from its events (a cell keeps its metrics)."""
+    def _stopping(self) -> bool:
+        """Stop the run here if ``stop()`` asked for it (this thread alone reads its events); never leave early."""
+        if self._stop_reason is not None and self.run.state == RUNNING:
+            self.run.stop(self._stop_reason, graceful=self._stops_at_a_step())
+        return False
 
     def _stops_at_a_step(self) -> bool:
         """Whether a stop ends every rank at an optimizer step and keeps the state (a cell's, by default)."""
@@ -368,24 +323,15 @@ class BackgroundRun:
 
     def _conclude(self) -> None:
         """The run ended: keep its outcome (results to apply, or its failure)."""
-        run = self.run
         self.seconds = time.monotonic() - self._started_at
-        try:
-            raw = run.result()
-        except Exception as error:  # noqa: BLE001 - the run's failure, or a result that cannot load
-            state = run.state if run.state in (events.FAILED, events.STOPPED, events.TIMED_OUT) else events.FAILED
-            self._failed(state, error)
-            return
-        self._outcome(raw)
+        # A failed cell's state at the raise, not after a stop was asked for (as after a blocking cell's interrupt).
+        outcome = follower.conclude(self.run, take_state=self.kind == "cell" and self._stop_reason is None)
+        self._ended_with(outcome)
 
-    def _outcome(self, raw: Any) -> None:
-        """A function run's result is its value; a cell's is applied to the kernel (overridden)."""
-        self._value = raw
-        self._end(events.FINISHED)
-
-    def _failed(self, state: str, error: Exception) -> None:
-        """A function run's failure is its error; a cell's is explained, its state at the raise applied (overridden)."""
-        self._end(state, error=error)
+    def _ended_with(self, outcome: follower.Outcome) -> None:
+        """A function run's result is its value, its failure its error (a cell's go into the kernel: overridden)."""
+        self._value = outcome.raw
+        self._end(events.FINISHED if outcome.error is None else outcome.state, error=outcome.error)
 
     def _schedule(self, apply: Callable[[], None], note: str = "") -> None:
         """Have ``apply`` run on the kernel's main thread (between cells), or here without a kernel.
@@ -505,7 +451,7 @@ class CellBackgroundRun(BackgroundRun):
     """A ``%%distributed --background`` cell: on success its results go into the kernel."""
 
     def __init__(
-        self, shell: Any, run: Any, prepared: PreparedCellLike, callbacks: CellCallbacks, output: str,
+        self, shell: Any, run: Any, prepared: follower.PreparedCellLike, apply_result: ApplyResult, output: str,
         stall_warning: float | None,
     ) -> None:
         number = kernel_shell.current_cell_number(shell)
@@ -521,41 +467,28 @@ class CellBackgroundRun(BackgroundRun):
         self.shell = shell
         self.prepared = prepared
         self.record = prepared.record
-        self.callbacks = callbacks
-        self._at_raise: Any = None  # a failed cell's state at the raise (CellCallbacks.state_at_failure)
-
-    def _observe(self, event: Any) -> None:
-        if isinstance(event, events.Metrics):
-            self.callbacks.keep_metrics(self.record, event)
-        elif isinstance(event, events.TrackerCalls):  # rank 0 logged to a run the kernel opened
-            trackerruns.replay(event, functools.partial(print, file=sys.stderr))
-        elif isinstance(event, events.RanksStalled):
-            self.record.note_stall(event)
+        self.apply_result = apply_result
 
     def _stops_at_a_step(self) -> bool:
         return bool(getattr(self.run.config, "on_stop", "keep") == "keep")
 
-    def _conclude(self) -> None:
-        # A failed cell's state at the raise, taken before run.result() frees it; not after a stop
-        # was asked for (the stop's failure, as after a blocking cell's interrupt).
-        if self.run.state == events.FAILED and self._stop_reason is None:
-            self._at_raise = self.callbacks.state_at_failure(self.run)
-        super()._conclude()
-
-    def _failed(self, state: str, error: Exception) -> None:
-        """The run failed: its error explained; the state at the raise, if it came back, goes into the
-        kernel as a finished cell's results do (on the main thread, when the kernel is free)."""
-        self.record.state = self.run.state
+    def _ended_with(self, outcome: follower.Outcome) -> None:
+        """Rank 0's results, or a failed cell's state at the raise if it came back, go into the kernel on the
+        main thread, when the kernel is free; a failure is explained."""
         self.record.seconds = self.seconds or 0.0
+        if outcome.error is None:
+            self._schedule(lambda: self._apply(outcome.raw))
+            return
+        self.record.state = self.run.state
+        error, at_raise = outcome.error, outcome.at_raise
         if isinstance(error, RunStoppedError):
             error = RunStoppedError(f"background run {self.id} was stopped; every rank is gone.", error.where)
         if not isinstance(error, RunFailedError):  # a result that cannot load says so itself
-            self._end(state, error=error)
+            self._end(outcome.state, error=error)
             return
-        at_raise = self._at_raise
         if not isinstance(at_raise, tuple):
-            note = self.callbacks.kept_at_failure(self.shell, self.run, at_raise, error, self.prepared, None)
-            self._end(state, error=self.callbacks.explain_failure(error, self.shell, note))
+            explained = follower.explain_failed(self.shell, self.run, error, at_raise, self.prepared, None)
+            self._end(outcome.state, error=explained)
             return
         self._schedule(
             lambda: self._apply_failed(at_raise, error),
@@ -568,26 +501,24 @@ class CellBackgroundRun(BackgroundRun):
         warnings: list[str] = []
 
         def bring_back(raw: Any) -> None:
-            warnings.extend(self.callbacks.apply_result(self.shell, raw, self.prepared.targets, self.record).warnings)
+            warnings.extend(self.apply_result(self.shell, raw, self.prepared.targets, self.record).warnings)
 
-        said = self.callbacks.kept_at_failure(self.shell, self.run, at_raise, error, self.prepared, bring_back)
+        explained = follower.explain_failed(self.shell, self.run, error, at_raise, self.prepared, bring_back)
         self.record.state = events.FAILED
         self.updated = list(self.record.updated)
-        explained = self.callbacks.explain_failure(error, self.shell, said)
         note = self._end_note(events.FAILED, explained) + "".join(f"\nnbtrain {warning}" for warning in warnings)
         self._end(events.FAILED, error=explained, note=note)
 
-    def _outcome(self, raw: Any) -> None:
-        self.record.seconds = self.seconds or 0.0
-        self._schedule(lambda: self._apply(raw))
-
     def _apply(self, raw: Any) -> None:
-        applied = self.callbacks.apply_result(self.shell, raw, self.prepared.targets, self.record)
-        self.record.state = events.FINISHED
+        applied = self.apply_result(self.shell, raw, self.prepared.targets, self.record)
+        follower.note_end(self.record, self.run)
         self.updated = list(self.record.updated)
         self._value = applied.shown
-        if self.run.stopped_at is not None and self.callbacks.kept_error is not None:
-            self._end_kept(self.callbacks.kept_error(self.run, self.updated, self.prepared.shipped))
+        if self.run.stopped_at is not None:  # wait() raises the stop, saying which step the kernel holds
+            error = follower.kept_error(self.run, self.updated, self.prepared.shipped)
+            updated = ", ".join(self.updated) or "nothing"
+            note = f"{self.run.state} at step {self.run.stopped_at} — kernel updated: {updated}{self._log_note()}"
+            self._end(self.run.state, error=error, note=note)
             return
         if not applied.loaded:
             note = "finished — nothing in the kernel changed"
@@ -601,25 +532,16 @@ class CellBackgroundRun(BackgroundRun):
             note += f"\nnbtrain note: {sentence}."
         self._end(events.FINISHED, note=note + self._log_note())
 
-    def _end_kept(self, error: BaseException) -> None:
-        """A stop kept the state at a step: it is in the kernel; wait() raises the stop, saying which step."""
-        record, step = self.record, self.run.stopped_at
-        record.state, record.stopped_at, record.stopped = self.run.state, step, "at a step"
-        note = f"{self.run.state} at step {step} — kernel updated: {', '.join(self.updated) or 'nothing'}"
-        self._end(self.run.state, error=error, note=note + self._log_note())
-
     def _end(self, state: str, error: BaseException | None = None, note: str | None = None) -> None:
-        log = self.run.log_path
-        self.record.log_path = log if log and os.path.exists(log) else None
+        self.record.log_path = follower.log_path(self.run)
         super()._end(state, error, note)
         self.prepared.shipped = {}  # the handle stays in nbtrain.runs(): keep no old objects alive
         self.prepared.held = {}
-        self._at_raise = None
 
     def _log_note(self) -> str:
         """" Full output: <path>", as a blocking cell's summary ends, when a rank printed anything."""
-        log = self.run.log_path
-        return f" Full output: {log}" if log and os.path.exists(log) else ""
+        log = follower.log_path(self.run)
+        return f" Full output: {log}" if log else ""
 
     def _end_note(self, state: str, error: BaseException | None) -> str:
         if state == events.STOPPED:
@@ -628,15 +550,16 @@ class CellBackgroundRun(BackgroundRun):
 
 
 def follow_cell(
-    shell: Any, run: Any, prepared: PreparedCellLike, callbacks: CellCallbacks, output: str, stall_warning: float | None
+    shell: Any, run: Any, prepared: follower.PreparedCellLike, apply_result: ApplyResult, output: str,
+    stall_warning: float | None,
 ) -> CellBackgroundRun:
     """Follow a started ``%%distributed --background`` cell; its handle, at once.
 
     ``prepared`` is the cell's :class:`nbtrain.kernel.cellrun.PreparedCell` (``shipped``, ``record``, ``total_steps``,
-    ``unchanged``); ``callbacks`` what the magic does at the end; ``output`` and ``stall_warning`` its
-    ``--output`` and ``--stall-warning``.
+    ``unchanged``); ``apply_result`` is :func:`nbtrain.kernel.cellrun.apply_cell_result`, called on the kernel's
+    main thread; ``output`` and ``stall_warning`` the cell's ``--output`` and ``--stall-warning``.
     """
-    handle = CellBackgroundRun(shell, run, prepared, callbacks, output, stall_warning)
+    handle = CellBackgroundRun(shell, run, prepared, apply_result, output, stall_warning)
     handle._display()
     handle._start()
     return handle

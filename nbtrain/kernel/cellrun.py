@@ -5,8 +5,9 @@ cell's options and its planner (the flags' check, which also gives the engine an
 config). A cell is prepared once (:func:`prepare_cell`: its syntax, what it ships, what
 runs on the ranks), launched (:func:`start_cell`; the live view's total is read once the
 ranks have started, just before its first frame, :func:`count_steps`), followed until
-its run ends (its output and live view through :mod:`nbtrain.kernel.display.cellout`, an
-interrupt asking every rank to stop at a step), and rank 0's results are put into the
+its run ends by the kernel's one run follower (:mod:`nbtrain.kernel.follower`; here on the
+cell's own thread, its output and live view through :mod:`nbtrain.kernel.display.cellout`,
+an interrupt asking every rank to stop at a step), and rank 0's results are put into the
 kernel's objects (:func:`apply_cell_result`, which background runs use too). A failure
 reads as :mod:`nbtrain.kernel.tracebacks` words it. ``last_run`` keeps the last run's
 record (``nbtrain.last_run()``).
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
-import re
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -30,14 +29,12 @@ from nbtrain.errors import (
     ConfigurationError,
     RunFailedError,
     RunInterrupted,
-    RunStoppedError,
-    RunTimeoutError,
     SerializationError,
 )
-from nbtrain.kernel import cellnames, gcpause, tracebacks
+from nbtrain.kernel import cellnames, follower, gcpause, tracebacks
 from nbtrain.kernel import shell as kernel_shell
 from nbtrain.kernel.display import cellout, rankout
-from nbtrain.messages import events, reach, records, trackerruns
+from nbtrain.messages import events, reach, records
 from nbtrain.planning import config
 from nbtrain.system import processes, sharedhost
 
@@ -45,8 +42,6 @@ from nbtrain.system import processes, sharedhost
 # CellOptions, which every ``options`` here is), the engine (None: this machine's launcher)
 # and the launch config, or a UsageError naming the bad flag.
 Planner: TypeAlias = Callable[[Any], tuple[Any, config.LaunchConfig]]
-
-METRIC_ROWS = 100_000  # per rank, kept in ``last_run`` (a long run must not grow the kernel)
 
 
 @dataclass
@@ -59,7 +54,7 @@ class CellRun:
     accelerator: str = ""
     seconds: float = 0.0
     total_steps: int | None = None  # what the live view counted towards (None: not known)
-    # the last METRIC_ROWS rows each rank logged: (step, unix time, {name: value})
+    # the last follower.METRIC_ROWS rows each rank logged: (step, unix time, {name: value})
     metrics: dict[int, collections.deque[tuple[int, float, Mapping[str, float]]]] = field(default_factory=dict)
     prepared: list[tuple[str, str]] = field(default_factory=list)
     loaders: list[tuple[str, str]] = field(default_factory=list)  # (name, what its passes read)
@@ -320,11 +315,7 @@ def _launch_and_follow(
         from nbtrain.kernel import background
 
         count_steps(shell, prepared)
-        callbacks = background.CellCallbacks(
-            keep_metrics=keep_metrics, explain_failure=tracebacks.explain_failure, apply_result=apply_cell_result,
-            state_at_failure=state_at_failure, kept_at_failure=kept_at_failure, kept_error=kept_error,
-        )
-        handle = background.follow_cell(shell, run, prepared, callbacks, options.output, options.stall_warning)
+        handle = background.follow_cell(shell, run, prepared, apply_cell_result, options.output, options.stall_warning)
         if held.received:  # the cell that starts it was interrupted: the run does not go on
             handle.stop("interrupted")
             raise _interrupted(prepared, run)
@@ -333,19 +324,7 @@ def _launch_and_follow(
         return _follow(shell, run, prepared, options, held, started)
     finally:
         record.seconds = time.monotonic() - started
-        record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
-
-
-def _take(record: CellRun, show: rankout.OutputPrinter, event: Any) -> None:
-    """What a followed cell keeps of ``event`` (metrics, a stall) and does with it (tracker calls, output)."""
-    if isinstance(event, events.Metrics):
-        keep_metrics(record, event)
-    elif isinstance(event, events.TrackerCalls):  # rank 0 logged to a run the kernel opened
-        trackerruns.replay(event, functools.partial(print, file=sys.stderr))
-    elif event is not None:
-        show(event)
-    if isinstance(event, events.RanksStalled):
-        record.note_stall(event)
+        record.log_path = follower.log_path(run)
 
 
 def _follow(
@@ -355,139 +334,71 @@ def _follow(
     record = prepared.record
     view: cellout.CellView | None = None
     asked = False  # a first interrupt asked every rank to stop at a step
+
+    def stopping() -> bool:  # asked before each event: where an interrupt held since is acted on
+        nonlocal asked
+        if held.received and not asked and options.on_stop == "keep":
+            run.ask_to_stop("interrupted", graceful=True)  # the launcher stops hard if it cannot
+            asked, held.received = True, False
+        # A second interrupt, or a launcher that did not answer: stop hard, now.
+        return held.received or (asked and time.monotonic() > (run.stop_deadline() or 0.0))
+
     if not held.received:
-        show = rankout.OutputPrinter(options.output, prepared.cfg.world_size)
+        printer = rankout.OutputPrinter(options.output, prepared.cfg.world_size)
         view = cellout.CellView(run, functools.partial(count_steps, shell, prepared), options.stall_warning)
-        relay = _debugger_relay(run, held)
-        for event in run.events(poll=view.poll_seconds):  # wakes at least every poll
-            if held.received and not asked and options.on_stop == "keep":
-                run.ask_to_stop("interrupted", graceful=True)  # the launcher stops hard if it cannot
-                asked, held.received = True, False
-            if held.received or (asked and time.monotonic() > (run.stop_deadline() or 0.0)):
-                break  # a second interrupt, or a launcher that did not answer: stop hard, now
-            view.show(event)
-            _take(record, show, event)
-            relay.handle(event)  # a rank's pdb: its output, and its prompt in the input box
-        show.finish()  # a progress bar a rank other than 0 left mid-line
+        shown = _in_the_cell(view, printer, run, held)
+        follower.follow_events(run, shown, stopping, view.poll_seconds, record)  # wakes at least every poll
+        printer.finish()  # a progress bar a rank other than 0 left mid-line
     if held.received or view is None or run.state == "running":  # view is None only when the interrupt came first
         run.abandon()  # stops the run and frees any result it brought back
         _stopped_hard(record, view)
         raise _interrupted(prepared, run, "stopped hard at once (a second interrupt)" if asked else "")
-    if run.stopped_at is not None:
-        record.seconds = time.monotonic() - started  # the summary states it
-        raise _kept(shell, run, prepared, options, view, asked)
-    failed = state_at_failure(run) if run.state == events.FAILED and not asked else None
-    try:
-        result = run.result()
-    except RunFailedError as error:
-        record.state, record.seconds = run.state, time.monotonic() - started  # a kept state's summary states it
+    outcome = follower.conclude(run, take_state=not asked)
+    record.seconds = time.monotonic() - started  # the summary _bring_back prints states it
+    if isinstance(outcome.error, RunFailedError):
+        record.state = run.state
         view.finish(run.state)
         if asked:  # the interrupt's stop could not keep the state: the launcher said why
             _stopped_hard(record, None)
             raise _interrupted(prepared, run, run.stop_note) from None
-        raise _failed(shell, run, failed, error, prepared, options) from None
-    record.state = events.FINISHED
-    record.seconds = time.monotonic() - started  # the summary _bring_back prints states it
-    record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None  # and names it
-    view.finish(events.FINISHED)
-    value = _bring_back(shell, result, prepared.targets, record, options.output, prepared.engine is not None)
+        raise _failed(shell, run, outcome.error, outcome.at_raise, prepared, options) from None
+    if outcome.error is not None:  # a result that cannot load says so itself
+        raise outcome.error
+    follower.note_end(record, run)  # finished, or stopped at a step that the kernel's objects then hold
+    view.finish(run.state)
+    value = _bring_back(shell, outcome.raw, prepared.targets, record, options.output, prepared.engine is not None)
+    if run.stopped_at is not None:
+        raise _kept(run, prepared, asked)
     if held.received or asked:  # it came while the results went in, or as the run finished: they are in, all of them
         raise RunInterrupted(_LATE)
     return value
 
 
-def state_at_failure(run: Any) -> tuple[int, Any] | None | str:
-    """A failed cell's state at the raise as the run brought it ((rank, result), None), or why it cannot load.
+def _in_the_cell(
+    view: cellout.CellView, printer: rankout.OutputPrinter, run: Any, held: processes.HeldInterrupts
+) -> Callable[[Any], None]:
+    """Where a blocking cell shows an event: its view first (its first frame stays above the output), then its lines."""
+    from nbtrain.kernel import pdb_relay
 
-    Call it before ``run.result()``, which frees that state as it raises the failure.
-    """
-    try:
-        return run.state_at_failure()  # type: ignore[no-any-return]
-    except Exception as error:  # noqa: BLE001 - the cell's own error is what the user must see
-        return f"the kernel could not load it: {type(error).__name__}: {error}"
+    run.prompts_answered = True
+    relay = pdb_relay.CellRelay(run, held)
+
+    def show(event: Any) -> None:
+        view.show(event)
+        printer(event)
+        relay.handle(event)  # a rank's pdb: its output, and its prompt in the input box
+
+    return show
 
 
 def _failed(
-    shell: Any, run: Any, failed: tuple[int, Any] | None | str, error: RunFailedError, prepared: PreparedCell,
-    options: Any,
+    shell: Any, run: Any, error: RunFailedError, at_raise: Any, prepared: PreparedCell, options: Any
 ) -> BaseException:
     """The failed cell's error, as the notebook shows it, once its state at the raise is in the kernel."""
     def bring_back(result: Any) -> None:
         _bring_back(shell, result, prepared.targets, prepared.record, options.output, prepared.engine is not None)
 
-    return tracebacks.explain_failure(error, shell, kept_at_failure(shell, run, failed, error, prepared, bring_back))
-
-
-def kept_at_failure(
-    shell: Any, run: Any, failed: tuple[int, Any] | None | str, error: RunFailedError, prepared: PreparedCell,
-    bring_back: Callable[[Any], Any] | None,
-) -> str:
-    """Put a failed cell's state at the raise into the kernel, as one process would hold it; what its error says of it.
-
-    ``failed`` is what :func:`state_at_failure` gave; ``bring_back(result)`` applies it as after a
-    finished cell (a blocking cell's summary, then the error; a background cell's, on the kernel's
-    main thread): the names the cell bound before the raise, the models and optimizers as they were
-    at that line. Without it, the kernel is as before the cell, and the note says why.
-    """
-    if not isinstance(failed, tuple) or bring_back is None:
-        why = failed if isinstance(failed, str) else run.no_state_note
-        return prepared.unchanged + (f" The state at the failing line did not come back ({why})." if why else "")
-    rank, result = failed
-    record = prepared.record
-    record.failed_rank = rank
-    bring_back(result)
-    where = _failing_line(error, shell)
-    return failed_message(rank, where, record.updated, prepared.targets)
-
-
-def _failing_line(error: RunFailedError, shell: Any) -> str:
-    """Where the rank raised, as the notebook names it ("Cell In[7], line 12"), or ""."""
-    text = getattr(error, "remote_traceback", "")
-    if not text:
-        return ""
-    named = tracebacks.cell_traceback(text, shell)
-    found = _CELL_LINE.findall(named) or _FILE_LINE.findall(named)
-    return found[-1] if found else ""
-
-
-_CELL_LINE = re.compile(r"Cell In\[\d+\], line \d+")
-_FILE_LINE = re.compile(r'File "[^"]+", line \d+')
-
-
-def failed_message(rank: int, where: str, updated: list[str], shipped: dict[str, Any]) -> str:
-    """The line a failed cell's error ends with once the state at its raise is in: whose state, from where.
-
-    >>> import torch
-    >>> model = torch.nn.Linear(2, 1)
-    >>> shipped = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
-    >>> print(failed_message(0, "Cell In[7], line 12", ["model", "opt", "epoch", "loss"], shipped))
-    ... # doctest: +NORMALIZE_WHITESPACE
-    The kernel holds rank 0's state at the failing line (Cell In[7], line 12), as one process would:
-    model and opt as they were there, and epoch, loss as the cell had set them.
-    >>> failed_message(1, "", [], shipped)
-    "The kernel holds rank 1's state at the failing line, as one process would: nothing in it had changed there."
-    """
-    at = f" ({where})" if where else ""
-    head = f"The kernel holds rank {rank}'s state at the failing line{at}, as one process would"
-    if not updated:
-        return f"{head}: nothing in it had changed there."
-    held = [name for name in updated if hasattr(shipped.get(name), "state_dict")]
-    others = [name for name in updated if name not in held]
-    parts = []
-    if held:
-        names = held[0] if len(held) == 1 else ", ".join(held[:-1]) + " and " + held[-1]
-        parts.append(f"{names} as {'it was' if len(held) == 1 else 'they were'} there")
-    if others:
-        listed = ", ".join(others[:8]) + (", ..." if len(others) > 8 else "")
-        parts.append(f"{listed} as the cell had set {'it' if len(others) == 1 else 'them'}")
-    return f"{head}: {', and '.join(parts)}."
-
-
-def _debugger_relay(run: Any, held: processes.HeldInterrupts) -> Any:
-    from nbtrain.kernel import pdb_relay
-
-    run.prompts_answered = True
-    return pdb_relay.CellRelay(run, held)
+    return follower.explain_failed(shell, run, error, at_raise, prepared, bring_back)
 
 
 def _interrupted(prepared: PreparedCell, run: Any, how: str = "") -> RunInterrupted:
@@ -508,48 +419,13 @@ def _stopped_hard(record: CellRun, view: cellout.CellView | None) -> None:
         view.finish(events.STOPPED, redraw_chart=False)
 
 
-def _kept(
-    shell: Any, run: Any, prepared: PreparedCell, options: Any, view: cellout.CellView, interrupted: bool
-) -> BaseException:
-    """A stop kept the state at a step: bring it back as after a finished run; the error the cell raises."""
+def _kept(run: Any, prepared: PreparedCell, interrupted: bool) -> BaseException:
+    """A stop kept the state at a step, brought back as after a finished run: the error the cell raises."""
     record = prepared.record
-    result = run.result()
-    record.state, record.stopped_at, record.stopped = run.state, run.stopped_at, "at a step"
-    record.log_path = run.log_path if run.log_path and os.path.exists(run.log_path) else None
-    view.finish(run.state)
-    _bring_back(shell, result, prepared.targets, record, options.output, prepared.engine is not None)
     if interrupted:
-        message = kept_message(run.stopped_at, record.updated, prepared.targets)
+        message = follower.kept_message(run.stopped_at, record.updated, prepared.targets)
         return RunInterrupted(f"the cell was interrupted and {message} The kernel is ready.")
-    return kept_error(run, record.updated, prepared.targets)
-
-
-def kept_error(run: Any, updated: list[str], shipped: dict[str, Any]) -> BaseException:
-    """What a run stopped at a step raises once its state is in (RunTimeoutError, RunStoppedError), naming the step."""
-    message = kept_message(run.stopped_at, updated, shipped)
-    if run.state == events.TIMED_OUT:
-        error = RunTimeoutError(run.config.timeout or 0.0)
-        error._set_message(f"the run exceeded timeout={run.config.timeout or 0:g} s and was {message}", "")
-        return error
-    return RunStoppedError(f"the run was {message}")
-
-
-def kept_message(step: int, updated: list[str], shipped: dict[str, Any]) -> str:
-    """What a stop that kept the state says: which of the kernel's objects hold which step.
-
-    >>> import torch
-    >>> model = torch.nn.Linear(2, 1)
-    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    >>> shipped = {"model": model, "opt": opt, "scheduler": torch.optim.lr_scheduler.StepLR(opt, 10), "i": 3}
-    >>> kept_message(412, ["model", "opt", "losses", "i", "scheduler"], shipped)
-    'stopped at step 412 on every rank; model, opt and scheduler hold step 412.'
-    """
-    held = [name for name in updated if hasattr(shipped.get(name), "state_dict")]
-    if not held:
-        return f"stopped at step {step} on every rank; the cell's results at that step are in the kernel."
-    names = held[0] if len(held) == 1 else ", ".join(held[:-1]) + " and " + held[-1]
-    verb = "holds" if len(held) == 1 else "hold"
-    return f"stopped at step {step} on every rank; {names} {verb} step {step}."
+    return follower.kept_error(run, record.updated, prepared.targets)
 
 
 @dataclass
@@ -572,7 +448,9 @@ def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: 
     The one place a cell's results reach the kernel, for blocking and background runs
     alike. Call it on the kernel's main thread: it writes the user's namespace.
     """
+    from nbtrain import frameworks
     from nbtrain.kernel import namespace as ns
+    from nbtrain.messages import processlocal
 
     if result is None:  # the cell ran, but rank 0 sent nothing (it should always send something)
         return Applied()
@@ -582,8 +460,12 @@ def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: 
         return Applied(
             warnings=[f"rank 0's results could not be loaded in the kernel ({error}); nothing in the kernel changed."]
         )
+    # A framework's per-process state the results hold (accelerate's) is the kernel's own: one process.
+    rebuilt = processlocal.initialize()
     with kernel_shell.interrupts_deferred():  # all of it or, if interrupted before, none of it
         report = ns.apply_result(outcome, shipped, kernel_shell.user_namespace(shell), result.deleted)
+    if "lightning" in sys.modules or "pytorch_lightning" in sys.modules:  # a Trainer that came back: one process's
+        frameworks.with_world(list(kernel_shell.user_namespace(shell).values()), devices=1, num_nodes=1)
     # What a notebook function made is named by where: Cell In[N], as IPython says it.
     record.prepared = [(cellnames.name_cells(name, shell), how) for name, how in result.prepared]
     record.loaders = [(cellnames.name_cells(name, shell), how) for name, how in result.loaders]
@@ -595,6 +477,7 @@ def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: 
     record.skipped = list(result.skipped) + report.skipped
     record.steps_alone = result.steps_alone
     warnings = [f"note: {cellnames.name_cells(note, shell)}" for note in result.notes]  # Cell In[N], as IPython
+    warnings += [f"warning: {failure}: the kernel's objects that hold it may not work" for failure in rebuilt]
     if record.skipped:
         described = ", ".join(f"{name} ({kind}: {why})" for name, kind, why in record.skipped)
         warnings.append(f"warning: not brought back to the kernel, so they keep their old values there: {described}.")
@@ -613,11 +496,6 @@ def _bring_back(
         if reachable is not None:
             cellout.print_warning(reachable)
     return applied.shown
-
-
-def keep_metrics(record: CellRun, event: events.Metrics) -> None:
-    """Keep the rows a rank logged in ``record`` (the last METRIC_ROWS per rank)."""
-    record.metrics.setdefault(event.rank, collections.deque(maxlen=METRIC_ROWS)).extend(event.rows)
 
 
 def _strip_leading_blank_lines(cell: str) -> tuple[str, int]:

@@ -14,7 +14,9 @@ in place to what the cell left: Modules, Optimizers and LR schedulers load their
 (same objects, same devices and dtypes), tensors are copied into, lists, dicts and objects
 are refilled with what they hold. So what was shared stays shared (``trainer.model is
 model``), as if the cell had run in the kernel. Names the cell bound are set, and functions
-the cell defined get the kernel's globals.
+the cell defined get the kernel's globals. Each object loads whole or not at all: one the
+kernel cannot rebuild, refill or put back in its place keeps its kernel value and is named,
+with why and what to do (``ApplyReport.skipped``); the others load.
 
 Pure apart from the objects it is handed: it starts nothing and imports torch only to
 load state into torch objects that already exist.
@@ -27,9 +29,12 @@ Example:
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
+import dataclasses
 import dis
 import functools
+import gc
 import io
 import pickle
 import symtable
@@ -37,7 +42,7 @@ import sys
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from nbtrain.errors import SerializationError
 from nbtrain.messages import reach
@@ -49,6 +54,7 @@ from nbtrain.messages.records import (
     STORAGE_TAG,
     CellResult,
     is_internal,
+    made,
     set_rng_states,
     type_name,
 )
@@ -359,51 +365,228 @@ def _probe_pickler_class() -> type:
 # -- coming back ---------------------------------------------------------------------------
 
 
+def _load_persistent(pid: Any, storages: list[Any], shipped: Mapping[str, Any], user_ns: dict[str, Any]) -> Any:
+    """The object a rank's result refers to by ``pid``: a tensor's storage, or the kernel's own object."""
+    tag = pid[0]
+    if tag == STORAGE_TAG:
+        import torch
+
+        untyped = storages[pid[1]]
+        if pid[2] is None:
+            return untyped
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=pid[2], _internal=True)
+    if tag == KERNEL_TAG:
+        return shipped[pid[1]]
+    if tag == PART_TAG:
+        _, name, kind, path = pid
+        module = shipped[name]
+        if kind == "param":
+            return module.get_parameter(path)
+        if kind == "buffer":
+            return module.get_buffer(path)
+        return module.get_submodule(path)
+    if tag == GLOBALS_TAG:
+        return user_ns
+    raise pickle.UnpicklingError(f"unknown persistent id {pid!r} in a rank's result")
+
+
 class _ResultUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, storages: list[Any], shipped: Mapping[str, Any], user_ns: dict[str, Any]):
         super().__init__(io.BytesIO(data))
-        self._storages = storages
-        self._shipped = shipped
-        self._user_ns = user_ns
+        self._context = (storages, shipped, user_ns)
 
     def persistent_load(self, pid: Any) -> Any:
-        tag = pid[0]
-        if tag == STORAGE_TAG:
-            import torch
+        return _load_persistent(pid, *self._context)
 
-            untyped = self._storages[pid[1]]
-            if pid[2] is None:
-                return untyped
-            return torch.storage.TypedStorage(wrap_storage=untyped, dtype=pid[2], _internal=True)
-        if tag == KERNEL_TAG:
-            return self._shipped[pid[1]]
-        if tag == PART_TAG:
-            _, name, kind, path = pid
-            module = self._shipped[name]
-            if kind == "param":
-                return module.get_parameter(path)
-            if kind == "buffer":
-                return module.get_buffer(path)
-            return module.get_submodule(path)
-        if tag == GLOBALS_TAG:
-            return self._user_ns
-        raise pickle.UnpicklingError(f"unknown persistent id {pid!r} in a rank's result")
+
+class _Unloadable:
+    """Stands for an object of a rank's result that could not be rebuilt in the kernel."""
+
+    def __init__(self, kind: str, error: Exception):
+        self.kind, self.error = kind, error
+
+    def append(self, item: Any) -> None:  # what pickle does to a list it rebuilt: nothing to do here
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, item: Any) -> None:
+        pass
+
+
+class _TolerantUnpickler(pickle._Unpickler):
+    """The same result read in Python, object by object: one that cannot be rebuilt is marked, not fatal.
+
+    Only used once the fast reading failed, to find which objects failed and load the rest.
+    """
+
+    stack: list[Any]  # pickle's own, as it reads
+
+    def __init__(self, data: bytes, storages: list[Any], shipped: Mapping[str, Any], user_ns: dict[str, Any]):
+        super().__init__(io.BytesIO(data))
+        self._context = (storages, shipped, user_ns)
+        self.failed: list[tuple[Any, str, Exception]] = []  # (the object, its class, why)
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _load_persistent(pid, *self._context)
+
+    def load_reduce(self) -> None:
+        func, args = self.stack[-2], self.stack[-1]
+        try:
+            super().load_reduce()  # type: ignore[misc]
+        except Exception as error:  # noqa: BLE001 - named below, with what holds it
+            cls = args[0] if func is made and args else func
+            stand_in = _Unloadable(_kind_name(cls), error)
+            self.stack[-1:] = [stand_in]
+            self.failed.append((stand_in, stand_in.kind, error))
+
+    def load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        if isinstance(inst, _Unloadable):
+            self.stack.pop()
+            return
+        try:
+            super().load_build()  # type: ignore[misc]
+        except Exception as error:  # noqa: BLE001 - named below, with what holds it
+            if not _set_slots_directly(inst, state):
+                self.failed.append((inst, type_name(inst), error))
+
+    dispatch: ClassVar[dict[int, Callable[[pickle.Unpickler], None]]] = {
+        **pickle._Unpickler.dispatch,
+        pickle.REDUCE[0]: load_reduce,  # type: ignore[dict-item]  # called with this class's objects only
+        pickle.BUILD[0]: load_build,  # type: ignore[dict-item]
+    }
+
+
+def _kind_name(cls: Any) -> str:
+    """The name of the class (or function) that failed to make an object, as :func:`type_name` names a class."""
+    if not isinstance(cls, type):
+        return str(getattr(cls, "__qualname__", "object"))
+    return cls.__qualname__ if cls.__module__ in ("builtins", "__main__") else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _set_slots_directly(inst: Any, state: Any) -> bool:
+    """Set a slotted object's state as pickle sets a ``__dict__``: past the class's own ``__setattr__``.
+
+    A frozen dataclass with slots (Python 3.10's, fastai's plum dispatchers) refuses pickle's
+    ``setattr`` of its fields, yet is rebuilt faithfully this way. False where that is not the case.
+    """
+    if hasattr(type(inst), "__setstate__") or not (isinstance(state, tuple) and len(state) == 2):
+        return False
+    if not isinstance(state[1], dict):
+        return False
+    try:
+        for key, value in state[1].items():
+            object.__setattr__(inst, key, value)
+    except Exception:  # noqa: BLE001 - then it stays failed
+        return False
+    return True
 
 
 def decode_result(result: CellResult, shipped: Mapping[str, Any], user_ns: dict[str, Any]) -> dict[str, Any]:
-    """Unpickle rank 0's outcome; the kernel's namespace is left exactly as it was."""
+    """Unpickle rank 0's outcome; the kernel's namespace is left exactly as it was.
+
+    An object the kernel cannot rebuild is left out with the name it came back under, in
+    ``outcome["unloaded"]`` ((name, class, why) each): the kernel keeps its value of that name.
+    """
     # cloudpickle writes __builtins__ into the globals of each function it rebuilds; for a
     # function defined in the cell that is the kernel's namespace: put back IPython's.
     missing = object()
     saved = user_ns.get("__builtins__", missing)
     try:
-        outcome: dict[str, Any] = _ResultUnpickler(result.payload, result.storages, shipped, user_ns).load()
-        return outcome
+        try:
+            outcome: dict[str, Any] = _ResultUnpickler(result.payload, result.storages, shipped, user_ns).load()
+            return outcome
+        except Exception as error:  # noqa: BLE001 - read it again, object by object, to name the culprits
+            tolerant = _TolerantUnpickler(result.payload, result.storages, shipped, user_ns)
+            try:
+                outcome = tolerant.load()
+            except Exception:  # noqa: BLE001 - not one object's fault: the first error says it
+                raise error from None
+            return _leave_out(outcome, tolerant.failed, shipped) if tolerant.failed else outcome
     finally:
         if saved is missing:
             user_ns.pop("__builtins__", None)
         else:
             user_ns["__builtins__"] = saved
+
+
+_NAMED_SECTIONS = ("modules", "optimizers", "schedulers", "contents", "changed", "tensors", "bound")
+_WALK_LIMIT = 100_000  # objects looked at for one value: a failed one lies near the top of what holds it
+
+
+def _leave_out(
+    outcome: dict[str, Any], failed: list[tuple[Any, str, Exception]], shipped: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``outcome`` without each value that is or holds an object that failed to load: nothing of it is
+    loaded, never part; each is named in ``outcome["unloaded"]``, the others load."""
+    marks = {id(obj): (kind, error) for obj, kind, error in failed}
+    kernel_own = {id(value) for value in shipped.values()}  # the kernel's objects: not rebuilt, not looked into
+    unloaded: dict[str, tuple[str, str, str]] = {}
+    for section in _NAMED_SECTIONS:
+        entries = outcome.get(section, {})
+        for name in list(entries):
+            value = entries[name]
+            as_attributes = section == "contents" and not isinstance(shipped.get(name), (dict, list))
+            culprit = _failed_inside(value, marks, kernel_own, as_attributes)
+            if culprit is not None:
+                del entries[name]
+                kind = value.kind if isinstance(value, _Unloadable) else type_name(shipped.get(name, value))
+                unloaded.setdefault(name, (name, kind, _why_unloaded(name, *culprit)))
+    for name in unloaded:  # an optimizer's parts go with it
+        for section in ("optimizer_attributes", "inner_optimizers", "places"):
+            outcome.get(section, {}).pop(name, None)
+    display = outcome.get("display")
+    culprit = None if display is None else _failed_inside(display[0], marks, kernel_own, False)
+    if culprit is not None:
+        outcome["display"] = None
+        unloaded["the cell's value"] = ("the cell's value", culprit[1], _why_unloaded("the cell's value", *culprit))
+    outcome["unloaded"] = list(unloaded.values())
+    return outcome
+
+
+def _failed_inside(
+    value: Any, marks: Mapping[int, tuple[str, Exception]], skip: set[int], as_attributes: bool
+) -> tuple[str, str, Exception] | None:
+    """(where, class, error) of the nearest failed object ``value`` is or holds (where: ``""`` for
+    itself, ``.extra``, ``['key']``, ``[0]``); None if it holds none. ``as_attributes``: ``value`` is
+    a dict of an object's attributes (what refills it)."""
+    torch = sys.modules.get("torch")
+    opaque = (type, types.ModuleType, types.FunctionType, types.CodeType, *((torch.Tensor,) if torch else ()))
+    pending, seen = collections.deque([("", value)]), set(skip)
+    while pending and len(seen) < len(skip) + _WALK_LIMIT:
+        where, obj = pending.popleft()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if id(obj) in marks:
+            return (where, *marks[id(obj)])
+        if not isinstance(obj, opaque):
+            pending.extend(_named_parts(obj, where, as_attributes and obj is value))
+    return None
+
+
+def _named_parts(obj: Any, where: str, as_attributes: bool) -> list[tuple[str, Any]]:
+    """What ``obj`` holds, each with the Python that reaches it from ``where``."""
+    if isinstance(obj, dict):
+        return [(f"{where}.{k}" if as_attributes else f"{where}[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [(f"{where}[{i}]", v) for i, v in enumerate(obj)]
+    held = {} if isinstance(obj, (set, frozenset)) else reach.attributes(obj)
+    if held:
+        return [(f"{where}.{k}", v) for k, v in held.items()]
+    return [(where, part) for part in gc.get_referents(obj)]  # what it keeps otherwise (a deque's items)
+
+
+def _why_unloaded(name: str, where: str, kind: str, error: Exception) -> str:
+    what = "it" if not where else f"`{name}{where}` (a {kind})"
+    whole = name if name == "the cell's value" else f"`{name}`"
+    return (
+        f"{what} could not be rebuilt in the kernel ({type(error).__name__}: {error}), so none of {whole} "
+        "was loaded; make that object in the kernel from what it is made of, or keep something plainer "
+        "in its place (its settings)"
+    )
 
 
 @dataclass
@@ -423,8 +606,11 @@ def apply_result(
     Order matters: weights first (an optimizer's state is loaded against them), then
     optimizers and schedulers, then plain values; a name the cell rebound wins over an
     in-place update of the object it used to hold.
+
+    Each object is loaded whole or not at all: one that cannot be is named in
+    ``report.skipped`` with why and what to do, keeps its kernel value, and the others load.
     """
-    report = ApplyReport()
+    report = ApplyReport(skipped=list(outcome.get("unloaded", ())))  # what the kernel could not rebuild
     for name, (state, modes, *own) in outcome.get("modules", {}).items():
         module, params = shipped[name], own[0] if own else None
         try:
@@ -443,15 +629,7 @@ def apply_result(
                 report.updated.append(name)
         except Exception as error:  # noqa: BLE001 - one bad object must not stop the rest
             report.skipped.append((name, type_name(target), f"its state could not be loaded ({error})"))
-    places = outcome.get("places", {})
-    for name, held in outcome.get("contents", {}).items():
-        reach.refill(shipped[name], held)  # what it held, the kernel's own objects by reference
-        report.updated.append(name)
-    for kind, fits in (("tensors", _fill), ("changed", update_in_place)):  # in place, or rebound where it does not fit
-        for name, value in outcome.get(kind, {}).items():
-            if not fits(shipped[name], value):
-                _rebind(user_ns, shipped, places.get(name), name, value)
-            report.updated.append(name)
+    _apply_objects(outcome, shipped, user_ns, report)
     for name, value in outcome.get("bound", {}).items():
         user_ns[name] = value
         if name not in report.updated:
@@ -463,6 +641,42 @@ def apply_result(
     set_rng_states(outcome.get("rng"))
     report.updated = list(dict.fromkeys(report.updated))  # a model's weights and its attributes: named once
     return report
+
+
+def _apply_objects(
+    outcome: Mapping[str, Any], shipped: Mapping[str, Any], user_ns: dict[str, Any], report: ApplyReport
+) -> None:
+    """Refill the kernel's plain objects the cell changed; copy into, or rebind, those that travelled whole."""
+    places = outcome.get("places", {})
+    for name, held in outcome.get("contents", {}).items():
+        why = _refill(shipped[name], held)  # what it held, the kernel's own objects by reference
+        _record(report, name, shipped[name], why)
+    for kind, fits in (("tensors", _fill), ("changed", update_in_place)):  # in place, or rebound where it does not fit
+        for name, value in outcome.get(kind, {}).items():
+            why = None if fits(shipped[name], value) else _rebind(user_ns, shipped, places.get(name), name, value)
+            _record(report, name, shipped[name], why)
+
+
+def _record(report: ApplyReport, name: str, target: Any, why: str | None) -> None:
+    if why is None:
+        report.updated.append(name)
+    else:
+        report.skipped.append((name, type_name(target), why))
+
+
+def _refill(target: Any, held: Any) -> str | None:
+    """:func:`reach.refill`, whole or not at all: why not (None: done)."""
+    before = reach.contents(target)
+    try:
+        reach.refill(target, held)
+    except Exception as error:  # noqa: BLE001 - one bad object must not stop the rest
+        with contextlib.suppress(Exception):  # back to what it held: never half of each
+            reach.refill(target, before)
+        return (
+            f"it could not be refilled in place ({type(error).__name__}: {error}), so it was left as it was; "
+            "rebind it in the cell to a new object, or run this change in the kernel"
+        )
+    return None
 
 
 def _apply_optimizers(outcome: Mapping[str, Any], shipped: Mapping[str, Any], report: ApplyReport) -> None:
@@ -554,10 +768,21 @@ def module_differs(module: Any, state: Mapping[str, Any], modes: Iterable[tuple[
 
 
 def load_module_state(module: Any, state: Mapping[str, Any], modes: Iterable[tuple[str, bool]]) -> None:
-    """Copy ``state`` into ``module``'s own tensors (their devices and dtypes stay), and train/eval modes."""
+    """Copy ``state`` into ``module``'s own tensors (their devices and dtypes stay), and train/eval modes.
+
+    All of them or, where one does not fit, none (torch's own loading copies those that fit, then raises).
+    """
+    own = module.state_dict()
+    unfit = sorted(own.keys() ^ state.keys()) or [k for k in own if _shape(own[k]) != _shape(state[k])]
+    if unfit:
+        raise ValueError(f"{', '.join(unfit[:5])} differ from the kernel's model in name or shape")
     module.load_state_dict(state, strict=True)  # copy_ under no_grad, per tensor
     for path, training in modes:
         module.get_submodule(path).training = training
+
+
+def _shape(value: Any) -> Any:
+    return getattr(value, "shape", None)
 
 
 def parameters_differ(module: Any, params: Iterable[tuple[str, bool, Any]] | None) -> bool:
@@ -611,6 +836,10 @@ def update_in_place(target: Any, value: Any) -> bool:
         target.update(value) if isinstance(target, set) else target.extend(value)
     elif type(target).__name__ == "ndarray" and getattr(target, "shape", None) == getattr(value, "shape", ()):
         target[...] = value
+    elif dataclasses.is_dataclass(target) and not hasattr(target, "__dict__"):  # its fields are its state
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(target) if hasattr(value, f.name)}
+        for key, held in fields.items():  # past __setattr__, as a frozen dataclass's own __init__ sets them
+            object.__setattr__(target, key, held)
     else:
         return False
     return True
@@ -650,10 +879,33 @@ def _copy_into(current: Any, value: Any, *, check: bool) -> bool:
     return current == value if type(current) is type(value) and isinstance(value, (int, float, str)) else False
 
 
-def _rebind(user_ns: dict[str, Any], shipped: Mapping[str, Any], held: Any, name: str, value: Any) -> None:
-    """Put ``value`` where the kernel's object ``name`` was: a global, or the place ``held`` inside one."""
+def _rebind(user_ns: dict[str, Any], shipped: Mapping[str, Any], held: Any, name: str, value: Any) -> str | None:
+    """Put ``value`` where the kernel's object ``name`` was: a global, or the place ``held`` inside one.
+
+    Why it could not (None: done): its holder refuses another object (a tuple, a class that
+    refuses the attribute).
+    """
     if held is None:
         user_ns[name] = value
+        return None
+    holder, (how, key) = held.root + reach.steps_as_python(held.steps[:-1]), held.steps[-1]
+    try:
+        _put(shipped, held, value)
+    except Exception as error:  # noqa: BLE001 - one bad object must not stop the rest
+        example = f" (for a dataclass: `{holder} = dataclasses.replace({holder}, {key}=...)`)" if how == "attr" else ""
+        return (
+            f"it cannot be changed in place, and `{holder}` cannot hold a new one ({type(error).__name__}: {error}); "
+            f"rebind `{holder}` in the cell to a new object holding it{example}"
+        )
+    return None
+
+
+def _put(shipped: Mapping[str, Any], held: Any, value: Any) -> None:
+    """:func:`reach.put`; a frozen dataclass's field is set past its ``__setattr__``, as its own
+    ``__init__`` sets it (and :func:`reach.refill` its slots)."""
+    owner = reach.resolve(shipped, dataclasses.replace(held, steps=held.steps[:-1]))
+    how, key = held.steps[-1]
+    if how == "attr" and getattr(getattr(type(owner), "__dataclass_params__", None), "frozen", False):
+        object.__setattr__(owner, key, value)
     else:
-        with contextlib.suppress(Exception):  # a holder that refuses it keeps its object, as it would have
-            reach.put(shipped, held, value)
+        reach.put(shipped, held, value)

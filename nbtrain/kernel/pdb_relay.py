@@ -7,6 +7,11 @@ them here on the kernel's private socket. Each prompt becomes the front end's in
 the rank; the line typed goes back the same way. Waiting on the user has no deadline; an
 interrupt at the prompt ends the debugger and the run.
 
+One rank's session at a time: another rank's prompts wait for the first one's ``DebugEnded``.
+The launcher pauses the ``--timeout`` clock while a rank is at a prompt, and the live view its
+stall clock; ``q`` ends the run as stopped. A caller that cannot prompt (a background run,
+``run.wait()``) has the breakpoint passed, with a note.
+
 Example:
     >>> from nbtrain.messages import events
     >>> prompt_text(events.DebugPrompt(run_id=1, rank=1, prompt="(Pdb) "))

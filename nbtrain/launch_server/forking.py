@@ -3,6 +3,12 @@
 The launcher's loop (nbtrain.launch_server.server) calls :func:`start_rank_process` for each
 rank of a run (and :func:`fork_standby` for standby ranks), then :func:`watch_rank` to read what
 it sends; everything about the child side of the fork is here too.
+
+Each forked child, before the rank's runtime takes over: joins the launcher's private user
+namespace where its run is covered (:mod:`nbtrain.system.privatenet`), leads its own process
+group, sets PDEATHSIG, puts its stdout and stderr on pipes, closes every descriptor it does not
+need, and keeps the store memfd (:mod:`nbtrain.system.rendezvous`) and the payload's memfd,
+which the rank maps copy-on-write.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ The run's root-cause rank stays alive, paused in its frames (nbtrain.rank.machin
 kernel attaches and its debugger ends, the next launch needs its devices, the sidebar dismisses
 it, or it was held idle for its whole hold time. Its pidfd then reports it gone, and the kernel
 hears ``HeldReleased`` with the reason.
+
+While held, the rank stays among the launcher's live ranks (the stray sweep spares it) and the
+run's registry record carries ``held`` until the launcher reports it gone. The sidebar's Dismiss
+removes the record first, then SIGKILLs the rank: the launcher, finding the record gone when
+the pidfd fires, does not write it back, and its ``HeldReleased`` says it was dismissed.
 """
 
 from __future__ import annotations

@@ -3,6 +3,18 @@
 Mutable records owned by the launcher's loop (nbtrain.launch_server.server); a run's phase
 is its ``lifecycle`` (nbtrain.launch_server.lifecycle), not flags. Nothing here starts or
 signals a process.
+
+A failed run's state: a cell that raised keeps what it had done, as one process would (the
+rank's ``cell.run_cell`` builds its ``CellResult`` from its own objects, with no collective,
+and the runtime sends it with the ``RankFailed``). The launcher keeps the state of the lowest
+rank that raised the run's error itself, the same exception at the same line
+(:func:`failed_state`; another rank's error is then a consequence, and a rank that died without
+raising leaves none), and ``RunEnded`` carries it. Whose report comes first is a race: when a
+rank other than 0 sends the first failure while rank 0 is still at work, the run waits in
+``AWAITING_RANK_ZERO`` (:func:`awaits_rank_zero`) until rank 0 failed or exited, or
+``server.RANK_ZERO_GRACE_SECONDS`` passed; a lower rank's same raise meanwhile takes over as
+the cause (:func:`takes_over`): the error names it, it is the rank held for ``%nbtrain_debug``,
+and its state comes back, so a cell whose every rank raised brings rank 0's.
 """
 
 from __future__ import annotations

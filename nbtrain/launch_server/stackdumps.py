@@ -3,6 +3,13 @@
 A run that times out or is stopped asks every live rank for a faulthandler dump
 (nbtrain.messages.stacks) and waits until each has gone quiet, at most STACK_WAIT_SECONDS, before
 its ranks are signalled: RunEnded then says where each rank was.
+
+Each rank registers faulthandler at start on a spare real-time signal, writing to a pipe only
+the launcher reads. The launcher sends the signal only to ranks that registered it (it reads
+the rank's ``SigCgt`` mask in /proc; until then the rank ignores the signal, so an early
+request is lost rather than fatal). faulthandler dumps from its C signal handler, so a rank
+blocked in a C++ collective answers; a Python-level handler would run only when the collective
+returned, which in a deadlock is never. A healthy run pays only the registration.
 """
 
 from __future__ import annotations

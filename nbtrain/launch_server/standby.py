@@ -20,6 +20,19 @@ a generation that had joined its group is replaced; one that never did is not (t
 forks fresh ranks and reports what failed). Every change is told to the kernel
 (``StandbyChanged``) and written to the run registry (state ``standby``), so the sidebar and
 ``nbtrain.runs()`` show them and their memory.
+
+Warm-up, before a standby rank says ``StandbyReady``: on CUDA it takes three training steps of
+a tiny conv net built from constants (cuDNN, cuBLAS and the kernels most first steps use get
+loaded), then frees cuBLAS's workspace, empties the allocator's cache and resets the memory
+statistics, so a cell starts at 0 bytes allocated; a lone rank builds no communicator. It then
+goes once, with nothing of a run's, the way a run takes to a cell's first line (RNG states
+set, a payload unpickled, a trivial cell run): the pages of the launcher's objects it copies
+on first write are paid here (2-4 ms off a re-run's first line on 2 cores). Then it imports
+the libraries among the notebook's imports (and those a cell imports while it waits:
+``NotebookModules``) and the library modules the last run's payload needed
+(``StartRun.preimport``: rank 0 sends them with its ``RankDone``); the user's own modules are
+left to the run. The ``StartRun`` that takes them is pickled once for every rank, and the
+kernel hears ``RankStarted`` once every rank has its run.
 """
 
 from __future__ import annotations

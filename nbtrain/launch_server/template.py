@@ -8,6 +8,31 @@ kernel (its socket, and a pidfd on the kernel), so killing the template changes 
 for a running run. It leaves once no launcher of its own has lived for
 ``$NBTRAIN_TEMPLATE_IDLE_SECONDS`` (10 minutes), and its orphaned descendants (a killed
 launcher's leftovers, which it adopts as a subreaper) are killed at once.
+
+How a kernel gets its launcher: it takes a lock file beside the socket, connects (starting the
+template if nothing listens: the starter forks it and exits, so the template is nobody's child),
+and sends a ``Request`` (its identity, environment and cwd) with the launcher's end of a fresh
+socketpair and the write end of a stderr pipe. The template forks; the child takes the kernel's
+environment, cwd and stderr, closes everything of the template's, and serves exactly as a
+launcher the kernel started (``server.Launcher``, given a pidfd on the kernel instead of a parent
+to watch). Its ranks name the kernel their tracer (``PR_SET_PTRACER``): the kernel is no longer
+their ancestor, and Yama's rule would otherwise forbid reading rank 0's result.
+
+- Identity: taken as the template starts, before its imports, as the kernel that started it
+  took it for the name (taken after them, a source file saved meanwhile made it refuse that
+  kernel). The reply is read once, under a lock (``processes.ForkedLauncher``), so two threads
+  asking at once never leave one without the launcher's pid.
+- Which nbtrain: the starter runs in the socket's directory, not the kernel's working directory
+  (which ``python -m`` would put first on ``sys.path``: a checkout there would be the copy the
+  template imports), with the folder holding the kernel's nbtrain first on ``PYTHONPATH`` when
+  it is not a site directory (``processes.importing_this_nbtrain``).
+- Memory and warm-up: before it forks, the template runs one tiny training step (forward,
+  backward, an SGD and an AdamW step; one thread, random state put back), so torch's lazy
+  first-use work is done once for every rank of its launchers, then freezes its heap
+  (``gc.freeze()``), so a collection in a launcher never copies the pages they share.
+- The test suite runs with ``NBTRAIN_TEMPLATE=0`` except ``tests/test_template.py``, whose
+  tests each use a directory of their own. When the kernel falls back to its own launcher,
+  and why, is :mod:`nbtrain.kernel.warm`'s.
 """
 
 from __future__ import annotations

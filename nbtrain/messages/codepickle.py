@@ -27,7 +27,7 @@ from typing import Any, cast
 
 import cloudpickle
 
-from nbtrain.messages import trackerruns
+from nbtrain.messages import localstate, nestedpickling, processlocal, trackerruns
 
 _ERASED = "<dynamic-code>"
 # The module inside cloudpickle that holds its reducers (``_code_reduce`` among them).
@@ -41,23 +41,40 @@ def _code_reduce(code: types.CodeType) -> Any:
 
 
 def _dispatch_table() -> Any:
-    overrides = {types.CodeType: _code_reduce} if hasattr(_INTERNALS, "_code_reduce") else {}
+    # Weak references and locks as their meaning in the loading process (nbtrain.messages.localstate).
+    overrides: dict[type, Any] = dict(localstate.REDUCERS)
+    if hasattr(_INTERNALS, "_code_reduce"):
+        overrides[types.CodeType] = _code_reduce
     # cloudpickle's own table is a ChainMap over copyreg's: later registrations still count.
     return ChainMap(overrides, cast("MutableMapping[Any, Any]", cloudpickle.Pickler.dispatch_table))
 
 
 class Pickler(cloudpickle.Pickler):
     """``cloudpickle.Pickler`` whose functions keep their ``co_filename``, optimizers their
-    attributes, parametrized modules (``weight_norm``, ``spectral_norm``) travel, and a
-    tracker's run the kernel opened travels as a stand-in (:mod:`nbtrain.messages.trackerruns`)."""
+    attributes, parametrized modules (``weight_norm``, ``spectral_norm``) travel, a
+    tracker's run the kernel opened travels as a stand-in (:mod:`nbtrain.messages.trackerruns`),
+    weak references and locks as :mod:`nbtrain.messages.localstate` says, and a standard
+    pickle made inside it sends notebook code by value (:mod:`nbtrain.messages.nestedpickling`)."""
 
     dispatch_table = _dispatch_table()
+
+    def dump(self, obj: Any) -> None:
+        """Pickle ``obj``; a ``pickle.dump`` or ``torch.save`` that its ``__getstate__`` makes
+        sends the notebook's classes and functions by value meanwhile."""
+        with nestedpickling.by_value(dumps_keeping_filenames):
+            super().dump(obj)
 
     def reducer_override(self, obj: Any) -> Any:
         """Optimizers (:func:`optimizer_reduce`) and parametrized modules (:func:`parametrized_reduce`)
         their own way; everything else as cloudpickle does."""
         # A tracker's run the kernel opened goes as a stand-in that calls it back.
-        for reduce in (optimizer_reduce, parametrized_reduce, trackerruns.stand_in):
+        for reduce in (
+            optimizer_reduce,
+            parametrized_reduce,
+            trackerruns.stand_in,
+            processlocal.reduce_shared_state,
+            localstate.refuse_thread,  # its locks travel (localstate.REDUCERS), it does not
+        ):
             reduced = reduce(obj)
             if reduced is not None:
                 return reduced

@@ -27,6 +27,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -111,10 +112,30 @@ def _set_up(setup: LoggingSetup) -> Callable[[], None]:
     own = {setting.logger for setting in setup.handlers if logging.getLogger(setting.logger or None).handlers}
     for setting in setup.handlers:
         if setting.logger not in own:
-            logger, handler = logging.getLogger(setting.logger or None), _handler(setting)
+            logger = logging.getLogger(setting.logger or None)
+            handler = _handler(setting, logger)
             logger.addHandler(handler)
             undo.append(functools.partial(logger.removeHandler, handler))
     return functools.partial(_take_back, undo)
+
+
+class _KernelHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler of the kernel's, set up here, that steps aside for one its library adds later.
+
+    A library that gives its logger a handler when it is imported and the root has none
+    (Lightning) does so here too, once the kernel's handler is already on that logger (a rank
+    imports the notebook's libraries after its launcher followed the kernel's logging, or in
+    the cell): each line would print twice. The library's own prints it, as in the kernel.
+    """
+
+    def __init__(self, stream: Any, logger: logging.Logger) -> None:
+        super().__init__(stream)
+        self.logger = logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Write ``record``, unless the logger has a handler of its library's own now."""
+        if all(isinstance(handler, _KernelHandler) for handler in self.logger.handlers):
+            super().emit(record)
 
 
 def _set_level(logger: logging.Logger, level: int, propagate: bool) -> None:
@@ -127,8 +148,8 @@ def _take_back(undo: list[Callable[[], None]]) -> None:
         step()
 
 
-def _handler(setting: StreamHandling) -> logging.Handler:
-    handler = logging.StreamHandler(sys.stderr if setting.stream == "stderr" else sys.stdout)
+def _handler(setting: StreamHandling, logger: logging.Logger) -> logging.Handler:
+    handler = _KernelHandler(sys.stderr if setting.stream == "stderr" else sys.stdout, logger)
     handler.setLevel(setting.level)
     handler.setFormatter(logging.Formatter(setting.fmt, setting.datefmt, style=setting.style))  # type: ignore[arg-type]
     return handler

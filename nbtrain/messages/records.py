@@ -36,14 +36,12 @@ KERNEL_TAG = "k"  # ("k", name): the kernel's own object shipped under that name
 PART_TAG = "p"  # ("p", name, "param"|"buffer"|"module", dotted path) inside a shipped module
 GLOBALS_TAG = "g"  # ("g",): the kernel's globals (a function defined in the cell)
 
-# Names whose presence in a cell (or a function it calls) means it distributes itself:
-# auto mode then steps aside. Accelerate's Accelerator and Lightning's Fabric wrap the model
-# and shard the loaders themselves: on top of auto mode's, each rank read half its share.
+# Names whose presence in a cell (or a function it calls) means it distributes itself by hand,
+# as a torchrun script does: auto mode then steps aside. Frameworks that distribute themselves
+# (accelerate, Lightning, transformers' Trainer) are known by their objects instead, on the ranks
+# (nbtrain.frameworks), where auto mode still gives a one-device trainer the cell's world.
 SELF_DISTRIBUTING = frozenset(
-    {
-        "DistributedDataParallel", "DDP", "fully_shard", "FullyShardedDataParallel", "FSDP", "DistributedSampler",
-        "Accelerator", "Fabric",
-    }
+    {"DistributedDataParallel", "DDP", "fully_shard", "FullyShardedDataParallel", "FSDP", "DistributedSampler"}
 )
 
 

@@ -15,6 +15,8 @@ pickle refers to each by its offset in that layout.
   the writer its copy plus shared-memory page allocation, which on some machines is
   slower than the copy itself. Where reading another process is forbidden (a sandbox), rank
   0 writes the same layout into a shared-memory file instead (:meth:`InPlace.write_file`).
+  ``NBTRAIN_RESULT_TRANSFER=file`` asks for that way too. The launcher releases the ranks
+  only once the kernel has copied, all together, so their exits do not compete with the copy.
 
 Nothing is ever named in /dev/shm, so a process killed at any moment leaves nothing behind.
 

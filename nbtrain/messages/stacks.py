@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-# A real-time signal: nothing a training script or a library commonly uses, queued rather
-# than merged, and (unlike SIGUSR1/2) not what job schedulers send to ask for a checkpoint.
-DUMP_SIGNAL = signal.SIGRTMIN + 6
+from nbtrain.system import processes
+
+DUMP_SIGNAL = processes.DUMP_SIGNAL  # the signal's owner, with every other signal nbtrain touches
 DISABLE_VARIABLE = "NBTRAIN_STACK_DUMP"  # "0": ranks do not register (the signal is then free)
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # nbtrain/

@@ -50,6 +50,16 @@ _TENSORBOARDX = ("tensorboardX.writer", "SummaryWriter", "a SummaryWriter", ("lo
 _WANDB = ("wandb.sdk.wandb_run", "Run", "a wandb run", ("id", "name", "project", "dir", "entity", "group"))
 
 
+def _no_rank() -> Any:
+    return None
+
+
+# The running rank's context (nbtrain.rank.api.RankContext), or None in the kernel: the rank's
+# API puts its current_context here as it is imported (the messages are a layer below the rank,
+# so they are handed the way to it rather than import it). Before that no context is set anyway.
+rank_context: Callable[[], Any] = _no_rank
+
+
 def stand_in(obj: Any) -> tuple[Any, ...] | None:
     """The pickle reduction that sends ``obj`` as a :class:`KernelRunStandIn`, if it is a tracker's run; else None."""
     wandb = sys.modules.get("wandb")
@@ -137,9 +147,7 @@ class _Path:
 
 def _call(token: int, path: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Keep rank 0's call for the kernel (and chart its scalars); other ranks' calls do nothing."""
-    from nbtrain.rank import api
-
-    context = api.current_context()
+    context = rank_context()
     if context is None or context.rank != 0:
         return
     args, kwargs = tuple(_plain(a) for a in args), {k: _plain(v) for k, v in kwargs.items()}
@@ -164,10 +172,9 @@ def send_calls() -> None:
     """Send rank 0's kept calls to the kernel now (the cell's end calls it too)."""
     global _last_send
     from nbtrain.messages.events import TrackerCalls
-    from nbtrain.rank import api
 
     _last_send = time.monotonic()
-    context = api.current_context()
+    context = rank_context()
     if not _pending or context is None:
         return
     calls = tuple(_pending)
@@ -201,18 +208,13 @@ def _number(value: Any) -> float | None:
 
 def chart(values: Mapping[str, Any], step: Any = None) -> None:
     """Send rank 0's logged scalars to the live view (the step: the tracker's, else the cell's)."""
-    from nbtrain.rank import api
-
-    context = api.current_context()
+    context = rank_context()
     if context is None or context.rank != 0:
         return
     row = scalars(values)
     if not row:
         return
-    at = context.step if step is None else int(step)
-    context.pending.append((at, time.time(), dict(row)))
-    if len(context.pending) >= api.FLUSH_ROWS or time.monotonic() - context.last_flush >= api.FLUSH_SECONDS:
-        context.flush(wait=False)
+    context.keep_row(context.step if step is None else int(step), dict(row))
 
 
 def _plain(value: Any) -> Any:

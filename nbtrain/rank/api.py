@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain.messages import trackerruns
+
 # Metrics are sent in batches at most this often (GPU scalars go to the host together then,
 # in one copy that the loop never waits for: see _RowsOnTheWay)...
 FLUSH_SECONDS = 0.25
@@ -58,7 +60,11 @@ class RankContext:
     def add_row(self, step: int | None, values: dict[str, Any]) -> None:
         """Keep one logged row (``step`` None: the next step); send the batch when one is due."""
         self.step = self.step + 1 if step is None else int(step)
-        self.pending.append((self.step, time.time(), values))
+        self.keep_row(self.step, values)
+
+    def keep_row(self, step: int, values: dict[str, Any]) -> None:
+        """Keep one row at ``step``, the cell's own step count left as it is; send the batch when one is due."""
+        self.pending.append((step, time.time(), values))
         if len(self.pending) >= FLUSH_ROWS or time.monotonic() - self.last_flush >= FLUSH_SECONDS:
             self.flush(wait=False)
 
@@ -123,6 +129,9 @@ def _set_context(context: RankContext | None) -> None:
 def current_context() -> RankContext | None:
     """The running rank's context, or None in the kernel."""
     return _context
+
+
+trackerruns.rank_context = current_context  # the kernel's tracker runs' stand-ins send through it
 
 
 def rank() -> int:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nbtrain import patches
-from nbtrain.messages import reach, records
+from nbtrain.messages import processlocal, reach, records
 from nbtrain.rank import api
 from nbtrain.rank.auto import (
     deviceglobals,
@@ -46,6 +46,7 @@ from nbtrain.rank.auto import (
     optimizers,
     prepare,
     samedata,
+    stepaside,
     stephooks,
     wrapping,
 )
@@ -176,12 +177,17 @@ def _run_patched(
     optimizers.know_optimizers(tracked.values())
     if "torch" in sys.modules or stepcheck.counting():  # a cell without torch has no optimizer to hook
         stephooks.for_the_cell()  # one step pre-hook and post-hook, in nbtrain.rank.auto.stephooks' order
-    if spec.auto and several:  # what the cell makes and trains itself, to name it if unprepared
+    # A framework's per-process state that arrived with the cell's objects (accelerate's), built for this rank's world.
+    ledger.cell_registry().notes.extend(processlocal.initialize())
+    auto = spec.auto and not _left_to_a_framework(spec, cell_globals, tracked, several)
+    if auto and several:  # what the cell makes and trains itself, to name it if unprepared
         patches.install("made in the cell", stack)  # optimizers, DDP, clipping, loaders, plateau schedulers
         keptmodels.watch_steps(madeoptimizers.first_step, madeoptimizers.unstepped_optimizers, cell_globals)  # kept one
-    prepared = prepare.auto_prepare(cell_globals, spec.names) if spec.auto else []
+    if spec.auto and several:  # a framework's trainer built for one device gets the cell's world
+        patches.install("framework world", stack)
+    prepared = prepare.auto_prepare(cell_globals, spec.names) if auto else []
     placed: list[tuple[Any, Any, Any]] = []
-    if spec.auto:
+    if auto:
         more, placed = prepare.auto_prepare_held(namespace, spec.held)
         prepared += more
     if several:  # every rank saving one checkpoint path: a reader never sees a torn file
@@ -198,6 +204,19 @@ def _run_patched(
     except Exception as error:  # noqa: BLE001 - raised again once the state at the raise is kept (run_cell)
         return None, prepared, placed, error
     return display, prepared, placed, None
+
+
+def _left_to_a_framework(spec: CellSpec, cell_globals: dict[str, Any], tracked: dict[str, Any], several: bool) -> bool:
+    """Whether a framework distributes this auto-mode cell itself (nbtrain.frameworks): then auto mode
+    prepares nothing, and the summary says which framework did."""
+    if not (spec.auto and several):
+        return False
+    found = stepaside.frameworks_in(spec.code, cell_globals, spec.names, tracked.values())
+    if found:
+        ledger.cell_registry().notes.append(stepaside.note(found))
+        # A Lightning Trainer the kernel built for its one process gets the cell's world, as one built here would.
+        stepaside.given_the_world(tracked.values())
+    return bool(found)
 
 
 def _originals_back(cell_globals: dict[str, Any], ours: list[tuple[Any, Any, str]]) -> None:
@@ -273,7 +292,7 @@ _STATIC_TYPES = (
 
 
 def _kind(obj: Any) -> str:
-    if isinstance(obj, _STATIC_TYPES):
+    if isinstance(obj, _STATIC_TYPES) or processlocal.is_shared_state(obj):  # a process's own: not the cell's
         return "static"
     kind = reach.kind_of(obj)
     return kind if kind in (*reach.TORCH_KINDS, "tensor") else "plain"
@@ -293,7 +312,8 @@ class _Before:
         # Every object the kernel has is by reference in the others' fingerprints: its changes are its own.
         special = {id(v) for n, v in self.objects.items() if self.kinds[n] != "static"}
         self.special = special
-        self.refs = _kernel_refs(self.objects)
+        self.parts: list[Any] = []  # what self.refs names by id, kept alive
+        self.refs = _kernel_refs(self.objects, self.parts)
         self.keep: list[Any] = []  # tensors the fingerprints name by id (see _fingerprint)
         self.fingerprints = {
             name: _fingerprint(value, special, self.keep, root=value)
@@ -327,17 +347,17 @@ def _submodules(objects: Mapping[str, Any]) -> set[int]:
     return {id(sub) for module in modules for sub in module.modules() if sub is not module}
 
 
-def _kernel_refs(objects: Mapping[str, Any]) -> dict[int, tuple[Any, ...]]:
-    """id -> persistent id, for every shipped object and the parts of shipped modules."""
+def _kernel_refs(objects: Mapping[str, Any], keep: list[Any]) -> dict[int, tuple[Any, ...]]:
+    """id -> persistent id, for every shipped object and the parts of shipped modules, each kept in ``keep``."""
     refs: dict[int, tuple[Any, ...]] = {}
     for name in sorted(objects):
         refs.setdefault(id(objects[name]), (records.KERNEL_TAG, name))
     for name in sorted(objects):
-        _add_module_parts(refs, name, objects[name])
+        _add_module_parts(refs, name, objects[name], keep)
     return refs
 
 
-def _add_module_parts(refs: dict[int, tuple[Any, ...]], name: str, module: Any) -> None:
+def _add_module_parts(refs: dict[int, tuple[Any, ...]], name: str, module: Any, keep: list[Any]) -> None:
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(module, torch.nn.Module):
         return
@@ -346,6 +366,9 @@ def _add_module_parts(refs: dict[int, tuple[Any, ...]], name: str, module: Any) 
         for path, part in named:
             if path:  # the module itself is named "" among its modules
                 refs.setdefault(id(part), (records.PART_TAG, name, kind, path))
+                # Alive until the result is pickled: a part the cell replaced (a parameter swapped) must not
+                # free its id for a tensor made since (a state dict's), which would pickle as a reference to it.
+                keep.append(part)
 
 
 def _state_marks(obj: Any) -> Any:
@@ -397,7 +420,7 @@ def _collect(
     refs = dict(before.refs)
     for name, module in modules:  # FSDP swapped the parameters: map the new ones too
         if name not in changed_modules:
-            _add_module_parts(refs, name, module)
+            _add_module_parts(refs, name, module, before.parts)
     outcome: dict[str, Any] = {
         "modules": module_states,
         "optimizers": optimizer_states,
@@ -837,11 +860,14 @@ def _result_pickler_class() -> type[_ResultReferences]:
 
 @functools.cache
 def _fingerprint_pickler() -> type:
-    """cloudpickle's Pickler naming tensors by identity and version, and the objects in ``special``
-    (but ``root``) by identity (built once: it imports cloudpickle)."""
-    import cloudpickle
+    """Our Pickler naming tensors by identity and version, and the objects in ``special``
+    (but ``root``) by identity (built once: it imports codepickle, and so cloudpickle)."""
+    # codepickle's, as the result's: an object that keeps weak references or locks (an ignite Engine), or
+    # pickles notebook code with the standard pickler (skorch's NeuralNet), has a fingerprint, and so its
+    # change is seen, rather than None before the cell and after it, which compare equal.
+    from nbtrain.messages import codepickle
 
-    class FingerprintPickler(cloudpickle.Pickler):
+    class FingerprintPickler(codepickle.Pickler):
         def __init__(self, file: Any, special: set[int], keep: list[Any] | None, root: Any):
             super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
             self.special = special

@@ -15,6 +15,15 @@ one behind Jupyter's authentication (token or cookie, and XSRF for POST):
 It also starts the user's warm template (``nbtrain.messages.templatesocket``) as the server starts, so a
 kernel's launcher is forked from a process that has imported torch already.
 
+The sidebar (``labextension/src/``) loads in JupyterLab 4 and Notebook 7 (its right area, under
+View > Right Sidebar; ``IStatusBar`` and ``ILabShell`` optional). It polls ``runs`` and ``devices``
+every 2 s while visible, the status bar polls ``runs`` every 5 s while the tab is visible, and its
+insert command asks the kernel for ``nbtrain.get_defaults().magic_line()`` in a silent request's
+``user_expressions`` (3 s bound). Its pure pieces (``model.ts``) have unit tests under Node's test
+runner. ``hatch_build.py`` builds it (npm against package-lock.json, ``jupyter labextension
+build``) only when ``nbtrain/labextension/`` is missing; the wheel installs it into
+``share/jupyter/labextensions/nbtrain/``.
+
 Example (from a shell, with the server's token)::
 
     curl -H "Authorization: token $TOKEN" http://127.0.0.1:8888/nbtrain/api/runs

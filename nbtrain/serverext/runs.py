@@ -6,6 +6,22 @@ state is its record's, except that a run still going whose kernel or launcher is
 themselves, through :func:`nbtrain.system.processes.signal_ranks`, which signals nothing whose
 pid and start time do not both match the record.
 
+A Stop never goes through the kernel. For a run whose record says ``stop_at_step`` (its
+launcher has seen an optimizer step and keeps the state on a stop) the server only leaves
+``<id>.stop``: the launcher takes it up within a second and stops every rank at a step, and the
+server signals the ranks only if the record is still ``running`` after 3 s or still active 3 s
+past its ``stop_deadline``; ``stopped_at`` then says "stopped at step N". Otherwise the server
+leaves ``<id>.stop`` and signals each rank (a pidfd, the recorded start time and process group
+checked; its group through killpg; SIGKILL after 0.5 s). The launcher, finding the request,
+ends the run as ``stopped`` (a peer's broken collective is then no failure), so the kernel
+raises ``RunStoppedError`` as for its own Stop, without "Where each rank was": no rank was asked
+for a stack. Clean-up sends SIGKILL with the same checks and removes the record.
+
+An orphaned run's ranks are usually gone already (a launcher stops its ranks when its kernel
+dies, ranks die with their launcher); they outlive their kernel only while their launcher lives
+but cannot act (stopped, frozen, stuck): the case Clean up is for, which the browser test builds
+by sending the launcher SIGSTOP before it kills the kernel.
+
 Example:
     >>> from nbtrain.system.registry import RunRecord
     >>> shown_state(RunRecord(id="a-1", world_size=2, state="finished"))

@@ -47,11 +47,9 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-from nbtrain.messages.events import StartRun
+from typing import Any, Protocol, TypeVar
 
 MAKER_SECONDS = 10.0  # a fresh interpreter answers in ~50 ms; past this it is taken for refused
 SWITCH_VARIABLE = "NBTRAIN_PRIVATE_NETWORK"  # "0": the process group in the host's network, as before
@@ -59,6 +57,31 @@ _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 T = TypeVar("T")
+
+
+class StartFacts(Protocol):
+    """What :func:`uncovered` reads of a run's start: a :class:`nbtrain.messages.events.StartRun`
+    has it all (the messages are a layer above this one, so it is named here by what is read)."""
+
+    @property
+    def ranks(self) -> Sequence[Any]:
+        """Each rank's spec: its ``device_type`` is read."""
+
+    @property
+    def start_method(self) -> str:
+        """``"fork"`` or ``"spawn"``."""
+
+    @property
+    def backend(self) -> str:
+        """The process group's backend."""
+
+    @property
+    def environ(self) -> Mapping[str, str]:
+        """The caller's environment."""
+
+    @property
+    def node(self) -> object:
+        """None where every rank is on this machine."""
 
 
 @dataclass(frozen=True)
@@ -195,7 +218,7 @@ def probe() -> str | None:
     return _probed[0]
 
 
-def uncovered(start: StartRun, available: str | None) -> str | None:
+def uncovered(start: StartFacts, available: str | None) -> str | None:
     """Why ``start``'s process group stays in the host's network, or None: it goes in the private one.
 
     ``available``: None where the namespaces can be made, else why not.
@@ -231,7 +254,7 @@ def inherited_fds() -> set[int]:
     return set() if _made is None else {_made.user, _made.net}
 
 
-def enter(start: StartRun) -> None:
+def enter(start: StartFacts) -> None:
     """In a rank just forked (one thread): join the user namespace if its run is covered.
 
     Its process group is then joined in the private network (:func:`in_private_network`).

@@ -27,6 +27,14 @@ Why each rule:
   orphaned, becomes the rank's child while its rank lives, and the launcher's when the
   rank is gone. The launcher's only children are its ranks; any other is left over from
   a rank that ended, and is killed with everything below it (:func:`kill_strays`).
+- Interrupts: until a cell launches, an interrupt raises where it lands (nothing started);
+  from the launch on the cell holds interrupts (:func:`interrupts_held`: a SIGINT handler that
+  only notes them) and acts on them where it is safe (between events, at most a quarter of a
+  second later; after the result is in), so none lands half way through a frame sent to the
+  launcher or between a run's start and the handle that stops it. The cell then ends with
+  ``RunInterrupted`` (a KeyboardInterrupt, never an ``Exception`` that ``except Exception``
+  swallows). An interrupted run keeps nothing of its result: a ``StopRun`` while rank 0's
+  result waits gives it up, and one already copied is dropped from the run's handle at once.
 """
 
 from __future__ import annotations
@@ -47,8 +55,6 @@ from dataclasses import dataclass
 from subprocess import Popen
 from typing import IO, Any, NoReturn, Protocol
 
-from nbtrain.messages import stacks
-
 LAUNCHER_MODULE = "nbtrain.launch_server"
 CONTROL_FD_VARIABLE = "NBTRAIN_CONTROL_FD"
 ROLE_VARIABLE = "NBTRAIN_ROLE"
@@ -57,6 +63,10 @@ _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_PTRACER = 0x59616D61
 TEMPLATE_MODULE = "nbtrain.launch_server.template"
 UNKNOWN_EXIT = -255  # a launcher forked by the template: not our child, its status unknown
+# The signal that asks a rank for its stack dump (nbtrain.messages.stacks reads the dump). A real-time
+# signal: nothing a training script or a library commonly uses, queued rather than merged, and
+# (unlike SIGUSR1/2) not what job schedulers send to ask for a checkpoint.
+DUMP_SIGNAL = signal.SIGRTMIN + 6
 # A launcher forked by the warm template is not a descendant of its kernel; its ranks let
 # the kernel read their memory (Yama's ptrace rule) by naming it their tracer.
 _result_reader: int | None = None
@@ -528,15 +538,15 @@ def ignore_interrupts() -> None:
     the rank registers its dump: a request that reaches a rank too early is lost, not fatal.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(stacks.DUMP_SIGNAL, signal.SIG_IGN)
+    signal.signal(DUMP_SIGNAL, signal.SIG_IGN)
 
 
 def request_stack(pid: int) -> bool:
     """Ask a rank for its stack dump; False if it cannot answer (not registered, or gone)."""
-    if not catches(pid, stacks.DUMP_SIGNAL):
+    if not catches(pid, DUMP_SIGNAL):
         return False
     try:
-        os.kill(pid, stacks.DUMP_SIGNAL)
+        os.kill(pid, DUMP_SIGNAL)
     except ProcessLookupError:
         return False
     return True

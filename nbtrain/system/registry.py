@@ -16,6 +16,17 @@ half a file) and ``<id>.stop`` (a stop request). Records of ended runs go when t
 launcher exits; those of runs still going when their kernel died stay, shown as
 orphaned, until cleaned up.
 
+A record (:class:`RunRecord`) holds the kernel id (from the kernel's connection-file name on its
+command line), the kernel's and launcher's pids with their start times, the notebook path
+(``JPY_SESSION_NAME``, which jupyter_server sets for the kernel), strategy, accelerator, world
+size, each rank's pid and start time, the state, rank 0's step, last loss and steps/s, a loss
+history of one point a second, and ``reachable``: why other users of the machine could reach
+the run's process-group sockets, as its launcher knew it (None when covered, and on a cluster's
+node, whose threat model is its own); the server words it with
+:func:`nbtrain.system.sharedhost.sentence`. The directory comes from the run's own environment
+(so a kernel's runs land where its server looks); one not private to the user turns the
+registry off for that launcher.
+
 Example:
     >>> import tempfile, os
     >>> saved = dict(os.environ)

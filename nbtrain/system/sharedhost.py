@@ -7,6 +7,16 @@ ranks' up to their idle limit) or NCCL's bootstrap sockets accept connections fr
 user. The kernel says so once: after the first such run's summary on a machine with more than
 one human account, or when ``nbtrain.runs()`` is asked.
 
+Measured by ``tests/test_sharedhost.py`` (another user tries every listening TCP and Unix socket
+in the run's processes' ``/proc`` tables, while the run trains and while its standby ranks
+wait): before this design 3 reached (rank 0's TCPStore, one gloo listener per rank); now 0 where
+user namespaces are allowed, 2 (gloo's) where they are not. gloo authenticates nothing. Measured
+(torch 2.13, 2 ranks): a stranger's connection is accepted and held; random bytes, or the
+sequence numbers a pair would announce itself with, are ignored and the group's answers stay
+right. Not proven harmless: gloo matches a connection to a pair by that number, so one that
+announces a pair not connected yet (a group made later) could take its place, and what a peer
+sends to ``broadcast_object_list``/``all_gather_object`` is unpickled.
+
 >>> import tempfile
 >>> with tempfile.NamedTemporaryFile("w", suffix="passwd", delete=False) as f:
 ...     _ = f.write("root:x:0:0::/root:/bin/bash\\nann:x:1000:1000::/home/ann:/bin/bash\\n"

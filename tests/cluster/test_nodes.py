@@ -4,7 +4,6 @@ rank goes, and how the nodes' ends combine into one. No Ray and no cluster: real
 
 from __future__ import annotations
 
-import re
 import signal
 
 import pytest
@@ -17,29 +16,6 @@ from nbtrain.messages import events
 ADDRESS = "10.0.0.1:6379"
 CPU_NODES = [NodeResources("a1b2c3d4e5", "10.0.0.1", cpus=4, gpus=0), NodeResources("f6a7b8c9d0", "10.0.0.2", 4, 0)]
 GPU_NODES = [NodeResources("a1b2c3d4e5", "10.0.0.1", cpus=8, gpus=2), NodeResources("f6a7b8c9d0", "10.0.0.2", 8, 2)]
-
-
-# -- num_nodes ---------------------------------------------------------------------------
-@pytest.mark.parametrize("num_nodes", [None, 1])
-def test_one_node_or_none_is_one_node_with_or_without_a_cluster(num_nodes: int | None) -> None:
-    assert nodes.validate_num_nodes(num_nodes, None) == 1
-    assert nodes.validate_num_nodes(num_nodes, "ray") == 1
-
-
-@pytest.mark.parametrize("cluster", [None, "local", " Local "])
-def test_several_nodes_without_a_cluster_are_refused_saying_what_to_pass(cluster: str | None) -> None:
-    with pytest.raises(ConfigurationError) as caught:
-        nodes.validate_num_nodes(2, cluster)
-    text = str(caught.value)
-    assert text.startswith("num_nodes=2 needs a cluster: on this machine every rank runs on one node.")
-    assert "Pass cluster='ray' (or %%distributed --cluster ray)" in text
-
-
-@pytest.mark.parametrize("num_nodes", [0, -1, 2.5, "2", True])
-def test_a_number_of_nodes_that_is_not_a_positive_whole_number_is_refused_naming_it(num_nodes: object) -> None:
-    refusal = f"num_nodes must be a positive whole number of nodes, not {num_nodes!r}."
-    with pytest.raises(ConfigurationError, match=re.escape(refusal)):
-        nodes.validate_num_nodes(num_nodes, "ray")
 
 
 # -- planning ----------------------------------------------------------------------------

@@ -52,6 +52,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "best": ("none", "keep_best"),  # a validation pass at each epoch's end keeping the best state, loaded at the end
     "trainer_builds": ("in_run", "in_init"),  # a trainer makes its optimizer and loader in run(), or in __init__
     "dataset": ("tensors", "nb_class"),  # a TensorDataset, or a Dataset class of the notebook's
+    # An accelerate Accelerator(cpu=True) built and prepare()d in the kernel; the loop calls accelerator.backward
+    # (and, with accum=2, runs in accelerator.accumulate(model)).
+    "framework": ("none", "accelerate"),
 }
 TRAINERS = ("nb_trainer", "mod_trainer")
 # Rules a trainer's run() decides itself (it makes its optimizer and loader, as minGPT's does).
@@ -67,6 +70,7 @@ TRAINER_OWNS = (
     "sized",
     "ema",
     "best",
+    "framework",
 )
 
 
@@ -117,6 +121,8 @@ def normalize(case: Case) -> Case:
             chosen["trainer_where"] = "cell"
     else:
         chosen.update(trainer_where="before", trainer_builds="in_run")
+    if chosen["framework"] != "none":  # prepared in the kernel: the model, optimizer and loader are there already
+        chosen.update(model_where="before", opt_where="before", loader_where="before", scaler="none")
     if chosen["model_where"] == "cell":
         chosen["opt_where"] = "cell" if not trainer else chosen["opt_where"]
     if chosen["holder"] not in ("dict", "list") and chosen["wrapper"] == "none" or trainer:
@@ -271,6 +277,14 @@ SCHEDULERS = {
 }
 
 
+# An Accelerator built in the kernel (rule ``framework``), which prepares the kernel's model, optimizer and loader:
+# one process, so nothing is wrapped or sharded (auto mode prepares them in the cell). A scheduler is left unprepared:
+# a prepared one steps once per process at each step, as accelerate sizes schedules for one process's step count.
+ACCELERATE = """from accelerate import Accelerator
+accelerator = Accelerator(cpu=True, gradient_accumulation_steps={steps})
+model, opt, loader = accelerator.prepare(model, opt, loader)"""
+
+
 def _scheduled(case: Case) -> bool:
     return case.get("sched") != "none" or case.get("sized") != "none"
 
@@ -366,10 +380,14 @@ def _net(case: Case) -> str:
 
 def _step(case: Case) -> list[str]:
     accum = int(case.get("accum"))
+    accelerate = case.get("framework") == "accelerate"
     loss = "compute_loss(x, y)" if case.get("fn") == "notebook_fn" else f"loss_fn({_net(case)}(x), y)"
-    lines = [f"loss = {loss}" + (f" / {accum}" if accum > 1 else "")]
+    # accelerate's backward divides the loss by its gradient_accumulation_steps itself.
+    lines = [f"loss = {loss}" + (f" / {accum}" if accum > 1 and not accelerate else "")]
     scaler = case.get("scaler") != "none"
-    lines.append("scaler.scale(loss).backward()" if scaler else "loss.backward()")
+    lines.append(
+        "scaler.scale(loss).backward()" if scaler else "accelerator.backward(loss)" if accelerate else "loss.backward()"
+    )
     update = []
     if case.get("clip") == "clip":
         update += ["scaler.unscale_(opt)"] if scaler else []
@@ -380,7 +398,15 @@ def _step(case: Case) -> list[str]:
     update.append("opt.zero_grad()")
     if _scheduled(case):
         update.append("sched.step()")
-    if accum > 1:
+    if accum > 1 and accelerate:
+        # accelerate's own accumulation: the prepared optimizer's step and zero_grad do nothing until
+        # accelerator.sync_gradients, so they run at every micro-batch; what is not prepared waits for it.
+        lines += [
+            line if line in ("opt.step()", "opt.zero_grad()") else f"if accelerator.sync_gradients:\n    {line}"
+            for line in update
+        ]
+        lines = ["with accelerator.accumulate(model):"] + ["    " + line.replace("\n", "\n    ") for line in lines]
+    elif accum > 1:
         lines.append(f"if (i + 1) % {accum} == 0:")
         lines += ["    " + line for line in update]
     else:
@@ -480,6 +506,8 @@ def render(case: Case, magic: str, shuffle: bool | None = None) -> Cells:
         before += _loader(case, shuffle)
     if case.get("sized") != "none":
         before.append(SCHEDULERS[case.get("sized")].format(epochs=case.get("epochs")))
+    if case.get("framework") == "accelerate":
+        before.append(ACCELERATE.format(steps=case.get("accum")))
     if trainer and case.get("trainer_where") == "before":
         before.append(_trainer(case, shuffle))
     before += _state(case)

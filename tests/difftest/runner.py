@@ -154,6 +154,9 @@ class Runner:
             if name.endswith(".pt"):
                 os.remove(os.path.join(self.folder, name))
         kernel.run_ok("%reset -f")
+        # accelerate's singletons outlive %reset (rule ``framework``): each run starts from none, as a new kernel
+        # would (a run that raised in a prepared loader leaves it registered in GradientState, for one).
+        kernel.run_ok(RESET_ACCELERATE)
         kernel.run_ok(
             f"import sys as _sys\n_sys.path.insert(0, {TESTS!r})\nimport difftest.snapshot as _snap\nBS = {bs}"
         )
@@ -168,6 +171,12 @@ class Runner:
         shot = _describe(kernel)
         shot.update(error=error, before=before, output=out.stdout[-600:] + out.stderr[-600:])
         return shot
+
+
+RESET_ACCELERATE = """import sys as _sys
+if "accelerate.state" in _sys.modules:
+    _sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
+    _sys.modules["accelerate.state"].GradientState._reset_state()"""
 
 
 def _describe(kernel: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ averages itself (made in the cell, or called past its DDP wrapper) has its gradi
 as each backward ends (:mod:`~nbtrain.rank.auto.backwardend`), as DDP's are: its steps below
 then find them averaged and add nothing (they average what no backward wrote).
 
-The order, and why (docs/architecture.md shows it):
+The order, and why:
 
 1. ``first step`` (:func:`nbtrain.rank.auto.madeoptimizers.at_first_step`): at an optimizer's first step,
    one the cell made whose model nothing averages is kept one over the ranks (rank 0's

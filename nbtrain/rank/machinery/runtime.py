@@ -375,6 +375,8 @@ def _torchrun_variables(assignment: RankAssignment) -> Mapping[str, str]:
         # included, connects to it as a client, as under torchrun's agent.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": "0",
+        # torchrun's mark that a launcher set the world: frameworks (Lightning) then read it rather than their own.
+        "TORCHELASTIC_RUN_ID": str(assignment.start.run_id),
         "NBTRAIN_ROLE": "rank",
         # On a cluster: the node's label, so that what rank 0 writes there says where (trackers).
         **({} if node is None else {"NBTRAIN_NODE": node.label}),
