@@ -36,6 +36,19 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class Singleton:
+    """A per-process singleton of a framework whose world each process builds for itself
+    (:mod:`nbtrain.messages.processlocal`). A singleton of the Borg kind not listed holds no
+    world (accelerate's ``GradientState``): it travels as the sender's."""
+
+    cls: str  # "module:Class"
+    # "" where it is a process's world itself (rank, size, device); else the world singleton whose
+    # fields it holds beside its own (those are the receiver's, its own the sender's)
+    world: str = ""
+    rebuilt_with: tuple[tuple[str, str], ...] = ()  # a world's (keyword, sender's field): the sender's choices
+
+
+@dataclass(frozen=True)
 class Framework:
     """One framework that distributes a cell's training itself."""
 
@@ -45,6 +58,7 @@ class Framework:
     # "module:Class()" (the class itself: the cell builds one), "module:function" (the cell calls it).
     distributes: tuple[str, ...]
     adapted: str  # what nbtrain does for it besides stepping aside, and why
+    singletons: tuple[Singleton, ...] = ()  # what it keeps per process
 
     def matches(self, names: Iterable[str]) -> bool:
         """Whether one of ``names`` (see :func:`names_of`) is one of this framework's."""
@@ -67,6 +81,10 @@ TABLE: tuple[Framework, ...] = (
         ),
         "PartialState, AcceleratorState and GradientState are per process: each process reads its own "
         "(an Accelerator built in the kernel has the rank's world on a rank, and one process back in the kernel)",
+        (
+            Singleton("accelerate.state:PartialState", rebuilt_with=(("cpu", "_cpu"),)),
+            Singleton("accelerate.state:AcceleratorState", world="accelerate.state:PartialState"),
+        ),
     ),
     Framework(
         "Lightning",

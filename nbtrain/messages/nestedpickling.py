@@ -59,9 +59,19 @@ def _dispatch_table() -> Any:
     return ChainMap(localstate.REDUCERS, cast("Any", copyreg.dispatch_table))
 
 
-# cloudpickle's rule for "pickle could not find it by reference": the one the payload to the ranks and
-# a rank's child processes (nbtrain.rank.machinery.childpickling) follow.
 _by_reference = importlib.import_module("cloudpickle.cloudpickle")._should_pickle_by_reference
+
+
+def only_by_value(obj: Any) -> bool:
+    """Whether ``obj`` is a class or function that pickle cannot find by reference (a notebook's).
+
+    cloudpickle's rule, which the payload to the ranks follows; so do a standard pickle inside ours
+    and one to a rank's child processes (:mod:`nbtrain.rank.machinery.childpickling`).
+
+    >>> only_by_value(len), only_by_value(int), only_by_value([1]), only_by_value(lambda: 1)
+    (False, False, False, True)
+    """
+    return (isinstance(obj, type) or type(obj) is types.FunctionType) and not _by_reference(obj)
 
 
 def _reduce_by_value(obj: Any) -> Any:
@@ -73,7 +83,7 @@ def _reduce_by_value(obj: Any) -> Any:
     ...     _reduce_by_value(len), _reduce_by_value(int), _reduce_by_value(lambda: 1)[0] is pickle.loads
     (NotImplemented, NotImplemented, True)
     """
-    if not (isinstance(obj, type) or type(obj) is types.FunctionType) or _by_reference(obj):
+    if not only_by_value(obj):
         return NotImplemented
     dumps = _Installed.dumps
     if dumps is None:  # no pickler of ours is running: nothing to follow

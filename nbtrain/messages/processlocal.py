@@ -14,7 +14,8 @@ a kernel that never built an ``Accelerator``): the object is attached to the emp
 dict at once, and :func:`initialize` builds the state afterwards from the sender's fields,
 less the world's (rank, size, device), which the receiver's environment decides.
 
-Standard library only; nothing here imports a framework.
+Standard library only; nothing here imports a framework. Which singletons hold a world is the
+frameworks' table's (:class:`nbtrain.frameworks.Singleton`).
 
 Example (a Borg singleton of our own):
     >>> import pickle
@@ -34,12 +35,15 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-# "module:Class" of a singleton that IS a process's world (its rank, size, device), with the keywords that
-# rebuild it from the sender's fields: the sender's choices (CPU or not), never its world.
-_WORLDS: dict[str, dict[str, str]] = {"accelerate.state:PartialState": {"cpu": "_cpu"}}
-# "module:Class" of a singleton that holds a world's fields beside its own: its own travel, the world's are
-# the receiver's (AcceleratorState copies PartialState's and adds mixed precision, dynamo, plugins).
-_IN_WORLD: dict[str, str] = {"accelerate.state:AcceleratorState": "accelerate.state:PartialState"}
+from nbtrain import frameworks
+
+# From the frameworks' table: "module:Class" of each singleton that IS a process's world, with the keywords that
+# rebuild it from the sender's fields (its choices, never its world); and of each that holds a world's fields
+# beside its own (AcceleratorState copies PartialState's and adds mixed precision, dynamo, plugins).
+_WORLDS: dict[str, dict[str, str]] = {
+    s.cls: dict(s.rebuilt_with) for framework in frameworks.TABLE for s in framework.singletons if not s.world
+}
+_IN_WORLD: dict[str, str] = {s.cls: s.world for framework in frameworks.TABLE for s in framework.singletons if s.world}
 
 _pending: list[tuple[type, dict[str, Any]]] = []  # attached states not built yet, in the order they arrived
 

@@ -36,13 +36,12 @@ Example (a function only findable by value, pickled as a spawned child would get
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 import pickle
 import types
 from typing import Any
 
-from nbtrain.messages import codepickle
+from nbtrain.messages import codepickle, nestedpickling
 
 GROUP = "child processes"  # the patch table's group (nbtrain.patches)
 
@@ -75,10 +74,6 @@ def forkserver_preload(original: Any) -> Any:
     """
     modules = list(original or [])
     return modules + [name for name in FORKSERVER_PRELOAD if name not in modules]
-
-
-# cloudpickle's rule for "pickle could not find it by reference"; the kernel's payload follows it too.
-_by_reference = importlib.import_module("cloudpickle.cloudpickle")._should_pickle_by_reference
 
 
 def by_value_reducer(original: Any) -> Any:
@@ -122,10 +117,9 @@ def reduce_by_value(obj: Any) -> Any:
     >>> reduce_by_value(lambda: 1)[0] is load_by_value
     True
     """
-    if not (isinstance(obj, type) or type(obj) is types.FunctionType):
-        return NotImplemented
-    if _by_reference(obj):
-        _FOUND_BY_REFERENCE[id(obj)] = obj
+    if not nestedpickling.only_by_value(obj):
+        if isinstance(obj, type) or type(obj) is types.FunctionType:
+            _FOUND_BY_REFERENCE[id(obj)] = obj
         return NotImplemented
     # codepickle keeps each function's file name: a worker's traceback names the notebook's cell.
     return load_by_value, (codepickle.dumps_keeping_filenames(obj),)
