@@ -44,7 +44,7 @@ if LOG and os.environ.get("NBTRAIN_ROLE") in ("template", "launcher"):
 
 KERNEL_CELL = """
 import sitecustomize as _phases, nbtrain.messages.sharedtensors as _shared, nbtrain.kernel.client as _client
-import nbtrain.kernel.run_handle as _handle, nbtrain.kernel.namespace as _ns, nbtrain.kernel.display.cellout as _out
+import nbtrain.kernel.run_handle as _handle, nbtrain.kernel.namespace as _ns, nbtrain.kernel.display.owntext as _out
 import nbtrain.kernel.display.live as _live, nbtrain.kernel.launcher_connection as _connection
 _phases.wrap(_shared, "dumps_to_shared_memory", "kernel: payload pickled (GPU tensors to shared memory)")
 _phases.wrap(_client, "start_on", "kernel: the run started (payload made and sent)")

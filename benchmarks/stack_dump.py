@@ -26,7 +26,7 @@ import time
 from launch import steady_job  # benchmarks/launch.py, beside this script
 
 import nbtrain
-from nbtrain.messages import stacks
+from nbtrain.messages import stacktext
 
 SIZES = (784, 512, 512, 10)
 BATCH = 32
@@ -36,10 +36,10 @@ def job(steps: int) -> tuple[list, bool]:
     """steady_job, plus whether this rank has the dump registered (its SigCgt mask)."""
     import os
 
-    from nbtrain.messages import stacks
+    from nbtrain.messages import stacktext
     from nbtrain.system import processes
 
-    registered = processes.catches(os.getpid(), stacks.DUMP_SIGNAL)
+    registered = processes.catches(os.getpid(), stacktext.DUMP_SIGNAL)
     return steady_job(sizes=SIZES, batch=BATCH, warmup=10, steps=steps), registered
 
 
@@ -48,10 +48,10 @@ def registration_seconds() -> float:
     read, write = os.pipe()
     try:
         started = time.perf_counter()
-        faulthandler.register(stacks.DUMP_SIGNAL, file=write, all_threads=True, chain=False)
+        faulthandler.register(stacktext.DUMP_SIGNAL, file=write, all_threads=True, chain=False)
         return time.perf_counter() - started
     finally:
-        faulthandler.unregister(stacks.DUMP_SIGNAL)
+        faulthandler.unregister(stacktext.DUMP_SIGNAL)
         os.close(read)
         os.close(write)
 
@@ -59,9 +59,9 @@ def registration_seconds() -> float:
 def step_figures(dump_on: bool, steps: int) -> dict[str, float]:
     """The median and the fastest step (the slower rank's wall time), and the median CPU time."""
     if dump_on:
-        os.environ.pop(stacks.DISABLE_VARIABLE, None)
+        os.environ.pop(stacktext.DISABLE_VARIABLE, None)
     else:
-        os.environ[stacks.DISABLE_VARIABLE] = "0"
+        os.environ[stacktext.DISABLE_VARIABLE] = "0"
     gathered, registered = nbtrain.launch(job, steps, devices=2, accelerator="cpu", timeout=600)
     if registered != dump_on:
         raise SystemExit(f"rank 0 registered={registered}, expected {dump_on}: the switch did not work")

@@ -25,6 +25,7 @@ the warm launcher process in the background, so it has imported torch by the fir
 from __future__ import annotations
 
 import os as _os
+import sys as _sys
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
@@ -50,7 +51,7 @@ from nbtrain.rank.auto.prepare import prepare
 
 if _TYPE_CHECKING:
     from nbtrain.kernel.background import BackgroundRun
-    from nbtrain.kernel.standbylist import StandbyRanks
+    from nbtrain.kernel.standbyview import StandbyRanks
 
 __all__ = [
     "ConfigurationError",
@@ -94,13 +95,16 @@ __version__ = "0.1.0"
 def launcher(**kwargs: _Any) -> object:
     """Show a form (ipywidgets) that sets the defaults of every ``%%distributed`` cell.
 
-    Accelerator, devices (a checkbox per GPU, or a number of CPU processes), strategy,
-    timeout, precision, backend, BatchNorm sync, cluster and number of nodes; it shows the
+    Accelerator, devices (a checkbox per GPU, or a number of CPU processes), and a control for
+    each launch option that names one (``Option.control`` in :mod:`nbtrain.options`); it shows the
     equivalent ``%%distributed`` line to copy. Returns the form's
-    :class:`nbtrain.kernel.display.LauncherForm` (its controls are attributes: ``devices``,
-    ``accelerator``, ``strategy``, ``timeout``, ``gpus``, ``precision``, ``backend``,
-    ``sync_batchnorm``, ``cluster``, ``num_nodes``).
+    :class:`nbtrain.kernel.display.LauncherForm` (its controls are attributes named as the options,
+    and ``gpus``).
+
+    >>> import nbtrain
+    >>> form = nbtrain.launcher()  # doctest: +SKIP
     """
+    # deferred: start-up time
     from nbtrain.kernel.display import show_launcher_form as _launcher
 
     return _launcher(**kwargs)
@@ -109,11 +113,12 @@ def launcher(**kwargs: _Any) -> object:
 def runs() -> list[BackgroundRun | StandbyRanks]:
     """This kernel's background runs, oldest first (``%%distributed --background``, ``launch(background=True)``).
 
-    Standby ranks waiting for the next run (:class:`nbtrain.kernel.standbylist.StandbyRanks`,
+    Standby ranks waiting for the next run (:class:`nbtrain.kernel.standbyview.StandbyRanks`,
     state ``"standby"``, with the memory each holds) come first, when there are any.
     """
+    # deferred: start-up time
     from nbtrain.kernel import launcher_connection as _connection
-    from nbtrain.kernel import standbylist as _standby
+    from nbtrain.kernel import standbyview as _standby
     from nbtrain.kernel.background import runs as _runs
 
     client = _connection._client
@@ -123,8 +128,8 @@ def runs() -> list[BackgroundRun | StandbyRanks]:
 
 def _say_what_stays_reachable() -> None:
     """Once, after a run whose process group other users of the machine could reach (nbtrain.system.sharedhost)."""
-    import sys as _sys
 
+    # deferred: start-up time (IPython)
     from nbtrain.kernel import cellrun as _cellrun
     from nbtrain.system import sharedhost as _sharedhost
 
@@ -147,8 +152,9 @@ def release() -> int:
         >>> nbtrain.release() >= 0
         True
     """
+    # deferred: start-up time
     from nbtrain.kernel import launcher_connection as _connection
-    from nbtrain.kernel import standbylist as _standby
+    from nbtrain.kernel import standbyview as _standby
 
     client = _connection._client
     if client is None or not client.alive:
@@ -159,7 +165,7 @@ def release() -> int:
 
 
 def last_run() -> _Any:
-    """The last ``%%distributed`` run of this kernel (a :class:`nbtrain.kernel.cellrun.CellRun`), or None.
+    """The last ``%%distributed`` run of this kernel (a :class:`nbtrain.kernel.cellrun.LastRun`), or None.
 
     Its state, duration, the metrics each rank logged, what auto mode prepared and what
     came back to the kernel.
@@ -170,6 +176,7 @@ def last_run() -> _Any:
         >>> run is None or run.state in ("running", "finished", "failed", "stopped", "timed out")
         True
     """
+    # deferred: start-up time (IPython)
     from nbtrain.kernel import cellrun as _cellrun
 
     return _cellrun.last_run
@@ -193,6 +200,7 @@ def watch(run: Run, **options: _Any) -> _Any:
         ...
         'done'
     """
+    # deferred: start-up time
     from nbtrain.kernel.display import watch as _watch
 
     return _watch(run, **options)
@@ -213,8 +221,8 @@ def set_trace(*, rank: _Any = 0) -> None:
         >>> nbtrain.launch(train, devices=2, accelerator="cpu")
         0
     """
-    import sys as _sys
 
+    # deferred: start-up time
     from nbtrain.rank.machinery.debugger import stop_at as _stop_at
 
     _stop_at(_sys._getframe().f_back, rank)
@@ -233,6 +241,7 @@ def debug() -> None:
         ...
         IPython.core.error.UsageError: %nbtrain_debug: no rank is held for a post-mortem: ...
     """
+    # deferred: start-up time (IPython)
     from nbtrain.kernel.magic import nbtrain_debug as _debug
 
     _debug()
@@ -248,6 +257,7 @@ def prewarm() -> None:
         >>> import nbtrain
         >>> nbtrain.prewarm()
     """
+    # deferred: start-up time
     from nbtrain.kernel.launcher_connection import prewarm as _prewarm
 
     _prewarm()
@@ -255,6 +265,7 @@ def prewarm() -> None:
 
 def load_ipython_extension(ip: object) -> None:
     """``%load_ext nbtrain``: registers the ``%%distributed`` cell magic (and ``%%nbtrain``), warms the launcher."""
+    # deferred: start-up time (IPython)
     from nbtrain.kernel.magic import load_ipython_extension as _load
 
     _load(ip)
@@ -264,6 +275,7 @@ def load_ipython_extension(ip: object) -> None:
 
 def unload_ipython_extension(ip: object) -> None:
     """``%unload_ext nbtrain``: gives IPython's own ``%debug`` back."""
+    # deferred: start-up time (IPython)
     from nbtrain.kernel.magic import unload_ipython_extension as _unload
 
     _unload(ip)

@@ -53,7 +53,7 @@ class RunFailedError(NbtrainError, RuntimeError):
 
     rank: int | None = None
     headline: str = ""  # the message without ``where``
-    where: str = ""  # a timed-out or stopped run: where each rank was (nbtrain.messages.stacks.where_each_rank_was)
+    where: str = ""  # a timed-out or stopped run: where each rank was (nbtrain.messages.stacktext.where_each_rank_was)
 
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing our own (uninteresting) frames.
@@ -78,12 +78,10 @@ class RankError(RunFailedError):
     def __init__(
         self, rank: int, exc_type: str, exc_message: str, remote_traceback: str, note: str = "", node: str = ""
     ):
-        self.rank = rank
-        self.node = node  # on a cluster: the node's label, e.g. "node 1 (10.0.0.7)"
-        self.exc_type = exc_type
-        self.exc_message = exc_message
-        self.remote_traceback = remote_traceback
-        self.note = note  # what it means for the caller, e.g. which kernel objects are unchanged
+        # node: on a cluster, the node's label (e.g. "node 1 (10.0.0.7)"); note: what it means for the caller
+        # (e.g. which kernel objects are unchanged)
+        self.rank, self.node, self.exc_type, self.exc_message = rank, node, exc_type, exc_message
+        self.remote_traceback, self.note = remote_traceback, note
         super().__init__(
             f"{rank_name(rank, node)} raised {exc_type}: {exc_message}\n"
             f"The other ranks were stopped. Traceback from rank {rank}:\n{remote_traceback.rstrip()}"
@@ -104,18 +102,10 @@ class RankDiedError(RunFailedError):
     """A rank ended without reporting (killed by a signal, crashed, or called ``os._exit``)."""
 
     def __init__(
-        self,
-        rank: int,
-        *,
-        signal_number: int | None = None,
-        exit_code: int | None = None,
-        node: str = "",
+        self, rank: int, *, signal_number: int | None = None, exit_code: int | None = None, node: str = "",
         collectives: tuple[str, ...] = (),
     ):
-        self.rank = rank
-        self.node = node
-        self.signal_number = signal_number
-        self.exit_code = exit_code
+        self.rank, self.node, self.signal_number, self.exit_code = rank, node, signal_number, exit_code
         self.collectives = collectives  # each rank's last collective, from its ledger
         text = describe_death(rank, signal_number=signal_number, exit_code=exit_code, node=node)
         if collectives:

@@ -29,8 +29,11 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +52,17 @@ class Singleton:
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """One change to a framework's own code that a rank needs, beyond stepping aside: the patch table
+    (:mod:`nbtrain.patches`, group "framework world") installs each for a cell of several ranks."""
+
+    target: str  # "module:Class" or "module"
+    attribute: str
+    replacement: str  # "module:factory", given the original, as a patch's
+    why: str
+
+
+@dataclass(frozen=True)
 class Framework:
     """One framework that distributes a cell's training itself."""
 
@@ -59,6 +73,10 @@ class Framework:
     distributes: tuple[str, ...]
     adapted: str  # what nbtrain does for it besides stepping aside, and why
     singletons: tuple[Singleton, ...] = ()  # what it keeps per process
+    adapters: tuple[Adapter, ...] = ()  # changes to its code a rank needs (rows of nbtrain.patches)
+    # "module:Class" of loaders that keep the framework's books on each pass (begin(), end(), end_of_dataloader):
+    # a rank's share of one, read by auto mode, keeps them too (in_pass_books)
+    pass_books: tuple[str, ...] = ()
 
     def matches(self, names: Iterable[str]) -> bool:
         """Whether one of ``names`` (see :func:`names_of`) is one of this framework's."""
@@ -85,6 +103,17 @@ TABLE: tuple[Framework, ...] = (
             Singleton("accelerate.state:PartialState", rebuilt_with=(("cpu", "_cpu"),)),
             Singleton("accelerate.state:AcceleratorState", world="accelerate.state:PartialState"),
         ),
+        (
+            Adapter(
+                "accelerate.accelerator:Accelerator",
+                "prepare_model",
+                "nbtrain.frameworks:untrainable_left_unwrapped",
+                "on CPU ranks accelerate wraps a module with no trainable parameter (skorch's criterion) in DDP, "
+                "which refuses it; on GPU ranks accelerate leaves such a module unwrapped, and so it is here",
+            ),
+        ),
+        # Its accumulate() syncs at a pass's last batch, which its loaders mark in GradientState.
+        ("accelerate.data_loader:DataLoaderStateMixin",),
     ),
     Framework(
         "Lightning",
@@ -109,17 +138,37 @@ TABLE: tuple[Framework, ...] = (
     Framework(
         "fastai's distributed callback",
         "fastai 2.8",
-        # fastcore's @patch names the methods it adds to Learner by the class
-        tuple(
-            f"fastai.distributed:{f}" for f in ("Learner.distrib_ctx", "Learner.to_distributed", "DistributedTrainer")
+        # fastcore's @patch names the methods it adds to Learner by the class; a Learner (in the
+        # kernel or built in the cell) is fastai's to distribute, with auto mode's adapter (fastai_world)
+        (
+            "fastai.learner:Learner",
+            *(
+                f"fastai.distributed:{f}"
+                for f in ("Learner.distrib_ctx", "Learner.to_distributed", "DistributedTrainer")
+            ),
         ),
-        "nothing: its Accelerator finds the rank's world (on CPU ranks, given cpu=True)",
+        "under auto mode each Learner of the cell, the kernel's (add_cb) and those the cell builds (fastai's "
+        "defaults.callbacks), fits with a DistributedTrainer of auto mode's (fastai_world): DDP, and each rank its "
+        "share of every DataLoader, as distrib_ctx gives; its shuffled order is broadcast on the group's device "
+        "(fastai's own sends a CUDA tensor), on CPU ranks with Accelerator(cpu=True), and no BatchNorm is converted "
+        "(the kernel's model keeps its layers). Undone as the cell ends: the callback leaves each Learner (a fit that "
+        "raised gets its model and loaders back) and defaults.callbacks. A fit inside distrib_ctx is fastai's own",
+        adapters=(
+            Adapter(
+                "fastai.distributed:DistributedDL",
+                "_broadcast",
+                "nbtrain.frameworks:group_broadcast",
+                "fastai broadcasts a loader's shuffled order as a CUDA tensor, which CPU ranks (gloo) cannot send: "
+                "it is sent on the process group's device, so distrib_ctx and auto mode's callback shard on CPU too",
+            ),
+        ),
     ),
     Framework(
         "skorch with accelerate",
         "skorch 1.4",
         ("skorch.hf:AccelerateMixin",),
-        "nothing: the Accelerator it is given finds the rank's world",
+        "the Accelerator it is given finds the rank's world; its criterion, a module with no parameter, "
+        "is left unwrapped (accelerate's adapter)",
     ),
 )
 """Every framework auto mode steps aside for. docs/frameworks.md says, per framework, the
@@ -226,3 +275,162 @@ def _devices_of(strategy: Any) -> int:
     """How many processes a Lightning strategy trains on (1 for a single-device one)."""
     devices = getattr(strategy, "parallel_devices", None)
     return len(devices or [None]) * int(getattr(strategy, "num_nodes", 1) or 1)
+
+
+def untrainable_left_unwrapped(original: Any) -> Any:
+    """accelerate's ``Accelerator.prepare_model`` (an adapter of the table, installed by the patch table):
+    a module with no parameter that trains is prepared as for evaluation, left out of DDP.
+
+    On CPU ranks (``MULTI_CPU``) accelerate wraps every module it prepares in DDP, and DDP refuses
+    one with nothing to average ("DistributedDataParallel is not needed when a module doesn't have
+    any parameter that requires a gradient"): skorch's ``AccelerateMixin`` prepares its criterion,
+    a loss with no parameters, so its ``fit`` failed on CPU ranks, under torchrun too. accelerate
+    itself leaves such a module unwrapped on GPUs; the same here keeps its device placement and
+    mixed precision (what ``evaluation_mode`` still applies).
+    """
+    if original is None:
+        return original
+
+    @functools.wraps(original)
+    def prepare_model(self: Any, model: Any, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
+        trains = any(parameter.requires_grad for parameter in model.parameters())
+        return original(self, model, device_placement, evaluation_mode or not trains)
+
+    return prepare_model
+
+
+def fastai_world(objects: Iterable[Any], undo: Any) -> list[str]:
+    """Make every fastai ``Learner`` of this cell fit over the ranks with auto mode's DistributedTrainer
+    (the fastai row of :data:`TABLE`); ``undo`` (an ``ExitStack`` closed as the cell ends) takes it away.
+    The class names of the Learners among ``objects`` (the kernel's, which get it now).
+
+    fastai's ``Optimizer`` and ``DataLoader`` are not torch's, so auto mode's own preparation never sees
+    them: a plain ``learn.fit`` would train alone on each rank, on all the data. fastai's own answer is
+    its callback; a Learner the cell builds gets it from ``defaults.callbacks``, fastai's list of the
+    callbacks every new Learner adds.
+    """
+    learner = sys.modules["fastai.learner"]
+    trainer = _fastai_trainer()
+    callbacks = learner.defaults.callbacks
+    callbacks.append(trainer)
+    undo.callback(_fastai_undo, callbacks, trainer)
+    found = []
+    for obj in objects:
+        if isinstance(obj, learner.Learner) and not any(isinstance(cb, trainer) for cb in obj.cbs):
+            obj.add_cb(trainer())
+            found.append(type(obj).__name__)
+    return found
+
+
+def _fastai_undo(callbacks: list[Any], trainer: Any) -> None:
+    """Take auto mode's callback out of fastai's defaults and out of every Learner that got it."""
+    if trainer in callbacks:
+        callbacks.remove(trainer)
+    for callback in list(trainer.made):
+        learn = callback.learn
+        if learn is None:
+            continue
+        if callback.active:  # a fit that raised: its after_fit never ran
+            callback.after_fit()
+        learn.remove_cb(callback)
+    trainer.made.clear()
+
+
+@functools.cache
+def _fastai_trainer() -> Any:
+    """fastai's DistributedTrainer for auto mode: made by each Learner (no Accelerator until it fits),
+    stepping aside for one of fastai's own, sharding through fastai's DistributedDL (its broadcast adapted, the
+    patch table's "framework world")."""
+    distributed = importlib.import_module("fastai.distributed")
+    accelerate = importlib.import_module("accelerate")
+    dist = importlib.import_module("torch.distributed")
+    loader = distributed.DistributedDL
+
+    def __init__(self: Any) -> None:
+        self.sync_bn, self.kwargs, self.accelerator, self.active = False, {}, None, False
+        type(self).made.append(self)
+
+    def before_fit(self: Any) -> None:
+        if any(isinstance(cb, distributed.DistributedTrainer) and cb is not self for cb in self.learn.cbs):
+            return  # inside distrib_ctx: fastai's own callback distributes this fit
+        if self.accelerator is None:
+            self.accelerator = accelerate.Accelerator(cpu=dist.get_backend() != "nccl")
+        distributed.DistributedTrainer.before_fit(self)
+        self.active = True
+
+    def after_fit(self: Any) -> None:
+        if self.active:
+            distributed.DistributedTrainer.after_fit(self)
+            self.active = False
+
+    def only_fitting(name: str) -> Any:
+        def event(self: Any) -> None:
+            if self.active:  # a validate() outside fit stays one rank's, on the whole set
+                getattr(distributed.DistributedTrainer, name)(self)
+
+        return event
+
+    def _wrap_dl(self: Any, dl: Any) -> Any:
+        return dl if isinstance(dl, distributed.DistributedDL) else loader(dl, device=self.learn.model.device)
+
+    members = {"__init__": __init__, "before_fit": before_fit, "after_fit": after_fit, "_wrap_dl": _wrap_dl}
+    members |= {name: only_fitting(name) for name in ("before_train", "before_validate")}
+    return type("AutoDistributedTrainer", (distributed.DistributedTrainer,), {**members, "made": []})
+
+
+def group_broadcast(original: Any) -> Any:
+    """fastai's ``DistributedDL._broadcast`` (a patch factory's form: given the original), on the process
+    group's device: fastai's own sends a CUDA tensor ("nccl only works with cuda tensors"), which CPU
+    ranks (gloo) do not have, so ``distrib_ctx`` fails there."""
+    if original is None:
+        return original
+    torch = importlib.import_module("torch")
+
+    @functools.wraps(original)
+    def _broadcast(self: Any, t: Any, rank: int) -> Any:
+        nccl = torch.distributed.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        t = torch.tensor(t, dtype=torch.long, device=device)
+        torch.distributed.broadcast(t, rank)
+        return t.cpu().tolist()
+
+    return _broadcast
+
+
+def keeps_pass_books(loader: Any) -> bool:
+    """Whether ``loader`` is one whose passes a framework keeps books of (:attr:`Framework.pass_books`)."""
+    names = set(_mro(type(loader)))
+    return any(not names.isdisjoint(framework.pass_books) for framework in TABLE)
+
+
+def in_pass_books(loader: Any, batches: Iterable[Any]) -> Iterator[Any]:
+    """``batches`` (a rank's share of ``loader``'s pass) read as ``loader``'s own pass would be: in its books.
+
+    accelerate's ``DataLoaderShard`` registers each pass in ``GradientState`` (``begin()``), marks the
+    last batch (``end_of_dataloader``, looking one batch ahead) and leaves at the end (``end()``);
+    ``accelerator.accumulate()`` syncs and steps at that last batch and restarts its count. Auto mode
+    reads a rank's share through a loader of its own: without these books no pass ever ends for
+    accelerate. As accelerate's own, a pass left part-way (a ``break``, a raise) stays registered.
+
+    >>> class Shard:
+    ...     end_of_dataloader = False
+    ...     def begin(self): print("begin")
+    ...     def end(self): print("end")
+    >>> shard = Shard()
+    >>> [(b, shard.end_of_dataloader) for b in in_pass_books(shard, [1, 2])]
+    begin
+    end
+    [(1, False), (2, True)]
+    """
+    loader.begin()
+    batches = iter(batches)
+    current = next(batches, _END)
+    while current is not _END:
+        following = next(batches, _END)
+        loader.end_of_dataloader = following is _END
+        yield current
+        current = following
+    loader.end()
+
+
+_END = object()  # no batch: a pass's end

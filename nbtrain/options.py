@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain.errors import ConfigurationError
+from nbtrain.livestate import STALL_SECONDS
 from nbtrain.planning import config
 from nbtrain.planning import deviceplan as devices_module
 from nbtrain.planning.deviceplan import DevicePlan
-from nbtrain.runstate import STALL_SECONDS
 
 DEBUG_HOLD_SECONDS = 600.0  # how long a failed run's root-cause rank waits, idle, for %nbtrain_debug
 STANDBY_IDLE_SECONDS = 600.0
@@ -83,9 +83,11 @@ class Option:
     ``more``, whose links are relative to docs/, after it), ``--help`` shows it without the
     backticks. ``shown_default`` is how the
     built-in default reads. ``keyword``: ``nbtrain.launch`` and ``nbtrain.start`` take it.
-    ``rank``: the ranks are told it: it travels in the run's
-    :class:`~nbtrain.messages.events.RankSettings` and rank code reads it from
-    :func:`nbtrain.rank.machinery.settings.current` (``current().precision``), with no other plumbing.
+    ``rank``: the ranks are told it as given: it is a field of the same name and default of the run's
+    :class:`~nbtrain.messages.events.RankSettings` (tests/test_settings.py checks it has one), and rank
+    code reads it from :func:`nbtrain.rank.machinery.settings.current` (``current().precision``), with
+    no other plumbing. (An option the ranks are told through the plan, as ``backend`` resolved or
+    ``debug_hold`` where a failure can be held, is set on that record where it is built.)
     ``control``: how the launcher form shows it (:mod:`nbtrain.kernel.display.form`; None: not there).
 
     >>> Option("Seconds.", check=float, flag="--wait").keyword
@@ -290,7 +292,7 @@ class LaunchOptions:
 
     ``nbtrain.get_defaults()`` returns the session's; a cell's flags and ``nbtrain.launch``'s
     keywords are merged over one with ``dataclasses.replace``, which checks every value
-    (a ConfigurationError names a bad one and what to pass). ``fields_help()`` lists them.
+    (a ConfigurationError names a bad one and what to pass). :func:`described` lists them.
 
     >>> LaunchOptions("2", "cpu").magic_line()
     '%%distributed --devices 2 --accelerator cpu --strategy ddp_notebook'

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from nbtrain import frameworks  # standard library only at import, like this module
 from nbtrain.system import stepboard  # standard library only, like this module
 
 
@@ -227,8 +228,8 @@ TRACKER_PATCHES: tuple[Patch, ...] = (
 _RANK, _CELL, _LAUNCHER = Lifetime.RANK, Lifetime.CELL, Lifetime.LAUNCHER
 _RUNTIME, _DEBUGGER = "nbtrain.rank.machinery.runtime:", "nbtrain.rank.machinery.debugger:"
 _CHECKPOINTS = "nbtrain.rank.machinery.checkpoints:"
-_MADE_LOADERS, _SCHEDULERS = "nbtrain.rank.auto.madeloaders:", "nbtrain.rank.auto.schedulers:"
-_DISPLAYS, _TEXT_BARS = "nbtrain.rank.machinery.displays:in_the_cell", "nbtrain.rank.machinery.progressbars:text_bar"
+_MADE_LOADERS, _SCHEDULERS = "nbtrain.rank.auto.cellloaders:", "nbtrain.rank.auto.schedulers:"
+_DISPLAYS, _TEXT_BARS = "nbtrain.rank.machinery.rankdisplay:in_the_cell", "nbtrain.rank.machinery.progressbars:text_bar"
 _C10D = "torch.distributed.distributed_c10d"  # where torch defines init_process_group; torch.distributed re-exports it
 _TORCHRUN = "code written for torchrun runs unchanged: its own init_process_group joins nothing new"
 _TORCHRUN_END = "its destroy_process_group leaves the group (a gloo group destroyed under DDP can hang)"
@@ -300,7 +301,7 @@ TABLE: tuple[Patch, ...] = (
         "made in the cell",
         "torch.optim:Optimizer",
         "__init__",
-        "nbtrain.rank.auto.madeoptimizers:recording_optimizers",
+        "nbtrain.rank.auto.celloptimizers:recording_optimizers",
         _CELL,
         "an optimizer made in the cell records where, so its model can be kept averaged",
     ),
@@ -308,7 +309,7 @@ TABLE: tuple[Patch, ...] = (
         "made in the cell",
         "torch.nn.parallel:DistributedDataParallel",
         "__init__",
-        "nbtrain.rank.auto.madeoptimizers:recording_averaged",
+        "nbtrain.rank.auto.celloptimizers:recording_averaged",
         _CELL,
         "a DDP made in the cell marks its parameters averaged",
     ),
@@ -316,13 +317,13 @@ TABLE: tuple[Patch, ...] = (
         "made in the cell",
         "torch.amp:GradScaler",
         "unscale_",
-        "nbtrain.rank.auto.keptmodels:averaging_unscale",
+        "nbtrain.rank.auto.averaging:averaging_unscale",
         _CELL,
         "a scaler looks for infinities in averaged gradients (a cell-made model's, a model called past its DDP): "
         "every rank skips alike",
     ),
     *(
-        Patch("made in the cell", module, name, "nbtrain.rank.auto.keptmodels:averaging_clip", _CELL, _AVERAGED_CLIP)
+        Patch("made in the cell", module, name, "nbtrain.rank.auto.averaging:averaging_clip", _CELL, _AVERAGED_CLIP)
         for module in ("torch.nn.utils.clip_grad", "torch.nn.utils")
         for name in ("clip_grad_norm_", "clip_grad_value_")
     ),
@@ -345,6 +346,12 @@ TABLE: tuple[Patch, ...] = (
             "lightning.pytorch.trainer.trainer:Trainer", "lightning.fabric.fabric:Fabric",
             "pytorch_lightning.trainer.trainer:Trainer",
         )
+    ),
+    # ... and a framework's own code a rank needs changed (nbtrain.frameworks' adapters).
+    *(
+        Patch("framework world", a.target, a.attribute, a.replacement, _CELL, a.why, on_import=True)
+        for framework in frameworks.TABLE
+        for a in framework.adapters
     ),
     # One cell of several ranks: a file saved to one path by every rank is written whole.
     Patch("whole files", "torch", "save", _CHECKPOINTS + "whole_torch_save", _CELL, _WHOLE),

@@ -1,7 +1,7 @@
 """A DDP-wrapped model whose forward a training step bypasses (a real kernel, 2 CPU ranks).
 
 Code that calls a model's parts or methods (``model.head(model.encode(x))``, a ModuleDict's
-entries) never runs DDP's forward, so DDP averages nothing; nbtrain.rank.auto.bypass averages
+entries) never runs DDP's forward, so DDP averages nothing; nbtrain.rank.auto.averaging averages
 those gradients before the optimizer steps, and the summary says so once.
 """
 

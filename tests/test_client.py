@@ -27,7 +27,7 @@ def test_a_start_message_carries_the_callers_state_and_the_config(monkeypatch, t
     monkeypatch.setenv("NBTRAIN_ROLE", "should not travel")
     message = client._StartMessage(CONFIG, b"payload", has_tensor_file=False, with_log=True)
     start = message(RUN)
-    assert (start.run_id, start.payload, start.timeout, start.strategy, start.backend) == (
+    assert (start.run_id, start.payload, start.timeout, start.strategy, start.rank_settings.backend) == (
         RUN,
         b"payload",
         30.0,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import threading
+import types
 
 import torch
 
@@ -97,3 +99,37 @@ def test_an_optimizer_another_wraps_is_left_out_when_asked():
     assert "inner" in codepickle.own_attributes(outer)
     assert "inner" not in codepickle.own_attributes(outer, optimizers=False)
     assert codepickle.optimizer_reduce(model := torch.nn.Linear(1, 1)) is None and model is not None
+
+
+class _Fitted:
+    """What fastcore's Stateful does for Learner.export: its history and its lock left out of its pickle."""
+
+    def __init__(self):
+        self.lock, self.losses, self.lr = threading.Lock(), [], 0.1
+
+    def __getstate__(self):
+        return {"lr": self.lr}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, lock=threading.Lock(), losses=[], made_again=True)
+
+
+def test_code_a_classs_own_pickling_leaves_out_stays_the_receivers():
+    """An LR scheduler sets a wrapped ``step`` on its optimizer, which torch's pickling leaves out: sent
+    along, it would pass by the receiver's step hooks (a graceful stop would see no step)."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    assert "step" in vars(optimizer)
+    loaded = pickle.loads(codepickle.dumps_keeping_filenames(optimizer))
+    assert "step" not in vars(loaded) and loaded.param_groups[0]["lr"] == 0.1
+
+
+def test_what_a_classs_own_pickling_leaves_out_travels_where_it_can():
+    fitted = _Fitted()
+    fitted.losses.append(0.5)
+    fitted.me = [fitted]
+    loaded = pickle.loads(codepickle.dumps_keeping_filenames(fitted))
+    assert loaded.losses == [0.5] and loaded.lr == 0.1 and loaded.me[0] is loaded  # the history, and itself
+    assert loaded.made_again and loaded.lock is not fitted.lock  # its __setstate__ ran: a lock of its own
+    assert codepickle.own_state_reduce(types.SimpleNamespace(a=1)) is None  # all its attributes travel anyway

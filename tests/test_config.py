@@ -155,11 +155,13 @@ def test_ranks_sharing_a_gpu_get_gloo_and_nccl_is_refused_with_what_to_do():
 def test_the_ranks_are_told_the_wrapper_and_the_options_they_read_in_one_record():
     from nbtrain.messages.events import RankSettings
 
-    given = {"precision": "bf16", "sync_batchnorm": True, "example": 7}
+    given = {"precision": "bf16", "sync_batchnorm": True}
     cfg = make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None, rank_options=given)
-    assert cfg.rank == RankSettings("ddp", (), {"precision": "bf16-mixed", "sync_batchnorm": True, "example": 7})
+    assert cfg.rank == RankSettings("ddp", (), "gloo", precision="bf16-mixed", sync_batchnorm=True)
     assert given["precision"] == "bf16"  # the caller's mapping is left as it was
     single = make_config(DevicePlan("cpu", (0,)), strategy="auto", timeout=None)
-    assert (single.rank.model_wrapper, single.rank.options) == ("none", {})  # auto over one rank: no wrapper
+    assert single.rank == RankSettings("none")  # auto over one rank: no wrapper, the rest at the built-in defaults
+    with pytest.raises(TypeError, match="example"):  # an option the ranks are told is a field of their settings
+        make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None, rank_options={"example": 7})
     with pytest.raises(ConfigurationError, match="precision '16-mixed' cannot run on the cpu accelerator"):
         make_config(DevicePlan("cpu", (0, 1)), strategy="ddp_notebook", timeout=None, rank_options={"precision": "16"})

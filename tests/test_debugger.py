@@ -359,11 +359,11 @@ def test_ipython_debug_after_a_rank_error_opens_the_rank(kernel: NotebookKernel)
 
 
 def test_a_rank_at_a_prompt_is_named_and_not_stalled() -> None:
-    from nbtrain import runstate
+    from nbtrain import livestate
     from nbtrain.kernel.display import livetext
     from nbtrain.messages import events
 
-    state = runstate.RunState("ddp_notebook", "cpu", 2, stall_seconds=30)
+    state = livestate.LiveState("ddp_notebook", "cpu", 2, stall_seconds=30)
     state.apply(events.RankStarted(1, 0, 10), now=0.0)
     state.apply(events.RankStarted(1, 1, 11), now=0.0)
     state.apply(events.Metrics(1, 0, ((5, 0.0, {"loss": 1.0}),)), now=0.0)

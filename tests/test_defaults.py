@@ -13,9 +13,9 @@ import pytest
 from nbtrain import options
 from nbtrain.errors import ConfigurationError
 from nbtrain.kernel.defaults import get_defaults, reset_defaults, set_defaults
+from nbtrain.livestate import STALL_SECONDS
 from nbtrain.options import LaunchOptions
 from nbtrain.planning import probe
-from nbtrain.runstate import STALL_SECONDS
 
 NO_GPU = not probe.detect_gpus()
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from nbtrain import runstate
+from nbtrain import livestate
 from nbtrain.kernel.display import chart, chartlayout
 from nbtrain.kernel.display.chart import ChartFigure
 from nbtrain.messages import events
@@ -69,9 +69,9 @@ def run_state(
     names: tuple[str, ...] = ("loss",),
     memory: str = "rss",
     batch_size: int | None = 8,
-) -> runstate.RunState:
+) -> livestate.LiveState:
     """A state fed as a run would feed it: batches of 20 steps, memory samples beside them."""
-    state = runstate.RunState("ddp_notebook", "cpu", world_size, total_steps=steps, batch_size=batch_size)
+    state = livestate.LiveState("ddp_notebook", "cpu", world_size, total_steps=steps, batch_size=batch_size)
     for first in range(1, steps + 1, 20):
         now = first / 20
         for rank in range(world_size):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from nbtrain.kernel.display import chartlayout
+from nbtrain.livestate import LiveState
 from nbtrain.messages import events
-from nbtrain.runstate import RunState
 
 
 @pytest.mark.parametrize(
@@ -21,7 +21,7 @@ def test_log_scale_only_for_a_decaying_quantity_over_two_decades(values, expecte
 
 
 def test_panels_put_losses_first_cap_the_metrics_and_add_memory_and_throughput():
-    state = RunState(world_size=2, batch_size=8)
+    state = LiveState(world_size=2, batch_size=8)
     names = ["lr", "accuracy", "loss", "grad_norm", "val_loss", "extra"]
     state.apply(
         events.Metrics(1, 0, ((1, 0.0, dict.fromkeys(names, 1.0)), (2, 0.5, dict.fromkeys(names, 0.5)))), now=1.0
@@ -37,7 +37,7 @@ def test_panels_put_losses_first_cap_the_metrics_and_add_memory_and_throughput()
         ("throughput", "samples/s"),
     ]
     assert chartlayout.grid_of(len(panels)) == (3, 2)
-    assert chartlayout.chart_panels(RunState()) == ()  # nothing logged: no chart
+    assert chartlayout.chart_panels(LiveState()) == ()  # nothing logged: no chart
     assert chartlayout.grid_of(0) == (1, 1)
 
 

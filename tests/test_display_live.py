@@ -21,7 +21,7 @@ import pytest
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from nbtrain import runstate
+from nbtrain import livestate
 from nbtrain.kernel import display
 from nbtrain.kernel.display import LiveView
 from nbtrain.messages import events
@@ -356,7 +356,7 @@ def test_final_frame_of_a_100k_step_run_is_under_a_megabyte():
     view.finish(events.FINISHED)
 
     for history in view.state.metrics.values():
-        assert all(len(series) <= runstate.MAX_POINTS for series in history.ranks.values())
+        assert all(len(series) <= livestate.MAX_POINTS for series in history.ranks.values())
         assert history.mean.count == 100_000
     bundle = view.mimebundle()
     size = len(json.dumps(bundle))

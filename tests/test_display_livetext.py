@@ -6,8 +6,8 @@ Pure: events are built by hand, clocks are plain numbers; no process, no drawing
 from __future__ import annotations
 
 from nbtrain.kernel.display import livetext
+from nbtrain.livestate import LiveState
 from nbtrain.messages import events
-from nbtrain.runstate import RunState
 
 RUN = 1
 
@@ -16,8 +16,8 @@ def metrics(rank: int, steps: range, name: str = "loss", value=lambda step: 1.0 
     return events.Metrics(RUN, rank, tuple((s, start_time + s, {name: value(s)}) for s in steps))
 
 
-def two_rank_state(**hints) -> RunState:
-    return RunState("ddp_notebook", "cpu", 2, started_at=100.0, **hints)
+def two_rank_state(**hints) -> LiveState:
+    return LiveState("ddp_notebook", "cpu", 2, started_at=100.0, **hints)
 
 
 
@@ -38,20 +38,20 @@ def test_summary_text_has_state_step_loss_and_memory_per_rank():
 
 
 def test_one_line_progress_for_terminals():
-    state = RunState("ddp_notebook", "cpu", 1, started_at=0.0)
+    state = LiveState("ddp_notebook", "cpu", 1, started_at=0.0)
     state.apply(metrics(0, range(1, 4), value=lambda s: 0.125), now=2.0)
     assert livetext.one_line_progress(state, now=2.0) == "[nbtrain] running · 2.0 s · step 3 · 1 steps/s · loss 0.125"
 
 
 def test_a_run_that_ends_early_shows_how_far_it_got():
-    state = RunState(total_steps=100)
+    state = LiveState(total_steps=100)
     state.apply(metrics(0, range(1, 61)), now=1.0)
     state.finish(events.FINISHED, now=2.0)
     assert livetext.progress_fraction(state) == 0.6
 
 
 def test_a_total_that_the_steps_overtake_is_dropped_not_shown_past_100_percent():
-    state = RunState(total_steps=100)
+    state = LiveState(total_steps=100)
     state.apply(metrics(0, range(1, 101)), now=1.0)
     assert livetext.progress_text(state).startswith("step 100/100 [####################] 100%")
     assert state.eta_seconds() == 0.0

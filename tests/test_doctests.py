@@ -63,7 +63,7 @@ def test_the_examples_are_found_in_every_package():
         "nbtrain.messages.wire",
         "nbtrain.kernel.defaults",
         "nbtrain.rank.api",
-        "nbtrain.launch_server.output",
+        "nbtrain.launch_server.rankpipes",
     } <= set(names)
     assert all(importlib.util.find_spec(name) is not None for name in names)
 

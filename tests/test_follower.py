@@ -14,7 +14,7 @@ import pytest
 
 from nbtrain.errors import RankError, RunStoppedError, RunTimeoutError
 from nbtrain.kernel import follower
-from nbtrain.kernel.cellrun import CellRun
+from nbtrain.kernel.cellrun import LastRun
 from nbtrain.messages import events
 
 
@@ -46,7 +46,7 @@ class Run:
 def test_every_event_is_shown_and_a_cells_record_keeps_its_rows_and_stalls():
     rows = ((1, 0.0, {"loss": 1.0}), (2, 0.0, {"loss": 0.5}))
     stream = [None, events.Metrics(1, 0, rows), events.RanksStalled(1, 12.0), events.RanksStalled(1, 0.0)]
-    record, shown = CellRun(), []
+    record, shown = LastRun(), []
     assert follower.follow_events(Run(stream), shown.append, lambda: False, 0.1, record) is True
     assert shown == stream  # where it shows gets each event, a redraw (None) too
     assert list(record.metrics[0]) == list(rows)
@@ -79,13 +79,13 @@ def test_a_result_that_cannot_load_fails_the_run_and_a_finished_one_is_its_resul
 
 
 def test_the_record_notes_a_finish_or_a_stop_at_a_step_and_names_the_log_only_if_it_exists(tmp_path):
-    record, run = CellRun(), Run([], state=events.STOPPED, stopped_at=412)
+    record, run = LastRun(), Run([], state=events.STOPPED, stopped_at=412)
     run.log_path = str(tmp_path / "absent.log")
     follower.note_end(record, run)
     assert (record.state, record.stopped_at, record.stopped, record.log_path) == ("stopped", 412, "at a step", None)
     run.log_path = str(tmp_path / "run.log")
     open(run.log_path, "w").close()
-    finished = CellRun()
+    finished = LastRun()
     follower.note_end(finished, _with_log(Run([]), run.log_path))
     assert (finished.state, finished.stopped, finished.log_path) == ("finished", "", run.log_path)
     assert os.path.exists(finished.log_path)
@@ -109,7 +109,7 @@ class Prepared:
     """What the follower reads of a cell's PreparedCell."""
 
     def __init__(self) -> None:
-        self.record, self.shipped, self.held = CellRun(), {"value": 0}, {}
+        self.record, self.shipped, self.held = LastRun(), {"value": 0}, {}
         self.targets, self.total_steps = self.shipped, None
         self.unchanged = "Nothing in the kernel was changed."
 

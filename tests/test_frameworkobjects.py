@@ -61,9 +61,10 @@ IGNITE_STATE = "[trainer.state.epoch, trainer.state.iteration, len(accs)]"
 
 TRAINED_MODEL = """
 def trained_model(trainer):
-    # create_supervised_trainer keeps its model in the closure of the engine's process function.
-    cells = trainer._process_function.__closure__
-    return next(cell.cell_contents for cell in cells if isinstance(cell.cell_contents, nn.Linear))
+    # create_supervised_trainer keeps its model in the closure of the engine's process function
+    # (by name: in an auto-mode cell it is the prepared DistributedDataParallel, no nn.Linear).
+    update = trainer._process_function
+    return update.__closure__[update.__code__.co_freevars.index("model")].cell_contents
 """
 
 
@@ -108,11 +109,6 @@ def test_an_ignite_trainer_made_in_the_kernel_runs_on_the_ranks_and_its_state_co
     assert kernel.value("not torch.equal(trained_model(k_trainer).weight, k_before)")  # rank 0's weights
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="objects reached only through a function inside a sent object (the engine's closure, a handler's "
-    "globals) come back as copies: nbtrain.messages.reach stops at functions",
-)
 def test_the_kernels_model_and_list_that_a_kernel_trainers_functions_use_are_the_ones_trained(kernel):
     kernel.run_ok(KERNEL_TRAINER)
     kernel.run_ok("%%distributed --devices 2 --no-auto\nk_trainer.run(loader, max_epochs=2)\n")
@@ -179,3 +175,120 @@ def test_a_skorch_net_fitted_in_the_kernel_goes_to_the_ranks_and_trains_on(kerne
     assert "not brought back" not in out.text, out.text
     assert kernel.value("[len(net.history), len(plain_net.history), type(net.module_).__name__]") == [6, 6, "MyModule"]
     assert kernel.value("net.predict(Xs).shape[0]") == 64
+
+
+ACCELERATED_NET = """
+from accelerate import Accelerator
+from skorch.hf import AccelerateMixin
+class AcceleratedNet(AccelerateMixin, NeuralNetClassifier):
+    pass
+def accelerated(module):
+    torch.manual_seed(2)
+    return AcceleratedNet(module, accelerator=Accelerator(cpu=True), device=None, criterion=nn.CrossEntropyLoss,
+                          max_epochs=3, lr=0.1, batch_size=16, train_split=None, verbose=0)
+"""
+# Each rank's weights after the fit, a sum: the ranks trained together if they agree.
+RANK_WEIGHTS = "print('weights', round(float(sum(p.sum() for p in {net}.module_.parameters())), 5))\n"
+BATCHES = "[len(h['batches']) for h in {net}.history]"
+
+
+def _ranks_agree(text: str) -> None:
+    weights = [line.split("weights ")[1] for line in text.splitlines() if "weights " in line]
+    assert len(weights) == 2 and weights[0] == weights[1], text
+
+
+def test_a_skorch_accelerate_net_built_in_the_cell_fits_over_the_ranks_and_predicts_in_the_kernel(kernel):
+    """accelerate prepared skorch's criterion, a loss with no parameters, and DDP refused it on CPU ranks."""
+    kernel.run_ok(ACCELERATED_NET)
+    cell = "anet = accelerated(MyModule)\nanet.fit(Xs, ys)\n"
+    kernel.run_ok(cell + "plain = [" + BATCHES.format(net="anet") + ", anet.predict(Xs).shape]\n")
+    assert kernel.value("plain") == [[4, 4, 4], [64]]
+    out = kernel.run_ok("%%distributed --devices 2\n" + cell + RANK_WEIGHTS.format(net="anet"))
+    assert "trained alone" not in out.text and "not brought back" not in out.text, out.text
+    assert "skorch with accelerate distributed the training over the ranks" in out.text, out.text
+    _ranks_agree(out.text)
+    assert kernel.value(BATCHES.format(net="anet")) == [2, 2, 2]  # each rank read half of each epoch
+    assert kernel.value("[type(anet.module_).__name__, anet.predict(Xs).shape, anet.accelerator.num_processes]") == [
+        "MyModule",
+        [64],
+        1,
+    ]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a NeuralNet pickles itself (its own __getstate__): nbtrain.messages.reach does not look inside it, so "
+    "the net and its module come back as copies holding the trained weights, and the kernel's kmodule is untrained",
+)
+def test_a_skorch_accelerate_net_built_in_the_kernel_trains_the_kernels_module_over_the_ranks(kernel):
+    kernel.run_ok(
+        ACCELERATED_NET + "kmodule = MyModule()\nknet = accelerated(kmodule)\nk0 = kmodule.net[0].weight.clone()"
+    )
+    # skorch's own unpickling turns device=None into "cpu", which AccelerateMixin then refuses (in one process too).
+    cell = "knet.set_params(device=None)\nknet.fit(Xs, ys)\n"
+    out = kernel.run_ok("%%distributed --devices 2\n" + cell + RANK_WEIGHTS.format(net="knet"))
+    assert "trained alone" not in out.text and "not brought back" not in out.text, out.text
+    _ranks_agree(out.text)
+    assert kernel.value(BATCHES.format(net="knet")) == [2, 2, 2]
+    assert kernel.value("[knet.module_ is kmodule, bool((kmodule.net[0].weight != k0).any())]") == [True, True]
+    assert kernel.value("knet.predict(Xs).shape") == [64]
+
+
+def test_a_plain_skorch_net_under_auto_mode_trains_over_the_ranks(kernel):
+    """The module is averaged (the ranks agree) and the net comes back; each rank should read half of each epoch."""
+    kernel.run_ok(SKORCH_CELL + "plain = " + BATCHES.format(net="net") + "\n")
+    out = kernel.run_ok("%%distributed --devices 2\n" + SKORCH_CELL + RANK_WEIGHTS.format(net="net"))
+    assert "trained alone" not in out.text and "not brought back" not in out.text, out.text
+    _ranks_agree(out.text)
+    assert kernel.value("plain") == [4, 4, 4]
+    assert kernel.value(BATCHES.format(net="net")) == [2, 2, 2], out.text
+    assert kernel.value("[isinstance(net.module_, MyModule), net.predict(Xs).shape]") == [True, [64]]
+
+
+IGNITE_LOOP = """
+from ignite.engine import Engine, Events
+torch.manual_seed(3)
+model = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def train_step(engine, batch):
+    model.train()
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+trainer = Engine(train_step)
+evaluator = Engine(lambda engine, batch: (model(batch[0]), batch[1]))
+w0 = model.weight.detach().clone()
+"""
+
+
+def test_an_ignite_engine_whose_function_uses_the_notebooks_model_trains_it_over_the_ranks(kernel):
+    """The process function is the notebook's: its globals are the cell's names, prepared in the namespace."""
+    kernel.run_ok(IGNITE_LOOP + "trainer.run(loader, max_epochs=2)\nplain = [trainer.state.iteration]\n")
+    assert kernel.value("plain") == [16]
+    kernel.run_ok(IGNITE_LOOP)
+    out = kernel.run_ok(
+        "%%distributed --devices 2\ntrainer.run(loader, max_epochs=2)\n"
+        "print('weights', round(float(model.weight.sum()), 5))\n"
+    )
+    assert "trained alone" not in out.text and "not brought back" not in out.text, out.text
+    _ranks_agree(out.text)
+    assert kernel.value("[trainer.state.epoch, trainer.state.iteration]") == [2, 2 * 8 // 2]  # half the batches
+    assert kernel.value("bool((model.weight != w0).any())")  # the kernel's own model, trained
+    assert kernel.value("len(evaluator.run(loader).output)") == 2
+
+
+def test_a_kernel_trainer_whose_closure_holds_the_model_trains_it_over_the_ranks_under_auto_mode(kernel):
+    kernel.run_ok(KERNEL_TRAINER)
+    out = kernel.run_ok(
+        "%%distributed --devices 2\nk_trainer.run(loader, max_epochs=2)\n"
+        "print('weights', round(float(trained_model(k_trainer).weight.sum()), 5))\n"
+    )
+    assert "trained alone" not in out.text and "not brought back" not in out.text, out.text
+    _ranks_agree(out.text)
+    assert kernel.value("[trained_model(k_trainer) is k_model, len(k_seen), k_trainer.state.iteration]") == [
+        True,
+        8,
+        8,
+    ]

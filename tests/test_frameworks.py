@@ -224,3 +224,34 @@ def test_ignites_idist_in_the_cell_distributes_the_training_and_the_kernel_gets_
     _together(out.text, "ignite's idist")
     assert "[rank 1] idist 2 DistributedDataParallel" in out.text
     assert kernel.value("[engine.state.iteration, type(imodel).__name__]") == [2 * 64 // 16, "Linear"]
+
+
+ACCUMULATE = """
+from accelerate import Accelerator
+acc3 = Accelerator(cpu=True, gradient_accumulation_steps=2)
+torch.manual_seed(0)
+net3 = torch.nn.Linear(4, 1); opt3 = torch.optim.SGD(net3.parameters(), lr=0.1)
+data3 = torch.utils.data.TensorDataset(X[:48], Y[:48])
+net3, opt3, loader3 = acc3.prepare(net3, opt3, torch.utils.data.DataLoader(data3, batch_size={batch}))
+syncs = []
+"""
+# Two epochs of 3 batches each (a rank's share of 6, or one process's batches of twice the size): accumulating 2,
+# accelerate syncs at the 2nd batch and at each pass's last, which its loader marks.
+ACCUMULATE_LOOP = """
+for epoch in range(2):
+    for x, y in loader3:
+        with acc3.accumulate(net3):
+            acc3.backward(torch.nn.functional.mse_loss(net3(x), y)); opt3.step(); opt3.zero_grad()
+            syncs.append(acc3.sync_gradients)
+"""
+
+
+def test_accelerates_gradient_accumulation_on_a_loader_prepared_in_the_kernel_ends_with_each_pass(kernel):
+    kernel.run_ok(ACCUMULATE.format(batch=16) + ACCUMULATE_LOOP + "plain = [syncs, net3.weight.tolist()]\n")
+    assert kernel.value("plain[0]") == [False, True, True] * 2
+    kernel.run_ok(ACCUMULATE.format(batch=8))
+    out = kernel.run_ok("%%distributed --devices 2\n" + ACCUMULATE_LOOP + "print('pass', len(loader3))\n")
+    assert "trained alone" not in out.text and "[rank 1] pass 3" in out.text, out.text
+    assert kernel.value("syncs") == [False, True, True] * 2
+    # The union of the ranks' batches is one process's batch: the same steps, the same weights.
+    assert kernel.value("max(abs(a - b) for a, b in zip(net3.weight.flatten().tolist(), plain[1][0])) < 1e-6")

@@ -20,7 +20,7 @@ import pytest
 from nbtrain.launch_server import heldranks, registryentries
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
 from nbtrain.launch_server.lifecycle import Lifecycle
-from nbtrain.launch_server.output import RankOutput
+from nbtrain.launch_server.rankpipes import RankOutput
 from nbtrain.messages import events, wire
 from nbtrain.system import processes
 

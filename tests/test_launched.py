@@ -22,7 +22,7 @@ from nbtrain.launch_server.launched import (
     took_a_step,
 )
 from nbtrain.launch_server.lifecycle import Lifecycle, RunPhase
-from nbtrain.launch_server.output import RankOutput
+from nbtrain.launch_server.rankpipes import RankOutput
 from nbtrain.messages import events
 from nbtrain.messages.events import RankFailed
 from nbtrain.system import stepboard
@@ -66,12 +66,15 @@ def test_a_step_counts_only_on_a_board_and_with_on_stop_keep():
 
 
 def test_the_step_kept_is_the_graceful_stops_unless_it_gave_up_or_the_run_finished():
-    stop = stopatstep.GracefulStop(events.STOPPED, 0.0, step=12)
-    assert kept_step(new_run(graceful=stop, outcome=events.STOPPED)) == 12
-    assert kept_step(new_run(graceful=stop, outcome=events.FINISHED)) is None
+    def kept(**ending: Any) -> int | None:  # what a run that learned ``ending`` keeps
+        run = new_run(graceful=stopatstep.GracefulStop(events.STOPPED, 0.0, step=12))
+        run.lifecycle.learn(**ending)
+        return kept_step(run)
+
+    assert kept(outcome=events.STOPPED) == 12
+    assert kept(outcome=events.FINISHED) is None
     assert kept_step(new_run()) is None
-    stop.gave_up = True
-    assert kept_step(new_run(graceful=stop, outcome=events.STOPPED)) is None
+    assert kept(outcome=events.STOPPED, gave_up=True) is None
 
 
 def _ranks(world: int) -> list[RankProcess]:

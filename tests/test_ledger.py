@@ -1,7 +1,7 @@
 """What prepare prepared on this rank (nbtrain.rank.auto.ledger): the registry and the strategy's wrapper.
 
 Pure: one process, no process group; what needs ranks is tested with the preparers
-(test_wrapping.py, test_optimizers.py, test_loaders.py) and test_prepare.py.
+(test_wrapping.py, test_boundoptimizers.py, test_preparedloaders.py) and test_prepare.py.
 """
 
 from __future__ import annotations

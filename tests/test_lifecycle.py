@@ -6,6 +6,7 @@ states a real run of a real launcher passes through.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 
@@ -14,12 +15,16 @@ import pytest
 from nbtrain.launch_server.lifecycle import (
     ACTIVE,
     CAN_DRAIN,
+    SECOND_STOP,
     STOPPABLE,
     TRANSITIONS,
+    Ending,
     IllegalTransition,
     Lifecycle,
     RunPhase,
     allowed,
+    hard_stop,
+    names_late,
 )
 
 EVERY_MOVE = [(before, after) for before, afters in TRANSITIONS.items() for after in sorted(afters, key=str)]
@@ -86,12 +91,12 @@ ILLEGAL = [
 @pytest.mark.parametrize(("before", "after"), ILLEGAL, ids=[f"{b.name}->{a.name}" for b, a in ILLEGAL])
 def test_a_move_the_table_does_not_allow_raises_naming_both_states(before, after):
     life = lifecycle_in(before)
-    history = list(life.history)
+    history, ending = list(life.history), life.ending
     assert not allowed(before, after)
     with pytest.raises(IllegalTransition, match=f"run 1 cannot go from {before.name} to {after.name}: ") as raised:
-        life.move(after, now=5.0)
+        life.move(after, now=5.0, outcome="stopped", note=SECOND_STOP, gave_up=True)
     assert "please report it" in str(raised.value)
-    assert life.state is before and life.history == history  # nothing moved
+    assert life.state is before and life.history == history and life.ending is ending  # nothing moved or changed
 
 
 def test_the_groups_the_launcher_asks_about_follow_from_the_table():
@@ -106,3 +111,22 @@ def test_a_new_lifecycle_runs_since_its_start_and_has_been_nowhere_else():
     life = Lifecycle(4, now=2.5)
     assert (life.state, life.since, life.history) == (RunPhase.RUNNING, 2.5, [RunPhase.RUNNING])
     assert not life.has_been(RunPhase.TERMINATING)
+
+
+def test_why_a_run_ends_is_its_states_data_carried_by_the_moves_of_its_stop():
+    life = Lifecycle(2, now=0.0)
+    assert life.ending == Ending()  # nothing known yet: RunEnded would say "failed"
+    life.move(RunPhase.STOPPING_AT_STEP, now=1.0)
+    life.learn(late=(1,))  # a rank came late: its stack dump is asked for with the others'
+    note = hard_stop("rank 1", "step 9", 2.0)
+    life.move(RunPhase.DUMPING_STACKS, now=2.0, outcome="stopped", gave_up=True, note=note)
+    assert life.ending == Ending("stopped", "stopped hard (rank 1 did not reach step 9 within 2.0 s)", True, (1,))
+    life.move(RunPhase.TERMINATING, now=3.0)
+    assert life.ending.gave_up and life.ending.outcome == "stopped"  # kept until another move changes it
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        life.ending.gave_up = False  # type: ignore[misc]
+
+
+def test_a_late_ranks_note_names_the_cause_and_a_second_stop_its_consequence():
+    assert names_late(hard_stop("ranks 0, 1", "the optimizer step after step 41", 2.0))
+    assert not names_late(SECOND_STOP) and not names_late("")

@@ -3,7 +3,7 @@
 Its registration and its flags, and its second name ``%%nbtrain`` beside another package's
 ``%%distributed`` (nbdistributed, loaded before nbtrain and after it: a kernel each); running a
 cell is tests/test_cellrun.py, its errors tests/test_tracebacks.py, what it writes
-tests/test_display_cellout.py. One kernel serves the module's other tests (starting one costs seconds).
+tests/test_display_owntext.py. One kernel serves the module's other tests (starting one costs seconds).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_load_ext_watches_the_standby_ranks_gpu_memory_around_each_cell_once_and
         "[[c.__qualname__ for c in get_ipython().events.callbacks[e] if c.__module__.startswith('nbtrain')]"
         " for e in ('pre_run_cell', 'post_run_cell')]"
     )
-    # standbylist's, and importedmodules' (what each cell imports, for the ranks)
+    # standbyview's, and importedmodules' (what each cell imports, for the ranks)
     watched = [["before_cell", "CellImports.before_cell"], ["after_cell", "CellImports.after_cell"]]
     assert kernel.value(hooks) == watched
     kernel.run_ok("%load_ext nbtrain")  # loaded again: still once

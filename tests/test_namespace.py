@@ -71,6 +71,15 @@ def test_used_names_follow_notebook_functions_classes_and_closures():
     assert analysis.used_by["LR"] == "closure" and analysis.used_by["closure"] is None
 
 
+def test_a_notebook_handler_a_library_object_holds_takes_its_globals_along():
+    """An engine of a library keeps the notebook's handler deep in its attributes (ignite's
+    ``engine._event_handlers[event][0][0]``): the list the handler appends to travels, to come back."""
+    user_ns: dict = {"__name__": "__main__"}
+    notebook_cell("seen = []\ndef on_done(engine):\n    seen.append(1)\n", user_ns)
+    user_ns["engine"] = types.SimpleNamespace(handlers={"done": [(user_ns["on_done"], (), {})]})
+    assert ns.analyse_cell("engine.run()", user_ns).names == ("engine", "seen")
+
+
 def test_hidden_and_ipython_names_never_travel():
     user_ns = {"In": [], "_": 1, "_3": 2, "get_ipython": print, "secret": 1, "model": 1}
     analysis = ns.analyse_cell("print(In, _, _3, secret, model)", user_ns, hidden={"secret"})

@@ -19,8 +19,8 @@ from nbtrain import options
 from nbtrain.errors import ConfigurationError
 from nbtrain.kernel import flags
 from nbtrain.kernel.magic import DistributedMagics
+from nbtrain.livestate import STALL_SECONDS
 from nbtrain.options import LaunchOptions
-from nbtrain.runstate import STALL_SECONDS
 
 MAGIC_PAGE = pathlib.Path(__file__).parent.parent / "docs" / "magic.md"
 
@@ -96,6 +96,25 @@ def test_the_keywords_of_launch_are_the_options_that_are_not_only_the_sessions()
     assert options.keywords() == {name for name, _ in options.described()} - {
         "stall_warning", "debug_hold", "standby_idle"
     }
+
+
+def test_what_takes_options_lists_them_from_the_record():
+    # Adding an option is its field: set_defaults, launch/start, the flags and the form read the record,
+    # and no public docstring keeps a list of them by hand (one that names most of them is such a list).
+    import nbtrain
+    from nbtrain.kernel import client
+
+    names = [name for name, _ in options.described()]
+    with pytest.raises(TypeError, match=re.escape(f"it takes {', '.join(names)}.")):
+        nbtrain.set_defaults(nope=1)
+    with pytest.raises(TypeError, match=re.escape(f"its launch options are {', '.join(sorted(options.keywords()))}.")):
+        nbtrain.start(print, nope=1)
+    parser_flags = {flag for action in DistributedMagics.distributed.parser._actions for flag in action.option_strings}
+    assert {flag for _, info in options.flagged() for flag in (info.flag, info.no_flag) if flag} <= parser_flags
+    for public in (nbtrain.launch, nbtrain.start, client.start, nbtrain.set_defaults, nbtrain.launcher,
+                   DistributedMagics.distributed):
+        named = {name for name in names if f"``{name}" in (public.__doc__ or "")}
+        assert len(named) <= len(names) // 2, f"{public.__qualname__}'s docstring lists options by hand: {named}"
 
 
 def _page_table(header: str) -> str:

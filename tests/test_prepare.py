@@ -1,7 +1,7 @@
 """nbtrain.prepare and auto mode, without a kernel (the namespace logic is in test_namespace.py).
 
-Each kind of object has its own tests: test_wrapping.py (modules), test_optimizers.py,
-test_loaders.py, test_losslogging.py, test_ledger.py (the registry); here what
+Each kind of object has its own tests: test_wrapping.py (modules), test_boundoptimizers.py,
+test_preparedloaders.py, test_losslogging.py, test_ledger.py (the registry); here what
 prepare orchestrates: everything at once, twice, and auto mode.
 
 What needs a process group (DDP and FSDP2 wrapping, sharded loaders) runs on two
@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import nbtrain
 from helpers.procs import finish, roundtrip
-from nbtrain.rank.auto import ledger, loaders, prepare, wrapping
+from nbtrain.rank.auto import ledger, prepare, preparedloaders, wrapping
 
 # -- prepare outside a run: a single process -------------------------------------------------
 
@@ -127,9 +127,9 @@ def test_auto_prepare_wraps_root_modules_only(launcher):
 
 def test_evaluation_choice_outside_a_run_is_remembered_and_checked():
     loader = DataLoader(TensorDataset(torch.zeros(200, 1)), batch_size=16)
-    assert loaders.batches_per_rank(loader, 2, "ddp", evaluation=True) == 13  # read whole
+    assert preparedloaders.batches_per_rank(loader, 2, "ddp", evaluation=True) == 13  # read whole
     assert nbtrain.prepare(loader, evaluation="shard") is loader  # in the kernel: nothing to rebuild
-    assert loaders.batches_per_rank(loader, 2, "ddp", evaluation=True) == 7  # the ranks will shard it
+    assert preparedloaders.batches_per_rank(loader, 2, "ddp", evaluation=True) == 7  # the ranks will shard it
     assert roundtrip(loader)._nbtrain_evaluation == "shard"  # the choice travels with the loader
     with pytest.raises(ValueError, match=r"prepare\(evaluation='all'\): .* either 'whole' .* or 'shard'"):
         nbtrain.prepare(loader, evaluation="all")

@@ -15,11 +15,11 @@ import textwrap
 
 import pytest
 
-from nbtrain.messages.events import RankSpec, StartRun
+from nbtrain.messages.events import RankSettings, RankSpec, StartRun
 from nbtrain.system import privatenet
 
 SPECS = (RankSpec(0, 0, 2, "cpu", None), RankSpec(1, 1, 2, "cpu", None))
-GLOO = StartRun(1, b"", SPECS, "fork", "gloo", {}, "/", (), {}, None)
+GLOO = StartRun(1, b"", SPECS, "fork", {}, "/", (), {}, None)
 
 # Two forked ranks as the launcher forks them: the launcher's namespaces made first, each rank
 # joins the user namespace, then its group from the private network. Each prints where gloo's
@@ -31,8 +31,8 @@ GROUP = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     from helpers import listeners
     from nbtrain.system import privatenet, rendezvous
-    from nbtrain.messages.events import RankSpec, StartRun
-    start = StartRun(1, b"", (RankSpec(0, 0, 2, "cpu", None),), "fork", "gloo", {}, "/", (), {}, None)
+    from nbtrain.messages.events import RankSettings, RankSpec, StartRun
+    start = StartRun(1, b"", (RankSpec(0, 0, 2, "cpu", None),), "fork", {}, "/", (), {}, None)
     made = privatenet.namespaces()
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
@@ -124,7 +124,7 @@ def threading_name() -> str:
 @pytest.mark.parametrize(
     ("change", "why"),
     [
-        ({"backend": "nccl"}, "the nccl backend is not covered"),
+        ({"rank_settings": RankSettings(backend="nccl")}, "the nccl backend is not covered"),
         ({"start_method": "spawn"}, "ddp_spawn"),
         ({"environ": {"NBTRAIN_PRIVATE_NETWORK": "0"}}, "NBTRAIN_PRIVATE_NETWORK=0"),
         ({"environ": {"TORCH_GLOO_LAZY_INIT": "1"}}, "TORCH_GLOO_LAZY_INIT"),

@@ -240,10 +240,10 @@ def test_ignore_interrupts_leaves_sigint_and_the_dump_signal_without_effect():
         """
         import os, signal
         from nbtrain.system import processes
-        from nbtrain.messages import stacks
+        from nbtrain.messages import stacktext
         processes.ignore_interrupts()
         os.kill(os.getpid(), signal.SIGINT)
-        os.kill(os.getpid(), stacks.DUMP_SIGNAL)
+        os.kill(os.getpid(), stacktext.DUMP_SIGNAL)
         print("still here", processes.catches(os.getpid(), signal.SIGINT))
         """
     )

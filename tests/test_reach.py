@@ -99,6 +99,43 @@ def test_resolve_and_put_follow_the_steps():
     assert models["g"][0] is wrapped
 
 
+def _trainer_of(model, optimizer):
+    """A library's factory, as ignite's create_supervised_trainer: the model lives in its step's closure."""
+
+    def step(batch):
+        optimizer.zero_grad()
+        return model(batch)
+
+    return types.SimpleNamespace(step=step)
+
+
+def test_what_a_functions_closure_holds_is_a_place_and_the_function_none():
+    model, wrapped = nn.Linear(2, 1), nn.Sequential(nn.Linear(2, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = _trainer_of(model, optimizer)
+    namespace, cell = {"trainer": trainer}, trainer.step.__code__.co_freevars.index("model")
+    found = {h.label: (h, obj) for h, obj in reach.find_reached(namespace)}
+    held, obj = found[f"trainer.step.__closure__[{cell}].cell_contents"]
+    assert obj is model and held.preparable and held.steps == (("attr", "step"), ("cell", cell))
+    assert "trainer.step" not in found  # it travels by value: what it holds is where the kernel's objects are
+    assert sorted(h.kind for h, _ in find_held(namespace)) == ["module", "optimizer"]
+    reach.put(namespace, held, wrapped)  # auto mode's prepared model, where the step finds it
+    assert trainer.step.__closure__[cell].cell_contents is wrapped and reach.resolve(namespace, held) is wrapped
+
+
+def _not_bound_yet():
+    def later():
+        return value
+
+    found = reach.find_reached({"later": later})
+    value = 1
+    return found, value
+
+
+def test_an_empty_closure_cell_holds_nothing():
+    assert _not_bound_yet() == ([], 1)
+
+
 def test_library_objects_and_tensors_are_not_looked_into():
     loader = DataLoader(TensorDataset(torch.zeros(4, 1)), batch_size=2)
     assert find_held({"loader": loader, "data": [torch.zeros(1)] * 3, "f": functools.partial(print)}) == []

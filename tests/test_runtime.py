@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from nbtrain.messages import events, sharedtensors, stacks, wire
+from nbtrain.messages import events, sharedtensors, stacktext, wire
 from nbtrain.rank import api
 from nbtrain.rank.machinery import runtime
 from nbtrain.system import processes
@@ -32,7 +32,6 @@ START = events.StartRun(
     payload=b"",
     ranks=(events.RankSpec(0, 0, 2, "cpu", None), SPEC),
     start_method="fork",
-    backend="gloo",
     environ={"HOME": "/home/user", "OMP_NUM_THREADS": "3"},
     cwd="/",
     sys_path=("/opt/code",),
@@ -112,10 +111,12 @@ def test_a_rank_adopts_the_callers_environment_directory_path_and_threads(tmp_pa
         f"""
         import dataclasses, os, sys, torch
         from nbtrain.messages import events
-        from nbtrain.rank.machinery import runtime
-        start = events.StartRun(5, b"", (), "fork", "gloo", {{"ONLY": "this", "OMP_NUM_THREADS": "1"}},
-                                {str(tmp_path)!r}, ("/opt/code",) + tuple(sys.path), {{}}, None, threads_per_rank=2)
+        from nbtrain.rank.machinery import runtime, settings
+        start = events.StartRun(5, b"", (), "fork", {{"ONLY": "this", "OMP_NUM_THREADS": "1"}},
+                                {str(tmp_path)!r}, ("/opt/code",) + tuple(sys.path), {{}}, None,
+                                rank_settings=events.RankSettings(threads_per_rank=2))
         spec = events.RankSpec(0, 0, 1, "cpu", None)
+        settings.adopt(start.rank_settings)  # as the rank's start does: its threads are read from its settings
         runtime._adopt_caller_state(events.RankAssignment(start, spec, 29600, 1))
         print(os.environ["ONLY"], "HOME" in os.environ, os.environ["OMP_NUM_THREADS"], torch.get_num_threads())
         print(os.getcwd() == {str(tmp_path)!r}, sys.path[0], os.environ["RANK"], os.environ["MASTER_PORT"])
@@ -246,7 +247,7 @@ def pipe() -> Iterator[tuple[int, int]]:
     try:
         yield read_end, write_end
     finally:
-        faulthandler.unregister(stacks.DUMP_SIGNAL)  # what register_stack_dump set, if anything
+        faulthandler.unregister(stacktext.DUMP_SIGNAL)  # what register_stack_dump set, if anything
         os.close(read_end)
         os.close(write_end)
 
@@ -254,14 +255,14 @@ def pipe() -> Iterator[tuple[int, int]]:
 def test_a_registered_rank_dumps_its_stack_to_the_launchers_pipe(pipe):
     read_end, write_end = pipe
     runtime.register_stack_dump(write_end, {})
-    assert processes.catches(os.getpid(), stacks.DUMP_SIGNAL)
-    os.kill(os.getpid(), stacks.DUMP_SIGNAL)  # a signal to itself is handled before kill returns
+    assert processes.catches(os.getpid(), stacktext.DUMP_SIGNAL)
+    os.kill(os.getpid(), stacktext.DUMP_SIGNAL)  # a signal to itself is handled before kill returns
     os.set_blocking(read_end, False)
     dump = os.read(read_end, 1 << 16).decode()
     assert "test_a_registered_rank_dumps_its_stack_to_the_launchers_pipe" in dump  # all threads, this one too
 
 
-@pytest.mark.parametrize("environ", [{stacks.DISABLE_VARIABLE: "0"}, None], ids=["turned off", "no pipe"])
+@pytest.mark.parametrize("environ", [{stacktext.DISABLE_VARIABLE: "0"}, None], ids=["turned off", "no pipe"])
 def test_no_stack_dump_is_registered_when_turned_off_or_without_a_pipe(pipe, environ):
     runtime.register_stack_dump(None if environ is None else pipe[1], environ or {})
-    assert not processes.catches(os.getpid(), stacks.DUMP_SIGNAL)
+    assert not processes.catches(os.getpid(), stacktext.DUMP_SIGNAL)

@@ -19,9 +19,9 @@ import pytest
 
 from nbtrain.launch_server import stackdumps
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
-from nbtrain.launch_server.lifecycle import Lifecycle
-from nbtrain.launch_server.output import RankOutput
-from nbtrain.messages import events, stacks
+from nbtrain.launch_server.lifecycle import Lifecycle, RunPhase
+from nbtrain.launch_server.rankpipes import RankOutput
+from nbtrain.messages import events, stacktext
 from nbtrain.system import processes
 
 DUMP_SECONDS = 10.0
@@ -41,7 +41,7 @@ def rank() -> Iterator[RankProcess]:
     pid = os.fork()
     if pid == 0:
         try:
-            faulthandler.register(stacks.DUMP_SIGNAL, file=stack_write, all_threads=True, chain=False)
+            faulthandler.register(stacktext.DUMP_SIGNAL, file=stack_write, all_threads=True, chain=False)
             sleeping_in_a_named_function(ready_write)
         finally:
             os._exit(1)
@@ -65,7 +65,8 @@ def rank() -> Iterator[RankProcess]:
 
 
 def test_a_rank_asked_for_its_dump_writes_it_and_the_launcher_reads_where_it_was(rank):
-    run = LauncherRun(1, [rank], None, Lifecycle(1, now=0.0), outcome=events.STOPPED)
+    run = LauncherRun(1, [rank], None, Lifecycle(1, now=0.0))
+    run.move(RunPhase.DUMPING_STACKS, outcome=events.STOPPED)
     selector = selectors.DefaultSelector()
     assert rank.stack_fd is not None
     selector.register(rank.stack_fd, selectors.EVENT_READ)
@@ -86,6 +87,7 @@ def test_a_rank_asked_for_its_dump_writes_it_and_the_launcher_reads_where_it_was
 
 def test_a_run_whose_ranks_cannot_answer_asks_nothing_and_has_no_dumps(rank):
     rank.exited = True  # gone already: nobody to ask
-    run = LauncherRun(2, [rank], None, Lifecycle(2, now=0.0), outcome=events.FINISHED)
+    run = LauncherRun(2, [rank], None, Lifecycle(2, now=0.0))
+    run.lifecycle.learn(outcome=events.FINISHED)
     assert not stackdumps.request_dumps(run) and not rank.stack_asked
     assert stackdumps.dumps_in(run, time.monotonic()) and stackdumps.dumps_of(run) == ()

@@ -27,7 +27,7 @@ def test_one_pre_hook_and_one_post_hook_while_the_stack_is_open():
 
 def test_every_step_is_named_and_resolves():
     names = [name for name, _ in stephooks.BEFORE]
-    assert names == ["first step", "kept models", "bypassed DDP", "loss scaling", "stop check"]
+    assert names == ["first step", "averaged gradients", "loss scaling", "stop check"]
     assert all(callable(step) for step in stephooks._resolved(stephooks.BEFORE + stephooks.AFTER))
 
 
@@ -83,7 +83,7 @@ same_after_one_step = bool(torch.equal(both[0], both[1]))
 
 @pytest.mark.timeout(300)
 def test_on_real_ranks_the_first_step_keeps_a_cell_made_model_before_its_gradients_are_averaged():
-    """'first step' (rank 0's weights broadcast, the model kept) comes before 'kept models' (its
+    """'first step' (rank 0's weights broadcast, the model kept) comes before 'averaged gradients' (its
     gradients averaged): the first step itself is averaged, so both ranks hold one model after it."""
     for kernel in nbtrain_kernel(REGRESSION_SETUP, "import nbtrain"):
         kernel.run_ok(ONE_STEP)

@@ -37,15 +37,13 @@ def test_the_step_is_chosen_once_a_moment_after_the_ask_as_the_highest_begun(boa
     assert not stop.choose(board, minimum_grace=2.0, now=20.0)  # chosen already
 
 
-def test_it_is_overdue_past_its_deadline_unless_it_gave_up(board):
+def test_it_is_overdue_past_its_deadline(board):
     board.begin_step(0)
     stop = stopatstep.GracefulStop("timed out", asked_at=0.0)
     assert not stop.overdue(1e9)  # no step chosen: no deadline yet
     stop.choose(board, minimum_grace=1.0, now=1.0)
     assert stop.deadline is not None
     assert not stop.overdue(stop.deadline) and stop.overdue(stop.deadline + 0.1)
-    stop.gave_up = True
-    assert not stop.overdue(stop.deadline + 0.1)
 
 
 def test_why_a_run_cannot_stop_at_a_step_names_the_reason(board):

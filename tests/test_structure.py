@@ -124,7 +124,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("patch table", ("nbtrain.patches",)),  # its factories are named, imported only when installed
     ("messages", ("nbtrain.messages",)),  # what travels between processes
     ("planning", ("nbtrain.planning",)),  # the plan before any process starts
-    ("options", ("nbtrain.options", "nbtrain.runstate")),  # the launch options, what the live view knows
+    ("options", ("nbtrain.options", "nbtrain.livestate")),  # the launch options, what the live view knows
     ("process sides", (
         "nbtrain.kernel", "nbtrain.launch_server", "nbtrain.rank", "nbtrain.cluster", "nbtrain.serverext",
     )),
@@ -173,6 +173,42 @@ def upward_imports(
                 where = path.relative_to(package.parent).as_posix()
                 found.append(f"{where}:{line}: {name} ({own[1]}) imports {dep} ({theirs[1]})")
     return found
+
+
+def unmarked_function_imports(package: Path) -> list[str]:
+    """Each import inside a function with no comment saying why, on its line or its block's first line's above
+    (start-up time, an optional dependency): ``file:line``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for function in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            marked = False  # a comment above the first of consecutive imports marks them all
+            for node in function.body if hasattr(function, "body") else ():
+                for inner in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else ():
+                    if not isinstance(inner, (ast.Import, ast.ImportFrom)):
+                        continue
+                    above = next(line.strip() for line in reversed(lines[: inner.lineno - 1]) if line.strip())
+                    follows = marked and above.startswith(("import", "from"))  # the same block, sections apart
+                    marked = "#" in lines[inner.lineno - 1] or above.startswith("#") or follows
+                    if not marked:
+                        found.append(f"{path.relative_to(package.parent).as_posix()}:{inner.lineno}")
+    return found
+
+
+def test_every_import_inside_a_function_says_why_it_is_there():
+    assert unmarked_function_imports(PACKAGE) == []
+
+
+def test_the_import_marker_check_finds_an_unmarked_import(tmp_path):
+    package = tmp_path / "nbtrain"
+    package.mkdir()
+    (package / "a.py").write_text(
+        "def f():\n    # deferred: start-up time (torch)\n    import torch\n    import numpy\n\n"
+        "def g():\n    x = 1\n    import json\n    return x\n"
+    )
+    assert unmarked_function_imports(package) == ["nbtrain/a.py:8"]
 
 
 def test_no_module_imports_a_higher_layer():
@@ -282,14 +318,14 @@ def test_every_nbtrain_module_the_preload_list_names_exists():
 
 def test_the_rank_door_check_finds_a_module_that_reaches_past_them():
     graph = {
-        "nbtrain.kernel.x": {"nbtrain.rank.cell", "nbtrain.rank.auto.loaders"},
+        "nbtrain.kernel.x": {"nbtrain.rank.cell", "nbtrain.rank.auto.preparedloaders"},
         "nbtrain.launch_server.y": {"nbtrain.rank.machinery.runtime", "nbtrain.rank.auto.wrapping"},
-        "nbtrain.rank.auto.z": {"nbtrain.rank.auto.loaders"},  # inside the rank side: anything
+        "nbtrain.rank.auto.z": {"nbtrain.rank.auto.preparedloaders"},  # inside the rank side: anything
         "nbtrain": {"nbtrain.rank.auto.prepare"},  # the public API
     }
     allowed = {LAUNCHER: {"nbtrain.rank.machinery.runtime"}}
     assert _rank_imports(graph, allowed, RANK_ENTRY_POINTS) == {
-        "nbtrain.kernel.x": ["nbtrain.rank.auto.loaders"],
+        "nbtrain.kernel.x": ["nbtrain.rank.auto.preparedloaders"],
         "nbtrain.launch_server.y": ["nbtrain.rank.auto.wrapping"],
     }
 
@@ -575,7 +611,11 @@ PATCH_TABLE = "patches.py"  # nbtrain/patches.py: the one module that may replac
 _LOOKUPS = {("sys", "modules"), ("importlib", "import_module"), ("ledger", "torch_module")}
 # Attributes set through a library's own API for it, not replacements of its code: ctypes'
 # declaration of a foreign function's types, and torch's cuDNN switches set as the kernel has them.
-_NOT_PATCHES = {("processes.py", "restype"), ("processes.py", "argtypes"), ("sharedtensors.py", "argtypes")}
+# ctypes' declarations of a function's types; a pass's state that accelerate's own loaders keep (in_pass_books).
+_NOT_PATCHES = {
+    ("processes.py", "restype"), ("processes.py", "argtypes"), ("sharedtensors.py", "argtypes"),
+    ("frameworks.py", "end_of_dataloader"),
+}
 _SETTINGS = {"torchsettings.py"}
 
 

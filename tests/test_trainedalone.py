@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from kernel_helpers import REGRESSION_SETUP, nbtrain_kernel
-from nbtrain.kernel.cellrun import CellRun
-from nbtrain.kernel.display import cellout
+from nbtrain.kernel.cellrun import LastRun
+from nbtrain.kernel.display import owntext
 from nbtrain.rank.machinery import trainedalone
 from nbtrain.rank.machinery.trainedalone import Counts
 
@@ -39,10 +39,10 @@ def test_the_collectives_joined_are_unknown_where_a_group_could_hide_some():
 
 
 def test_the_summary_says_each_rank_trained_alone_first_with_why_and_what_to_do():
-    record = CellRun(state="finished", world_size=2, strategy="ddp_notebook", accelerator="cpu", seconds=1.0)
-    assert NAMED not in cellout.summary(record)
+    record = LastRun(state="finished", world_size=2, strategy="ddp_notebook", accelerator="cpu", seconds=1.0)
+    assert NAMED not in owntext.summary(record)
     record.steps_alone = 16
-    assert cellout.summary(record).startswith(
+    assert owntext.summary(record).startswith(
         f"nbtrain: 2 ranks (cpu, ddp_notebook) finished in 1.0 s. {ALONE}, so no gradient was averaged over the "
         "ranks: 2 independent trainings ran, and the kernel got rank 0's. To train one model over the ranks, let "
         "auto mode wrap it (a cell without --no-auto), wrap it in DistributedDataParallel, or give the framework "

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import fcntl
 import mmap
 import os
+import socket
+import struct
 import sys
 import threading
 import time
@@ -78,6 +81,7 @@ class NodeAgent:
     """One node's agent (wrapped by ``ray.remote`` in :mod:`nbtrain.cluster.engine`)."""
 
     def __init__(self, label: str) -> None:
+        # deferred: an optional dependency (ray)
         import ray
 
         self.label = label
@@ -316,7 +320,7 @@ def _start_run(
         has_tensor_file=has_tensor_file,
         node=dataclasses.replace(request.node, label=label),
         interactive=False,  # a cluster's agents relay no pdb prompt: a breakpoint is passed with a note
-        debug_hold=None,
+        rank_settings=dataclasses.replace(request.rank_settings, debug_hold=None),  # no rank is held on a node
         log_path=None,
     )
 
@@ -345,9 +349,6 @@ def node_sys_path(kernel: tuple[str, ...], node: tuple[str, ...]) -> tuple[str, 
 
 def interface_of(address: str) -> str | None:
     """The network interface that holds ``address`` (for gloo and NCCL to bind to), if any."""
-    import fcntl
-    import socket
-    import struct
 
     siocgifaddr = 0x8915
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -378,6 +379,7 @@ def _memfd_holding(tensors: Any) -> int:
 def _put_from_process(offer: events.ResultOffer) -> tuple[tuple[tuple[int, int], ...], tuple[Any, ...]]:
     """Rank 0's layout into the object store piece by piece, through one reused buffer: (offset, length)
     of each piece, and its ObjectRef."""
+    # deferred: an optional dependency (numpy)
     import numpy
     import ray
 
@@ -396,6 +398,7 @@ def _put_from_process(offer: events.ResultOffer) -> tuple[tuple[tuple[int, int],
 def _put_file(fd: int) -> tuple[tuple[tuple[int, int], ...], tuple[Any, ...], int]:
     """A layout rank 0 wrote to a file, into the object store piece by piece: (offset, length) of
     each piece, their ObjectRefs, and its size."""
+    # deferred: an optional dependency (numpy)
     import numpy
     import ray
 

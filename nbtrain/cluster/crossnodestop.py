@@ -17,7 +17,7 @@ per node, so each node's launcher would choose a step of its own. Instead:
 Pure: no Ray, no processes.
 
 Example:
-    >>> from nbtrain.messages import events, stacks
+    >>> from nbtrain.messages import events, stacktext
     >>> stop = CrossNodeStop(asked_at=0.0)
     >>> stop.take(0, events.StepsBegun(1, 41, 2.0, "stopped"))
     >>> stop.choose({0, 1}) is None  # node 1 has not reported yet
@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nbtrain.messages import events, stacks
+from nbtrain.launch_server.lifecycle import SECOND_STOP, names_late
+from nbtrain.messages import events, stacktext
 
 # From the request until every node has reported its highest step: a Ray call each way and a
 # launcher tick, seconds on a loaded machine. Past this the relay stops the run hard.
@@ -78,13 +79,13 @@ def stop_note(ended: list[events.RunEnded]) -> str:
     notes = [e.stop_note for e in ended if e.stop_note]
     # Each node names its own late rank; one whose late ranks only waited for the others (a rank of
     # another node asleep) names a consequence: the node with a rank not waiting comes first.
-    late = sorted((e for e in ended if "did not reach" in e.stop_note), key=_only_waited)
+    late = sorted((e for e in ended if names_late(e.stop_note)), key=_only_waited)
     causes = [e.stop_note for e in late]
-    others = [note for note in notes if "a second time" not in note]
+    others = [note for note in notes if SECOND_STOP not in note]
     return (causes or others or notes or [""])[0]
 
 
 def _only_waited(ended: events.RunEnded) -> bool:
     """Whether every rank of a node that was stopped hard was waiting for other ranks (its stack dumps)."""
     dumps = [text for _rank, text in ended.stacks if text]
-    return bool(dumps) and all(stacks.waits_on_peers(stacks.parse_dump(text)) for text in dumps)
+    return bool(dumps) and all(stacktext.waits_on_peers(stacktext.parse_dump(text)) for text in dumps)

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import mmap
 import os
 import queue
 import socket
@@ -37,8 +38,11 @@ from typing import Any, TypeAlias
 from urllib.parse import urlparse
 
 from nbtrain.cluster import crossnodestop, nodes, runsecret
+from nbtrain.cluster.agent import NodeAgent, NodeInfo
 from nbtrain.errors import ClusterError, ConfigurationError
+from nbtrain.launch_server.lifecycle import HARD_STOP, Lifecycle, RunPhase
 from nbtrain.messages import events
+from nbtrain.messages.records import CopiedResult
 from nbtrain.options import LaunchOptions
 from nbtrain.planning import config
 from nbtrain.planning.deviceplan import DevicePlan
@@ -64,6 +68,7 @@ _connected_to: str | None = None
 def import_ray() -> Any:
     """Ray, or an error saying which extra installs it."""
     try:
+        # deferred: an optional dependency (ray)
         import ray
     except ImportError:
         raise ClusterError(
@@ -212,6 +217,7 @@ class ClusterClient:
 
     def __init__(self, plan: nodes.ClusterPlan, address: str, alive: list[nodes.NodeResources]):
         ray = import_ray()
+        # deferred: an optional dependency (ray)
         from ray.util.placement_group import placement_group
 
         self.plan = plan
@@ -238,9 +244,8 @@ class ClusterClient:
             )
 
     def _start_agents(self, ray: Any) -> tuple[list[Any], list[Any]]:
+        # deferred: an optional dependency (ray)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from nbtrain.cluster.agent import NodeAgent, NodeInfo
 
         remote = ray.remote(NodeAgent)
         resources = self.plan.bundle()
@@ -295,6 +300,7 @@ class ClusterClient:
         """Kill every agent (their launchers and ranks go with them) and free the nodes."""
         self.alive = False
         ray = import_ray()
+        # deferred: an optional dependency (ray)
         from ray.util.placement_group import remove_placement_group
 
         for agent in getattr(self, "agents", []):
@@ -310,8 +316,8 @@ def _put_payload(signed: bytes, tensor_fd: int | None) -> tuple[Any, Any]:
     ray = import_ray()
     if tensor_fd is None:
         return ray.put(signed), None
-    import mmap
 
+    # deferred: an optional dependency (numpy)
     import numpy
 
     size = os.fstat(tensor_fd).st_size
@@ -342,12 +348,12 @@ class _Relay:
         self.failure_order: dict[tuple[str, int], int] = {}
         self.deaths: list[events.RankExited] = []  # ranks that died unreported, as they were reaped
         self.done_nodes: set[int] = set()
-        self.stopping = False
         self.stopped_by_caller = False
-        self.stop_started = 0.0
         self.started: list[int] = []  # the nodes whose ranks were started
         self.step_stop: crossnodestop.CrossNodeStop | None = None  # a stop at a step, while the nodes report
-        self.stop_note = ""  # why the relay itself stopped a stop at a step hard
+        # The run's stop as the launchers' (RUNNING, STOPPING_AT_STEP, TERMINATING): moved under _lock, since
+        # the kernel's thread stops too; its ending's note says why the relay itself stopped a stop at a step hard.
+        self.life = Lifecycle(self.run_id, time.monotonic())
         self._lock = threading.Lock()
 
     def run(self) -> None:
@@ -365,8 +371,8 @@ class _Relay:
             self.payload = None  # frees the object store's copy
         final = nodes.combine(self.run_id, [e for e in self.ended if e is not None], self.failure_order,
                               self.stopped_by_caller, self.deaths)
-        if self.stop_note and final.stopped_at is None and final.state in (events.STOPPED, events.TIMED_OUT):
-            final = dataclasses.replace(final, stop_note=self.stop_note)
+        if self.life.ending.note and final.stopped_at is None and final.state in (events.STOPPED, events.TIMED_OUT):
+            final = dataclasses.replace(final, stop_note=self.life.ending.note)
         if any(isinstance(e.failure, events.NodeLost) for e in self.ended if e is not None):
             self.client.alive = False  # the next run places new agents
         self.inbox.put((final, []))
@@ -411,11 +417,11 @@ class _Relay:
             node_rank=index, num_nodes=plan.num_nodes, local_world_size=plan.per_node,
             master_addr=self.client.infos[0].address, master_port=port, label=self.client.labels[index],
         )
+        threads = nodes.threads_per_rank(info.cpus, plan.per_node, template.environ)  # this node's cores
         return dataclasses.replace(
-            template, payload=b"", ranks=nodes.node_ranks(plan, index), node=place, strategy="",
-            standby_seconds=None, has_tensor_file=False, environ=dict(template.environ),
-            source_lines=dict(template.source_lines),
-            threads_per_rank=nodes.threads_per_rank(info.cpus, plan.per_node, template.environ),
+            template, payload=b"", ranks=nodes.node_ranks(plan, index), node=place, strategy="", standby_seconds=None,
+            has_tensor_file=False, environ=dict(template.environ), source_lines=dict(template.source_lines),
+            rank_settings=dataclasses.replace(template.rank_settings, threads_per_rank=threads),
         )
 
     # -- following -----------------------------------------------------------------------
@@ -437,7 +443,7 @@ class _Relay:
                 if not self._take(index, batch):
                     pending[agents[index].poll.remote(self.run_id, POLL_SECONDS)] = index
             self._choose_step()  # every node has reported, or the ones left have ended
-            if self.stopping and time.monotonic() - self.stop_started > NODE_FATE_SECONDS:
+            if self.life.state is RunPhase.TERMINATING and time.monotonic() - self.life.since > NODE_FATE_SECONDS:
                 for index in pending.values():  # Ray never said: count them lost, end them
                     self._lost(index, TimeoutError(f"no answer {NODE_FATE_SECONDS:g} s after the run was stopped"))
                     ray.kill(agents[index])
@@ -470,7 +476,7 @@ class _Relay:
     def _node_done(self, index: int) -> None:
         """Release every node's ranks once all are done: rank 0 hosts the store until then."""
         self.done_nodes.add(index)
-        if len(self.done_nodes) == self.client.plan.num_nodes and not self.stopping:
+        if len(self.done_nodes) == self.client.plan.num_nodes and self.life.state is not RunPhase.TERMINATING:
             for agent in self.client.agents:
                 agent.release.remote(self.run_id)
 
@@ -479,10 +485,11 @@ class _Relay:
         """Ask every node to stop at a step; asked again meanwhile, stop hard at once (as on one machine)."""
         with self._lock:
             self.stopped_by_caller = True
-            if self.stopping:
+            if self.life.state is RunPhase.TERMINATING:
                 return
-            again = self.step_stop is not None
-            if not again:
+            again = self.life.state is RunPhase.STOPPING_AT_STEP
+            if not again:  # moved first: the relay's thread reads step_stop without the lock
+                self.life.move(RunPhase.STOPPING_AT_STEP, time.monotonic())
                 self.step_stop = crossnodestop.CrossNodeStop(time.monotonic())
         if again:
             self.stop(reason, by_caller=True)
@@ -492,10 +499,11 @@ class _Relay:
     def _steps_begun(self, index: int, report: events.StepsBegun) -> None:
         """A node's highest step; the first report of a stop the relay did not ask for is a node's timeout."""
         with self._lock:
-            if self.stopping:
+            if self.life.state is RunPhase.TERMINATING:
                 return
             fresh = self.step_stop is None
             if self.step_stop is None:
+                self.life.move(RunPhase.STOPPING_AT_STEP, time.monotonic())
                 self.step_stop = crossnodestop.CrossNodeStop(time.monotonic())
             self.step_stop.take(index, report)
         if fresh:  # every other node stops at the same step
@@ -503,14 +511,12 @@ class _Relay:
 
     def _choose_step(self) -> None:
         stop = self.step_stop
-        if stop is None or self.stopping:
+        if stop is None or self.life.state is not RunPhase.STOPPING_AT_STEP:
             return
         if stop.overdue(time.monotonic()):
-            late = [self.client.labels[i] for i in self._running() if i not in stop.reports]
-            self.stop_note = (
-                f"stopped hard ({', '.join(late)} did not report its optimizer step within "
-                f"{crossnodestop.CHOICE_SECONDS:g} s)"
-            )
+            late = ", ".join(self.client.labels[i] for i in self._running() if i not in stop.reports)
+            seconds = crossnodestop.CHOICE_SECONDS
+            self.life.learn(note=f"{HARD_STOP} ({late} did not report its optimizer step within {seconds:g} s)")
             self.stop("no step was chosen in time", by_caller=False)
             return
         chosen = stop.choose(self._running())
@@ -550,10 +556,9 @@ class _Relay:
         """Stop the run on every node still running it (each launcher stops its ranks)."""
         with self._lock:
             self.stopped_by_caller = self.stopped_by_caller or by_caller
-            if self.stopping:
+            if self.life.state is RunPhase.TERMINATING:
                 return
-            self.stopping = True
-            self.stop_started = time.monotonic()
+            self.life.move(RunPhase.TERMINATING, time.monotonic())
         self._ask_nodes(reason, graceful=False)
 
 
@@ -574,8 +579,8 @@ def _copied_result(record: Any) -> Any:
 
     Each piece is copied as soon as it has arrived, while Ray still moves the others.
     """
+    # deferred: start-up time (cloudpickle, torch)
     from nbtrain.messages import sharedtensors
-    from nbtrain.messages.records import CopiedResult
 
     ray = import_ray()
     mapping = sharedtensors.private_memory(record.total_bytes)

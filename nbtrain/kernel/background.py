@@ -57,7 +57,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-from nbtrain import runstate
+from nbtrain import livestate
 from nbtrain.errors import RunFailedError, RunNotEndedError, RunStoppedError
 from nbtrain.kernel import display, follower
 from nbtrain.kernel import shell as kernel_shell
@@ -115,7 +115,7 @@ class BackgroundRun:
         output: str = "all",
         shell: Any = None,
         total_steps: int | None = None,
-        stall_warning: float | None = runstate.STALL_SECONDS,
+        stall_warning: float | None = livestate.STALL_SECONDS,
     ) -> None:
         cfg = run.config
         self.id = next(_ids)
@@ -138,7 +138,7 @@ class BackgroundRun:
         self._printer = display.OutputPrinter(output, cfg.world_size)  # where no live view shows the output
         self.total_steps = total_steps  # the live view's progress total, when known
         self.stall_warning = stall_warning
-        self.record: Any = None  # a cell's CellRun: what the follower keeps of the events (None: a function's run)
+        self.record: Any = None  # a cell's LastRun: what the follower keeps of the events (None: a function's run)
         self._started_at = time.monotonic()
         self._state = RUNNING
         self._value: Any = None
@@ -447,7 +447,7 @@ class BackgroundRun:
         )
 
 
-class CellBackgroundRun(BackgroundRun):
+class BackgroundCell(BackgroundRun):
     """A ``%%distributed --background`` cell: on success its results go into the kernel."""
 
     def __init__(
@@ -552,14 +552,14 @@ class CellBackgroundRun(BackgroundRun):
 def follow_cell(
     shell: Any, run: Any, prepared: follower.PreparedCellLike, apply_result: ApplyResult, output: str,
     stall_warning: float | None,
-) -> CellBackgroundRun:
+) -> BackgroundCell:
     """Follow a started ``%%distributed --background`` cell; its handle, at once.
 
     ``prepared`` is the cell's :class:`nbtrain.kernel.cellrun.PreparedCell` (``shipped``, ``record``, ``total_steps``,
     ``unchanged``); ``apply_result`` is :func:`nbtrain.kernel.cellrun.apply_cell_result`, called on the kernel's
     main thread; ``output`` and ``stall_warning`` the cell's ``--output`` and ``--stall-warning``.
     """
-    handle = CellBackgroundRun(shell, run, prepared, apply_result, output, stall_warning)
+    handle = BackgroundCell(shell, run, prepared, apply_result, output, stall_warning)
     handle._display()
     handle._start()
     return handle

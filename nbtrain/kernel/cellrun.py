@@ -6,7 +6,7 @@ config). A cell is prepared once (:func:`prepare_cell`: its syntax, what it ship
 runs on the ranks), launched (:func:`start_cell`; the live view's total is read once the
 ranks have started, just before its first frame, :func:`count_steps`), followed until
 its run ends by the kernel's one run follower (:mod:`nbtrain.kernel.follower`; here on the
-cell's own thread, its output and live view through :mod:`nbtrain.kernel.display.cellout`,
+cell's own thread, its output and live view through :mod:`nbtrain.kernel.display.owntext`,
 an interrupt asking every rank to stop at a step), and rank 0's results are put into the
 kernel's objects (:func:`apply_cell_result`, which background runs use too). A failure
 reads as :mod:`nbtrain.kernel.tracebacks` words it. ``last_run`` keeps the last run's
@@ -25,17 +25,32 @@ from typing import Any, TypeAlias
 
 from IPython.core.error import UsageError
 
+from nbtrain import frameworks
 from nbtrain.errors import (
     ConfigurationError,
     RunFailedError,
     RunInterrupted,
     SerializationError,
 )
-from nbtrain.kernel import cellnames, follower, gcpause, tracebacks
+from nbtrain.kernel import (
+    background,
+    cellnames,
+    client,
+    follower,
+    gcpause,
+    launcher_connection,
+    lengths,
+    pdb_relay,
+    tracebacks,
+)
+from nbtrain.kernel import namespace as ns
 from nbtrain.kernel import shell as kernel_shell
-from nbtrain.kernel.display import cellout, rankout
-from nbtrain.messages import events, reach, records
-from nbtrain.planning import config
+from nbtrain.kernel.display import owntext, rankoutput
+from nbtrain.launch_server import lifecycle
+from nbtrain.messages import events, processlocal, reach, records
+from nbtrain.planning import config, steptotal
+from nbtrain.rank import api
+from nbtrain.rank import cell as rank_cell
 from nbtrain.system import processes, sharedhost
 
 # The flags' check (nbtrain.kernel.magic.check_flags): from the cell's options (its
@@ -45,7 +60,7 @@ Planner: TypeAlias = Callable[[Any], tuple[Any, config.LaunchConfig]]
 
 
 @dataclass
-class CellRun:
+class LastRun:
     """The last ``%%distributed`` run, for inspection: ``nbtrain.last_run()``."""
 
     state: str = "running"
@@ -71,10 +86,10 @@ class CellRun:
 
     def note_stall(self, event: events.RanksStalled) -> None:
         """Keep the launcher's stall as the cell words it (or forget it: the ranks moved again)."""
-        self.stall = rankout.stall_text(event) if event.seconds else ""
+        self.stall = rankoutput.stall_text(event) if event.seconds else ""
 
 
-last_run: CellRun | None = None
+last_run: LastRun | None = None
 
 
 @dataclass
@@ -85,7 +100,7 @@ class PreparedCell:
     spec: Any  # nbtrain.rank.cell.CellSpec
     shipped: dict[str, Any]
     used_by: dict[str, Any]
-    record: CellRun
+    record: LastRun
     total_steps: int | None = None  # the steps rank 0 will log, when the cell's code tells (the bar's total)
     engine: Any = None  # a cluster's warm client, planned with cfg; None: this machine's launcher
     held: dict[str, Any] = field(default_factory=dict)  # label ("trainer.model") -> the kernel's object inside a global
@@ -104,8 +119,6 @@ class PreparedCell:
 
 def prepare_cell(shell: Any, line: str, cell: str, options: Any, plan: Planner) -> PreparedCell:
     """Check the flags (``plan``) and the cell, and decide what it ships; raises UsageError or CellSyntaxError."""
-    from nbtrain.kernel import namespace as ns
-    from nbtrain.rank import cell as rank_cell
 
     engine, cfg = plan(options)
     body, blank_lines = _strip_leading_blank_lines(cell)
@@ -132,7 +145,7 @@ def prepare_cell(shell: Any, line: str, cell: str, options: Any, plan: Planner) 
         rng=records.rng_states(),
         held=tuple(h for h, _ in held),
     )
-    record = CellRun(world_size=cfg.world_size, strategy=cfg.strategy.name, accelerator=cfg.plan.accelerator)
+    record = LastRun(world_size=cfg.world_size, strategy=cfg.strategy.name, accelerator=cfg.plan.accelerator)
     prepared = PreparedCell(cfg, spec, shipped, dict(analysis.used_by), record, engine=engine, analysis=analysis)
     prepared.held = {h.label: obj for h, obj in held}
     return prepared
@@ -163,7 +176,6 @@ def _derived_lengths(prepared: PreparedCell, code: str) -> list[str]:
     """What the notebook sized from a loader's length that each rank will not reach (see lengths.py)."""
     if not prepared.spec.auto or "torch.utils.data" not in sys.modules:
         return []
-    from nbtrain.kernel import lengths
 
     try:
         wrapper = prepared.cfg.strategy.model_wrapper
@@ -185,7 +197,6 @@ def infer_total_steps(
     (:func:`nbtrain.rank.auto.prepare.batches_per_rank`), computed here from the kernel's loader:
     its share in a pass with gradients, all of it in a pass without (an evaluation pass).
     """
-    from nbtrain.planning import steptotal
 
     if spec.log_loss:
         kind, counting_name = steptotal.BACKWARD, "backward"
@@ -196,8 +207,6 @@ def infer_total_steps(
     if counting_name in analysis.function_names:
         return None  # a notebook function the cell calls may advance the step too, unseen
     try:
-        from nbtrain.rank import api
-        from nbtrain.rank import cell as rank_cell
 
         # The package itself, always loaded before any of its modules: importing it here
         # would make the package and the magic it registers import each other.
@@ -229,9 +238,6 @@ def start_cell(shell: Any, prepared: PreparedCell, interactive: bool = True) -> 
     The engine and launch config planned from the flags are passed on: the hardware (or
     the cluster) is probed once per cell.
     """
-    from nbtrain.kernel import client, launcher_connection
-    from nbtrain.kernel import namespace as ns
-    from nbtrain.rank import cell as rank_cell
 
     try:
         ns.refuse_open_files(prepared.shipped, prepared.used_by)
@@ -312,7 +318,6 @@ def _launch_and_follow(
     finally:
         planning.release()
     if options.background:
-        from nbtrain.kernel import background
 
         count_steps(shell, prepared)
         handle = background.follow_cell(shell, run, prepared, apply_cell_result, options.output, options.stall_warning)
@@ -332,7 +337,7 @@ def _follow(
 ) -> Any:
     """Show the run until it ends, then bring its results back; every check of ``held`` is a safe point."""
     record = prepared.record
-    view: cellout.CellView | None = None
+    view: owntext.CellView | None = None
     asked = False  # a first interrupt asked every rank to stop at a step
 
     def stopping() -> bool:  # asked before each event: where an interrupt held since is acted on
@@ -344,8 +349,8 @@ def _follow(
         return held.received or (asked and time.monotonic() > (run.stop_deadline() or 0.0))
 
     if not held.received:
-        printer = rankout.OutputPrinter(options.output, prepared.cfg.world_size)
-        view = cellout.CellView(run, functools.partial(count_steps, shell, prepared), options.stall_warning)
+        printer = rankoutput.OutputPrinter(options.output, prepared.cfg.world_size)
+        view = owntext.CellView(run, functools.partial(count_steps, shell, prepared), options.stall_warning)
         shown = _in_the_cell(view, printer, run, held)
         follower.follow_events(run, shown, stopping, view.poll_seconds, record)  # wakes at least every poll
         printer.finish()  # a progress bar a rank other than 0 left mid-line
@@ -375,10 +380,9 @@ def _follow(
 
 
 def _in_the_cell(
-    view: cellout.CellView, printer: rankout.OutputPrinter, run: Any, held: processes.HeldInterrupts
+    view: owntext.CellView, printer: rankoutput.OutputPrinter, run: Any, held: processes.HeldInterrupts
 ) -> Callable[[Any], None]:
     """Where a blocking cell shows an event: its view first (its first frame stays above the output), then its lines."""
-    from nbtrain.kernel import pdb_relay
 
     run.prompts_answered = True
     relay = pdb_relay.CellRelay(run, held)
@@ -403,7 +407,7 @@ def _failed(
 
 def _interrupted(prepared: PreparedCell, run: Any, how: str = "") -> RunInterrupted:
     where = run.where_ranks_were()  # each rank's stack when it was stopped, if the launcher got one
-    if how.startswith("stopped hard"):  # "stopped hard (rank 1 did not reach step 412 within 2.0 s); nothing ..."
+    if how.startswith(lifecycle.HARD_STOP):  # "stopped hard (rank 1 did not reach step 412 within 2.0 s); nothing ..."
         unchanged = prepared.unchanged
         text = f"the cell was interrupted and {how}; {unchanged[0].lower()}{unchanged[1:]} The kernel is ready."
     else:  # as an interrupt always said; then why no step was kept, if one was asked for
@@ -412,7 +416,7 @@ def _interrupted(prepared: PreparedCell, run: Any, how: str = "") -> RunInterrup
     return RunInterrupted(text + (f"\n{where}" if where else ""))
 
 
-def _stopped_hard(record: CellRun, view: cellout.CellView | None) -> None:
+def _stopped_hard(record: LastRun, view: owntext.CellView | None) -> None:
     record.state = events.STOPPED
     record.stopped = "hard"
     if view is not None:  # an interrupt's stop: now, not after one more drawing of the chart
@@ -442,15 +446,12 @@ class Applied:
         return self.value[0] if self.value else None
 
 
-def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: CellRun) -> Applied:
+def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: LastRun) -> Applied:
     """Put rank 0's results into the kernel's objects; fills ``record`` (updated, skipped).
 
     The one place a cell's results reach the kernel, for blocking and background runs
     alike. Call it on the kernel's main thread: it writes the user's namespace.
     """
-    from nbtrain import frameworks
-    from nbtrain.kernel import namespace as ns
-    from nbtrain.messages import processlocal
 
     if result is None:  # the cell ran, but rank 0 sent nothing (it should always send something)
         return Applied()
@@ -470,7 +471,6 @@ def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: 
     record.prepared = [(cellnames.name_cells(name, shell), how) for name, how in result.prepared]
     record.loaders = [(cellnames.name_cells(name, shell), how) for name, how in result.loaders]
     if record.derived:  # a dataset's size is only worth a note where a training pass read a share of it
-        from nbtrain.kernel import lengths
 
         record.derived = lengths.read_in_training(record.derived, record.loaders)
     record.updated = report.updated + [f"del {n}" for n in report.deleted]
@@ -485,16 +485,16 @@ def apply_cell_result(shell: Any, result: Any, shipped: dict[str, Any], record: 
 
 
 def _bring_back(
-    shell: Any, result: Any, shipped: dict[str, Any], record: CellRun, output: str, on_cluster: bool = False
+    shell: Any, result: Any, shipped: dict[str, Any], record: LastRun, output: str, on_cluster: bool = False
 ) -> Any:
     applied = apply_cell_result(shell, result, shipped, record)
     for warning in applied.warnings:
-        cellout.print_warning(f"nbtrain {warning}")
+        owntext.print_warning(f"nbtrain {warning}")
     if applied.loaded and output != "none":
-        cellout.show_summary(record)
+        owntext.show_summary(record)
         reachable = sharedhost.after_run(record.accelerator, record.strategy, on_cluster)  # once, several users
         if reachable is not None:
-            cellout.print_warning(reachable)
+            owntext.print_warning(reachable)
     return applied.shown
 
 

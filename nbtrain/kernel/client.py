@@ -18,6 +18,7 @@ cell that ships no tensor needs no memfd.
 
 from __future__ import annotations
 
+import dataclasses
 import linecache
 import os
 import sys
@@ -25,6 +26,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
+from nbtrain.errors import SerializationError
 from nbtrain.kernel import compat, gcpause
 from nbtrain.kernel.launcher_connection import LauncherClient, get_client, standby_pids
 from nbtrain.kernel.run_handle import Engine, Run
@@ -49,17 +51,17 @@ def start(
 ) -> Run:
     """Start ``fn(*args, **kwargs)`` on every rank and return the :class:`Run` at once.
 
-    ``options`` are the launch options ``nbtrain.launch`` takes (``devices``, ``accelerator``,
-    ``strategy``, ``timeout``, ``backend``, ``precision``, ``sync_batchnorm``, ``cluster``,
-    ``num_nodes``, ``on_stop``, ``stop_grace``, ``oversubscribe``: the fields of
-    :class:`nbtrain.options.LaunchOptions`), over its built-in defaults. Refused before
-    anything starts (ConfigurationError) when the run cannot fit: more CPU processes than 4
-    per core (unless ``oversubscribe=True``), or more memory than is free. A caller that
+    ``options`` are the launch options ``nbtrain.launch`` takes (the fields of
+    :class:`nbtrain.options.LaunchOptions` that ``nbtrain.options.keywords()`` lists), over
+    its built-in defaults. Refused before anything starts (ConfigurationError) when the run
+    cannot fit: more CPU processes than 4 per core (unless ``oversubscribe=True``), or more
+    memory than is free. A caller that
     already built this machine's launch configuration passes it as ``config``: the options
     are then not read, and the hardware is not probed again. ``cluster="ray"`` (or a Ray
     address) runs on ``num_nodes`` nodes of a Ray cluster with ``devices`` ranks on each
     (:mod:`nbtrain.cluster`); the default runs on this machine.
     """
+    # deferred: start-up time
     from nbtrain.kernel import launchplan
 
     with gcpause.held():  # planning too: a collection here would delay every rank the same
@@ -73,6 +75,7 @@ def start(
 
 def _launch_options(given: dict[str, Any]) -> LaunchOptions:
     """The :class:`nbtrain.options.LaunchOptions` of ``launch``/``start`` keywords, over the built-in defaults."""
+    # deferred: start-up time
     from nbtrain import options as options_module
 
     unknown = sorted(set(given) - options_module.keywords())
@@ -127,9 +130,10 @@ def _say_held_released(client: LauncherClient) -> None:
     held = client.held
     if held is not None:
         client.held = None
-        from nbtrain.kernel.display import cellout
+        # deferred: start-up time
+        from nbtrain.kernel.display import owntext
 
-        cellout.print_warning(
+        owntext.print_warning(
             f"nbtrain: rank {held.rank} of the failed run before, held for %nbtrain_debug, is released: "
             "this launch needs its devices and memory."
         )
@@ -139,7 +143,6 @@ def _serialise(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
 ) -> tuple[bytes, int | None]:
     """The run's payload (and the memfd of its tensors), or a SerializationError saying what to do."""
-    from nbtrain.errors import SerializationError
 
     try:
         return _pickle_payload((fn, tuple(args), dict(kwargs or {})))
@@ -161,6 +164,7 @@ class _StartMessage:
         logging_setup: logsetup.LoggingSetup | None = None,
         known_modules: Collection[str] = (),
     ) -> None:
+        # deferred: start-up time
         from nbtrain.kernel import defaults, importedmodules
         from nbtrain.kernel import shell as kernel_shell
         from nbtrain.planning import probe
@@ -169,14 +173,17 @@ class _StartMessage:
         # A cluster's ranks cannot be held (docs/cluster.md, its limits); a background run's failure
         # is read later, and a script (no IPython) has no %nbtrain_debug: they hold none.
         held = self.interactive and kernel_shell.get_shell() is not None
-        self.debug_hold = defaults.get_defaults().debug_hold if held else None
+        # Every setting a rank reads (the one place that makes it): the plan's record, with what this
+        # machine (its cores) and this session (a hold) decide.
+        threads = config_module.intra_op_threads(probe.physical_core_count(), cfg.world_size, os.environ)
+        hold = defaults.get_defaults().debug_hold if held else None
+        self.rank_settings = dataclasses.replace(cfg.rank, threads_per_rank=threads, debug_hold=hold)
         self.standby_seconds = defaults.get_defaults().standby_idle or None
 
         self.cfg = cfg
         self.payload = payload
         self.has_tensor_file = has_tensor_file
         self.with_log = with_log  # a cluster's agents keep their own logs
-        self.threads = config_module.intra_op_threads(probe.physical_core_count(), cfg.world_size, os.environ)
         self.log_path: str | None = None
         # Cells whose lines the engine has (this machine's launcher keeps what it was sent):
         # a long session's hundreds of cells are not pickled and sent again with every run.
@@ -194,17 +201,14 @@ class _StartMessage:
             payload=self.payload,
             ranks=cfg.rank_specs(),
             start_method=cfg.strategy.start_method,
-            backend=cfg.backend,
             environ=processes.inherited_environment(os.environ),
             cwd=os.getcwd(),
             sys_path=tuple(sys.path),
             source_lines=_notebook_source_lines(self.known_sources),
             timeout=cfg.timeout,
-            threads_per_rank=self.threads,
             has_tensor_file=self.has_tensor_file,
             strategy=cfg.strategy.name,
             log_path=self.log_path,
-            debug_hold=self.debug_hold,
             interactive=self.interactive,
             standby_seconds=self.standby_seconds,
             on_stop=cfg.on_stop,
@@ -213,7 +217,7 @@ class _StartMessage:
             logging_setup=self.logging_setup,
             torch_settings=torchsettings.changed_from_defaults(),
             notebook_modules=self.notebook_modules,
-            rank_settings=cfg.rank,  # what prepare() and the cell on a rank read (nbtrain.rank.machinery.settings)
+            rank_settings=self.rank_settings,  # every setting a rank reads (nbtrain.rank.machinery.settings)
         )
 
 
@@ -242,11 +246,8 @@ def launch(fn: Callable[..., Any], *args: Any, background: bool = False, **kwarg
     Keywords that name a launch option (a field of :class:`nbtrain.options.LaunchOptions`
     that ``nbtrain.options.keywords()`` lists: ``devices``, ``accelerator``, ``strategy``,
     ``timeout``, ...) set it, over the built-in defaults (not the session's, which are the
-    cells'); every other keyword goes to ``fn``. ``oversubscribe=True`` allows more CPU
-    processes than 4 per core (refused otherwise).
-    ``backend``, ``precision`` (Lightning's names: ``"32-true"``, ``"bf16-mixed"``,
-    ``"16-mixed"``, ...) and ``sync_batchnorm`` are as for ``%%distributed``; they apply to
-    what ``nbtrain.prepare`` does on the ranks.
+    cells'); every other keyword goes to ``fn``. Each takes what its ``%%distributed`` flag
+    does (``%%distributed --help``; docs/magic.md, "Session defaults").
 
     ``cluster="ray", num_nodes=2`` runs on two nodes of a Ray cluster (``RAY_ADDRESS``, the
     cluster this machine belongs to, or an address given instead of ``"ray"``), ``devices``
@@ -262,6 +263,7 @@ def launch(fn: Callable[..., Any], *args: Any, background: bool = False, **kwarg
         >>> nbtrain.launch(lambda: dist.get_world_size(), devices=2, accelerator="cpu")
         2
     """
+    # deferred: start-up time
     from nbtrain import options as options_module
 
     names = options_module.keywords()
@@ -270,6 +272,7 @@ def launch(fn: Callable[..., Any], *args: Any, background: bool = False, **kwarg
     run = start(fn, args, fn_kwargs, **launch_options)
     try:
         if background:
+            # deferred: start-up time
             from nbtrain.kernel import background as _background
 
             return _background.follow_function(run, fn)
@@ -282,6 +285,7 @@ def launch(fn: Callable[..., Any], *args: Any, background: bool = False, **kwarg
 def _wait_printing(run: Run) -> Any:
     """Wait for ``run``, printing the ranks' output as a cell does and answering their pdb prompts
     in the input box (an interrupt there stops the run)."""
+    # deferred: start-up time
     from nbtrain.kernel import display, pdb_relay
 
     relay = pdb_relay.CellRelay(run, processes.HeldInterrupts())
@@ -304,6 +308,7 @@ def _admit(
     cfg: config_module.LaunchConfig, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
 ) -> None:
     """Refuse a run whose memory cannot fit (ConfigurationError); warn on stderr when it comes close."""
+    # deferred: start-up time
     from nbtrain.planning import admission, probe
 
     namespace = getattr(fn, "__globals__", {})
@@ -329,9 +334,10 @@ def _admit(
         gpu_free=gpu_free,
     )
     if warning:
-        from nbtrain.kernel.display import cellout
+        # deferred: start-up time
+        from nbtrain.kernel.display import owntext
 
-        cellout.print_warning(f"nbtrain warning: {warning}")
+        owntext.print_warning(f"nbtrain warning: {warning}")
 
 
 def _has_contents(cell: Any) -> bool:
@@ -362,9 +368,11 @@ def _pickle_payload(payload: Any) -> tuple[bytes, int | None]:
     spares its first launch the ~1 s import of torch.
     """
     if "torch" not in sys.modules:
+        # deferred: start-up time (cloudpickle)
         from nbtrain.messages import codepickle
 
         return codepickle.dumps_keeping_filenames(payload), None
+    # deferred: start-up time (cloudpickle, torch)
     from nbtrain.messages import sharedtensors
 
     return sharedtensors.dumps_to_shared_memory(payload)

@@ -88,9 +88,8 @@ def cell_filenames(shell: Any) -> dict[str, int]:
     if compiler is None:
         return {}
     known: dict[str, int] | None = getattr(compiler, "_filename_map", None)
-    if known is not None:  # IPython 8 and later
-        return known
-    return {**_history_filenames(shell, compiler), **_registered_cells}
+    # IPython 8 and later keep the map themselves.
+    return known if known is not None else {**_history_filenames(shell, compiler), **_registered_cells}
 
 
 def only_in_memory(filename: str, entry: tuple[Any, ...]) -> bool:
@@ -110,8 +109,5 @@ def _history_filenames(shell: Any, compiler: Any) -> dict[str, int]:
     name_of = getattr(compiler, "get_code_name", None)
     if not callable(name_of):
         return {}
-    names: dict[str, int] = {}
-    for number, (raw_cell, cell) in enumerate(zip(raw, parsed, strict=False)):
-        if number and raw_cell:
-            names[name_of(raw_cell, cell, number)] = number
-    return names
+    cells = enumerate(zip(raw, parsed, strict=False))
+    return {name_of(raw_cell, cell, number): number for number, (raw_cell, cell) in cells if number and raw_cell}

@@ -43,13 +43,11 @@ def set_defaults(**settings: Any) -> LaunchOptions:
     """Set the defaults of every later ``%%distributed`` cell that does not give the flag.
 
     Settings not passed keep their value. Each keyword is a field of
-    :class:`nbtrain.options.LaunchOptions` (docs/magic.md, "Session defaults", lists them with what
-    they take): ``devices`` (2, -1, "auto", "0,2" or a list of GPU indices), ``accelerator``,
-    ``strategy``, ``timeout``, ``stall_warning``, ``cluster`` and ``num_nodes``, ``precision``,
-    ``sync_batchnorm``, ``backend``, ``debug_hold``, ``standby_idle``, ``on_stop``,
-    ``stop_grace``, ``oversubscribe``. The combination is checked against this machine (its
-    GPUs through NVML: CUDA is never initialised here) and a ConfigurationError says what is
-    wrong; nothing changes then. Returns the new defaults.
+    :class:`nbtrain.options.LaunchOptions` (``nbtrain.options.described()`` lists them, and
+    docs/magic.md's "Session defaults" table, generated from them, says what each takes).
+    The combination is checked against this machine (its GPUs through NVML: CUDA is never
+    initialised here) and a ConfigurationError says what is wrong; nothing changes then.
+    Returns the new defaults.
 
     Example:
         >>> import nbtrain
@@ -63,6 +61,7 @@ def set_defaults(**settings: Any) -> LaunchOptions:
     if unknown:
         known = ", ".join(name for name, _ in options_module.described())
         raise TypeError(f"set_defaults() got an unexpected keyword argument {unknown[0]!r}; it takes {known}.")
+    # deferred: start-up time
     from nbtrain.kernel import launchplan
 
     with _lock:

@@ -29,6 +29,7 @@ from IPython.core.error import UsageError
 
 from nbtrain import options as options_module
 from nbtrain.errors import ClusterError, ConfigurationError
+from nbtrain.kernel import defaults, launchplan
 from nbtrain.kernel import shell as kernel_shell
 from nbtrain.options import LaunchOptions
 from nbtrain.planning import config
@@ -89,20 +90,14 @@ def _help(text: str, default: str) -> str:
 def _launch_arguments() -> list[magic_arguments.argument]:
     arguments = []
     for name, info in options_module.flagged():
-        default = f"the session default ({info.shown_default})"
-        if isinstance(getattr(LaunchOptions(), name), bool):
-            arguments.append(magic_arguments.argument(
-                info.flag, dest=name, action="store_true", default=_SESSION, help=_help(info.help, default)
-            ))
-            if info.no_flag:
-                arguments.append(magic_arguments.argument(
-                    info.no_flag, dest=name, action="store_false", default=_SESSION, help=_help(info.no_help, "")
-                ))
+        argument = functools.partial(magic_arguments.argument, dest=name, default=_SESSION)
+        shown = _help(info.help, f"the session default ({info.shown_default})")
+        if not isinstance(getattr(LaunchOptions(), name), bool):
+            arguments.append(argument(info.flag, type=info.parse or str, choices=info.choices, help=shown))
             continue
-        arguments.append(magic_arguments.argument(
-            info.flag, dest=name, default=_SESSION, type=info.parse or str, choices=info.choices,
-            help=_help(info.help, default),
-        ))
+        arguments.append(argument(info.flag, action="store_true", help=shown))
+        if info.no_flag:
+            arguments.append(argument(info.no_flag, action="store_false", help=_help(info.no_help, "")))
     return arguments
 
 
@@ -185,7 +180,6 @@ def _flag_hint(magic: Any, error: str) -> str:
 
 def fill_defaults(parsed: Any) -> CellOptions:
     """The options of parsed flags; each launch flag the cell did not set takes the session's default."""
-    from nbtrain.kernel import defaults
 
     given = {name: getattr(parsed, name) for name, _ in options_module.flagged()}
     given = {name: value for name, value in given.items() if value is not _SESSION}
@@ -218,7 +212,6 @@ def check_flags(options: CellOptions) -> tuple[Any, config.LaunchConfig]:
 
     Raises a UsageError naming the bad flag and what is possible.
     """
-    from nbtrain.kernel import launchplan
 
     try:
         return launchplan.plan_run(options)

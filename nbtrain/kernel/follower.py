@@ -69,7 +69,7 @@ def follow_events(
 
     ``stopping()`` is asked before each event and may ask the run to stop; ``show(event)`` shows it
     where the run shows (None: nothing new, a redraw, at least every ``poll`` seconds); a cell's
-    ``record`` (its :class:`nbtrain.kernel.cellrun.CellRun`) keeps what :func:`keep_event` keeps.
+    ``record`` (its :class:`nbtrain.kernel.cellrun.LastRun`) keeps what :func:`keep_event` keeps.
 
     Example:
         >>> class Ended:

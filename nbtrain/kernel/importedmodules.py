@@ -38,6 +38,9 @@ import types
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
+from nbtrain.kernel import launcher_connection
+from nbtrain.kernel import shell as kernel_shell
+
 # nbtrain's kernel side must not run on a rank, and its rank side is there already.
 _ALWAYS_OWN = frozenset({"nbtrain"})
 
@@ -137,7 +140,6 @@ class CellImports:
 
     def before_cell(self, info: Any = None) -> None:
         """``pre_run_cell``: remember where ``sys.modules`` ends."""
-        from nbtrain.kernel import shell as kernel_shell
 
         cell = getattr(info, "raw_cell", "") or ""
         self._known, self._nbtrains = len(sys.modules), kernel_shell.is_nbtrain_cell(cell.lstrip())
@@ -159,8 +161,6 @@ class CellImports:
 
 def _tell_standby_ranks() -> None:
     """A cell imported modules: standby ranks waiting for the next run import them now, before its cell comes."""
-    from nbtrain.kernel import launcher_connection
-    from nbtrain.kernel import shell as kernel_shell
 
     client = launcher_connection.current_client()
     if client is None or client.standby is None or not client.standby.ranks:
@@ -175,7 +175,6 @@ CELLS = CellImports()  # the kernel's one record of what its cells imported
 
 def notebook_modules(shell: Any) -> tuple[str, ...]:
     """The modules the notebook imported, by the rule above, in the kernel's order."""
-    from nbtrain.kernel import shell as kernel_shell
 
     if shell is not None:
         namespace, hidden = kernel_shell.user_namespace(shell), kernel_shell.hidden_names(shell)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import importlib
 import itertools
 import os
 import queue
@@ -59,6 +60,8 @@ class LauncherClient:
         # Forked from the user's warm template where one can be used; else our own, as before.
         forked = warm.forked_launcher()
         self.process = forked or processes.start_launcher()
+        # Shown by the first run if it must wait for this launcher (nbtrain.kernel.warm.cold_note).
+        self.cold_note = warm.cold_note(own_launcher=forked is None)
         # A forked launcher is ours once it said it is ready; until a run was sent to it, one
         # that cannot serve (refused, gone, too late) is replaced by our own (_fall_back).
         self._committed = forked is None
@@ -131,6 +134,7 @@ class LauncherClient:
     def _fall_back(self, forked: processes.LauncherProcess, why: str) -> None:
         """Replace the forked launcher (no run was sent to it) by our own, saying ``why`` in the log; under the lock."""
         warm.note_fallback(why)
+        self.cold_note = warm.cold_note(own_launcher=True)
         self.ready.clear()
         self.stderr_tail.clear()
         try:
@@ -144,7 +148,13 @@ class LauncherClient:
         self._start_readers(self.process)
 
     def wait_usable(self) -> None:
-        """Wait (bounded) until a launcher forked by the template said it is ready or was replaced by our own."""
+        """Wait (bounded) until a launcher forked by the template said it is ready or was replaced by our own.
+
+        A first run that finds the launcher not ready says why in its cell, once (the template was not warm).
+        """
+        if self.cold_note and not self.ready.is_set():
+            warm.say_cold(self.cold_note)
+        self.cold_note = ""  # said once, or not needed: the launcher was warm by the first run
         self._decided.wait(DECIDED_SECONDS)
 
     def submit(self, start_run: Callable[[int], events.StartRun], tensor_fd: int | None) -> tuple[int, Inbox]:
@@ -313,6 +323,7 @@ class LauncherClient:
         # A run being stopped gives up its result (the launcher stops rank 0 too): no copy.
         wanted = inbox is not None and offer.run_id not in self._stopping
         if wanted and os.environ.get(RESULT_TRANSFER_VARIABLE) != "file":
+            # deferred: start-up time (cloudpickle, torch)
             from nbtrain.messages import sharedtensors
 
             # Forbidden here (a sandbox), or no memory: this thread must live on, and rank 0
@@ -324,7 +335,7 @@ class LauncherClient:
         answer = events.ReleaseResult(offer.run_id, send_file=wanted and copied is None)
         with self._lock, contextlib.suppress(OSError):  # the launcher is gone; the run's inbox hears of it
             wire.send(self.process.channel, answer)
-        # Then the cell's thread hears of it: it draws the last frame's chart (nbtrain.kernel.display.cellout),
+        # Then the cell's thread hears of it: it draws the last frame's chart (nbtrain.kernel.display.owntext),
         # which would hold this thread's release back on the interpreter lock.
         if copied is not None and inbox is not None:  # copied only when wanted, so for an inbox
             inbox.put((copied, []))
@@ -420,6 +431,7 @@ def _register_hooks() -> None:
     """Close the launcher at exit, and forget it in forked children: once, with the first launcher."""
     global _hooks_registered
     if not _hooks_registered:
+        # deferred: start-up time
         from nbtrain.planning import probe
 
         probe.standby_pids = standby_pids
@@ -441,7 +453,6 @@ def prewarm() -> None:
 
 
 def _import_launch_modules() -> None:
-    import importlib
 
     names = ["nbtrain.planning.admission", "nbtrain.messages.codepickle", "nbtrain.kernel.display"]
     if "torch" in sys.modules:  # never imported here on the caller's behalf: it may not need it

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from nbtrain.cluster import engine
 from nbtrain.options import LaunchOptions
-from nbtrain.planning import config
+from nbtrain.planning import config, probe
 
 if TYPE_CHECKING:
     from nbtrain.cluster.engine import ClusterClient
@@ -37,10 +38,8 @@ def plan_run(options: LaunchOptions) -> tuple[ClusterClient | None, config.Launc
     nbtrain.errors.ConfigurationError: strategy 'dp' (DataParallel) splits each batch over CUDA GPUs ...
     """
     if not options.on_this_machine:
-        from nbtrain.cluster import engine
 
         return engine.plan_cluster_run(options)
-    from nbtrain.planning import probe
 
     plan = probe.probe_plan(options.devices, options.accelerator, options.oversubscribe)
     return None, options.config_for(plan)
@@ -57,7 +56,6 @@ def check_options(options: LaunchOptions) -> None:
     ...
     nbtrain.errors.ConfigurationError: precision '16-mixed' cannot run on the cpu accelerator. ...
     """
-    from nbtrain.planning import probe
 
     strategy = config.resolve_strategy(options.strategy, 2)
     if not options.on_this_machine:

@@ -172,11 +172,8 @@ def _lengths_of_datasets(tree: ast.AST) -> list[str]:
     """The names ``x`` of each ``len(x.dataset)`` in ``tree``."""
     names = []
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len"):
-            continue
-        if len(node.args) != 1:
-            continue
-        taken = node.args[0]
+        is_len = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len"
+        taken = node.args[0] if is_len and len(node.args) == 1 else None  # type: ignore[attr-defined]
         if isinstance(taken, ast.Attribute) and taken.attr == "dataset" and isinstance(taken.value, ast.Name):
             names.append(taken.value.id)
     return names
@@ -190,12 +187,8 @@ def read_in_training(sentences: list[str], loader_report: list[tuple[str, str]])
     []
     """
     sharded = {name for name, how in loader_report if how.startswith("sharded")}
-    kept = []
-    for sentence in sentences:
-        head, sep, _ = sentence.partition(_DATASET_SIZE)
-        if not sep or head.rsplit(", the size of ", 1)[-1] in sharded:
-            kept.append(sentence)
-    return kept
+    parts = [(sentence, *sentence.partition(_DATASET_SIZE)[:2]) for sentence in sentences]
+    return [sentence for sentence, head, sep in parts if not sep or head.rsplit(", the size of ", 1)[-1] in sharded]
 
 
 def _sentence(name: str, expected: int, loader: str, whole: int, share: int, *, number: bool = False) -> str:
@@ -227,9 +220,7 @@ def _function_length(function: Any) -> int | None:
     """``num_training_steps`` (or a like name) that a schedule function holds: partial, closure or default."""
     if isinstance(function, functools.partial):
         held = {k: v for k, v in function.keywords.items() if k in _LENGTH_NAMES}
-        if held:
-            return _first_int(held.values())
-        return _function_length(function.func)
+        return _first_int(held.values()) if held else _function_length(function.func)
     code = getattr(function, "__code__", None)
     if code is None:
         return None

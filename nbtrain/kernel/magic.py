@@ -31,9 +31,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nbtrain.errors import RankError
-from nbtrain.kernel import cellrun, flags, launcher_connection, pdb_relay
+from nbtrain.kernel import cellrun, flags, importedmodules, launcher_connection, pdb_relay, standbyview
 from nbtrain.kernel import shell as kernel_shell
-from nbtrain.kernel.display import cellout
+from nbtrain.kernel.display import owntext
 from nbtrain.kernel.flags import check_flags, help_text, parse_flags
 
 
@@ -120,7 +120,7 @@ def _run_cell(shell: Any, magic: Any, line: str, cell: str) -> Any:
     """The magic's one body, under either name: ``magic`` is the one the cell named (its parser and help)."""
     options = parse_flags(magic, line)
     if options.help:
-        cellout.print_line(help_text(magic))
+        owntext.print_line(help_text(magic))
         return None
     return cellrun.run_distributed_cell(shell, line, cell, options, check_flags)
 
@@ -161,7 +161,7 @@ def load_ipython_extension(ip: Any) -> None:
     if kernel_shell.magic_for(owner) == f"%%{kernel_shell.OWN_MAGIC}":
         # Theirs stays: taking it would silently change what their users' cells do.
         del magics.magics["cell"][kernel_shell.SHARED_MAGIC]
-        cellout.print_line(left_note(str(owner)))
+        owntext.print_line(left_note(str(owner)))
     ip.register_magics(magics)
     _watch_standby_gpu_memory(ip, on=True)
     _watch_cell_imports(ip, on=True)
@@ -197,14 +197,12 @@ def unload_ipython_extension(ip: Any) -> None:
 
 def _watch_standby_gpu_memory(ip: Any, on: bool) -> None:
     """Before each cell the standby ranks give up GPU memory the cell may need; an out-of-memory error names them."""
-    from nbtrain.kernel import standbylist
 
-    _watch(ip, on, standbylist.before_cell, standbylist.after_cell)
+    _watch(ip, on, standbyview.before_cell, standbyview.after_cell)
 
 
 def _watch_cell_imports(ip: Any, on: bool) -> None:
     """What each cell imports: the ranks import it too, before its objects arrive (nbtrain.kernel.importedmodules)."""
-    from nbtrain.kernel import importedmodules
 
     _watch(ip, on, importedmodules.CELLS.before_cell, importedmodules.CELLS.after_cell)
 

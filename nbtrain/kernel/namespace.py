@@ -36,6 +36,7 @@ import dis
 import functools
 import gc
 import io
+import itertools
 import pickle
 import symtable
 import sys
@@ -176,10 +177,16 @@ def _augmented_globals(tree: ast.AST) -> set[str]:
     return found
 
 
+_LOOK_DEPTH = 4  # steps inside an object for notebook functions: engine._event_handlers[event][0][0]
+_LOOKED_AT = 1024  # objects looked into for one value, at most: a list of data holds no handler
+
+
 def _notebook_code(value: Any, user_ns: Mapping[str, Any]) -> list[types.CodeType]:
-    """Code objects that travel with ``value`` because it was defined in the notebook."""
+    """Code objects that travel with ``value`` because it was defined in the notebook, or is held
+    (a few steps inside) by what travels: an ignite engine's handler, a library function's closure."""
     codes: list[types.CodeType] = []
     seen: set[int] = set()
+    looked: set[int] = set()
 
     def add_function(fn: Any) -> None:
         if isinstance(fn, types.FunctionType) and id(fn) not in seen and fn.__globals__ is user_ns:
@@ -202,16 +209,42 @@ def _notebook_code(value: Any, user_ns: Mapping[str, Any]) -> list[types.CodeTyp
                         add_function(accessor)
                 add_function(member)
 
-    def add_any(obj: Any) -> None:
-        if isinstance(obj, types.FunctionType):
+    def add_any(obj: Any, depth: int = 0) -> None:
+        if isinstance(obj, types.FunctionType) and obj.__globals__ is user_ns:
             add_function(obj)
-        elif isinstance(obj, type):
+            return
+        if isinstance(obj, type):
             add_class(obj)
-        elif type(obj).__module__ == "__main__":
+            return
+        if type(obj).__module__ == "__main__":
             add_class(type(obj))
+        # What it holds travels with it: a notebook function in there ships its globals too.
+        if depth < _LOOK_DEPTH and id(obj) not in looked and len(looked) < _LOOKED_AT:
+            looked.add(id(obj))
+            for inner in _travelling_parts(obj):
+                add_any(inner, depth + 1)
 
     add_any(value)
     return codes
+
+
+def _travelling_parts(obj: Any) -> list[Any]:
+    """What ``obj`` holds that pickles with it, as far as looking for notebook functions goes: a
+    container's items, a library function's closure, the attributes of an object pickled as them
+    (an object that pickles otherwise, a logger by its name, is not looked into)."""
+    if isinstance(obj, (int, float, complex, str, bytes, bool, type(None), types.ModuleType)):
+        return []
+    if isinstance(obj, types.FunctionType):
+        return [cell.cell_contents for cell in obj.__closure__ or () if reach.is_filled(cell)]
+    if isinstance(obj, dict):
+        return list(itertools.islice(obj.values(), reach.ITEMS))
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return list(itertools.islice(obj, reach.ITEMS))
+    try:
+        own = vars(obj) if reach.is_users_object(obj) or reach.torch_kind(obj) == "module" else {}
+    except Exception:  # noqa: BLE001 - an object that cannot say what it holds holds nothing we look for
+        return []
+    return list(itertools.islice(own.values(), reach.ITEMS))
 
 
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
@@ -318,7 +351,6 @@ def refuse_open_files(namespace: Mapping[str, Any], used_by: Mapping[str, str | 
     >>> import io
     >>> refuse_open_files({"buffer": io.StringIO("in memory is fine")}, {})
     """
-    import io
 
     for name in sorted(namespace):
         value = namespace[name]
@@ -349,6 +381,7 @@ def _probe_pickler_class() -> type:
     """cloudpickle that skips tensor data: checking a 1 GB model copies nothing."""
     global _probe_pickler
     if _probe_pickler is None:
+        # deferred: start-up time (cloudpickle)
         from nbtrain.messages import codepickle
 
         class ProbePickler(codepickle.Pickler):
@@ -369,6 +402,7 @@ def _load_persistent(pid: Any, storages: list[Any], shipped: Mapping[str, Any], 
     """The object a rank's result refers to by ``pid``: a tensor's storage, or the kernel's own object."""
     tag = pid[0]
     if tag == STORAGE_TAG:
+        # deferred: start-up time (torch)
         import torch
 
         untyped = storages[pid[1]]
@@ -717,6 +751,7 @@ def optimizer_loader(optimizer: Any, state: Mapping[str, Any]) -> Callable[[], N
     >>> opt.param_groups is groups, groups[0]["lr"], opt.state[w]["momentum_buffer"].tolist()
     (True, 0.5, [3.0, 3.0])
     """
+    # deferred: start-up time (torch)
     import torch
 
     if type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict:
@@ -730,6 +765,7 @@ def optimizer_loader(optimizer: Any, state: Mapping[str, Any]) -> Callable[[], N
 @functools.cache
 def _stand_in_class() -> type:
     """A bare optimizer class: what torch's ``load_state_dict`` needs, nothing of a step."""
+    # deferred: start-up time (torch)
     import torch
 
     class StandIn(torch.optim.Optimizer):
@@ -752,6 +788,7 @@ def _copy_optimizer_state(optimizer: Any, loaded: Any) -> None:
 
 def module_differs(module: Any, state: Mapping[str, Any], modes: Iterable[tuple[str, bool]]) -> bool:
     """Whether loading ``state`` and ``modes`` would change ``module`` at all."""
+    # deferred: start-up time (torch)
     import torch
 
     own = module.state_dict()
@@ -787,6 +824,7 @@ def _shape(value: Any) -> Any:
 
 def parameters_differ(module: Any, params: Iterable[tuple[str, bool, Any]] | None) -> bool:
     """Whether ``params`` (path, requires_grad, grad or None per parameter) differ from ``module``'s own."""
+    # deferred: start-up time (torch)
     import torch
 
     for path, requires_grad, grad in params or ():
@@ -801,6 +839,7 @@ def parameters_differ(module: Any, params: Iterable[tuple[str, bool, Any]] | Non
 def load_parameter_states(module: Any, params: Iterable[tuple[str, bool, Any]] | None) -> None:
     """Set each parameter's ``requires_grad`` and ``.grad`` as the cell left them, in the kernel's own
     parameters (a grad of the same shape is copied into, keeping its tensor; None stays None)."""
+    # deferred: start-up time (torch)
     import torch
 
     for path, requires_grad, grad in params or ():

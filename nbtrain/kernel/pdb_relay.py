@@ -28,7 +28,8 @@ from typing import Any
 
 from nbtrain.errors import NbtrainError
 from nbtrain.kernel import cellnames
-from nbtrain.kernel.display import cellout
+from nbtrain.kernel import shell as kernel_shell
+from nbtrain.kernel.display import owntext
 from nbtrain.messages import events
 from nbtrain.system import processes
 
@@ -50,25 +51,20 @@ def prompt_text(prompt: events.DebugPrompt) -> str:
 def held_note(held: events.RankHeld) -> str:
     """The last line of a failed cell whose root-cause rank is kept for a post-mortem."""
     what = [f"{_size(held.rss_bytes)} of host memory"] if held.rss_bytes else []
-    if held.cuda_bytes:
-        what.append(f"{_size(held.cuda_bytes)} on {held.device}")
+    what += [f"{_size(held.cuda_bytes)} on {held.device}"] if held.cuda_bytes else []
     holds = f"; it holds {' and '.join(what)}" if what else ""
-    return (
-        f"%nbtrain_debug opens the debugger in rank {held.rank}'s frames "
-        f"(held for {_duration(held.hold_seconds)}{holds})."
-    )
+    seconds = held.hold_seconds
+    held_for = f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g} s"
+    return f"%nbtrain_debug opens the debugger in rank {held.rank}'s frames (held for {held_for}{holds})."
 
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / (1 << 30):.1f} GiB" if nbytes >= 1 << 30 else f"{nbytes >> 20} MiB"
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g} s"
-
-
 def ask(prompt: events.DebugPrompt) -> str | None:
     """The line the user typed at ``prompt``; None when an interrupt came instead."""
+    # deferred: start-up time (IPython)
     from IPython.core.error import StdinNotImplementedError
 
     with processes.interrupts_raised():
@@ -77,7 +73,7 @@ def ask(prompt: events.DebugPrompt) -> str | None:
         except KeyboardInterrupt:
             return None
         except StdinNotImplementedError:
-            cellout.print_warning(f"nbtrain: this front end cannot answer input; rank {prompt.rank} continues.")
+            owntext.print_warning(f"nbtrain: this front end cannot answer input; rank {prompt.rank} continues.")
             return "c"
         except EOFError:
             return "c"
@@ -85,9 +81,8 @@ def ask(prompt: events.DebugPrompt) -> str | None:
 
 def show(text: str) -> None:
     """pdb's output in the cell, its notebook cells named as IPython names them (``Cell In[7]``)."""
-    from nbtrain.kernel import shell as kernel_shell
 
-    cellout.write_text(cellnames.name_cells(text, kernel_shell.get_shell()))
+    owntext.write_text(cellnames.name_cells(text, kernel_shell.get_shell()))
 
 
 class CellRelay:
@@ -159,7 +154,7 @@ def _relay_post_mortem(client: Any, held: events.RankHeld) -> None:
             if not client.alive:
                 raise NoRankHeldError(f"the nbtrain launcher is gone, and rank {held.rank} with it.") from None
             if ended and deadline is not None and time.monotonic() > deadline:
-                cellout.print_line(f"nbtrain: the debugger ended; rank {held.rank} is being released.")
+                owntext.print_line(f"nbtrain: the debugger ended; rank {held.rank} is being released.")
                 return
             if deadline is not None and time.monotonic() > deadline:
                 client.send_debug(events.ReleaseHeld(held.run_id, "it did not answer"))
@@ -170,7 +165,7 @@ def _relay_post_mortem(client: Any, held: events.RankHeld) -> None:
             continue
         deadline = None
         if isinstance(message, events.HeldReleased):
-            cellout.print_line(f"nbtrain: rank {message.rank} is released ({message.reason}); its memory is free.")
+            owntext.print_line(f"nbtrain: rank {message.rank} is released ({message.reason}); its memory is free.")
             return
         if isinstance(message, events.DebugOutput):
             show(message.text)

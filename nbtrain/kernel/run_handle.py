@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import linecache
 import os
+import pickle
 import queue
 import signal
 import time
@@ -30,6 +31,7 @@ from nbtrain.errors import (
 )
 from nbtrain.kernel import cellnames, gcpause, launcher_connection
 from nbtrain.kernel import shell as kernel_shell
+from nbtrain.launch_server.lifecycle import HARD_STOP
 from nbtrain.messages.events import (
     FAILED,
     FINISHED,
@@ -348,9 +350,9 @@ class Run:
         fd = self._ended_fds[0] if self._ended_fds else None
         try:
             if self._copied is None and fd is None:  # no tensor storages: plain pickle, and no torch import for it
-                import pickle
 
                 return pickle.loads(ended.result or b"")
+            # deferred: start-up time (cloudpickle, torch)
             from nbtrain.messages import sharedtensors
 
             if self._copied is not None:
@@ -366,16 +368,18 @@ class Run:
         in all_reduce, Cell In[5], line 12``), then each rank's stack; "" when the run did
         not end that way (or the launcher got no dump).
         """
-        from nbtrain.messages import stacks
+        # deferred: start-up time
+        from nbtrain.messages import stacktext
 
         if self._ended is None or not self._ended.stacks:
             return ""
-        parsed = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in self._ended.stacks]
-        return stacks.where_each_rank_was(parsed, cellnames.cell_namer(kernel_shell.get_shell()), linecache.getline)
+        parsed = [stacktext.RankStack(rank, stacktext.parse_dump(text)) for rank, text in self._ended.stacks]
+        return stacktext.where_each_rank_was(parsed, cellnames.cell_namer(kernel_shell.get_shell()), linecache.getline)
 
     def _failure(self, ended: RunEnded) -> RunFailedError | LauncherError:
         failure = ended.failure
         if isinstance(failure, RankFailed):
+            # deferred: start-up time
             from nbtrain.kernel import pdb_relay
 
             note = pdb_relay.held_note(self.held) if self.held is not None else ""
@@ -406,7 +410,7 @@ class Run:
 
 def _with_note(message: str, note: str) -> str:
     """A stop's message with why it could not keep the state: "stopped hard (...)" leads, a sentence follows."""
-    if note.startswith("stopped hard"):
+    if note.startswith(HARD_STOP):
         return f"{note}; {message}"
     return f"{message} {note}" if note else message
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import traceback
 from typing import Any
 
 from nbtrain.errors import NbtrainError, RankError, RunFailedError
@@ -91,7 +92,6 @@ def cell_traceback(text: str, shell: Any) -> str:
 
 def check_syntax(code: str, filename: str, shell: Any) -> None:
     """Raise :class:`CellSyntaxError` when ``code`` does not compile, at the cell's own line."""
-    import traceback
 
     with contextlib.suppress(SyntaxError):
         _compiles(code)

@@ -12,6 +12,13 @@ kernel's own. Never in silence: each time, :func:`note_fallback` writes why in t
 log (its own stderr, which Jupyter shows in the server's log, not in a cell), and
 :func:`fallbacks` lists the reasons so far.
 
+A first run that must wait for the template (none ran: this kernel starts it; it is still
+starting) or for the kernel's own launcher says why in one line in its cell and in the log
+(:func:`cold_note`): no template yet, the last one left idle or was killed, a rebuild for a
+changed nbtrain, only another environment's template there. The template keeps a note
+beside its socket for this (:func:`write_note`): who it is and whether it is ready, or why
+it left.
+
     >>> note_fallback("an example: $NBTRAIN_TEMPLATE=0 switches it off (unset it to use it)", log=False)
     >>> fallbacks()[-1]
     'an example: $NBTRAIN_TEMPLATE=0 switches it off (unset it to use it)'
@@ -28,6 +35,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from nbtrain.messages import templatesocket as naming
 from nbtrain.messages import wire
@@ -66,7 +74,7 @@ def forked_launcher() -> processes.LauncherProcess | None:
         # Held only to connect: once connected, our request is in the template's backlog,
         # which it looks at (under this lock) before it retires.
         with _locked(naming.lock_path(path)):
-            connection = _reach(path)
+            connection = _reach(path, me)
         if connection is None:
             note_fallback(f"the template started for {path} did not listen there within {CONNECT_SECONDS:g} s")
             return None
@@ -136,22 +144,88 @@ def ensure_template() -> None:
     folder, _ = _socket_folder()
     if folder is None:
         return
-    path = naming.socket_path(folder, naming.identity())
+    me = naming.identity()
+    path = naming.socket_path(folder, me)
     with contextlib.suppress(Exception), _locked(naming.lock_path(path)):
-        connection = _reach(path)  # a new one listening: no kernel takes its name for a dead one's
+        connection = _reach(path, me)  # a new one listening: no kernel takes its name for a dead one's
         if connection is not None:
             connection.close()
 
 
-def _reach(path: str) -> socket.socket | None:
-    """A connection to the template at ``path``, started first where none listens (the caller holds the lock)."""
+def _reach(path: str, me: naming.Identity) -> socket.socket | None:
+    """A connection to the template at ``path``, started first where none listens (the caller holds the lock).
+
+    Why its launcher will not be warm at once is kept for :func:`cold_note` ("" where the template is ready).
+    """
+    global _cold
     connection = _connect(path)
-    if connection is None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a dead template's name (we hold the lock)
-        processes.start_template(path)
-        connection = _connect_when_listening(path)
-    return connection
+    if connection is not None:
+        note = naming.read_note(path, "who")  # started by another kernel or the Jupyter server, maybe not ready yet
+        started = note.get("started") if note.get("ready") is False else None
+        starting = "the worker template for this environment is still starting (started {:.1f} s ago)"
+        _cold = starting.format(time.time() - started) if isinstance(started, (int, float)) else ""
+        return connection
+    _cold = f"starting the worker template (none was running for this environment: {_why_none(path, me)})"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a dead template's name (we hold the lock)
+    processes.start_template(path)
+    return _connect_when_listening(path)
+
+
+def _why_none(path: str, me: naming.Identity) -> str:
+    """Why no template of identity ``me`` listens at ``path``, from the notes templates left beside it."""
+    if os.path.exists(path):
+        return "the last one ended without cleaning up (killed, or it crashed)"
+    ended = naming.read_note(path, "ended")
+    if ended:
+        return f"the last one left after {ended.get('idle', 0):g} s without a kernel"
+    others = [note for note in _live_notes(os.path.dirname(path)) if note.get("key") != me.key()]
+    mine = [note for note in others if (note.get("prefix"), note.get("executable")) == (me.prefix, me.executable)]
+    if mine:
+        fields = ("nbtrain", "code", "torch", "python", "tag")
+        changed = [name for name in fields if mine[0].get(name) != getattr(me, name)]
+        return f"a rebuild: the running one is of another build ({', '.join(changed) or 'identity'} changed)"
+    if others:
+        return f"only another environment's template runs ({others[0].get('prefix')})"
+    return "the first since this machine started, or since its notes were removed"
+
+
+def _live_notes(folder: str) -> list[dict[str, Any]]:
+    """The "who" notes of templates still alive in ``folder`` (a killed one's note stays: its pid is gone)."""
+    found = []
+    for name in sorted(os.listdir(folder)):
+        socket_file = os.path.join(folder, name[: -len(".who")] + ".sock")
+        note = naming.read_note(socket_file, "who") if name.endswith(".who") else {}
+        with contextlib.suppress(OSError, LookupError, TypeError, ValueError):  # not a note, or of a dead template
+            os.kill(int(note["pid"]), 0)
+            found.append(note)
+    return found
+
+
+def cold_note(own_launcher: bool) -> str:
+    """The line a first run that must wait shows in its cell ("" where it need not: the template was ready).
+
+    ``own_launcher``: the kernel started its own (the template could not be used; :func:`fallbacks` says why).
+    """
+    if own_launcher:
+        if not naming.enabled() or not _said:
+            return ""  # switched off on purpose: said in the log once, not in every first cell
+        waits = "this first run waits for the kernel's own launcher to import torch"
+        return f"nbtrain: the warm template is not used ({_said[-1]}); {waits}."
+    return f"nbtrain: {_cold}; this first run waits for it to import torch." if _cold else ""
+
+
+def say_cold(line: str) -> None:
+    """Show ``line`` in the running cell and write it in the kernel's log."""
+    # deferred: start-up time
+    from nbtrain.kernel.display import owntext
+
+    owntext.print_line(line)
+    with contextlib.suppress(OSError, ValueError):
+        os.write(_log_fd(), (line + "\n").encode(errors="replace"))
+
+
+_cold = ""  # why the template's launcher was not ready when asked for ("" where it was): set by _reach
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from typing import Any
 
 from nbtrain.launch_server import standby
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
-from nbtrain.launch_server.output import RankOutput, RunLog
+from nbtrain.launch_server.rankpipes import RankOutput, RunLog
 from nbtrain.messages import wire
 from nbtrain.messages.events import RankAssignment, StartRun, StoreListening
 from nbtrain.system import privatenet, processes, rendezvous, stepboard
@@ -43,7 +43,7 @@ class RankEnds:
     out_write: int
     err_read: int
     err_write: int
-    stack_read: int  # the rank's faulthandler dumps (nbtrain.messages.stacks)
+    stack_read: int  # the rank's faulthandler dumps (nbtrain.messages.stacktext)
     stack_write: int
 
     @classmethod
@@ -183,6 +183,7 @@ def _rank_main(
     os.dup2(fds.err, 2)
     close_all_but({0, 1, 2, *fds.kept, *privatenet.inherited_fds()})
     privatenet.enter(assignment.start)  # while this is the process's only thread
+    # deferred: start-up time (cloudpickle, torch)
     from nbtrain.rank.machinery import collectives, runtime, stepcheck
 
     stepcheck.attach(*steps)

@@ -1,7 +1,7 @@
 """What the launcher knows of each run (``LauncherRun``) and each rank it started (``RankProcess``).
 
 Mutable records owned by the launcher's loop (nbtrain.launch_server.server); a run's phase
-is its ``lifecycle`` (nbtrain.launch_server.lifecycle), not flags. Nothing here starts or
+and how it ends are its ``lifecycle`` (nbtrain.launch_server.lifecycle), not flags. Nothing here starts or
 signals a process.
 
 A failed run's state: a cell that raised keeps what it had done, as one process would (the
@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass, field
 
 from nbtrain.launch_server import stopatstep
-from nbtrain.launch_server.lifecycle import Lifecycle, RunPhase
-from nbtrain.launch_server.output import RankOutput, RunLog
+from nbtrain.launch_server.lifecycle import Ending, Lifecycle, RunPhase
+from nbtrain.launch_server.rankpipes import RankOutput, RunLog
 from nbtrain.messages import events
 from nbtrain.messages.events import RankDone, RankExited, RankFailed, RankNotStarted, StartRun
 from nbtrain.system import stepboard
@@ -90,7 +90,6 @@ class LauncherRun:
     deadline: float | None
     lifecycle: Lifecycle
     on_cluster: bool = False  # a cluster node's part: done ranks wait for ReleaseRanks (every node done)
-    outcome: str | None = None  # what RunEnded will say (events.FINISHED, ...): set once it is known
     failure: RankFailed | RankExited | RankNotStarted | None = None
     result: bytes | None = None
     result_fd: int | None = None
@@ -108,8 +107,6 @@ class LauncherRun:
     on_stop: str = "keep"
     stop_grace: float = 2.0
     graceful: stopatstep.GracefulStop | None = None
-    stop_note: str = ""  # why a stop could not keep the state (sent with RunEnded)
-    late: list[int] = field(default_factory=list)  # the ranks a graceful stop gave up on
     uneven: UnevenWatch = field(default_factory=UnevenWatch)  # ranks left waiting (launch_server.uneven)
     stall: StallWatch = field(default_factory=StallWatch)  # no rank moving (launch_server.stalls)
     # rank -> (its failure, with the cell's state at its raise; that state's tensor file): see failed_state
@@ -120,15 +117,20 @@ class LauncherRun:
         """The run's phase now (nbtrain.launch_server.lifecycle)."""
         return self.lifecycle.state
 
-    def move(self, to: RunPhase) -> None:
-        """Go to ``to`` now, as the lifecycle's table allows (or raise)."""
-        self.lifecycle.move(to, time.monotonic())
+    @property
+    def ending(self) -> Ending:
+        """How the run will end and why: its state's data (nbtrain.launch_server.lifecycle)."""
+        return self.lifecycle.ending
+
+    def move(self, to: RunPhase, **ending: object) -> None:
+        """Go to ``to`` now with ``ending``'s fields changed, as the lifecycle's table allows (or raise)."""
+        self.lifecycle.move(to, time.monotonic(), **ending)
 
 
 def kept_step(run: LauncherRun) -> int | None:
     """The step a graceful stop kept (every rank ended its cell there), or None."""
-    stop = run.graceful
-    if stop is None or stop.gave_up or run.outcome == events.FINISHED or not all(r.done for r in run.ranks):
+    stop, ending = run.graceful, run.ending
+    if stop is None or ending.gave_up or ending.outcome == events.FINISHED or not all(r.done for r in run.ranks):
         return None
     return stop.step
 

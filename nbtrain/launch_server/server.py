@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import gc
 import os
 import select
 import selectors
@@ -30,6 +31,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from nbtrain import patches
 from nbtrain.launch_server import heldranks, registryentries, stackdumps, stalls, standby, stopatstep, uneven
 from nbtrain.launch_server.forking import (
     bind_store,
@@ -52,8 +54,8 @@ from nbtrain.launch_server.launched import (
     takes_over,
     took_a_step,
 )
-from nbtrain.launch_server.lifecycle import ACTIVE, CAN_DRAIN, STOPPABLE, Lifecycle, RunPhase
-from nbtrain.launch_server.output import STREAMS, RunLog
+from nbtrain.launch_server.lifecycle import ACTIVE, CAN_DRAIN, SECOND_STOP, STOPPABLE, Lifecycle, RunPhase
+from nbtrain.launch_server.rankpipes import STREAMS, RunLog
 from nbtrain.messages import events, logsetup, wire
 from nbtrain.messages.events import (
     AttachHeld,
@@ -246,16 +248,13 @@ class Launcher:
         # is given up (the kernel does not copy it), and rank 0 is stopped with the rest.
         # Every rank is done: the result on its way is what a stop at a step would keep, when the
         # run took an optimizer step; one that never did stops as before, its result given up.
-        finished = run.outcome == events.FINISHED and took_a_step(run)
+        finished = run.ending.outcome == events.FINISHED and took_a_step(run)
         if gracefully and (finished or self._stop_gracefully(run, events.STOPPED)):
             return
         if gracefully and run.graceful is not None and run.graceful.across_nodes:
             return  # a cluster's node stopping already (its own timeout): the kernel asks every node once
         if run.state is RunPhase.STOPPING_AT_STEP and run.graceful is not None:  # asked again
-            run.graceful.gave_up = True
-            run.stop_note = "stopped hard at once (asked to stop a second time)"
-            run.outcome = events.STOPPED
-            self._stop_now(run)  # no stack dumps: a second stop means now
+            self._stop_now(run, outcome=events.STOPPED, gave_up=True, note=SECOND_STOP)  # no dumps: it means now
             return
         if run.state in (RunPhase.RUNNING, RunPhase.OFFERING):
             self._stop(run, events.STOPPED)
@@ -264,8 +263,8 @@ class Launcher:
         """Begin a stop at a step boundary (nbtrain.launch_server.stopatstep); False when the run cannot have one."""
         if run.state is not RunPhase.RUNNING:
             return False
-        run.stop_note = stopatstep.why_none(run.board, run.on_stop)
-        if run.board is None or run.on_stop != "keep" or run.stop_note:
+        run.lifecycle.learn(note=stopatstep.why_none(run.board, run.on_stop))  # said if the stop comes hard
+        if run.board is None or run.on_stop != "keep" or run.ending.note:
             return False
         run.board.request_stop()
         run.graceful = stopatstep.GracefulStop(state, time.monotonic(), across_nodes=run.on_cluster)
@@ -291,16 +290,12 @@ class Launcher:
             self._send(report)
         if stop.choose(run.board, run.stop_grace, now):
             if not stop.step:  # every rank's count went back to none meanwhile: nothing to keep
-                stop.gave_up = True
-                run.stop_note = stopatstep.why_none(run.board, run.on_stop)
-                self._stop(run, stop.state)
+                self._stop(run, stop.state, gave_up=True, note=stopatstep.why_none(run.board, run.on_stop))
                 return
             self._announce_step(run, stop)
-        elif stop.overdue(now):
-            stop.gave_up = True
-            run.late = [rank.spec.rank for rank in run.ranks if not rank.done]
-            run.stop_note = stackdumps.laggards(run)
-            self._stop(run, stop.state)  # its stack dumps then say who waited for whom (_finish)
+        elif stop.overdue(now):  # the note names the late ranks; their dumps then say who waited for whom (_finish)
+            run.lifecycle.learn(late=tuple(rank.spec.rank for rank in run.ranks if not rank.done))
+            self._stop(run, stop.state, gave_up=True, note=stackdumps.laggards(run))
 
     def _announce_step(self, run: LauncherRun, stop: stopatstep.GracefulStop) -> None:
         assert stop.step is not None
@@ -320,7 +315,7 @@ class Launcher:
         now = time.monotonic()
         deadline = None if start.timeout is None else now + start.timeout
         run = LauncherRun(start.run_id, [], deadline, Lifecycle(start.run_id, now), on_cluster=start.node is not None)
-        run.debug_hold = start.debug_hold
+        run.debug_hold = start.rank_settings.debug_hold
         self.held_ranks.release(f"the next launch (run {start.run_id}) needs its devices")
         run.log = RunLog(start.log_path) if start.log_path else None
         run.plan = standby.plan_of(start)
@@ -362,6 +357,7 @@ class Launcher:
         Installed in the launcher's own linecache, they are in every rank it forks from now on
         (standby ranks included); the run's new ones go with it to ranks forked before.
         """
+        # deferred: start-up time (cloudpickle, torch)
         from nbtrain.rank.machinery.runtime import install_source_lines
 
         self.sources.update(start.source_lines)
@@ -455,8 +451,8 @@ class Launcher:
                     self._release(run)
             if all(r.done for r in run.ranks) and run.state in ACTIVE:
                 # Every rank ended its cell at the stop step: the run keeps its result, and says it stopped.
-                stopped = run.graceful is not None and not run.graceful.gave_up
-                run.outcome = run.graceful.state if stopped and run.graceful else events.FINISHED
+                stop = run.graceful if run.state is RunPhase.STOPPING_AT_STEP else None
+                run.lifecycle.learn(outcome=stop.state if stop else events.FINISHED)
                 self._hand_over(run)
 
     def _on_rank_failed(self, run: LauncherRun, rank: RankProcess, message: RankFailed, fd: int | None) -> None:
@@ -478,8 +474,8 @@ class Launcher:
             # The root cause stays alive, paused in its frames, for a post-mortem.
             rank.held = message.held and run.debug_hold is not None and not run.lifecycle.has_been(RunPhase.TERMINATING)
         if run.state is RunPhase.RUNNING and awaits_rank_zero(run):
-            run.outcome = events.FAILED
-            run.move(RunPhase.AWAITING_RANK_ZERO)  # _tick stops the ranks once rank 0 failed, or after the grace
+            # _tick stops the ranks once rank 0 failed, or after the grace
+            run.move(RunPhase.AWAITING_RANK_ZERO, outcome=events.FAILED)
             return
         self._stop(run, events.FAILED)
 
@@ -506,7 +502,7 @@ class Launcher:
         run.move(RunPhase.RELEASED)
         for rank in run.ranks:
             send_quietly(rank.channel, Release(run.run_id))
-        self._standby_after(run, run.outcome)  # forked as they exit (on a GPU, about 0.15 s), not after
+        self._standby_after(run, run.ending.outcome)  # forked as they exit (on a GPU, about 0.15 s), not after
 
     def _standby_after(self, run: LauncherRun, state: str | None) -> None:
         """Have the run's plan's next ranks wait for a re-run, unless the user wants things to stop."""
@@ -527,7 +523,7 @@ class Launcher:
             self._close_pipe(rank, fd)
             self._send_output(run, rank, rank.output.flush(stream, final=True))
             return
-        # Bounded (nbtrain.launch_server.output): past the first lines only the last are
+        # Bounded (nbtrain.launch_server.rankpipes): past the first lines only the last are
         # kept, so a flood costs the kernel nothing and cannot outlast a stop.
         self._send_output(run, rank, rank.output.feed(stream, data))
 
@@ -579,12 +575,12 @@ class Launcher:
             collectives=stalls.last_calls(run) if not reported and not ours else (),
         )
         self._send(exited)
-        if not reported and run.outcome in (None, events.FINISHED):
+        if not reported and run.ending.outcome in (None, events.FINISHED):
             if run.failure is None:
                 run.failure = exited
-            run.outcome = None  # a rank died after the others finished: still a failure
+            run.lifecycle.learn(outcome=None)  # a rank died after the others finished: still a failure
             self._stop(run, events.FAILED)
-        elif not reported and not ours and run.outcome == events.FAILED and isinstance(run.failure, RankFailed):
+        elif not reported and not ours and run.ending.outcome == events.FAILED and isinstance(run.failure, RankFailed):
             # A rank that dies hard (OOM kill, segfault, os._exit) closes its sockets before
             # its pidfd fires, so a peer blocked in a collective can report the broken
             # connection first. Unless this death is our own stop signal, it is the cause
@@ -605,7 +601,7 @@ class Launcher:
         While the ranks go to a stop step nobody signals them: a rank that fails then fails."""
         if run.state in STOPPABLE and run.graceful is None and self.board.stop_requested(run.run_id):
             self._stop_asked_outside(run)
-        return run.outcome == events.STOPPED
+        return run.ending.outcome == events.STOPPED
 
     def _stop_asked_outside(self, run: LauncherRun) -> None:
         """Stop a run asked to stop through the registry, without asking for stack dumps: the
@@ -615,22 +611,20 @@ class Launcher:
             return
         if self._stop_gracefully(run, events.STOPPED):
             return  # the record says so (stop_at_step): the server leaves the ranks to this launcher
-        run.outcome = events.STOPPED
-        run.move(RunPhase.STOPPING_OUTSIDE)  # its SIGKILLs count as ours (launched.our_signal)
+        run.move(RunPhase.STOPPING_OUTSIDE, outcome=events.STOPPED)  # its SIGKILLs count as ours (launched.our_signal)
         self._stop_now(run)
 
-    def _stop(self, run: LauncherRun, state: str) -> None:
-        """End the run as ``state``: after each rank's stack dump for a stop or a timeout."""
+    def _stop(self, run: LauncherRun, state: str, **ending: object) -> None:
+        """End the run as ``state``: after each rank's stack dump for a stop or a timeout; ``ending``: why."""
         if run.state not in STOPPABLE:
             return  # stopping already
-        run.outcome = state
         if state in (events.STOPPED, events.TIMED_OUT) and stackdumps.request_dumps(run):
-            run.move(RunPhase.DUMPING_STACKS)  # _tick stops the ranks once their dumps are in
+            run.move(RunPhase.DUMPING_STACKS, outcome=state, **ending)  # _tick stops the ranks once their dumps are in
             return
-        self._stop_now(run)
+        self._stop_now(run, outcome=state, **ending)
 
-    def _stop_now(self, run: LauncherRun) -> None:
-        run.move(RunPhase.TERMINATING)
+    def _stop_now(self, run: LauncherRun, **ending: object) -> None:
+        run.move(RunPhase.TERMINATING, **ending)
         self.board.update(run.run_id, state="stopping")
         signal_groups([rank for rank in run.ranks if not rank.exited and not rank.held], signal.SIGTERM)
 
@@ -719,12 +713,11 @@ class Launcher:
         del self.runs[run.run_id]
         if run.log is not None:
             run.log.close()
-        if run.late:
-            run.stop_note = stackdumps.laggards(run)
+        note = stackdumps.laggards(run) if run.ending.late else run.ending.note  # the dumps now show who waited
         if run.board is not None:
             run.board.close()
-        state = run.outcome or events.FAILED
-        run.move(RunPhase.ENDED)
+        state = run.ending.outcome or events.FAILED
+        run.move(RunPhase.ENDED, note=note)
         kept = kept_step(run)
         if kept is not None:
             self.board.update(run.run_id, stopped_at=kept)
@@ -736,7 +729,7 @@ class Launcher:
             dumps = stackdumps.dumps_of(run)
             failed = RunEnded(run.run_id, state, failure=run.failure, detail=run.detail, stacks=dumps)
             failed, state_fds = self._with_failed_state(run, failed) if state == events.FAILED else (failed, ())
-            self._send(dataclasses.replace(failed, stop_note=run.stop_note), state_fds)
+            self._send(dataclasses.replace(failed, stop_note=run.ending.note), state_fds)
         for kept_fd in (run.result_fd, *(state_fd for _, state_fd in run.failed_states.values())):
             if kept_fd is not None:
                 os.close(kept_fd)
@@ -760,9 +753,8 @@ class Launcher:
         now = time.monotonic()
         if isinstance(message, DebugQuit):  # `q`: the user ended the run
             if run.state in ACTIVE:
-                run.outcome = events.STOPPED
                 run.detail = f"the run was stopped by `q` in rank {message.rank}'s debugger; every rank is gone."
-                self._stop_now(run)
+                self._stop_now(run, outcome=events.STOPPED)
             return
         if isinstance(message, DebugPrompt) and rank.held:
             rank.held_until = None  # a post-mortem is open: no idle clock while it lasts
@@ -828,7 +820,6 @@ def preload() -> tuple[str, ...]:
     tqdm.notebook's bars printing as text, IPython's display showing in the cell (the patch
     table's ``notebook only``).
     """
-    from nbtrain import patches
 
     patches.install_for_process("notebook only")
     loaded = []
@@ -845,7 +836,10 @@ def main() -> None:
     processes.ignore_interrupts()
     processes.become_subreaper()
     parent_pid = os.getppid()
+    gc.disable()  # as the template's start: nothing made while torch imports is ever freed
     loaded = preload()
+    gc.freeze()
+    gc.enable()
     privatenet.namespaces()  # ~10 ms, while the kernel waits for the launcher anyway, not on a run's way
     wire.send(control, events.LauncherReady(os.getpid(), loaded, logsetup.capture()))
     if processes.thread_count() != 1:

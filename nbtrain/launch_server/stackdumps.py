@@ -1,7 +1,7 @@
 """Each rank's stack dump before a stop: asking for it, reading it, knowing when it is all in.
 
 A run that times out or is stopped asks every live rank for a faulthandler dump
-(nbtrain.messages.stacks) and waits until each has gone quiet, at most STACK_WAIT_SECONDS, before
+(nbtrain.messages.stacktext) and waits until each has gone quiet, at most STACK_WAIT_SECONDS, before
 its ranks are signalled: RunEnded then says where each rank was.
 
 Each rank registers faulthandler at start on a spare real-time signal, writing to a pipe only
@@ -20,7 +20,7 @@ import time
 
 from nbtrain.launch_server import stopatstep
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
-from nbtrain.messages import events, stacks
+from nbtrain.messages import events, stacktext
 from nbtrain.system import processes
 
 # Before stopping a run that timed out or was stopped, each rank dumps its stack: wait for
@@ -69,14 +69,14 @@ def close_dump(selector: selectors.BaseSelector, rank: RankProcess) -> None:
         rank.stack_fd = None
 
 
-def frames_of(rank: RankProcess) -> tuple[stacks.Frame, ...]:
+def frames_of(rank: RankProcess) -> tuple[stacktext.Frame, ...]:
     """The frames of the rank's dump, innermost last."""
-    return stacks.parse_dump(rank.stack.decode("utf-8", "replace"))
+    return stacktext.parse_dump(rank.stack.decode("utf-8", "replace"))
 
 
 def dumps_of(run: LauncherRun) -> tuple[tuple[int, str], ...]:
     """What each rank's dump said, for a run that ended by a timeout or a stop."""
-    if run.outcome not in (events.STOPPED, events.TIMED_OUT):
+    if run.ending.outcome not in (events.STOPPED, events.TIMED_OUT):
         return ()
     return tuple(
         (rank.spec.rank, rank.stack.decode("utf-8", "replace")) for rank in run.ranks if rank.stack or rank.stack_asked
@@ -86,8 +86,8 @@ def dumps_of(run: LauncherRun) -> tuple[tuple[int, str], ...]:
 def laggards(run: LauncherRun) -> str:
     """The note naming the ranks that kept a graceful stop from its step (after the dumps: not those waiting)."""
     if run.graceful is None or run.board is None:
-        return run.stop_note
+        return run.ending.note
     slots = {rank.spec.rank: index for index, rank in enumerate(run.ranks)}
-    waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.waits_on_peers(frames_of(r)))
-    backward = frozenset(r.spec.rank for r in run.ranks if r.stack and stacks.in_backward(frames_of(r)))
-    return stopatstep.laggards_note(run.graceful, run.board, run.late, slots, waiting, backward)
+    waiting = frozenset(r.spec.rank for r in run.ranks if r.stack and stacktext.waits_on_peers(frames_of(r)))
+    backward = frozenset(r.spec.rank for r in run.ranks if r.stack and stacktext.in_backward(frames_of(r)))
+    return stopatstep.laggards_note(run.graceful, run.board, list(run.ending.late), slots, waiting, backward)

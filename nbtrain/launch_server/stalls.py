@@ -21,7 +21,7 @@ from __future__ import annotations
 from nbtrain.launch_server import stackdumps
 from nbtrain.launch_server.launched import LauncherRun, RankProcess, StallWatch
 from nbtrain.launch_server.lifecycle import RunPhase
-from nbtrain.messages import events, stacks
+from nbtrain.messages import events, stacktext
 from nbtrain.system import processes, stepboard
 
 
@@ -55,7 +55,7 @@ def notice(run: LauncherRun, now: float) -> events.RanksStalled | None:
 
 def on_end(run: LauncherRun) -> events.RanksStalled | None:
     """As a run ends: the notice's end, if one is shown and every rank finished (they all moved on)."""
-    if not run.stall.shown or run.outcome != events.FINISHED:
+    if not run.stall.shown or run.ending.outcome != events.FINISHED:
         return None  # a run stopped while stalled keeps its note: its error says where each rank was
     run.stall.shown = ""
     return events.RanksStalled(run.run_id, 0.0)
@@ -88,7 +88,7 @@ def _picture(run: LauncherRun, board: stepboard.StepBoard, seconds: float) -> ev
         if entry is not None and entry.calls:
             calls.append((rank.spec.rank, entry.describe(), entry.calls, inside))
         frames = stackdumps.frames_of(rank)
-        waiting = waiting or inside or stacks.waits_on_peers(frames)
+        waiting = waiting or inside or stacktext.waits_on_peers(frames)
         dumps.append((rank.spec.rank, rank.stack.decode("utf-8", "replace")))
         rank.stack, rank.stack_asked = b"", False
     if not waiting:
@@ -98,7 +98,7 @@ def _picture(run: LauncherRun, board: stepboard.StepBoard, seconds: float) -> ev
 
 def _places(notice: events.RanksStalled) -> tuple[str, ...]:
     """Where each rank is, as the notice would say (a rank busy in Python moving a line is a new picture)."""
-    return tuple(stacks.RankStack(rank, stacks.parse_dump(text)).summary(lambda _: None, lambda *_: "")
+    return tuple(stacktext.RankStack(rank, stacktext.parse_dump(text)).summary(lambda _: None, lambda *_: "")
                  for rank, text in notice.stacks)
 
 
@@ -121,5 +121,5 @@ def last_calls(run: LauncherRun) -> tuple[str, ...]:
         rank = run.ranks[slot].spec.rank if slot < len(run.ranks) else slot
         if entry.calls:
             state = "waiting in it" if entry.since else "returned"
-            lines.append(f"rank {rank}: {entry.describe()}, its {stacks.ordinal(entry.calls)} collective, {state}")
+            lines.append(f"rank {rank}: {entry.describe()}, its {stacktext.ordinal(entry.calls)} collective, {state}")
     return tuple(lines)

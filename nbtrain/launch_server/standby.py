@@ -2,9 +2,9 @@
 
 After a run, the launcher forks the ranks of a run with the same plan (ranks and devices,
 backend, threads, strategy, and the caller's environment, cwd and sys.path): fresh from the
-clean launcher, as for any run. What the options ask of a rank (precision, BatchNorm sync:
-``StartRun.rank_settings``) is not the plan's: it comes with the run that takes them, so a
-cell that changes only those still takes them. Each adopts the plan's state,
+clean launcher, as for any run. The rest of what the options ask of a rank (precision, BatchNorm
+sync: ``StartRun.rank_settings``) is not the plan's: it comes with the run that takes them, so a
+cell that changes only those still takes them. Each adopts the plan's state and settings,
 sets its device (on CUDA: its context, cuDNN and cuBLAS loaded, NCCL's communicator built
 when there are several ranks),
 joins its process group (rank 0 hosting the store on a socket the launcher bound) and waits
@@ -63,7 +63,7 @@ def plan_key(start: StartRun) -> Key | None:
 
     >>> from nbtrain.messages.events import RankSpec
     >>> spec = RankSpec(0, 0, 1, "cpu", None)
-    >>> start = StartRun(1, b"", (spec,), "fork", "gloo", {"A": "1"}, "/", ("/x",), {}, None, standby_seconds=600)
+    >>> start = StartRun(1, b"", (spec,), "fork", {"A": "1"}, "/", ("/x",), {}, None, standby_seconds=600)
     >>> plan_key(start) == plan_key(dataclasses.replace(start, run_id=2, payload=b"other"))
     True
     >>> plan_key(start) == plan_key(dataclasses.replace(start, environ={"A": "2"}))
@@ -73,11 +73,11 @@ def plan_key(start: StartRun) -> Key | None:
         return None
     return (
         start.ranks,
-        start.backend,
+        start.rank_settings.backend,
         tuple(sorted(start.environ.items())),
         start.cwd,
         start.sys_path,
-        start.threads_per_rank,
+        start.rank_settings.threads_per_rank,  # what the waiting ranks set up
         start.strategy,
     )
 
@@ -91,7 +91,7 @@ def plan_summary(plan: StartRun) -> str:
     """``2 cpu ranks, gloo``: what the sidebar and ``nbtrain.runs()`` say they wait for."""
     count = len(plan.ranks)
     kind = plan.ranks[0].device_type if plan.ranks else "cpu"
-    return f"{count} {kind} rank{'s' if count != 1 else ''}, {plan.backend}"
+    return f"{count} {kind} rank{'s' if count != 1 else ''}, {plan.rank_settings.backend}"
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nbtrain.launch_server import lifecycle
 from nbtrain.messages import events
 from nbtrain.system import stepboard
 
@@ -27,14 +28,13 @@ CHOOSE_AFTER_SECONDS = 0.01  # between PENDING and reading the counts: every cou
 
 @dataclass
 class GracefulStop:
-    """One run's graceful stop in progress."""
+    """One run's graceful stop in progress; whether it gave up is the run's (its lifecycle's ``ending``)."""
 
     state: str  # how the run ends: events.STOPPED or events.TIMED_OUT
     asked_at: float
     step: int | None = None  # chosen a tick after asked_at
     grace: float = 0.0
     deadline: float | None = None
-    gave_up: bool = False  # a rank did not arrive in time, or a second stop came: stopped hard
     across_nodes: bool = False  # a cluster's node: the kernel chooses the step over every node
     reported: bool = False  # across_nodes: this node's highest step went to the kernel
 
@@ -64,16 +64,17 @@ class GracefulStop:
         return events.StepsBegun(run_id, max(board.counts(), default=0), grace, self.state)
 
     def adopt(self, board: stepboard.StepBoard, chosen: events.StepChosen, now: float) -> bool:
-        """The kernel's step for every node: publish it to this node's ranks; False when it came too late."""
-        if not self.across_nodes or self.step is not None or self.gave_up:
+        """The kernel's step for every node: publish it to this node's ranks; False when it came too late
+        (asked of a stop still going to its step only: one given up has left STOPPING_AT_STEP)."""
+        if not self.across_nodes or self.step is not None:
             return False
         board.publish_stop(chosen.step)
         self.step, self.grace, self.deadline = chosen.step, chosen.grace, now + chosen.grace
         return True
 
     def overdue(self, now: float) -> bool:
-        """Whether the grace is over and the stop has not given up yet (the launcher then stops hard)."""
-        return not self.gave_up and self.deadline is not None and now > self.deadline
+        """Whether the grace is over (the launcher, still in STOPPING_AT_STEP, then stops hard)."""
+        return self.deadline is not None and now > self.deadline
 
 
 def why_none(board: stepboard.StepBoard | None, on_stop: str) -> str:
@@ -131,7 +132,7 @@ def laggards_note(
     )
     names = ", ".join(str(rank) for rank in named)
     who = f"rank {names}" if len(named) == 1 else f"ranks {names}"
-    if behind:
-        return f"stopped hard ({who} did not reach step {stop.step} within {stop.grace:.1f} s)"
-    # They had begun the step: the cell ends for it where the next optimizer step starts, which never came.
-    return f"stopped hard ({who} did not reach the optimizer step after step {stop.step} within {stop.grace:.1f} s)"
+    # Those behind missed the step; the others had begun it: the cell ends for it where the next
+    # optimizer step starts, which never came.
+    missed = f"step {stop.step}" if behind else f"the optimizer step after step {stop.step}"
+    return lifecycle.hard_stop(who, missed, stop.grace)

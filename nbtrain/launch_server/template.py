@@ -30,6 +30,9 @@ their ancestor, and Yama's rule would otherwise forbid reading rank 0's result.
   backward, an SGD and an AdamW step; one thread, random state put back), so torch's lazy
   first-use work is done once for every rank of its launchers, then freezes its heap
   (``gc.freeze()``), so a collection in a launcher never copies the pages they share.
+- Notes beside the socket (``template-<key>.who``: its identity, pid, start time, ready or not;
+  ``.ended``: it left, idle): from them a kernel's first cell that must wait says why in one
+  line (``nbtrain.kernel.warm.cold_note``). No collections while it imports (``gc.disable``).
 - The test suite runs with ``NBTRAIN_TEMPLATE=0`` except ``tests/test_template.py``, whose
   tests each use a directory of their own. When the kernel falls back to its own launcher,
   and why, is :mod:`nbtrain.kernel.warm`'s.
@@ -45,7 +48,7 @@ import selectors
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from nbtrain.launch_server import forking, server
 from nbtrain.messages import events, logsetup, wire
@@ -142,7 +145,9 @@ class Template:
                 return False
             if self.selector.select(0):
                 return False  # a request waits: serve it first
-            _unlink_own(self.path, self.inode)
+            if _unlink_own(self.path, self.inode):
+                # The next kernel's first cell then says why it waits (nbtrain.kernel.warm.cold_note).
+                _note(self.path, "ended", {"idle": self.idle, "at": time.time()}, gone="who")
             return True
 
 
@@ -157,11 +162,20 @@ def _kernel_left(control_fd: int) -> bool:
             return True
 
 
-def _unlink_own(path: str, inode: int) -> None:
-    """Remove our socket's name, not that of a template which replaced us meanwhile."""
+def _unlink_own(path: str, inode: int) -> bool:
+    """Remove our socket's name, not that of a template which replaced us meanwhile; whether it was ours."""
     with contextlib.suppress(OSError):
         if os.stat(path).st_ino == inode:
             os.unlink(path)
+            return True
+    return False
+
+
+def _note(path: str, kind: str, fields: dict[str, object], gone: str) -> None:
+    """Leave the note of ``kind`` beside the socket (``nbtrain.kernel.warm`` reads it), and remove that of ``gone``."""
+    naming.write_note(path, kind, fields)
+    with contextlib.suppress(OSError):
+        os.unlink(f"{path[: -len('.sock')]}.{gone}")
 
 
 @dataclass(frozen=True)
@@ -211,6 +225,7 @@ def warm_up_torch() -> None:
 
         >>> warm_up_torch()
     """
+    # deferred: start-up time (torch)
     import torch
 
     threads = torch.get_num_threads()
@@ -252,18 +267,27 @@ def main() -> None:
     listener = _listen(path)
     if listener is None:
         processes.exit_now(0)
+    # Who we are, and not ready yet: a kernel connecting meanwhile says its first run waits for us.
+    who = {**asdict(identity), "key": identity.key(), "pid": os.getpid(), "started": time.time()}
+    _note(path, "who", {**who, "ready": False}, gone="ended")
     os.environ["OPENBLAS_NUM_THREADS"] = "1"  # numpy's pool would make forking unsafe
+    # No collections while torch imports: they were a fifth of the template's start (0.4-0.5 of
+    # 2.2 s of CPU on a 2-core machine), which the first kernel's first cell waits for, and
+    # freed next to nothing: everything made now lives as long as the template.
+    gc.disable()
     loaded = server.preload()
     warm_up_torch()
     # Objects that exist now are never collected: a collection in a launcher would touch
     # (and so copy) every page the template shares with it. No collection first: on torch's
     # heap it costs the first kernel's first run time, and frees next to nothing.
     gc.freeze()
+    gc.enable()  # launchers and their ranks collect as usual
     processes.return_free_memory()
     if processes.thread_count() != 1:
         _unlink_own(path, os.stat(path).st_ino)
         processes.exit_now(1)  # forking would be unsafe; kernels then start their own launchers
     privatenet.namespaces()  # once, for every launcher forked from here (nbtrain.system.privatenet)
+    _note(path, "who", {**who, "ready": True}, gone="ended")
     Template(listener, path, loaded, identity).serve()
     processes.exit_now(0)
 

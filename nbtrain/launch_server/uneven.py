@@ -16,7 +16,7 @@ from __future__ import annotations
 from nbtrain.launch_server import stackdumps
 from nbtrain.launch_server.launched import LauncherRun, RankProcess
 from nbtrain.launch_server.lifecycle import RunPhase
-from nbtrain.messages import events, stacks
+from nbtrain.messages import events, stacktext
 from nbtrain.system import processes
 
 UNEVEN_SECONDS = 10.0  # after the first rank finished, the others' stacks are looked at (then as often)
@@ -48,7 +48,7 @@ def look(run: LauncherRun, now: float) -> events.RanksWaiting | None:
         return None
     if now - watch.asked_at <= stackdumps.STACK_WAIT_SECONDS and not stackdumps.dumps_in(run, now):
         return None
-    stuck = [rank for rank in busy if rank.stack and stacks.waits_on_peers(stackdumps.frames_of(rank))]
+    stuck = [rank for rank in busy if rank.stack and stacktext.waits_on_peers(stackdumps.frames_of(rank))]
     dumps = tuple((rank.spec.rank, rank.stack.decode("utf-8", "replace")) for rank in stuck)
     for rank in busy:
         rank.stack, rank.stack_asked = b"", False

@@ -27,9 +27,10 @@ from typing import Any, cast
 
 import cloudpickle
 
-from nbtrain.messages import localstate, nestedpickling, processlocal, trackerruns
+from nbtrain.messages import localstate, nestedpickling, processlocal, reach, trackerruns
 
 _ERASED = "<dynamic-code>"
+_OBJECT_GETSTATE = getattr(object, "__getstate__", None)
 # The module inside cloudpickle that holds its reducers (``_code_reduce`` among them).
 _INTERNALS = importlib.import_module("cloudpickle.cloudpickle")
 
@@ -53,7 +54,8 @@ class Pickler(cloudpickle.Pickler):
     """``cloudpickle.Pickler`` whose functions keep their ``co_filename``, optimizers their
     attributes, parametrized modules (``weight_norm``, ``spectral_norm``) travel, a
     tracker's run the kernel opened travels as a stand-in (:mod:`nbtrain.messages.trackerruns`),
-    weak references and locks as :mod:`nbtrain.messages.localstate` says, and a standard
+    weak references and locks as :mod:`nbtrain.messages.localstate` says, an object whose class's
+    ``__getstate__`` leaves out what can travel with what it left out (:func:`own_state_reduce`), and a standard
     pickle made inside it sends notebook code by value (:mod:`nbtrain.messages.nestedpickling`)."""
 
     dispatch_table = _dispatch_table()
@@ -68,17 +70,51 @@ class Pickler(cloudpickle.Pickler):
         """Optimizers (:func:`optimizer_reduce`) and parametrized modules (:func:`parametrized_reduce`)
         their own way; everything else as cloudpickle does."""
         # A tracker's run the kernel opened goes as a stand-in that calls it back.
-        for reduce in (
+        # A thread is refused (localstate.refuse_thread): its locks travel (localstate.REDUCERS), it does not.
+        reducers = (
             optimizer_reduce,
             parametrized_reduce,
             trackerruns.stand_in,
             processlocal.reduce_shared_state,
-            localstate.refuse_thread,  # its locks travel (localstate.REDUCERS), it does not
-        ):
+            own_state_reduce,
+        )
+        for reduce in (*reducers, localstate.refuse_thread):
             reduced = reduce(obj)
             if reduced is not None:
                 return reduced
         return super().reducer_override(obj)
+
+
+def own_state_reduce(obj: Any) -> Any:
+    """A reduction of an object whose class's own ``__getstate__`` leaves out attributes that can
+    travel (:func:`nbtrain.messages.reach.state_and_left_out`), with them; None for anything else.
+
+    fastcore's ``Stateful`` leaves out a ``Recorder``'s history (``values``, ``losses``) for
+    ``Learner.export``: a ``Learner`` bound in a cell would come back without it, where one the kernel
+    refills keeps it (:func:`nbtrain.messages.reach.attributes`). What cannot travel (a lock) stays
+    out, and the class's own ``__setstate__`` makes it anew, as it would.
+    """
+    cls = type(obj)
+    if getattr(cls, "__getstate__", _OBJECT_GETSTATE) is _OBJECT_GETSTATE:
+        return None  # its pickle holds all its attributes already: the common case, at one look-up
+    if hasattr(cls, "__getnewargs_ex__") or hasattr(cls, "__getnewargs__"):
+        return None  # made from arguments of its own: pickled its own way
+    held = reach.state_and_left_out(obj)
+    if held is None:
+        return None
+    # copyreg.__newobj__ is what pickle itself uses for a class instance (typeshed lacks it).
+    return copyreg.__newobj__, (cls,), held, None, None, _set_own_state  # type: ignore[attr-defined]
+
+
+def _set_own_state(obj: Any, held: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    """What pickle would do with the state (the class's ``__setstate__``), then what travelled beside it."""
+    state, left_out = held
+    setstate = getattr(type(obj), "__setstate__", None)  # the class's: a __getattr__ (fastcore's GetAttr) is not asked
+    if setstate is not None:
+        setstate(obj, state)
+    else:
+        obj.__dict__.update(state)
+    obj.__dict__.update(left_out)
 
 
 def parametrized_reduce(obj: Any) -> Any:
@@ -107,6 +143,7 @@ def _new_module(cls: type) -> Any:
 
 
 def _set_parametrized_state(module: Any, state: dict[str, Any]) -> None:
+    # deferred: start-up time (torch)
     from torch.nn.utils import parametrize
 
     module.__dict__.update(state)
@@ -147,14 +184,9 @@ def own_attributes(optimizer: Any, *, optimizers: bool = True) -> dict[str, Any]
     ``optimizers=False`` leaves out those that hold an optimizer (one it wraps).
     """
     state = optimizer.__getstate__()
-    return {
-        key: value
-        for key, value in vars(optimizer).items()
-        if key not in state
-        and key not in _REMADE
-        and not key.startswith("_optimizer_")
-        and _plain_data(value, optimizers=optimizers)
-    }
+    own = {key: value for key, value in vars(optimizer).items() if key not in state and key not in _REMADE}
+    own = {key: value for key, value in own.items() if not key.startswith("_optimizer_")}
+    return {key: value for key, value in own.items() if _plain_data(value, optimizers=optimizers)}
 
 
 def _plain_data(value: Any, depth: int = 0, *, optimizers: bool = True) -> bool:
@@ -167,13 +199,10 @@ def _plain_data(value: Any, depth: int = 0, *, optimizers: bool = True) -> bool:
         return optimizers  # one another wraps (a lookahead's inner optimizer) is reduced the same way
     if depth >= 3:
         return False
+    if isinstance(value, dict):  # its keys and values alike
+        value = [item for pair in value.items() for item in pair]
     if isinstance(value, (list, tuple)):
         return all(_plain_data(item, depth + 1, optimizers=optimizers) for item in value)
-    if isinstance(value, dict):
-        return all(
-            _plain_data(k, depth + 1, optimizers=optimizers) and _plain_data(v, depth + 1, optimizers=optimizers)
-            for k, v in value.items()
-        )
     return False
 
 

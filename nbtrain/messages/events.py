@@ -60,31 +60,32 @@ class NodePlace:
 
 @dataclass(frozen=True)
 class RankSettings:
-    """What a run's launch options ask of its ranks: one record, built once by the kernel.
+    """Every setting a run's ranks read, typed: one record, built once by the kernel from its plan.
 
-    ``model_wrapper`` and ``dp_devices`` follow from the strategy and the devices;
-    ``options`` holds every launch option marked ``Option(rank=True)`` in
-    :mod:`nbtrain.options`, by name, and each reads as an attribute. :class:`StartRun`
-    carries the record whole; on a rank, :mod:`nbtrain.rank.machinery.settings` is its one reader.
+    The kernel builds it (:func:`nbtrain.planning.config.make_config` from the plan and the
+    launch options, completed by :mod:`nbtrain.kernel.client` with what this machine and
+    session decide); :class:`StartRun` carries it whole; on a rank,
+    :mod:`nbtrain.rank.machinery.settings` is its one reader. Each launch option marked
+    ``Option(rank=True)`` in :mod:`nbtrain.options` is a field of the same name, with the
+    same built-in default (tests/test_settings.py holds them together): a new one is its
+    field here, its Option and the code that reads it.
 
-    >>> settings = RankSettings("ddp", options={"precision": "bf16-mixed"})
-    >>> settings.model_wrapper, settings.precision
-    ('ddp', 'bf16-mixed')
+    >>> settings = RankSettings("ddp", precision="bf16-mixed")
+    >>> settings.model_wrapper, settings.precision, settings.sync_batchnorm
+    ('ddp', 'bf16-mixed', False)
     """
 
     # "ddp", "fsdp", "dp", ... (nbtrain.planning.config.Strategy); "": a run nbtrain did not plan (ddp over several
     # ranks)
     model_wrapper: str = ""
     dp_devices: tuple[int, ...] = ()  # strategy dp: DataParallel's GPUs, the rank's own first
-    options: Mapping[str, Any] = field(default_factory=dict)
-
-    def __getattr__(self, name: str) -> Any:
-        options = self.__dict__.get("options", {})
-        if name not in options:
-            told = ", ".join(sorted(options)) or "none"
-            raise AttributeError(f"{name!r} is not a launch option the ranks are told; they are told {told} "
-                                 "(Option(rank=True) in nbtrain.options marks one)")
-        return options[name]
+    backend: str = "gloo"  # the process group's, as the plan resolved it
+    threads_per_rank: int | None = None  # intra-op threads; None: the user's OMP_NUM_THREADS decides
+    # Seconds a failed run's root-cause rank is held for a post-mortem (the launcher holds it); None: not held.
+    debug_hold: float | None = None
+    # -- the launch options marked Option(rank=True), as the plan checked them
+    precision: str = "32-true"
+    sync_batchnorm: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,19 +101,15 @@ class StartRun:
     payload: bytes
     ranks: tuple[RankSpec, ...]
     start_method: str  # "fork" | "spawn"
-    backend: str
     environ: Mapping[str, str]
     cwd: str
     sys_path: tuple[str, ...]
     source_lines: Mapping[str, tuple[str, ...]]  # linecache entries of notebook cells
     timeout: float | None
-    threads_per_rank: int | None = None  # None: the user's OMP_NUM_THREADS decides
     has_tensor_file: bool = False
     strategy: str = ""  # its name, for the run registry only
     log_path: str | None = None  # where the launcher writes every rank's full output
     node: NodePlace | None = None  # None: every rank is on this machine (the local engine)
-    # Seconds a failed run's root-cause rank is held for a post-mortem; None: not held.
-    debug_hold: float | None = None
     interactive: bool = True  # False (a background run): a breakpoint cannot prompt and is passed
     # After this run, keep the next run's ranks waiting this many idle seconds (standby
     # ranks, nbtrain.launch_server.standby); None: none.
@@ -136,8 +133,8 @@ class StartRun:
     logging_setup: LoggingSetup = field(default_factory=LoggingSetup)
     # torch's settings the kernel changed from the defaults (nbtrain.messages.torchsettings): each rank sets them.
     torch_settings: Mapping[str, Any] = field(default_factory=dict)
-    # What the launch options ask of the ranks (precision, sync BN, model wrapper): nbtrain.rank.machinery.settings
-    # reads it.
+    # Every setting the ranks read (precision, sync BN, backend, threads...): nbtrain.rank.machinery.settings
+    # reads it, and no rank reads the launcher's copies above.
     rank_settings: RankSettings = field(default_factory=RankSettings)
 
 
@@ -373,7 +370,7 @@ class RunEnded:
     failure: RankFailed | RankExited | RankNotStarted | NodeLost | None = None
     detail: str = ""
     # A run that timed out or was stopped: each rank's faulthandler dump at that moment,
-    # (rank, text); "" for a rank that did not answer. Parsed by nbtrain.messages.stacks.
+    # (rank, text); "" for a rank that did not answer. Parsed by nbtrain.messages.stacktext.
     stacks: tuple[tuple[int, str], ...] = ()
     # A graceful stop: the step every rank stopped at (``result`` then holds rank 0's state there),
     # or, for one that could not keep the state, why (``stop_note``).

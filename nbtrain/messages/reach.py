@@ -3,8 +3,9 @@
 Training code often keeps its model in another object: ``trainer.model``,
 ``models["generator"]``, a dataclass field, a list of models, a trainer of a module beside
 the notebook. :func:`find_reached` lists every object a few steps inside the cell's
-globals (through dicts, lists, tuples and objects whose state is their attributes, of any
-class), each named by the expression that reaches it (``trainer.model``). The ranks send
+globals (through dicts, lists, tuples, objects whose state is their attributes, of any
+class, and the closures of functions: ``create_supervised_trainer(model, ...)`` keeps its model
+in one), each named by the expression that reaches it (``trainer.model``). The ranks send
 back each of those objects as a reference to where it was, and what changed in it: so the
 kernel's objects stay the objects they were, shared where they were shared (``trainer.model
 is model``), and only their contents change, as if the cell had run in the kernel.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import pickle
 import sys
 import types
 from collections.abc import Mapping
@@ -51,7 +53,7 @@ class Held:
 
     label: str  # the expression that reaches it: "trainer.model", "models['g']"
     root: str  # the global it is inside
-    steps: tuple[tuple[str, Any], ...]  # ("attr", name) | ("key", key) | ("index", i), from the global
+    steps: tuple[tuple[str, Any], ...]  # ("attr", name) | ("key", key) | ("index", i) | ("cell", i), from the global
     kind: str  # "module" | "optimizer" | "scheduler" | "loader" | "tensor" | the class's name (kind_of)
     fixed: str = ""  # why its place cannot hold another object (a tuple), else ""
     in_model: bool = False  # a model's attribute, or inside one: the model's, never prepared on its own
@@ -99,7 +101,8 @@ def kind_of(obj: Any) -> str:
 def find_reached(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:
     """Each object inside ``namespace``'s values (not the values themselves), with its label.
 
-    Numbers, strings, functions, classes and modules are no places' own. An object reached
+    Numbers, strings, functions, classes and modules are no places' own; what a function's closure
+    holds is (``engine._process_function.__closure__[3].cell_contents``). An object reached
     along several paths, or also a global itself, is listed once (its first place), but a
     model, optimizer or loader at each place, since each place must hold the prepared one;
     globals are visited in sorted order, so both sides of a run agree.
@@ -111,14 +114,15 @@ def find_reached(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:
     def visit(name: str, value: Any, steps: tuple[tuple[str, Any], ...], path: set[int], in_model: bool) -> None:
         fixed = "a tuple cannot hold another object" if isinstance(value, tuple) else ""
         for step, child in _children(value):
-            if isinstance(child, (_ATOMIC, _STATIC)) or id(child) in path or len(found) >= REACHED:
+            if _holds_nothing(child) or id(child) in path or len(found) >= REACHED:
                 continue  # no place's own, a cycle, or enough
             here, kind = (*steps, step), kind_of(child)
             again = id(child) in tops or id(child) in seen  # its inside is listed where it was first
             if again and (kind not in TORCH_KINDS or in_model):
                 continue
             seen.add(id(child))
-            found.append((Held(name + steps_as_python(here), name, here, kind, fixed, in_model), child))
+            if not isinstance(child, types.FunctionType):  # it travels by value: its closure's objects are places
+                found.append((Held(name + steps_as_python(here), name, here, kind, fixed, in_model), child))
             if not again and len(here) < DEPTH:
                 visit(name, child, here, path | {id(child)}, in_model or kind == "module")
 
@@ -126,6 +130,11 @@ def find_reached(namespace: Mapping[str, Any]) -> list[tuple[Held, Any]]:
         value = namespace[name]
         visit(name, value, (), {id(value)}, torch_kind(value) == "module")
     return found
+
+
+def _holds_nothing(value: Any) -> bool:
+    """No place of its own, nor holding one: a number, a class, a module; a function holds its closure."""
+    return isinstance(value, _ATOMIC) or (isinstance(value, _STATIC) and not isinstance(value, types.FunctionType))
 
 
 def _children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
@@ -136,6 +145,9 @@ def _children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
 
 
 def _listed_children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
+    if isinstance(value, types.FunctionType):  # an empty cell (a name bound later) raises: nothing there yet
+        cells = itertools.islice(enumerate(value.__closure__ or ()), ITEMS)
+        return [(("cell", i), cell.cell_contents) for i, cell in cells if is_filled(cell)]
     if isinstance(value, (_ATOMIC, _STATIC)):
         return []
     kind = torch_kind(value)
@@ -156,10 +168,20 @@ def _listed_children(value: Any) -> list[tuple[tuple[str, Any], Any]]:
     return []
 
 
+def is_filled(cell: types.CellType) -> bool:
+    """Whether a closure's cell holds a value yet (that of a name its function binds later does not)."""
+    try:
+        cell.cell_contents  # noqa: B018 - reading it is the test
+    except ValueError:
+        return False
+    return True
+
+
 def is_users_object(value: Any) -> bool:
-    """An object whose state is its attributes, of any class: it pickles as them, nothing of its own
-    (a notebook class's or a module's instance, a dataclass, a ``SimpleNamespace``; not a class,
-    a module, a container or a tensor).
+    """An object whose state is its attributes, of any class: it pickles as them, or as some of them
+    through its class's own ``__getstate__``/``__setstate__`` (:func:`_own_state`): a notebook class's
+    or a module's instance, a dataclass, a ``SimpleNamespace``, fastai's ``Learner``; not a class, a
+    module, a container, a tensor, nor an object whose pickled state is something else.
 
     >>> is_users_object(types.SimpleNamespace(lr=0.1)), is_users_object(types), is_users_object([1])
     (True, False, False)
@@ -171,12 +193,66 @@ def is_users_object(value: Any) -> bool:
         hasattr(value, "__dict__") or _slots(cls)
     ):
         return False
-    return (
-        cls.__reduce_ex__ is _OBJECT_REDUCE_EX
-        and cls.__reduce__ is _OBJECT_REDUCE
-        and getattr(cls, "__getstate__", None) is getattr(object, "__getstate__", None)
-        and not hasattr(cls, "__setstate__")
-    )
+    if cls.__reduce_ex__ is not _OBJECT_REDUCE_EX or cls.__reduce__ is not _OBJECT_REDUCE:
+        return False
+    if getattr(cls, "__getstate__", None) is getattr(object, "__getstate__", None) and not hasattr(cls, "__setstate__"):
+        return True
+    return _own_state(value) is not None
+
+
+def _own_state(value: Any) -> dict[str, Any] | None:
+    """What ``value``'s class's own ``__getstate__`` keeps, where that is some of its attributes, as they
+    are (fastai's ``Learner`` leaves out its lock, fastcore's ``Stateful`` its history); None where its
+    state is something else (then it travels whole, rebuilt by its class). The state of an object
+    without a ``__getstate__`` of its class's own is all of its attributes.
+    """
+    own = getattr(value, "__dict__", None)
+    if not isinstance(own, dict) or _slots(type(value)):
+        return None
+    if getattr(type(value), "__getstate__", None) is getattr(object, "__getstate__", None):
+        return own
+    try:
+        state = value.__getstate__()
+    except Exception:  # noqa: BLE001 - a state it cannot say is none we can refill
+        return None
+    if state is None:
+        state = {}
+    if not isinstance(state, dict) or any(k not in own or own[k] is not v for k, v in state.items()):
+        return None
+    return state
+
+
+def _left_out(value: Any) -> set[str]:
+    """The attributes of a users object that its own pickling leaves out (:func:`_own_state`)."""
+    state = _own_state(value) if is_users_object(value) else None
+    own = getattr(value, "__dict__", None)
+    return set() if state is None or not isinstance(own, dict) else {k for k in own if k not in state}
+
+
+def state_and_left_out(value: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """For a users object whose class's own pickling leaves out attributes that can travel anyway
+    (:func:`_travels`: fastcore's ``Stateful`` its history): (the state it keeps, those attributes);
+    None for any other object, so that it pickles as its class says."""
+    if not is_users_object(value):
+        return None
+    state, own = _own_state(value), getattr(value, "__dict__", None)
+    if state is None or state is own or not isinstance(own, dict):
+        return None
+    travelling = {k: v for k, v in own.items() if k not in state and _travels(v)}
+    return (state, travelling) if travelling else None
+
+
+def _travels(value: Any) -> bool:
+    """Whether an attribute a class's pickling leaves out can go to another process anyway: a history
+    (fastai's ``Recorder.values``) does, a lock or an open file does not (it stays the receiver's own),
+    nor does code (a method an LR scheduler set on its optimizer: the receiver's own wraps its own)."""
+    if callable(value):
+        return False
+    try:
+        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - whatever stops it, it stays where it is
+        return False
+    return True
 
 
 def _slots(cls: type) -> list[str]:
@@ -190,6 +266,10 @@ def attributes(value: Any) -> dict[str, Any]:
     if torch_kind(value) == "module":
         return {k: v for k, v in vars(value).items() if not k.startswith("_") and k != "training"}
     found = {k: v for k, v in getattr(value, "__dict__", {}).items() if not k.startswith("__")}
+    # What its own pickling leaves out is the object's too, here in memory: kept where it can travel.
+    for name in _left_out(value) & found.keys():
+        if not _travels(found[name]):
+            del found[name]
     for name in _slots(type(value)):
         if hasattr(value, name):
             found[name] = getattr(value, name)
@@ -218,6 +298,20 @@ def refill(target: Any, held: Any) -> None:
 
     >>> box = types.SimpleNamespace(a=1, gone=2); refill(box, {"a": [3]}); box
     namespace(a=[3])
+
+    An object whose class's pickling leaves out a lock and a history (as fastai's ``Learner`` and
+    ``Recorder`` do): the history travels, the lock it cannot send stays the receiver's own.
+
+    >>> import threading
+    >>> class Fit:
+    ...     def __init__(self): self.lock, self.losses, self.lr = threading.Lock(), [], 0.1
+    ...     def __getstate__(self): return {"lr": self.lr}
+    ...     def __setstate__(self, state): self.__dict__.update(state, lock=threading.Lock(), losses=[])
+    >>> rank, kernel = Fit(), Fit(); rank.losses.append(0.5); rank.lr = 0.2; lock = kernel.lock
+    >>> sorted(contents(rank)); refill(kernel, contents(rank))
+    ['losses', 'lr']
+    >>> kernel.losses, kernel.lr, kernel.lock is lock
+    ([0.5], 0.2, True)
     """
     if type(target) is list:
         target[:] = held
@@ -232,8 +326,10 @@ def refill(target: Any, held: Any) -> None:
     else:
         slots = set(_slots(type(target)))
         own = getattr(target, "__dict__", None)
-        if own is not None:  # Python's own entries (``__orig_class__``) are not the state that travelled
-            kept = {k: v for k, v in own.items() if k.startswith("__")}
+        if own is not None:  # Python's own entries (``__orig_class__``) are not the state that travelled,
+            # nor what its pickling leaves out and did not come (a lock: the receiver's own stays)
+            left_out = _left_out(target) - held.keys()
+            kept = {k: v for k, v in own.items() if k.startswith("__") or k in left_out}
             own.clear()
             own.update(kept)
             own.update({k: v for k, v in held.items() if k not in slots})
@@ -245,15 +341,27 @@ def refill(target: Any, held: Any) -> None:
 
 
 def steps_as_python(steps: tuple[tuple[str, Any], ...]) -> str:
-    """The steps as Python: ``.model``, ``['g']``, ``[0]``."""
-    return "".join(f".{key}" if how == "attr" else f"[{key!r}]" for how, key in steps)
+    """The steps as Python: ``.model``, ``['g']``, ``[0]``, ``.__closure__[3].cell_contents``."""
+    return "".join(_step_as_python(how, key) for how, key in steps)
+
+
+def _step_as_python(how: str, key: Any) -> str:
+    if how == "cell":
+        return f".__closure__[{key}].cell_contents"
+    return f".{key}" if how == "attr" else f"[{key!r}]"
+
+
+def _step(obj: Any, how: str, key: Any) -> Any:
+    if how == "cell":
+        return obj.__closure__[key].cell_contents
+    return getattr(obj, key) if how == "attr" else obj[key]
 
 
 def resolve(namespace: Mapping[str, Any], held: Held) -> Any:
     """The object at ``held``'s place in ``namespace`` (KeyError, IndexError, AttributeError if gone)."""
     obj = namespace[held.root]
     for how, key in held.steps:
-        obj = getattr(obj, key) if how == "attr" else obj[key]
+        obj = _step(obj, how, key)
     return obj
 
 
@@ -261,9 +369,11 @@ def put(namespace: Mapping[str, Any], held: Held, value: Any) -> None:
     """Set ``held``'s place to ``value`` (what the holder raises, if it refuses)."""
     holder = namespace[held.root]
     for how, key in held.steps[:-1]:
-        holder = getattr(holder, key) if how == "attr" else holder[key]
+        holder = _step(holder, how, key)
     how, key = held.steps[-1]
-    if how == "attr":
+    if how == "cell":  # the function's own cell: the function (and all that share the cell) sees the new one
+        holder.__closure__[key].cell_contents = value
+    elif how == "attr":
         setattr(holder, key, value)
     else:
         holder[key] = value

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import importlib
 import random
 import re
 import sys
@@ -121,10 +122,8 @@ def rng_states() -> dict[str, Any] | None:
     if torch is None:
         return None
     torch_state = torch.get_rng_state()  # a uint8 tensor, sent as bytes: no tensor, no shared-memory file
-    states: dict[str, Any] = {
-        "torch": ctypes.string_at(torch_state.data_ptr(), torch_state.numel()),
-        "random": _packed(random.getstate()),
-    }
+    torch_bytes = ctypes.string_at(torch_state.data_ptr(), torch_state.numel())
+    states: dict[str, Any] = {"torch": torch_bytes, "random": _packed(random.getstate())}
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         states["numpy"] = numpy.random.get_state()
@@ -147,7 +146,6 @@ def set_rng_states(states: Mapping[str, Any] | None) -> None:
     """Start this process's RNGs where :func:`rng_states` left another's."""
     if not states:
         return
-    import importlib
 
     # States that hold a torch state came from a process with torch: it is installed here too.
     torch = importlib.import_module("torch")

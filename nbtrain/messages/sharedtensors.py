@@ -54,6 +54,7 @@ _PARALLEL_COPY_BYTES = 64 << 20
 # Reads from another process (and discards) go in pieces of at most this size, over threads.
 _READ_PIECE_BYTES = 32 << 20
 _MAX_THREADS = 8
+Regions = tuple[tuple[int, int, int], ...]  # (address, bytes, offset in the layout) of each storage
 
 
 class _StoragePickler(codepickle.Pickler):
@@ -184,7 +185,7 @@ class InPlace:
     """
 
     data: bytes
-    regions: tuple[tuple[int, int, int], ...]
+    regions: Regions
     total_bytes: int
     _storages: list[tuple[torch.UntypedStorage, int]] = field(repr=False, default_factory=list)
 
@@ -224,14 +225,14 @@ def dumps_in_place(obj: Any) -> InPlace:
     return InPlace(buffer.getvalue(), regions, pickler.total_bytes, storages)
 
 
-def read_from_process(pid: int, regions: tuple[tuple[int, int, int], ...], total_bytes: int) -> mmap.mmap:
+def read_from_process(pid: int, regions: Regions, total_bytes: int) -> mmap.mmap:
     """Copy the storages :func:`dumps_in_place` left in process ``pid`` into a new mapping.
 
     The mapping is private anonymous memory of this process (in huge pages when free ones
     are at hand); large layouts are read by several threads at once. Raises OSError when ``pid``
     cannot be read (see :func:`nbtrain.system.processes.read_memory`).
     """
-    mapping = _new_private_memory(total_bytes)
+    mapping = private_memory(total_bytes)
     anchor = ctypes.c_char.from_buffer(mapping)
     base = ctypes.addressof(anchor)
     del anchor  # a live buffer export would keep the mapping from ever closing
@@ -250,9 +251,7 @@ def read_from_process(pid: int, regions: tuple[tuple[int, int, int], ...], total
     return mapping
 
 
-def read_span_from_process(
-    pid: int, regions: tuple[tuple[int, int, int], ...], start: int, length: int, into: int
-) -> None:
+def read_span_from_process(pid: int, regions: Regions, start: int, length: int, into: int) -> None:
     """Copy bytes ``[start, start + length)`` of the layout left in process ``pid`` to address ``into``.
 
     The cluster agent reads rank 0's result piece by piece into one small buffer. Bytes no
@@ -266,29 +265,18 @@ def read_span_from_process(
             processes.read_memory(pid, into + low - start, address + low - offset, high - low)
 
 
-def private_memory(nbytes: int) -> mmap.mmap:
-    """Fresh memory of this process for a layout arriving in pieces: what :func:`loads_mapped` reads."""
-    return _new_private_memory(nbytes)
-
-
 def _thread_count(pieces: int) -> int:
     return max(1, min(pieces, _MAX_THREADS, len(os.sched_getaffinity(0))))
 
 
-_madvise: Any = None
-
-
 def _discard_pages(address: int, length: int) -> None:
-    global _madvise
-    if _madvise is None:
-        function = ctypes.CDLL(None, use_errno=True).madvise
-        function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _madvise = function
-    _madvise(address, length, mmap.MADV_DONTNEED)  # a failure only means exit frees it instead
+    madvise = processes.libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+    madvise(address, length, mmap.MADV_DONTNEED)  # a failure only means exit frees it instead
 
 
-def _new_private_memory(nbytes: int) -> mmap.mmap:
-    """Anonymous memory for a layout, in transparent huge pages when that is cheap.
+def private_memory(nbytes: int) -> mmap.mmap:
+    """Fresh memory of this process for a layout arriving in pieces (what :func:`loads_mapped` reads),
+    in transparent huge pages when that is cheap.
 
     Page faults are most of the cost of copying into fresh memory, and a 2 MiB page takes
     one fault where 4 KiB pages take 512: a fresh 1 GiB fills ~4x faster. But where Linux
@@ -315,15 +303,9 @@ def free_huge_page_bytes() -> int:
             lines = f.read().splitlines()
     except (OSError, ValueError):
         return 0
-    page = mmap.PAGESIZE
-    total = 0
-    for line in lines:
-        counts = line.split()[4:]  # "Node 0, zone Normal c0 c1 ...": counts by order
-        for order, count in enumerate(counts):
-            block = page << order
-            if block >= huge and count.isdigit():
-                total += int(count) * block
-    return total
+    # "Node 0, zone Normal c0 c1 ...": counts of free blocks by order
+    blocks = ((mmap.PAGESIZE << order, count) for line in lines for order, count in enumerate(line.split()[4:]))
+    return sum(int(count) * block for block, count in blocks if block >= huge and count.isdigit())
 
 
 def _write_storages(storages: list[tuple[torch.UntypedStorage, int]], total_bytes: int) -> int:

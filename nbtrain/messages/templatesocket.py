@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import socket
 import struct
 import sys
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import metadata
+from typing import Any
 
 from nbtrain.system import sharedhost
 
@@ -98,17 +100,9 @@ def identity(environ: Mapping[str, str] | None = None, tag: str | None = None) -
         'x'
     """
     environ = os.environ if environ is None else environ
-    found = Identity(
-        nbtrain=_version("nbtrain"),
-        code=_code_stamp(),
-        torch=_version("torch"),
-        prefix=sys.prefix,
-        executable=sys.executable,
-        python=sys.version,
-        uid=os.getuid(),
-        tag=environ.get(TAG_VARIABLE, ""),
-    )
-    return found if tag is None else replace(found, tag=tag)
+    tag = environ.get(TAG_VARIABLE, "") if tag is None else tag
+    return Identity(nbtrain=_version("nbtrain"), code=_code_stamp(), torch=_version("torch"), prefix=sys.prefix,
+                    executable=sys.executable, python=sys.version, uid=os.getuid(), tag=tag)
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -249,3 +243,20 @@ def _code_stamp() -> int:
                 with contextlib.suppress(OSError):
                     newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime_ns)
     return newest
+
+
+def write_note(path: str, kind: str, fields: dict[str, object]) -> None:
+    """The template's note of ``kind`` beside its socket ``path``: "who" (its identity, ready or not) or "ended"."""
+    note = f"{path[: -len('.sock')]}.{kind}"
+    with contextlib.suppress(OSError):
+        with open(f"{note}.tmp", "w") as file:
+            json.dump(fields, file)
+        os.replace(f"{note}.tmp", note)  # whole or absent: a kernel may read it meanwhile
+
+
+def read_note(path: str, kind: str) -> dict[str, Any]:
+    """The note of ``kind`` beside the socket ``path`` ({} where there is none or it cannot be read)."""
+    with contextlib.suppress(OSError, ValueError), open(f"{path[: -len('.sock')]}.{kind}") as file:
+        found = json.load(file)
+        return found if isinstance(found, dict) else {}
+    return {}

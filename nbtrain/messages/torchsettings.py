@@ -65,6 +65,7 @@ def take_on(settings: Mapping[str, Any], device_type: str = "cpu") -> None:
     """Set ``settings`` (the kernel's :func:`changed_from_defaults`) here, a rank on ``device_type``."""
     if not settings:
         return
+    # deferred: start-up time (torch)
     import torch
 
     for name, value in settings.items():

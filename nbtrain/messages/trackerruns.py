@@ -29,6 +29,7 @@ go nowhere)::
 
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -82,7 +83,6 @@ def _reduction(obj: Any, kind: tuple[str, str, str, tuple[str, ...]]) -> tuple[A
 def with_kernel_wandb_run(module_name: str, arguments: tuple[Any, ...]) -> Any:
     """On a rank: the wandb module, with the kernel's active run standing behind ``wandb.log``."""
     global kernel_wandb_run
-    import importlib
 
     kernel_wandb_run = KernelRunStandIn(*arguments)
     return importlib.import_module(module_name)
@@ -171,6 +171,7 @@ def _chart(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 def send_calls() -> None:
     """Send rank 0's kept calls to the kernel now (the cell's end calls it too)."""
     global _last_send
+    # deferred: start-up time
     from nbtrain.messages.events import TrackerCalls
 
     _last_send = time.monotonic()
@@ -222,9 +223,7 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "detach") and hasattr(value, "numel"):
         tensor = value.detach()
         return float(tensor.float().item()) if tensor.numel() == 1 else tensor.cpu().numpy()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
+    return {k: _plain(v) for k, v in value.items()} if isinstance(value, dict) else value
 
 
 def replay(calls: Any, warn: Callable[[str], None]) -> None:

@@ -51,16 +51,8 @@ _MOST_ITEMS = 10_000  # per list or dict: a list of a million numbers is data, n
 
 # Tensors per parameter that an optimizer allocates on its first step, by class name.
 _STATE_PER_PARAMETER = {
-    "Adam": 2,
-    "AdamW": 2,
-    "Adamax": 2,
-    "NAdam": 2,
-    "RAdam": 2,
-    "Adadelta": 2,
-    "Rprop": 2,
-    "ASGD": 1,
-    "Adagrad": 1,
-    "SparseAdam": 2,
+    **dict.fromkeys(("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adadelta", "Rprop", "SparseAdam"), 2),
+    **dict.fromkeys(("ASGD", "Adagrad"), 1),
 }
 _UNKNOWN_OPTIMIZER_STATE = 2
 _NOT_CONTAINERS = (str, bytes, bytearray, int, float, complex, bool, type(None), types.ModuleType, type)
@@ -99,14 +91,8 @@ def weigh(values: Iterable[Any]) -> Footprint:
 
 
 def check_memory(
-    need: Footprint,
-    *,
-    world_size: int,
-    accelerator: str,
-    sharded: bool,
-    start_method: str,
-    host_available: int | None,
-    gpu_free: Mapping[int, int] | None = None,
+    need: Footprint, *, world_size: int, accelerator: str, sharded: bool, start_method: str,
+    host_available: int | None, gpu_free: Mapping[int, int] | None = None,
 ) -> str | None:
     """Raise ConfigurationError when the run cannot fit; a one-line warning when it comes close.
 
@@ -160,9 +146,7 @@ def _describe(need: Footprint, ranks: int, per_rank: int, sharded: bool) -> str:
 def _gib(nbytes: float) -> str:
     if nbytes >= 100 * _GIB:
         return f"{nbytes / _GIB:,.0f} GiB"
-    if nbytes >= _GIB / 10:
-        return f"{nbytes / _GIB:.1f} GiB"
-    return f"{nbytes / _MIB:.0f} MiB"
+    return f"{nbytes / _GIB:.1f} GiB" if nbytes >= _GIB / 10 else f"{nbytes / _MIB:.0f} MiB"
 
 
 class _Walk:

@@ -227,7 +227,7 @@ def make_config(
 
     ``rank_options``: the launch options the ranks are told (``LaunchOptions.rank_options()``),
     checked here against the devices (a precision they can run; no BatchNorm sync under ``dp``)
-    and carried, with the strategy's model wrapper, in the config's :class:`RankSettings`.
+    and carried, with the strategy's model wrapper and the backend, in the config's :class:`RankSettings`.
 
     >>> cfg = make_config(DevicePlan("cuda", (0, 2)), strategy="dp", timeout=None, rank_options={"precision": "bf16"})
     >>> cfg.rank.model_wrapper, cfg.rank.dp_devices, cfg.rank.precision
@@ -239,12 +239,13 @@ def make_config(
     if "precision" in told:
         told["precision"] = resolve_precision(told["precision"], plan.accelerator)
     dp_devices = tuple(plan.device_ids) if chosen.model_wrapper == "dp" else ()  # the rank's own GPU first
+    resolved = _backend_for_plan(plan, backend)
     return LaunchConfig(
         plan=plan,
         strategy=chosen,
-        backend=_backend_for_plan(plan, backend),
+        backend=resolved,
         timeout=validate_timeout(timeout),
-        rank=RankSettings(chosen.model_wrapper, dp_devices, told),
+        rank=RankSettings(chosen.model_wrapper, dp_devices, resolved, **told),  # each told option is its field
     )
 
 

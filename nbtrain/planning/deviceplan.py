@@ -163,13 +163,8 @@ def resolve_accelerator(accelerator: str | None, *, gpus: Sequence[GpuInfo], mps
 
 
 def plan_devices(
-    devices: object = "auto",
-    accelerator: str | None = "auto",
-    *,
-    gpus: Sequence[GpuInfo],
-    mps_available: bool,
-    cpu_count: int,
-    oversubscribe: bool = False,
+    devices: object = "auto", accelerator: str | None = "auto", *,
+    gpus: Sequence[GpuInfo], mps_available: bool, cpu_count: int, oversubscribe: bool = False,
 ) -> DevicePlan:
     """Which accelerator and which devices the run uses, one device per rank.
 
@@ -326,10 +321,8 @@ def _choose_gpus(request: _DeviceRequest, gpus: Sequence[GpuInfo]) -> tuple[int,
         return visible[:request]
     missing = [index for index in request if index not in visible]
     if missing:
-        raise _InvalidDevices(
-            f"there is no GPU {missing[0]} (indices count from 0 among the GPUs visible after "
-            "CUDA_VISIBLE_DEVICES)"
-        )
+        after = "indices count from 0 among the GPUs visible after CUDA_VISIBLE_DEVICES"
+        raise _InvalidDevices(f"there is no GPU {missing[0]} ({after})")
     return request
 
 

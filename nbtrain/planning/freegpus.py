@@ -92,9 +92,8 @@ def parse_free_devices(devices: object) -> int | None:
 def check_count(count: int) -> int:
     """``count`` for :func:`choose_free_gpus`: a positive whole number, or -1 (every free GPU)."""
     if isinstance(count, bool) or not isinstance(count, int) or count == 0 or count < ALL_FREE:
-        raise ConfigurationError(
-            f"find_usable_cuda_devices({count!r}): pass a positive number of GPUs, or -1 for every free one."
-        )
+        asked = f"find_usable_cuda_devices({count!r})"
+        raise ConfigurationError(f"{asked}: pass a positive number of GPUs, or -1 for every free one.")
     return count
 
 

@@ -162,14 +162,8 @@ def probe_plan(devices: object = "auto", accelerator: str | None = "auto", overs
     count = freegpus.parse_free_devices(devices)
     if count is not None:
         return _free_plan(devices, count, accelerator)
-    return plan_devices(
-        devices,
-        accelerator,
-        gpus=detect_gpus(),
-        mps_available=mps_available(),
-        cpu_count=cpu_count(),
-        oversubscribe=oversubscribe,
-    )
+    gpus, mps, cpus = detect_gpus(), mps_available(), cpu_count()
+    return plan_devices(devices, accelerator, gpus=gpus, mps_available=mps, cpu_count=cpus, oversubscribe=oversubscribe)
 
 
 def find_usable_cuda_devices(num_devices: int = -1) -> list[int]:
@@ -221,6 +215,7 @@ def gpu_occupancy(asked: str = "free-GPU selection") -> list[freegpus.GpuOccupan
     must not be the answer when nobody could look. Never initialises CUDA.
     """
     try:
+        # deferred: start-up time (pynvml)
         import pynvml
     except ImportError:
         raise ConfigurationError(
@@ -371,12 +366,9 @@ def _visible_devices(nvml: ModuleType, cuda_visible_devices: str | None) -> list
 def _describe(nvml: ModuleType, handle: Any) -> _NvmlDevice:
     # One attribute the driver will not report should not hide the whole GPU.
     memory = _ask(nvml, nvml.nvmlDeviceGetMemoryInfo, handle, default=None)
-    return _NvmlDevice(
-        uuid=_text(_ask(nvml, nvml.nvmlDeviceGetUUID, handle, default="")),
-        name=_text(_ask(nvml, nvml.nvmlDeviceGetName, handle, default="unknown GPU")),
-        total_bytes=int(memory.total) if memory is not None else 0,
-        free_bytes=int(memory.free) if memory is not None else 0,
-    )
+    uuid = _text(_ask(nvml, nvml.nvmlDeviceGetUUID, handle, default=""))
+    name = _text(_ask(nvml, nvml.nvmlDeviceGetName, handle, default="unknown GPU"))
+    return _NvmlDevice(uuid, name, *((int(memory.total), int(memory.free)) if memory is not None else (0, 0)))
 
 
 def _mig_slices(nvml: ModuleType, handles: Sequence[Any]) -> Iterator[Any]:
@@ -433,11 +425,7 @@ def _usage(nvml: ModuleType, index: int) -> GpuUsage:
     memory = _ask(nvml, nvml.nvmlDeviceGetMemoryInfo, handle, default=None)
     rates = _ask(nvml, nvml.nvmlDeviceGetUtilizationRates, handle, default=None)
     held = _ask(nvml, nvml.nvmlDeviceGetComputeRunningProcesses, handle, default=[])
-    return GpuUsage(
-        index=index,
-        name=_text(_ask(nvml, nvml.nvmlDeviceGetName, handle, default="unknown GPU")),
-        used_bytes=int(memory.used) if memory is not None else 0,
-        total_bytes=int(memory.total) if memory is not None else 0,
-        utilization_percent=int(rates.gpu) if rates is not None else None,
-        process_bytes={int(p.pid): int(p.usedGpuMemory or 0) for p in held},
-    )
+    used, total = (int(memory.used), int(memory.total)) if memory is not None else (0, 0)
+    name = _text(_ask(nvml, nvml.nvmlDeviceGetName, handle, default="unknown GPU"))
+    utilization = int(rates.gpu) if rates is not None else None
+    return GpuUsage(index, name, used, total, utilization, {int(p.pid): int(p.usedGpuMemory or 0) for p in held})

@@ -16,7 +16,7 @@ nothing.
 
 A loop over a DataLoader reads this rank's share when it runs with gradients enabled (a
 training pass) and the whole loader under ``torch.no_grad()`` / ``torch.inference_mode()``
-(an evaluation pass; see :mod:`nbtrain.rank.auto.loaders`). The kernel hands both lengths
+(an evaluation pass; see :mod:`nbtrain.rank.auto.preparedloaders`). The kernel hands both lengths
 (``lengths`` and ``eval_lengths``); the ``with`` blocks around a loop say which applies.
 
 A wrong total is worse than none, so every rule is strict and anything else gives None:
@@ -97,13 +97,8 @@ class _Unknown(Exception):
 
 
 def total_steps(
-    code: str,
-    counter: StepCounter,
-    *,
-    ints: Mapping[str, int] | None = None,
-    lengths: Mapping[str, int] | None = None,
-    eval_lengths: Mapping[str, int] | None = None,
-    kernel_globals: Container[str] = (),
+    code: str, counter: StepCounter, *, ints: Mapping[str, int] | None = None, lengths: Mapping[str, int] | None = None,
+    eval_lengths: Mapping[str, int] | None = None, kernel_globals: Container[str] = (),
 ) -> int | None:
     """The number of steps the cell's code will log on a rank, or None when unsure.
 
@@ -136,20 +131,11 @@ def total_steps(
 
 class _Plan:
     def __init__(
-        self,
-        tree: ast.Module,
-        counter: StepCounter,
-        ints: Mapping[str, int],
-        lengths: Mapping[str, int],
-        eval_lengths: Mapping[str, int],
-        kernel_globals: Container[str],
+        self, tree: ast.Module, counter: StepCounter, ints: Mapping[str, int], lengths: Mapping[str, int],
+        eval_lengths: Mapping[str, int], kernel_globals: Container[str],
     ) -> None:
-        self.tree = tree
-        self.counter = counter
-        self.ints = ints
-        self.lengths = lengths
-        self.eval_lengths = eval_lengths
-        self.kernel_globals = kernel_globals
+        self.tree, self.counter, self.kernel_globals = tree, counter, kernel_globals
+        self.ints, self.lengths, self.eval_lengths = ints, lengths, eval_lengths
         self.parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         self.bindings = _bindings(tree)
         # Grad mode at the top of the cell: enabled, unless a call outside a ``with``
@@ -180,7 +166,7 @@ class _Plan:
         child: ast.stmt = statement
         parent = self.parents[child]
         while not isinstance(parent, ast.Module):
-            if not (isinstance(parent, (ast.For, ast.With)) and _in_body(parent, child)):
+            if not (isinstance(parent, (ast.For, ast.With)) and any(s is child for s in parent.body)):
                 raise _Unknown(f"the counting call is inside {type(parent).__name__}")
             blocks.append(parent)
             child, parent = parent, self.parents[parent]
@@ -294,13 +280,8 @@ class _Plan:
             if isinstance(node.op, ast.FloorDiv) and right == 0:
                 raise _Unknown("division by zero")
             return _ARITHMETIC[type(node.op)](left, right)
-        if (
-            isinstance(node, ast.Call)
-            and self._is_builtin(node.func, "len")
-            and len(node.args) == 1
-            and isinstance(node.args[0], ast.Name)
-            and not node.keywords
-        ):
+        if (isinstance(node, ast.Call) and self._is_builtin(node.func, "len") and not node.keywords
+                and len(node.args) == 1 and isinstance(node.args[0], ast.Name)):
             return self._iterations(node.args[0], before, without_grad)  # len(loader) on a rank: its batches there
         if isinstance(node, ast.Name):
             return self._name_int(node.id, before)
@@ -333,12 +314,8 @@ class _Plan:
         return self._int(expression, index, self.top_without_grad)  # a top-level statement
 
     def _is_builtin(self, func: ast.expr, name: str) -> bool:
-        return (
-            isinstance(func, ast.Name)
-            and func.id == name
-            and name not in self.bindings
-            and name not in self.kernel_globals
-        )
+        unbound = name not in self.bindings and name not in self.kernel_globals
+        return isinstance(func, ast.Name) and func.id == name and unbound
 
 
 def _imports_nbtrain(statement: ast.AST, name: str) -> bool:
@@ -400,10 +377,6 @@ def _stray_grad_switch(tree: ast.Module, parents: Mapping[ast.AST, ast.AST]) -> 
             continue  # it switches inside that function only
         return True
     return False
-
-
-def _in_body(block: ast.For | ast.With, child: ast.AST) -> bool:
-    return any(statement is child for statement in block.body)
 
 
 def _jumps(loop: ast.For) -> bool:

@@ -85,16 +85,15 @@ class RankContext:
         loop never waits for the device to catch up with it.
         """
         if self.pending:
-            if self.pending_on_device:
-                self.outbox.append(_RowsOnTheWay(self.pending))
-            else:  # every value is a float already: the rows go as they are
-                self.outbox.append(tuple(self.pending))
+            # Without a value on a device, every value is a float already: the rows go as they are.
+            self.outbox.append(_RowsOnTheWay(self.pending) if self.pending_on_device else tuple(self.pending))
             self.pending.clear()
             self.pending_on_device = False
             self.last_flush = time.monotonic()
         self._send_outbox(wait)
 
     def _send_outbox(self, wait: bool) -> None:
+        # deferred: start-up time
         from nbtrain.messages.events import MemorySample, Metrics
 
         sent = False
@@ -103,19 +102,13 @@ class RankContext:
             self.send(Metrics(self.run_id, self.rank, batch.rows() if isinstance(batch, _RowsOnTheWay) else batch))
             sent = True
         if sent and self.device_type == "cuda":
+            # deferred: start-up time (torch)
             import torch
 
-            self.send(
-                MemorySample(
-                    self.run_id,
-                    self.rank,
-                    rss_bytes=None,
-                    cuda_allocated_bytes=torch.cuda.memory_allocated(),
-                    cuda_peak_bytes=torch.cuda.max_memory_allocated(),
-                    time=time.time(),
-                    cuda_reserved_bytes=torch.cuda.memory_reserved(),
-                )
-            )
+            allocated, peak, reserved = (torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
+                                         torch.cuda.memory_reserved())
+            self.send(MemorySample(self.run_id, self.rank, rss_bytes=None, cuda_allocated_bytes=allocated,
+                                   cuda_peak_bytes=peak, time=time.time(), cuda_reserved_bytes=reserved))
 
 
 _context: RankContext | None = None
@@ -151,6 +144,7 @@ def world_size() -> int:
 
 def device() -> Any:
     """The ``torch.device`` this rank trains on (outside a run: cuda:0 if present, else cpu)."""
+    # deferred: start-up time (torch)
     import torch
 
     if _context is None:
@@ -232,12 +226,11 @@ def all_reduce(value: Any, op: str = "sum") -> Any:
             f"all_reduce() takes a number or a tensor, not {type(value).__name__}: "
             "reduce each number on its own, or pass torch.tensor(values)."
         )
-    if not _collective_ready():
-        return value
-    return _reduce_across_ranks(value, op, tensor_in)
+    return _reduce_across_ranks(value, op, tensor_in) if _collective_ready() else value
 
 
 def _reduce_across_ranks(value: Any, op: str, tensor_in: bool) -> Any:
+    # deferred: start-up time (torch)
     import torch
     import torch.distributed as dist
 
@@ -251,14 +244,13 @@ def _reduce_across_ranks(value: Any, op: str, tensor_in: bool) -> Any:
     home = tensor.device
     if dist.get_backend() == "nccl" and home.type != "cuda":
         tensor = tensor.to(device())
-    reduce_op = {
-        "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN
-    }
+    ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    # deferred: start-up time
     from nbtrain.rank.machinery import trainedalone
 
     # A number is a metric, never a gradient: its all-reduce does not make the ranks train together.
     with trainedalone.not_gradients() if not tensor_in else contextlib.nullcontext():
-        dist.all_reduce(tensor, op=reduce_op[op])
+        dist.all_reduce(tensor, op=ops[op])
     if op == "mean":
         tensor /= world_size()
     tensor = tensor.to(home)
@@ -270,6 +262,7 @@ def _reduce_across_ranks(value: Any, op: str, tensor_in: bool) -> Any:
 def _collective_ready() -> bool:
     if _context is None or _context.world_size < 2:
         return False
+    # deferred: start-up time (torch)
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
@@ -291,9 +284,7 @@ def _pending_value(value: Any, context: RankContext) -> Any:
         if not value.is_cpu:
             context.pending_on_device = True
             return value.detach()
-        if value.numel() != 1:
-            return None
-        return float(value.item())
+        return float(value.item()) if value.numel() == 1 else None
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -312,6 +303,7 @@ class _RowsOnTheWay:
     """
 
     def __init__(self, pending: list[tuple[int, float, dict[str, Any]]]) -> None:
+        # deferred: start-up time (torch)
         import torch
 
         self.pending = tuple(pending)

@@ -22,11 +22,14 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import copyreg
 import functools
 import hashlib
+import io
 import pickle
 import sys
 import types
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,23 +38,24 @@ from nbtrain import patches
 from nbtrain.messages import processlocal, reach, records
 from nbtrain.rank import api
 from nbtrain.rank.auto import (
+    averaging,
+    boundoptimizers,
+    cellloaders,
+    celloptimizers,
     deviceglobals,
     inherent,
     keptmodels,
     ledger,
-    loaders,
     losslogging,
-    madeloaders,
-    madeoptimizers,
-    optimizers,
     prepare,
+    preparedloaders,
     samedata,
     stepaside,
     stephooks,
     wrapping,
 )
-from nbtrain.rank.auto.loaders import batches_per_rank, loader_lengths, samples_per_rank
-from nbtrain.rank.machinery import displays, stepcheck, trackers, trainedalone
+from nbtrain.rank.auto.preparedloaders import batches_per_rank, loader_lengths, samples_per_rank
+from nbtrain.rank.machinery import rankdisplay, settings, stepcheck, trackers, trainedalone
 from nbtrain.rank.machinery.trainedalone import steps_alone
 
 # The cell's entry points: with nbtrain.rank.api, all the kernel side may import from the ranks'
@@ -107,7 +111,7 @@ def run_cell(spec: CellSpec, namespace: dict[str, Any], anchor: Any = None) -> r
         display, prepared, placed, failure = _run_patched(spec, cell_globals, namespace, tracked, cell_patches)
         ours = patches.replacements(patches.Lifetime.CELL)
     _originals_back(cell_globals, ours)
-    displays.show_open_figures()  # what the kernel's inline backend shows at a cell's end
+    rankdisplay.show_open_figures()  # what the kernel's inline backend shows at a cell's end
     prepare.put_back(namespace, placed)  # so trainer.model is the kernel's model again on the way back
     deviceglobals.restore(devices)
     context = api.current_context()
@@ -174,7 +178,7 @@ def _run_patched(
     __tracebackhide__ = True  # the rank runtime drops frames that say so
     several = api.world_size() > 1
     ledger.cell_registry().ship(tracked.values())
-    optimizers.know_optimizers(tracked.values())
+    boundoptimizers.know_optimizers(tracked.values())
     if "torch" in sys.modules or stepcheck.counting():  # a cell without torch has no optimizer to hook
         stephooks.for_the_cell()  # one step pre-hook and post-hook, in nbtrain.rank.auto.stephooks' order
     # A framework's per-process state that arrived with the cell's objects (accelerate's), built for this rank's world.
@@ -182,7 +186,7 @@ def _run_patched(
     auto = spec.auto and not _left_to_a_framework(spec, cell_globals, tracked, several)
     if auto and several:  # what the cell makes and trains itself, to name it if unprepared
         patches.install("made in the cell", stack)  # optimizers, DDP, clipping, loaders, plateau schedulers
-        keptmodels.watch_steps(madeoptimizers.first_step, madeoptimizers.unstepped_optimizers, cell_globals)  # kept one
+        averaging.watch_steps(celloptimizers.first_step, celloptimizers.unstepped_optimizers, cell_globals)  # kept one
     if spec.auto and several:  # a framework's trainer built for one device gets the cell's world
         patches.install("framework world", stack)
     prepared = prepare.auto_prepare(cell_globals, spec.names) if auto else []
@@ -239,7 +243,6 @@ def _rewrap_scheduled_optimizers(values: Iterable[Any]) -> None:
     """
     if "torch" not in sys.modules:
         return
-    import weakref
 
     for scheduler in values:
         optimizer = getattr(scheduler, "optimizer", None)
@@ -275,11 +278,12 @@ def _execute(spec: CellSpec, cell_globals: dict[str, Any]) -> tuple[Any] | None:
 
 def _install_shell(cell_globals: dict[str, Any]) -> set[str]:
     """An IPython shell on this rank whose namespace is the cell's, for get_ipython() calls."""
+    # deferred: start-up time (traitlets)
     from traitlets.config import Config
 
     config = Config()
     config.HistoryManager.enabled = False  # ranks must not write the kernel's history file
-    shell = displays.shell_class().instance(config=config, user_ns=cell_globals)
+    shell = rankdisplay.shell_class().instance(config=config, user_ns=cell_globals)
     return set(shell.user_ns_hidden)
 
 
@@ -383,7 +387,6 @@ def _signature(module: Any) -> tuple[Any, ...]:
     # Under a -true precision the rank cast the model itself: its dtype changing is ours,
     # not the cell's, and the kernel's model keeps its own dtype (loaded by state).
     from nbtrain.rank.auto import precision
-    from nbtrain.rank.machinery import settings
 
     ours = precision.casts_model(settings.current().precision)
     return tuple(
@@ -407,6 +410,7 @@ def _collect(
     ``alone``: a rank whose cell raised builds it from its own objects, with no collective
     (:func:`_why_no_state_alone` said none is needed); ``before`` is then its own record.
     """
+    # deferred: start-up time (torch)
     import torch
 
     modules = [(name, m) for name, m in _unique(namespace, torch.nn.Module) if id(m) not in parts]
@@ -446,14 +450,15 @@ def _collect(
     # Alone, no note on the ranks' first batches: it reads a collective's result the others may never join.
     notes = ledger.notes() + ([] if alone else samedata.same_data_notes(cell_globals))
     notes += _inherent_notes(outcome, modules)
-    made = madeloaders.made_loader_report(cell_globals)  # a name the cell bound anew is its loader's
-    loader_report = [entry for entry in loaders.loader_report() if entry[0] not in dict(made)] + made
+    made = cellloaders.made_loader_report(cell_globals)  # a name the cell bound anew is its loader's
+    loader_report = [entry for entry in preparedloaders.loader_report() if entry[0] not in dict(made)] + made
     return records.CellResult(payload, storages, deleted, skipped, prepared, notes, loader_report, steps_alone())
 
 
 def _inherent_notes(outcome: Mapping[str, Any], modules: list[tuple[str, Any]]) -> list[str]:
     """What data parallelism left different from one process in the models the cell trained
     (nbtrain.rank.auto.inherent)."""
+    # deferred: start-up time (torch)
     import torch
 
     trained = [(name, module) for name, module in modules if name in outcome["modules"]]
@@ -503,6 +508,7 @@ def _optimizer_states(
     namespace: Mapping[str, Any], modules: list[tuple[str, Any]], before: _Before | None
 ) -> dict[str, Any]:
     """Rank 0's full state of each optimizer the cell changed (every rank takes part in the collectives)."""
+    # deferred: start-up time (torch)
     import torch
 
     states: dict[str, Any] = {}
@@ -530,6 +536,7 @@ def _zero_of(optimizer: Any) -> Any | None:
 
 def _optimizer_attributes(optimizers: Mapping[str, Any], namespace: Mapping[str, Any]) -> dict[str, Any]:
     """The plain attributes (a counter, slow weights) of each optimizer whose state goes back."""
+    # deferred: start-up time (cloudpickle)
     from nbtrain.messages import codepickle
 
     attributes = {name: codepickle.own_attributes(namespace[name], optimizers=False) for name in optimizers}
@@ -545,6 +552,7 @@ def _inner_optimizer_states(
     momentum is the training's own. (Not under ``fsdp`` or ``ddp_sharded``, whose optimizers
     are rebuilt around the parameters: there the wrapper's full state is what there is.)
     """
+    # deferred: start-up time (torch)
     import torch
 
     inner = {
@@ -603,7 +611,6 @@ def _changed_objects(before: _Before, changed_modules: set[str]) -> dict[str, di
 def _reduction(value: Any) -> Any:
     """``value``'s reduction, made without ``copyreg.__newobj__``: pickle checks that one's class against the
     object it pickles, which here is the :class:`_Whole` standing for ``value``."""
-    import copyreg
 
     reduced = value.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
     if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj__:  # type: ignore[attr-defined]
@@ -639,6 +646,7 @@ def _reshard(module: Any) -> None:
     the cell) none follows, and the module would hold plain, gathered tensors: it would
     look unsharded to the gathering below, on some ranks and not others.
     """
+    # deferred: start-up time (torch)
     from torch.distributed.fsdp import FSDPModule
 
     for sub in module.modules():
@@ -647,12 +655,14 @@ def _reshard(module: Any) -> None:
 
 
 def _is_sharded(module: Any) -> bool:
+    # deferred: start-up time (torch)
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def _full_options() -> Any:
+    # deferred: start-up time (torch)
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -660,12 +670,14 @@ def _full_options() -> Any:
 
 def _full_model_state(module: Any) -> dict[str, Any]:
     """The unsharded state on rank 0 (a collective: every rank calls it; others get {})."""
+    # deferred: start-up time (torch)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(module, options=_full_options())
 
 
 def _sharded_owner(optimizer: Any, modules: list[Any]) -> Any | None:
+    # deferred: start-up time (torch)
     from torch.distributed.tensor import DTensor
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -680,6 +692,7 @@ def _sharded_owner(optimizer: Any, modules: list[Any]) -> Any | None:
 
 def _full_optimizer_state(module: Any, optimizer: Any) -> dict[str, Any]:
     """The unsharded optimizer state, keyed by parameter index as ``Optimizer.state_dict`` keys it."""
+    # deferred: start-up time (torch)
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     # Any: torch's type is a union over every key, and "state" / "param_groups" hold known shapes.
@@ -688,7 +701,7 @@ def _full_optimizer_state(module: Any, optimizer: Any) -> dict[str, Any]:
         return {}
     names = {id(p): n for n, p in module.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    return optimizers.rekeyed(by_name, {name: i for i, name in enumerate(order)}.__getitem__)
+    return boundoptimizers.rekeyed(by_name, {name: i for i, name in enumerate(order)}.__getitem__)
 
 
 # -- pickling the way back -----------------------------------------------------------------
@@ -745,7 +758,6 @@ def _short(error: BaseException) -> str:
 
 
 def _dump(obj: Any, refs: dict[int, tuple[Any, ...]], cell_globals: dict[str, Any]) -> tuple[bytes, list[Any]]:
-    import io
 
     buffer = io.BytesIO()
     pickler = _result_pickler_class()(buffer, refs, cell_globals)
@@ -842,6 +854,7 @@ class _ResultReferences(_PicklerBase):
 @functools.cache
 def _result_pickler_class() -> type[_ResultReferences]:
     """:class:`_ResultReferences` on cloudpickle's Pickler (built once: it imports torch and cloudpickle)."""
+    # deferred: start-up time (torch)
     import torch
     from torch.distributed.tensor import DTensor
 

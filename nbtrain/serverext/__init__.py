@@ -31,7 +31,10 @@ Example (from a shell, with the server's token)::
 
 from __future__ import annotations
 
+import threading
 from typing import Any
+
+from nbtrain.kernel import warm
 
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:
@@ -39,6 +42,7 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
 
 
 def _load_jupyter_server_extension(serverapp: Any) -> None:
+    # deferred: start-up time (jupyter_server)
     from nbtrain.serverext import handlers
 
     handlers.setup(serverapp.web_app)
@@ -49,8 +53,5 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
 def _start_template() -> None:
     """Start the warm template now (in the background), so the first kernel's first run finds
     torch imported; kernels of the server's Python environment use it (nbtrain.messages.templatesocket)."""
-    import threading
-
-    from nbtrain.kernel import warm
 
     threading.Thread(target=warm.ensure_template, name="nbtrain-template", daemon=True).start()

@@ -59,12 +59,8 @@ class StopOutcome:
 
     def as_json(self) -> dict[str, Any]:
         """The outcome as the API's JSON answer: ``id``, ``signalled`` and ``refused`` pids, ``message``."""
-        return {
-            "id": self.run_id,
-            "signalled": list(self.signalled),
-            "refused": list(self.refused),
-            "message": self.message,
-        }
+        signalled, refused = list(self.signalled), list(self.refused)
+        return {"id": self.run_id, "signalled": signalled, "refused": refused, "message": self.message}
 
 
 def alive(pid: int | None, started: int | None) -> bool:
@@ -74,11 +70,8 @@ def alive(pid: int | None, started: int | None) -> bool:
 
 def shown_state(record: RunRecord) -> str:
     """The state the sidebar shows: the record's, or "orphaned" for an active run whose kernel or launcher is gone."""
-    if record.active and not (
-        alive(record.kernel_pid, record.kernel_start) and alive(record.launcher_pid, record.launcher_start)
-    ):
-        return ORPHANED
-    return record.state
+    lives = alive(record.kernel_pid, record.kernel_start) and alive(record.launcher_pid, record.launcher_start)
+    return ORPHANED if record.active and not lives else record.state
 
 
 def live_ranks(record: RunRecord) -> list[tuple[int, int, int]]:
@@ -220,9 +213,7 @@ def _record(run_id: str) -> RunRecord:
 def _signal(record: RunRecord, number: int) -> StopOutcome:
     ranks = [(pid, started) for _, pid, started in record.ranks]
     signalled = tuple(processes.signal_ranks(ranks, number))
-    refused = tuple(
-        pid for pid, started in ranks if pid not in signalled and processes.start_time(pid) not in (None, started)
-    )
+    refused = tuple(pid for pid, at in ranks if pid not in signalled and processes.start_time(pid) not in (None, at))
     name = signal.Signals(number).name
     message = f"sent {name} to rank processes {list(signalled)} of run {record.id}."
     if refused:

@@ -38,12 +38,8 @@ class HostSampler:
         busy = (now[0] - self._last[0]) / max(1, now[1] - self._last[1])
         self._last = now
         total, available = _memory()
-        return {
-            "cpus": probe.cpu_count(),
-            "cpu_percent": round(100.0 * busy, 1),
-            "memory_used": total - available,
-            "memory_total": total,
-        }
+        cpus, percent = probe.cpu_count(), round(100.0 * busy, 1)
+        return {"cpus": cpus, "cpu_percent": percent, "memory_used": total - available, "memory_total": total}
 
 
 def snapshot(host: HostSampler) -> dict[str, Any]:
@@ -58,20 +54,12 @@ def snapshot(host: HostSampler) -> dict[str, Any]:
         for rank, pid, _started in run["ranks"]
         if pid in run["live_pids"]
     ]
-    return {
-        "gpus": [
-            {
-                "index": gpu.index,
-                "name": gpu.name,
-                "memory_used": gpu.used_bytes,
-                "memory_total": gpu.total_bytes,
-                "utilization": gpu.utilization_percent,
-            }
-            for gpu in gpus
-        ],
-        "host": host.sample(),
-        "ranks": ranks,
-    }
+    shown = [
+        {"index": gpu.index, "name": gpu.name, "memory_used": gpu.used_bytes, "memory_total": gpu.total_bytes,
+         "utilization": gpu.utilization_percent}
+        for gpu in gpus
+    ]
+    return {"gpus": shown, "host": host.sample(), "ranks": ranks}
 
 
 def _cpu_times() -> tuple[int, int]:

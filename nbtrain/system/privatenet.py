@@ -25,7 +25,7 @@ inside its user namespace, files of users outside it (root's among them) show as
 
 >>> import dataclasses
 >>> from nbtrain.messages.events import RankSpec, StartRun
->>> gloo = StartRun(1, b"", (RankSpec(0, 0, 2, "cpu", None),), "fork", "gloo", {}, "/", (), {}, None)
+>>> gloo = StartRun(1, b"", (RankSpec(0, 0, 2, "cpu", None),), "fork", {}, "/", (), {}, None)
 >>> uncovered(gloo, available=None) is None
 True
 >>> uncovered(gloo, available="the OS refuses")
@@ -72,8 +72,8 @@ class StartFacts(Protocol):
         """``"fork"`` or ``"spawn"``."""
 
     @property
-    def backend(self) -> str:
-        """The process group's backend."""
+    def rank_settings(self) -> Any:
+        """What the ranks are told: its ``backend`` (the process group's) is read."""
 
     @property
     def environ(self) -> Mapping[str, str]:
@@ -117,13 +117,9 @@ def make_namespaces() -> Namespaces:
     held. Raises OSError where the OS refuses (no unprivileged user namespaces, a container's
     seccomp, ``max_user_namespaces`` 0).
     """
-    code = (
-        "import sys; from nbtrain.system import privatenet as p; "
-        "print(p._unshare_here(), flush=True); sys.stdin.read(1)"
-    )
-    child = subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    )
+    code = "import sys, nbtrain.system.privatenet as p; print(p._unshare_here(), flush=True); sys.stdin.read(1)"
+    pipe = subprocess.PIPE
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=pipe, stdout=pipe, stderr=subprocess.DEVNULL)
     try:
         said = _said_by(child)
         if not said:  # it died before a word (a failed import, a crash): not the OS refusing
@@ -224,15 +220,12 @@ def uncovered(start: StartFacts, available: str | None) -> str | None:
     ``available``: None where the namespaces can be made, else why not.
     """
     devices = {spec.device_type for spec in start.ranks}
-    return uncovered_by(start.backend, devices, start.start_method, start.node is not None, start.environ, available)
+    backend = start.rank_settings.backend
+    return uncovered_by(backend, devices, start.start_method, start.node is not None, start.environ, available)
 
 
 def uncovered_by(
-    backend: str,
-    device_types: set[str],
-    start_method: str,
-    on_cluster: bool,
-    environ: Mapping[str, str],
+    backend: str, device_types: set[str], start_method: str, on_cluster: bool, environ: Mapping[str, str],
     available: str | None,
 ) -> str | None:
     """:func:`uncovered` from a run's facts (the kernel knows these, not the launcher's StartRun)."""

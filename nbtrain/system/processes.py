@@ -42,9 +42,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import select
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -63,7 +65,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_PTRACER = 0x59616D61
 TEMPLATE_MODULE = "nbtrain.launch_server.template"
 UNKNOWN_EXIT = -255  # a launcher forked by the template: not our child, its status unknown
-# The signal that asks a rank for its stack dump (nbtrain.messages.stacks reads the dump). A real-time
+# The signal that asks a rank for its stack dump (nbtrain.messages.stacktext reads the dump). A real-time
 # signal: nothing a training script or a library commonly uses, queued rather than merged, and
 # (unlike SIGUSR1/2) not what job schedulers send to ask for a checkpoint.
 DUMP_SIGNAL = signal.SIGRTMIN + 6
@@ -143,16 +145,9 @@ def _start_python(args: list[str], role: str, env: Mapping[str, str], stderr: in
     launchers) must stay thread-free to fork safely. Ranks then run numpy's BLAS on one
     thread (they share the cores).
     """
-    return subprocess.Popen(
-        [sys.executable, "-m", *args],
-        start_new_session=True,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=stderr,
-        env={**env, ROLE_VARIABLE: role, "OPENBLAS_NUM_THREADS": "1"},
-        close_fds=True,
-        **options,
-    )
+    env = {**env, ROLE_VARIABLE: role, "OPENBLAS_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", *args], start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=stderr, env=env, close_fds=True, **options)
 
 
 def stop_launcher(launcher: LauncherProcess, grace: float = 2.0) -> None:
@@ -323,9 +318,7 @@ def reap(pid: int) -> tuple[int | None, int | None] | None:
         return (None, None)
     if waited == 0:
         return None
-    if os.WIFSIGNALED(status):
-        return (None, os.WTERMSIG(status))
-    return (os.WEXITSTATUS(status), None)
+    return (None, os.WTERMSIG(status)) if os.WIFSIGNALED(status) else (os.WEXITSTATUS(status), None)
 
 
 def reap_now(pid: int, timeout: float = 2.0) -> None:
@@ -358,9 +351,8 @@ def start_time(pid: int) -> int | None:
     so the run registry keeps both and nothing is signalled unless both still match.
     """
     fields = _stat_fields(pid)
-    if fields is None or fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])  # field 22 of /proc/<pid>/stat; the list starts at field 3
+    # Field 22 of /proc/<pid>/stat; the list starts at field 3.
+    return None if fields is None or fields[0] in (b"Z", b"X") else int(fields[19])
 
 
 def signal_ranks(ranks: Iterable[tuple[int, int]], number: int) -> list[int]:
@@ -445,9 +437,6 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
 
 
-_process_vm_readv = None
-
-
 def read_memory(pid: int, local_address: int, remote_address: int, nbytes: int) -> None:
     """Copy ``nbytes`` from ``remote_address`` in process ``pid`` to ``local_address`` here.
 
@@ -456,18 +445,13 @@ def read_memory(pid: int, local_address: int, remote_address: int, nbytes: int) 
     user and, under Yama's default, an ancestor of it, as the kernel is of every rank).
     Raises OSError: EPERM or ENOSYS where a sandbox forbids it, ESRCH once ``pid`` is gone.
     """
-    global _process_vm_readv
-    if _process_vm_readv is None:
-        function = ctypes.CDLL(None, use_errno=True).process_vm_readv
-        function.restype = ctypes.c_ssize_t
-        pointer = ctypes.POINTER(_IoVec)
-        function.argtypes = [ctypes.c_int, pointer, ctypes.c_ulong, pointer, ctypes.c_ulong, ctypes.c_ulong]
-        _process_vm_readv = function
+    vec, ulong = ctypes.POINTER(_IoVec), ctypes.c_ulong
+    readv = libc_function("process_vm_readv", (ctypes.c_int, vec, ulong, vec, ulong, ulong), ctypes.c_ssize_t)
     done = 0
     while done < nbytes:  # a read may stop short, e.g. at a mapping's end
         local = _IoVec(local_address + done, nbytes - done)
         remote = _IoVec(remote_address + done, nbytes - done)
-        count = _process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        count = readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if count < 0:
             number = ctypes.get_errno()
             raise OSError(number, f"cannot read the memory of process {pid}: {os.strerror(number)}")
@@ -593,6 +577,14 @@ def end_multiprocessing(seconds: float) -> None:
     ending.join(seconds)
 
 
+@functools.cache
+def libc_function(name: str, argtypes: tuple[Any, ...], restype: Any = ctypes.c_int) -> Any:
+    """The C library's function ``name`` (errno kept), loaded once with its argument and result types."""
+    function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    function.argtypes, function.restype = list(argtypes), restype
+    return function
+
+
 def _prctl(option: int, argument: int) -> None:
     with contextlib.suppress(OSError, AttributeError):  # not Linux
         ctypes.CDLL(None, use_errno=True).prctl(option, argument, 0, 0, 0)
@@ -634,7 +626,6 @@ def importing_this_nbtrain(env: Mapping[str, str]) -> dict[str, str]:
         >>> env == {} or env["PYTHONPATH"] == _nbtrain_root() + os.pathsep + "/opt/lib"
         True
     """
-    import site
 
     root = _nbtrain_root()
     # getsitepackages: missing in some virtual environments of old virtualenv versions.

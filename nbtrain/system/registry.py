@@ -131,6 +131,7 @@ def runs_directory(create: bool = True, environ: Mapping[str, str] | None = None
     if not path:
         runtime = environ.get("JUPYTER_RUNTIME_DIR")
         if not runtime:
+            # deferred: start-up time (jupyter_core)
             from jupyter_core.paths import jupyter_data_dir
 
             runtime = os.path.join(jupyter_data_dir(), "runtime")  # jupyter_runtime_dir()'s default
@@ -192,8 +193,7 @@ def remove(run_id: str, folder: str | None = None) -> None:
 def request_stop(run_id: str) -> None:
     """Leave a stop request: the launcher then ends the run as stopped, not failed."""
     if _valid_id(run_id):
-        with open(os.path.join(runs_directory(), f"{run_id}.stop"), "w"):
-            pass
+        open(os.path.join(runs_directory(), f"{run_id}.stop"), "w").close()  # an empty file
 
 
 def stop_requested(run_id: str, folder: str | None = None) -> bool:

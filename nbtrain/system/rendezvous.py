@@ -40,6 +40,7 @@ def store_path(fd: int) -> str:
 
 def open_store(fd: int, world_size: int) -> Any:
     """torch's FileStore on the run's store file ``fd`` (inherited from the launcher)."""
+    # deferred: start-up time (torch)
     import torch.distributed as dist
 
     store = dist.FileStore(store_path(fd), world_size)  # type: ignore[attr-defined]  # re-exported, not marked public

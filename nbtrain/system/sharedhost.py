@@ -103,9 +103,7 @@ def run_gap(accelerator: str, strategy: str, on_cluster: bool, environ: Mapping[
     if on_cluster:  # the cluster engine's threat model is its own (docs/architecture.md)
         return None
     reason = privatenet.uncovered_by(backend, {accelerator}, start_method, False, environ, "")
-    if reason == "":  # covered where the OS allows: ask it
-        return privatenet.probe()
-    return reason
+    return privatenet.probe() if reason == "" else reason  # covered where the OS allows: ask it
 
 
 def after_run(accelerator: str, strategy: str, on_cluster: bool) -> str | None:

@@ -9,9 +9,9 @@ import os
 
 from nbtrain.cluster import crossnodestop
 from nbtrain.cluster.crossnodestop import CrossNodeStop
-from nbtrain.messages import events, stacks
+from nbtrain.messages import events, stacktext
 
-PKG = os.path.dirname(stacks.__file__)
+PKG = os.path.dirname(stacktext.__file__)
 SITE = "/venv/lib/python3.11/site-packages"
 # A rank's faulthandler dump inside the rank runtime: ``{inner}`` is where it was when dumped.
 DUMP = """\

@@ -80,8 +80,8 @@ def test_what_the_run_signed_comes_back_whole() -> None:
 def _request(run_id: int) -> events.StartRun:
     place = events.NodePlace(node_rank=1, num_nodes=2, local_world_size=2, master_addr="192.0.2.1", master_port=1)
     return events.StartRun(
-        run_id=run_id, payload=b"", ranks=(), start_method="fork", backend="gloo", environ={}, cwd="/",
-        sys_path=(), source_lines={}, timeout=None, threads_per_rank=1, node=place,
+        run_id=run_id, payload=b"", ranks=(), start_method="fork", environ={}, cwd="/",
+        sys_path=(), source_lines={}, timeout=None, node=place,
     )
 
 

@@ -174,7 +174,7 @@ class _TwoTowers(torch.nn.Module):
 
 def _called_and_bypassed() -> tuple[float, bool]:
     """On a rank: one model trained through its forward (DDP averages), a copy through its parts
-    (nbtrain.rank.auto.bypass averages, on the rank's GPU); their largest difference and whether the
+    (nbtrain.rank.auto.averaging averages, on the rank's GPU); their largest difference and whether the
     ranks agree."""
     torch.manual_seed(0)
     called, bypassed = _TwoTowers().cuda(), _TwoTowers().cuda()

@@ -119,7 +119,7 @@ def _kernel_standby(kernel: NotebookKernel) -> int:
 
 
 def test_standby_ranks_give_their_gpu_memory_up_when_the_kernel_uses_the_gpu_and_an_oom_names_them():
-    """Unrun so far (no GPU where it was written): the policy's CPU test is tests/test_standbylist.py."""
+    """Unrun so far (no GPU where it was written): the policy's CPU test is tests/test_standbyview.py."""
     with NotebookKernel() as kernel:
         kernel.run_ok("%load_ext nbtrain")
         standby = _kernel_standby(kernel)

@@ -8,10 +8,10 @@
 - :mod:`~nbtrain.kernel.display.form`: the launcher form (``nbtrain.launcher()``, ipywidgets);
 - :mod:`~nbtrain.kernel.display.show`: the small pieces: text updated in place, a widget
   with a saved-notebook fallback, a Stop button;
-- :mod:`~nbtrain.kernel.display.rankout`: a rank's output as the cell shows it, lines and
+- :mod:`~nbtrain.kernel.display.rankoutput`: a rank's output as the cell shows it, lines and
   displays, as ``--output`` chose (:class:`OutputPrinter`: a ``%%distributed`` cell's,
   ``launch``'s, a background run's, ``watch()``'s);
-- :mod:`~nbtrain.kernel.display.cellout`: what a cell writes as text: a cell's live view and
+- :mod:`~nbtrain.kernel.display.owntext`: what a cell writes as text: a cell's live view and
   summary, and every line of nbtrain's own that the kernel side writes (:func:`print_line`,
   :func:`print_warning`, :func:`write_text`).
 
@@ -34,26 +34,14 @@ Example (in a notebook cell):
 
 from __future__ import annotations
 
-from nbtrain.kernel.display.cellout import print_line, print_warning, write_text
 from nbtrain.kernel.display.form import LauncherForm, show_launcher_form
 from nbtrain.kernel.display.live import LiveView, NotedLiveView, watch
-from nbtrain.kernel.display.rankout import OutputPrinter, stall_text, waiting_text
+from nbtrain.kernel.display.owntext import print_line, print_warning, write_text
+from nbtrain.kernel.display.rankoutput import OutputPrinter, stall_text, waiting_text
 from nbtrain.kernel.display.show import frontend_is_rich, show_text, stop_button, update_text
 
 __all__ = [
-    "LauncherForm",
-    "LiveView",
-    "NotedLiveView",
-    "OutputPrinter",
-    "frontend_is_rich",
-    "print_line",
-    "print_warning",
-    "show_launcher_form",
-    "show_text",
-    "stall_text",
-    "stop_button",
-    "update_text",
-    "waiting_text",
-    "watch",
+    "LauncherForm", "LiveView", "NotedLiveView", "OutputPrinter", "frontend_is_rich", "print_line", "print_warning",
+    "show_launcher_form", "show_text", "stall_text", "stop_button", "update_text", "waiting_text", "watch",
     "write_text",
 ]

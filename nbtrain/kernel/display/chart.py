@@ -14,8 +14,8 @@ on a light and on a dark notebook theme alike. Tick labels are compact (``1.5k``
 
 Example:
     >>> from nbtrain.messages import events
-    >>> from nbtrain import runstate
-    >>> state = runstate.RunState("ddp_notebook", "cpu", 1)
+    >>> from nbtrain import livestate
+    >>> state = livestate.LiveState("ddp_notebook", "cpu", 1)
     >>> state.apply(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}), (2, 0.1, {"loss": 0.5}))), now=0.0)
     >>> figure = ChartFigure(state)
     >>> png = figure.draw(state)
@@ -30,7 +30,7 @@ import io
 import threading
 from typing import Any
 
-from nbtrain import runstate
+from nbtrain import livestate
 from nbtrain.kernel.display import chartlayout, livetext
 
 DRAWN_POINTS = 300  # per line: about one per CSS pixel of a chart's width
@@ -43,13 +43,13 @@ _spare: list[ChartFigure] = []
 _spare_lock = threading.Lock()  # a background run's view draws on another thread
 
 
-def figure_for(state: runstate.RunState) -> ChartFigure:
+def figure_for(state: livestate.LiveState) -> ChartFigure:
     """A figure for ``state``'s charts: one an earlier run handed back with the same charts, else a new one.
 
     Example:
         >>> from nbtrain.messages import events
-        >>> from nbtrain import runstate
-        >>> state = runstate.RunState("ddp_notebook", "cpu", 1)
+        >>> from nbtrain import livestate
+        >>> state = livestate.LiveState("ddp_notebook", "cpu", 1)
         >>> state.apply(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}),)), now=0.0)
         >>> first = figure_for(state)
         >>> hand_back(first)
@@ -79,7 +79,8 @@ class ChartFigure:
     expensive part). ``layout`` is the :func:`~nbtrain.kernel.display.chartlayout.chart_panels` it was built for.
     """
 
-    def __init__(self, state: runstate.RunState, pixel_ratio: int = chartlayout.PIXEL_RATIO) -> None:
+    def __init__(self, state: livestate.LiveState, pixel_ratio: int = chartlayout.PIXEL_RATIO) -> None:
+        # deferred: start-up time (matplotlib)
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
@@ -103,10 +104,8 @@ class ChartFigure:
         if self.key_row:
             self._draw_key()
 
-    @staticmethod
-    def layout_of(state: runstate.RunState) -> tuple[chartlayout.Panel, ...]:
-        """What the figure's structure depends on; a new figure is built when it changes."""
-        return chartlayout.chart_panels(state)
+    # What the figure's structure depends on; a new figure is built when it changes.
+    layout_of = staticmethod(chartlayout.chart_panels)
 
     def _needs_key(self) -> bool:
         ranks = {rank for panel in self.layout for rank in panel.ranks}
@@ -126,6 +125,7 @@ class ChartFigure:
 
     def _draw_key(self) -> None:
         """One row above the charts naming the ranks' colours, the mean's line and GPU reserved's."""
+        # deferred: start-up time (matplotlib)
         from matplotlib.lines import Line2D
 
         ranks = sorted({rank for panel in self.layout for rank in panel.ranks})
@@ -145,17 +145,11 @@ class ChartFigure:
             line_style = {"linewidth": 1.6, **style}
             xs = [x_px / width, (x_px + 18) / width]
             self.figure.add_artist(Line2D(xs, [y, y], transform=self.figure.transFigure, color=colour, **line_style))
-            label = self.figure.text(
-                (x_px + 22) / width,
-                y,
-                text,
-                color=chartlayout.INK,
-                fontsize=_points(chartlayout.FONT_CSS["key"]),
-                va="center",
-            )
+            font = _points(chartlayout.FONT_CSS["key"])
+            label = self.figure.text((x_px + 22) / width, y, text, color=chartlayout.INK, fontsize=font, va="center")
             x_px += 22 + _text_css_width(label) + 18
 
-    def draw(self, state: runstate.RunState) -> bytes:
+    def draw(self, state: livestate.LiveState) -> bytes:
         """The figure with ``state``'s data, as PNG bytes (transparent background)."""
         for panel in self.panels:
             panel.update(state)
@@ -171,8 +165,7 @@ def _text_css_width(text: Any) -> float:
     """How wide ``text`` is drawn, in CSS pixels (measured, so the key's entries never overlap)."""
     figure = text.get_figure()
     extent = text.get_window_extent(figure.canvas.get_renderer())
-    width: float = extent.width * chartlayout.CSS_DPI / figure.dpi
-    return width
+    return float(extent.width * chartlayout.CSS_DPI / figure.dpi)
 
 
 def _points(css_pixels: float) -> float:
@@ -185,38 +178,31 @@ class _Panel:
 
     x_label = "step"
 
-    def __init__(self, ax: Any, panel: chartlayout.Panel, state: runstate.RunState) -> None:
+    def __init__(self, ax: Any, panel: chartlayout.Panel, state: livestate.LiveState) -> None:
+        # deferred: start-up time (matplotlib)
         from matplotlib.ticker import MaxNLocator
 
         self.ax = ax
         self.panel = panel
         ax.set_facecolor("none")
-        for spine in ("top", "right"):
-            ax.spines[spine].set_visible(False)
-        for spine in ("left", "bottom"):
-            ax.spines[spine].set_color(chartlayout.INK)
-            ax.spines[spine].set_linewidth(0.8)
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.spines[["left", "bottom"]].set_color(chartlayout.INK)
+        ax.spines[["left", "bottom"]].set_linewidth(0.8)
         tick_size = _points(chartlayout.FONT_CSS["tick"])
         ax.tick_params(colors=chartlayout.INK, labelsize=tick_size, length=3, width=0.8, pad=2)
         ax.grid(True, color=chartlayout.INK, alpha=chartlayout.GRID_ALPHA, linewidth=0.6)
         ax.xaxis.set_major_locator(MaxNLocator(4, integer=self.x_label == "step", min_n_ticks=2))
-        ax.xaxis.set_major_formatter(_CompactFormatter())
-        ax.yaxis.set_major_formatter(_CompactFormatter())
+        ax.xaxis.set_major_formatter(_compact_formatter_class()())
+        ax.yaxis.set_major_formatter(_compact_formatter_class()())
         # Under the tick labels, at the right end: out of the way of both.
-        ax.set_xlabel(
-            self.x_label,
-            fontsize=_points(chartlayout.FONT_CSS["label"]),
-            color=chartlayout.INK,
-            labelpad=0,
-            loc="right",
-        )
+        label_size = _points(chartlayout.FONT_CSS["label"])
+        ax.set_xlabel(self.x_label, fontsize=label_size, color=chartlayout.INK, labelpad=0, loc="right")
         # No axis name on the left: placed once, so matplotlib never measures the tick labels to place it.
         ax.yaxis.set_label_coords(0.0, 0.5)
-        title_size = _points(chartlayout.FONT_CSS["title"])
+        title: dict[str, Any] = {"fontsize": _points(chartlayout.FONT_CSS["title"]), "color": chartlayout.INK}
         # An explicit y: matplotlib then skips moving the title clear of top-side ticks (there are
         # none here), which measures every tick label on every drawing: a fifth of a frame's time.
-        self.title = ax.set_title("", loc="left", fontsize=title_size, color=chartlayout.INK, pad=6, y=1.0)
-        self.title.set_fontweight("bold")
+        self.title = ax.set_title("", loc="left", pad=6, y=1.0, fontweight="bold", **title)
 
     def place_x_label(self) -> bool:
         """Keep the x axis' name where the last drawing put it: under the tick labels, whose height never changes.
@@ -231,11 +217,12 @@ class _Panel:
         ax.xaxis.set_label_coords(x, ax.transAxes.inverted().transform((0.0, y_pixels))[1])
         return True
 
-    def update(self, state: runstate.RunState) -> None:
+    def update(self, state: livestate.LiveState) -> None:
         """Redraw this chart's lines and title from ``state`` (each kind of chart has its own)."""
         raise NotImplementedError
 
     def _rescale(self, scale: str = "linear") -> None:
+        # deferred: start-up time (matplotlib)
         from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
 
         ax = self.ax
@@ -246,7 +233,7 @@ class _Panel:
                 ax.yaxis.set_minor_formatter(NullFormatter())
             else:
                 ax.yaxis.set_major_locator(MaxNLocator(5, steps=[1, 2, 5, 10]))  # no 2.5: labels stay short
-            ax.yaxis.set_major_formatter(_CompactFormatter())
+            ax.yaxis.set_major_formatter(_compact_formatter_class()())
         ax.relim()
         ax.autoscale_view()
         low, high = ax.get_xlim()
@@ -261,7 +248,7 @@ class _Panel:
 class _MetricPanel(_Panel):
     """A logged metric: a thin line per rank, the mean of ranks in bold, its value in the title."""
 
-    def __init__(self, ax: Any, panel: chartlayout.Panel, state: runstate.RunState) -> None:
+    def __init__(self, ax: Any, panel: chartlayout.Panel, state: livestate.LiveState) -> None:
         super().__init__(ax, panel, state)
         many = len(panel.ranks) > 1
         self.rank_lines = {
@@ -269,11 +256,10 @@ class _MetricPanel(_Panel):
             for rank in panel.ranks
         }
         # Under the ranks' lines, wide and half-transparent: ranks that agree show on top of it.
-        mean_line = ax.plot([], [], linewidth=3.2, alpha=0.55, color=chartlayout.INK, zorder=2)[0] if many else None
-        self.mean_line = mean_line
+        self.mean_line = ax.plot([], [], lw=3.2, alpha=0.55, color=chartlayout.INK, zorder=2)[0] if many else None
         self.band: Any = None
 
-    def update(self, state: runstate.RunState) -> None:
+    def update(self, state: livestate.LiveState) -> None:
         """Each rank's line, the mean of the ranks with its range shaded, the title with the latest value."""
         history = state.metrics[self.panel.name]
         longest: list[float] = []
@@ -289,9 +275,7 @@ class _MetricPanel(_Panel):
             steps, means, lows, highs = history.mean.coarsened(DRAWN_POINTS)
             self.mean_line.set_data(steps, means)
             if len(steps) < history.mean.count:  # each point stands for several steps: shade their range
-                self.band = self.ax.fill_between(
-                    steps, lows, highs, color=chartlayout.INK, alpha=0.15, linewidth=0, zorder=1
-                )
+                self.band = self.ax.fill_between(steps, lows, highs, color=chartlayout.INK, alpha=0.15, lw=0, zorder=1)
             latest = history.mean.last_value if history.mean.count else latest
         self._rescale("log" if chartlayout.wants_log_scale(longest) else "linear")
         self.title.set_text(chartlayout.fit_title(self.panel.name, livetext.format_value(latest)))
@@ -304,7 +288,7 @@ class _TimePanel(_Panel):
 class _MemoryPanel(_TimePanel):
     """Memory per rank over time; each rank's current value labelled at the right edge."""
 
-    def __init__(self, ax: Any, panel: chartlayout.Panel, state: runstate.RunState) -> None:
+    def __init__(self, ax: Any, panel: chartlayout.Panel, state: livestate.LiveState) -> None:
         super().__init__(ax, panel, state)
         self.lines: dict[int, list[Any]] = {}
         for rank in panel.ranks:
@@ -323,7 +307,7 @@ class _MemoryPanel(_TimePanel):
             for rank in labelled
         }
 
-    def update(self, state: runstate.RunState) -> None:
+    def update(self, state: livestate.LiveState) -> None:
         """Each rank's memory over time in MiB or GiB, its current value labelled at the right (up to four ranks)."""
         drawn = {
             rank: [series.coarsened(DRAWN_POINTS) for series in state.memory[rank].charted()] for rank in self.lines
@@ -342,7 +326,7 @@ class _MemoryPanel(_TimePanel):
         self.title.set_text(chartlayout.fit_title(title, value))
         self._place_labels(state)
 
-    def _place_labels(self, state: runstate.RunState) -> None:
+    def _place_labels(self, state: livestate.LiveState) -> None:
         """Each rank's current value at the right edge, level with its line's end, never overlapping."""
         if not self.labels:
             return
@@ -366,11 +350,11 @@ class _MemoryPanel(_TimePanel):
 class _ThroughputPanel(_TimePanel):
     """Steps (or samples) per second over the run, measured over a sliding window."""
 
-    def __init__(self, ax: Any, panel: chartlayout.Panel, state: runstate.RunState) -> None:
+    def __init__(self, ax: Any, panel: chartlayout.Panel, state: livestate.LiveState) -> None:
         super().__init__(ax, panel, state)
         self.line = ax.plot([], [], linewidth=1.6, color=chartlayout.THROUGHPUT_COLOUR)[0]
 
-    def update(self, state: runstate.RunState) -> None:
+    def update(self, state: livestate.LiveState) -> None:
         """The run's step or sample rate over time, the title with the latest."""
         per_step = (state.batch_size or 1) * state.world_size if self.panel.name == "samples/s" else 1
         seconds, rates, _, _ = state.throughput.coarsened(DRAWN_POINTS)
@@ -386,7 +370,8 @@ _PANEL_KINDS = {"metric": _MetricPanel, "memory": _MemoryPanel, "throughput": _T
 
 
 @functools.cache
-def _compact_formatter_class() -> type:
+def _compact_formatter_class() -> Any:
+    # deferred: start-up time (matplotlib)
     from matplotlib.ticker import Formatter
 
     class CompactFormatter(Formatter):
@@ -404,7 +389,3 @@ def _compact_formatter_class() -> type:
             return label if label is not None else chartlayout.compact_number(x)
 
     return CompactFormatter
-
-
-def _CompactFormatter() -> Any:
-    return _compact_formatter_class()()

@@ -15,7 +15,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from nbtrain.runstate import MAX_METRIC_CHARTS, RunState
+from nbtrain.livestate import MAX_METRIC_CHARTS, LiveState
 
 PIXEL_RATIO = 2
 CSS_DPI = 96  # CSS pixels per inch: the figure's size in inches is its CSS size / 96
@@ -66,13 +66,13 @@ class Panel:
     ranks: tuple[int, ...] = ()
 
 
-def chart_panels(state: RunState, max_metrics: int = MAX_METRIC_CHARTS) -> tuple[Panel, ...]:
+def chart_panels(state: LiveState, max_metrics: int = MAX_METRIC_CHARTS) -> tuple[Panel, ...]:
     """The charts the figure shows, in order: metrics (losses first), memory, throughput.
 
     The figure is rebuilt only when this changes, so it holds no values.
 
     >>> from nbtrain.messages import events
-    >>> state = RunState(world_size=2, batch_size=8)
+    >>> state = LiveState(world_size=2, batch_size=8)
     >>> state.apply(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}), (2, 0.5, {"loss": 0.5}))), now=1.0)
     >>> state.apply(events.MemorySample(1, 1, 2**28), now=1.0)
     >>> [(p.kind, p.name, p.ranks) for p in chart_panels(state)]

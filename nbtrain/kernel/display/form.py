@@ -36,6 +36,7 @@ from nbtrain.kernel import defaults
 from nbtrain.kernel import shell as kernel_shell
 from nbtrain.kernel.display.show import enable_colab_widgets, show_widget
 from nbtrain.options import LaunchOptions, Option, devices_text
+from nbtrain.planning import probe
 from nbtrain.planning.deviceplan import GpuInfo
 
 CPU_PROCESSES_PER_CORE = 2  # the slider goes up to twice the cores
@@ -57,7 +58,6 @@ class Machine:
     @classmethod
     def probe(cls) -> Machine:
         """Ask NVML and the OS (never CUDA, never torch)."""
-        from nbtrain.planning import probe
 
         return cls(tuple(probe.detect_gpus()), probe.mps_available(), probe.cpu_count())
 
@@ -95,6 +95,7 @@ class LauncherForm:
     """
 
     def __init__(self, machine: Machine | None = None) -> None:
+        # deferred: start-up time (ipywidgets)
         import ipywidgets as widgets
 
         self.machine = machine or Machine.probe()
@@ -122,18 +123,11 @@ class LauncherForm:
         options = self.machine.accelerators()
         available = [value for _, value in options]
         accelerator = current.accelerator if current.accelerator in available else available[0]
-        self.accelerator = widgets.Dropdown(
-            options=options, value=accelerator, description="accelerator", style=_STYLE, layout=wide
-        )
+        look = {"style": _STYLE, "layout": wide}
+        self.accelerator = widgets.Dropdown(options=options, value=accelerator, description="accelerator", **look)
         top = max(DEFAULT_CPU_PROCESSES, self.machine.cpus * CPU_PROCESSES_PER_CORE)
-        self.devices = widgets.IntSlider(
-            value=min(top, _cpu_count_of(current, accelerator) or DEFAULT_CPU_PROCESSES),
-            min=1,
-            max=top,
-            description="processes",
-            style=_STYLE,
-            layout=wide,
-        )
+        processes = min(top, _cpu_count_of(current, accelerator) or DEFAULT_CPU_PROCESSES)
+        self.devices = widgets.IntSlider(value=processes, min=1, max=top, description="processes", **look)
         chosen = _gpus_of(current, self.machine.gpus)
         self.gpus = [
             widgets.Checkbox(value=gpu.index in chosen, description=f"GPU {gpu.describe()}", indent=False)
@@ -183,9 +177,8 @@ class LauncherForm:
         except ConfigurationError as error:
             # The last good defaults stay; the line below shows them.
             self.status.value = f'<span style="color:{_ERROR_COLOUR}">{html.escape(str(error))}</span>'
-        self.magic_line.value = (
-            '<code style="user-select:all;white-space:pre">' + html.escape(self.settings.magic_line()) + "</code>"
-        )
+        line = html.escape(self.settings.magic_line())
+        self.magic_line.value = f'<code style="user-select:all;white-space:pre">{line}</code>'
 
     def option_value(self, name: str) -> Any:
         """The value option ``name``'s control asks for (an empty control: the option's ``Control.empty``)."""
@@ -206,9 +199,7 @@ class LauncherForm:
             if chosen == list(range(len(chosen))):
                 return str(len(chosen))  # the first n GPUs: a count, as portable as it gets
             return devices_text(chosen)
-        if accelerator == "mps":
-            return "1"
-        return str(self.devices.value)
+        return "1" if accelerator == "mps" else str(self.devices.value)
 
     def _show_devices(self, accelerator: str) -> None:
         if accelerator == "cuda":

@@ -14,7 +14,7 @@ Cost, bounded: a frame is sent at most four times a second and at least once a s
 the charts (the only expensive part) are redrawn only when their data changed, and no more
 often than keeps drawing under ``CHART_CPU_SHARE`` of one core; the first waits until the
 run has gone on for a second (a shorter cell draws them once, in its last frame). What state the charts show
-is bounded by :mod:`nbtrain.runstate`, so the final frame of a 100k-step run is as small as
+is bounded by :mod:`nbtrain.livestate`, so the final frame of a 100k-step run is as small as
 that of a short one.
 
 Example (in a notebook cell):
@@ -39,8 +39,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from nbtrain import runstate
-from nbtrain.kernel.display import chart, livetext, rankout
+from nbtrain import livestate
+from nbtrain.kernel.display import chart, livetext, rankoutput
 from nbtrain.kernel.display.chart import ChartFigure
 from nbtrain.kernel.display.show import frontend_is_rich
 from nbtrain.messages import events
@@ -55,8 +55,8 @@ SLOWEST_CHART_SECONDS = 1.0  # ...but a moving run's chart is never older than t
 MAX_LOG_RANKS = 16  # logs of more ranks than this would dwarf the charts
 
 _STATE_COLOURS = {
-    runstate.STARTING: "#757575",
-    runstate.RUNNING: "#1565c0",
+    livestate.STARTING: "#757575",
+    livestate.RUNNING: "#1565c0",
     events.FINISHED: "#2e7d32",
     events.FAILED: "#c62828",
     events.STOPPED: "#ef6c00",
@@ -83,31 +83,18 @@ class LiveView:
     """
 
     def __init__(
-        self,
-        config: config.LaunchConfig | None = None,
-        *,
-        strategy: str | None = None,
-        accelerator: str | None = None,
-        world_size: int | None = None,
-        total_steps: int | None = None,
-        batch_size: int | None = None,
-        rich: bool | None = None,
-        stream: TextIO | None = None,
-        show_logs: bool = True,
-        stall_warning: float | None = runstate.STALL_SECONDS,
+        self, config: config.LaunchConfig | None = None, *, strategy: str | None = None, accelerator: str | None = None,
+        world_size: int | None = None, total_steps: int | None = None, batch_size: int | None = None,
+        rich: bool | None = None, stream: TextIO | None = None, show_logs: bool = True,
+        stall_warning: float | None = livestate.STALL_SECONDS,
     ) -> None:
         if config is not None:
             strategy = strategy or config.strategy.name
             accelerator = accelerator or config.plan.accelerator
             world_size = world_size or config.world_size
-        self.state = runstate.RunState(
-            strategy or "",
-            accelerator or "",
-            world_size or 1,
-            total_steps=total_steps,
-            batch_size=batch_size,
-            started_at=time.monotonic(),
-            stall_seconds=stall_warning,
+        self.state = livestate.LiveState(
+            strategy or "", accelerator or "", world_size or 1, total_steps=total_steps, batch_size=batch_size,
+            started_at=time.monotonic(), stall_seconds=stall_warning,
         )
         self.rich = frontend_is_rich() if rich is None else rich
         self.stream = stream  # where a text frontend's frames go; None: sys.stdout
@@ -116,7 +103,7 @@ class LiveView:
         # caller prints (a blocking %%distributed cell). A rank's display has no place in the
         # view: it goes in the cell, below it, unless the caller shows it.
         self.show_logs = show_logs
-        self._printer = rankout.OutputPrinter("all", world_size or 1, rich=self.rich) if show_logs else None
+        self._printer = rankoutput.OutputPrinter("all", world_size or 1, rich=self.rich) if show_logs else None
         self.key = f"{id(self):x}-{time.monotonic_ns():x}"  # names this view's logs in the page
         self.frames = 0  # frames shown (rich) or progress lines printed (text)
         self.chart_renders = 0
@@ -204,6 +191,7 @@ class LiveView:
 
     def publish(self, bundle: dict[str, str]) -> None:
         """Send a frame to the cell: the first as new display data, the rest as updates of it."""
+        # deferred: start-up time (IPython)
         from IPython.display import display
 
         if self._handle is None:
@@ -310,7 +298,7 @@ class LiveView:
         return "".join(parts)
 
 
-def _progress_html(state: runstate.RunState) -> str:
+def _progress_html(state: livestate.LiveState) -> str:
     fraction = livetext.progress_fraction(state)
     step = state.current_step
     if fraction is None:
@@ -343,7 +331,7 @@ _RESTORE_TOGGLES = (
 )
 
 
-def _logs_html(state: runstate.RunState, key: str = "") -> str:
+def _logs_html(state: livestate.LiveState, key: str = "") -> str:
     parts = []
     ranks = sorted(state.logs)
     for rank in ranks[:MAX_LOG_RANKS]:
@@ -372,12 +360,8 @@ def _logs_html(state: runstate.RunState, key: str = "") -> str:
 
 
 def watch(
-    run: Any,
-    *,
-    total_steps: int | None = None,
-    batch_size: int | None = None,
-    rich: bool | None = None,
-    stall_warning: float | None = runstate.STALL_SECONDS,
+    run: Any, *, total_steps: int | None = None, batch_size: int | None = None, rich: bool | None = None,
+    stall_warning: float | None = livestate.STALL_SECONDS,
 ) -> Any:
     """Show ``run`` live in this cell until it ends; return rank 0's result (or raise its failure).
 

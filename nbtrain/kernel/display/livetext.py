@@ -1,13 +1,13 @@
 """The live view's words: a run's state as status, progress and metric lines (display/live.py).
 
-Pure: it reads a :class:`~nbtrain.runstate.RunState` and returns strings; the HTML view,
+Pure: it reads a :class:`~nbtrain.livestate.LiveState` and returns strings; the HTML view,
 the text/plain part of a frame and a terminal's progress line all read them from here, and
 the charts (display/chart.py) label their values with the same formats.
 
 Example:
     >>> from nbtrain.messages import events
-    >>> from nbtrain.runstate import RunState
-    >>> state = RunState(strategy="ddp_notebook", accelerator="cpu", world_size=1, total_steps=10)
+    >>> from nbtrain.livestate import LiveState
+    >>> state = LiveState(strategy="ddp_notebook", accelerator="cpu", world_size=1, total_steps=10)
     >>> state.apply(events.Metrics(1, 0, ((5, 1.0, {"loss": 0.25}),)), now=1.0)
     >>> progress_text(state)
     'step 5/10 [##########----------] 50%'
@@ -15,7 +15,7 @@ Example:
 
 from __future__ import annotations
 
-from nbtrain.runstate import MAX_METRIC_CHARTS, MetricHistory, RunState
+from nbtrain.livestate import MAX_METRIC_CHARTS, LiveState, MetricHistory
 
 
 def format_bytes(count: float | None) -> str:
@@ -59,9 +59,7 @@ def format_rate(per_second: float | None, unit: str) -> str:
     """
     if per_second is None:
         return f"– {unit}"
-    if per_second >= 1000:
-        return f"{per_second:,.0f} {unit}"
-    return f"{per_second:.3g} {unit}"
+    return f"{per_second:,.0f} {unit}" if per_second >= 1000 else f"{per_second:.3g} {unit}"
 
 
 def format_value(value: float | None) -> str:
@@ -70,15 +68,13 @@ def format_value(value: float | None) -> str:
     >>> format_value(0.123456), format_value(1234567.0), format_value(float("nan")), format_value(None)
     ('0.1235', '1.235e+06', 'nan', '–')
     """
-    if value is None:
-        return "–"
-    return f"{value:.4g}"
+    return "–" if value is None else f"{value:.4g}"
 
 
 STATUS_STATE_INDEX = 4  # where status_line puts the state, for a view that colours it
 
 
-def status_line(state: RunState, now: float) -> str:
+def status_line(state: LiveState, now: float) -> str:
     """Strategy, accelerator, ranks, state, elapsed time and rates, joined by " · "."""
     parts = [
         "nbtrain",
@@ -95,7 +91,7 @@ def status_line(state: RunState, now: float) -> str:
     return " · ".join(parts)
 
 
-def progress_fraction(state: RunState) -> float | None:
+def progress_fraction(state: LiveState) -> float | None:
     """How far the run is, 0..1, when a total is known (and not yet overtaken: see ``known_total``).
 
     The logged step decides, even at the end: a run that finished at step 60 of a promised
@@ -108,11 +104,11 @@ def progress_fraction(state: RunState) -> float | None:
     return min(1.0, max(0.0, step / total))
 
 
-def progress_text(state: RunState, bar_width: int = 20) -> str:
+def progress_text(state: LiveState, bar_width: int = 20) -> str:
     """``step 50/100 [##########----------] 50% · ETA 5.0 s`` (no bar without a total).
 
-    >>> s = RunState(total_steps=4)
-    >>> progress_text(s), progress_text(RunState())
+    >>> s = LiveState(total_steps=4)
+    >>> progress_text(s), progress_text(LiveState())
     ('step 0/4 [--------------------] 0%', 'no steps logged yet')
     """
     step = state.current_step
@@ -135,7 +131,7 @@ def metric_line(history: MetricHistory) -> str:
     return f"{history.name}  {values}"
 
 
-def memory_line(state: RunState) -> str | None:
+def memory_line(state: LiveState) -> str | None:
     """``memory (host RSS)  rank 0: 300 MiB (peak 310 MiB)  ...`` or None before any sample."""
     if not state.memory:
         return None
@@ -147,7 +143,7 @@ def memory_line(state: RunState) -> str | None:
     return f"memory ({label})  {ranks}"
 
 
-def summary_text(state: RunState, now: float, max_metrics: int = MAX_METRIC_CHARTS) -> str:
+def summary_text(state: LiveState, now: float, max_metrics: int = MAX_METRIC_CHARTS) -> str:
     """The compact multi-line status: what a plain frontend shows (the text/plain part)."""
     lines = [status_line(state, now), progress_text(state), state.failure, state.stall(now)]
     lines += [metric_line(state.metrics[name]) for name in state.chart_metric_names(max_metrics)]
@@ -155,7 +151,7 @@ def summary_text(state: RunState, now: float, max_metrics: int = MAX_METRIC_CHAR
     return "\n".join(line for line in lines if line)  # no failure, stall or memory yet: no line for it
 
 
-def one_line_progress(state: RunState, now: float) -> str:
+def one_line_progress(state: LiveState, now: float) -> str:
     """A single line for a terminal: state, time, step, rate and the first metric's mean."""
     rate = state.steps_per_second
     parts: list[str | None] = [f"[nbtrain] {state.state_text}", format_duration(state.elapsed(now))]

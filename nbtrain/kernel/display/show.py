@@ -36,6 +36,7 @@ def write_stream(stream_name: str, text: str) -> None:
 
 def show_text(text: str, updatable: bool = False) -> Any:
     """Show ``text`` as the cell's display data; with ``updatable``, its handle for :func:`update_text`."""
+    # deferred: start-up time (IPython)
     from IPython.display import display
 
     return display({"text/plain": text}, raw=True, display_id=updatable or None)
@@ -52,13 +53,11 @@ def show_bundle(data: Any, metadata: Any, display_id: str, update: bool = False)
 
     ``update``: replace the display shown with ``display_id`` instead.
     """
-    from IPython.display import display, update_display
+    # deferred: start-up time (IPython)
+    from IPython.display import display
 
     with contextlib.suppress(Exception):  # the frontend is gone; the run goes on
-        if update:
-            update_display(dict(data), raw=True, metadata=dict(metadata), display_id=display_id)
-        else:
-            display(dict(data), raw=True, metadata=dict(metadata), display_id=display_id)
+        display(dict(data), raw=True, metadata=dict(metadata), display_id=display_id, update=update)
 
 
 def enable_colab_widgets() -> None:
@@ -77,6 +76,7 @@ def stop_button(tooltip: str, summary: str, on_stop: Any) -> Any:
     ``summary`` is what a saved notebook shows in its place (see :func:`show_widget`).
     """
     try:
+        # deferred: start-up time (ipywidgets)
         import ipywidgets
     except ImportError:
         return None
@@ -106,6 +106,7 @@ def show_widget(widget: Any, summary: str) -> Any:
         >>> show_widget(ipywidgets.Button(description="Stop"), "nbtrain: Stop button")  # doctest: +ELLIPSIS
         {'text/plain': 'nbtrain: Stop button', 'application/vnd.jupyter.widget-view+json': {...}, 'text/html': ...}
     """
+    # deferred: start-up time (IPython)
     from IPython.display import display
 
     bundle = compat.widget_bundle(widget)

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from nbtrain.rank.auto import syncbn
+
 _BATCHNORM = (
     "{names}: each rank normalised its BatchNorm layers by its own batch, where one process normalises by the "
     "whole batch; the running statistics are rank 0's. --sync-batchnorm normalises over every rank's batch "
@@ -54,15 +56,15 @@ def _has_layer(model: Any, test: Any) -> bool:
 
 
 def _unsynced_batchnorm(layer: Any) -> bool:
+    # deferred: start-up time (torch)
     import torch
-
-    from nbtrain.rank.auto import syncbn
 
     synced = (torch.nn.SyncBatchNorm, syncbn.sync_class())  # torch's, and CPU ranks' own
     return isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(layer, synced)
 
 
 def _drops(layer: Any) -> bool:
+    # deferred: start-up time (torch)
     import torch
 
     return isinstance(layer, torch.nn.modules.dropout._DropoutNd) and float(layer.p) > 0.0

@@ -2,8 +2,8 @@
 
 One registry per cell (:func:`configure` starts it): original <-> prepared objects, FSDP's
 parameter swaps, the optimizers to re-bind, the notes for the summary. The preparers of
-modules (:mod:`~nbtrain.rank.auto.wrapping`), optimizers (:mod:`~nbtrain.rank.auto.optimizers`) and
-loaders (:mod:`~nbtrain.rank.auto.loaders`) all read it through :func:`cell_registry`.
+modules (:mod:`~nbtrain.rank.auto.wrapping`), optimizers (:mod:`~nbtrain.rank.auto.boundoptimizers`) and
+loaders (:mod:`~nbtrain.rank.auto.preparedloaders`) all read it through :func:`cell_registry`.
 
 Importing this module does not import torch.
 
@@ -46,11 +46,12 @@ class _Registry:
         self.loader_names: dict[str, Any] = {}  # auto mode's loaders: kernel name -> prepared loader
         self.first_iterated: list[int] = []  # ids of prepared loaders, in the order of their first pass
         self.loss_scaling: Any = None  # precision.LossScaling under 16-mixed on CUDA
-        self.ddp_models: list[Any] = []  # the DDP wrappers made (nbtrain.rank.auto.bypass)
-        self.step_models: dict[int, tuple[Any, list[Any]]] = {}  # id(optimizer) -> (it, the wrappers it steps)
-        self.bypassed: set[int] = set()  # wrappers whose gradients bypass averaged (said once)
-        self.frozen_models: list[Any] = []  # modules left unwrapped, nothing trainable then (nbtrain.rank.auto.bypass)
-        self.step_frozen: dict[int, tuple[Any, list[list[Any]]]] = {}  # id(optimizer) -> (it, those modules' params)
+        # What auto mode averages itself (nbtrain.rank.auto.averaging): its targets, each optimizer's
+        # (it, targets_changed then, its targets), and each DDP wrapper's target by id.
+        self.targets: list[Any] = []
+        self.targets_changed = 0
+        self.step_targets: dict[int, tuple[Any, int, list[Any]]] = {}
+        self.wrappers: dict[int, Any] = {}
         # (the model's objects to name it by, else its words, its first inputs' or gradients' extremes, any tensor)
         self.first_inputs: list[tuple[tuple[Any, ...], str, Any, bool]] = []
         self.unsharded: list[int] = []  # ids of loaders auto mode could not shard (each said in a note)
@@ -137,6 +138,7 @@ def to_device(batch: Any, device: Any) -> Any:
 
 def torch_module() -> Any:
     """torch, imported when first asked for (importing nbtrain must not import it)."""
+    # deferred: start-up time (torch)
     import torch
 
     return torch
@@ -146,6 +148,7 @@ def in_process_group() -> bool:
     """True on a rank of a run whose process group is up (False in the kernel)."""
     if api.current_context() is None:
         return False
+    # deferred: start-up time (torch)
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()

@@ -35,6 +35,7 @@ def casts_model(precision: str) -> bool:
 
 def dtype_of(precision: str) -> Any:
     """The torch dtype a precision name computes in: ``bf16-mixed`` -> torch.bfloat16."""
+    # deferred: start-up time (torch)
     import torch
 
     return getattr(torch, _DTYPES[precision.split("-")[0]])
@@ -57,6 +58,7 @@ def apply(module: Any, precision: str, device: Any) -> Any:
 
 def _autocast_forward(module: Any, device_type: str, dtype: Any) -> None:
     """Run every forward of ``module`` under autocast, entered and left by two hooks."""
+    # deferred: start-up time (torch)
     import torch
 
     entered: list[Any] = []
@@ -85,6 +87,7 @@ def _cast_inputs(dtype: Any) -> Any:
 
 def _cast_outputs() -> Any:
     def hook(_module: Any, _args: Any, output: Any) -> Any:
+        # deferred: start-up time (torch)
         import torch
 
         return _cast_floating(output, torch.get_default_dtype())
@@ -93,6 +96,7 @@ def _cast_outputs() -> Any:
 
 
 def _cast_floating(data: Any, dtype: Any) -> Any:
+    # deferred: start-up time (torch)
     import torch
 
     if isinstance(data, torch.Tensor):
@@ -118,6 +122,7 @@ class LossScaling:
     """
 
     def __init__(self, device_type: str) -> None:
+        # deferred: start-up time (torch)
         import torch
 
         self.scaler = torch.amp.GradScaler(device_type)
@@ -167,6 +172,7 @@ class LossScaling:
         reading its verdict (as ``GradScaler.step`` does) spares a second pass over every
         gradient. A torch that keeps it elsewhere gets the second pass.
         """
+        # deferred: start-up time (torch)
         import torch
 
         state = getattr(self.scaler, "_per_optimizer_states", {}).get(id(optimizer), {})

@@ -40,8 +40,9 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from nbtrain.messages import reach
 from nbtrain.rank import api
-from nbtrain.rank.auto import ledger, loaders, optimizers, wrapping
+from nbtrain.rank.auto import boundoptimizers, ledger, preparedloaders, wrapping
 
 _lock = threading.Lock()
 
@@ -81,6 +82,7 @@ def prepare(*objs: Any, evaluation: str | None = None, **wrapper_options: Any) -
         raise TypeError("prepare() needs something to prepare, e.g. nbtrain.prepare(model, optimizer, loader).")
     _check_evaluation(evaluation)
     torch = ledger.torch_module()
+    # deferred: start-up time (torch)
     from torch.utils.data import DataLoader
 
     out = list(objs)
@@ -90,15 +92,15 @@ def prepare(*objs: Any, evaluation: str | None = None, **wrapper_options: Any) -
                 out[i] = wrapping.prepare_module(obj, **wrapper_options)
         for i, obj in enumerate(objs):
             if isinstance(obj, torch.optim.Optimizer):
-                out[i] = optimizers.prepare_optimizer(obj)
+                out[i] = boundoptimizers.prepare_optimizer(obj)
         for i, obj in enumerate(objs):
             if isinstance(obj, DataLoader):
-                out[i] = loaders.prepare_loader(obj, evaluation)
+                out[i] = preparedloaders.prepare_loader(obj, evaluation)
     return out[0] if len(objs) == 1 else tuple(out)
 
 
 def _check_evaluation(evaluation: str | None) -> None:
-    if evaluation is not None and evaluation not in loaders.EVALUATION_CHOICES:
+    if evaluation is not None and evaluation not in preparedloaders.EVALUATION_CHOICES:
         raise ValueError(
             f"prepare(evaluation={evaluation!r}): a loader's passes without gradients read either "
             "'whole' (every rank reads the whole dataset: metrics come out right unchanged; the default) "
@@ -118,13 +120,14 @@ def auto_prepare(namespace: dict[str, Any], names: Iterable[str]) -> list[tuple[
     (name, what was done) for the run's summary.
     """
     torch = ledger.torch_module()
+    # deferred: start-up time (torch)
     from torch.utils.data import DataLoader
 
     names = sorted(n for n in names if n in namespace)
     modules = {id(namespace[n]): namespace[n] for n in names if isinstance(namespace[n], torch.nn.Module)}
     inside = {id(sub) for module in modules.values() for sub in module.modules() if sub is not module}
     done: list[tuple[str, str]] = []
-    optimizers.know_optimizers(namespace[n] for n in names)
+    boundoptimizers.know_optimizers(namespace[n] for n in names)
     for kind in (torch.nn.Module, torch.optim.Optimizer, DataLoader):
         for name in names:
             obj = namespace[name]
@@ -153,7 +156,6 @@ def auto_prepare_held(
     originals back after it ran. Every place of an object holds the same prepared one
     (``model`` and ``trainer.model``), which the summary names once.
     """
-    from nbtrain.messages import reach
 
     torch = ledger.torch_module()
     found = [(h, obj) for h, obj in resolved(namespace, held) if h.preparable]
@@ -198,7 +200,6 @@ def _name_in_notes(said: int, name: str) -> None:
 
 def resolved(namespace: Mapping[str, Any], held: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
     """(held, this rank's object) for each place that still holds an object of its kind (its class)."""
-    from nbtrain.messages import reach
 
     for h in held:
         try:
@@ -220,7 +221,6 @@ def _not_prepared(why: str, kind: str) -> str:
 
 def put_back(namespace: Mapping[str, Any], placed: Iterable[tuple[Any, Any, Any]]) -> None:
     """Put the originals back where :func:`auto_prepare_held` put prepared objects (unless the cell replaced them)."""
-    from nbtrain.messages import reach
 
     for h, original, prepared in placed:
         with contextlib.suppress(Exception):
@@ -229,6 +229,7 @@ def put_back(namespace: Mapping[str, Any], placed: Iterable[tuple[Any, Any, Any]
 
 
 def _describe(original: Any, prepared: Any) -> str:
+    # deferred: start-up time (torch)
     from torch.nn.parallel import DataParallel
     from torch.utils.data import DataLoader
 

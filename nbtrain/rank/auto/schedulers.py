@@ -58,6 +58,7 @@ def agreed(metric: Any) -> Any:
 
 def _gathered(number: float) -> list[float]:
     """``number`` from every rank, in rank order (nccl gathers device tensors only)."""
+    # deferred: start-up time (torch)
     import torch
     import torch.distributed as dist
 

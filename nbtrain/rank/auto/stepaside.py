@@ -197,7 +197,17 @@ def _world() -> tuple[int, int]:
 
 
 def given_the_world(objects: Iterable[Any]) -> None:
-    """Give the Lightning Trainers among ``objects`` (built in the kernel, for its one process) this run's world."""
+    """Give the Lightning Trainers among ``objects`` (built in the kernel, for its one process) this run's world;
+    and every fastai Learner of the cell fastai's distributed callback (:func:`nbtrain.frameworks.fastai_world`)."""
+    objects = list(objects)
+    if "fastai.learner" in sys.modules:  # fastai's optimizer and loaders are none of auto mode's: its callback's
+        try:
+            frameworks.fastai_world(objects, ledger.cell_registry().patches)
+        except ImportError as error:  # fastai's DistributedTrainer is built on accelerate
+            ledger.cell_registry().notes.append(
+                f"a fastai Learner trains alone on each rank: fastai's DistributedTrainer needs accelerate ({error}); "
+                "`pip install accelerate` to train it over the ranks"
+            )
     if "lightning" not in sys.modules and "pytorch_lightning" not in sys.modules:
         return
     devices, num_nodes = _world()

@@ -7,34 +7,29 @@ unscales, a graceful stop ends the cell. Each is a named step in :data:`BEFORE` 
 global pre-hook and the one post-hook :func:`for_the_cell` registers for a cell; the hooks are
 removed as the cell ends. A step that has nothing to do for the cell returns at once. A
 function run (``nbtrain.start``) has them from the first model ``prepare`` wraps
-(:func:`for_prepared_models`), without the stop check, for the rest of the run. A model nbtrain
-averages itself (made in the cell, or called past its DDP wrapper) has its gradients averaged
-as each backward ends (:mod:`~nbtrain.rank.auto.backwardend`), as DDP's are: its steps below
-then find them averaged and add nothing (they average what no backward wrote).
+(:func:`for_prepared_models`), without the stop check, for the rest of the run.
 
 The order, and why:
 
-1. ``first step`` (:func:`nbtrain.rank.auto.madeoptimizers.at_first_step`): at an optimizer's first step,
+1. ``first step`` (:func:`nbtrain.rank.auto.celloptimizers.at_first_step`): at an optimizer's first step,
    one the cell made whose model nothing averages is kept one over the ranks (rank 0's
    weights broadcast). The next step averages what this one decides to keep.
-2. ``kept models`` (:func:`nbtrain.rank.auto.keptmodels.average_kept`): a kept model's gradients
-   averaged where the backward's end (or clipping, or unscaling) has not (a closure's as it
-   returns, so it may hand the step a changed closure).
-3. ``bypassed DDP`` (:func:`nbtrain.rank.auto.bypass.average_bypassed`): a DDP model whose forward the
-   step did not call gets its gradients averaged where the backward's end has not (this step
-   finds it bypassed: from then on its backwards average). Every average comes before unscaling.
-4. ``loss scaling`` (:func:`nbtrain.rank.auto.precision.unscale_before_step`): 16-mixed unscales the
+2. ``averaged gradients`` (:func:`nbtrain.rank.auto.averaging.at_step`): the one gradient
+   averager's step, where what no backward's end (or clipping, or unscaling) averaged is
+   averaged (a closure's as it returns, so it may hand the step a changed closure). Every
+   average comes before unscaling.
+3. ``loss scaling`` (:func:`nbtrain.rank.auto.precision.unscale_before_step`): 16-mixed unscales the
    averaged gradients, so every rank finds the same overflow and skips the same step.
-5. ``stop check`` (:func:`nbtrain.rank.machinery.stepcheck.check_stop`): last, so that when it ends
+4. ``stop check`` (:func:`nbtrain.rank.machinery.stepcheck.check_stop`): last, so that when it ends
    the cell every rank has gone through this step's collectives (the averages above): none
    is left waiting in one.
 
-After the step: ``loss scaling`` updates its scale, then ``bypassed DDP`` and ``stop check``
+After the step: ``loss scaling`` updates its scale, then ``averaged gradients`` and ``stop check``
 leave the step (each counts nested steps, ZeroRedundancyOptimizer's, to act on the outermost).
 
 Example (the order, by name):
     >>> [name for name, _ in BEFORE]
-    ['first step', 'kept models', 'bypassed DDP', 'loss scaling', 'stop check']
+    ['first step', 'averaged gradients', 'loss scaling', 'stop check']
 """
 
 from __future__ import annotations
@@ -49,9 +44,8 @@ from nbtrain.rank.auto import ledger
 Step = Callable[[Any, Any, Any], Any]
 
 BEFORE: tuple[tuple[str, str], ...] = (
-    ("first step", "nbtrain.rank.auto.madeoptimizers:at_first_step"),
-    ("kept models", "nbtrain.rank.auto.keptmodels:average_kept"),
-    ("bypassed DDP", "nbtrain.rank.auto.bypass:average_bypassed"),
+    ("first step", "nbtrain.rank.auto.celloptimizers:at_first_step"),
+    ("averaged gradients", "nbtrain.rank.auto.averaging:at_step"),
     ("loss scaling", "nbtrain.rank.auto.precision:unscale_before_step"),
     ("stop check", "nbtrain.rank.machinery.stepcheck:check_stop"),
 )
@@ -59,7 +53,7 @@ BEFORE: tuple[tuple[str, str], ...] = (
 
 AFTER: tuple[tuple[str, str], ...] = (
     ("loss scaling", "nbtrain.rank.auto.precision:update_scale"),
-    ("bypassed DDP", "nbtrain.rank.auto.bypass:leave_step"),
+    ("averaged gradients", "nbtrain.rank.auto.averaging:leave_step"),
     ("stop check", "nbtrain.rank.machinery.stepcheck:leave_counted_step"),
 )
 """The steps after ``optimizer.step()``, in order."""
@@ -86,6 +80,7 @@ def for_prepared_models() -> None:
 def hook_steps(stack: ExitStack, steps: Iterable[tuple[str, str]] = BEFORE) -> None:
     """Register the one step pre-hook (calling ``steps``) and post-hook for every optimizer; closing
     ``stack`` removes them."""
+    # deferred: start-up time (torch)
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     before, after = _resolved(tuple(steps)), _resolved(AFTER)

@@ -25,6 +25,7 @@ from typing import Any
 
 def convert(module: Any, device_type: str) -> Any:
     """Replace every BatchNorm layer under ``module`` (in place) with a synchronised one."""
+    # deferred: start-up time (torch)
     import torch
 
     cls = sync_class() if device_type == "cpu" else torch.nn.SyncBatchNorm
@@ -50,6 +51,7 @@ def _synced(layer: Any, cls: type) -> Any:
 @functools.cache
 def sync_class() -> type:
     """A BatchNorm for CPU ranks that all-reduces its batch statistics (any input rank)."""
+    # deferred: start-up time (torch)
     import torch
 
     class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
@@ -67,6 +69,7 @@ def sync_class() -> type:
 
 
 def _distributed() -> bool:
+    # deferred: start-up time (torch)
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -74,6 +77,7 @@ def _distributed() -> bool:
 
 def _cpu_sync_forward(layer: Any, x: Any) -> Any:
     """Batch norm over the union of every rank's batch, differentiable (CPU, gloo)."""
+    # deferred: start-up time (torch)
     import torch
     from torch.distributed.nn.functional import all_reduce
 
@@ -94,6 +98,7 @@ def _cpu_sync_forward(layer: Any, x: Any) -> Any:
 
 
 def _update_running(layer: Any, mean: Any, var: Any, n: float) -> None:
+    # deferred: start-up time (torch)
     import torch
 
     with torch.no_grad():

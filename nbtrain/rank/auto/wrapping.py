@@ -22,8 +22,9 @@ import operator
 import sys
 from typing import TYPE_CHECKING, Any
 
+from nbtrain.errors import UnusedParametersError
 from nbtrain.rank import api
-from nbtrain.rank.auto import bypass, ledger, optimizers, samedata
+from nbtrain.rank.auto import averaging, boundoptimizers, ledger, samedata
 from nbtrain.rank.machinery import settings
 
 if TYPE_CHECKING:
@@ -64,13 +65,14 @@ def prepare_module(module: Any, **wrapper_options: Any) -> Any:
     else:
         prepared = module
         if wrapper in ledger.DDP_WRAPPERS and _all_frozen(module):  # the cell may unfreeze it part-way
-            bypass.average_when_unfrozen(module)
+            averaging.unfrozen(module)
     ledger.cell_registry().remember(module, prepared)
     return prepared
 
 
 def _notebooks_data_parallel(module: Any, wrapper: str) -> bool:
     """A DataParallel the notebook made, on a rank whose strategy runs one process per device."""
+    # deferred: start-up time (torch)
     from torch.nn.parallel import DataParallel
 
     return (
@@ -201,6 +203,7 @@ def _inputs_to_device(device: Any, module: Any, args: tuple[Any, ...], kwargs: d
 
 def _apply_precision_and_sync(module: Any, wrapper: str) -> None:
     """The launch's --sync-batchnorm and --precision, applied before the model is wrapped."""
+    # deferred: start-up time
     from nbtrain.rank.auto import precision, syncbn
 
     device = api.device()
@@ -214,6 +217,7 @@ def _apply_precision_and_sync(module: Any, wrapper: str) -> None:
 
 def is_wrapped(module: Any) -> bool:
     """True for DDP, DataParallel and FSDP1 wrappers and modules FSDP2 already sharded."""
+    # deferred: start-up time (torch)
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
@@ -234,6 +238,7 @@ def original_of(obj: Any) -> Any:
         return entry[1]
     if "torch" not in sys.modules or registry.is_original(obj):  # the notebook's own DataParallel goes back as one
         return obj
+    # deferred: start-up time (torch)
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     seen = 0
@@ -346,6 +351,7 @@ class _ReadThrough:
 @functools.cache
 def transparent_dp_class() -> type:
     """A DataParallel subclass that reads through to the wrapped model (see :class:`_ReadThrough`)."""
+    # deferred: start-up time (torch)
     from torch.nn.parallel import DataParallel
 
     class TransparentDP(_ReadThrough, DataParallel[Any]):
@@ -369,7 +375,7 @@ class _ReadsThrough(_ReadThrough, _DDPBase):
         object.__setattr__(self, "_nbtrain_trainable", _trainable_flags(self._module_parameters))
         object.__setattr__(self, "_nbtrain_all_frozen", False)
         object.__setattr__(self, "_nbtrain_ready", True)
-        bypass.average_when_bypassed(self)  # a step that calls the model's parts instead of it still averages
+        averaging.wrapped(self)  # a step that calls the model's parts instead of it still averages
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """DDP's forward, after nbtrain's own bookkeeping (:func:`_before_forward`)."""
@@ -397,8 +403,7 @@ def _before_forward(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -
             _follow_trainable(ddp)  # frozen or unfrozen since it was wrapped: train what requires grad
         if ddp.__dict__["_nbtrain_all_frozen"]:
             return True
-        ddp.__dict__["_nbtrain_forwards"] += 1  # DDP averages this step's gradients (nbtrain.rank.auto.bypass)
-        if ddp.__dict__["_nbtrain_forwards"] == 1:  # do the ranks train on different data?
+        if averaging.forward_ran(ddp) == 1:  # DDP averages this step's gradients; do the ranks train on different data?
             samedata.note_first_inputs(ddp, inputs, kwargs)
     syncs = ddp.require_backward_grad_sync and grads
     if ddp.__dict__["_nbtrain_check_unused"] and syncs:
@@ -454,6 +459,7 @@ def transparent_ddp_class() -> type:
     DDP's own methods (``no_sync``, ``join``) stay reachable; the first backward that
     syncs checks that every trainable parameter got a gradient.
     """
+    # deferred: start-up time (torch)
     from torch.nn.parallel import DistributedDataParallel
 
     class TransparentDDP(_ReadsThrough, DistributedDataParallel):
@@ -474,7 +480,6 @@ def _check_first_backward(module: Any) -> None:
     autograd engine runs when the backward ends, so the error comes on the first step,
     before the optimizer steps with unaveraged gradients. The hooks go after that one backward.
     """
-    from nbtrain.errors import UnusedParametersError
 
     trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     reached: set[int] = set()
@@ -501,6 +506,7 @@ def _shard(module: Any, options: dict[str, Any], offload: bool = False) -> Any:
     ``offload`` keeps the shards in host memory (CPUOffloadPolicy): FSDP2 copies a block's
     weights to the device for its forward and backward, and the optimizer steps on the CPU.
     """
+    # deferred: start-up time (torch)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -523,7 +529,7 @@ def _shard(module: Any, options: dict[str, Any], offload: bool = False) -> Any:
             ledger.cell_registry().param_swaps[id(old)] = (old, new)
             ledger.cell_registry().param_owner[id(new)] = module
     for optimizer in list(ledger.cell_registry().optimizers):
-        optimizers.rebind_optimizer(optimizer)
+        boundoptimizers.rebind_optimizer(optimizer)
     return module
 
 
@@ -533,6 +539,7 @@ def _shard_blocks(module: Any) -> list[Any]:
     Sharding per block lets FSDP2 gather one block's weights at a time; tied weights
     across blocks cannot be sharded separately, so then only the root is sharded.
     """
+    # deferred: start-up time (torch)
     import torch
 
     blocks: list[Any] = []

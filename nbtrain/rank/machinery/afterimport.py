@@ -2,7 +2,7 @@
 
 A rank runs notebook code outside a kernel, where a few notebook-only APIs do the wrong
 thing (``tqdm.notebook``'s widget bar, IPython's ``display``): :mod:`~nbtrain.rank.machinery.progressbars`
-and :mod:`~nbtrain.rank.machinery.displays` say what they do there instead, through
+and :mod:`~nbtrain.rank.machinery.rankdisplay` say what they do there instead, through
 :func:`when_imported`. The change runs right after the module's own code, before anything
 that imports it binds its names; a module already imported is changed at once.
 

@@ -41,6 +41,7 @@ import pickle
 import types
 from typing import Any
 
+from nbtrain import patches
 from nbtrain.messages import codepickle, nestedpickling
 
 GROUP = "child processes"  # the patch table's group (nbtrain.patches)
@@ -130,7 +131,6 @@ def load_by_value(payload: bytes) -> Any:
     group first, so that what it sends back (a notebook class's instance) travels by value too;
     a forked child has it from its rank already, and any other process (a test's) is left alone."""
     if _started_by_multiprocessing():
-        from nbtrain import patches
 
         patches.install_for_process(GROUP)
     return pickle.loads(payload)  # the rank's own pickle of its own code, over its own pipe

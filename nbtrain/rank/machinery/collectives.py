@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import linecache
 import sys
 import time
 import types
@@ -44,7 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbtrain.errors import CollectiveMismatchError
-from nbtrain.messages import stacks
+from nbtrain.messages import stacktext
 from nbtrain.system import stepboard
 
 # operation -> (the argument whose size the ledger writes, whether torch needs it equal on every
@@ -253,7 +254,7 @@ def users_line(frame: types.FrameType | None) -> tuple[int, int]:
         code = frame.f_code
         known = _CODES.get(code)
         if known is None:
-            where = stacks.Frame(code.co_filename, 0, code.co_name)
+            where = stacktext.Frame(code.co_filename, 0, code.co_name)
             crc = zlib.crc32(code.co_filename.encode())
             _FILENAMES[crc] = code.co_filename
             known = _CODES[code] = (crc if not where.in_nbtrain else 0, not where.in_library and not where.in_nbtrain)
@@ -275,7 +276,6 @@ def _first_rank(slot: int) -> int:
 
 def _filenames() -> dict[int, str]:
     """crc32 -> file name, of the files this rank's calls came from and the notebook's cells it knows."""
-    import linecache
 
     known = {zlib.crc32(name.encode()): name for name in list(linecache.cache)}
     return {**known, **_FILENAMES}
@@ -299,7 +299,8 @@ def mismatch_text(entries: dict[int, stepboard.Collective], filenames: dict[int,
         for slot, entry in entries.items()
     )
     return (
-        f"The ranks called different collectives as their {stacks.ordinal(first.group_call)} call of {group}: {calls}. "
+        f"The ranks called different collectives as their {stacktext.ordinal(first.group_call)} call of {group}: "
+        f"{calls}. "
         "Every rank must call the same collectives in the same order, with tensors of the same size and dtype: "
         "gloo and NCCL would wait for ever, or abort the process. Look for a collective under an `if` on the "
         "rank (nbtrain.rank()), or a size that depends on each rank's data (pad it, or all_gather the sizes first)."
@@ -309,7 +310,7 @@ def mismatch_text(entries: dict[int, stepboard.Collective], filenames: dict[int,
 def _last(entry: stepboard.Collective, filenames: dict[int, str]) -> str:
     if not entry.calls:
         return "no collective"
-    return f"the {stacks.ordinal(entry.group_call)} call, {entry.describe()}, {_where(entry, filenames)}"
+    return f"the {stacktext.ordinal(entry.group_call)} call, {entry.describe()}, {_where(entry, filenames)}"
 
 
 def _where(entry: stepboard.Collective, filenames: dict[int, str]) -> str:

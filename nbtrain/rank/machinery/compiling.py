@@ -134,7 +134,4 @@ def threads_from_environment(original: Any) -> Any:
     Inductor decides it as its config is imported: in the launcher, before any run's
     environment existed. ``None`` (inductor decides later, itself) stays.
     """
-    if original is None:
-        return original
-    decided: int = sys.modules["torch._inductor.config"].decide_compile_threads()
-    return decided
+    return original if original is None else sys.modules["torch._inductor.config"].decide_compile_threads()

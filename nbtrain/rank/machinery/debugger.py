@@ -86,9 +86,7 @@ def selected(this_rank: int, rank: Ranks) -> bool:
         if rank.strip().lower() != "all":
             raise ValueError(f"set_trace(rank={rank!r}): pass a rank number, a list of them, or 'all'.")
         return True
-    if isinstance(rank, int):
-        return this_rank == rank
-    return this_rank in set(rank)
+    return this_rank == rank if isinstance(rank, int) else this_rank in set(rank)
 
 
 def set_trace(*, rank: Ranks = 0) -> None:
@@ -136,10 +134,7 @@ class RelayFile(io.TextIOBase):
 
     def __init__(self, channel: socket.socket, run_id: int, rank: int, post_mortem: bool = False) -> None:
         super().__init__()
-        self.channel = channel
-        self.run_id = run_id
-        self.rank = rank
-        self.post_mortem = post_mortem
+        self.channel, self.run_id, self.rank, self.post_mortem = channel, run_id, rank, post_mortem
         self.active = False  # a session the kernel has seen a prompt of and no DebugEnded yet
         self._pending: list[str] = []
 

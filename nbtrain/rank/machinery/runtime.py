@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
 from nbtrain import patches
-from nbtrain.messages import logsetup, records, sharedtensors, stacks, torchsettings, wire
+from nbtrain.messages import logsetup, records, sharedtensors, stacktext, torchsettings, wire
 from nbtrain.messages.events import (
     DebugQuit,
     NotebookModules,
@@ -52,7 +52,7 @@ from nbtrain.messages.events import (
     StartRun,
 )
 from nbtrain.planning import config
-from nbtrain.rank import api
+from nbtrain.rank import api, cell
 from nbtrain.rank.machinery import compiling, debugger, reimport, settings
 from nbtrain.system import privatenet, processes, rendezvous
 
@@ -135,7 +135,6 @@ def _warm_the_way() -> None:
     cell's first line on 2 cores. A standby rank pays them now. Nothing stays: the RNGs are
     set to their own state, and the cell runs in a namespace of its own that is dropped.
     """
-    from nbtrain.rank import cell
 
     with contextlib.suppress(Exception):  # a way not warmed costs time, never the rank
         records.set_rng_states(records.rng_states())
@@ -199,6 +198,7 @@ _LIBRARY_ROOTS = _library_roots()
 
 
 def _begin(assignment: RankAssignment, stack_fd: int | None) -> None:
+    settings.adopt(assignment.start.rank_settings)  # its threads and backend, read before a run's arrive
     register_stack_dump(stack_fd, assignment.start.environ)
     # Orphans of this rank's subtree (a double fork, say) become its children, and the
     # launcher's once it exits: so nothing it started outlives the run (nbtrain.system.processes).
@@ -255,7 +255,7 @@ def _run(
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we leave
         # No debugger reaches a cluster's rank (docs/cluster.md): its traceback names the failing frame's locals.
         # Nothing to debug after sys.exit() (nor pdb's own quit): the rank is not kept.
-        held = start.debug_hold is not None and not isinstance(error, (bdb.BdbQuit, SystemExit))
+        held = settings.current().debug_hold is not None and not isinstance(error, (bdb.BdbQuit, SystemExit))
         state = _state_at_failure(context, start.node is None)
         traceback_ = _report_failure(channel, start.run_id, spec.rank, error, start.node is not None, held, state)
         if held:
@@ -322,9 +322,9 @@ def register_stack_dump(stack_fd: int | None, environ: Mapping[str, str]) -> Non
     blocked in C++ (gloo, NCCL): a Python handler would wait for the call to return. The
     dump goes to a pipe only the launcher reads. This is the whole cost to a healthy run.
     """
-    if stack_fd is None or environ.get(stacks.DISABLE_VARIABLE) == "0":
+    if stack_fd is None or environ.get(stacktext.DISABLE_VARIABLE) == "0":
         return
-    faulthandler.register(stacks.DUMP_SIGNAL, file=stack_fd, all_threads=True, chain=False)
+    faulthandler.register(stacktext.DUMP_SIGNAL, file=stack_fd, all_threads=True, chain=False)
 
 
 def line_buffered_stdout(_original: Any) -> io.TextIOWrapper:
@@ -348,8 +348,9 @@ def _adopt_caller_state(assignment: RankAssignment) -> None:
     patches.install_for_process("compiling")  # inductor read its variables in the launcher: again, from these
     os.chdir(start.cwd)
     sys.path[:] = list(start.sys_path)
-    threads = start.threads_per_rank or config.user_thread_count(environ)
+    threads = settings.current().threads_per_rank or config.user_thread_count(environ)
     if threads is not None:
+        # deferred: start-up time (torch)
         import torch
 
         # OpenMP read its variables when the launcher loaded torch, before this run's
@@ -433,6 +434,7 @@ def install_source_lines(source_lines: Mapping[str, tuple[str, ...]]) -> None:
 
 def _select_device(device_type: str, device_index: int | None) -> None:
     if device_type == "cuda" and device_index is not None:
+        # deferred: start-up time (torch)
         import torch
 
         torch.cuda.set_device(device_index)
@@ -449,6 +451,7 @@ def _warm_device(device_type: str) -> None:
     """
     if device_type != "cuda":
         return
+    # deferred: start-up time (torch)
     import torch
 
     with contextlib.suppress(Exception):  # a warm-up not done costs the first step time, never the rank
@@ -495,6 +498,7 @@ def _join_process_group(assignment: RankAssignment, listen_fd: int | None, eager
     cell sent before its standby rank was ready. A cell's own collective builds it then.
     """
     global _hosted_store
+    # deferred: start-up time (torch)
     import torch
     import torch.distributed as dist
 
@@ -513,14 +517,14 @@ def _join_process_group(assignment: RankAssignment, listen_fd: int | None, eager
             master_listen_fd=listen_fd,
         )
     device = None
-    if eager and spec.world_size > 1 and spec.device_type == "cuda" and "nccl" in assignment.start.backend:
+    if eager and spec.world_size > 1 and spec.device_type == "cuda" and "nccl" in settings.current().backend:
         device = torch.device("cuda", torch.cuda.current_device())
     join = {"store": store} if store is not None else {}  # else env:// (a cluster's TCPStore)
     # gloo's listener and pairs are made in the rank's private network where it joined one.
     privatenet.in_private_network(
         functools.partial(
             dist.init_process_group,
-            assignment.start.backend,
+            settings.current().backend,
             rank=spec.rank,
             world_size=spec.world_size,
             device_id=device,

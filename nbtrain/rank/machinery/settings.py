@@ -1,18 +1,19 @@
-"""The run's settings on this rank: what its launch options ask of it, read here and only here.
+"""The run's settings on this rank: every setting a rank reads, read here and only here.
 
-The kernel builds one :class:`nbtrain.messages.events.RankSettings` from a run's launch options
-(``LaunchOptions.config_for``: the strategy's model wrapper, DataParallel's GPUs, and every
-option marked ``Option(rank=True)`` in :mod:`nbtrain.options`); ``StartRun`` carries it
-whole (each node of a cluster gets its own copy), and the rank's runtime hands it here as the run's
-``StartRun`` arrives, so a standby rank gets the run's settings, not those of the run it was
-forked after. Every other rank module asks :func:`current`, as accelerate's code asks its
-``PartialState``: no launch option travels as an environment variable. Outside a run (the
-kernel, a test, a script under torchrun) it holds the options' built-in defaults.
+The kernel builds one :class:`nbtrain.messages.events.RankSettings` per run (the strategy's model
+wrapper, DataParallel's GPUs, the process group's backend, threads per rank, whether a failure
+is held for a post-mortem, and every option marked ``Option(rank=True)`` in
+:mod:`nbtrain.options`); ``StartRun`` carries it whole (each node of a cluster gets its own
+copy), and the rank's runtime hands it here as the run's ``StartRun`` arrives (a standby rank
+first its plan's, then its run's, not those of the run it was forked after). Every other rank
+module asks :func:`current`, as accelerate's code asks its ``PartialState``: no setting travels
+as an environment variable, and no rank reads it from ``StartRun``. Outside a run (the kernel,
+a test, a script under torchrun) it holds the record's defaults, the options' built-in ones.
 
 Example:
     >>> current().precision, current().sync_batchnorm
     ('32-true', False)
-    >>> adopt(RankSettings("fsdp", options={"precision": "bf16-mixed"}))
+    >>> adopt(RankSettings("fsdp", precision="bf16-mixed"))
     >>> current().model_wrapper, current().precision, current().sync_batchnorm
     ('fsdp', 'bf16-mixed', False)
     >>> adopt(RankSettings())  # the built-in defaults again
@@ -20,20 +21,15 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-
 from nbtrain.messages.events import RankSettings
-from nbtrain.options import LaunchOptions
 
-# Read once where this module is imported (the launcher preloads it): a forked rank has them.
-_BUILT_IN = LaunchOptions().rank_options()
-_current = RankSettings(options=_BUILT_IN)
+_current = RankSettings()
 
 
 def adopt(told: RankSettings) -> None:
-    """This rank's settings from now on: ``told``, an option it lacks at its built-in default."""
+    """This rank's settings from now on: ``told``."""
     global _current
-    _current = dataclasses.replace(told, options={**_BUILT_IN, **told.options})
+    _current = told
 
 
 def current() -> RankSettings:

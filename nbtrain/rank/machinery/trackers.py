@@ -29,11 +29,13 @@ Example (outside a run nothing is patched):
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import socket
 import sys
 import tempfile
+import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
@@ -184,6 +186,16 @@ def _rank_zero() -> bool:
     return api.rank() == 0
 
 
+def _on_rank_zero(factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A patch factory that changes rank 0's function only: the other ranks keep the original."""
+    return functools.wraps(factory)(lambda original: factory(original) if _rank_zero() else original)
+
+
+def _off_rank_zero(factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A patch factory that changes the other ranks' function only: rank 0 keeps the original."""
+    return functools.wraps(factory)(lambda original: original if _rank_zero() else factory(original))
+
+
 # --- TensorBoard (torch.utils.tensorboard, and tensorboardX alike) -----------------------------
 
 
@@ -210,11 +222,9 @@ def tensorboard_file_writer(original: Any) -> Any:
     return original if _rank_zero() else _SilentFileWriter
 
 
+@_on_rank_zero
 def tensorboard_init(original: Any) -> Any:
     """Patch factory: rank 0 remembers the writers the cell opens (to close those left open)."""
-    if not _rank_zero():
-        return original
-
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         _cell.writers.add(self)
@@ -223,11 +233,9 @@ def tensorboard_init(original: Any) -> Any:
     return __init__
 
 
+@_on_rank_zero
 def tensorboard_add_scalar(original: Any) -> Any:
     """Patch factory: rank 0's ``add_scalar`` also charts the scalar in the live view."""
-    if not _rank_zero():
-        return original
-
     def add_scalar(self: Any, tag: str, scalar_value: Any, global_step: Any = None, *args: Any, **kwargs: Any) -> Any:
         trackerruns.chart({tag: scalar_value}, global_step)
         return original(self, tag, scalar_value, global_step, *args, **kwargs)
@@ -235,11 +243,9 @@ def tensorboard_add_scalar(original: Any) -> Any:
     return add_scalar
 
 
+@_on_rank_zero
 def tensorboard_add_scalars(original: Any) -> Any:
     """Patch factory: rank 0's ``add_scalars`` also charts each scalar (``main_tag/tag``)."""
-    if not _rank_zero():
-        return original
-
     def add_scalars(
         self: Any, main_tag: str, tag_scalar_dict: Any, global_step: Any = None, *args: Any, **kwargs: Any
     ) -> Any:
@@ -270,11 +276,9 @@ def wandb_init(original: Any) -> Any:
     return init
 
 
+@_on_rank_zero
 def wandb_log(original: Any) -> Any:
     """Patch factory: rank 0's ``run.log`` (and ``wandb.log``) also charts the scalars logged."""
-    if not _rank_zero():
-        return original
-
     def log(self: Any, data: Mapping[str, Any], step: Any = None, *args: Any, **kwargs: Any) -> Any:
         trackerruns.chart(data, step)
         return original(self, data, step, *args, **kwargs)
@@ -297,11 +301,9 @@ def wandb_module_log(original: Any) -> Any:
 # --- MLflow ---------------------------------------------------------------------------------
 
 
+@_off_rank_zero
 def mlflow_store(original: Any) -> Any:
     """Patch factory: ranks other than 0 track into a throwaway store (removed at the cell's end)."""
-    if _rank_zero():
-        return original
-
     def _get_store(store_uri: Any = None, artifact_uri: Any = None) -> Any:
         if _cell.throwaway is None:
             _cell.throwaway = tempfile.mkdtemp(prefix="nbtrain-mlflow-")
@@ -310,11 +312,9 @@ def mlflow_store(original: Any) -> Any:
     return _get_store
 
 
+@_on_rank_zero
 def mlflow_log_metric(original: Any) -> Any:
     """Patch factory: rank 0's ``log_metric`` also charts the metric in the live view."""
-    if not _rank_zero():
-        return original
-
     def log_metric(
         self: Any, run_id: str, key: str, value: Any, timestamp: Any = None, step: Any = None, *args: Any, **kwargs: Any
     ) -> Any:
@@ -324,11 +324,9 @@ def mlflow_log_metric(original: Any) -> Any:
     return log_metric
 
 
+@_on_rank_zero
 def mlflow_log_batch(original: Any) -> Any:
     """Patch factory: rank 0's ``log_metrics`` (a batch) also charts its metrics."""
-    if not _rank_zero():
-        return original
-
     def log_batch(self: Any, run_id: str, metrics: Any = (), *args: Any, **kwargs: Any) -> Any:
         for metric in metrics:
             trackerruns.chart({metric.key: metric.value}, metric.step)
@@ -344,7 +342,6 @@ class _SilentRun:
     """A trackio run on a rank other than 0: its calls are accepted and do nothing."""
 
     def __init__(self, project: str, name: str | None, config: Any) -> None:
-        import uuid
 
         self.project = project
         self.name = name or f"rank-copy-{uuid.uuid4().hex[:8]}"
@@ -355,11 +352,9 @@ class _SilentRun:
         return _nothing
 
 
+@_off_rank_zero
 def trackio_init(original: Any) -> Any:
     """Patch factory: ``trackio.init`` on ranks other than 0 returns a run that writes nothing."""
-    if _rank_zero():
-        return original
-
     def init(project: str, name: str | None = None, *args: Any, config: Any = None, **kwargs: Any) -> Any:
         run = _SilentRun(project, name, config)
         sys.modules["trackio.context_vars"].current_run.set(run)  # trackio.log/finish find it
@@ -368,11 +363,9 @@ def trackio_init(original: Any) -> Any:
     return init
 
 
+@_on_rank_zero
 def trackio_log(original: Any) -> Any:
     """Patch factory: rank 0's trackio ``log`` also charts the scalars logged."""
-    if not _rank_zero():
-        return original
-
     def log(self: Any, metrics: Mapping[str, Any], step: Any = None, *args: Any, **kwargs: Any) -> Any:
         trackerruns.chart(metrics, step)
         what = f"trackio run {getattr(self, 'name', '')!r} of project {getattr(self, 'project', '')!r}"

@@ -1,7 +1,7 @@
-"""What a cell writes as text (nbtrain.kernel.display.cellout): the summary, nbtrain's lines, the view's place.
+"""What a cell writes as text (nbtrain.kernel.display.owntext): the summary, nbtrain's lines, the view's place.
 
 The cell's output in a real Jupyter kernel (ipykernel, nbclient); the writers directly, on
-this process's stdout and stderr. (Rank output: tests/test_display_rankout.py.)
+this process's stdout and stderr. (Rank output: tests/test_display_rankoutput.py.)
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from nbtrain.kernel.cellrun import CellRun
-from nbtrain.kernel.display import cellout
+from nbtrain.kernel.cellrun import LastRun
+from nbtrain.kernel.display import owntext
 from nbtrain.messages import events
 
 pytestmark = pytest.mark.timeout(240)
@@ -34,29 +34,29 @@ def test_a_finished_cell_ends_with_its_summary_and_each_rank_tagged(kernel):
 
 
 def test_nbtrains_own_lines_go_to_the_stream_they_name(capsys):
-    cellout.print_line("nbtrain: a line")
-    cellout.print_warning("nbtrain warning: a warning")
-    cellout.write_text("(Pdb) ")
+    owntext.print_line("nbtrain: a line")
+    owntext.print_warning("nbtrain warning: a warning")
+    owntext.write_text("(Pdb) ")
     assert capsys.readouterr() == ("nbtrain: a line\n(Pdb) ", "nbtrain warning: a warning\n")
 
 
 def test_the_summary_says_what_ran_what_was_prepared_and_what_came_back():
-    record = CellRun(state="finished", world_size=2, strategy="ddp_notebook", accelerator="cpu", seconds=3.04)
+    record = LastRun(state="finished", world_size=2, strategy="ddp_notebook", accelerator="cpu", seconds=3.04)
     record.prepared = [("model", "DistributedDataParallel"), ("opt", "bound"), ("loader", "sharded")]
     record.loaders = [("loader", "sharded over 2 ranks")]
     record.updated = ["model", "opt", "history"]
-    assert cellout.summary(record) == (
+    assert owntext.summary(record) == (
         "nbtrain: 2 ranks (cpu, ddp_notebook) finished in 3.0 s. Auto-prepared: model (DistributedDataParallel). "
         "loader: sharded over 2 ranks. Updated in the kernel: model, opt, history."
     )
     record.stopped_at, record.state, record.log_path = 412, "stopped", "/logs/run.log"
-    assert cellout.summary(record).startswith("nbtrain: 2 ranks (cpu, ddp_notebook) stopped at step 412 in 3.0 s.")
-    assert cellout.summary(record).endswith(" Full output: /logs/run.log")
+    assert owntext.summary(record).startswith("nbtrain: 2 ranks (cpu, ddp_notebook) stopped at step 412 in 3.0 s.")
+    assert owntext.summary(record).endswith(" Full output: /logs/run.log")
 
 
 def test_the_first_frame_waits_until_the_ranks_run(capsys):
     """Drawn at the launch it took a core from ranks just starting; the first event past their start draws it."""
-    view = cellout.CellView(types.SimpleNamespace(config=None, result_arrived=False))
+    view = owntext.CellView(types.SimpleNamespace(config=None, result_arrived=False))
     view.show(events.RankStarted(1, 0, 101))
     view.show(events.RankStarted(1, 1, 102))
     assert view.view.frames == 0 and capsys.readouterr().out == ""
@@ -67,7 +67,7 @@ def test_the_first_frame_waits_until_the_ranks_run(capsys):
 def test_the_step_total_is_read_once_just_before_the_first_frame(capsys):
     """Reading the cell's loops and loaders (about 1 ms) waits until the ranks have started."""
     counted: list[int] = []
-    view = cellout.CellView(types.SimpleNamespace(config=None, result_arrived=False), lambda: counted.append(40) or 40)
+    view = owntext.CellView(types.SimpleNamespace(config=None, result_arrived=False), lambda: counted.append(40) or 40)
     view.show(events.RankStarted(1, 0, 101))
     assert counted == [] and view.view.state.total_steps is None
     view.show(events.Output(1, 0, "stdout", "first line\n"))
@@ -79,7 +79,7 @@ def test_the_step_total_is_read_once_just_before_the_first_frame(capsys):
 
 def test_the_last_frames_chart_is_drawn_once_every_rank_is_done_not_after_their_exits(capsys):
     run = types.SimpleNamespace(config=None, result_arrived=False)
-    view = cellout.CellView(run)
+    view = owntext.CellView(run)
     view.view.rich = True  # a notebook's frontend; the charts are drawn only there
     view.show(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}),)))
     assert view.view.chart_renders == 0  # a run's first second shows no chart

@@ -16,7 +16,7 @@ notebook the same bytes) as a 2k-step one:
 
 Example:
     >>> from nbtrain.messages import events
-    >>> state = RunState(strategy="ddp_notebook", accelerator="cpu", world_size=2, total_steps=100)
+    >>> state = LiveState(strategy="ddp_notebook", accelerator="cpu", world_size=2, total_steps=100)
     >>> for rank in (0, 1):
     ...     state.apply(events.Metrics(1, rank, ((1, 10.0, {"loss": 1.0 + rank}), (2, 11.0, {"loss": 0.5}))), now=0.5)
     >>> state.state, state.current_step, state.steps_per_second
@@ -37,7 +37,7 @@ import collections
 import math
 from typing import Any
 
-from nbtrain.messages import events, stacks
+from nbtrain.messages import events, stacktext
 
 MAX_POINTS = 2000  # buckets per series: a full chart line, whatever the run's length
 LOG_LINES_PER_RANK = 20
@@ -379,7 +379,7 @@ class StepRate:
         return (last_step - first_step) / (last_time - first_time)
 
 
-class RunState:
+class LiveState:
     """Everything the live view shows about one run; fed with events, read when drawing.
 
     ``version`` changes whenever anything shown changes; ``chart_version`` only when the
@@ -589,7 +589,7 @@ class RunState:
         none steps any more (a deadlock stops everyone), the ranks behind the others are
         the ones to look at: the rest are waiting for them in a collective.
 
-        >>> s = RunState(world_size=2, stall_seconds=30)
+        >>> s = LiveState(world_size=2, stall_seconds=30)
         >>> s.apply(events.Metrics(1, 0, ((5, 0.0, {"loss": 1.0}),)), now=0.0)
         >>> s.apply(events.Metrics(1, 1, ((4, 0.0, {"loss": 1.0}),)), now=0.0)
         >>> s.stall(now=10.0), s.stall(now=42.0)
@@ -644,7 +644,7 @@ class RunState:
         with an ETA of zero while the run goes on would mislead, so the view then shows the
         step count alone.
 
-        >>> state = RunState(total_steps=2)
+        >>> state = LiveState(total_steps=2)
         >>> state.apply(events.Metrics(1, 0, ((1, 0.0, {}), (2, 1.0, {}))), now=1.0)
         >>> state.known_total
         2
@@ -691,10 +691,10 @@ def stall_summary(event: events.RanksStalled) -> str:
     'stalled for 31 s: rank 0 waits in all_reduce (its 8th collective); rank 1 has not joined (see the note below)'
     """
     waiting = [(rank, what.split(" of ")[0], number) for rank, what, number, inside in event.calls if inside]
-    on_peers = {rank for rank, text in event.stacks if stacks.waits_on_peers(stacks.parse_dump(text))}
+    on_peers = {rank for rank, text in event.stacks if stacktext.waits_on_peers(stacktext.parse_dump(text))}
     ranks = {rank for rank, *_ in event.calls} | {rank for rank, _ in event.stacks}
     missing = sorted(ranks - on_peers - {rank for rank, _, _ in waiting})
-    said = "; ".join(f"rank {rank} waits in {what} (its {stacks.ordinal(number)} collective)"
+    said = "; ".join(f"rank {rank} waits in {what} (its {stacktext.ordinal(number)} collective)"
                      for rank, what, number in waiting)
     if missing:
         who = f"rank {missing[0]} has" if len(missing) == 1 else "ranks " + ", ".join(map(str, missing)) + " have"

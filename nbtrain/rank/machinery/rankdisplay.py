@@ -61,6 +61,7 @@ def shell_class() -> Any:
     frontend for one: ``%matplotlib`` (any backend) selects the inline backend, whose
     figures this module sends to the cell as images.
     """
+    # deferred: start-up time (IPython)
     from IPython.core.interactiveshell import InteractiveShell
 
     class RankShell(InteractiveShell):
@@ -104,18 +105,10 @@ def _outside_a_run(original: Callable[..., Any], on_a_rank: Callable[..., Any]) 
 _CHOSEN = _outside_a_run(print, print).__code__  # what a function of _outside_a_run's runs
 
 
-def _display(
-    handle_class: Any,
-    context: api.RankContext,
-    *objs: Any,
-    include: Any = None,
-    exclude: Any = None,
-    metadata: dict[str, Any] | None = None,
-    transient: Any = None,
-    display_id: Any = None,
-    raw: bool = False,
-    clear: bool = False,
-    **kwargs: Any,
+def _display(  # IPython's display(), its parameters included
+    handle_class: Any, context: api.RankContext, *objs: Any, include: Any = None, exclude: Any = None,
+    metadata: dict[str, Any] | None = None, transient: Any = None, display_id: Any = None, raw: bool = False,
+    clear: bool = False, **kwargs: Any,
 ) -> Any:
     """IPython's ``display``, sending each object's bundle to the cell."""
     if display_id is True:
@@ -136,9 +129,7 @@ def _clear_output(context: api.RankContext, wait: bool = False) -> None:
     _SHOWN.clear(context, wait)
 
 
-def _formatted(
-    obj: Any, include: Any, exclude: Any, metadata: dict[str, Any] | None
-) -> tuple[dict[str, Any], dict[str, Any]]:
+def _formatted(obj: Any, include: Any, exclude: Any, metadata: dict[str, Any] | None) -> tuple[dict[str, Any], ...]:
     data, meta = _formatter().format(obj, include=include, exclude=exclude)
     if metadata:
         meta = {**meta, **metadata}
@@ -152,6 +143,7 @@ def _text(value: Any) -> Any:
 
 @functools.lru_cache(maxsize=1)
 def _own_formatter() -> Any:
+    # deferred: start-up time (IPython)
     from IPython.core.formatters import DisplayFormatter
 
     return DisplayFormatter()
@@ -159,6 +151,7 @@ def _own_formatter() -> Any:
 
 def _formatter() -> Any:
     """The rank's shell's formatter where a cell started one (``%time``), else one of our own; figures as PNG."""
+    # deferred: start-up time (IPython)
     from IPython.core.interactiveshell import InteractiveShell
 
     shell: Any = InteractiveShell.instance() if InteractiveShell.initialized() else None
@@ -171,6 +164,7 @@ def _formatter() -> Any:
 
 
 def _figure_png(figure: Any) -> bytes | None:
+    # deferred: start-up time (IPython)
     from IPython.core.pylabtools import print_figure
 
     return print_figure(figure, "png", bbox_inches="tight")  # type: ignore[no-any-return]  # None: nothing drawn
@@ -192,10 +186,8 @@ class _Shown:
         self.replaceable: list[str] = []  # slots shown before it, in order: the next displays update them
         self.noted: set[str] = set()  # why displays were printed as text, each said once
 
-    def send(
-        self, context: api.RankContext, data: dict[str, Any], meta: dict[str, Any], display_id: Any, update: bool,
-        label: str,
-    ) -> None:
+    def send(self, context: api.RankContext, data: dict[str, Any], meta: dict[str, Any], display_id: Any, update: bool,
+             label: str) -> None:
         if display_id:
             slot = f"id-{display_id}"
         elif self.replaceable:

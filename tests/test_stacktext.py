@@ -17,7 +17,7 @@ import pytest
 import nbtrain
 from helpers.procs import collect
 from nbtrain.errors import RunStoppedError, RunTimeoutError
-from nbtrain.messages import events, stacks
+from nbtrain.messages import events, stacktext
 
 STOP_BOUND = 5.0  # a stop with stack collection: at most 1 s for the dumps, then the usual stop
 
@@ -35,7 +35,7 @@ Current thread 0x00007f0000000002 (most recent call first):
   File "{pkg}/launch_server/server.py", line 470 in _rank_main
   File "<frozen runpy>", line 88 in _run_code
 """
-PKG = os.path.dirname(os.path.dirname(stacks.__file__))
+PKG = os.path.dirname(os.path.dirname(stacktext.__file__))
 SITE = "/venv/lib/python3.11/site-packages"
 
 
@@ -48,9 +48,9 @@ def no_source(filename: str, line: int) -> str:
 
 
 def test_a_dump_parses_to_the_rank_runtime_s_frames_innermost_last():
-    frames = stacks.parse_dump(DUMP.format(site=SITE, pkg=PKG))
+    frames = stacktext.parse_dump(DUMP.format(site=SITE, pkg=PKG))
     assert [f.function for f in frames] == ["run_rank", "_execute", "<module>", "wrapper", "all_reduce"]
-    assert frames[2] == stacks.Frame("/tmp/ipykernel_7/123.py", 12, "<module>")
+    assert frames[2] == stacktext.Frame("/tmp/ipykernel_7/123.py", 12, "<module>")
 
 
 def test_a_standby_rank_s_dump_parses_from_its_own_runtime_and_says_it_finished():
@@ -62,39 +62,39 @@ def test_a_standby_rank_s_dump_parses_from_its_own_runtime_and_says_it_finished(
         '  File "{pkg}/rank/cell.py", line 120 in _execute',
         'File "{pkg}/rank/machinery/runtime.py", line 390 in _wait_for_release',
     )
-    frames = stacks.parse_dump(dump.format(site=SITE, pkg=PKG))
+    frames = stacktext.parse_dump(dump.format(site=SITE, pkg=PKG))
     assert [f.function for f in frames] == ["run_standby", "_wait_for_release"]
-    summary = stacks.RankStack(0, frames).summary(cells, no_source)
+    summary = stacktext.RankStack(0, frames).summary(cells, no_source)
     assert summary == "rank 0: finished its work, waiting for the other ranks"
 
 
 def test_a_summary_names_the_collective_and_the_cell_line():
-    stack = stacks.RankStack(0, stacks.parse_dump(DUMP.format(site=SITE, pkg=PKG)))
+    stack = stacktext.RankStack(0, stacktext.parse_dump(DUMP.format(site=SITE, pkg=PKG)))
     assert stack.summary(cells, no_source) == "rank 0: waiting in all_reduce, Cell In[5], line 12"
 
 
 def test_a_summary_names_the_call_on_the_cell_line_when_it_is_native_code():
     frames = (
-        stacks.Frame(f"{PKG}/rank/machinery/runtime.py", 62, "run_rank"),
-        stacks.Frame("/tmp/ipykernel_7/123.py", 7, "<module>"),
+        stacktext.Frame(f"{PKG}/rank/machinery/runtime.py", 62, "run_rank"),
+        stacktext.Frame("/tmp/ipykernel_7/123.py", 7, "<module>"),
     )
     source = lambda filename, line: "    time.sleep(600)  # stuck\n"
-    assert stacks.RankStack(1, frames).summary(cells, source) == "rank 1: in time.sleep, Cell In[5], line 7"
+    assert stacktext.RankStack(1, frames).summary(cells, source) == "rank 1: in time.sleep, Cell In[5], line 7"
 
 
 def test_a_rank_that_finished_or_did_not_answer_says_so():
     done = (
-        stacks.Frame(f"{PKG}/rank/machinery/runtime.py", 62, "run_rank"),
-        stacks.Frame(f"{PKG}/rank/machinery/runtime.py", 230, "_wait_for_release"),
+        stacktext.Frame(f"{PKG}/rank/machinery/runtime.py", 62, "run_rank"),
+        stacktext.Frame(f"{PKG}/rank/machinery/runtime.py", 230, "_wait_for_release"),
     )
-    summary = stacks.RankStack(1, done).summary(cells, no_source)
+    summary = stacktext.RankStack(1, done).summary(cells, no_source)
     assert summary == "rank 1: finished its work, waiting for the other ranks"
-    assert stacks.RankStack(2, ()).summary(cells, no_source) == "rank 2: no stack (it did not answer in time)"
+    assert stacktext.RankStack(2, ()).summary(cells, no_source) == "rank 2: no stack (it did not answer in time)"
 
 
 def test_describe_lists_every_rank_then_each_stack_without_nbtrain_frames():
-    stack = stacks.RankStack(0, stacks.parse_dump(DUMP.format(site=SITE, pkg=PKG)))
-    text = stacks.where_each_rank_was([stack, stacks.RankStack(1, ())], cells, no_source)
+    stack = stacktext.RankStack(0, stacktext.parse_dump(DUMP.format(site=SITE, pkg=PKG)))
+    text = stacktext.where_each_rank_was([stack, stacktext.RankStack(1, ())], cells, no_source)
     first, *rest = text.splitlines()
     assert first == (
         "Where each rank was: rank 0: waiting in all_reduce, Cell In[5], line 12 · "
@@ -194,7 +194,7 @@ def test_a_timeout_carries_the_stacks_and_a_healthy_rank_s_place(launcher):
 
 
 def test_a_run_without_stack_dumps_stops_as_before(launcher, monkeypatch):
-    monkeypatch.setenv(stacks.DISABLE_VARIABLE, "0")
+    monkeypatch.setenv(stacktext.DISABLE_VARIABLE, "0")
     run = nbtrain.start(deadlocked, devices=2, accelerator="cpu")
     _wait_until_printed(run, "entering", {0, 1})
     run.stop()

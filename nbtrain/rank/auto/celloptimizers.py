@@ -9,9 +9,8 @@ records where (the user's function and line) and each DDP wrapper made marks its
 averaged. At an optimizer's first step (:func:`first_step`), one whose parameters nothing
 averages (not prepared, not wrapped, not sharded) is kept one over the ranks from then on
 (:mod:`~nbtrain.rank.auto.keptmodels`), and named in the summary by where it was made. Until
-then, such an optimizer's gradients are averaged as each backward writing them ends
-(:mod:`~nbtrain.rank.auto.backwardend`), so a raise before its first step finds the whole
-batch's, as one process.
+then, such an optimizer's gradients are averaged by :mod:`~nbtrain.rank.auto.averaging`'s rule
+too, so a raise before its first step finds the whole batch's, as one process.
 
 Importing this module does not import torch.
 
@@ -31,13 +30,13 @@ import types
 import weakref
 from typing import Any
 
-from nbtrain.rank.auto import backwardend, keptmodels, ledger
+from nbtrain.rank.auto import averaging, keptmodels, ledger
 
 _made: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # optimizer not stepped yet -> where made
 _every_made: weakref.WeakSet[Any] = weakref.WeakSet()  # every optimizer made in the cell, stepped or not
 _averaged: set[int] = set()  # ids of parameters a DDP wrapper made in this process averages
-# optimizer not stepped yet whose parameters nothing averages -> what averages them as each backward ends
-_unstepped_watch: weakref.WeakKeyDictionary[Any, backwardend.Averager] = weakref.WeakKeyDictionary()
+# optimizer not stepped yet whose parameters nothing averages -> its averaging target until its first step
+_unstepped: weakref.WeakKeyDictionary[Any, averaging.Target] = weakref.WeakKeyDictionary()
 _LIBRARY_FILES = re.compile(r"[/\\](site|dist)-packages[/\\]|^<frozen ")
 # nbtrain's own files and the standard library's: no user's code.
 _HOMES = (
@@ -52,7 +51,7 @@ def recording_optimizers(own_init: Any) -> Any:
     @functools.wraps(own_init)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         own_init(self, *args, **kwargs)
-        _made[self] = _where(sys._getframe(1))
+        _made[self] = where_made(sys._getframe(1))
         _every_made.add(self)
         if _averages_nothing(self):
             _watch_before_first_step(self)
@@ -73,29 +72,21 @@ def recording_averaged(own_ddp_init: Any) -> Any:
 
 
 def _watch_before_first_step(optimizer: Any) -> None:
-    """Average the gradients of ``optimizer``'s parameters as each backward writing them ends, until its
-    first step (then kept, :mod:`~nbtrain.rank.auto.keptmodels` watches them, or not): a cell raising
-    between its first backward and step holds the whole batch's, as one process."""
-    stack = ledger.cell_registry().patches
-    by = backwardend.averager(functools.partial(_before_first_step, weakref.ref(optimizer)), stack)
-    _unstepped_watch[optimizer] = by
-    backwardend.watch_backwards(_params(optimizer), by)
+    """Average the gradients of ``optimizer``'s parameters by the one rule until its first step (then it
+    is kept, or not): a cell raising between its first backward and step holds the whole batch's."""
+    mine = functools.partial(_still_unstepped, weakref.ref(optimizer))
+    target = _unstepped[optimizer] = keptmodels.unstepped(optimizer, mine)
+    averaging.watch_backwards(averaging.track(target))
 
 
-def _before_first_step(reference: weakref.ref[Any]) -> None:
+def _still_unstepped(reference: weakref.ref[Any], _target: Any) -> bool:
     optimizer = reference()
-    if optimizer is not None and optimizer in _made and _averages_nothing(optimizer):
-        keptmodels.average_before_kept(optimizer)
-        backwardend.watch_backwards(_params(optimizer), _unstepped_watch[optimizer])  # a group added since
-
-
-def _params(optimizer: Any) -> list[Any]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
+    return optimizer is not None and optimizer in _made and _averages_nothing(optimizer)
 
 
 def at_first_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
     """The step hook's (:mod:`~nbtrain.rank.auto.stephooks`): an optimizer's first step decides whether it is kept."""
-    if _made or _unstepped_watch:  # else every optimizer the cell made has stepped: nothing to look up (a few us)
+    if _made or _unstepped:  # else every optimizer the cell made has stepped: nothing to look up (a few us)
         first_step(optimizer, sys._getframe(2))  # past the dispatcher: where the step was called
 
 
@@ -104,11 +95,11 @@ def first_step(optimizer: Any, frame: types.FrameType | None) -> None:
     nothing averages is kept one over the ranks (:mod:`~nbtrain.rank.auto.keptmodels`). ``frame``: where
     the step was called."""
     where = _made.pop(optimizer, None)
-    watching = _unstepped_watch.pop(optimizer, None)
+    watching = _unstepped.pop(optimizer, None)
     if watching is not None:
-        backwardend.unwatch_backwards(watching)
+        averaging.untrack(watching)
     if where is not None and _averages_nothing(optimizer):
-        keptmodels.keep_averaged(optimizer, where, frame)
+        keptmodels.keep_averaged(optimizer, where, frame, averaged=watching is not None and watching.averaged)
 
 
 def _averages_nothing(optimizer: Any) -> bool:
@@ -136,15 +127,7 @@ def _sharded(param: Any) -> bool:
     return type(param).__name__ in ("DTensor", "FlatParameter")
 
 
-def user_code_at(frame: types.FrameType | None) -> str | None:
-    """Where ``frame`` runs (``fit() (<file>, line 3)``) if it is the user's code (else None:
-    a library's, nbtrain's or the standard library's)."""
-    if frame is None or _library(frame.f_code.co_filename):
-        return None
-    return _where(frame)
-
-
-def _where(frame: types.FrameType | None) -> str:
+def where_made(frame: types.FrameType | None) -> str:
     """The user's code that led here: ``run_training() (<its file>, line 6)``, or the cell's ``<file>, line 6``."""
     while frame is not None and _library(frame.f_code.co_filename):
         frame = frame.f_back

@@ -1,4 +1,4 @@
-"""A rank's output in the cell (nbtrain.kernel.display.rankout): tagged lines, progress bars, modes.
+"""A rank's output in the cell (nbtrain.kernel.display.rankoutput): tagged lines, progress bars, modes.
 
 The printer directly, on this process's stdout and stderr; two ranks' tqdm bars in a real
 Jupyter kernel (ipykernel, nbclient).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbtrain.kernel.display import rankout
+from nbtrain.kernel.display import rankoutput
 from nbtrain.messages import events
 
 pytestmark = pytest.mark.timeout(240)
@@ -18,18 +18,18 @@ def test_each_output_mode_shows_whose_lines_it_says(capsys):
     streams = ("stdout", "stderr")
     lines = [events.Output(1, rank, stream, f"{stream} of {rank}\n") for rank in (0, 1) for stream in streams]
     for mode in ("all", "rank0", "none"):
-        printer = rankout.OutputPrinter(mode, world_size=2)
+        printer = rankoutput.OutputPrinter(mode, world_size=2)
         for line in [*lines, events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}),))]:
             printer(line)
     out, err = capsys.readouterr()
     assert out == "[rank 0] stdout of 0\n[rank 1] stdout of 1\nstdout of 0\n"
     assert err == "[rank 0] stderr of 0\n[rank 1] stderr of 1\nstderr of 0\n"
-    rankout.OutputPrinter("all", world_size=1)(lines[0])  # one rank: nothing to tell apart
+    rankoutput.OutputPrinter("all", world_size=1)(lines[0])  # one rank: nothing to tell apart
     assert capsys.readouterr().out == "stdout of 0\n"
 
 
 def test_progress_bars_of_two_ranks_keep_to_their_own_lines(capsys):
-    printer = rankout.OutputPrinter("all", world_size=2)
+    printer = rankoutput.OutputPrinter("all", world_size=2)
     bars = [(0, "\rbar 1/3"), (1, "\rbar 1/3"), (0, "\rbar 2/3"), (1, "\rbar 2"), (1, "/3"), (0, "\rbar 3/3\n"),
             (1, "\rbar 3/3\n"), (1, "\rleft at 1/2")]
     for rank, text in bars:
@@ -40,7 +40,7 @@ def test_progress_bars_of_two_ranks_keep_to_their_own_lines(capsys):
 
 
 def test_a_line_another_rank_left_open_is_ended_before_a_rank_writes(capsys):
-    printer = rankout.OutputPrinter("all", world_size=2)
+    printer = rankoutput.OutputPrinter("all", world_size=2)
     for rank, text in ((1, "loading..."), (0, "step 1\n"), (1, "\n"), (1, "done\n"), (0, "a\r\nb\n")):
         printer(events.Output(1, rank, "stdout", text))
     assert capsys.readouterr().out == "[rank 1] loading...\n[rank 0] step 1\n[rank 1] done\n[rank 0] a\r\n[rank 0] b\n"
@@ -49,7 +49,7 @@ def test_a_line_another_rank_left_open_is_ended_before_a_rank_writes(capsys):
 def test_a_bar_whose_line_another_rank_ended_is_not_shown_twice_at_its_close(capsys):
     """Rank 0's bar reached 40/40 and rank 1's ended line cut it: tqdm's close redraws the same
     state (another rate), which is not shown again; a bar cut part-way shows its end below."""
-    printer = rankout.OutputPrinter("all", world_size=2)
+    printer = rankoutput.OutputPrinter("all", world_size=2)
     for rank, text in (
         (0, "\repoch 0: 50%| 20/40 [00:00<00:00, 9.0it/s]"),
         (0, "\repoch 0: 100%| 40/40 [00:00<00:00, 10.0it/s]"),
@@ -73,7 +73,7 @@ def test_a_bar_whose_line_another_rank_ended_is_not_shown_twice_at_its_close(cap
 def test_a_bar_that_clears_itself_at_its_close_leaves_no_tag_behind(capsys):
     """tqdm's ``leave=False``: its close redraws the line with spaces, then returns to its start.
     In the kernel nothing is left; here neither a lone ``[rank 0]`` nor an empty line."""
-    printer = rankout.OutputPrinter("all", world_size=2)
+    printer = rankoutput.OutputPrinter("all", world_size=2)
     close = "\r" + " " * 12 + "\r"
     for rank, text in ((0, "\rbar 1/2"), (0, "\rbar 2/2"), (0, close), (0, "epoch 0\n"), (0, "\rbar 1/2"), (0, close),
                        (1, "rank 1 here\n"), (0, "\rbar 2/2"), (0, close)):
@@ -89,7 +89,7 @@ def test_a_bar_that_clears_itself_at_its_close_leaves_no_tag_behind(capsys):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_the_end_of_a_run_ends_a_line_a_rank_left_open(capsys, world_size):
-    printer = rankout.OutputPrinter("all", world_size)
+    printer = rankoutput.OutputPrinter("all", world_size)
     printer(events.Output(1, 0, "stdout", "a\nleft open"))
     printer(events.Output(1, 0, "stderr", "\rbar 3/3"))
     printer.finish()

@@ -5,14 +5,16 @@ makes its own loader first (``loader = DataLoader(train_ds, batch_size=32, shuff
 then the loop), or calls a notebook function that does (a k-fold loop's
 ``run_training(fold)``). Left alone, every rank would read all of it: the one-device result
 at several times the work. So while an auto-mode cell of several ranks runs
-(the patch table's ``made in the cell``), each ``DataLoader`` the user's code makes is remembered, and
-each of its passes is read as a prepared loader's (:mod:`~nbtrain.rank.auto.loaders`): with
+(the patch table's ``made in the cell``), each ``DataLoader`` made is remembered, and
+each of its passes is read as a prepared loader's (:mod:`~nbtrain.rank.auto.preparedloaders`): with
 gradients, this rank's share; without, the whole. ``len(loader)`` follows the same rule, so
 a schedule sized in the cell from it (``total_steps=epochs * len(loader)``) ends where the
 rank's passes end. That holds once the cell trains an averaged model (one auto mode
 prepared, or one an optimizer made in the cell steps, :mod:`~nbtrain.rank.auto.keptmodels`);
 before that (statistics over the data at the top of a cell) a pass reads the whole loader.
-Loaders made by libraries (a trainer's own) are theirs to distribute. A loader made here is
+A library's trainer that makes its loaders inside ``fit`` (skorch's ``NeuralNet``) counts as the
+cell's code: a framework that distributes its own loaders makes auto mode step aside for the whole
+cell (:mod:`~nbtrain.rank.auto.stepaside`), so none of this runs for it. A loader made here is
 held weakly: a fold's loader, and the data it holds, go when the fold is done.
 
 Importing this module does not import torch.
@@ -30,7 +32,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nbtrain.rank.auto import ledger, loaders, madeoptimizers, wrapping
+from nbtrain.rank.auto import celloptimizers, ledger, preparedloaders, wrapping
 
 _made: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # loader the user made -> where
 _prepared: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # -> its rebuild (itself: unshardable)
@@ -40,16 +42,16 @@ _gone: dict[str, str] = {}  # where a loader that is gone was made -> what its p
 
 
 def recording_loaders(own_init: Any) -> Any:
-    """``DataLoader.__init__`` while an auto-mode cell runs (the patch table's): remembers a loader
-    the user's code makes, and where."""
+    """``DataLoader.__init__`` while an auto-mode cell runs (the patch table's): remembers each loader
+    made, and where the user's code made it (or called the library that did)."""
+    # deferred: start-up time (torch)
     from torch.utils.data import DataLoader
 
     @functools.wraps(own_init)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         own_init(self, *args, **kwargs)
-        where = madeoptimizers.user_code_at(sys._getframe(1)) if type(self) is DataLoader else None
-        if where is not None:
-            _made[self] = where
+        if type(self) is DataLoader:  # a subclass is a library's own kind of loader: its passes are its own
+            _made[self] = celloptimizers.where_made(sys._getframe(1))
 
     return init
 
@@ -100,7 +102,7 @@ def _prepare(loader: Any) -> Any:
     data it holds, go when its fold is done (its summary line is written then)."""
     registry = ledger.cell_registry()
     said = len(registry.notes)
-    rebuild = loaders.prepare_loader(loader)
+    rebuild = preparedloaders.prepare_loader(loader)
     where = _made[loader]
     for i in range(said, len(registry.notes)):  # "a DataLoader over Stream was not sharded: ..." says where
         registry.notes[i] = registry.notes[i].replace(" was not sharded", f" made in {where} was not sharded", 1)
@@ -113,13 +115,13 @@ def _prepare(loader: Any) -> Any:
 
 
 def _remember_gone(where: str, rebuild: Any) -> None:
-    _gone[where] = loaders.describe_passes(rebuild)
+    _gone[where] = preparedloaders.describe_passes(rebuild)
 
 
 def _averaged_training() -> bool:
     """Whether the cell trains averaged models: one auto mode prepared, or one an optimizer made in
     the cell steps (kept one over the ranks, or wrapped in DDP)."""
-    if madeoptimizers.made_optimizers():
+    if celloptimizers.made_optimizers():
         return True
     nn = ledger.torch_module().nn
     registry = ledger.cell_registry()
@@ -141,7 +143,7 @@ def made_loader_report(cell_globals: Mapping[str, Any]) -> list[tuple[str, str]]
             name = by_id.get(id(loader))
             if name is not None:
                 named.add(_made[loader])
-            report[name or _label(_made[loader])] = loaders.describe_passes(rebuild)
+            report[name or _label(_made[loader])] = preparedloaders.describe_passes(rebuild)
     for where, passes in _gone.items():
         if where not in named:
             report.setdefault(_label(where), passes)

@@ -31,8 +31,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from nbtrain.kernel import launcher_connection
 from nbtrain.kernel import shell as kernel_shell
+from nbtrain.kernel.display import owntext
 from nbtrain.messages import events
+from nbtrain.planning import probe
 from nbtrain.system import processes
 
 RELEASE_WAIT_SECONDS = 5.0  # how long release() waits for the ranks to be gone
@@ -66,11 +69,8 @@ class StandbyRanks:
     state: str = "standby"
 
     def __repr__(self) -> str:
-        memory = ", ".join(
-            f"rank {r.rank} pid {r.pid}: {_size(r.rss_bytes)}"
-            + ("" if r.gpu_bytes is None else f", GPU {_size(r.gpu_bytes)}")
-            for r in self.ranks
-        )
+        gpu = {r.rank: "" if r.gpu_bytes is None else f", GPU {_size(r.gpu_bytes)}" for r in self.ranks}
+        memory = ", ".join(f"rank {r.rank} pid {r.pid}: {_size(r.rss_bytes)}{gpu[r.rank]}" for r in self.ranks)
         return f"<standby ranks: {self.plan}; {memory}; nbtrain.release() ends them>"
 
 
@@ -80,7 +80,6 @@ def listed(changed: events.StandbyChanged | None) -> list[StandbyRanks]:
         return []
     gpu_held: collections.Counter[int] = collections.Counter()
     if changed.devices:
-        from nbtrain.planning import probe
 
         for gpu in probe.gpu_usage():
             gpu_held.update(gpu.process_bytes)
@@ -102,9 +101,7 @@ def wait_gone(pids: list[int], timeout: float = RELEASE_WAIT_SECONDS) -> bool:
 
 
 def _size(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "?"
-    return f"{nbytes / (1 << 20):.0f} MiB"
+    return "?" if nbytes is None else f"{nbytes / (1 << 20):.0f} MiB"
 
 
 @dataclass(frozen=True)
@@ -158,8 +155,6 @@ def before_cell(info: Any = None) -> None:
 
     Costs nothing without standby ranks, and without GPUs; otherwise one NVML query (~ms).
     """
-    from nbtrain.kernel import launcher_connection
-    from nbtrain.planning import probe
 
     client = launcher_connection.current_client()
     changed = client.standby if client is not None else None
@@ -170,10 +165,9 @@ def before_cell(info: Any = None) -> None:
     why = release_reason(held, _Seen.kernel_bytes, kernel_shell.is_nbtrain_cell(cell))
     _Seen.kernel_bytes = held.kernel_bytes
     if why:
-        from nbtrain.kernel.display import cellout
 
         wait_gone(client.release_standby())
-        cellout.print_warning(
+        owntext.print_warning(
             f"nbtrain: the standby ranks ({changed.plan}) gave up the {_size(held.standby_bytes)} they held "
             f"on {held.where}: {why}. The next {kernel_shell.magic_name()} run forks new ranks (a second or so more)."
         )
@@ -184,8 +178,6 @@ def after_cell(result: Any = None) -> None:
     error = getattr(result, "error_in_exec", None)
     if error is None or not _out_of_memory(error):
         return
-    from nbtrain.kernel import launcher_connection
-    from nbtrain.planning import probe
 
     client = launcher_connection.current_client()
     changed = client.standby if client is not None else None
@@ -194,9 +186,8 @@ def after_cell(result: Any = None) -> None:
     pids = [pid for _, pid in changed.ranks]
     held = held_now(pids, os.getpid(), probe.gpu_usage())
     if held.standby_bytes:
-        from nbtrain.kernel.display import cellout
 
-        cellout.print_warning(
+        owntext.print_warning(
             f"nbtrain: this kernel's standby ranks ({changed.plan}, pids {', '.join(map(str, pids))}) hold "
             f"{_size(held.standby_bytes)} on {held.where}: nbtrain.release() frees it for the notebook."
         )
@@ -204,19 +195,16 @@ def after_cell(result: Any = None) -> None:
 
 def _out_of_memory(error: BaseException) -> bool:
     """A CUDA out-of-memory error: torch's own (the kernel's), or a rank's (a RankError naming it)."""
-    names = {kind.__name__ for kind in type(error).__mro__}
-    if "OutOfMemoryError" in names:
+    if "OutOfMemoryError" in {kind.__name__ for kind in type(error).__mro__}:
         return True
-    return "OutOfMemoryError" in str(getattr(error, "exc_type", "")) or "CUDA out of memory" in str(
-        getattr(error, "exc_message", "")
-    )
+    exc_type, exc_message = str(getattr(error, "exc_type", "")), str(getattr(error, "exc_message", ""))  # a RankError's
+    return "OutOfMemoryError" in exc_type or "CUDA out of memory" in exc_message
 
 
 def _gpus_here(changed: events.StandbyChanged) -> bool:
     if changed.devices:
         return True  # CUDA ranks
     if _Seen.gpus_here is None:
-        from nbtrain.planning import probe
 
         _Seen.gpus_here = bool(probe.gpu_usage())
     return _Seen.gpus_here

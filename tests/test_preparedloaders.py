@@ -1,4 +1,4 @@
-"""Loaders prepared on real ranks (nbtrain.rank.auto.loaders): shares, lengths, training and evaluation passes.
+"""Loaders prepared on real ranks (nbtrain.rank.auto.preparedloaders): shares, lengths, training and evaluation passes.
 
 What needs a process group runs on two or three real ranks through nbtrain.start.
 """
@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import nbtrain
 from helpers.procs import finish
-from nbtrain.rank.auto import loaders
+from nbtrain.rank.auto import preparedloaders
 
 
 def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(launcher):
@@ -48,10 +48,10 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
         return every_rank
 
     on_ranks = finish(nbtrain.start(fn, (made,), devices=3))
-    in_kernel = [loaders.batches_per_rank(loader, 3, "ddp") for loader in made]
+    in_kernel = [preparedloaders.batches_per_rank(loader, 3, "ddp") for loader in made]
     assert on_ranks == [in_kernel] * 3
     assert in_kernel == [2, 1, 2, 4, 1, 2, 2, 1, 2, 1, 2]
-    assert [loaders.batches_per_rank(loader, 3, "none") for loader in made] == [len(x) for x in made]
+    assert [preparedloaders.batches_per_rank(loader, 3, "none") for loader in made] == [len(x) for x in made]
 
     class Stream(IterableDataset):
         def __iter__(self):
@@ -60,8 +60,8 @@ def test_batches_per_rank_in_the_kernel_match_the_prepared_loaders_on_the_ranks(
         def __len__(self):
             return 4
 
-    assert loaders.batches_per_rank(DataLoader(Stream()), 3, "ddp") is None  # each rank reads what it reads
-    assert loaders.batches_per_rank([1, 2, 3], 3, "ddp") is None  # not a DataLoader
+    assert preparedloaders.batches_per_rank(DataLoader(Stream()), 3, "ddp") is None  # each rank reads what it reads
+    assert preparedloaders.batches_per_rank([1, 2, 3], 3, "ddp") is None  # not a DataLoader
 
 
 def test_a_loader_given_a_batch_sampler_is_sharded_in_its_batches(launcher):
@@ -108,7 +108,7 @@ def test_a_train_validation_split_by_subset_samplers_shares_out_the_training_ind
         assert sorted(first + second) == train_idx  # each training index once, over the two ranks
     assert epochs0[0] != epochs0[1]  # another order the next epoch
     assert checked0 == checked1 == val_idx
-    assert n0 == n1 == loaders.batches_per_rank(train, 2, "ddp") == 3
+    assert n0 == n1 == preparedloaders.batches_per_rank(train, 2, "ddp") == 3
 
 
 def test_a_weighted_sampler_for_imbalanced_classes_gives_each_rank_its_share_of_the_draws(launcher):
@@ -132,7 +132,7 @@ def test_a_weighted_sampler_for_imbalanced_classes_gives_each_rank_its_share_of_
         return every_rank
 
     first, second = finish(nbtrain.start(fn, (loader,), devices=2))
-    assert len(first) == len(second) == loaders.batches_per_rank(loader, 2, "ddp") == 8  # 200 draws a rank
+    assert len(first) == len(second) == preparedloaders.batches_per_rank(loader, 2, "ddp") == 8  # 200 draws a rank
     assert [i for b, _ in first for i in b] != [i for b, _ in second for i in b]
     minority = sum(y for _, ys in first + second for y in ys) / 400
     assert 0.35 < minority < 0.65, minority  # about half, where the data has a tenth
@@ -162,7 +162,7 @@ def test_training_passes_read_a_share_and_passes_without_gradients_read_everythi
         shards = [None] * nbtrain.world_size()
         dist.all_gather_object(shards, seen["share"][0])
         seen["shards"] = shards
-        seen["report"] = loaders.describe_passes(loader), loaders.describe_passes(ordered)
+        seen["report"] = preparedloaders.describe_passes(loader), preparedloaders.describe_passes(ordered)
         return seen
 
     seen = finish(nbtrain.start(fn, devices=2))
@@ -195,7 +195,7 @@ def test_evaluation_shard_keeps_evaluation_passes_sharded_and_all_reduce_adds_th
             "min": nbtrain.all_reduce(0.5 + nbtrain.rank(), op="min"),
             "tensor": nbtrain.all_reduce(probe).tolist(),
             "probe_unchanged": probe.tolist() == [float(nbtrain.rank()), 1.0],
-            "report": loaders.describe_passes(loader),
+            "report": preparedloaders.describe_passes(loader),
         }
 
     result = finish(nbtrain.start(fn, devices=2))
@@ -228,7 +228,7 @@ def test_a_weighted_sampler_drawing_without_replacement_is_shared_out_as_parts_o
     (first, name), (second, _) = finish(nbtrain.start(fn, (loader,), devices=2))
     assert name == "WeightedRandomSampler"
     for mine, theirs in zip(first, second, strict=True):
-        assert len(mine) == len(theirs) == 10 == 5 * loaders.batches_per_rank(loader, 2, "ddp")
+        assert len(mine) == len(theirs) == 10 == 5 * preparedloaders.batches_per_rank(loader, 2, "ddp")
         assert len(set(mine + theirs)) == 20  # 20 distinct samples between them: no sample drawn twice
     assert sorted(first[0] + second[0]) != sorted(first[1] + second[1])  # another draw the next epoch
 

@@ -45,6 +45,7 @@ def prepare_optimizer(optimizer: Any) -> Any:
 
 
 def _is_zero(optimizer: Any) -> bool:
+    # deferred: start-up time (torch)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return isinstance(optimizer, ZeroRedundancyOptimizer)
@@ -52,6 +53,7 @@ def _is_zero(optimizer: Any) -> bool:
 
 def _shard_optimizer_state(optimizer: Any) -> Any:
     """A ZeroRedundancyOptimizer over ``optimizer``'s parameters, groups and state."""
+    # deferred: start-up time (torch)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     groups = optimizer.param_groups
@@ -88,6 +90,7 @@ def rebind_optimizer(optimizer: Any) -> None:
 
 def _load_full_optimizer_state(module: Any, optimizer: Any, full: dict[str, Any]) -> None:
     """Shard a full (index-keyed) optimizer state onto FSDP2 parameters."""
+    # deferred: start-up time (torch)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     names = {id(p): n for n, p in module.named_parameters()}

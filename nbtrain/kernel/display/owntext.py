@@ -1,7 +1,7 @@
 """What a cell writes as text of nbtrain's own: the run's summary, notes and warnings.
 
 The kernel side writes to the cell's stdout and stderr only through here and through
-:mod:`~nbtrain.kernel.display.rankout` (a rank's lines and displays, as ``--output``
+:mod:`~nbtrain.kernel.display.rankoutput` (a rank's lines and displays, as ``--output``
 chose; the live view and widgets are :mod:`~nbtrain.kernel.display.live` and its
 siblings): the summary a finished cell ends with (:func:`summary`), a line of nbtrain's
 own (:func:`print_line`, :func:`print_warning`) and a debugger's output as it comes
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nbtrain import runstate
+from nbtrain import livestate
 from nbtrain.kernel.display import live, show
 from nbtrain.messages import events
 
@@ -46,16 +46,12 @@ class CellView:
     """The run's live view (status, progress, charts) above the cell's printed output.
 
     A rank's lines and displays are shown by the cell's
-    :class:`~nbtrain.kernel.display.rankout.OutputPrinter` in every frontend, so the view
+    :class:`~nbtrain.kernel.display.rankoutput.OutputPrinter` in every frontend, so the view
     shows none of them (``show_logs=False``).
     """
 
-    def __init__(
-        self,
-        run: Any,
-        count_steps: Callable[[], int | None] | None = None,
-        stall_warning: float | None = runstate.STALL_SECONDS,
-    ):
+    def __init__(self, run: Any, count_steps: Callable[[], int | None] | None = None,
+                 stall_warning: float | None = livestate.STALL_SECONDS):
         # The cell's stream lines (OutputPrinter) are where rank output goes: the whole of it,
         # kept in the saved notebook, chosen by --output. The view shows no second copy.
         self.view = live.LiveView(run.config, stall_warning=stall_warning, show_logs=False)
@@ -103,7 +99,7 @@ class CellView:
 def summary(record: Any) -> str:
     """The line a finished (or stopped-at-a-step, or failed) cell ends with: ranks, time, what was prepared and updated.
 
-    ``record`` is the cell's :class:`nbtrain.kernel.cellrun.CellRun`; a failed one's state at the raise came back
+    ``record`` is the cell's :class:`nbtrain.kernel.cellrun.LastRun`; a failed one's state at the raise came back
     from ``record.failed_rank``.
     """
     ranks = f"{record.world_size} rank{'s' if record.world_size != 1 else ''}"

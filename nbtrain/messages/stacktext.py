@@ -281,10 +281,8 @@ def _waits(stack: RankStack, subject: str, namer: Namer) -> str:
 
 
 def _ranks(ranks: Iterable[int]) -> str:
-    listed = sorted(ranks)
-    if len(listed) == 1:
-        return f"rank {listed[0]}"
-    return "ranks " + ", ".join(map(str, listed[:-1])) + f" and {listed[-1]}"
+    *rest, last = sorted(ranks)
+    return f"ranks {', '.join(map(str, rest))} and {last}" if rest else f"rank {last}"
 
 
 def in_backward(frames: tuple[Frame, ...]) -> bool:
@@ -314,6 +312,4 @@ def where_each_rank_was(stacks: Iterable[RankStack], namer: Namer, source: LineS
 
 def _location(frame: Frame, namer: Namer) -> str:
     cell = namer(frame.filename)
-    if cell is not None:
-        return f"{cell}, line {frame.line}"
-    return f'File "{frame.filename}", line {frame.line}'
+    return f'File "{frame.filename}", line {frame.line}' if cell is None else f"{cell}, line {frame.line}"

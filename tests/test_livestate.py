@@ -1,4 +1,4 @@
-"""The live view's run state (nbtrain.runstate): series, downsampling, memory, logs, rates, stalls.
+"""The live view's run state (nbtrain.livestate): series, downsampling, memory, logs, rates, stalls.
 
 Pure: events are built by hand, clocks are plain numbers; no process, no drawing.
 """
@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from nbtrain.kernel.display import livetext
+from nbtrain.livestate import DownsampledSeries, LiveState, LogTail, MetricHistory, StepRate
 from nbtrain.messages import events
-from nbtrain.runstate import DownsampledSeries, LogTail, MetricHistory, RunState, StepRate
 
 RUN = 1
 
@@ -23,8 +23,8 @@ def metrics(rank: int, steps: range, name: str = "loss", value=lambda step: 1.0 
     return events.Metrics(RUN, rank, tuple((s, start_time + s, {name: value(s)}) for s in steps))
 
 
-def two_rank_state(**hints) -> RunState:
-    return RunState("ddp_notebook", "cpu", 2, started_at=100.0, **hints)
+def two_rank_state(**hints) -> LiveState:
+    return LiveState("ddp_notebook", "cpu", 2, started_at=100.0, **hints)
 
 
 # --- DownsampledSeries -------------------------------------------------------------------
@@ -91,7 +91,7 @@ def test_mean_waits_for_the_lagging_rank():
 
 
 def test_mean_counts_a_rank_whose_first_batch_arrives_second():
-    state = RunState("ddp_notebook", "cpu", 2)
+    state = LiveState("ddp_notebook", "cpu", 2)
     state.apply(metrics(0, range(1, 101), value=lambda s: 0.5), now=1.0)
     state.apply(metrics(1, range(1, 101), value=lambda s: 0.25), now=1.1)
     assert state.metrics["loss"].mean.means() == [0.375] * 100
@@ -182,7 +182,7 @@ def test_step_rate_needs_time_to_pass():
     assert rate.per_second() is None
 
 
-# --- RunState ----------------------------------------------------------------------------
+# --- LiveState ----------------------------------------------------------------------------
 
 
 def test_state_goes_from_starting_to_running_when_every_rank_started():
@@ -355,9 +355,9 @@ def test_throughput_follows_the_step_rate_over_the_run():
     assert state.throughput.count == 2
 
 
-def test_runstate_imports_nothing_heavy():
+def test_livestate_imports_nothing_heavy():
     code = (
-        "import sys, nbtrain.runstate; "
+        "import sys, nbtrain.livestate; "
         "print(sorted(m for m in ('torch', 'matplotlib', 'IPython', 'numpy') if m in sys.modules))"
     )
     env = {**os.environ, "NBTRAIN_PREWARM": "0"}
@@ -370,7 +370,7 @@ def test_runstate_imports_nothing_heavy():
 
 
 def test_a_rank_that_stops_stepping_while_the_others_go_on_is_named():
-    state = RunState("ddp_notebook", "cpu", 3, stall_seconds=30)
+    state = LiveState("ddp_notebook", "cpu", 3, stall_seconds=30)
     for second in range(41):
         for rank in (0, 2):
             state.apply(metrics(rank, range(second + 1, second + 2)), now=float(second))
@@ -399,14 +399,14 @@ def test_ranks_stopped_at_the_same_step_and_runs_that_ended_or_never_log():
     assert state.stall(now=20.0) == "no step from any rank for 9 s"  # the last frame keeps it
     state.finish(events.FINISHED, now=9.0)
     assert state.stall(now=20.0) is None
-    assert RunState(stall_seconds=None).stall(now=1e9) is None
+    assert LiveState(stall_seconds=None).stall(now=1e9) is None
     with pytest.raises(ValueError, match="stall_seconds must be a positive number of seconds or None, not 0"):
-        RunState(stall_seconds=0)
+        LiveState(stall_seconds=0)
 
 
 
 def test_settling_as_the_ranks_are_done_leaves_the_end_nothing_new_to_chart():
-    state = RunState("ddp_notebook", "cpu", 2)
+    state = LiveState("ddp_notebook", "cpu", 2)
     state.apply(events.Metrics(1, 0, ((1, 0.0, {"loss": 1.0}), (2, 0.1, {"loss": 0.5}))), now=0.0)
     state.apply(events.Metrics(1, 1, ((1, 0.0, {"loss": 3.0}),)), now=0.0)
     before = state.chart_version

@@ -22,10 +22,12 @@ Example (outside a run a loader comes back as it is, remembering the evaluation 
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from nbtrain import frameworks
 from nbtrain.rank import api
 from nbtrain.rank.auto import ledger
 
@@ -80,6 +82,7 @@ def evaluation_of(loader: Any) -> str:
 
 def _shardable(loader: Any) -> tuple[str, bool]:
     """("", shuffle) when the loader can be rebuilt on a DistributedSampler, else (why not, _)."""
+    # deferred: start-up time (torch)
     from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler, SubsetRandomSampler
 
     what = f"a DataLoader over {type(loader.dataset).__name__}"
@@ -112,6 +115,7 @@ def _batching(loader: Any) -> tuple[Any, int | None, bool]:
 
 def _subset_indices(loader: Any) -> Any:
     """The indices a ``SubsetRandomSampler`` draws from (what a training pass shares out), or None."""
+    # deferred: start-up time (torch)
     from torch.utils.data import SubsetRandomSampler
 
     sampler = _batching(loader)[0]
@@ -120,6 +124,7 @@ def _subset_indices(loader: Any) -> Any:
 
 def _weighted(loader: Any) -> Any:
     """The loader's ``WeightedRandomSampler`` (its draws are shared out), else None."""
+    # deferred: start-up time (torch)
     from torch.utils.data import WeightedRandomSampler
 
     sampler = _batching(loader)[0]
@@ -136,6 +141,7 @@ def _shared_count(loader: Any) -> int:
 
 def _share(count: int, world_size: int, drop_last: bool) -> Any:
     """A DistributedSampler's share of ``count`` samples for rank 0, to count (nothing drawn)."""
+    # deferred: start-up time (torch)
     from torch.utils.data import DistributedSampler
 
     return DistributedSampler(range(count), num_replicas=world_size, rank=0, shuffle=False, drop_last=drop_last)  # type: ignore[arg-type]  # any sized object
@@ -144,6 +150,7 @@ def _share(count: int, world_size: int, drop_last: bool) -> Any:
 @functools.lru_cache(maxsize=1)
 def _subset_shard_class() -> type:
     """A DistributedSampler over a SubsetRandomSampler's indices: its share of them, reshuffled each epoch."""
+    # deferred: start-up time (torch)
     from torch.utils.data import DistributedSampler
 
     class SubsetShard(DistributedSampler):  # type: ignore[type-arg]  # torch's class is generic only in stubs
@@ -161,6 +168,7 @@ def _subset_shard_class() -> type:
 @functools.lru_cache(maxsize=1)
 def _weighted_shard_class() -> type:
     """A WeightedRandomSampler drawing this rank's share of the draws, on its own generator."""
+    # deferred: start-up time (torch)
     from torch.utils.data import WeightedRandomSampler
 
     class WeightedShard(WeightedRandomSampler):
@@ -174,6 +182,7 @@ def _weighted_shard_class() -> type:
 @functools.lru_cache(maxsize=1)
 def _distinct_shard_class() -> type:
     """A WeightedRandomSampler drawing without replacement: every rank makes the same draw, and reads its share."""
+    # deferred: start-up time (torch)
     from torch.utils.data import DistributedSampler
 
     class DistinctShard(DistributedSampler):  # type: ignore[type-arg]  # torch's class is generic only in stubs
@@ -182,6 +191,7 @@ def _distinct_shard_class() -> type:
             super().__init__(range(int(kwargs.pop("num_samples"))), **kwargs)  # type: ignore[arg-type]  # sized
 
         def __iter__(self) -> Iterator[Any]:
+            # deferred: start-up time (torch)
             import torch
 
             generator = torch.Generator()
@@ -197,6 +207,7 @@ def _weighted_share(weighted: Any, seed: int, drop_last: bool) -> Any:
     """This rank's sampler for a ``WeightedRandomSampler``'s draws: the same weights and its share of
     ``num_samples``. With replacement, on its own seed (the ranks draw independently, as one process's
     draws are); without, the same draw on every rank, each reading its part (no sample twice)."""
+    # deferred: start-up time (torch)
     import torch
 
     total, weights = int(weighted.num_samples), weighted.weights  # torch keeps them as a double tensor
@@ -230,6 +241,7 @@ def batches_per_rank(loader: Any, world_size: int, wrapper: str, *, evaluation: 
         >>> batches_per_rank(loader, 2, "ddp", evaluation=True)  # under torch.no_grad(): all of it
         13
     """
+    # deferred: start-up time (torch)
     from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
@@ -258,6 +270,7 @@ def samples_per_rank(loader: Any, world_size: int, wrapper: str) -> int | None:
     >>> samples_per_rank(DataLoader(TensorDataset(torch.zeros(9, 1)), batch_size=4), 2, "ddp")
     5
     """
+    # deferred: start-up time (torch)
     from torch.utils.data import DataLoader, IterableDataset
 
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
@@ -287,6 +300,7 @@ def loader_lengths(objects: Mapping[str, Any], world_size: int, wrapper: str) ->
 
 
 def _already_distributed(loader: Any) -> bool:
+    # deferred: start-up time (torch)
     from torch.utils.data import DistributedSampler
 
     return isinstance(loader.sampler, DistributedSampler) or isinstance(
@@ -339,6 +353,8 @@ class _PassAware(_LoaderBase):
                 self._nbtrain_epoch += 1
             _draw_as_users_sampler(self._nbtrain_whole)
             batches = super().__iter__()
+            if frameworks.keeps_pass_books(self._nbtrain_whole):  # accelerate's accumulate() syncs at a pass's end
+                batches = frameworks.in_pass_books(self._nbtrain_whole, batches)
         if by_mode:
             batches = self._nbtrain_mode_pass(batches)
         device = api.device()
@@ -382,8 +398,8 @@ def _seed_of_global_state() -> int:
     would shift the cell's own draws (``torch.rand``) against one process's, whose sampler
     draws only as each pass starts (:func:`_draw_as_users_sampler` draws that).
     """
-    import hashlib
 
+    # deferred: start-up time (torch)
     import torch
 
     state = bytes(torch.get_rng_state().numpy())
@@ -402,6 +418,7 @@ def _draw_as_users_sampler(loader: Any) -> None:
     sparing its permutation. A sampler with a generator of its own, or one that draws nothing
     (``SequentialSampler``), is left alone.
     """
+    # deferred: start-up time (torch)
     import torch
     from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
@@ -421,17 +438,20 @@ def _cell_steps() -> int:
 def _models_evaluating() -> bool:
     """Whether the cell's models that train (prepared, or made in the cell) are all in eval mode
     (and there is one)."""
-    from nbtrain.rank.auto import keptmodels, wrapping
+    # deferred: start-up time
+    from nbtrain.rank.auto import celloptimizers, keptmodels, wrapping
 
     nn = ledger.torch_module().nn
     models = [o for o, _ in ledger.cell_registry().prepared.values() if isinstance(o, nn.Module)]
-    trained = [m for m in models + keptmodels.kept_models() if wrapping.trains(m)]
+    made = keptmodels.kept_models(celloptimizers.unstepped_optimizers())
+    trained = [m for m in models + made if wrapping.trains(m)]
     return bool(trained) and not any(m.training for m in trained)
 
 
 @functools.cache
 def _prepared_loader_class() -> type:
     """:class:`_PassAware` on torch's DataLoader, named ``DataLoader`` (built once: it imports torch)."""
+    # deferred: start-up time (torch)
     from torch.utils.data import DataLoader
 
     class PreparedDataLoader(_PassAware, DataLoader[Any]):
@@ -442,6 +462,7 @@ def _prepared_loader_class() -> type:
 
 
 def _rebuild_loader(loader: Any, shuffle: bool) -> Any:
+    # deferred: start-up time (torch)
     from torch.utils.data import DistributedSampler
 
     user_sampler, batch_size, drop_last = _batching(loader)

@@ -12,12 +12,15 @@ Example:
 
 from __future__ import annotations
 
+import linecache
 import re
 import uuid
 from typing import Any
 
+from nbtrain.kernel import cellnames
+from nbtrain.kernel import shell as kernel_shell
 from nbtrain.kernel.display import show
-from nbtrain.messages import events
+from nbtrain.messages import events, stacktext
 
 # A rank's text in pieces: each ends a line ("\n") or is followed by a carriage return that
 # redraws one (a progress bar's "\r" not part of a "\r\n").
@@ -208,23 +211,15 @@ class OutputPrinter:
 
 def stall_text(event: events.RanksStalled) -> str:
     """What the cell says of a stall (no rank moving, some waiting on the others), in the notebook's terms."""
-    import linecache
 
-    from nbtrain.kernel import cellnames
-    from nbtrain.kernel import shell as kernel_shell
-    from nbtrain.messages import stacks
-
-    ranks = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in event.stacks]
+    ranks = [stacktext.RankStack(rank, stacktext.parse_dump(text)) for rank, text in event.stacks]
     namer = cellnames.cell_namer(kernel_shell.get_shell())
-    return stacks.stall_note(event.seconds, event.calls, ranks, namer, linecache.getline, event.node)
+    return stacktext.stall_note(event.seconds, event.calls, ranks, namer, linecache.getline, event.node)
 
 
 def waiting_text(event: events.RanksWaiting) -> str:
     """What the cell says of ranks left waiting by ranks that finished, in the notebook's terms."""
-    from nbtrain.kernel import cellnames
-    from nbtrain.kernel import shell as kernel_shell
-    from nbtrain.messages import stacks
 
-    waiting = [stacks.RankStack(rank, stacks.parse_dump(text)) for rank, text in event.stacks]
+    waiting = [stacktext.RankStack(rank, stacktext.parse_dump(text)) for rank, text in event.stacks]
     namer = cellnames.cell_namer(kernel_shell.get_shell())
-    return stacks.waiting_note(event.finished, event.seconds, waiting, namer, event.counts)
+    return stacktext.waiting_note(event.finished, event.seconds, waiting, namer, event.counts)

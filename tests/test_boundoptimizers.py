@@ -1,4 +1,4 @@
-"""Optimizers prepared on real ranks (nbtrain.rank.auto.optimizers): bound to FSDP2's parameters, state included."""
+"""Optimizers prepared on real ranks (nbtrain.rank.auto.boundoptimizers): bound to FSDP2's parameters and state."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from torch import nn
 
 import nbtrain
 from helpers.procs import finish
-from nbtrain.rank.auto import optimizers
+from nbtrain.rank.auto import boundoptimizers
 
 
 def test_fsdp_shards_parameters_and_rebinds_the_optimizer_with_its_state(launcher):
@@ -46,7 +46,7 @@ def test_ddp_sharded_makes_a_zero_redundancy_optimizer_of_the_same_class_and_set
         torch.manual_seed(0)
         model = nbtrain.prepare(nn.Linear(4, 2))
         opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))
-        sharded = optimizers.prepare_optimizer(opt)
+        sharded = boundoptimizers.prepare_optimizer(opt)
         model(torch.ones(2, 4)).sum().backward()
         sharded.step()
         return {

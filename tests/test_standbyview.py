@@ -1,4 +1,4 @@
-"""The kernel's view of its standby ranks (nbtrain.kernel.standbylist), on real processes.
+"""The kernel's view of its standby ranks (nbtrain.kernel.standbyview), on real processes.
 
 What the launcher keeps waiting, and when, is tests/test_standby.py; here the listing reads
 real processes' memory and ``wait_gone`` waits for real processes to end.
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import kernel_helpers
-from nbtrain.kernel import standbylist
+from nbtrain.kernel import standbyview
 from nbtrain.messages import events
 from nbtrain.planning import probe
 
@@ -22,13 +22,13 @@ SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
 def test_nothing_waits_when_the_launcher_reported_none():
-    assert standbylist.listed(None) == []
-    assert standbylist.listed(events.StandbyChanged(ranks=())) == []
+    assert standbyview.listed(None) == []
+    assert standbyview.listed(events.StandbyChanged(ranks=())) == []
 
 
 def test_the_waiting_ranks_are_listed_with_the_memory_they_hold_now():
     changed = events.StandbyChanged(ranks=((0, os.getpid()),), plan="1 cpu rank, gloo", ready=True)
-    (listed,) = standbylist.listed(changed)
+    (listed,) = standbyview.listed(changed)
     assert (listed.state, listed.plan, listed.ready) == ("standby", "1 cpu rank, gloo", True)
     (rank,) = listed.ranks
     assert (rank.rank, rank.pid, rank.gpu_bytes) == (0, os.getpid(), None)  # no GPU held: none asked
@@ -40,11 +40,11 @@ def test_the_waiting_ranks_are_listed_with_the_memory_they_hold_now():
 def test_wait_gone_returns_once_the_processes_ended_and_gives_up_at_its_bound():
     child = subprocess.Popen(SLEEPER)
     try:
-        assert standbylist.wait_gone([child.pid], timeout=0.2) is False  # still running
+        assert standbyview.wait_gone([child.pid], timeout=0.2) is False  # still running
     finally:
         child.kill()
         child.wait(timeout=10)
-    assert standbylist.wait_gone([child.pid], timeout=5.0) is True
+    assert standbyview.wait_gone([child.pid], timeout=5.0) is True
 
 
 # -- GPU memory: the policy, pure (NVML's answers as probe.GpuUsage records) ----------------
@@ -58,24 +58,24 @@ def _gpu(index, total_gib, name="NVIDIA A100-SXM4-80GB", **held):
 
 def test_what_the_standby_ranks_and_the_kernel_hold_is_summed_from_nvmls_per_process_figures():
     gpus = [_gpu(0, 80, p11=758 * MIB, p99=1474 * MIB, p5=9 * MIB), _gpu(1, 15, "Tesla T4", p12=300 * MIB)]
-    held = standbylist.held_now([11, 12], 99, gpus)
-    assert held == standbylist.GpuHeld(1058 * MIB, 1474 * MIB, ("GPU 1 (Tesla T4, 15 GiB)",), "GPUs 0, 1")
-    assert standbylist.held_now([11], 99, [_gpu(0, 80, p99=MIB)]).standby_bytes == 0
+    held = standbyview.held_now([11, 12], 99, gpus)
+    assert held == standbyview.GpuHeld(1058 * MIB, 1474 * MIB, ("GPU 1 (Tesla T4, 15 GiB)",), "GPUs 0, 1")
+    assert standbyview.held_now([11], 99, [_gpu(0, 80, p99=MIB)]).standby_bytes == 0
 
 
 def test_they_give_their_memory_up_when_the_kernels_own_grows_or_on_a_small_gpu_before_any_other_cell():
-    big = standbylist.held_now([11], 99, [_gpu(0, 80, p11=758 * MIB, p99=1474 * MIB)])
-    assert standbylist.release_reason(big, None, False) == ""  # the first look: nothing to compare with
-    assert standbylist.release_reason(big, 1474 * MIB, False) == ""
-    assert standbylist.release_reason(big, 1450 * MIB, False) == ""  # within the noise of a cell
-    grew = standbylist.release_reason(big, 1000 * MIB, True)
+    big = standbyview.held_now([11], 99, [_gpu(0, 80, p11=758 * MIB, p99=1474 * MIB)])
+    assert standbyview.release_reason(big, None, False) == ""  # the first look: nothing to compare with
+    assert standbyview.release_reason(big, 1474 * MIB, False) == ""
+    assert standbyview.release_reason(big, 1450 * MIB, False) == ""  # within the noise of a cell
+    grew = standbyview.release_reason(big, 1000 * MIB, True)
     assert grew == "this kernel's own GPU memory grew from 1000 MiB to 1474 MiB since the last cell"
-    small = standbylist.held_now([11], 99, [_gpu(0, 15, "Tesla T4", p11=758 * MIB, p99=1474 * MIB)])
-    assert standbylist.release_reason(small, 1474 * MIB, True) == ""  # a %%distributed cell takes them
-    said = standbylist.release_reason(small, 1474 * MIB, False)
+    small = standbyview.held_now([11], 99, [_gpu(0, 15, "Tesla T4", p11=758 * MIB, p99=1474 * MIB)])
+    assert standbyview.release_reason(small, 1474 * MIB, True) == ""  # a %%distributed cell takes them
+    said = standbyview.release_reason(small, 1474 * MIB, False)
     assert said == "GPU 0 (Tesla T4, 15 GiB) has 16 GiB or less, and the cell may need all of it"
-    nothing = standbylist.held_now([11], 99, [_gpu(0, 15, "Tesla T4", p99=1474 * MIB)])
-    assert standbylist.release_reason(nothing, 0, False) == ""  # they hold none of it (CPU ranks)
+    nothing = standbyview.held_now([11], 99, [_gpu(0, 15, "Tesla T4", p99=1474 * MIB)])
+    assert standbyview.release_reason(nothing, 0, False) == ""  # they hold none of it (CPU ranks)
 
 
 # -- the same through a real kernel, NVML simulated at its one boundary ------------------------
@@ -148,8 +148,8 @@ def test_a_cuda_out_of_memory_error_is_known_in_the_kernel_and_from_a_rank():
 
     from nbtrain.errors import RankError
 
-    assert standbylist._out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert standbyview._out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     rank = RankError(0, "torch.OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB", "Traceback ...")
-    assert standbylist._out_of_memory(rank)
-    assert not standbylist._out_of_memory(RankError(0, "ValueError", "bad batch", "Traceback ..."))
-    assert not standbylist._out_of_memory(MemoryError())
+    assert standbyview._out_of_memory(rank)
+    assert not standbyview._out_of_memory(RankError(0, "ValueError", "bad batch", "Traceback ..."))
+    assert not standbyview._out_of_memory(MemoryError())

@@ -1,7 +1,7 @@
-"""Gradients averaged as each backward ends (nbtrain.rank.auto.backwardend).
+"""The one gradient averager (nbtrain.rank.auto.averaging): averaged as each backward ends.
 
-In one process, real autograd: a watched parameter's averager is called once at the end of each
-backward that wrote into its gradient, averagers in the order they were made, nothing for
+In one process, real autograd: a watched parameter's target averages once at the end of each
+backward that wrote into its gradient, targets in the order they were made, nothing for
 ``torch.autograd.grad`` or a forward without gradients, nothing once the stack closed. In a
 real kernel on 2 CPU ranks: how many all-reduces a step of a model nbtrain averages takes, with
 and without gradient accumulation (one per backward, none more at the step), and the step's
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kernel_helpers import REGRESSION_SETUP, nbtrain_kernel
-from nbtrain.rank.auto import backwardend
+from nbtrain.rank.auto import averaging
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,12 +25,14 @@ def _watched(stack: ExitStack, calls: list[str], *names: str) -> list[torch.nn.P
     params = []
     for name in names:
         param = torch.nn.Parameter(torch.ones(3))
-        backwardend.watch_backwards([param], backwardend.averager(lambda name=name: calls.append(name), stack))
+        target = averaging.Target("kept", lambda param=param: [param], average=lambda _, name=name: calls.append(name))
+        averaging.watch_backwards(target)
+        stack.callback(averaging.unwatch_backwards, target)
         params.append(param)
     return params
 
 
-def test_each_averager_a_backward_wrote_into_averages_once_at_its_end_in_the_order_they_were_made():
+def test_each_target_a_backward_wrote_into_averages_once_at_its_end_in_the_order_they_were_made():
     calls: list[str] = []
     with ExitStack() as stack:
         first, second = _watched(stack, calls, "first", "second")
@@ -64,17 +66,18 @@ def test_a_parameter_is_watched_once_it_requires_grad_and_once_only():
     calls: list[str] = []
     frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
     with ExitStack() as stack:
-        by = backwardend.averager(lambda: calls.append("unfrozen"), stack)
-        backwardend.watch_backwards([frozen], by)  # nothing to hook while it is frozen
+        by = averaging.Target("unfrozen", lambda: [frozen], average=lambda _: calls.append("unfrozen"))
+        stack.callback(averaging.unwatch_backwards, by)
+        averaging.watch_backwards(by)  # nothing to hook while it is frozen
         frozen.requires_grad_(True)
-        backwardend.watch_backwards([frozen], by)
-        backwardend.watch_backwards([frozen], by)  # watched already: one hook
+        averaging.watch_backwards(by)
+        averaging.watch_backwards(by)  # watched already: one hook
         (frozen * 2).sum().backward()
         assert calls == ["unfrozen"]
-        backwardend.unwatch_backwards(by)  # its model found averaged otherwise (DDP's forward ran)
+        averaging.unwatch_backwards(by)  # its model found averaged otherwise (DDP's forward ran)
         (frozen * 2).sum().backward()
         assert calls == ["unfrozen"]
-        backwardend.watch_backwards([frozen], by)  # watched again
+        averaging.watch_backwards(by)  # watched again
         (frozen * 2).sum().backward()
         assert calls == ["unfrozen"] * 2
     assert by.watched == set()  # the cell ended: a later one watches it afresh

@@ -1,10 +1,10 @@
-"""nbtrain.launch_server.output: what of a rank's output the cell gets, and the run's log."""
+"""nbtrain.launch_server.rankpipes: what of a rank's output the cell gets, and the run's log."""
 
 from __future__ import annotations
 
 from nbtrain.kernel import launcher_connection
-from nbtrain.launch_server import output
-from nbtrain.launch_server.output import OutputLimits, RankOutput, RunLog
+from nbtrain.launch_server import rankpipes
+from nbtrain.launch_server.rankpipes import OutputLimits, RankOutput, RunLog
 from nbtrain.messages import events
 
 SMALL = OutputLimits(line_chars=10, head_lines=3, head_chars=1000, tail_lines=2, tail_chars=100)
@@ -64,7 +64,7 @@ def test_a_run_that_prints_nothing_leaves_no_log(tmp_path):
 
 def test_old_run_logs_are_pruned_as_a_run_s_log_closes(monkeypatch, tmp_path):
     """Off the way to the next run's start: the launcher prunes when a run's log closes."""
-    monkeypatch.setattr(output, "LOGS_KEPT", 3)
+    monkeypatch.setattr(rankpipes, "LOGS_KEPT", 3)
     for i in range(5):
         (tmp_path / f"run-2026010{i}-000000-1-1.log").write_text("x")
     (tmp_path / "notes.txt").write_text("not a log")

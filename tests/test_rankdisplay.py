@@ -1,7 +1,7 @@
 """What a rank shows with IPython's display, in a real kernel: figures, tables, redraws.
 
 Outside a kernel, ``display`` prints and ``clear_output`` prints terminal escapes; on a rank
-(nbtrain.rank.machinery.displays) they reach the cell as the kernel's own would. Checked through the
+(nbtrain.rank.machinery.rankdisplay) they reach the cell as the kernel's own would. Checked through the
 cell's saved outputs (nbclient applies display updates to them as a frontend does).
 """
 
@@ -171,7 +171,7 @@ def test_in_plain_python_a_ranks_display_prints_its_text_as_a_tagged_line():
 
 
 def test_past_its_display_limit_a_rank_prints_the_rest_as_text_and_says_so_once(kernel):
-    from nbtrain.rank.machinery.displays import DISPLAYS_PER_RUN
+    from nbtrain.rank.machinery.rankdisplay import DISPLAYS_PER_RUN
 
     outputs = _outputs(
         kernel,
