@@ -152,7 +152,8 @@ TABLE: tuple[Framework, ...] = (
         "share of every DataLoader, as distrib_ctx gives; its shuffled order is broadcast on the group's device "
         "(fastai's own sends a CUDA tensor), on CPU ranks with Accelerator(cpu=True), and no BatchNorm is converted "
         "(the kernel's model keeps its layers). Undone as the cell ends: the callback leaves each Learner (a fit that "
-        "raised gets its model and loaders back) and defaults.callbacks. A fit inside distrib_ctx is fastai's own",
+        "raised gets its model and loaders back), and defaults.callbacks is fastai's own list again. A fit inside "
+        "distrib_ctx is fastai's own",
         adapters=(
             Adapter(
                 "fastai.distributed:DistributedDL",
@@ -160,6 +161,13 @@ TABLE: tuple[Framework, ...] = (
                 "nbtrain.frameworks:group_broadcast",
                 "fastai broadcasts a loader's shuffled order as a CUDA tensor, which CPU ranks (gloo) cannot send: "
                 "it is sent on the process group's device, so distrib_ctx and auto mode's callback shard on CPU too",
+            ),
+            Adapter(
+                "fastai.learner:defaults",  # fastcore's namespace of fastai's defaults, as fastai.learner has it
+                "callbacks",
+                "nbtrain.frameworks:with_auto_trainer",
+                "a Learner the cell builds adds fastai's defaults.callbacks: a new list with auto mode's "
+                "DistributedTrainer (fastai_world's) fits it over the ranks; fastai's own list is put back unchanged",
             ),
         ),
     ),
@@ -307,13 +315,13 @@ def fastai_world(objects: Iterable[Any], undo: Any) -> list[str]:
     fastai's ``Optimizer`` and ``DataLoader`` are not torch's, so auto mode's own preparation never sees
     them: a plain ``learn.fit`` would train alone on each rank, on all the data. fastai's own answer is
     its callback; a Learner the cell builds gets it from ``defaults.callbacks``, fastai's list of the
-    callbacks every new Learner adds.
+    callbacks every new Learner adds, which the fastai adapter (:func:`with_auto_trainer`, installed after
+    this with the patch table's "framework world") replaces for this cell.
     """
     learner = sys.modules["fastai.learner"]
     trainer = _fastai_trainer()
-    callbacks = learner.defaults.callbacks
-    callbacks.append(trainer)
-    undo.callback(_fastai_undo, callbacks, trainer)
+    _TRAINER_OF_THE_CELL[:] = [trainer]  # for the defaults adapter, installed after this (nbtrain.rank.cell)
+    undo.callback(_fastai_undo, trainer)
     found = []
     for obj in objects:
         if isinstance(obj, learner.Learner) and not any(isinstance(cb, trainer) for cb in obj.cbs):
@@ -322,10 +330,33 @@ def fastai_world(objects: Iterable[Any], undo: Any) -> list[str]:
     return found
 
 
-def _fastai_undo(callbacks: list[Any], trainer: Any) -> None:
-    """Take auto mode's callback out of fastai's defaults and out of every Learner that got it."""
-    if trainer in callbacks:
-        callbacks.remove(trainer)
+# Auto mode's trainer class while a cell that fastai_world prepared runs: only then does the defaults
+# adapter add it, since only then is it taken out of the Learners again (_fastai_undo) as the cell ends.
+_TRAINER_OF_THE_CELL: list[Any] = []
+
+
+def with_auto_trainer(original: Any) -> Any:
+    """fastai's ``defaults.callbacks`` (a patch factory's form: given the original) with auto mode's
+    DistributedTrainer last, in a cell that :func:`fastai_world` prepared (else the original, kept): a new
+    list, so that undoing the patch puts fastai's own list back as it was.
+
+    >>> class Trainer: ...
+    >>> own = ["TrainEvalCallback"]
+    >>> with_auto_trainer(own) is own  # no cell of fastai_world's
+    True
+    >>> _TRAINER_OF_THE_CELL[:] = [Trainer]
+    >>> with_auto_trainer(own) == ["TrainEvalCallback", Trainer], own
+    (True, ['TrainEvalCallback'])
+    >>> _TRAINER_OF_THE_CELL.clear()
+    """
+    if original is None or not _TRAINER_OF_THE_CELL or _TRAINER_OF_THE_CELL[0] in original:
+        return original
+    return [*original, *_TRAINER_OF_THE_CELL]
+
+
+def _fastai_undo(trainer: Any) -> None:
+    """Take auto mode's callback out of every Learner that got it (fastai's defaults are the patch table's)."""
+    _TRAINER_OF_THE_CELL.clear()
     for callback in list(trainer.made):
         learn = callback.learn
         if learn is None:

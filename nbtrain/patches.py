@@ -59,8 +59,9 @@ class Lifetime(enum.Enum):
 class Patch:
     """One replacement of an attribute nbtrain does not own.
 
-    ``target`` is a module (``"torch.serialization"``) or a class in one
-    (``"torch.utils.data:DataLoader"``); ``replacement`` names a factory
+    ``target`` is a module (``"torch.serialization"``), or a class or other object in one reached by
+    attributes after the colon (``"torch.utils.data:DataLoader"``; fastai's ``"fastai.learner:defaults"``, a
+    namespace, whose attribute is replaced and put back as a class's); ``replacement`` names a factory
     (``"nbtrain.rank.machinery.checkpoints:whole_torch_save"``) called with the original attribute
     (``None`` where the target had none of its own) that returns what replaces it, or that
     same object to leave the target as it is.

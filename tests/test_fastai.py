@@ -223,3 +223,36 @@ def test_c_the_summary_says_fastai_distributed_the_training(distributed_cell):
 def test_c_the_kernels_learner_validates_after_fastais_route(kernel, distributed_cell):
     assert kernel.value("learn3.model is model3 and learn3.cbs[1].learn is learn3")
     assert kernel.value("len(learn3.validate())") == 1
+
+
+# -- (d) the patch table's defaults row, in this process ----------------------------------------------
+
+
+def test_a_cell_learner_gets_the_trainer_from_a_new_defaults_list_and_fastais_own_comes_back():
+    """fastai's ``defaults.callbacks`` is one row of nbtrain.patches (a fastai adapter): in a cell that
+    ``fastai_world`` prepared it is a new list with auto mode's trainer; undone, fastai's own list is back,
+    never changed, and the Learner built meanwhile has lost the trainer. Outside such a cell it stays."""
+    from contextlib import ExitStack
+
+    import torch
+    from fastai.basics import DataLoaders, Learner, defaults
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from nbtrain import frameworks, patches
+
+    (row,) = [patch for patch in patches.TABLE if patch.target == "fastai.learner:defaults"]
+    trainer = frameworks._fastai_trainer()  # imports fastai.distributed, whose imports add ProgressCallback to fastai's
+    own, before = defaults.callbacks, list(defaults.callbacks)
+    with ExitStack() as stack:
+        patches.install(row.group, stack, table=(row,))
+        assert defaults.callbacks is own  # no cell of fastai_world's: nothing would take the trainer out again
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    with ExitStack() as stack:
+        frameworks.fastai_world([], stack)  # before the row, as in nbtrain.rank.cell
+        patches.install(row.group, stack, table=(row,))
+        assert defaults.callbacks is not own and defaults.callbacks == [*before, trainer]
+        learn = Learner(DataLoaders.from_dsets(data, data, bs=4, device="cpu"), nn.Linear(4, 1), loss_func=nn.MSELoss())
+        assert any(isinstance(cb, trainer) for cb in learn.cbs)
+    assert defaults.callbacks is own and own == before
+    assert not any(isinstance(cb, trainer) for cb in learn.cbs)

@@ -16,6 +16,7 @@ import pytest
 
 from kernel_helpers import nbtrain_kernel, wait_for_standby
 from nbtrain.kernel import importedmodules
+from nbtrain.launch_server.server import IMPORTS_AHEAD
 
 
 def _module(name: str, spec_name: str | None = "", file: str | None = "/x.py") -> types.ModuleType:
@@ -150,7 +151,36 @@ def kernel(tmp_path_factory):
     library = directory / "site-packages"
     library.mkdir()
     (library / "ahead_k.py").write_text(textwrap.dedent(AHEAD))
+    (library / "first_k.py").write_text(textwrap.dedent(AHEAD))
     yield from nbtrain_kernel(f"import sys\nsys.path[:0] = [{str(directory)!r}, {str(library)!r}]")
+
+
+NOTES = """
+def notes(module, count, since):
+    # The pids that imported `module` (its notes beside it), once `count` of them have, within 60 s.
+    found = []
+    while len(found) < count + 1 and time.time() - since < 60:  # the kernel's own note, and theirs
+        found = glob.glob(os.path.join(os.path.dirname(module.__file__), 'imported-by-*'))
+        time.sleep(0.02)
+    return {int(n.rsplit('-', 1)[1]) for n in found} - {os.getpid()}  # not the kernel's own
+"""
+
+
+@pytest.mark.skipif(not IMPORTS_AHEAD, reason="the launcher imports ahead only on a machine without an NVIDIA device")
+@pytest.mark.timeout(300)
+def test_a_first_runs_ranks_have_the_libraries_the_notebook_imported_from_their_launcher(kernel):
+    # Before any run (no standby ranks): the launcher imports the library while it waits, and the first
+    # run's ranks, forked from it, have it without importing it themselves.
+    kernel.run_ok("import glob, os, time\nfrom nbtrain.kernel import launcher_connection\n" + NOTES)
+    kernel.run_ok("import first_k\nimported_at = time.time()\n")
+    kernel.run_ok("ahead = sorted(notes(first_k, 1, imported_at))")
+    kernel.run_ok("launcher = launcher_connection.get_client().process.pid")
+    assert kernel.value("ahead") == [kernel.value("launcher")]
+    kernel.run_ok("%%distributed --devices 2\nimport os, torch.distributed as dist\npids = [None, None]\n"
+                  "dist.all_gather_object(pids, (os.getpid(), first_k.__name__))\n")
+    pids = kernel.value("pids")
+    assert [name for _, name in pids] == ["first_k", "first_k"]
+    assert kernel.value("sorted(notes(first_k, 1, time.time()))") == [kernel.value("launcher")]  # no rank did
 
 
 @pytest.mark.timeout(300)
@@ -190,15 +220,11 @@ def test_standby_ranks_import_a_library_a_cell_imports_while_they_wait(kernel):
     kernel.run_ok("%%distributed --devices 2\nx = 1\n")
     assert wait_for_standby(kernel, bound=60.0)[1]
     kernel.run_ok("import ahead_k, glob, os, time\nbefore_the_run = time.time()\n")
-    # Bounded: each standby rank imports it as it hears of it, well before a user's next cell.
-    kernel.run_ok(
-        "notes = []\n"
-        "while len(notes) < 2 and time.time() - before_the_run < 60:\n"
-        "    notes = glob.glob(os.path.join(os.path.dirname(ahead_k.__file__), 'imported-by-*'))\n"
-        "    notes = [note for note in notes if not note.endswith(f'-{os.getpid()}')]  # the kernel's own\n"
-        "    time.sleep(0.02)\n"
-        "ahead = {int(n.rsplit('-', 1)[1]): float(open(n).read()) for n in notes}\n"
-    )
+    # Bounded: each standby rank imports it as it hears of it, well before a user's next cell; so does
+    # the launcher (a third note), for the ranks it forks after.
+    kernel.run_ok(NOTES + "ahead = notes(ahead_k, 3, before_the_run)\n")
     kernel.run_ok("%%distributed --devices 2\nimport os\nrank_pid = os.getpid()\n")
-    ahead = {int(pid) for pid in kernel.value("ahead")}
-    assert len(ahead) == 2 and kernel.value("rank_pid") in ahead  # noted before the run, by its rank 0
+    ahead = set(kernel.value("sorted(ahead)"))
+    assert kernel.value("rank_pid") in ahead  # noted before the run, by its rank 0
+    launcher = kernel.value("launcher_connection.get_client().process.pid")
+    assert (launcher in ahead) is IMPORTS_AHEAD

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
 import types
 
 import torch
@@ -72,6 +73,47 @@ def test_what_an_object_holds_refills_the_kernels_object_keeping_its_identity():
     reach.refill(slotted, {"steps": 3})
     assert slotted.steps == 3 and not hasattr(slotted, "model")
     assert reach.contents(slotted) == {"steps": 3} and reach.contents(torch.zeros(1)) is None
+
+
+class EncodingNet:
+    """As skorch's ``NeuralNet``: its own pickling writes its module with the standard pickler into bytes."""
+
+    def __init__(self, module):
+        self.module, self.lr = module, 0.1
+
+    def initialize(self):
+        self.module_ = self.module
+        return self
+
+    def __getstate__(self):
+        state = {k: v for k, v in vars(self).items() if k != "module_"}
+        state["__encoded__"] = pickle.dumps({k: v for k, v in vars(self).items() if k == "module_"})
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(pickle.loads(state.pop("__encoded__")), **state)
+
+
+class EncodingInt(int):
+    """An object with a C base (its number is no attribute) whose state is encoded: not looked into."""
+
+    def __getstate__(self):
+        return {"__encoded__": repr(vars(self))}
+
+
+def test_an_object_whose_own_pickling_encodes_attributes_is_looked_into_and_refilled_through_them():
+    module = nn.Linear(2, 1)
+    net = EncodingNet(module).initialize()
+    assert [h.label for h, _ in find_held({"net": net})] == ["net.module", "net.module_"]
+    assert reach.contents(net) == {"module": module, "lr": 0.1, "module_": module}  # the module, not its bytes
+    kernel = EncodingNet(kernel_module := nn.Linear(2, 1))  # the kernel's, never initialized
+    reach.refill(kernel, {"module": kernel_module, "lr": 0.2, "module_": kernel_module})
+    assert kernel.module_ is kernel.module is kernel_module and kernel.lr == 0.2
+    # Going out, it pickles as its class says (the receiver's class decodes it), not as its attributes.
+    assert reach.state_and_left_out(net) is None and pickle.loads(pickle.dumps(net)).module_.weight.shape == (1, 2)
+    tagged = EncodingInt(3)
+    tagged.model = nn.Linear(1, 1)
+    assert find_held({"tagged": tagged}) == [] and reach.contents(tagged) is None
 
 
 def test_a_model_is_listed_at_every_place_and_any_other_object_once():

@@ -84,11 +84,12 @@ def test_no_step_begun_means_no_stop_step(board):
     assert board.choose_stop() == 0 and board.stop_step() == NO_STOP
 
 
-def test_a_step_undone_is_not_counted(board):
+def test_a_rank_that_stops_here_does_not_count_the_step_it_stopped_before(board):
     board.begin_step(2)
     board.begin_step(2)
-    board.undo_step(2)
+    board.stop_here(2)
     assert board.counts() == [0, 0, 1]
+    assert [board.stopped(rank) for rank in range(3)] == [False, False, True]
 
 
 def test_the_median_step_is_over_each_ranks_last_ring_of_durations(board):

@@ -146,7 +146,8 @@ class CellImports:
 
     def after_cell(self, result: Any = None) -> None:
         """``post_run_cell``: the modules the cell imported (the newest, last in ``sys.modules``)."""
-        if self._known is None:
+        if self._known is None:  # %load_ext's cell: what the cells before it imported
+            _tell_launcher()
             return
         names = list(sys.modules)
         new = names[self._known :]  # a cell's imports are appended: what lies past its start is new
@@ -155,16 +156,17 @@ class CellImports:
             self.own.update(name for name in new if package_of(name, sys.modules) in had)
         elif new:
             self.packages.update(package_of(name, sys.modules) for name in new)
-            _tell_standby_ranks()
+            _tell_launcher()
         self._known = None
 
 
-def _tell_standby_ranks() -> None:
-    """A cell imported modules: standby ranks waiting for the next run import them now, before its cell comes."""
+def _tell_launcher() -> None:
+    """A cell imported modules: the launcher imports the libraries among them while no run goes, and so
+    do standby ranks waiting for the next run, before its cell comes (nbtrain.launch_server.server)."""
 
     client = launcher_connection.current_client()
-    if client is None or client.standby is None or not client.standby.ranks:
-        return  # no ranks wait: the next run sends them
+    if client is None:
+        return  # no launcher yet: the first run sends them
     modules = not_sent(notebook_modules(kernel_shell.get_shell()), client.modules_sent)
     if modules:
         client.send_notebook_modules(modules)

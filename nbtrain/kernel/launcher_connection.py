@@ -182,8 +182,10 @@ class LauncherClient:
 
     def send_notebook_modules(self, modules: tuple[str, ...]) -> None:
         """Modules a cell imported, for the launcher's list and its standby ranks (nbtrain.kernel.importedmodules)."""
+        # As a run would be: the launcher imports the libraries among them as the kernel did (environment, cwd, path).
+        environ, where = processes.inherited_environment(os.environ), os.getcwd()
         with self._lock, contextlib.suppress(OSError):  # not sent: the next run sends them
-            wire.send(self.process.channel, events.NotebookModules(modules))
+            wire.send(self.process.channel, events.NotebookModules(modules, environ, where, tuple(sys.path)))
             self.modules_sent.update(modules)
 
     def stop(self, run_id: int, reason: str, graceful: bool = False) -> None:

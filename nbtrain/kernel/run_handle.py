@@ -52,6 +52,7 @@ from nbtrain.messages.events import (
 )
 from nbtrain.messages.records import CopiedResult
 from nbtrain.planning import config as config_module
+from nbtrain.system import stepboard
 
 INTERRUPT_GRACE_SECONDS = 5.0  # how long a stop may take before the launcher is replaced
 GRACEFUL_CHOICE_SECONDS = 2.0  # a graceful stop's step is chosen within a launcher tick; this is the bound
@@ -235,7 +236,8 @@ class Run:
             return None
         if self.stop_step is None:
             return self._stop_asked + GRACEFUL_CHOICE_SECONDS + INTERRUPT_GRACE_SECONDS
-        return self._step_seen_at + self.stop_step.grace + INTERRUPT_GRACE_SECONDS
+        # The launcher gives ranks that reached the step more time to end their cell (stepboard.ENDING_SECONDS).
+        return self._step_seen_at + self.stop_step.grace + stepboard.ENDING_SECONDS + INTERRUPT_GRACE_SECONDS
 
     def stop(self, reason: str = "stopped", graceful: bool = False) -> None:
         """Stop every rank and wait (bounded) until they are gone.

@@ -3,7 +3,9 @@
 It runs one loop over a selector: the kernel's channel (requests), and for each rank its
 event socket, its stdout and stderr pipes and a pidfd that fires when it exits. It never
 unpickles user code (the payload is opaque bytes that only the ranks load), so it never
-imports the user's modules and a launch always runs the code the kernel has now.
+imports the user's modules and a launch always runs the code the kernel has now. The libraries
+a cell imports (site-packages, the standard library) it imports too, once no run goes
+(:meth:`Launcher._import_ahead`), so the next ranks it forks have them.
 
 Why a loop of its own around ``os.fork`` rather than multiprocessing's forkserver or the
 ``multiprocess`` package: both fork from a server too, but not with fd-level stdout/stderr
@@ -28,7 +30,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from nbtrain import patches
@@ -90,7 +92,7 @@ from nbtrain.messages.events import (
     StopStep,
     TrackerCalls,
 )
-from nbtrain.system import privatenet, processes
+from nbtrain.system import privatenet, processes, stepboard
 
 # Imported once here so that no rank pays for it: DistributedDataParallel's constructor
 # alone imports torch._dynamo, 1.5-2 s per rank on a small machine.
@@ -116,6 +118,10 @@ PRELOAD = (
     "nbtrain.messages.reach",
 )
 
+# A library may initialise CUDA as it imports (a device query), after which no CUDA rank forked from here
+# works: until a GPU run has shown it safe, the launcher imports the notebook's libraries ahead only on a
+# machine without an NVIDIA device (its ranks import them themselves there, as before).
+IMPORTS_AHEAD = not os.path.exists("/dev/nvidiactl")
 STOP_GRACE_SECONDS = 0.5  # SIGTERM first; SIGKILL for what is left after this
 # How long a failure of a rank other than 0 waits for rank 0's own (launched.awaits_rank_zero) before
 # the ranks are stopped. Every rank of a deterministic cell raises at the same line within a few ms of
@@ -154,6 +160,8 @@ class Launcher:
         # launcher has not imported itself: a rank forked from here has the rest (torch's, mostly) already.
         self.notebook_modules: dict[str, None] = {}
         self.not_imported_here: dict[str, None] = {}
+        self.import_when_idle: dict[str, None] = {}  # of those, to import here once no run goes (_import_ahead)
+        self.imported_as: events.NotebookModules | None = None  # the kernel's environment, cwd and path for it
         self.board = registryentries.Board(registryentries.find_owner(parent_pid))
         self.held_ranks = heldranks.HeldRanks(self.selector, self._send, self.board)
         self.standby = standby.Pool(
@@ -201,6 +209,8 @@ class Launcher:
             processes.kill_strays(self._live_ranks())
             self._tick(time.monotonic())
             self.held_ranks.tick(time.monotonic())
+            if self.import_when_idle and self.imported_as is not None and not self.runs and IMPORTS_AHEAD:
+                self._import_ahead()
 
     def _live_ranks(self) -> set[int]:
         """The pids of ranks not yet reaped: the launcher's only legitimate children."""
@@ -229,7 +239,10 @@ class Launcher:
         elif isinstance(message, (DebugInput, AttachHeld, ReleaseHeld)):
             self.held_ranks.relay(message, self.runs)
         elif isinstance(message, events.NotebookModules):  # a cell imported them: in every rank from now on
-            self.standby.tell_waiting(events.NotebookModules(self._note_modules(message.modules)))
+            lacking = self._note_modules(message.modules)
+            self.standby.tell_waiting(events.NotebookModules(lacking))
+            self.import_when_idle.update(dict.fromkeys(lacking))
+            self.imported_as = message if message.environ is not None else self.imported_as
         elif isinstance(message, ReleaseStandby):
             ended = self.standby.release(time.monotonic() + standby.RELEASE_SECONDS)
             self._send(events.StandbyChanged(released=tuple(sorted(ended))))
@@ -293,7 +306,9 @@ class Launcher:
                 self._stop(run, stop.state, gave_up=True, note=stopatstep.why_none(run.board, run.on_stop))
                 return
             self._announce_step(run, stop)
-        elif stop.overdue(now):  # the note names the late ranks; their dumps then say who waited for whom (_finish)
+            return
+        ending = all(run.board.stopped(slot) for slot, rank in enumerate(run.ranks) if not rank.done)
+        if stop.overdue(now, ending):  # the note names the late ranks; their dumps say who waited for whom (_finish)
             run.lifecycle.learn(late=tuple(rank.spec.rank for rank in run.ranks if not rank.done))
             self._stop(run, stop.state, gave_up=True, note=stackdumps.laggards(run))
 
@@ -301,7 +316,7 @@ class Launcher:
         assert stop.step is not None
         self._send(StopStep(run.run_id, stop.step, stop.grace))
         # the server extension signals the ranks itself after this
-        self.board.update(run.run_id, stop_deadline=time.time() + stop.grace)
+        self.board.update(run.run_id, stop_deadline=time.time() + stop.grace + stepboard.ENDING_SECONDS)
 
     def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
         with contextlib.suppress(OSError):  # the kernel is gone; the next select sees EOF and shuts down
@@ -383,6 +398,34 @@ class Launcher:
                     self.not_imported_here[name] = None
                     lacking.append(name)
         return tuple(lacking)
+
+    def _import_ahead(self) -> None:
+        """Import here the libraries the notebook imported, while no run goes: every rank forked after (the
+        next run's, standby ranks) has them, as a rank forked from the kernel would, rather than importing
+        them on its cell's way (a first run's first step under Lightning came 8.5 s after the cell on 2
+        cores, against 0.3 s under Lightning's own ddp_notebook, which forks the kernel). The user's own
+        modules are never imported here: the run imports them as edited by then."""
+        # deferred: start-up time (torch; preloaded by then)
+        from nbtrain.rank.machinery.runtime import import_libraries
+
+        names, self.import_when_idle = tuple(self.import_when_idle), {}
+        threads, began = processes.thread_count(), time.monotonic()
+        gc.disable()  # as the template's preload: what the imports make is never collected (gc.freeze)
+        try:
+            assert self.imported_as is not None
+            with _as_the_kernel(self.imported_as):  # what a library reads as it imports is the kernel's
+                import_libraries(names)  # a failure is kept: the run's ranks report it
+        finally:
+            gc.freeze()
+            gc.enable()
+        imported = [name for name in names if name in sys.modules]
+        for name in imported:
+            self.not_imported_here.pop(name, None)
+        if imported:
+            _say(f"imported the notebook's {', '.join(imported[:3])}{' ...' if len(imported) > 3 else ''} ahead "
+                 f"of its next run ({len(imported)} modules, {time.monotonic() - began:.2f} s)")
+        if processes.thread_count() != threads:  # a library started a thread: forking after it is unsafe
+            _say(f"{processes.thread_count() - threads} thread(s) started by importing {', '.join(names[:3])}")
 
     def _start_rank(
         self, run: LauncherRun, assignment: RankAssignment, listen_fd: int | None, tensor_fd: int | None, slot: int = 0
@@ -794,6 +837,24 @@ class Launcher:
         # What the ranks left behind is ours now; once the launcher is gone it would be init's.
         while processes.kill_strays(self._live_ranks()) and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def _as_the_kernel(context: events.NotebookModules) -> Iterator[None]:
+    """The kernel's environment, working directory and sys.path, for the time of an import here."""
+    environ, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
+    os.environ.clear()
+    os.environ.update(context.environ or {})
+    sys.path[:] = list(context.sys_path)
+    with contextlib.suppress(OSError):  # gone since: the imports find what they find from here
+        os.chdir(context.cwd)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.path[:] = path
+        os.chdir(cwd)
 
 
 def _say(text: str) -> None:

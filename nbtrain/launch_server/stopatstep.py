@@ -7,8 +7,9 @@
 2. A tick later the launcher chooses the step (the highest any rank has begun) and the grace
    period (at least the run's ``stop_grace``, 3 x the median step otherwise).
 3. Every rank ends its cell at that step and reports done: the run ends with rank 0's result
-   and ``stopped_at``. A rank that is not done when the grace is over makes it a hard stop,
-   and the note names it.
+   and ``stopped_at``. A rank that has not reached the step when the grace is over makes it a
+   hard stop, and the note names it (one that reached it and is still ending its cell gets
+   ``stepboard.ENDING_SECONDS`` more).
 
 On a cluster's node (``across_nodes``) step 2 is the kernel's: the launcher reports its own
 ranks' highest step (``StepsBegun``) while they wait, and adopts the step the kernel chose
@@ -72,9 +73,18 @@ class GracefulStop:
         self.step, self.grace, self.deadline = chosen.step, chosen.grace, now + chosen.grace
         return True
 
-    def overdue(self, now: float) -> bool:
-        """Whether the grace is over (the launcher, still in STOPPING_AT_STEP, then stops hard)."""
-        return self.deadline is not None and now > self.deadline
+    def overdue(self, now: float, ending: bool = False) -> bool:
+        """Whether the grace is over (the launcher, still in STOPPING_AT_STEP, then stops hard).
+
+        ``ending``: every rank not done has reached the stop step and is ending its cell (its ``finally``
+        blocks, gathering and pickling its state): slow on a loaded machine, not stuck, so it has
+        stepboard.ENDING_SECONDS more.
+
+        >>> stop = GracefulStop("stopped", 0.0, step=3, grace=2.0, deadline=2.0)
+        >>> stop.overdue(2.5), stop.overdue(2.5, ending=True), stop.overdue(2.1 + stepboard.ENDING_SECONDS, ending=True)
+        (True, False, True)
+        """
+        return self.deadline is not None and now > self.deadline + (stepboard.ENDING_SECONDS if ending else 0.0)
 
 
 def why_none(board: stepboard.StepBoard | None, on_stop: str) -> str:

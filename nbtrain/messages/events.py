@@ -513,10 +513,15 @@ class NotebookModules:
     """Kernel -> launcher -> standby ranks: modules a cell imported since the last run, in the kernel's order.
 
     The launcher adds them to the list every rank gets (``StartRun.notebook_modules``); a standby rank
-    waiting for the next run imports the libraries among them now, not as that run's cell arrives.
+    waiting for the next run imports the libraries among them now, not as that run's cell arrives, and
+    so does the launcher itself once no run goes, in the kernel's environment, cwd and sys.path as the
+    cell imported them (``environ``, ``cwd``, ``sys_path``: None to the standby ranks, which have a plan's).
     """
 
     modules: tuple[str, ...]
+    environ: Mapping[str, str] | None = None
+    cwd: str = ""
+    sys_path: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

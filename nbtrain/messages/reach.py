@@ -44,6 +44,7 @@ _ATOMIC = (int, float, complex, str, bytes, bool, type(None), range)
 # Typed Any: mypy reads a class's and object's reductions as different callables, always unequal.
 _OBJECT_REDUCE_EX: Any = object.__reduce_ex__
 _OBJECT_REDUCE: Any = object.__reduce__
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not by C code
 _STATIC = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
@@ -201,10 +202,18 @@ def is_users_object(value: Any) -> bool:
 
 
 def _own_state(value: Any) -> dict[str, Any] | None:
-    """What ``value``'s class's own ``__getstate__`` keeps, where that is some of its attributes, as they
-    are (fastai's ``Learner`` leaves out its lock, fastcore's ``Stateful`` its history); None where its
-    state is something else (then it travels whole, rebuilt by its class). The state of an object
-    without a ``__getstate__`` of its class's own is all of its attributes.
+    """What ``value``'s class's own ``__getstate__`` keeps, where that is its attributes: some of them as
+    they are (fastai's ``Learner`` leaves out its lock, fastcore's ``Stateful`` its history), beside
+    entries of its own that are none of them (skorch's ``NeuralNet`` pickles ``module_``, ``optimizer_``
+    and ``criterion_`` into one bytes entry: :func:`_encodes`); None where its state is something else
+    (then it travels whole, rebuilt by its class). The state of an object without a ``__getstate__`` of
+    its class's own is all of its attributes.
+
+    >>> class Net:
+    ...     def __init__(self): self.lr, self.module_ = 0.1, [1.0]
+    ...     def __getstate__(self): return {"lr": self.lr, "__encoded__": repr(self.module_)}
+    >>> sorted(_own_state(Net())), is_users_object(Net()), sorted(contents(Net()))
+    (['__encoded__', 'lr'], True, ['lr', 'module_'])
     """
     own = getattr(value, "__dict__", None)
     if not isinstance(own, dict) or _slots(type(value)):
@@ -212,14 +221,45 @@ def _own_state(value: Any) -> dict[str, Any] | None:
     if getattr(type(value), "__getstate__", None) is getattr(object, "__getstate__", None):
         return own
     try:
-        state = value.__getstate__()
+        state = _read_state(value)
     except Exception:  # noqa: BLE001 - a state it cannot say is none we can refill
         return None
     if state is None:
         state = {}
-    if not isinstance(state, dict) or any(k not in own or own[k] is not v for k, v in state.items()):
+    # An attribute pickled as something else under its own name: its state is not its attributes.
+    if not isinstance(state, dict) or any(k in own and own[k] is not v for k, v in state.items()):
         return None
+    if _encodes(value, state) and not _python_made(type(value)):
+        return None  # a C base's state may be in the encoded entries: no attributes hold it
     return state
+
+
+def _read_state(value: Any) -> Any:
+    """``value.__getstate__()``, made as nbtrain's picklers make it where they are imported: a standard
+    pickle inside it (skorch's) sends a notebook's class by value, which a rank's ``__main__`` lacks."""
+    codepickle = sys.modules.get("nbtrain.messages.codepickle")
+    if codepickle is None:
+        return value.__getstate__()
+    with codepickle.nestedpickling.by_value(codepickle.dumps_keeping_filenames):
+        return value.__getstate__()
+
+
+def _encodes(value: Any, state: dict[str, Any]) -> bool:
+    """Whether ``state`` has entries that are none of ``value``'s attributes: what it leaves out may be
+    in them, encoded (skorch's ``__cuda_dependent_attributes__``). In memory, the attributes are what
+    it holds: they are what travels back and refills the receiver's object, never the encoding.
+    """
+    own = getattr(value, "__dict__", {})
+    return any(k not in own for k in state)
+
+
+def _python_made(cls: type) -> bool:
+    """Whether every class ``cls`` is made of is Python's, but ``object``: no C base keeps state of its own.
+
+    >>> _python_made(argparse.Namespace), _python_made(dict)
+    (True, False)
+    """
+    return all(klass is object or klass.__flags__ & _HEAPTYPE for klass in cls.__mro__)
 
 
 def _left_out(value: Any) -> set[str]:
@@ -236,8 +276,8 @@ def state_and_left_out(value: Any) -> tuple[dict[str, Any], dict[str, Any]] | No
     if not is_users_object(value):
         return None
     state, own = _own_state(value), getattr(value, "__dict__", None)
-    if state is None or state is own or not isinstance(own, dict):
-        return None
+    if state is None or state is own or not isinstance(own, dict) or _encodes(value, state):
+        return None  # encoded: it goes out as its class pickles it, and the receiver's class decodes it
     travelling = {k: v for k, v in own.items() if k not in state and _travels(v)}
     return (state, travelling) if travelling else None
 
@@ -245,7 +285,11 @@ def state_and_left_out(value: Any) -> tuple[dict[str, Any], dict[str, Any]] | No
 def _travels(value: Any) -> bool:
     """Whether an attribute a class's pickling leaves out can go to another process anyway: a history
     (fastai's ``Recorder.values``) does, a lock or an open file does not (it stays the receiver's own),
-    nor does code (a method an LR scheduler set on its optimizer: the receiver's own wraps its own)."""
+    nor does code (a method an LR scheduler set on its optimizer: the receiver's own wraps its own).
+    A torch object does: nbtrain sends it its own way (the receiver's own as a reference to it), whatever
+    the standard pickler says of it (a notebook's module class is not in a rank's ``__main__``)."""
+    if kind_of(value) in (*TORCH_KINDS, "tensor"):
+        return True
     if callable(value):
         return False
     try:

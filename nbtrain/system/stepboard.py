@@ -36,6 +36,7 @@ from dataclasses import dataclass
 NO_STOP = 0
 PENDING = -1
 RING = 16  # step durations kept per rank, for the grace period (3 x their median)
+ENDING_SECONDS = 30.0  # past the grace, for ranks that reached the stop step and are ending their cell
 
 # The torch.distributed collectives the ledger wraps (nbtrain.patches' "collectives" rows), and every
 # operation by the index the ledger writes; DTYPES[0]: no tensor (a barrier).
@@ -56,10 +57,12 @@ DTYPES = (
 
 # The board is 8-byte words: the header (the stop step), then per rank its count of steps
 # begun, its next ring slot and RING step durations (doubles), then its ledger (_LEDGER words:
-# see Collective; the last is a double). Ranks read and write single words through a memoryview:
-# the hooks run on every optimizer step and every collective, and this is their cost.
+# see Collective; the last is a double), then whether it stopped at the stop step. Ranks read and
+# write single words through a memoryview: the hooks run on every optimizer step and every
+# collective, and this is their cost.
 _LEDGER = 9
-_SLOT_WORDS = 2 + RING + _LEDGER
+_SLOT_WORDS = 2 + RING + _LEDGER + 1
+_STOPPED = 2 + RING + _LEDGER  # the slot's last word
 
 
 @dataclass(frozen=True)
@@ -205,9 +208,22 @@ class StepBoard:
         slots = (self._slot(rank) for rank in range(self.world_size))
         return tuple(self._words[index + offset] for index in slots for offset in (0, 2 + RING))
 
-    def undo_step(self, rank: int) -> None:
-        """The step just counted will not run (the rank stops before it)."""
-        self._words[self._slot(rank)] -= 1
+    def stop_here(self, rank: int) -> None:
+        """``rank`` stops before the step it just counted: uncount it, and mark the rank as at the stop step
+        (what is left for it is ending its cell, which a stop waits for longer: see :meth:`stopped`)."""
+        index = self._slot(rank)
+        self._words[index] -= 1
+        self._words[index + _STOPPED] = 1
+
+    def stopped(self, rank: int) -> bool:
+        """Whether ``rank`` reached the stop step and is ending its cell there.
+
+        >>> board = StepBoard.create(1); _ = board.begin_step(0); board.stopped(0)
+        False
+        >>> board.stop_here(0); board.count(0), board.stopped(0)
+        (0, True)
+        """
+        return bool(self._words[self._slot(rank) + _STOPPED])
 
     def median_step_seconds(self) -> float | None:
         """The median of the ranks' recent step durations (None before any was recorded)."""

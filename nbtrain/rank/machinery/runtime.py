@@ -111,7 +111,7 @@ def _wait_for_run(channel: socket.socket) -> tuple[Any, list[int]]:
         message, fds = wire.receive(channel)
         if not isinstance(message, NotebookModules):
             return message, fds
-        reimport.import_ahead(message.modules, is_library_file)
+        import_libraries(message.modules)
         _keep_out_of_collections()
 
 
@@ -177,6 +177,13 @@ def library_modules(names: Iterable[str]) -> tuple[str, ...]:
     """
     paths = [(name, getattr(sys.modules.get(name), "__file__", None) or "") for name in names]
     return tuple(name for name, path in paths if is_library_file(path))
+
+
+def import_libraries(names: Iterable[str]) -> None:
+    """Import the libraries among the notebook's modules ``names`` ahead of a run, never the user's own files
+    (the run imports those as they are by then): a standby rank's wait, the launcher's idle time. A failure
+    is kept, and a rank forked after reports it in its run (nbtrain.rank.machinery.reimport)."""
+    reimport.import_ahead(names, is_library_file)
 
 
 def is_library_file(path: str) -> bool:

@@ -64,7 +64,7 @@ class _Counter:
             time.sleep(PENDING_POLL_SECONDS)
             stop = self.board.stop_step()
         if stop != stepboard.NO_STOP and count > stop:
-            self.board.undo_step(self.slot)
+            self.board.stop_here(self.slot)
             self.depth = 0
             raise StopAtStep(stop)
 
